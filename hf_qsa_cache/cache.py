@@ -1,0 +1,416 @@
+"""`QSAPagedCache`: paged, per-row state for Qwen4Exp and Inkling under transformers `generate()`.
+
+Where each state lives:
+
+* ``self.tables``: one `BlockTable` per block geometry. ``"main"`` pages full-length attention K/V
+  and the QSA compressed keys; Inkling adds ``"sliding"`` (window K/V) and ``"conv"`` (short-conv
+  inputs). Tables hold host-side bookkeeping only.
+* ``self.layers[i]``: a `LayerState` whose stores hold layer ``i``'s tensors (allocated on first
+  write, on the device and in the dtype of that layer's activations, so a model split across GPUs
+  keeps each layer's state beside it).
+* ``self.lengths``: each row's logical length (real tokens, pads excluded).
+
+A forward starts with `begin_step`, which validates the input, reserves blocks and builds one
+`StepMetadata` that every layer reads (`step_metadata(device)`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from .blocks import NULL_BLOCK, BlockTable
+from .metadata import QSAGeometry, StepMetadata, build_step_metadata
+from .stores.linear_state import LinearAttentionState
+from .stores.paged_kv import PagedKV
+from .stores.qsa_index import QSAIndexStore, ring_capacity
+
+QWEN4_LAYER_TYPES = {"indexed_attention", "linear_attention"}
+INKLING_LAYER_TYPES = {"hybrid", "hybrid_sliding"}
+
+
+class LayerState:
+    """The stores of one decoder layer (attribute names say what they hold)."""
+
+    def __init__(self, layer_type: str, **stores):
+        self.layer_type = layer_type
+        self.stores = stores
+        for name, store in stores.items():
+            setattr(self, name, store)
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.layer_type == "hybrid_sliding"
+
+    def __repr__(self):
+        return f"LayerState({self.layer_type}, {sorted(self.stores)})"
+
+
+def _text_config(config):
+    if hasattr(config, "get_text_config"):
+        return config.get_text_config(decoder=True)
+    return config
+
+
+class QSAPagedCache(Cache):
+    def __init__(
+        self,
+        config,
+        max_batch_size: int,
+        max_cache_len: int,
+        block_size: int | None = None,
+        num_blocks: int | None = None,
+        num_speculative_tokens: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        config = _text_config(config)
+        layer_types = list(getattr(config, "layer_types", None) or [])
+        if not layer_types:
+            raise ValueError("QSAPagedCache needs a config with `layer_types`")
+        kinds = set(layer_types)
+        if kinds <= QWEN4_LAYER_TYPES:
+            self.model_family = "qwen4_exp"
+        elif kinds <= INKLING_LAYER_TYPES:
+            self.model_family = "inkling"
+        else:
+            raise ValueError(f"QSAPagedCache cannot serve layer types {sorted(kinds)}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be >= 1, got {max_cache_len}")
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+
+        self.config = config
+        self.layer_types = layer_types
+        self.max_batch_size = max_batch_size
+        self.max_cache_len = max_cache_len
+        self.num_speculative_tokens = num_speculative_tokens
+        self.device = torch.device(device) if device is not None else None
+        self.dtype = dtype
+
+        self.qsa: QSAGeometry | None = None
+        if self.model_family == "qwen4_exp":
+            layers, self.tables = self._build_qwen4_exp(config, block_size, num_blocks)
+        else:
+            from .stores.inkling import build_inkling_layers
+
+            layers, self.tables = build_inkling_layers(self, config, block_size, num_blocks)
+        super().__init__(layers=layers)
+
+        self.lengths = [0] * max_batch_size
+        self.num_rows = 0  # rows of the batch in flight
+        self.columns_seen = 0  # rectangular length (pads included) that generate() reasons in
+        self._step: StepMetadata | None = None
+        self._step_by_device: dict[torch.device, StepMetadata] = {}
+        if self.device is not None and self.dtype is not None:
+            for layer in self.layers:
+                for store in layer.stores.values():
+                    store.allocate(self.device, self.dtype)
+
+    # ------------------------------------------------------------------ construction
+    def _build_qwen4_exp(self, config, block_size, num_blocks):
+        fields = ("indexer_n_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+        has_qsa = "indexed_attention" in self.layer_types
+        if has_qsa and any(getattr(config, f, None) in (None, 0) for f in fields):
+            raise ValueError(f"a config with indexed_attention layers needs {', '.join(fields)} set")
+        ratio = config.indexer_compress_ratio if has_qsa else 1
+        if block_size is None:
+            block_size = ratio * -(-64 // ratio)
+        if block_size % ratio != 0:
+            raise ValueError(
+                f"block_size must be a multiple of indexer_compress_ratio={ratio}, got block_size={block_size}"
+            )
+        blocks_per_row = -(-self.max_cache_len // block_size)
+        if num_blocks is None:
+            num_blocks = self.max_batch_size * blocks_per_row + 1
+        tables = {"main": BlockTable("main", num_blocks, block_size, self.max_batch_size)}
+        if has_qsa:
+            cap = ring_capacity(ratio, self.num_speculative_tokens)
+            self.qsa = QSAGeometry(compress_ratio=ratio, ring_capacity=cap, table="main")
+
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        ple_ids = set(getattr(config, "ple_layer_ids", None) or [])
+        layers = []
+        for i, kind in enumerate(self.layer_types):
+            if kind == "indexed_attention":
+                layers.append(LayerState(
+                    kind,
+                    kv=PagedKV("main", num_blocks, block_size, config.num_key_value_heads, head_dim),
+                    index=QSAIndexStore("main", num_blocks, block_size, ratio, self.max_batch_size,
+                                        self.qsa.ring_capacity, config.indexer_head_dim),
+                ))
+            else:
+                key_dim = config.linear_key_head_dim * config.linear_num_key_heads
+                value_dim = config.linear_value_head_dim * config.linear_num_value_heads
+                ple = (i + 1) in ple_ids
+                eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+                layers.append(LayerState(kind, linear=LinearAttentionState(
+                    self.max_batch_size,
+                    conv_dim=2 * key_dim + value_dim,
+                    conv_kernel=config.linear_conv_kernel_dim,
+                    num_v_heads=config.linear_num_value_heads,
+                    head_k_dim=config.linear_key_head_dim,
+                    head_v_dim=config.linear_value_head_dim,
+                    ple_channels=config.hc_count * config.hidden_size if ple else 0,
+                    ple_window=(config.ple_conv_kernel_size - 1) * config.ngram_size if ple else 0,
+                    ngram_context=config.ngram_size - 1 if ple else 0,
+                    eos_token_id=eos if eos is not None else 0,
+                )))
+        return layers, tables
+
+    # ------------------------------------------------------------------ the step
+    def _row_counts(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None) -> list[int]:
+        """Real tokens per row in this forward, validating that the mask is left-padded."""
+        starting = any(self.lengths[b] == 0 for b in range(batch_size))
+        if attention_mask is None:
+            return [query_len] * batch_size
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
+            raise ValueError(
+                f"attention_mask must be 2-D [batch, length] with batch {batch_size}, got {tuple(attention_mask.shape)}"
+            )
+        if attention_mask.shape[1] < query_len:
+            raise ValueError(
+                f"attention_mask covers {attention_mask.shape[1]} columns, fewer than the {query_len} input tokens"
+            )
+        if query_len == 1 and not starting:
+            # generate() appends a 1 for every row at every step; trusting it keeps decode free of host syncs.
+            return [1] * batch_size
+        mask = attention_mask.detach().to("cpu", torch.int64)
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError("attention_mask must hold only 0 and 1")
+        steps = mask[:, 1:] - mask[:, :-1]
+        bad = (steps < 0).any(dim=1).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(
+                f"attention_mask is not left-padded: row {bad[0]} has a real token before a pad "
+                "(use tokenizer.padding_side='left')"
+            )
+        counts = mask[:, -query_len:].sum(dim=1).tolist()
+        for b, c in enumerate(counts):
+            if self.lengths[b] > 0 and c != query_len:
+                raise ValueError(
+                    f"attention_mask is not left-padded: row {b} already holds {self.lengths[b]} tokens "
+                    f"but has {query_len - c} pads in this step"
+                )
+        return counts
+
+    def begin_step(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None,
+                   device: torch.device) -> StepMetadata:
+        """Validate, reserve blocks and build this forward's metadata. Nothing changes on error."""
+        if batch_size > self.max_batch_size:
+            raise ValueError(f"batch of {batch_size} rows exceeds max_batch_size={self.max_batch_size}")
+        if self.columns_seen > 0 and batch_size != self.num_rows:
+            raise ValueError(
+                f"the cache holds a batch of {self.num_rows} rows in flight, got {batch_size}; call reset() first"
+            )
+        counts = self._row_counts(batch_size, query_len, attention_mask)
+        prev = self.lengths[:batch_size]
+        for b in range(batch_size):
+            need = prev[b] + counts[b]
+            if need > self.max_cache_len:
+                raise ValueError(f"row {b} needs {need} slots, cache holds max_cache_len={self.max_cache_len}")
+        for name, table in self.tables.items():
+            need = sum(table.blocks_needed(b, prev[b] + counts[b]) for b in range(batch_size))
+            freed = sum(table.blocks_freed(b, prev[b]) for b in range(batch_size))
+            if need > len(table.free) + freed:
+                raise ValueError(
+                    f"{name} block pool: this step needs {need} free blocks of {table.block_size} tokens, "
+                    f"{len(table.free) + freed} are free (num_blocks={table.num_blocks})"
+                )
+
+        # ---- from here on the step is accepted
+        if self.columns_seen == 0:
+            self._fresh_rows(batch_size, device)
+        for name, table in self.tables.items():
+            for b in range(batch_size):
+                table.release_out_of_window(b, prev[b])
+                table.reserve(b, prev[b] + counts[b], written_from=prev[b])
+        self.num_rows = batch_size
+        self.columns_seen += query_len
+        for b in range(batch_size):
+            self.lengths[b] = prev[b] + counts[b]
+
+        prev_t = torch.tensor(prev, dtype=torch.int32)
+        count_t = torch.tensor(counts, dtype=torch.int32)
+        device = torch.device(device)
+        if device.type == "cuda":
+            prev_t = prev_t.to(device, non_blocking=True)
+            count_t = count_t.to(device, non_blocking=True)
+        block_tables = {name: t.device_table(batch_size, device) for name, t in self.tables.items()}
+        block_sizes = {name: t.block_size for name, t in self.tables.items()}
+        meta = build_step_metadata(prev_t, count_t, query_len, block_tables, block_sizes, self.qsa)
+        meta.host_prev_len = prev
+        meta.host_count = counts
+        self._step = meta
+        self._step_by_device = {device: meta}
+        return meta
+
+    def _fresh_rows(self, batch_size: int, device) -> None:
+        for layer in self.layers:
+            for store in layer.stores.values():
+                if store.allocated:
+                    store.reset()
+
+    def step_metadata(self, device: torch.device) -> StepMetadata:
+        """This forward's metadata on ``device`` (copied once per device, for split models)."""
+        if self._step is None:
+            raise RuntimeError("no step in progress: the model must call cache.begin_step() first")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        meta = self._step_by_device.get(device)
+        if meta is None:
+            meta = self._step.to(device)
+            self._step_by_device[device] = meta
+        return meta
+
+    def ensure_allocated(self, layer_idx: int, device, dtype) -> LayerState:
+        layer = self.layers[layer_idx]
+        for store in layer.stores.values():
+            if not store.allocated:
+                store.allocate(device, self.dtype or dtype)
+        return layer
+
+    # ------------------------------------------------------------------ transformers Cache API
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        return self.columns_seen
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.max_cache_len
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.columns_seen + query_length, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_rows if self.columns_seen else -1
+
+    @property
+    def is_initialized(self) -> bool:
+        return any(store.allocated for layer in self.layers for store in layer.stores.values())
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.model_family == "inkling"
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [layer.is_sliding for layer in self.layers]
+
+    def update(self, *args, **kwargs):
+        raise NotImplementedError(
+            "QSAPagedCache is driven by the modeling files in `modeling/`; transformers' own model classes "
+            "need a DynamicCache"
+        )
+
+    def reset(self) -> None:
+        for table in self.tables.values():
+            table.reset()
+        self.lengths = [0] * self.max_batch_size
+        self.num_rows = 0
+        self.columns_seen = 0
+        self._step = None
+        self._step_by_device = {}
+        for layer in self.layers:
+            for store in layer.stores.values():
+                if store.allocated:
+                    store.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row ``i`` becomes a copy of row ``beam_idx[i]`` (beam search)."""
+        src = [int(i) for i in beam_idx.tolist()]
+        n = len(src)
+        if n != self.num_rows:
+            raise ValueError(f"beam_idx has {n} entries, the cache holds {self.num_rows} rows")
+        if any(not 0 <= s < n for s in src):
+            raise ValueError(f"beam_idx entries must lie in [0, {n}), got {src}")
+        # Paged stores: gather the source rows' blocks, give every row fresh blocks, scatter back.
+        for name, table in self.tables.items():
+            old_rows = [list(table.rows[s]) for s in src]
+            stores = [s for layer in self.layers for s in layer.stores.values() if s.table == name and s.allocated]
+            gathered = []
+            flat_old = [b for rows in old_rows for b in rows]
+            for store in stores:
+                for t in store.paged_tensors():
+                    idx = torch.tensor(flat_old, dtype=torch.long, device=t.device)
+                    gathered.append(t.index_select(0, idx))
+            for r in range(n):
+                table.release_row(r)
+            new_flat = []
+            for r, rows in enumerate(old_rows):
+                for b in rows:
+                    nb = NULL_BLOCK if b == NULL_BLOCK else table.free.pop()
+                    table.rows[r].append(nb)
+                    new_flat.append(nb)
+            table._version += 1
+            k = 0
+            for store in stores:
+                for t in store.paged_tensors():
+                    idx = torch.tensor(new_flat, dtype=torch.long, device=t.device)
+                    keep = torch.tensor([b != NULL_BLOCK for b in flat_old], device=t.device)
+                    t.index_copy_(0, idx[keep], gathered[k][keep])
+                    k += 1
+        for layer in self.layers:
+            for store in layer.stores.values():
+                for t in store.row_tensors():
+                    idx = torch.tensor(src, dtype=torch.long, device=t.device)
+                    t[:n] = t.index_select(0, idx)
+        self.lengths[:n] = [self.lengths[s] for s in src]
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` columns (negative: drop that many). Rolls back by shortening."""
+        if not self.is_croppable:
+            raise ValueError(
+                "QSAPagedCache cannot crop a Qwen4Exp cache: GatedDeltaNet recurrent state has no history to roll back to"
+            )
+        if max_length < 0:
+            max_length = self.columns_seen + max_length
+        drop = self.columns_seen - max_length
+        if drop < 0:
+            raise ValueError(f"crop to {max_length} columns, the cache holds {self.columns_seen}")
+        for b in range(self.num_rows):
+            if self.lengths[b] < drop:
+                raise ValueError(f"row {b} holds {self.lengths[b]} tokens, cannot drop {drop}")
+        for b in range(self.num_rows):
+            self.lengths[b] -= drop
+            for table in self.tables.values():
+                table.truncate(b, self.lengths[b])
+        self.columns_seen = max_length
+
+    def memory_stats(self) -> dict:
+        """Bytes per store (summed over layers) and block usage per table."""
+        bytes_per_store: dict[str, int] = {}
+        for layer in self.layers:
+            for store in layer.stores.values():
+                for key, size in store.nbytes().items():
+                    if size:
+                        bytes_per_store[key] = bytes_per_store.get(key, 0) + size
+        tables = {
+            name: {
+                "block_size": t.block_size,
+                "blocks_total": t.num_blocks - 1,
+                "blocks_used": t.blocks_in_use(),
+                "blocks_free": len(t.free),
+            }
+            for name, t in self.tables.items()
+        }
+        return {
+            "bytes": bytes_per_store,
+            "total_bytes": sum(bytes_per_store.values()),
+            "tables": tables,
+            "rows": self.num_rows,
+            "lengths": self.lengths[: self.num_rows],
+        }
+
+    def __repr__(self):
+        return (f"QSAPagedCache({self.model_family}, rows={self.num_rows}/{self.max_batch_size}, "
+                f"max_cache_len={self.max_cache_len}, tables={ {n: t.block_size for n, t in self.tables.items()} })")
+
+
+__all__ = ["QSAPagedCache", "LayerState"]

@@ -1,0 +1,1 @@
+"""Triton kernels used by the cache (each tested against a torch specification)."""

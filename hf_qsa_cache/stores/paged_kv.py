@@ -1,0 +1,59 @@
+"""Paged attention K/V: ``[num_blocks, block_size, kv_heads, head_dim]`` per layer.
+
+Slot ``s`` is row ``s`` of the flattened ``[num_blocks * block_size, kv_heads, head_dim]`` view. Pad
+tokens carry slot -1 and are redirected into the null block (block 0), which is never read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_slots(store: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """``store[slot] = value`` for every token; slot -1 lands in the null block's first row."""
+    store.index_copy_(0, slots.clamp_min(0), values.to(store.dtype))
+
+
+class PagedKV:
+    def __init__(self, table: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
+        self.table = table
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    @property
+    def allocated(self) -> bool:
+        return self.keys is not None
+
+    def allocate(self, device, dtype) -> None:
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        return self.keys.view(shape), self.values.view(shape)
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys/values ``[tokens, kv_heads, head_dim]``."""
+        if not self.allocated:
+            self.allocate(keys.device, keys.dtype)
+        k, v = self.flat()
+        write_slots(k, slots, keys)
+        write_slots(v, slots, values)
+
+    def paged_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.keys, self.values) if t is not None]
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def reset(self) -> None:
+        pass  # stale blocks are unreachable once the tables are reset
+
+    def nbytes(self) -> dict[str, int]:
+        size = sum(t.numel() * t.element_size() for t in self.paged_tensors())
+        return {"attention_kv": size}

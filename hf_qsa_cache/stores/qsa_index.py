@@ -1,0 +1,83 @@
+"""QSA indexer state: the raw-key ring of the open group, and the compressed-key store.
+
+* Ring: per cache row ``capacity`` raw index keys (no norm, no RoPE) with their exact three-axis
+  RoPE positions, at ``row * capacity + position % capacity``. It only ever holds keys of groups that
+  are still open (plus speculative headroom); raw keys of closed groups are not kept. One extra ring
+  (index ``max_rows``) absorbs pad writes.
+* Compressed keys: one row per closed group (pooled, normed, rotated once), paged on the main
+  block table: ``block_size / ratio`` rows per block, so they are freed with the main K/V.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .paged_kv import write_slots
+
+
+def ring_capacity(ratio: int, num_speculative_tokens: int) -> int:
+    """Whole groups covering the open group plus the speculative tokens written before acceptance."""
+    span = ratio + num_speculative_tokens
+    return ratio * -(-span // ratio)
+
+
+class QSAIndexStore:
+    def __init__(self, table: str, num_blocks: int, block_size: int, ratio: int, max_rows: int, capacity: int,
+                 index_head_dim: int):
+        self.table = table
+        self.num_blocks = num_blocks
+        self.rows_per_block = block_size // ratio
+        self.ratio = ratio
+        self.max_rows = max_rows
+        self.capacity = capacity
+        self.index_head_dim = index_head_dim
+        self.ring_keys: torch.Tensor | None = None  # [(max_rows + 1) * capacity, Di]
+        self.ring_positions: torch.Tensor | None = None  # [(max_rows + 1) * capacity, 3] int64
+        self.compressed: torch.Tensor | None = None  # [num_blocks, rows_per_block, Di]
+
+    @property
+    def allocated(self) -> bool:
+        return self.compressed is not None
+
+    def allocate(self, device, dtype) -> None:
+        ring_rows = (self.max_rows + 1) * self.capacity
+        self.ring_keys = torch.zeros(ring_rows, self.index_head_dim, device=device, dtype=dtype)
+        self.ring_positions = torch.zeros(ring_rows, 3, device=device, dtype=torch.int64)
+        self.compressed = torch.zeros(self.num_blocks, self.rows_per_block, self.index_head_dim, device=device,
+                                      dtype=dtype)
+
+    def _ring_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        trash = self.max_rows * self.capacity
+        return torch.where(slots < 0, trash, slots)
+
+    def write_ring(self, slots: torch.Tensor, raw_keys: torch.Tensor, positions: torch.Tensor) -> None:
+        """raw_keys ``[tokens, Di]``, positions ``[tokens, 3]``; slot -1 goes to the trash ring."""
+        idx = self._ring_slots(slots)
+        self.ring_keys.index_copy_(0, idx, raw_keys.to(self.ring_keys.dtype))
+        self.ring_positions.index_copy_(0, idx, positions.to(torch.int64))
+
+    def write_compressed(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        write_slots(self.compressed.view(-1, self.index_head_dim), slots, keys)
+
+    def paged_tensors(self) -> list[torch.Tensor]:
+        return [self.compressed] if self.compressed is not None else []
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        if self.ring_keys is None:
+            return []
+        return [
+            self.ring_keys.view(self.max_rows + 1, self.capacity, -1),
+            self.ring_positions.view(self.max_rows + 1, self.capacity, 3),
+        ]
+
+    def reset(self) -> None:
+        pass  # ring rows are rewritten before they are read; compressed rows follow the tables
+
+    def nbytes(self) -> dict[str, int]:
+        def size(t):
+            return 0 if t is None else t.numel() * t.element_size()
+
+        return {
+            "qsa_ring": size(self.ring_keys) + size(self.ring_positions),
+            "qsa_compressed": size(self.compressed),
+        }
