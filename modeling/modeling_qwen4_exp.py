@@ -1,0 +1,319 @@
+"""Qwen4Exp text model on `QSAPagedCache`: drop-in for transformers' classes (same config, same names).
+
+Building blocks that never touch the cache (MoE, hyper-connections, norms, rotary, GatedDeltaNet
+math) are transformers' own. Every path that reads or writes cached state is written here:
+
+* `PagedQSAAttention`: main K/V into paged blocks; the indexer pools each closed group once into
+  the compressed store, scores only visible compressed groups, keeps the top ``budget / r`` and the
+  open-group tail; attention reads only those tokens.
+* `PagedGatedDeltaNet`: conv window and recurrent state per cache row.
+* `PagedPLELayer`: n-gram context and dilated short-conv window per cache row.
+
+Rows are ragged: pad tokens are inert (masked to zero before every recurrence, never written),
+so each row's result is the one upstream computes on that row alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.generation import GenerationMixin
+from transformers.modeling_outputs import BaseModelOutputWithPast, MoeCausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
+from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+
+from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache.ops.qsa import gather_group_raw_keys, paged_rows, score_and_select, sparse_paged_attention
+
+
+def _eos_id(config) -> int:
+    eos = config.eos_token_id
+    return eos[0] if isinstance(eos, list) else eos
+
+
+class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
+    """Gated GQA restricted to the tokens the QSA indexer selects, over paged K/V."""
+
+    def forward(self, hidden_states, cos, sin, positions3, cache: QSAPagedCache):
+        B, L, _ = hidden_states.shape
+        n = B * L
+        meta = cache.step_metadata(hidden_states.device)
+        layer = cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype)
+        main = cache.tables["main"]
+        geometry = cache.qsa
+        r = geometry.compress_ratio
+        x = hidden_states.reshape(n, -1)
+        cos, sin = cos.reshape(n, -1), sin.reshape(n, -1)
+
+        query, gate = torch.chunk(self.q_proj(x).view(n, -1, self.head_dim * 2), 2, dim=-1)
+        gate = gate.reshape(n, -1)
+        query = self.q_norm(query)
+        key = self.k_norm(self.k_proj(x).view(n, -1, self.head_dim))
+        value = self.v_proj(x).view(n, -1, self.head_dim)
+        query, key = upstream.apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=1)
+        layer.kv.write(meta.slots["main"], key, value)
+
+        # ---- indexer: queries, raw keys, compress closed groups, commit the ring, select
+        idx = self.indexer
+        q_index, raw_keys = torch.split(
+            idx.index_qk_proj(x), [idx.index_n_heads * idx.index_head_dim, idx.index_head_dim], dim=-1
+        )
+        q_index = idx.q_layernorm(q_index.view(n, idx.index_n_heads, idx.index_head_dim))
+        q_index = upstream.apply_rotary_pos_emb(q_index, cos=cos, sin=sin, unsqueeze_dim=1)
+
+        store = layer.index
+        work = meta.compress_work
+        if work.shape[0] > 0:
+            group_keys, first_pos = gather_group_raw_keys(
+                meta, work, r, store.ring_keys, store.ring_positions, geometry.ring_capacity, raw_keys, positions3
+            )
+            pooled = idx.k_layernorm(group_keys.float().mean(dim=1).to(raw_keys.dtype))
+            g_cos, g_sin = self._rotary(pooled, first_pos)
+            pooled = upstream.apply_rotary_pos_emb(pooled[:, None], cos=g_cos, sin=g_sin, unsqueeze_dim=1)[:, 0]
+            row = work[:, 0].long()
+            group = work[:, 1].long().clamp_min(0)
+            slots = paged_rows(meta.block_tables["main"], row.clamp_min(0), group, main.block_size // r)
+            store.write_compressed(torch.where(row >= 0, slots, -1), pooled)
+        # Only after the groups above read it: the ring keeps the newest raw keys of each row.
+        store.write_ring(meta.ring_slot, raw_keys, positions3)
+
+        selected = score_and_select(q_index, store.compressed, meta, "main", main.block_size, r, idx.block_topk)
+        out = sparse_paged_attention(
+            query, layer.kv.keys, layer.kv.values, meta.block_tables["main"], meta.token_row, selected,
+            main.block_size, self.scaling,
+        )
+        out = out.reshape(n, -1) * torch.sigmoid(gate)
+        return self.o_proj(out).view(B, L, -1)
+
+    def _rotary(self, like: torch.Tensor, positions3: torch.Tensor):
+        """cos/sin ``[W, rot]`` at explicit 3-axis positions ``[W, 3]``."""
+        cos, sin = self.rotary_emb(like, positions3.t()[:, None, :])
+        return cos[0], sin[0]
+
+
+class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
+    """GatedDeltaNet whose conv window and recurrent state live in the cache, one row per sequence."""
+
+    def forward(self, hidden_states, valid, cache: QSAPagedCache):
+        B, L, _ = hidden_states.shape
+        state = cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype).linear
+        hidden_states = torch.where(valid[..., None], hidden_states, 0)
+
+        mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)  # [B, C, L]
+        z = self.in_proj_z(hidden_states).reshape(B, L, -1, self.head_v_dim)
+        b = self.in_proj_b(hidden_states)
+        a = self.in_proj_a(hidden_states)
+
+        # Causal depthwise conv over [last K-1 inputs | this step]; pads are zero and only precede a
+        # row's first token, when the window is still all zeros.
+        weight = self.conv1d.weight.squeeze(1)
+        window = torch.cat([state.conv[:B].to(mixed_qkv.dtype), mixed_qkv], dim=-1)
+        state.conv[:B] = window[:, :, -(self.conv_kernel_size - 1):]
+        mixed_qkv = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), None, groups=window.shape[1])
+        mixed_qkv = ACT2FN[self.activation](mixed_qkv).to(hidden_states.dtype).transpose(1, 2)
+
+        query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query = query.reshape(B, L, -1, self.head_k_dim)
+        key = key.reshape(B, L, -1, self.head_k_dim)
+        value = value.reshape(B, L, -1, self.head_v_dim)
+        # Pads neither decay nor update the recurrent state.
+        beta = torch.where(valid[..., None], b.sigmoid(), 0)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g = torch.where(valid[..., None], g, 0)
+
+        rule = upstream.torch_recurrent_gated_delta_rule if L == 1 else upstream.torch_chunk_gated_delta_rule
+        core, last_state = rule(
+            query, key, value, g=g, beta=beta, initial_state=state.recurrent[:B],
+            output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )
+        state.recurrent[:B] = last_state.to(state.recurrent.dtype)
+
+        core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(core.reshape(B, L, -1))
+
+
+class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
+    """PLE whose n-gram context and dilated conv window live in the cache."""
+
+    def forward(self, hidden_states, input_ids, valid, cache: QSAPagedCache):
+        B, L, _ = hidden_states.shape
+        state = cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype).linear
+        embeddings = self._ngram_embeddings(input_ids, state)
+        key_normed = self.norm_key(self.key_proj(embeddings)).unflatten(-1, (self.hc_count, self.hidden_size))
+        value = self.value_proj(embeddings)
+        query_normed = self.norm_query(hidden_states).unflatten(-1, (self.hc_count, self.hidden_size))
+        gate = (key_normed * query_normed).sum(dim=-1, keepdim=True) / self.hidden_size**0.5
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+        gated_value = torch.sigmoid(gate) * value.unsqueeze(-2)
+        gated_value_normed = self.norm_conv(gated_value.flatten(-2))
+        gated_value = gated_value.flatten(-2)
+        gated_value = torch.where(valid[..., None], gated_value, 0)
+        gated_value_normed = torch.where(valid[..., None], gated_value_normed, 0)
+
+        window = torch.cat([state.ple_conv[:B], gated_value_normed.transpose(1, 2)], dim=-1)
+        state.ple_conv[:B] = window[:, :, -self.short_conv_state_len:]
+        conv = F.silu(self.conv1d(window)).transpose(1, 2)
+        return gated_value + conv
+
+    def _ngram_embeddings(self, input_ids, state):
+        emb = self.ple_embedding
+        ids = input_ids.long()
+        history = torch.cat([state.ngram_ids[: ids.shape[0]], ids], dim=-1)
+        state.ngram_ids[: ids.shape[0]] = history[:, -emb.context_len:]
+        shifted = [emb._shift_right_ignore_eos(history, s) for s in range(emb.ngram_size)]
+        blocks = []
+        for ngram in range(2, emb.ngram_size + 1):
+            heads = slice((ngram - 2) * emb.heads_per_ngram, (ngram - 1) * emb.heads_per_ngram)
+            mixed = shifted[0] * emb.layer_multipliers[0]
+            for j in range(1, ngram):
+                mixed = torch.bitwise_xor(mixed, shifted[j] * emb.layer_multipliers[j])
+            ngram_ids = torch.remainder(mixed.unsqueeze(-1), emb.ngram_heads_vocab_sizes[heads].view(1, 1, -1))
+            blocks.append(ngram_ids + emb.ngram_heads_offsets[heads].view(1, 1, -1))
+        ngram_ids = torch.cat(blocks, dim=-1)[:, -ids.shape[1]:]
+        weight = emb.ngram_embedding.weight
+        device = weight.device if weight.device.type != "meta" else ngram_ids.device
+        return emb.ngram_embedding(ngram_ids.to(device)).to(ids.device).flatten(-2)
+
+
+class Qwen4ExpTextDecoderLayer(upstream.Qwen4ExpTextDecoderLayer):
+    def __init__(self, config: Qwen4ExpTextConfig, layer_idx: int):
+        nn.Module.__init__(self)
+        self.gradient_checkpointing = False
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = PagedGatedDeltaNet(config, layer_idx)
+        else:
+            self.self_attn = PagedQSAAttention(config, layer_idx)
+            self.self_attn.rotary_emb = None  # set by the text model (shared module, not a parameter)
+        self.mlp = upstream.Qwen4ExpTextSparseMoeBlock(config)
+        ple_ids = config.ple_layer_ids or []
+        self.ple = (
+            PagedPLELayer(config, layer_idx, ple_ids.index(layer_idx + 1)) if layer_idx + 1 in ple_ids else None
+        )
+        self.attn_hyper_connection = upstream.Qwen4ExpTextGatedResidual(config)
+        self.mlp_hyper_connection = upstream.Qwen4ExpTextGatedResidual(config)
+
+    def forward(self, hidden_states, cos, sin, positions3, valid, ple_input_ids, cache):
+        if self.ple is not None:
+            hidden_states = hidden_states + self.ple(hidden_states, ple_input_ids, valid, cache)
+        block_input, hyper_input, inject = self.attn_hyper_connection(hidden_states)
+        if self.layer_type == "linear_attention":
+            out = self.linear_attn(block_input, valid, cache)
+        else:
+            out = self.self_attn(block_input, cos, sin, positions3, cache)
+        hidden_states = hyper_input + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
+        block_input, hyper_input, inject = self.mlp_hyper_connection(hidden_states)
+        out = self.mlp(block_input)
+        return hyper_input + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
+
+
+class Qwen4ExpPreTrainedModel(upstream.Qwen4ExpPreTrainedModel):
+    config_class = Qwen4ExpTextConfig
+    _no_split_modules = ["Qwen4ExpTextDecoderLayer"]
+    _can_record_outputs = None
+    # The experts are transformers' own module, so its experts implementations (eager, grouped_mm, ...)
+    # apply unchanged; attention never goes through the attention-function registry.
+    _can_set_experts_implementation_cached_value = True
+    _can_set_attn_implementation_cached_value = True
+
+
+def _positions3(position_ids, meta, B: int, L: int) -> torch.Tensor:
+    """RoPE positions ``[3, B, L]`` (T, H, W). Defaults to each row's logical positions."""
+    if position_ids is None:
+        return meta.position.clamp_min(0).view(1, B, L).expand(3, B, L)
+    if position_ids.dim() == 2:
+        return position_ids.view(1, B, -1)[..., -L:].expand(3, B, L)
+    if position_ids.shape[0] == 4:  # text row + three MRoPE rows
+        position_ids = position_ids[1:]
+    return position_ids[..., -L:].expand(3, B, L)
+
+
+class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
+    def __init__(self, config: Qwen4ExpTextConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(
+            [Qwen4ExpTextDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
+        self.rotary_emb = upstream.Qwen4ExpTextRotaryEmbedding(config=config)
+        for layer in self.layers:
+            if layer.layer_type != "linear_attention":
+                object.__setattr__(layer.self_attn, "rotary_emb", self.rotary_emb)
+        self.hyper_connection_mixer = upstream.Qwen4ExpTextGatedResidual(config, use_combine=False)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, ple_input_ids=None, **kwargs) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        B, L = inputs_embeds.shape[:2]
+        if self.config.ple_layer_ids and ple_input_ids is None:
+            ple_input_ids = input_ids if input_ids is not None else upstream.Qwen4ExpTextModel.reverse_embedding(
+                self, inputs_embeds)
+        cache = past_key_values
+        if cache is None:
+            # Without a cache from the caller the forward still runs on paged state, sized for this call.
+            cache = QSAPagedCache(self.config, max_batch_size=B, max_cache_len=max(L, 1))
+        elif not isinstance(cache, QSAPagedCache):
+            raise ValueError(f"past_key_values must be a QSAPagedCache, got {type(cache).__name__}")
+
+        meta = cache.begin_step(B, L, attention_mask, inputs_embeds.device)
+        valid = meta.valid.view(B, L)
+        if ple_input_ids is not None:
+            ple_input_ids = torch.where(valid, ple_input_ids, _eos_id(self.config))
+        positions3 = _positions3(position_ids, meta, B, L)
+        cos, sin = self.rotary_emb(inputs_embeds, positions3)
+        flat_positions3 = positions3.reshape(3, -1).t()
+
+        hidden_states = inputs_embeds.repeat(1, 1, self.config.hc_count)
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = layer(hidden_states, cos, sin, flat_positions3, valid, ple_input_ids, cache)
+        hidden_states = self.hyper_connection_mixer(hidden_states)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states, past_key_values=cache if use_cache is not False else None
+        )
+
+
+class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _keys_to_ignore_on_load_unexpected = [r"^mtp.*", r"^model.visual.*"]
+
+    def __init__(self, config: Qwen4ExpTextConfig):
+        super().__init__(config)
+        self.model = Qwen4ExpTextModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            ple_input_ids=kwargs.pop("ple_input_ids", None),
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        return MoeCausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+            model_kwargs["past_key_values"] = QSAPagedCache(
+                self.config, max_batch_size=batch_size, max_cache_len=max_cache_length
+            )
+        return super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
+
+
+__all__ = ["Qwen4ExpForCausalLM", "Qwen4ExpTextModel", "Qwen4ExpPreTrainedModel"]
