@@ -1,0 +1,295 @@
+"""Inkling text model on `QSAPagedCache`: a drop-in for transformers' `InklingForCausalLM`.
+
+Same config class (`InklingTextConfig`) and parameter names as transformers, so an upstream
+state dict or checkpoint loads unchanged. Modules whose forward never touches the cache (MoE, MLP,
+RMSNorm, embeddings, the relative-logits parameter) are imported from transformers; the short
+convolutions and the attention are ours and read/write the paged stores by logical position:
+
+* every forward starts with ``cache.begin_step`` (validation, block reservation, one metadata);
+* each short conv reads its taps from this forward's input or the paged conv store
+  (`hf_qsa_cache.ops.sconv`), then stores its input;
+* attention gathers the row's cached keys (all of them on full layers, the window on sliding
+  layers), adds the current chunk, and gathers the relative bias per selected key
+  (`hf_qsa_cache.ops.inkling_attention`).
+
+Rows are left-padded; pads are never written and never read.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.generation import GenerationMixin
+from transformers.modeling_outputs import MoeModelOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.models.inkling.configuration_inkling import InklingTextConfig
+from transformers.models.inkling.modeling_inkling import (
+    InklingCausalLMOutputWithPast,
+    InklingMLP,
+    InklingMoE,
+    InklingNormedEmbedding,
+    InklingPreTrainedModel,
+    InklingRelativeLogits,
+    InklingRMSNorm,
+)
+
+from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache.metadata import StepMetadata
+from hf_qsa_cache.ops.inkling_attention import paged_rel_attention
+from hf_qsa_cache.ops.sconv import short_conv
+from hf_qsa_cache.stores.inkling import STREAM_ATTN, STREAM_K, STREAM_MLP, STREAM_V
+
+# Headroom a cache created by a bare forward (no cache passed, use_cache=True) keeps per row.
+FORWARD_CACHE_HEADROOM = 256
+
+
+class InklingPagedShortConvolution(nn.Module):
+    """Depthwise causal conv + residual whose history lives in the paged conv store."""
+
+    def __init__(self, hidden_size: int, conv_kernel_size: int, layer_idx: int, conv_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.conv_idx = conv_idx
+        self.conv_kernel_size = conv_kernel_size
+        self.conv1d = nn.Conv1d(
+            hidden_size, hidden_size, kernel_size=conv_kernel_size, groups=hidden_size,
+            padding=conv_kernel_size - 1, bias=False,
+        )
+
+    def forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata) -> torch.Tensor:
+        B, L, C = hidden_states.shape
+        store = cache.layers[self.layer_idx].conv
+        table = store.table
+        y = short_conv(
+            hidden_states.reshape(B * L, C),
+            self.conv1d.weight.squeeze(1),
+            store.stream(self.conv_idx),
+            meta.block_tables[table],
+            cache.tables[table].block_size,
+            meta.slots[table],
+            meta.position,
+            meta.prev_len,
+            L,
+        )
+        return y.view(B, L, C)
+
+
+class InklingPagedAttention(nn.Module):
+    def __init__(self, config: InklingTextConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.is_sliding = config.layer_types[layer_idx] == "hybrid_sliding"
+        self.head_dim = config.swa_head_dim if self.is_sliding else config.head_dim
+        self.num_heads = config.swa_num_attention_heads if self.is_sliding else config.num_attention_heads
+        self.num_key_value_heads = config.swa_num_key_value_heads if self.is_sliding else config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.sliding_window = config.sliding_window_size if self.is_sliding else None
+        self.rel_extent = config.sliding_window_size if self.is_sliding else config.rel_extent
+        self.scaling = 1.0 / self.head_dim  # q and k are unit-RMS per head
+        self.kv_table = "sliding" if self.is_sliding else "main"
+
+        kv_width = self.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=False)
+        self.r_proj = nn.Linear(config.hidden_size, self.num_heads * config.d_rel, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.k_sconv = InklingPagedShortConvolution(kv_width, config.conv_kernel_size, layer_idx, STREAM_K)
+        self.v_sconv = InklingPagedShortConvolution(kv_width, config.conv_kernel_size, layer_idx, STREAM_V)
+        self.q_norm = InklingRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = InklingRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.rel_logits_proj = InklingRelativeLogits(config.d_rel, self.rel_extent)
+
+    def forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata) -> torch.Tensor:
+        B, L, _ = hidden_states.shape
+        heads = (B, L, -1, self.head_dim)
+        query = self.q_norm(self.q_proj(hidden_states).view(heads))
+        key = self.k_norm(self.k_sconv(self.k_proj(hidden_states), cache, meta).view(heads))
+        value = self.v_sconv(self.v_proj(hidden_states), cache, meta).view(heads)
+        relative = self.r_proj(hidden_states).view(B, L, self.num_heads, -1)
+
+        log_scaling = None
+        if not self.is_sliding and self.config.log_scaling_n_floor is not None:
+            log_scaling = (float(self.config.log_scaling_n_floor), float(self.config.log_scaling_alpha))
+        kv = cache.layers[self.layer_idx].kv
+        keys, values = kv.flat()
+        out = paged_rel_attention(
+            query, key, value, relative, self.rel_logits_proj.proj, keys, values,
+            meta.block_tables[self.kv_table], cache.tables[self.kv_table].block_size,
+            meta.slots[self.kv_table], meta.position, meta.prev_len, meta.host_prev_len,
+            scaling=self.scaling, window=self.sliding_window, log_scaling=log_scaling,
+        )
+        return self.o_proj(out)
+
+
+class InklingPagedDecoderLayer(nn.Module):
+    def __init__(self, config: InklingTextConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hidden_size = config.hidden_size
+        self.layer_type = config.layer_types[layer_idx]
+        self.self_attn = InklingPagedAttention(config, layer_idx)
+        self.mlp = InklingMoE(config) if config.mlp_layer_types[layer_idx] == "sparse" else InklingMLP(config)
+        self.input_layernorm = InklingRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = InklingRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_sconv = InklingPagedShortConvolution(config.hidden_size, config.conv_kernel_size, layer_idx,
+                                                       STREAM_ATTN)
+        self.mlp_sconv = InklingPagedShortConvolution(config.hidden_size, config.conv_kernel_size, layer_idx,
+                                                      STREAM_MLP)
+
+    def forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache) -> torch.Tensor:
+        meta = cache.step_metadata(hidden_states.device)
+        cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype)
+        residual = hidden_states
+        attn = self.self_attn(self.input_layernorm(hidden_states), cache, meta)
+        hidden_states = residual + self.attn_sconv(attn, cache, meta)
+        residual = hidden_states
+        mlp = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + self.mlp_sconv(mlp, cache, meta)
+
+
+class InklingPagedPreTrainedModel(InklingPreTrainedModel):
+    config_class = InklingTextConfig
+    config: InklingTextConfig
+    _no_split_modules = ["InklingPagedDecoderLayer"]
+    _can_record_outputs = {}
+    # The experts are transformers' own `InklingExperts`, so their implementation can be chosen as upstream.
+    _can_set_experts_implementation_cached_value = True
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, InklingPagedShortConvolution):
+            module.conv1d.reset_parameters()
+
+
+class InklingTextModel(InklingPagedPreTrainedModel):
+    def __init__(self, config: InklingTextConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = InklingNormedEmbedding(
+            config.vocab_size, config.hidden_size, self.padding_idx, config.rms_norm_eps
+        )
+        self.layers = nn.ModuleList(
+            [InklingPagedDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = InklingRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,  # unused: Inkling has no RoPE
+        past_key_values: QSAPagedCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> MoeModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if past_key_values is not None and not isinstance(past_key_values, QSAPagedCache):
+            raise ValueError(
+                f"this Inkling model keeps its state in a QSAPagedCache, got {type(past_key_values).__name__}"
+            )
+        if isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() != 2):
+            raise ValueError("attention_mask must be a 2-D [batch, length] padding mask")
+        if use_cache is None:
+            use_cache = self.config.use_cache
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        B, L = inputs_embeds.shape[:2]
+
+        cache = past_key_values
+        if cache is None:
+            # A plain forward still runs on paged state: a throwaway cache when use_cache is off.
+            block = 64
+            room = L + (FORWARD_CACHE_HEADROOM if use_cache else 0)
+            cache = QSAPagedCache(
+                self.config, max_batch_size=B, max_cache_len=max(room, self.config.max_position_embeddings),
+                block_size=block, num_blocks=B * -(-room // block) + 1,
+            )
+        cache.begin_step(batch_size=B, query_len=L, attention_mask=attention_mask, device=inputs_embeds.device)
+
+        hidden_states = inputs_embeds
+        all_hidden = (hidden_states,) if output_hidden_states else None
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, cache)
+            if output_hidden_states:
+                all_hidden += (hidden_states,)
+        hidden_states = self.norm(hidden_states)
+        return MoeModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=cache if use_cache else None,
+            hidden_states=all_hidden,
+        )
+
+
+class InklingForCausalLM(InklingPagedPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {}
+    _tp_plan = {"lm_head": "rowwise_split_input"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: InklingTextConfig):
+        super().__init__(config)
+        self.model = InklingTextModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: QSAPagedCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> InklingCausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+        )
+        hidden_states = outputs.last_hidden_state / self.config.logits_mup_width_multiplier
+        hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        unpadded = self.config.unpadded_vocab_size
+        if unpadded is not None and unpadded < logits.shape[-1]:
+            logits = logits[..., :unpadded]
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1], **kwargs)
+        out = InklingCausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+        )
+        return out if return_dict is not False else out.to_tuple()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+            rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+            model_kwargs["past_key_values"] = QSAPagedCache(
+                self.config, max_batch_size=rows, max_cache_len=max_cache_length
+            )
+        return super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
+
+
+__all__ = ["InklingForCausalLM", "InklingTextModel"]
