@@ -12,7 +12,11 @@ EOS = 1
 
 
 def tiny_config(**overrides) -> Qwen4ExpTextConfig:
-    """QSA layers whose selection is active for prompts of ~20+ tokens (budget 8, ratio 2: 4 groups)."""
+    """QSA layers whose selection is active for prompts of ~20+ tokens (budget 8, ratio 2: 4 groups).
+
+    16 index heads make an all-zero relu score (a tie whose order upstream leaves to torch.topk) rare,
+    so row-by-row comparisons test the selection rather than tie-breaking.
+    """
     kwargs = dict(
         vocab_size=96, hidden_size=32, num_hidden_layers=4,
         layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
@@ -24,7 +28,7 @@ def tiny_config(**overrides) -> Qwen4ExpTextConfig:
         moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
         hc_count=2, hc_lowrank=8, ple_layer_ids=[1], ple_embed_dim=16, ple_conv_kernel_size=2, ngram_size=3,
         heads_per_ngram=2, ngram_vocab_size_base=31, make_ngram_vocab_size_divisible_by=8,
-        indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2,
+        indexer_n_heads=16, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2,
         eos_token_id=EOS, pad_token_id=0, bos_token_id=None, output_gate_type="sigmoid",
         max_position_embeddings=512,
     )

@@ -52,7 +52,8 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
     """Selected token positions ``[B*L, block_topk*r + r - 1]`` (-1 = unused), selected blocks first.
 
     q_index: ``[B*L, Hi, Di]`` normed and rotated index queries; compressed: ``[num_blocks, block_size/r, Di]``.
-    Score of group b: ``sum_h relu(q_h . k_b) / sqrt(Di)``, top ``min(block_topk, visible)`` kept.
+    Score of group b: ``sum_h relu(q_h . k_b) / sqrt(Di)``, top ``min(block_topk, visible)`` kept;
+    among equal scores the lower group index wins (upstream leaves ties to ``torch.topk``).
     """
     n, num_heads, head_dim = q_index.shape
     device = q_index.device
@@ -88,7 +89,8 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
         scores = torch.einsum("blhd,bgd->blgh", qc, keys).relu().sum(-1) / math.sqrt(head_dim)
         vis = visible[:, start:start + step]
         scores = scores.masked_fill(groups[None, None, :] >= vis[..., None], float("-inf"))
-        idx = scores.topk(k, dim=-1).indices  # [B, l, k]
+        # Ties (relu makes exact zeros common) go to the lower group index: a stable, documented rule.
+        idx = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]  # [B, l, k]
         idx = torch.where(idx < vis[..., None], idx, -1)
         chosen.append(idx)
     blocks = torch.cat(chosen, dim=1).reshape(n, k)

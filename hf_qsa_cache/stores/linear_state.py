@@ -10,6 +10,8 @@ import torch
 
 
 class LinearAttentionState:
+    table = None  # dense per row, not paged
+
     def __init__(self, max_rows: int, conv_dim: int, conv_kernel: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, ple_channels: int = 0, ple_window: int = 0, ngram_context: int = 0,
                  eos_token_id: int = 0):
