@@ -37,7 +37,7 @@ from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.metadata import StepMetadata
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention
 from hf_qsa_cache.ops.sconv import short_conv
-from hf_qsa_cache.stores.inkling import STREAM_ATTN, STREAM_K, STREAM_MLP, STREAM_V
+from hf_qsa_cache.stores.inkling import STREAM_ATTN, STREAM_K, STREAM_MLP, STREAM_V, check_cache_matches
 
 # Headroom a cache created by a bare forward (no cache passed, use_cache=True) keeps per row.
 FORWARD_CACHE_HEADROOM = 256
@@ -198,15 +198,17 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         if isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() != 2):
             raise ValueError("attention_mask must be a 2-D [batch, length] padding mask")
         if use_cache is None:
-            use_cache = self.config.use_cache
+            use_cache = getattr(self.config, "use_cache", True)
         if output_hidden_states is None:
-            output_hidden_states = self.config.output_hidden_states
+            output_hidden_states = getattr(self.config, "output_hidden_states", False)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         B, L = inputs_embeds.shape[:2]
 
         cache = past_key_values
-        if cache is None:
+        if cache is not None:
+            check_cache_matches(cache, self.config)
+        else:
             # A plain forward still runs on paged state: a throwaway cache when use_cache is off.
             block = 64
             room = L + (FORWARD_CACHE_HEADROOM if use_cache else 0)
