@@ -377,6 +377,21 @@ class QSAPagedCache(Cache):
         for b in range(self.num_rows):
             if self.lengths[b] < drop:
                 raise ValueError(f"row {b} holds {self.lengths[b]} tokens, cannot drop {drop}")
+        # Windowed tables keep num_speculative_tokens positions beyond what the next query reads;
+        # a deeper rollback would need positions whose blocks were already freed.
+        for name, table in self.tables.items():
+            if table.window is None or drop == 0:
+                continue
+            reach = table.window - self.num_speculative_tokens
+            for b in range(self.num_rows):
+                new_len = self.lengths[b] - drop
+                lo = max(0, new_len - reach + 1)
+                needed = table.rows[b][lo // table.block_size: -(-new_len // table.block_size)]
+                if lo < new_len and NULL_BLOCK in needed:
+                    raise ValueError(
+                        f"cannot drop {drop} tokens: row {b} needs position {lo} of the {name} window, already "
+                        f"freed (the cache keeps num_speculative_tokens={self.num_speculative_tokens} extra)"
+                    )
         for b in range(self.num_rows):
             self.lengths[b] -= drop
             for table in self.tables.values():
