@@ -1,0 +1,75 @@
+"""Triton kernel for `hf_qsa_cache.ops.sconv.short_conv_torch` (same signature, same results).
+
+One program per (token, channel tile): it reads the ``K`` taps (from ``x`` when the tap lies in
+this forward, from the paged store when it lies before ``prev_len``, zero before position 0 or for
+pads), adds the residual in fp32, and writes the token's input to its slot. Taps read from the
+store are always positions of earlier forwards, which this launch never writes, so the insert and
+the conv share one launch with no ordering hazard. The grid depends only on the token count.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _short_conv_kernel(
+    x_ptr, w_ptr, store_ptr, table_ptr, slots_ptr, pos_ptr, prev_ptr, y_ptr,
+    C, width, store_s0, store_s1, table_s0, table_cols, query_len, block_size,
+    K: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    row = t // query_len
+    p = tl.load(pos_ptr + t)
+    prev = tl.load(prev_ptr + row).to(tl.int64)
+    valid = p >= 0
+    head = c // width
+    d = c % width
+    x = tl.load(x_ptr + t.to(tl.int64) * C + c, mask=cm, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(K):
+        back = K - 1 - j
+        src = p - back
+        in_x = (valid & (src >= prev)).to(tl.int32)
+        in_store = (valid & (src >= 0) & (src < prev)).to(tl.int32)
+        mask_x = cm & (in_x + tl.zeros([BLOCK_C], dtype=tl.int32) > 0)
+        mask_s = cm & (in_store + tl.zeros([BLOCK_C], dtype=tl.int32) > 0)
+        w = tl.load(w_ptr + c * K + j, mask=cm, other=0.0).to(tl.float32)
+        tap_x = tl.load(x_ptr + (t - back).to(tl.int64) * C + c, mask=mask_x, other=0.0).to(tl.float32)
+        safe = tl.maximum(src, 0)
+        col = tl.minimum(safe // block_size, table_cols - 1)
+        block = tl.load(table_ptr + row * table_s0 + col).to(tl.int64)
+        slot = block * block_size + safe % block_size
+        tap_s = tl.load(store_ptr + slot * store_s0 + head * store_s1 + d, mask=mask_s,
+                        other=0.0).to(tl.float32)
+        acc = acc + tl.where(mask_x, tap_x, tap_s) * w
+    y = acc + x
+    tl.store(y_ptr + t.to(tl.int64) * C + c, y.to(y_ptr.dtype.element_ty), mask=cm)
+    out_slot = tl.maximum(tl.load(slots_ptr + t), 0)
+    raw = tl.load(x_ptr + t.to(tl.int64) * C + c, mask=cm, other=0.0)
+    tl.store(store_ptr + out_slot * store_s0 + head * store_s1 + d, raw.to(store_ptr.dtype.element_ty), mask=cm)
+
+
+def short_conv_triton(x, weight, store, table, block_size, slots, position, prev_len, query_len):
+    T, C = x.shape
+    K = weight.shape[1]
+    if store.stride(2) != 1:
+        raise ValueError("the conv store's channel dim must be contiguous")
+    x = x.contiguous()
+    weight = weight.contiguous()
+    table = table.contiguous()
+    y = torch.empty_like(x)
+    if T == 0:
+        return y
+    block_c = min(triton.next_power_of_2(C), 256)
+    grid = (T, triton.cdiv(C, block_c))
+    _short_conv_kernel[grid](
+        x, weight, store, table, slots.contiguous(), position.contiguous(), prev_len.contiguous(), y,
+        C, store.shape[2], store.stride(0), store.stride(1), table.stride(0), table.shape[1], query_len,
+        block_size, K=K, BLOCK_C=block_c,
+    )
+    return y
