@@ -196,9 +196,12 @@ class QSAPagedCache(Cache):
                 )
         return counts
 
-    def begin_step(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None,
-                   device: torch.device) -> StepMetadata:
-        """Validate, reserve blocks and build this forward's metadata. Nothing changes on error."""
+    def check_step(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None) -> list[int]:
+        """Validate a forward of ``[batch_size, query_len]`` tokens without changing anything.
+
+        Returns the real-token count of each row. Models that split a long prompt into chunks call
+        this first for the whole prompt, so a bad prompt is rejected before any chunk lands.
+        """
         if batch_size > self.max_batch_size:
             raise ValueError(f"batch of {batch_size} rows exceeds max_batch_size={self.max_batch_size}")
         if self.columns_seen > 0 and batch_size != self.num_rows:
@@ -219,7 +222,13 @@ class QSAPagedCache(Cache):
                     f"{name} block pool: this step needs {need} free blocks of {table.block_size} tokens, "
                     f"{len(table.free) + freed} are free (num_blocks={table.num_blocks})"
                 )
+        return counts
 
+    def begin_step(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None,
+                   device: torch.device) -> StepMetadata:
+        """Validate, reserve blocks and build this forward's metadata. Nothing changes on error."""
+        counts = self.check_step(batch_size, query_len, attention_mask)
+        prev = self.lengths[:batch_size]
         # ---- from here on the step is accepted
         if self.columns_seen == 0:
             self._fresh_rows(batch_size, device)

@@ -260,3 +260,21 @@ def test_eos_in_prompt_resets_ngram_context(pair):
     ids = torch.tensor([prompt])
     torch.testing.assert_close(ours(ids, past_key_values=QSAPagedCache(ours.config, 1, 20)).logits,
                                ref(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_long_prompt_runs_as_chunked_prefill(pair, monkeypatch):
+    """A prompt over `prefill_chunk_tokens` is split into chunks inside forward; same logits, same tokens."""
+    ref, ours = pair
+    prompts = random_prompts([25, 12, 19], seed=12)
+    ids, mask = left_pad(prompts)
+    whole = ours(ids, attention_mask=mask, past_key_values=QSAPagedCache(ours.config, 3, 40), logits_to_keep=1)
+    monkeypatch.setattr(type(ours), "prefill_chunk_tokens", 3 * 4)  # 4 columns per chunk
+    chunked = ours(ids, attention_mask=mask, past_key_values=QSAPagedCache(ours.config, 3, 40), logits_to_keep=1)
+    torch.testing.assert_close(chunked.logits, whole.logits, atol=1e-5, rtol=0)
+    out = _generate(ours, ids, mask, QSAPagedCache(ours.config, 3, 40, block_size=4))
+    _assert_rows_match(ref, out, ids, prompts)
+    # A bad prompt is rejected before the first chunk lands.
+    cache = QSAPagedCache(ours.config, 3, 20)
+    with pytest.raises(ValueError, match="row 0 needs 25 slots"):
+        ours(ids, attention_mask=mask, past_key_values=cache, logits_to_keep=1)
+    assert cache.lengths == [0, 0, 0] and cache.get_seq_length() == 0

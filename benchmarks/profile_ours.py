@@ -1,0 +1,58 @@
+"""Profile our prefill and decode (torch profiler tables), to see where the time goes.
+
+    python benchmarks/profile_ours.py --model qwen4_exp --batch 1 --prompt 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_generate import inkling_config, qwen4_exp_config
+from hf_qsa_cache import QSAPagedCache
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=16384)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    if args.model == "qwen4_exp":
+        from modeling import Qwen4ExpForCausalLM as Ours
+        config = qwen4_exp_config(8)
+    else:
+        from modeling import InklingForCausalLM as Ours
+        config = inkling_config(6)
+    model = Ours(config).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(2, config.vocab_size, (args.batch, args.prompt), device="cuda")
+
+    def prefill():
+        cache = QSAPagedCache(config, args.batch, args.prompt + args.steps + 1)
+        with torch.no_grad():
+            out = model(ids, past_key_values=cache, logits_to_keep=1)
+        torch.cuda.synchronize()
+        return cache, out.logits.argmax(-1)
+
+    def decode(cache, tok):
+        with torch.no_grad():
+            for _ in range(args.steps):
+                tok = model(tok, past_key_values=cache, logits_to_keep=1).logits.argmax(-1)
+        torch.cuda.synchronize()
+
+    decode(*prefill())  # warm-up
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        cache, tok = prefill()
+    print("=== prefill, by CUDA time")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        decode(cache, tok)
+    print("=== decode, by CPU time")
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=22))
+
+
+if __name__ == "__main__":
+    main()
