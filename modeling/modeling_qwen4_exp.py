@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 from transformers.generation import GenerationMixin
+from transformers.integrations.accelerate import force_accelerate_hooks
 from transformers.modeling_outputs import BaseModelOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
@@ -97,6 +98,7 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
 class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
     """GatedDeltaNet whose conv window and recurrent state live in the cache, one row per sequence."""
 
+    @force_accelerate_hooks("conv1d")  # its weight is read directly; offloading hooks must load it first
     def forward(self, hidden_states, valid, cache: QSAPagedCache):
         B, L, _ = hidden_states.shape
         state = cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype).linear

@@ -1,0 +1,50 @@
+"""QSAPagedCache under accelerate's big-model hooks (CPU): offloaded layers generate the same tokens."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from accelerate import cpu_offload, dispatch_model
+from qwen4_helpers import left_pad, make_pair, random_prompts
+
+from hf_qsa_cache import QSAPagedCache
+
+NEW = 8
+
+
+def _generate(model, ids, mask):
+    cache = QSAPagedCache(model.config, max_batch_size=ids.shape[0], max_cache_len=ids.shape[1] + NEW, block_size=4)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW, do_sample=False,
+                         pad_token_id=0, eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits, dim=1)
+
+
+def test_disk_offloaded_layers_generate_the_same_tokens(tmp_path):
+    _, ours = make_pair(seed=21)
+    prompts = random_prompts([26, 11, 19], seed=21)
+    ids, mask = left_pad(prompts)
+    expected, expected_logits = _generate(ours, ids, mask)
+
+    offloaded = copy.deepcopy(ours)
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.hyper_connection_mixer": "cpu",
+                  "lm_head": "cpu"}
+    for i in range(offloaded.config.num_hidden_layers):
+        device_map[f"model.layers.{i}"] = "disk" if i % 2 else "cpu"
+    dispatch_model(offloaded, device_map=device_map, offload_dir=str(tmp_path))
+    # The offloaded layers really run from the offload folder (their weights are on the meta device).
+    assert offloaded.model.layers[1].mlp.shared_expert.up_proj.weight.device.type == "meta"
+    assert any(tmp_path.iterdir())
+    tokens, logits = _generate(offloaded, ids, mask)
+    assert tokens.tolist() == expected.tolist()
+    torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=0)
+
+
+def test_cpu_offload_hooks_generate_the_same_tokens():
+    _, ours = make_pair(seed=22)
+    prompts = random_prompts([23, 9, 17], seed=22)
+    ids, mask = left_pad(prompts)
+    expected, _ = _generate(ours, ids, mask)
+    hooked = cpu_offload(copy.deepcopy(ours), execution_device="cpu")
+    tokens, _ = _generate(hooked, ids, mask)
+    assert tokens.tolist() == expected.tolist()
