@@ -372,17 +372,21 @@ class QSAPagedCache(Cache):
                     t[:n] = t.index_select(0, idx)
         self.lengths[:n] = [self.lengths[s] for s in src]
 
-    def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` columns (negative: drop that many). Rolls back by shortening."""
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens of every row (transformers 5.23: the argument is <= 0,
+        and ``crop(0)`` changes nothing). Rolls back by shortening: stores are addressed by position."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove == 0:
+            return
         if not self.is_croppable:
             raise ValueError(
                 "QSAPagedCache cannot crop a Qwen4Exp cache: GatedDeltaNet recurrent state has no history to roll back to"
             )
-        if max_length < 0:
-            max_length = self.columns_seen + max_length
-        drop = self.columns_seen - max_length
-        if drop < 0:
-            raise ValueError(f"crop to {max_length} columns, the cache holds {self.columns_seen}")
+        drop = -tokens_to_remove
+        if drop > self.columns_seen:
+            raise ValueError(f"cannot drop {drop} tokens, the cache holds {self.columns_seen} columns")
+        max_length = self.columns_seen - drop
         for b in range(self.num_rows):
             if self.lengths[b] < drop:
                 raise ValueError(f"row {b} holds {self.lengths[b]} tokens, cannot drop {drop}")
