@@ -56,6 +56,10 @@ class StepMetadata:
     def host_seq_len(self) -> list[int]:
         return [p + c for p, c in zip(self.host_prev_len, self.host_count)]
 
+    def host_groups_closed(self, ratio: int) -> int:
+        """Groups of ``ratio`` tokens this forward closes, summed over rows (known without a device sync)."""
+        return sum((p + c) // ratio - p // ratio for p, c in zip(self.host_prev_len, self.host_count))
+
     def to(self, device: torch.device) -> "StepMetadata":
         """The same metadata on another device (for models split across GPUs)."""
 

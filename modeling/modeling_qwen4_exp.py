@@ -67,7 +67,8 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
 
         store = layer.index
         work = meta.compress_work
-        if work.shape[0] > 0:
+        # Most decode steps close no group (one step in r does); the host knows, so skip the work.
+        if meta.host_groups_closed(r) > 0:
             group_keys, first_pos = gather_group_raw_keys(
                 meta, work, r, store.ring_keys, store.ring_positions, geometry.ring_capacity, raw_keys, positions3
             )
