@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers.generation import GenerationMixin
+from transformers.integrations.accelerate import force_accelerate_hooks
 from transformers.modeling_outputs import MoeModelOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.inkling.configuration_inkling import InklingTextConfig
@@ -34,6 +35,7 @@ from transformers.models.inkling.modeling_inkling import (
 )
 
 from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache.generation import PagedCacheGenerationMixin
 from hf_qsa_cache.metadata import StepMetadata
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention
 from hf_qsa_cache.ops.sconv import short_conv
@@ -56,6 +58,7 @@ class InklingPagedShortConvolution(nn.Module):
             padding=conv_kernel_size - 1, bias=False,
         )
 
+    @force_accelerate_hooks("conv1d")  # its weight is read directly; offloading hooks must load it first
     def forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata) -> torch.Tensor:
         B, L, C = hidden_states.shape
         store = cache.layers[self.layer_idx].conv
@@ -101,6 +104,7 @@ class InklingPagedAttention(nn.Module):
         self.k_norm = InklingRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.rel_logits_proj = InklingRelativeLogits(config.d_rel, self.rel_extent)
 
+    @force_accelerate_hooks("rel_logits_proj")  # its `proj` parameter is read directly
     def forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata) -> torch.Tensor:
         B, L, _ = hidden_states.shape
         heads = (B, L, -1, self.head_dim)
@@ -232,7 +236,7 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         )
 
 
-class InklingForCausalLM(InklingPagedPreTrainedModel, GenerationMixin):
+class InklingForCausalLM(InklingPagedPreTrainedModel, PagedCacheGenerationMixin, GenerationMixin):
     _tied_weights_keys = {}
     _tp_plan = {"lm_head": "rowwise_split_input"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
@@ -282,16 +286,6 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, GenerationMixin):
         )
         return out if return_dict is not False else out.to_tuple()
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
-                                      max_cache_length):
-        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
-            rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-            model_kwargs["past_key_values"] = QSAPagedCache(
-                self.config, max_batch_size=rows, max_cache_len=max_cache_length
-            )
-        return super()._prepare_cache_for_generation(
-            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-        )
 
 
 __all__ = ["InklingForCausalLM", "InklingTextModel"]

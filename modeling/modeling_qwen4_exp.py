@@ -27,6 +27,7 @@ from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
 
 from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache.generation import PagedCacheGenerationMixin
 from hf_qsa_cache.ops.qsa import gather_group_raw_keys, paged_rows, score_and_select, sparse_paged_attention
 
 
@@ -283,7 +284,7 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         )
 
 
-class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, GenerationMixin):
+class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, PagedCacheGenerationMixin, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _keys_to_ignore_on_load_unexpected = [r"^mtp.*", r"^model.visual.*"]
 
@@ -337,15 +338,6 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
         return MoeCausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
-                                      max_cache_length):
-        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
-            model_kwargs["past_key_values"] = QSAPagedCache(
-                self.config, max_batch_size=batch_size, max_cache_len=max_cache_length
-            )
-        return super()._prepare_cache_for_generation(
-            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-        )
 
 
 __all__ = ["Qwen4ExpForCausalLM", "Qwen4ExpTextModel", "Qwen4ExpPreTrainedModel"]

@@ -143,6 +143,8 @@ def test_beam_search_matches_upstream(pair):
     expected = ref.generate(ids, **kwargs)
     mine = ours.generate(ids, past_key_values=QSAPagedCache(ours.config, 3, 40, block_size=4), **kwargs)
     assert mine.tolist() == expected.tolist()
+    # Without a cache, generate() sizes one for batch x beams.
+    assert ours.generate(ids, **kwargs).tolist() == expected.tolist()
 
 
 def test_seeded_sampling_matches_upstream(pair):
