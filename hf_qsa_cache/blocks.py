@@ -63,21 +63,18 @@ class BlockTable:
         return oldest // self.block_size
 
     # ------------------------------------------------------------------ mutation
-    def reserve(self, row: int, new_len: int, written_from: int | None = None) -> None:
-        """Make positions ``[0, new_len)`` of ``row`` addressable, then free out-of-window blocks.
+    def reserve(self, row: int, new_len: int) -> None:
+        """Make positions ``[0, new_len)`` of ``row`` addressable.
 
-        ``written_from`` is the first position this step writes; blocks below the window that this
-        step still writes (a long prefill into a short window) are allocated first and released
-        by `release_out_of_window` after the step.
+        With a window, blocks wholly below it are never allocated, not even for positions a long
+        prefill writes in this step: ops read same-step keys and taps from the activations, so those
+        writes go to the null block and a row never holds more than the window's blocks.
         """
         table = self.rows[row]
         want = -(-new_len // self.block_size)
         keep_from = self._first_live_block(new_len)
-        if written_from is not None:
-            keep_from = min(keep_from, written_from // self.block_size)
         while len(table) < want:
-            idx = len(table)
-            if idx < keep_from:
+            if len(table) < keep_from:
                 table.append(NULL_BLOCK)
             else:
                 if not self.free:

@@ -235,7 +235,7 @@ class QSAPagedCache(Cache):
         for name, table in self.tables.items():
             for b in range(batch_size):
                 table.release_out_of_window(b, prev[b])
-                table.reserve(b, prev[b] + counts[b], written_from=prev[b])
+                table.reserve(b, prev[b] + counts[b])
         self.num_rows = batch_size
         self.columns_seen += query_len
         for b in range(batch_size):

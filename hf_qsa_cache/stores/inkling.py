@@ -36,20 +36,6 @@ STREAM_K, STREAM_V, STREAM_ATTN, STREAM_MLP = 0, 1, 2, 3
 DEFAULT_BLOCK_SIZE = 64
 
 
-class WindowBlockTable(BlockTable):
-    """A `BlockTable` whose rows only ever hold blocks inside the window.
-
-    Positions a step writes below the window resolve to the null block (see the module note), so a
-    prefill longer than the window needs no more blocks than a decode step.
-    """
-
-    def __init__(self, name: str, num_blocks: int, block_size: int, max_rows: int, window: int):
-        super().__init__(name, num_blocks, block_size, max_rows, window=window)
-
-    def reserve(self, row: int, new_len: int, written_from: int | None = None) -> None:
-        super().reserve(row, new_len, written_from=None)
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -180,10 +166,10 @@ def build_inkling_layers(cache, config, block_size: int | None, num_blocks: int 
         num_blocks = rows * _cdiv(cache.max_cache_len, main_bs) + 1
     tables: dict[str, BlockTable] = {"main": BlockTable("main", num_blocks, main_bs, rows)}
 
-    def windowed(name: str, bs: int, window: int) -> WindowBlockTable:
+    def windowed(name: str, bs: int, window: int) -> BlockTable:
         # Per row: at most ceil(window / bs) + 1 live blocks after a step, twice that during one.
         per_row = min(2 * (_cdiv(window, bs) + 1), _cdiv(cache.max_cache_len, bs) + 1)
-        return WindowBlockTable(name, rows * per_row + 1, bs, rows, window=window)
+        return BlockTable(name, rows * per_row + 1, bs, rows, window=window)
 
     has_sliding = "hybrid_sliding" in config.layer_types
     if has_sliding:
@@ -205,5 +191,5 @@ def build_inkling_layers(cache, config, block_size: int | None, num_blocks: int 
     return layers, tables
 
 
-__all__ = ["build_inkling_layers", "check_cache_matches", "InklingConvStore", "SlidingKV", "WindowBlockTable",
+__all__ = ["build_inkling_layers", "check_cache_matches", "InklingConvStore", "SlidingKV",
            "STREAM_K", "STREAM_V", "STREAM_ATTN", "STREAM_MLP"]
