@@ -46,6 +46,14 @@ class LayerState:
         return f"LayerState({self.layer_type}, {sorted(self.stores)})"
 
 
+def _canonical(device) -> torch.device:
+    """``cuda`` and ``cuda:<current>`` name the same device; key per-device copies by one name."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _text_config(config):
     if hasattr(config, "get_text_config"):
         return config.get_text_config(decoder=True)
@@ -231,7 +239,7 @@ class QSAPagedCache(Cache):
         prev = self.lengths[:batch_size]
         # ---- from here on the step is accepted
         if self.columns_seen == 0:
-            self._fresh_rows(batch_size, device)
+            self._reset_stores()  # rows start fresh: zero GDN/PLE state, EOS n-gram context
         for name, table in self.tables.items():
             for b in range(batch_size):
                 table.release_out_of_window(b, prev[b])
@@ -243,7 +251,7 @@ class QSAPagedCache(Cache):
 
         prev_t = torch.tensor(prev, dtype=torch.int32)
         count_t = torch.tensor(counts, dtype=torch.int32)
-        device = torch.device(device)
+        device = _canonical(device)
         if device.type == "cuda":
             prev_t = prev_t.to(device, non_blocking=True)
             count_t = count_t.to(device, non_blocking=True)
@@ -256,7 +264,7 @@ class QSAPagedCache(Cache):
         self._step_by_device = {device: meta}
         return meta
 
-    def _fresh_rows(self, batch_size: int, device) -> None:
+    def _reset_stores(self) -> None:
         for layer in self.layers:
             for store in layer.stores.values():
                 if store.allocated:
@@ -266,9 +274,7 @@ class QSAPagedCache(Cache):
         """This forward's metadata on ``device`` (copied once per device, for split models)."""
         if self._step is None:
             raise RuntimeError("no step in progress: the model must call cache.begin_step() first")
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = _canonical(device)
         meta = self._step_by_device.get(device)
         if meta is None:
             meta = self._step.to(device)
@@ -326,10 +332,7 @@ class QSAPagedCache(Cache):
         self.columns_seen = 0
         self._step = None
         self._step_by_device = {}
-        for layer in self.layers:
-            for store in layer.stores.values():
-                if store.allocated:
-                    store.reset()
+        self._reset_stores()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` becomes a copy of row ``beam_idx[i]`` (beam search)."""
