@@ -280,3 +280,40 @@ def test_long_prompt_runs_as_chunked_prefill(pair, monkeypatch):
     with pytest.raises(ValueError, match="row 0 needs 25 slots"):
         ours(ids, attention_mask=mask, past_key_values=cache, logits_to_keep=1)
     assert cache.lengths == [0, 0, 0] and cache.get_seq_length() == 0
+
+
+@pytest.mark.parametrize("overrides", [
+    # No PLE, ratio 4, a QSA layer first, sigmoid-free GDN gate: another corner of the config space.
+    dict(ple_layer_ids=[], indexer_compress_ratio=4, indexer_budget=8, output_gate_type="silu",
+         layer_types=["indexed_attention", "linear_attention", "indexed_attention"], num_hidden_layers=3),
+    # Ratio 3 (not a power of two) with a block size that is a multiple of it.
+    dict(indexer_compress_ratio=3, indexer_budget=9),
+])
+def test_other_geometries_match_upstream(overrides):
+    ref, ours = make_pair(tiny_config(**overrides), seed=13)
+    r = ours.config.indexer_compress_ratio
+    prompts = random_prompts([31, 14, 22], seed=13)
+    ids, mask = left_pad(prompts)
+    out = _generate(ours, ids, mask, QSAPagedCache(ours.config, 3, 48, block_size=2 * r))
+    _assert_rows_match(ref, out, ids, prompts)
+
+
+def test_speculative_headroom_ring_generates_the_same(pair):
+    """A ring sized for speculative tokens (capacity 6 for ratio 2, 3 drafts) changes nothing."""
+    ref, ours = pair
+    prompts = random_prompts([24, 15, 9], seed=14)
+    ids, mask = left_pad(prompts)
+    cache = QSAPagedCache(ours.config, 3, 48, block_size=4, num_speculative_tokens=3)
+    assert cache.qsa.ring_capacity == 6
+    out = _generate(ours, ids, mask, cache)
+    _assert_rows_match(ref, out, ids, prompts)
+
+
+def test_crop_is_refused_for_recurrent_state(pair):
+    _, ours = pair
+    cache = QSAPagedCache(ours.config, 1, 20)
+    ours(torch.randint(2, 90, (1, 6)), past_key_values=cache)
+    cache.crop(0)  # transformers' "shrink to working size": nothing to do
+    with pytest.raises(ValueError, match="cannot crop a Qwen4Exp cache"):
+        cache.crop(-2)
+    assert cache.lengths[0] == 6
