@@ -4,11 +4,17 @@ Tokens are the flattened ``[B*L]`` rows of a forward, described by `StepMetadata
 ``g`` of a row covers logical positions ``g*r .. g*r+r-1``; a query at position ``p`` may score its
 row's groups ``0 .. visible_blocks-1``, keeps the ``budget / r`` best, and always attends the
 open-group tail ``((p+1)//r)*r .. p``.
+
+On CUDA, with ``HF_QSA_TRITON_QSA=1`` in the environment, the index scores and the sparse attention
+run as Triton kernels (`hf_qsa_cache.ops.qsa_triton`), tested against the torch functions here (under
+the Triton interpreter, and on GPU by ``benchmarks/check_qsa_kernels.py``). The switch is off by
+default until they have been checked in full-model GPU generation.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -16,6 +22,13 @@ from ..metadata import StepMetadata
 
 # Upper bound on the float elements one chunk of scores / gathered K/V may take.
 _CHUNK_ELEMENTS = 1 << 26
+
+# Triton kernels for CUDA tensors (read once, at import).
+USE_TRITON = os.environ.get("HF_QSA_TRITON_QSA", "0") == "1"
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return USE_TRITON and x.is_cuda
 
 
 def paged_rows(block_table: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, rows_per_block: int) -> torch.Tensor:
@@ -55,9 +68,8 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
     Score of group b: ``sum_h relu(q_h . k_b) / sqrt(Di)``, top ``min(block_topk, visible)`` kept;
     among equal scores the lower group index wins (upstream leaves ties to ``torch.topk``).
     """
-    n, num_heads, head_dim = q_index.shape
+    n = q_index.shape[0]
     device = q_index.device
-    B, L = meta.num_rows, meta.query_len
     rows_per_block = block_size // ratio
     max_groups = max((s // ratio for s in meta.host_seq_len), default=0)
     width = block_topk * ratio + ratio - 1
@@ -72,32 +84,61 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
         selected = torch.full((n, block_topk * ratio), -1, dtype=torch.long, device=device)
         return torch.cat([selected, tail], dim=1)
 
-    # Each row's compressed keys, [B, G, Di].
-    groups = torch.arange(max_groups, device=device)
     table_t = meta.block_tables[table]
-    rows = torch.arange(B, device=device)
-    flat = paged_rows(table_t, rows[:, None], groups[None, :], rows_per_block)
-    keys = compressed.view(-1, head_dim)[flat].float()
+    scores_fn = index_scores_torch
+    if _use_triton(q_index):
+        from .qsa_triton import index_scores_triton as scores_fn
 
     k = min(block_topk, max_groups)
-    q = q_index.view(B, L, num_heads, head_dim).float()
-    visible = meta.visible_blocks.view(B, L).long()
+    visible = meta.visible_blocks.long()
     chosen = []
-    step = max(1, _CHUNK_ELEMENTS // max(1, B * num_heads * max_groups))
-    for start in range(0, L, step):
-        qc = q[:, start:start + step]
-        scores = torch.einsum("blhd,bgd->blgh", qc, keys).relu().sum(-1) / math.sqrt(head_dim)
-        vis = visible[:, start:start + step]
-        scores = scores.masked_fill(groups[None, None, :] >= vis[..., None], float("-inf"))
+    step = max(1, _CHUNK_ELEMENTS // max_groups)
+    for start in range(0, n, step):
+        end = start + step
+        scores = scores_fn(q_index[start:end], compressed, table_t, meta.token_row[start:end],
+                           meta.visible_blocks[start:end], rows_per_block, max_groups)
+        vis = visible[start:end]
         # Ties (relu makes exact zeros common) go to the lower group index: a stable, documented rule.
-        idx = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]  # [B, l, k]
+        idx = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]  # [l, k]
         idx = torch.where(idx < vis[..., None], idx, -1)
         chosen.append(idx)
-    blocks = torch.cat(chosen, dim=1).reshape(n, k)
+    blocks = torch.cat(chosen, dim=0)
     tokens = blocks[:, :, None] * ratio + torch.arange(ratio, device=device)
     tokens = torch.where(blocks[:, :, None] >= 0, tokens, -1).reshape(n, k * ratio)
     pad = torch.full((n, (block_topk - k) * ratio), -1, dtype=torch.long, device=device)
     return torch.cat([tokens, pad, tail], dim=1)
+
+
+def index_scores_torch(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
+                       token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
+                       max_groups: int) -> torch.Tensor:
+    """Index scores ``[N, max_groups]`` float32 of each token over its row's compressed groups.
+
+    q_index ``[N, Hi, Di]``; compressed ``[num_blocks, rows_per_block, Di]``; token ``n`` reads row
+    ``token_row[n]`` of ``block_table``. ``score[n, g] = sum_h relu(q_h . k_g) / sqrt(Di)`` for
+    ``g < visible_blocks[n]``, ``-inf`` for the others; group ``g`` is compressed row
+    ``block_table[row, g // rows_per_block] * rows_per_block + g % rows_per_block``.
+    """
+    n, num_heads, head_dim = q_index.shape
+    device = q_index.device
+    groups = torch.arange(max_groups, device=device)
+    store = compressed.view(-1, head_dim)
+    q = q_index.float()
+    out = torch.empty(n, max_groups, dtype=torch.float32, device=device)
+    single_row = block_table.shape[0] == 1
+    if single_row:  # one row: its keys once, then a plain matmul per chunk
+        keys = store[paged_rows(block_table, 0, groups, rows_per_block)].float()  # [G, Di]
+    step = max(1, _CHUNK_ELEMENTS // max(1, max_groups * max(num_heads, head_dim)))
+    for start in range(0, n, step):
+        qc = q[start:start + step]
+        if single_row:
+            scores = torch.einsum("nhd,gd->ngh", qc, keys)
+        else:  # each token's row keys, [n, G, Di]
+            rows = token_row[start:start + step].long()[:, None]
+            keys = store[paged_rows(block_table, rows, groups, rows_per_block)].float()
+            scores = torch.einsum("nhd,ngd->ngh", qc, keys)
+        out[start:start + step] = scores.relu().sum(-1) / math.sqrt(head_dim)
+    return out.masked_fill_(groups[None, :] >= visible_blocks.long()[:, None], float("-inf"))
 
 
 def sparse_paged_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_table: torch.Tensor,
@@ -109,6 +150,11 @@ def sparse_paged_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
     logical positions in the query's row (-1 = unused). Returns ``[N, H, D]``. A query with no
     valid position (a pad) returns zeros.
     """
+    if _use_triton(query):
+        from .qsa_triton import sparse_paged_attention_triton
+
+        return sparse_paged_attention_triton(query, keys, values, block_table, token_row, positions, block_size,
+                                             scaling)
     n, num_heads, head_dim = query.shape
     num_kv = keys.shape[2]
     group = num_heads // num_kv

@@ -1,0 +1,258 @@
+"""QSA index scores and sparse paged attention: the torch functions against plain loops, and the
+Triton kernels against the torch functions.
+
+The Triton comparison runs this file as a script in a subprocess with TRITON_INTERPRET=1 (the
+variable only counts if it is set before triton is first imported).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_qsa_cache.ops import qsa
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- random inputs
+
+
+def _paged_table(g: torch.Generator, num_rows: int, columns: int) -> tuple[torch.Tensor, int]:
+    """Distinct shuffled physical blocks (0 is the null block, never used); returns (table, num_blocks)."""
+    num_blocks = num_rows * columns + 3
+    ids = torch.randperm(num_blocks - 1, generator=g)[: num_rows * columns] + 1
+    return ids.view(num_rows, columns).to(torch.int32), num_blocks
+
+
+def attention_case(seed: int, group: int, num_kv: int, head_dim: int, dtype=torch.float32,
+                   num_tokens: int = 7, num_rows: int = 3, width: int = 70, block_size: int = 4):
+    """Inputs of `sparse_paged_attention`: holes in every selection, one token with nothing selected."""
+    g = torch.Generator().manual_seed(seed)
+    columns = 30
+    table, num_blocks = _paged_table(g, num_rows, columns)
+    # The store is a strided view (one stream of a packed [.., 2, H_kv, D] buffer).
+    packed = torch.randn(num_blocks, block_size, 2, num_kv, head_dim, generator=g).to(dtype)
+    keys, values = packed[:, :, 0], packed[:, :, 1]
+    query = torch.randn(num_tokens, num_kv * group, head_dim, generator=g).to(dtype)
+    token_row = torch.randint(0, num_rows, (num_tokens,), generator=g, dtype=torch.int32)
+    seq_len = (columns + 1) * block_size  # a few positions past the table: its last column is used
+    positions = torch.randint(0, seq_len, (num_tokens, width), generator=g)
+    positions[torch.rand(num_tokens, width, generator=g) < 0.3] = -1
+    positions[1] = -1  # a pad: nothing to attend
+    positions[2, 1:] = -1  # a single position
+    return query, keys, values, table, token_row, positions, block_size, 1.0 / math.sqrt(head_dim)
+
+
+def scores_case(seed: int, num_heads: int, head_dim: int, ratio: int, dtype=torch.float32,
+                num_tokens: int = 9, num_rows: int = 3, max_groups: int = 70, block_size: int = 8):
+    """Inputs of `index_scores_torch`: ragged visible counts, some tokens seeing nothing."""
+    g = torch.Generator().manual_seed(seed)
+    rows_per_block = block_size // ratio
+    # One column short of max_groups: the last groups clamp to the table's last column, like paged_rows.
+    table, num_blocks = _paged_table(g, num_rows, -(-max_groups // rows_per_block) - 1)
+    q_index = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype)
+    compressed = torch.randn(num_blocks, rows_per_block, head_dim, generator=g).to(dtype)
+    token_row = torch.randint(0, num_rows, (num_tokens,), generator=g, dtype=torch.int32)
+    visible = torch.randint(0, max_groups + 1, (num_tokens,), generator=g, dtype=torch.int32)
+    visible[0] = max_groups
+    visible[1] = 0
+    return q_index, compressed, table, token_row, visible, rows_per_block, max_groups
+
+
+ATTENTION_SHAPES = [  # (group, num_kv, head_dim, dtype, atol)
+    (1, 2, 16, torch.float32, 1e-5),
+    (2, 1, 32, torch.float32, 1e-5),
+    (3, 2, 24, torch.float32, 1e-5),  # non-power-of-two group and head_dim
+    (8, 2, 64, torch.float32, 1e-5),
+    (8, 1, 32, torch.bfloat16, 2e-2),
+]
+SCORE_SHAPES = [  # (num_heads, head_dim, ratio, dtype)
+    (1, 16, 2, torch.float32),  # one head: about half the scores are exact relu zeros (ties)
+    (4, 32, 4, torch.float32),
+    (20, 64, 2, torch.float32),  # more heads than one tile
+    (4, 24, 4, torch.float32),
+    (8, 32, 4, torch.bfloat16),
+]
+
+
+# ----------------------------------------------------------------------------- torch vs loops
+
+
+def _loop_scores(q_index, compressed, table, token_row, visible, rows_per_block, max_groups):
+    out = torch.full((q_index.shape[0], max_groups), float("-inf"))
+    flat = compressed.reshape(-1, q_index.shape[2]).float()
+    for n in range(q_index.shape[0]):
+        row = int(token_row[n])
+        for grp in range(int(visible[n])):
+            column = min(grp // rows_per_block, table.shape[1] - 1)
+            key = flat[int(table[row, column]) * rows_per_block + grp % rows_per_block]
+            out[n, grp] = (q_index[n].float() @ key).relu().sum() / math.sqrt(q_index.shape[2])
+    return out
+
+
+def _loop_attention(query, keys, values, table, token_row, positions, block_size, scaling):
+    n, num_heads, head_dim = query.shape
+    group = num_heads // keys.shape[2]
+    out = torch.zeros(n, num_heads, head_dim)
+    for t in range(n):
+        pos = [int(p) for p in positions[t] if p >= 0]
+        if not pos:
+            continue
+        row = int(token_row[t])
+        blocks = [int(table[row, min(p // block_size, table.shape[1] - 1)]) for p in pos]
+        for h in range(num_heads):
+            k = torch.stack([keys[b, p % block_size, h // group] for b, p in zip(blocks, pos)]).float()
+            v = torch.stack([values[b, p % block_size, h // group] for b, p in zip(blocks, pos)]).float()
+            out[t, h] = torch.softmax(k @ query[t, h].float() * scaling, dim=0) @ v
+    return out
+
+
+@pytest.mark.parametrize("shape", SCORE_SHAPES[:4])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_index_scores_torch_matches_loops(shape, rows):
+    case = scores_case(5, *shape, num_rows=rows)
+    torch.testing.assert_close(qsa.index_scores_torch(*case), _loop_scores(*case), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES[:4])
+def test_sparse_attention_torch_matches_loops(shape):
+    case = attention_case(3, *shape[:4])
+    torch.testing.assert_close(qsa.sparse_paged_attention(*case), _loop_attention(*case), atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- triton vs torch
+
+
+def test_triton_kernels_match_torch():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve())],
+        env=env, cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"triton kernels differ from torch:\n{proc.stdout}\n{proc.stderr}"
+    assert "all qsa kernel cases ok" in proc.stdout, proc.stdout
+
+
+def _counting(module, name, launches):
+    kernel = getattr(module, name)
+
+    class _Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    setattr(module, name, _Counting())
+
+
+def _min_gap(scores: torch.Tensor) -> float:
+    """Smallest relative gap between distinct non-zero finite scores of one token (near-tie guard)."""
+    gap = float("inf")
+    for row in scores:
+        vals = row[torch.isfinite(row) & (row != 0)].double().sort().values
+        if vals.numel() > 1:
+            gap = min(gap, float(((vals[1:] - vals[:-1]) / vals[1:].abs()).min()))
+    return gap
+
+
+def _check_selection(seed: int, num_heads: int, head_dim: int, ratio: int, dtype) -> str | None:
+    """`score_and_select` through the Triton scores gives exactly the torch selection."""
+    from hf_qsa_cache.metadata import QSAGeometry, build_step_metadata_torch
+
+    g = torch.Generator().manual_seed(seed)
+    block_size, num_rows, query_len, topk = 4 * ratio, 3, 5, 6
+    prev = torch.tensor([37, 0, 61], dtype=torch.int32)
+    count = torch.tensor([5, 3, 1], dtype=torch.int32)  # ragged: left pads in rows 1 and 2
+    columns = -(-int((prev + count).max()) // block_size)
+    table, num_blocks = _paged_table(g, num_rows, columns)
+    meta = build_step_metadata_torch(prev, count, query_len, {"main": table}, {"main": block_size},
+                                     QSAGeometry(compress_ratio=ratio, ring_capacity=ratio))
+    meta.host_prev_len, meta.host_count = prev.tolist(), count.tolist()
+    q_index = torch.randn(num_rows * query_len, num_heads, head_dim, generator=g).to(dtype)
+    compressed = torch.randn(num_blocks, block_size // ratio, head_dim, generator=g).to(dtype)
+    max_groups = max(s // ratio for s in meta.host_seq_len)
+    torch_scores = qsa.index_scores_torch(q_index, compressed, table, meta.token_row, meta.visible_blocks,
+                                          block_size // ratio, max_groups)
+    if _min_gap(torch_scores) < 1e-5:
+        return "near-tie"
+    args = (q_index, compressed, meta, "main", block_size, ratio, topk)
+    want = qsa.score_and_select(*args)
+    original = qsa._use_triton
+    qsa._use_triton = lambda x: True  # the CUDA dispatch, on CPU tensors
+    try:
+        have = qsa.score_and_select(*args)
+    finally:
+        qsa._use_triton = original
+    if not torch.equal(want, have):
+        return f"selection case {seed}: torch {want.tolist()}\n triton {have.tolist()}"
+    return None
+
+
+def _main() -> int:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from hf_qsa_cache.ops import qsa_triton
+
+    if not isinstance(qsa_triton._index_scores_kernel, InterpretedFunction):
+        print("TRITON_INTERPRET was not honoured")
+        return 1
+    launches: list = []
+    _counting(qsa_triton, "_index_scores_kernel", launches)
+    _counting(qsa_triton, "_sparse_paged_attention_kernel", launches)
+
+    for i, (num_heads, head_dim, ratio, dtype) in enumerate(SCORE_SHAPES):
+        case = scores_case(100 + i, num_heads, head_dim, ratio, dtype)
+        want = qsa.index_scores_torch(*case)
+        launches.clear()
+        have = qsa_triton.index_scores_triton(*case)
+        if len(launches) != 1:
+            print(f"scores case {i}: {len(launches)} launches")
+            return 1
+        tol = 1e-5 if dtype == torch.float32 else 1e-4
+        if have.dtype != torch.float32 or not torch.equal(torch.isinf(want), torch.isinf(have)):
+            print(f"scores case {i}: dtype {have.dtype} or -inf pattern differs")
+            return 1
+        try:
+            torch.testing.assert_close(have, want, atol=tol, rtol=tol)
+        except AssertionError as err:
+            print(f"scores case {i} {(num_heads, head_dim, ratio, dtype)}: {err}")
+            return 1
+        # The first seed whose inputs have no near-ties (exact relu-zero ties are kept: they test the rule).
+        seed = 200 + 50 * i
+        while (error := _check_selection(seed, num_heads, head_dim, ratio, dtype)) == "near-tie" and seed < 220 + 50 * i:
+            seed += 1
+        if error:
+            print(error)
+            return 1
+
+    for i, (group, num_kv, head_dim, dtype, atol) in enumerate(ATTENTION_SHAPES):
+        case = attention_case(300 + i, group, num_kv, head_dim, dtype)
+        want = qsa.sparse_paged_attention(*case)
+        launches.clear()
+        have = qsa_triton.sparse_paged_attention_triton(*case)
+        if len(launches) != 1:
+            print(f"attention case {i}: {len(launches)} launches")
+            return 1
+        try:
+            assert have.dtype == want.dtype and have.shape == want.shape
+            assert torch.equal(have[1], torch.zeros_like(have[1])), "pad token is not zero"
+            torch.testing.assert_close(have.float(), want.float(), atol=atol, rtol=0)
+        except AssertionError as err:
+            print(f"attention case {i} {(group, num_kv, head_dim, dtype)}: {err}")
+            return 1
+    print("all qsa kernel cases ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
