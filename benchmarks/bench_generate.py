@@ -91,7 +91,12 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--skip-upstream", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--triton-qsa", action="store_true", help="use the opt-in Triton QSA kernels")
     args = parser.parse_args()
+    if args.triton_qsa:
+        import hf_qsa_cache.ops.qsa as qsa_ops
+
+        qsa_ops.USE_TRITON = True
 
     torch.manual_seed(0)
     dtype = torch.bfloat16

@@ -51,9 +51,18 @@ def main():
 
     import qwen4_helpers as q
 
+    import hf_qsa_cache.ops.qsa as qsa_ops
+
     upstream, ours = q.make_pair(seed=0)
-    results.append(check_rows("qwen4_exp", upstream, copy.deepcopy(ours).cuda(),
-                              q.random_prompts([29, 7, 18, 33, 25], seed=1), block_size=4))
+    prompts = q.random_prompts([29, 7, 18, 33, 25], seed=1)
+    results.append(check_rows("qwen4_exp", upstream, copy.deepcopy(ours).cuda(), prompts, block_size=4))
+    # The opt-in Triton QSA kernels (HF_QSA_TRITON_QSA=1) inside the whole model.
+    saved, qsa_ops.USE_TRITON = qsa_ops.USE_TRITON, True
+    try:
+        results.append(check_rows("qwen4_exp (Triton QSA kernels)", upstream, copy.deepcopy(ours).cuda(), prompts,
+                                  block_size=4))
+    finally:
+        qsa_ops.USE_TRITON = saved
 
     import test_inkling as ink
 
