@@ -94,7 +94,8 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
     def _rotary(self, like: torch.Tensor, positions3: torch.Tensor):
         """cos/sin ``[W, rot]`` at explicit 3-axis positions ``[W, 3]``."""
         cos, sin = self.rotary_emb(like, positions3.t()[:, None, :])
-        return cos[0], sin[0]
+        # The shared rotary module may sit on another GPU of a split model.
+        return cos[0].to(like.device), sin[0].to(like.device)
 
 
 class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
