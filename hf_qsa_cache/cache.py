@@ -342,32 +342,29 @@ class QSAPagedCache(Cache):
             raise ValueError(f"beam_idx has {n} entries, the cache holds {self.num_rows} rows")
         if any(not 0 <= s < n for s in src):
             raise ValueError(f"beam_idx entries must lie in [0, {n}), got {src}")
-        # Paged stores: gather the source rows' blocks, give every row fresh blocks, scatter back.
+        # Paged stores: only rows that take another row's history change. Gather their sources' blocks
+        # first (a source may itself be replaced), free their own, then copy into fresh blocks.
+        moved = [i for i in range(n) if src[i] != i]
         for name, table in self.tables.items():
-            old_rows = [list(table.rows[s]) for s in src]
-            stores = [s for layer in self.layers for s in layer.stores.values() if s.table == name and s.allocated]
-            gathered = []
-            flat_old = [b for rows in old_rows for b in rows]
-            for store in stores:
-                for t in store.paged_tensors():
-                    idx = torch.tensor(flat_old, dtype=torch.long, device=t.device)
-                    gathered.append(t.index_select(0, idx))
-            for r in range(n):
-                table.release_row(r)
-            new_flat = []
-            for r, rows in enumerate(old_rows):
-                for b in rows:
-                    nb = NULL_BLOCK if b == NULL_BLOCK else table.free.pop()
-                    table.rows[r].append(nb)
-                    new_flat.append(nb)
+            if not moved:
+                break
+            plan = [(i, list(table.rows[src[i]])) for i in moved]
+            old = [b for _, blocks in plan for b in blocks if b != NULL_BLOCK]
+            tensors = [t for layer in self.layers for store in layer.stores.values()
+                       if store.table == name and store.allocated for t in store.paged_tensors()]
+            gathered = [t.index_select(0, torch.tensor(old, dtype=torch.long, device=t.device)) for t in tensors]
+            for i, _ in plan:
+                table.release_row(i)
+            new = []
+            for i, blocks in plan:
+                for b in blocks:
+                    fresh = NULL_BLOCK if b == NULL_BLOCK else table.free.pop()
+                    table.rows[i].append(fresh)
+                    if b != NULL_BLOCK:
+                        new.append(fresh)
             table._version += 1
-            k = 0
-            for store in stores:
-                for t in store.paged_tensors():
-                    idx = torch.tensor(new_flat, dtype=torch.long, device=t.device)
-                    keep = torch.tensor([b != NULL_BLOCK for b in flat_old], device=t.device)
-                    t.index_copy_(0, idx[keep], gathered[k][keep])
-                    k += 1
+            for t, data in zip(tensors, gathered):
+                t.index_copy_(0, torch.tensor(new, dtype=torch.long, device=t.device), data)
         for layer in self.layers:
             for store in layer.stores.values():
                 for t in store.row_tensors():

@@ -317,3 +317,12 @@ def test_crop_is_refused_for_recurrent_state(pair):
     with pytest.raises(ValueError, match="cannot crop a Qwen4Exp cache"):
         cache.crop(-2)
     assert cache.lengths[0] == 6
+
+
+def test_generate_with_prefill_chunk_size(pair):
+    """transformers' own chunked prefill (`prefill_chunk_size`) drives the cache chunk by chunk."""
+    ref, ours = pair
+    prompts = random_prompts([23, 9, 30], seed=15)
+    ids, mask = left_pad(prompts)
+    out = _generate(ours, ids, mask, QSAPagedCache(ours.config, 3, 64, block_size=4), prefill_chunk_size=7)
+    _assert_rows_match(ref, out, ids, prompts)
