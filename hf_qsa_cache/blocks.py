@@ -73,6 +73,8 @@ class BlockTable:
         table = self.rows[row]
         want = -(-new_len // self.block_size)
         keep_from = self._first_live_block(new_len)
+        if len(table) < want:
+            self._version += 1  # the device copy is refreshed only when a table changed
         while len(table) < want:
             if len(table) < keep_from:
                 table.append(NULL_BLOCK)
@@ -80,7 +82,6 @@ class BlockTable:
                 if not self.free:
                     raise ValueError(f"{self.name}: block pool exhausted ({self.num_blocks - 1} blocks)")
                 table.append(self.free.pop())
-        self._version += 1
 
     def release_out_of_window(self, row: int, length: int) -> None:
         if self.window is None:
@@ -100,11 +101,12 @@ class BlockTable:
         """Return the blocks past ``new_len`` to the pool (crop)."""
         table = self.rows[row]
         want = -(-new_len // self.block_size)
+        if len(table) > want:
+            self._version += 1
         while len(table) > want:
             b = table.pop()
             if b != NULL_BLOCK:
                 self.free.append(b)
-        self._version += 1
 
     def release_row(self, row: int) -> None:
         self.truncate(row, 0)
