@@ -249,12 +249,11 @@ class QSAPagedCache(Cache):
         for b in range(batch_size):
             self.lengths[b] = prev[b] + counts[b]
 
-        prev_t = torch.tensor(prev, dtype=torch.int32)
-        count_t = torch.tensor(counts, dtype=torch.int32)
         device = _canonical(device)
+        lengths = torch.tensor([prev, counts], dtype=torch.int32)  # one host-to-device copy per step
         if device.type == "cuda":
-            prev_t = prev_t.to(device, non_blocking=True)
-            count_t = count_t.to(device, non_blocking=True)
+            lengths = lengths.to(device, non_blocking=True)
+        prev_t, count_t = lengths[0], lengths[1]
         block_tables = {name: t.device_table(batch_size, device) for name, t in self.tables.items()}
         block_sizes = {name: t.block_size for name, t in self.tables.items()}
         meta = build_step_metadata(prev_t, count_t, query_len, block_tables, block_sizes, self.qsa)
