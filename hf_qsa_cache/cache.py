@@ -61,6 +61,21 @@ def _text_config(config):
 
 
 class QSAPagedCache(Cache):
+    """Paged cache for `modeling.Qwen4ExpForCausalLM` and `modeling.InklingForCausalLM`.
+
+    Args:
+        config: the model's text config (`Qwen4ExpTextConfig` or `InklingTextConfig`; a composite
+            config is reduced to its text config).
+        max_batch_size: most rows (sequences, beams included) one batch may have.
+        max_cache_len: most tokens one row may hold (pads do not count).
+        block_size: tokens per block of the main table (default 64, rounded up to a multiple of the
+            QSA compress ratio, which it must be a multiple of).
+        num_blocks: blocks in the main pool (default: every row at ``max_cache_len``, plus the null block).
+        num_speculative_tokens: draft tokens a step may write before acceptance (ring and window headroom).
+        device, dtype: allocate every store there up front; by default each layer's stores are
+            allocated at its first forward, on its device and in its dtype.
+    """
+
     def __init__(
         self,
         config,
