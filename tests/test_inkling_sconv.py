@@ -6,16 +6,12 @@ variable only counts if it is set before triton is first imported).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
 from hf_qsa_cache.ops.sconv import short_conv_torch
+from interpreter import run_under_interpreter
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _dense_reference(seq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -114,10 +110,7 @@ def _run_triton_cases() -> None:
 
 
 def test_triton_kernel_matches_torch_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"ok {len(_SCRIPT_CASES)}" in proc.stdout
+    run_under_interpreter(__file__, f"ok {len(_SCRIPT_CASES)}", timeout=300)
 
 
 if __name__ == "__main__":

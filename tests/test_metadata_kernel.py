@@ -7,18 +7,14 @@ same pytest process may already have imported it.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
 from hf_qsa_cache.metadata import QSAGeometry, build_step_metadata_torch, max_compress_work
+from interpreter import run_under_interpreter
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_LAYOUTS = 240
 SEED = 20240611
 
@@ -101,22 +97,7 @@ def test_spec_without_qsa():
 
 
 def test_triton_builder_matches_spec():
-    if importlib.util.find_spec("triton") is None:
-        import pytest
-
-        pytest.skip("triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve())],
-        env=env,
-        cwd=str(REPO_ROOT),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"triton builder differs from the spec:\n{proc.stdout}\n{proc.stderr}"
-    assert f"{NUM_LAYOUTS} random layouts ok" in proc.stdout, proc.stdout
+    run_under_interpreter(__file__, f"{NUM_LAYOUTS} random layouts ok")
 
 
 def _random_prev_len(rng: random.Random, r: int) -> int:

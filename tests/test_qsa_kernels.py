@@ -7,19 +7,15 @@ variable only counts if it is set before triton is first imported).
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from hf_qsa_cache.ops import qsa
+from interpreter import run_under_interpreter
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- random inputs
@@ -132,16 +128,7 @@ def test_sparse_attention_torch_matches_loops(shape):
 
 
 def test_triton_kernels_match_torch():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve())],
-        env=env, cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, f"triton kernels differ from torch:\n{proc.stdout}\n{proc.stderr}"
-    assert "all qsa kernel cases ok" in proc.stdout, proc.stdout
+    run_under_interpreter(__file__, "all qsa kernel cases ok")
 
 
 def _counting(module, name, launches):

@@ -72,7 +72,6 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
     device = q_index.device
     rows_per_block = block_size // ratio
     max_groups = max((s // ratio for s in meta.host_seq_len), default=0)
-    width = block_topk * ratio + ratio - 1
     pos = meta.position
     safe_pos = pos.clamp_min(0)
 

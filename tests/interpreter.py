@@ -1,0 +1,24 @@
+"""Run a test file as a script under the Triton interpreter.
+
+TRITON_INTERPRET must be set before `triton` is first imported, and other tests in the same pytest
+process import it earlier, so kernel-vs-reference comparisons run in a fresh Python process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_under_interpreter(script: str, expect: str, timeout: int = 600) -> None:
+    """Run ``script`` with TRITON_INTERPRET=1; fail unless it exits 0 and prints ``expect``."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run([sys.executable, str(Path(script).resolve())], env=env, cwd=str(REPO_ROOT),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{Path(script).name} under the interpreter failed:\n{proc.stdout}\n{proc.stderr}"
+    assert expect in proc.stdout, proc.stdout
