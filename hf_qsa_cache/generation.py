@@ -1,4 +1,4 @@
-"""What a model class needs so that `generate()` without `past_key_values` runs on a paged cache."""
+"""What a ForCausalLM class needs to run `generate()` and long prompts on a paged cache."""
 
 from __future__ import annotations
 
@@ -6,7 +6,12 @@ from .cache import QSAPagedCache
 
 
 class PagedCacheGenerationMixin:
-    """Put before `GenerationMixin` in the bases of a ForCausalLM class."""
+    """Put before `GenerationMixin` in the bases of a ForCausalLM class whose `self.model` takes a
+    `QSAPagedCache` as ``past_key_values``."""
+
+    # Prompts longer than this many tokens (summed over the batch) run as exact chunked prefill when
+    # only the last logits are wanted: the cache makes chunks exact, and activation memory stays bounded.
+    prefill_chunk_tokens = 8192
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
@@ -19,3 +24,35 @@ class PagedCacheGenerationMixin:
         return super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
+
+    def _run_model(self, *, input_ids, inputs_embeds, attention_mask, past_key_values, logits_to_keep, chunkable,
+                   per_token: dict, **model_kwargs):
+        """``self.model(...)``, split into column chunks for a long prompt when ``chunkable``.
+
+        ``per_token`` holds extra ``[..., L]`` inputs (position ids, PLE ids) that are sliced with the
+        tokens. Returns the last chunk's outputs, whose last ``logits_to_keep`` positions are the
+        prompt's.
+        """
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        B, L = tokens.shape[:2]
+        chunk = max(1, self.prefill_chunk_tokens // B)
+        if not (chunkable and isinstance(logits_to_keep, int) and 0 < logits_to_keep <= chunk < L):
+            return self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                              past_key_values=past_key_values, **per_token, **model_kwargs)
+        if past_key_values is None:
+            past_key_values = QSAPagedCache(self.config, max_batch_size=B, max_cache_len=L)
+        past_key_values.check_step(B, L, attention_mask)  # reject a bad prompt before any chunk lands
+        past = attention_mask.shape[1] - L if attention_mask is not None else 0
+        # Chunks end at L, L - chunk, ...: the last one is whole, so it holds the logits to keep.
+        ends = list(range(L, 0, -chunk))[::-1]
+        for start, end in zip([0] + ends[:-1], ends):
+
+            def cols(x, dim=-1):
+                return None if x is None else x.narrow(dim, start, end - start)
+
+            outputs = self.model(
+                input_ids=cols(input_ids), inputs_embeds=cols(inputs_embeds, 1),
+                attention_mask=None if attention_mask is None else attention_mask[:, : past + end],
+                past_key_values=past_key_values, **{k: cols(v) for k, v in per_token.items()}, **model_kwargs,
+            )
+        return outputs

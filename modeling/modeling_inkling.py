@@ -262,14 +262,11 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, PagedCacheGenerationMixin,
         return_dict: bool | None = None,
         **kwargs,
     ) -> InklingCausalLMOutputWithPast:
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_hidden_states=output_hidden_states,
+        outputs = self._run_model(
+            input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            past_key_values=past_key_values, logits_to_keep=logits_to_keep,
+            chunkable=labels is None and not output_hidden_states, per_token={"position_ids": position_ids},
+            use_cache=use_cache, output_hidden_states=output_hidden_states,
         )
         hidden_states = outputs.last_hidden_state / self.config.logits_mup_width_multiplier
         hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)

@@ -296,49 +296,20 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, PagedCacheGenerationMixin, Ge
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    # Prompts longer than this many tokens (summed over the batch) run as exact chunked prefill when
-    # only the last logits are wanted, which bounds activation memory; the result is the same.
-    prefill_chunk_tokens = 8192
-
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-        ple_input_ids = kwargs.pop("ple_input_ids", None)
-        tokens = input_ids if input_ids is not None else inputs_embeds
-        B, L = tokens.shape[:2]
-        chunk = max(1, self.prefill_chunk_tokens // B)
-        if (labels is None and isinstance(logits_to_keep, int) and 0 < logits_to_keep <= chunk and L > chunk):
-            if past_key_values is None:
-                past_key_values = QSAPagedCache(self.config, max_batch_size=B, max_cache_len=L)
-            past_key_values.check_step(B, L, attention_mask)  # reject a bad prompt before any chunk lands
-            past = attention_mask.shape[1] - L if attention_mask is not None else 0
-            # Chunks end at L, L - chunk, ...: the last one is whole, so it holds the logits to keep.
-            ends = list(range(L, 0, -chunk))[::-1]
-            for start, end in zip([0] + ends[:-1], ends):
-
-                def cols(x, dim=-1):
-                    return None if x is None else x.narrow(dim, start, end - start)
-
-                outputs = self.model(
-                    input_ids=cols(input_ids), inputs_embeds=cols(inputs_embeds, 1),
-                    attention_mask=None if attention_mask is None else attention_mask[:, : past + end],
-                    position_ids=cols(position_ids), past_key_values=past_key_values, use_cache=use_cache,
-                    ple_input_ids=cols(ple_input_ids),
-                )
-            keep = logits_to_keep
-        else:
-            outputs = self.model(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                ple_input_ids=ple_input_ids,
-            )
-            keep = logits_to_keep
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, keep)
+        outputs = self._run_model(
+            input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            past_key_values=past_key_values, logits_to_keep=logits_to_keep, chunkable=labels is None,
+            per_token={"position_ids": position_ids, "ple_input_ids": kwargs.pop("ple_input_ids", None)},
+            use_cache=use_cache,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
         return MoeCausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
-
 
 
 __all__ = ["Qwen4ExpForCausalLM", "Qwen4ExpTextModel", "Qwen4ExpPreTrainedModel"]

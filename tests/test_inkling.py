@@ -318,3 +318,18 @@ def test_from_pretrained_of_upstream_checkpoint(models, tmp_path):
         got = loaded(ids, use_cache=False).logits
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
     assert loaded.model.layers[0].self_attn.k_sconv.conv1d.weight.dtype == torch.float32
+
+
+def test_long_prompt_runs_as_chunked_prefill(models, monkeypatch):
+    """A prompt over `prefill_chunk_tokens` is split into chunks inside forward; same logits, same tokens."""
+    upstream, ours = models
+    rows = make_prompts([17, 6, 12], seed=7)
+    ids, mask = left_pad(rows)
+    whole = ours(ids, attention_mask=mask, past_key_values=QSAPagedCache(ours.config, 3, 40), logits_to_keep=1)
+    monkeypatch.setattr(type(ours), "prefill_chunk_tokens", 3 * 5)  # 5 columns per chunk
+    chunked = ours(ids, attention_mask=mask, past_key_values=QSAPagedCache(ours.config, 3, 40), logits_to_keep=1)
+    # fp32 summation order differs between chunkings (~2e-5 at these weight scales, see test (c)).
+    torch.testing.assert_close(chunked.logits, whole.logits, atol=1e-4, rtol=0)
+    cache = QSAPagedCache(ours.config, max_batch_size=3, max_cache_len=ids.shape[1] + 8, block_size=BLOCK)
+    out = greedy(ours, ids, mask, n=8, past_key_values=cache)
+    assert_rows_match_upstream(upstream, rows, out, 8)
