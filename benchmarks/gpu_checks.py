@@ -22,12 +22,10 @@ NEW = 12
 
 
 def check_rows(name, upstream, ours_gpu, prompts, block_size):
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.as_tensor(p)
-        mask[i, width - len(p):] = 1
+    from qwen4_helpers import left_pad
+
+    ids, mask = left_pad(prompts)
+    width = ids.shape[1]
     cache = QSAPagedCache(ours_gpu.config, len(prompts), width + NEW, block_size=block_size)
     out = ours_gpu.generate(ids.cuda(), attention_mask=mask.cuda(), past_key_values=cache, max_new_tokens=NEW,
                             do_sample=False, pad_token_id=0, eos_token_id=None, output_logits=True,

@@ -4,6 +4,15 @@ from __future__ import annotations
 
 from .cache import QSAPagedCache
 
+# Tokens a row may still add after a forward that was called without a cache but with use_cache.
+FORWARD_CACHE_HEADROOM = 256
+
+
+def cache_for_bare_forward(config, batch_size: int, length: int, use_cache) -> QSAPagedCache:
+    """The cache a forward builds when none is passed: the models always run on paged state."""
+    headroom = FORWARD_CACHE_HEADROOM if use_cache is not False else 0
+    return QSAPagedCache(config, max_batch_size=batch_size, max_cache_len=max(length, 1) + headroom)
+
 
 class PagedCacheGenerationMixin:
     """Put before `GenerationMixin` in the bases of a ForCausalLM class whose `self.model` takes a
@@ -40,7 +49,7 @@ class PagedCacheGenerationMixin:
             return self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                               past_key_values=past_key_values, **per_token, **model_kwargs)
         if past_key_values is None:
-            past_key_values = QSAPagedCache(self.config, max_batch_size=B, max_cache_len=L)
+            past_key_values = cache_for_bare_forward(self.config, B, L, model_kwargs.get("use_cache"))
         past_key_values.check_step(B, L, attention_mask)  # reject a bad prompt before any chunk lands
         past = attention_mask.shape[1] - L if attention_mask is not None else 0
         # Chunks end at L, L - chunk, ...: the last one is whole, so it holds the logits to keep.

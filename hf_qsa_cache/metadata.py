@@ -49,10 +49,6 @@ class StepMetadata:
         return self.position >= 0
 
     @property
-    def seq_len(self) -> torch.Tensor:
-        return self.prev_len + self.count
-
-    @property
     def host_seq_len(self) -> list[int]:
         return [p + c for p, c in zip(self.host_prev_len, self.host_count)]
 

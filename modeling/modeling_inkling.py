@@ -35,14 +35,12 @@ from transformers.models.inkling.modeling_inkling import (
 )
 
 from hf_qsa_cache import QSAPagedCache
-from hf_qsa_cache.generation import PagedCacheGenerationMixin
+from hf_qsa_cache.generation import PagedCacheGenerationMixin, cache_for_bare_forward
 from hf_qsa_cache.metadata import StepMetadata
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention
 from hf_qsa_cache.ops.sconv import short_conv
 from hf_qsa_cache.stores.inkling import STREAM_ATTN, STREAM_K, STREAM_MLP, STREAM_V, check_cache_matches
 
-# Headroom a cache created by a bare forward (no cache passed, use_cache=True) keeps per row.
-FORWARD_CACHE_HEADROOM = 256
 
 
 class InklingPagedShortConvolution(nn.Module):
@@ -210,16 +208,11 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         B, L = inputs_embeds.shape[:2]
 
         cache = past_key_values
-        if cache is not None:
-            check_cache_matches(cache, self.config)
-        else:
-            # A plain forward still runs on paged state: a throwaway cache when use_cache is off.
-            block = 64
-            room = L + (FORWARD_CACHE_HEADROOM if use_cache else 0)
-            cache = QSAPagedCache(
-                self.config, max_batch_size=B, max_cache_len=max(room, self.config.max_position_embeddings),
-                block_size=block, num_blocks=B * -(-room // block) + 1,
-            )
+        if cache is None:
+            cache = cache_for_bare_forward(self.config, B, L, use_cache)
+        elif getattr(cache, "_checked_for", None) is not self.config:
+            check_cache_matches(cache, self.config)  # once per (cache, model), not in every decode step
+            cache._checked_for = self.config
         cache.begin_step(batch_size=B, query_len=L, attention_mask=attention_mask, device=inputs_embeds.device)
 
         hidden_states = inputs_embeds

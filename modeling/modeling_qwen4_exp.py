@@ -27,7 +27,7 @@ from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
 
 from hf_qsa_cache import QSAPagedCache
-from hf_qsa_cache.generation import PagedCacheGenerationMixin
+from hf_qsa_cache.generation import PagedCacheGenerationMixin, cache_for_bare_forward
 from hf_qsa_cache.ops.qsa import gather_group_raw_keys, paged_rows, score_and_select, sparse_paged_attention
 
 
@@ -264,7 +264,7 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         cache = past_key_values
         if cache is None:
             # Without a cache from the caller the forward still runs on paged state, sized for this call.
-            cache = QSAPagedCache(self.config, max_batch_size=B, max_cache_len=max(L, 1))
+            cache = cache_for_bare_forward(self.config, B, L, use_cache)
         elif not isinstance(cache, QSAPagedCache):
             raise ValueError(f"past_key_values must be a QSAPagedCache, got {type(cache).__name__}")
 
