@@ -41,6 +41,33 @@ class BlockTable:
         self._device_tables: dict[torch.device, torch.Tensor] = {}
         self._version = 0
         self._device_versions: dict[torch.device, int] = {}
+        # Undo record of the step in flight: each row's table length before it, and the blocks it took.
+        self._step_marks: list[int] | None = None
+        self._step_taken: list[int] = []
+
+    # ------------------------------------------------------------------ one step: reserve, then commit or roll back
+    def begin_step(self, num_rows: int) -> None:
+        """Start recording what `reserve` takes, so that `rollback_step` can return it exactly."""
+        self._step_marks = [len(t) for t in self.rows[:num_rows]]
+        self._step_taken = []
+
+    def commit_step(self, new_lengths: list[int]) -> None:
+        """The step landed: free what fell out of the window at the rows' new lengths."""
+        for row, length in enumerate(new_lengths):
+            self.release_out_of_window(row, length)
+        self._step_marks = None
+        self._step_taken = []
+
+    def rollback_step(self) -> None:
+        """Return the table and the free list to exactly what they were at `begin_step`."""
+        if self._step_marks is None:
+            return
+        for row, mark in enumerate(self._step_marks):
+            del self.rows[row][mark:]
+        self.free.extend(reversed(self._step_taken))
+        self._version += 1
+        self._step_marks = None
+        self._step_taken = []
 
     # ------------------------------------------------------------------ planning (no mutation)
     def blocks_needed(self, row: int, new_len: int) -> int:
@@ -50,10 +77,6 @@ class BlockTable:
         first_live = self._first_live_block(new_len)
         # Blocks below the window are never allocated, so they cost nothing.
         return sum(1 for i in range(have, want) if i >= first_live)
-
-    def blocks_freed(self, row: int, new_len: int) -> int:
-        first_live = self._first_live_block(new_len)
-        return sum(1 for i, b in enumerate(self.rows[row][:first_live]) if b != NULL_BLOCK)
 
     def _first_live_block(self, length: int) -> int:
         if self.window is None:
@@ -68,7 +91,9 @@ class BlockTable:
 
         With a window, blocks wholly below it are never allocated, not even for positions a long
         prefill writes in this step: ops read same-step keys and taps from the activations, so those
-        writes go to the null block and a row never holds more than the window's blocks.
+        writes go to the null block and a row never holds more than the window's blocks. Blocks that
+        fall out of the window are freed only when the step commits (`commit_step`), so a step that
+        fails can be undone without losing keys the previous length still reads.
         """
         table = self.rows[row]
         want = -(-new_len // self.block_size)
@@ -82,6 +107,8 @@ class BlockTable:
                 if not self.free:
                     raise ValueError(f"{self.name}: block pool exhausted ({self.num_blocks - 1} blocks)")
                 table.append(self.free.pop())
+                if self._step_marks is not None:
+                    self._step_taken.append(table[-1])
 
     def release_out_of_window(self, row: int, length: int) -> None:
         if self.window is None:

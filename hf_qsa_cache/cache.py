@@ -16,6 +16,8 @@ A forward starts with `begin_step`, which validates the input, reserves blocks a
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -60,6 +62,49 @@ def _text_config(config):
     return config
 
 
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def model_family(config) -> str:
+    """``"qwen4_exp"`` or ``"inkling"``, from the config's layer types."""
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if not layer_types:
+        raise ValueError("QSAPagedCache needs a config with `layer_types`")
+    kinds = set(layer_types)
+    if kinds <= QWEN4_LAYER_TYPES:
+        return "qwen4_exp"
+    if kinds <= INKLING_LAYER_TYPES:
+        return "inkling"
+    raise ValueError(f"QSAPagedCache cannot serve layer types {sorted(kinds)}")
+
+
+# Config fields that fix the shape or meaning of cached state, per family. A model drives a cache
+# only if all of them agree (`QSAPagedCache.check_model`).
+_STATE_FIELDS = {
+    "qwen4_exp": (
+        "hidden_size", "num_key_value_heads", "head_dim", "indexer_head_dim", "indexer_compress_ratio",
+        "linear_conv_kernel_dim", "linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
+        "linear_value_head_dim", "ple_layer_ids", "ple_conv_kernel_size", "ngram_size", "hc_count", "eos_token_id",
+    ),
+    "inkling": (
+        "hidden_size", "num_key_value_heads", "head_dim", "swa_num_key_value_heads", "swa_head_dim",
+        "sliding_window_size", "conv_kernel_size",
+    ),
+}
+
+
+def state_geometry(config) -> dict:
+    """The config fields that decide how a model's cached state is laid out."""
+    family = model_family(config)
+    geometry = {"model_family": family, "layer_types": list(config.layer_types)}
+    for name in _STATE_FIELDS[family]:
+        value = getattr(config, name, None)
+        geometry[name] = list(value) if isinstance(value, (list, tuple)) else value
+    return geometry
+
+
 class QSAPagedCache(Cache):
     """Paged cache for `modeling.Qwen4ExpForCausalLM` and `modeling.InklingForCausalLM`.
 
@@ -88,22 +133,22 @@ class QSAPagedCache(Cache):
         dtype: torch.dtype | None = None,
     ):
         config = _text_config(config)
-        layer_types = list(getattr(config, "layer_types", None) or [])
-        if not layer_types:
-            raise ValueError("QSAPagedCache needs a config with `layer_types`")
-        kinds = set(layer_types)
-        if kinds <= QWEN4_LAYER_TYPES:
-            self.model_family = "qwen4_exp"
-        elif kinds <= INKLING_LAYER_TYPES:
-            self.model_family = "inkling"
-        else:
-            raise ValueError(f"QSAPagedCache cannot serve layer types {sorted(kinds)}")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if max_cache_len < 1:
-            raise ValueError(f"max_cache_len must be >= 1, got {max_cache_len}")
-        if num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        self.model_family = model_family(config)
+        layer_types = list(config.layer_types)
+        _check_int("max_batch_size", max_batch_size, 1)
+        _check_int("max_cache_len", max_cache_len, 1)
+        _check_int("num_speculative_tokens", num_speculative_tokens, 0)
+        if block_size is not None:
+            _check_int("block_size", block_size, 1)
+        if num_blocks is not None:
+            _check_int("num_blocks", num_blocks, 2)
+        if (device is None) != (dtype is None):
+            raise ValueError(
+                f"pass device and dtype together (every store allocated up front) or neither (each layer's stores "
+                f"allocated at its first forward, beside it), got device={device}, dtype={dtype}"
+            )
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating-point torch.dtype (the model's), got {dtype!r}")
 
         self.config = config
         self.layer_types = layer_types
@@ -122,11 +167,19 @@ class QSAPagedCache(Cache):
             layers, self.tables = build_inkling_layers(self, config, block_size, num_blocks)
         super().__init__(layers=layers)
 
+        self.geometry = state_geometry(config)  # what a model must match to drive this cache
         self.lengths = [0] * max_batch_size
         self.num_rows = 0  # rows of the batch in flight
         self.columns_seen = 0  # rectangular length (pads included) that generate() reasons in
         self._step: StepMetadata | None = None
         self._step_by_device: dict[torch.device, StepMetadata] = {}
+        self._undo: tuple | None = None  # host state before the step in flight
+        self._checked_model: tuple | None = None  # (config, dtype) last accepted by check_model
+        self._unusable: str | None = None  # why the cache must be reset() before further use
+        # Stores that one step overwrites in place (recurrent state, the QSA ring) cannot be rolled back.
+        self._exact_rollback = all(
+            store.rollback_safe for layer in layers for store in layer.stores.values()
+        )
         if self.device is not None and self.dtype is not None:
             for layer in self.layers:
                 for store in layer.stores.values():
@@ -225,6 +278,8 @@ class QSAPagedCache(Cache):
         Returns the real-token count of each row. Models that split a long prompt into chunks call
         this first for the whole prompt, so a bad prompt is rejected before any chunk lands.
         """
+        if self._unusable is not None:
+            raise ValueError(self._unusable)
         if batch_size > self.max_batch_size:
             raise ValueError(f"batch of {batch_size} rows exceeds max_batch_size={self.max_batch_size}")
         if self.columns_seen > 0 and batch_size != self.num_rows:
@@ -232,32 +287,83 @@ class QSAPagedCache(Cache):
                 f"the cache holds a batch of {self.num_rows} rows in flight, got {batch_size}; call reset() first"
             )
         counts = self._row_counts(batch_size, query_len, attention_mask)
-        prev = self.lengths[:batch_size]
-        for b in range(batch_size):
-            need = prev[b] + counts[b]
+        self._check_fits([self.lengths[b] + counts[b] for b in range(batch_size)])
+        return counts
+
+    def _check_fits(self, new_lengths: list[int], what: str = "this step") -> None:
+        """Raise unless rows growing to ``new_lengths`` fit ``max_cache_len`` and every block pool."""
+        for b, need in enumerate(new_lengths):
             if need > self.max_cache_len:
                 raise ValueError(f"row {b} needs {need} slots, cache holds max_cache_len={self.max_cache_len}")
         for name, table in self.tables.items():
-            need = sum(table.blocks_needed(b, prev[b] + counts[b]) for b in range(batch_size))
-            freed = sum(table.blocks_freed(b, prev[b]) for b in range(batch_size))
-            if need > len(table.free) + freed:
+            need = sum(table.blocks_needed(b, n) for b, n in enumerate(new_lengths))
+            if need > len(table.free):
                 raise ValueError(
-                    f"{name} block pool: this step needs {need} free blocks of {table.block_size} tokens, "
-                    f"{len(table.free) + freed} are free (num_blocks={table.num_blocks})"
+                    f"{name} block pool: {what} needs {need} free blocks of {table.block_size} tokens, "
+                    f"{len(table.free)} are free (num_blocks={table.num_blocks})"
                 )
-        return counts
+
+    def check_request(self, prompt_lengths: list[int], max_new_tokens: int) -> None:
+        """Raise before any forward unless rows of ``prompt_lengths`` real tokens can each add
+        ``max_new_tokens`` more (what `generate()` checks before its prefill)."""
+        if self._unusable is not None:
+            raise ValueError(self._unusable)
+        if len(prompt_lengths) > self.max_batch_size:
+            raise ValueError(f"batch of {len(prompt_lengths)} rows exceeds max_batch_size={self.max_batch_size}")
+        for b, n in enumerate(prompt_lengths):
+            if n == 0:
+                raise ValueError(f"row {b} of attention_mask has no real token (all zeros): nothing to generate from")
+            if n + max_new_tokens > self.max_cache_len:
+                raise ValueError(
+                    f"row {b} needs {n + max_new_tokens} slots ({n} prompt tokens + max_new_tokens={max_new_tokens}), "
+                    f"cache holds max_cache_len={self.max_cache_len}"
+                )
+        self._check_fits([max(self.lengths[b], n + max_new_tokens) for b, n in enumerate(prompt_lengths)],
+                         what="this generate() call")
+
+    def check_model(self, config, dtype: torch.dtype) -> None:
+        """Raise unless a model of ``config`` running in ``dtype`` lays out its state as this cache does.
+
+        Checked once per (model config, dtype), before the first step changes anything.
+        """
+        if self._checked_model is not None and self._checked_model[0] is config and self._checked_model[1] == dtype:
+            return
+        theirs = state_geometry(_text_config(config))
+        for field in dict.fromkeys([*self.geometry, *theirs]):
+            mine, other = self.geometry.get(field), theirs.get(field)
+            if mine != other:
+                raise ValueError(f"the cache was built for {field}={mine!r}, the model has {field}={other!r}")
+        held = self.dtype or self._allocated_dtype()
+        if held is not None and held != dtype:
+            raise ValueError(
+                f"the cache holds state in dtype={held}, the model runs in dtype={dtype}: build the cache with "
+                f"dtype={dtype} (or without device/dtype, to follow the model)"
+            )
+        self._checked_model = (config, dtype)
+
+    def _allocated_dtype(self) -> torch.dtype | None:
+        for layer in self.layers:
+            for store in layer.stores.values():
+                if store.allocated:
+                    return store.dtype
+        return None
 
     def begin_step(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None,
                    device: torch.device) -> StepMetadata:
-        """Validate, reserve blocks and build this forward's metadata. Nothing changes on error."""
+        """Validate, reserve blocks and build this forward's metadata. Nothing changes on error.
+
+        The step stays open until `commit_step` (it landed) or `abort_step` (a layer raised); `step()`
+        pairs them.
+        """
         counts = self.check_step(batch_size, query_len, attention_mask)
         prev = self.lengths[:batch_size]
         # ---- from here on the step is accepted
+        self._undo = (list(self.lengths), self.num_rows, self.columns_seen)
         if self.columns_seen == 0:
             self._reset_stores()  # rows start fresh: zero GDN/PLE state, EOS n-gram context
-        for name, table in self.tables.items():
+        for table in self.tables.values():
+            table.begin_step(batch_size)
             for b in range(batch_size):
-                table.release_out_of_window(b, prev[b])
                 table.reserve(b, prev[b] + counts[b])
         self.num_rows = batch_size
         self.columns_seen += query_len
@@ -268,15 +374,73 @@ class QSAPagedCache(Cache):
         lengths = torch.tensor([prev, counts], dtype=torch.int32)  # one host-to-device copy per step
         if device.type == "cuda":
             lengths = lengths.to(device, non_blocking=True)
-        prev_t, count_t = lengths[0], lengths[1]
         block_tables = {name: t.device_table(batch_size, device) for name, t in self.tables.items()}
         block_sizes = {name: t.block_size for name, t in self.tables.items()}
-        meta = build_step_metadata(prev_t, count_t, query_len, block_tables, block_sizes, self.qsa)
-        meta.host_prev_len = prev
-        meta.host_count = counts
+        meta = build_step_metadata(lengths[0], lengths[1], query_len, block_tables, block_sizes, self.qsa,
+                                   prev, counts)
         self._step = meta
         self._step_by_device = {device: meta}
         return meta
+
+    def commit_step(self) -> None:
+        """The forward finished: free blocks that fell out of the windows, forget the undo record."""
+        new_lengths = self.lengths[: self.num_rows]
+        for table in self.tables.values():
+            table.commit_step(new_lengths)
+        self._undo = None
+
+    def abort_step(self) -> None:
+        """A layer raised: return to the state before `begin_step`.
+
+        Host state (lengths, block tables, free lists) is restored exactly. Paged stores only gained
+        entries past the restored lengths, which nothing reads. Stores overwritten in place (recurrent
+        state, the QSA ring) cannot be restored: a cache that started the step empty is reset (exact),
+        any other is marked unusable until `reset()`.
+        """
+        if self._undo is None:
+            return
+        started_empty = self._undo[2] == 0
+        self.lengths, self.num_rows, self.columns_seen = self._undo
+        self._undo = None
+        for table in self.tables.values():
+            table.rollback_step()
+        self._step = None
+        self._step_by_device = {}
+        if started_empty:
+            self.reset()
+        elif not self._exact_rollback:
+            self._mark_unusable("a forward failed after it overwrote per-row state in place (recurrent state, "
+                                "QSA ring)")
+
+    def _mark_unusable(self, why: str) -> None:
+        self._unusable = f"{why}; the cache cannot return to its state before that forward: call cache.reset()"
+
+    @contextlib.contextmanager
+    def step(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None, device: torch.device):
+        """``with cache.step(...) as meta:`` run one forward; it lands only if the block exits normally."""
+        meta = self.begin_step(batch_size, query_len, attention_mask, device)
+        try:
+            yield meta
+        except BaseException:
+            self.abort_step()
+            raise
+        self.commit_step()
+
+    @contextlib.contextmanager
+    def chunked_forward(self):
+        """Several steps (the chunks of one long prompt, validated whole beforehand) as one forward:
+        if a chunk fails after earlier chunks landed, a cache that started empty is reset, any other
+        is marked unusable (the earlier chunks cannot be taken back)."""
+        columns_before = self.columns_seen
+        try:
+            yield
+        except BaseException:
+            if self.columns_seen != columns_before:  # some chunk landed
+                if columns_before == 0:
+                    self.reset()
+                else:
+                    self._mark_unusable("a chunked forward failed after some of its chunks landed")
+            raise
 
     def _reset_stores(self) -> None:
         for layer in self.layers:
@@ -346,6 +510,8 @@ class QSAPagedCache(Cache):
         self.columns_seen = 0
         self._step = None
         self._step_by_device = {}
+        self._undo = None
+        self._unusable = None
         self._reset_stores()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

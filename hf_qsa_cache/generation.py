@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 from .cache import QSAPagedCache
 
 # Tokens a row may still add after a forward that was called without a cache but with use_cache.
 FORWARD_CACHE_HEADROOM = 256
+
+_warned_cache_implementation: list[str] = []  # the warning below is said once per process
 
 
 def cache_for_bare_forward(config, batch_size: int, length: int, use_cache) -> QSAPagedCache:
@@ -24,12 +28,30 @@ class PagedCacheGenerationMixin:
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
-        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
-            # generate() passes the batch before it expands rows for beams / returned sequences.
-            rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-            model_kwargs["past_key_values"] = QSAPagedCache(
-                self.config, max_batch_size=rows, max_cache_len=max_cache_length
-            )
+        asked = generation_config.cache_implementation
+        if asked is not None:
+            # A checkpoint's generation_config.json may name a cache; these models only run on QSAPagedCache.
+            if not _warned_cache_implementation:
+                warnings.warn(
+                    f"cache_implementation={asked!r} is ignored: {type(self).__name__} keeps its state in a "
+                    "QSAPagedCache", stacklevel=3,
+                )
+                _warned_cache_implementation.append(asked)
+            generation_config.cache_implementation = None
+        # generate() passes the batch before it expands rows for beams / returned sequences.
+        copies = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        cache = model_kwargs.get("past_key_values")
+        if cache is None and generation_config.use_cache is not False:
+            cache = QSAPagedCache(self.config, max_batch_size=batch_size * copies, max_cache_len=max_cache_length)
+            model_kwargs["past_key_values"] = cache
+        if isinstance(cache, QSAPagedCache):
+            # Refuse a request that cannot fit before the prefill runs, not after tokens were generated.
+            mask = model_kwargs.get("attention_mask")
+            columns = max_cache_length  # generate() never feeds the last token it generates
+            new_tokens = columns - (mask.shape[1] if mask is not None else 0)
+            if mask is not None and mask.dim() == 2 and new_tokens >= 0:
+                prompt = [int(n) for n in mask.sum(dim=1).tolist() for _ in range(copies)]
+                cache.check_request(prompt, new_tokens)
         return super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
@@ -54,14 +76,15 @@ class PagedCacheGenerationMixin:
         past = attention_mask.shape[1] - L if attention_mask is not None else 0
         # Chunks end at L, L - chunk, ...: the last one is whole, so it holds the logits to keep.
         ends = list(range(L, 0, -chunk))[::-1]
-        for start, end in zip([0] + ends[:-1], ends):
+        with past_key_values.chunked_forward():
+            for start, end in zip([0] + ends[:-1], ends):
 
-            def cols(x, dim=-1):
-                return None if x is None else x.narrow(dim, start, end - start)
+                def cols(x, dim=-1):
+                    return None if x is None else x.narrow(dim, start, end - start)
 
-            outputs = self.model(
-                input_ids=cols(input_ids), inputs_embeds=cols(inputs_embeds, 1),
-                attention_mask=None if attention_mask is None else attention_mask[:, : past + end],
-                past_key_values=past_key_values, **{k: cols(v) for k, v in per_token.items()}, **model_kwargs,
-            )
+                outputs = self.model(
+                    input_ids=cols(input_ids), inputs_embeds=cols(inputs_embeds, 1),
+                    attention_mask=None if attention_mask is None else attention_mask[:, : past + end],
+                    past_key_values=past_key_values, **{k: cols(v) for k, v in per_token.items()}, **model_kwargs,
+                )
         return outputs

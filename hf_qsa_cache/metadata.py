@@ -11,7 +11,7 @@ Triton launch (`hf_qsa_cache.ops.metadata_triton`), tested against this function
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -36,13 +36,12 @@ class StepMetadata:
     slots: dict[str, torch.Tensor]  # table name -> [B*L] int64 slot, -1 for pads
     block_tables: dict[str, torch.Tensor]  # table name -> [B, columns] int32 (null block = 0)
     # QSA only (None otherwise)
-    visible_blocks: torch.Tensor | None = None  # [B*L] int32: complete groups the query may score
-    ring_slot: torch.Tensor | None = None  # [B*L] int64: row*cap + pos % cap for a row's last cap tokens
-    compressed_slot: torch.Tensor | None = None  # [B*L] int64: compressed-store row for group-closing tokens
-    compress_work: torch.Tensor | None = None  # [W, 2] int32 (row, group); (-1, -1) when unused
-    # Host copies, for shapes that must be known without a device sync.
-    host_prev_len: list[int] = field(default_factory=list)
-    host_count: list[int] = field(default_factory=list)
+    visible_blocks: torch.Tensor | None  # [B*L] int32: complete groups the query may score
+    ring_slot: torch.Tensor | None  # [B*L] int64: row*cap + pos % cap for a row's last cap tokens
+    compress_work: torch.Tensor | None  # [W, 2] int32 (row, group); (-1, -1) when unused
+    # Host copies of prev_len / count, for shapes that must be known without a device sync.
+    host_prev_len: list[int]
+    host_count: list[int]
 
     @property
     def valid(self) -> torch.Tensor:
@@ -60,24 +59,14 @@ class StepMetadata:
         """The same metadata on another device (for models split across GPUs)."""
 
         def mv(x):
-            return None if x is None else x.to(device, non_blocking=True)
+            if isinstance(x, torch.Tensor):
+                return x.to(device, non_blocking=True)
+            if isinstance(x, dict):
+                return {k: mv(v) for k, v in x.items()}
+            return x  # host ints and lists, None
 
-        return StepMetadata(
-            num_rows=self.num_rows,
-            query_len=self.query_len,
-            prev_len=mv(self.prev_len),
-            count=mv(self.count),
-            token_row=mv(self.token_row),
-            position=mv(self.position),
-            slots={k: mv(v) for k, v in self.slots.items()},
-            block_tables={k: mv(v) for k, v in self.block_tables.items()},
-            visible_blocks=mv(self.visible_blocks),
-            ring_slot=mv(self.ring_slot),
-            compressed_slot=mv(self.compressed_slot),
-            compress_work=mv(self.compress_work),
-            host_prev_len=self.host_prev_len,
-            host_count=self.host_count,
-        )
+        # Field by field, by name: a new field cannot be forgotten or crossed with another.
+        return StepMetadata(**{f.name: mv(getattr(self, f.name)) for f in fields(self)})
 
 
 def max_compress_work(num_rows: int, query_len: int, ratio: int) -> int:
@@ -91,7 +80,9 @@ def build_step_metadata_torch(
     query_len: int,
     block_tables: dict[str, torch.Tensor],
     block_sizes: dict[str, int],
-    qsa: QSAGeometry | None = None,
+    qsa: QSAGeometry | None,
+    host_prev_len: list[int],
+    host_count: list[int],
 ) -> StepMetadata:
     device = prev_len.device
     num_rows = prev_len.shape[0]
@@ -112,48 +103,36 @@ def build_step_metadata_torch(
         return torch.where(ok & in_table, slot, -1)
 
     slots = {name: paged_slot(tab, safe_pos, block_sizes[name], valid) for name, tab in block_tables.items()}
-    meta = StepMetadata(
-        num_rows=num_rows,
-        query_len=query_len,
-        prev_len=prev_len,
-        count=count,
-        token_row=row.to(torch.int32),
-        position=position,
-        slots=slots,
-        block_tables=block_tables,
+    visible_blocks = ring_slot = compress_work = None
+    if qsa is not None:
+        r = qsa.compress_ratio
+        cap = qsa.ring_capacity
+        seq_len = (prev_len + count).long()
+        visible = torch.minimum((safe_pos + 1) // r, seq_len[row] // r)
+        visible_blocks = torch.where(valid, visible, 0).to(torch.int32)
+        # Only the last `cap` real tokens of a row go to the ring; earlier ones would be overwritten anyway.
+        ring_slot = torch.where(valid & (col + cap >= query_len), row * cap + safe_pos % cap, -1)
+        # Work list: (row, group) for every group closed in this forward, row-major.
+        groups_before = prev_len.long() // r
+        groups_after = seq_len // r
+        per_row = (groups_after - groups_before).clamp_min(0)
+        ends = per_row.cumsum(0)
+        starts = ends - per_row
+        w = max_compress_work(num_rows, query_len, r)
+        work = torch.arange(w, device=device)
+        work_row = torch.searchsorted(ends, work, right=True)
+        active = work < ends[-1] if num_rows > 0 else torch.zeros_like(work, dtype=torch.bool)
+        safe_row = work_row.clamp_max(max(num_rows - 1, 0))
+        work_group = groups_before[safe_row] + work - starts[safe_row]
+        compress_work = torch.stack(
+            [torch.where(active, work_row, -1), torch.where(active, work_group, -1)], dim=1
+        ).to(torch.int32)
+    return StepMetadata(
+        num_rows=num_rows, query_len=query_len, prev_len=prev_len, count=count, token_row=row.to(torch.int32),
+        position=position, slots=slots, block_tables=block_tables, visible_blocks=visible_blocks,
+        ring_slot=ring_slot, compress_work=compress_work, host_prev_len=list(host_prev_len),
+        host_count=list(host_count),
     )
-    if qsa is None:
-        return meta
-
-    r = qsa.compress_ratio
-    cap = qsa.ring_capacity
-    seq_len = (prev_len + count).long()
-    visible = torch.minimum((safe_pos + 1) // r, seq_len[row] // r)
-    meta.visible_blocks = torch.where(valid, visible, 0).to(torch.int32)
-    # Only the last `cap` real tokens of a row go to the ring; earlier ones would be overwritten anyway.
-    meta.ring_slot = torch.where(valid & (col + cap >= query_len), row * cap + safe_pos % cap, -1)
-    # A token that closes a group writes that group's compressed key. Compressed row g sits in the
-    # same logical block as tokens g*r .. g*r+r-1, at offset g % (block_size / r).
-    closes = valid & ((safe_pos + 1) % r == 0)
-    rows_per_block = block_sizes[qsa.table] // r
-    group = safe_pos // r
-    meta.compressed_slot = paged_slot(block_tables[qsa.table], group, rows_per_block, closes)
-    # Work list: (row, group) for every group closed in this forward, row-major.
-    groups_before = prev_len.long() // r
-    groups_after = seq_len // r
-    per_row = (groups_after - groups_before).clamp_min(0)
-    ends = per_row.cumsum(0)
-    starts = ends - per_row
-    w = max_compress_work(num_rows, query_len, r)
-    work = torch.arange(w, device=device)
-    work_row = torch.searchsorted(ends, work, right=True)
-    active = work < ends[-1] if num_rows > 0 else torch.zeros_like(work, dtype=torch.bool)
-    safe_row = work_row.clamp_max(max(num_rows - 1, 0))
-    work_group = groups_before[safe_row] + work - starts[safe_row]
-    meta.compress_work = torch.stack(
-        [torch.where(active, work_row, -1), torch.where(active, work_group, -1)], dim=1
-    ).to(torch.int32)
-    return meta
 
 
 def build_step_metadata(
@@ -162,11 +141,14 @@ def build_step_metadata(
     query_len: int,
     block_tables: dict[str, torch.Tensor],
     block_sizes: dict[str, int],
-    qsa: QSAGeometry | None = None,
+    qsa: QSAGeometry | None,
+    host_prev_len: list[int],
+    host_count: list[int],
 ) -> StepMetadata:
     """Dispatch: the Triton kernel on CUDA, the torch specification elsewhere."""
+    args = (prev_len, count, query_len, block_tables, block_sizes, qsa, host_prev_len, host_count)
     if prev_len.is_cuda:
         from .ops.metadata_triton import build_step_metadata_triton
 
-        return build_step_metadata_triton(prev_len, count, query_len, block_tables, block_sizes, qsa)
-    return build_step_metadata_torch(prev_len, count, query_len, block_tables, block_sizes, qsa)
+        return build_step_metadata_triton(*args)
+    return build_step_metadata_torch(*args)

@@ -39,7 +39,7 @@ from hf_qsa_cache.generation import PagedCacheGenerationMixin, cache_for_bare_fo
 from hf_qsa_cache.metadata import StepMetadata
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention
 from hf_qsa_cache.ops.sconv import short_conv
-from hf_qsa_cache.stores.inkling import STREAM_ATTN, STREAM_K, STREAM_MLP, STREAM_V, check_cache_matches
+from hf_qsa_cache.stores.inkling import STREAM_ATTN, STREAM_K, STREAM_MLP, STREAM_V
 
 
 
@@ -210,17 +210,15 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         cache = past_key_values
         if cache is None:
             cache = cache_for_bare_forward(self.config, B, L, use_cache)
-        elif getattr(cache, "_checked_for", None) is not self.config:
-            check_cache_matches(cache, self.config)  # once per (cache, model), not in every decode step
-            cache._checked_for = self.config
-        cache.begin_step(batch_size=B, query_len=L, attention_mask=attention_mask, device=inputs_embeds.device)
+        cache.check_model(self.config, inputs_embeds.dtype)
 
         hidden_states = inputs_embeds
         all_hidden = (hidden_states,) if output_hidden_states else None
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, cache)
-            if output_hidden_states:
-                all_hidden += (hidden_states,)
+        with cache.step(B, L, attention_mask, inputs_embeds.device):
+            for layer in self.layers:
+                hidden_states = layer(hidden_states, cache)
+                if output_hidden_states:
+                    all_hidden += (hidden_states,)
         hidden_states = self.norm(hidden_states)
         return MoeModelOutputWithPast(
             last_hidden_state=hidden_states,

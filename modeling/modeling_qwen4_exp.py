@@ -21,10 +21,11 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.generation import GenerationMixin
 from transformers.integrations.accelerate import force_accelerate_hooks
-from transformers.modeling_outputs import BaseModelOutputWithPast, MoeCausalLMOutputWithPast
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.generation import PagedCacheGenerationMixin, cache_for_bare_forward
@@ -237,6 +238,12 @@ def _positions3(position_ids, meta, B: int, L: int) -> torch.Tensor:
 
 
 class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
+    # As upstream: output_hidden_states / output_router_logits record these modules' outputs.
+    _can_record_outputs = {
+        "router_logits": OutputRecorder(upstream.Qwen4ExpTextTopKRouter, index=0),
+        "hidden_states": Qwen4ExpTextDecoderLayer,
+    }
+
     def __init__(self, config: Qwen4ExpTextConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
@@ -251,8 +258,9 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @capture_outputs
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, ple_input_ids=None, **kwargs) -> BaseModelOutputWithPast:
+                inputs_embeds=None, use_cache=None, ple_input_ids=None, **kwargs) -> MoeModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -267,20 +275,21 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
             cache = cache_for_bare_forward(self.config, B, L, use_cache)
         elif not isinstance(cache, QSAPagedCache):
             raise ValueError(f"past_key_values must be a QSAPagedCache, got {type(cache).__name__}")
+        cache.check_model(self.config, inputs_embeds.dtype)
 
-        meta = cache.begin_step(B, L, attention_mask, inputs_embeds.device)
-        valid = meta.valid.view(B, L)
-        if ple_input_ids is not None:
-            ple_input_ids = torch.where(valid, ple_input_ids, _eos_id(self.config))
-        positions3 = _positions3(position_ids, meta, B, L)
-        cos, sin = self.rotary_emb(inputs_embeds, positions3)
-        flat_positions3 = positions3.reshape(3, -1).t()
+        with cache.step(B, L, attention_mask, inputs_embeds.device) as meta:
+            valid = meta.valid.view(B, L)
+            if ple_input_ids is not None:
+                ple_input_ids = torch.where(valid, ple_input_ids, _eos_id(self.config))
+            positions3 = _positions3(position_ids, meta, B, L)
+            cos, sin = self.rotary_emb(inputs_embeds, positions3)
+            flat_positions3 = positions3.reshape(3, -1).t()
 
-        hidden_states = inputs_embeds.repeat(1, 1, self.config.hc_count)
-        for layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_states = layer(hidden_states, cos, sin, flat_positions3, valid, ple_input_ids, cache)
+            hidden_states = inputs_embeds.repeat(1, 1, self.config.hc_count)
+            for layer in self.layers[: self.config.num_hidden_layers]:
+                hidden_states = layer(hidden_states, cos, sin, flat_positions3, valid, ple_input_ids, cache)
         hidden_states = self.hyper_connection_mixer(hidden_states)
-        return BaseModelOutputWithPast(
+        return MoeModelOutputWithPast(
             last_hidden_state=hidden_states, past_key_values=cache if use_cache is not False else None
         )
 
@@ -297,19 +306,36 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, PagedCacheGenerationMixin, Ge
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+                inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None,
+                output_hidden_states=None, logits_to_keep=0, **kwargs):
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         outputs = self._run_model(
             input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-            past_key_values=past_key_values, logits_to_keep=logits_to_keep, chunkable=labels is None,
+            past_key_values=past_key_values, logits_to_keep=logits_to_keep,
+            # Per-position outputs (loss, hidden states, router logits) need the whole prompt in one forward.
+            chunkable=labels is None and not output_hidden_states and not output_router_logits,
             per_token={"position_ids": position_ids, "ple_input_ids": kwargs.pop("ple_input_ids", None)},
-            use_cache=use_cache,
+            use_cache=use_cache, output_router_logits=output_router_logits, output_hidden_states=output_hidden_states,
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
-        return MoeCausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        aux_loss = None
+        if output_router_logits:
+            aux_loss = upstream.load_balancing_loss_func(
+                outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
+            )
+            if labels is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+        return MoeCausalLMOutputWithPast(
+            loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states, router_logits=outputs.router_logits,
+        )
 
 
 __all__ = ["Qwen4ExpForCausalLM", "Qwen4ExpTextModel", "Qwen4ExpPreTrainedModel"]

@@ -125,6 +125,18 @@ def test_ragged_batch_matches_upstream_per_row(models):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_small_query_chunks_match_upstream(models, monkeypatch):
+    """The attention op's query-chunk loop split into many chunks (score budget forced tiny)."""
+    from hf_qsa_cache.ops import inkling_attention
+
+    upstream, ours = models
+    monkeypatch.setattr(inkling_attention, "SCORE_BUDGET", 64)
+    rows = make_prompts(PROMPT_LENS)
+    ids, mask = left_pad(rows)
+    cache = QSAPagedCache(ours.config, max_batch_size=len(rows), max_cache_len=ids.shape[1] + 8, block_size=BLOCK)
+    assert_rows_match_upstream(upstream, rows, greedy(ours, ids, mask, n=8, past_key_values=cache), 8)
+
+
 def NULL_in(blocks):
     return 0 in blocks
 
@@ -259,8 +271,8 @@ def test_cache_for_another_kernel_or_window_is_refused(models):
     _, ours = models
     ids = torch.randint(3, 128, (1, 5))
     for bad, msg in (
-        (make_config(conv_kernel_size=3), "conv_kernel_size=3, the model's conv_kernel_size is 4"),
-        (make_config(sliding_window_size=9), "sliding_window_size=9, the model's sliding_window_size is 6"),
+        (make_config(conv_kernel_size=3), "built for conv_kernel_size=3, the model has conv_kernel_size=4"),
+        (make_config(sliding_window_size=9), "built for sliding_window_size=9, the model has sliding_window_size=6"),
     ):
         cache = QSAPagedCache(bad, max_batch_size=1, max_cache_len=16)
         with pytest.raises(ValueError, match=msg):

@@ -26,11 +26,16 @@ def _t(values, dtype=torch.int32):
 # ----------------------------------------------------------------------------- hand-checked spec
 
 
+def _spec(prev_len, count, query_len, tables, block_sizes, qsa):
+    return build_step_metadata_torch(prev_len, count, query_len, tables, block_sizes, qsa, prev_len.tolist(),
+                                     count.tolist())
+
+
 def test_spec_single_row_group_boundaries():
     # r=4, prev_len=3, count=5, L=6: one pad column, then positions 3..7 (seq_len 8).
     # "main": block size 4, table [5, 9]; "swa": block size 2, table [7, 0, 3] (null entry, and too
     # narrow for positions 6 and 7, which live in logical block 3).
-    meta = build_step_metadata_torch(
+    meta = _spec(
         _t([3]),
         _t([5]),
         6,
@@ -48,13 +53,11 @@ def test_spec_single_row_group_boundaries():
     assert meta.visible_blocks.tolist() == [0, 1, 1, 1, 1, 2]
     # cap 4: only columns 2..5 (positions 4..7) go to the ring, at pos % 4.
     assert meta.ring_slot.tolist() == [-1, -1, 0, 1, 2, 3]
-    # one compressed row per main block: group 0 -> block 5, group 1 -> block 9.
-    assert meta.compressed_slot.tolist() == [-1, 5, -1, -1, -1, 9]
     # groups [3 // 4, 8 // 4) = {0, 1}; W = 1 * ceil(6 / 4) = 2.
     assert meta.compress_work.tolist() == [[0, 0], [0, 1]]
     for name, dtype in [
         ("token_row", torch.int32), ("position", torch.int64), ("visible_blocks", torch.int32),
-        ("ring_slot", torch.int64), ("compressed_slot", torch.int64), ("compress_work", torch.int32),
+        ("ring_slot", torch.int64), ("compress_work", torch.int32),
     ]:
         assert getattr(meta, name).dtype == dtype, name
     assert all(s.dtype == torch.int64 for s in meta.slots.values())
@@ -63,7 +66,7 @@ def test_spec_single_row_group_boundaries():
 def test_spec_ragged_rows_with_empty_row():
     # r=2, L=3, cap 2; rows: (prev 4, count 3), (prev 9, count 0: all pads), (prev 1, count 2).
     # "main": block size 4 (2 compressed rows per block), tables [3, 8, 0], [0, 0, 0], [6, 0, 0].
-    meta = build_step_metadata_torch(
+    meta = _spec(
         _t([4, 9, 1]),
         _t([3, 0, 2]),
         3,
@@ -78,19 +81,18 @@ def test_spec_ragged_rows_with_empty_row():
     assert meta.visible_blocks.tolist() == [2, 3, 3, 0, 0, 0, 0, 1, 1]
     # only columns 1, 2 go to the ring: row * 2 + pos % 2.
     assert meta.ring_slot.tolist() == [-1, 1, 0, -1, -1, -1, -1, 5, 4]
-    # row 0 pos 5 closes group 2 (logical block 1 -> 8, offset 0); row 2 pos 1 closes group 0 (block 6).
-    assert meta.compressed_slot.tolist() == [-1, 16, -1, -1, -1, -1, -1, 12, -1]
     # row 0 closes group 2, row 1 none, row 2 group 0; W = 3 * ceil(3 / 2) = 6.
     assert meta.compress_work.tolist() == [[0, 2], [2, 0], [-1, -1], [-1, -1], [-1, -1], [-1, -1]]
     assert max_compress_work(3, 3, 2) == 6
 
 
 def test_spec_without_qsa():
-    meta = build_step_metadata_torch(_t([0, 2]), _t([1, 2]), 2, {"main": _t([[4], [7]])}, {"main": 8})
+    meta = _spec(_t([0, 2]), _t([1, 2]), 2, {"main": _t([[4], [7]])}, {"main": 8}, None)
     assert meta.position.tolist() == [-1, 0, 2, 3]
     assert meta.slots["main"].tolist() == [-1, 32, 58, 59]
     assert meta.visible_blocks is None and meta.ring_slot is None
-    assert meta.compressed_slot is None and meta.compress_work is None
+    assert meta.compress_work is None
+    assert meta.host_prev_len == [0, 2] and meta.host_count == [1, 2]
 
 
 # ----------------------------------------------------------------------------- triton vs spec
@@ -175,13 +177,16 @@ def _edge_cases():
 
 def _compare(case, build_triton):
     """First mismatch as a string, or None."""
-    expected = build_step_metadata_torch(*case)
-    got = build_triton(*case)
+    host = (case[0].tolist(), case[1].tolist())
+    expected = build_step_metadata_torch(*case, *host)
+    got = build_triton(*case, *host)
     if (got.num_rows, got.query_len) != (expected.num_rows, expected.query_len):
         return "num_rows/query_len differ"
     if got.prev_len is not case[0] or got.count is not case[1] or got.block_tables is not case[3]:
         return "inputs are not passed through unchanged"
-    fields = ["token_row", "position", "visible_blocks", "ring_slot", "compressed_slot", "compress_work"]
+    if (got.host_prev_len, got.host_count) != (expected.host_prev_len, expected.host_count):
+        return "host copies differ"
+    fields = ["token_row", "position", "visible_blocks", "ring_slot", "compress_work"]
     pairs = [(f, getattr(expected, f), getattr(got, f)) for f in fields]
     if sorted(expected.slots) != sorted(got.slots):
         return f"slot tables differ: {sorted(expected.slots)} vs {sorted(got.slots)}"

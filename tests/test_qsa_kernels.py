@@ -124,6 +124,35 @@ def test_sparse_attention_torch_matches_loops(shape):
     torch.testing.assert_close(qsa.sparse_paged_attention(*case), _loop_attention(*case), atol=1e-5, rtol=1e-5)
 
 
+def test_selection_breaks_ties_towards_the_lower_group():
+    """Equal scores (relu makes exact zeros common) keep the lowest group indices, whatever the chunking."""
+    from hf_qsa_cache.metadata import QSAGeometry, build_step_metadata_torch
+
+    ratio, block_size, topk = 2, 4, 3
+    prev, count = torch.tensor([20, 13], dtype=torch.int32), torch.tensor([2, 1], dtype=torch.int32)
+    table = torch.tensor([[5, 2, 7, 1, 9, 3], [4, 8, 6, 10, 0, 0]], dtype=torch.int32)
+    meta = build_step_metadata_torch(prev, count, 2, {"main": table}, {"main": block_size},
+                                     QSAGeometry(ratio, ratio), prev.tolist(), count.tolist())
+    g = torch.Generator().manual_seed(0)
+    compressed = torch.randn(11, block_size // ratio, 8, generator=g)
+    # Groups 0, 1, 4 and 6 of row 0 share one key (equal positive scores); group 7 scores highest.
+    flat = compressed.view(-1, 8)
+    slot = lambda grp: int(table[0, grp // 2]) * 2 + grp % 2  # noqa: E731
+    tied = flat[slot(0)].abs()
+    for grp in (0, 1, 4, 6):
+        flat[slot(grp)] = tied
+    flat[slot(7)] = tied * 3
+    q_index = torch.ones(4, 2, 8)  # every head scores a key by its sum
+    for budget in (1 << 26, 3):  # one chunk, and one token per chunk
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(qsa, "_CHUNK_ELEMENTS", budget)
+            selected = qsa.score_and_select(q_index, compressed, meta, "main", block_size, ratio, topk)
+        groups = [sorted({int(p) // ratio for p in selected[t, : topk * ratio] if p >= 0}) for t in range(4)]
+        # Row 0, position 20 (10 visible groups): 7 first, then the tied 0/1/4/6 group keeps the lowest (0, 1).
+        assert groups[0] == [0, 1, 7], groups
+        assert groups[1] == [0, 1, 7], groups
+
+
 # ----------------------------------------------------------------------------- triton vs torch
 
 
@@ -163,8 +192,8 @@ def _check_selection(seed: int, num_heads: int, head_dim: int, ratio: int, dtype
     columns = -(-int((prev + count).max()) // block_size)
     table, num_blocks = _paged_table(g, num_rows, columns)
     meta = build_step_metadata_torch(prev, count, query_len, {"main": table}, {"main": block_size},
-                                     QSAGeometry(compress_ratio=ratio, ring_capacity=ratio))
-    meta.host_prev_len, meta.host_count = prev.tolist(), count.tolist()
+                                     QSAGeometry(compress_ratio=ratio, ring_capacity=ratio), prev.tolist(),
+                                     count.tolist())
     q_index = torch.randn(num_rows * query_len, num_heads, head_dim, generator=g).to(dtype)
     compressed = torch.randn(num_blocks, block_size // ratio, head_dim, generator=g).to(dtype)
     max_groups = max(s // ratio for s in meta.host_seq_len)

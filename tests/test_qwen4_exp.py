@@ -52,6 +52,20 @@ def test_ragged_batch_matches_upstream_per_row(pair):
     assert len(set(out.sequences[:, -NEW_TOKENS:].flatten().tolist())) > 3, "degenerate model output"
 
 
+def test_small_chunks_and_copied_metadata_match_upstream(pair, monkeypatch):
+    """The score / attention chunk loops split every forward (budget forced tiny), and every layer reads
+    step metadata that went through `StepMetadata.to()` (what a split model's second device sees)."""
+    from hf_qsa_cache.ops import qsa
+
+    ref, ours = pair
+    monkeypatch.setattr(qsa, "_CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(QSAPagedCache, "step_metadata", lambda self, device: self._step.to(device))
+    prompts = random_prompts([29, 7, 18], seed=6)
+    ids, mask = left_pad(prompts)
+    out = _generate(ours, ids, mask, QSAPagedCache(ours.config, max_batch_size=3, max_cache_len=64, block_size=4))
+    _assert_rows_match(ref, out, ids, prompts)
+
+
 def test_selection_changes_the_result(pair):
     """Guard against a test config where sparse selection is a no-op: dense attention must differ."""
     ref, ours = pair
@@ -205,7 +219,7 @@ def test_bad_construction():
         QSAPagedCache(config, 2, 32, block_size=5)
     with pytest.raises(ValueError, match="cannot serve layer types"):
         QSAPagedCache(LlamaConfig(num_hidden_layers=2, layer_types=["full_attention"] * 2), 2, 32)
-    with pytest.raises(ValueError, match="max_batch_size must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_batch_size must be an integer >= 1, got 0"):
         QSAPagedCache(config, 0, 32)
 
 

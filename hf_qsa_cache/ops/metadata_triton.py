@@ -43,7 +43,6 @@ def _paged_slot(table_ptr, stride_row, stride_col, width, row, pos, block_size, 
     do_not_specialize=[
         "num_rows", "query_len", "num_tokens", "num_work",
         "t0_stride_row", "t0_width", "t1_stride_row", "t1_width", "t2_stride_row", "t2_width",
-        "cmp_stride_row", "cmp_width",
     ]
 )
 def _step_metadata_kernel(
@@ -52,8 +51,7 @@ def _step_metadata_kernel(
     t0_ptr, t0_stride_row, t0_stride_col, t0_width, t0_block_size, slot0_ptr,
     t1_ptr, t1_stride_row, t1_stride_col, t1_width, t1_block_size, slot1_ptr,
     t2_ptr, t2_stride_row, t2_stride_col, t2_width, t2_block_size, slot2_ptr,
-    visible_ptr, ring_slot_ptr, compressed_slot_ptr, work_ptr,  # [N] i32, [N] i64, [N] i64, [W, 2] i32
-    cmp_ptr, cmp_stride_row, cmp_stride_col, cmp_width, cmp_rows_per_block,  # the QSA table again
+    visible_ptr, ring_slot_ptr, work_ptr,  # [N] i32, [N] i64, [W, 2] i32
     num_rows, query_len, num_tokens, num_work,
     ratio, ring_capacity,
     NUM_TABLES: tl.constexpr,
@@ -101,14 +99,6 @@ def _step_metadata_kernel(
         ring = tl.where(in_ring, row64 * ring_capacity + safe_pos % ring_capacity, -1)
         tl.store(ring_slot_ptr + offs, ring, mask=in_range)
 
-        # A group-closing token writes its group's compressed key, stored in the QSA table's block
-        # that holds the group's raw tokens (`cmp_rows_per_block` compressed rows per block).
-        closes = valid & ((safe_pos + 1) % ratio == 0)
-        cslot = _paged_slot(
-            cmp_ptr, cmp_stride_row, cmp_stride_col, cmp_width, row64, safe_pos // ratio, cmp_rows_per_block, closes
-        )
-        tl.store(compressed_slot_ptr + offs, cslot, mask=in_range)
-
         # ---- compress work: item w is the (w - start[b])-th group closed by row b, where b is the
         # row whose [start[b], end[b]) range of the row-major concatenation contains w.
         if pid * BLOCK < num_work:  # programs past the work list skip the row scan
@@ -143,7 +133,9 @@ def build_step_metadata_triton(
     query_len: int,
     block_tables: dict[str, torch.Tensor],
     block_sizes: dict[str, int],
-    qsa: QSAGeometry | None = None,
+    qsa: QSAGeometry | None,
+    host_prev_len: list[int],
+    host_count: list[int],
 ) -> StepMetadata:
     """Same contract and outputs as `build_step_metadata_torch`, in one kernel launch."""
     if len(block_tables) > MAX_TABLES:
@@ -156,16 +148,6 @@ def build_step_metadata_triton(
     token_row = torch.empty(n, dtype=torch.int32, device=device)
     position = torch.empty(n, dtype=torch.int64, device=device)
     slots = {name: torch.empty(n, dtype=torch.int64, device=device) for name in names}
-    meta = StepMetadata(
-        num_rows=num_rows,
-        query_len=query_len,
-        prev_len=prev_len,
-        count=count,
-        token_row=token_row,
-        position=position,
-        slots=slots,
-        block_tables=block_tables,
-    )
 
     # Unused pointer slots get a harmless stand-in; the kernel never touches them.
     table_args = []
@@ -176,22 +158,26 @@ def build_step_metadata_triton(
         else:
             table_args += [prev_len, 0, 0, 0, 1, position]
 
+    visible_blocks = ring_slot = compress_work = None
     if qsa is not None:
         r = qsa.compress_ratio
         w = max_compress_work(num_rows, query_len, r)
-        meta.visible_blocks = torch.empty(n, dtype=torch.int32, device=device)
-        meta.ring_slot = torch.empty(n, dtype=torch.int64, device=device)
-        meta.compressed_slot = torch.empty(n, dtype=torch.int64, device=device)
-        meta.compress_work = torch.empty(w, 2, dtype=torch.int32, device=device)
-        cmp = block_tables[qsa.table]
-        qsa_args = [meta.visible_blocks, meta.ring_slot, meta.compressed_slot, meta.compress_work,
-                    cmp, cmp.stride(0), cmp.stride(1), cmp.shape[1], block_sizes[qsa.table] // r]
+        visible_blocks = torch.empty(n, dtype=torch.int32, device=device)
+        ring_slot = torch.empty(n, dtype=torch.int64, device=device)
+        compress_work = torch.empty(w, 2, dtype=torch.int32, device=device)
+        qsa_args = [visible_blocks, ring_slot, compress_work]
         ratio, ring_capacity = r, qsa.ring_capacity
     else:
         w = 0
-        qsa_args = [position, position, position, position, prev_len, 0, 0, 0, 1]
+        qsa_args = [position, position, position]
         ratio, ring_capacity = 1, 1
 
+    meta = StepMetadata(
+        num_rows=num_rows, query_len=query_len, prev_len=prev_len, count=count, token_row=token_row,
+        position=position, slots=slots, block_tables=block_tables, visible_blocks=visible_blocks,
+        ring_slot=ring_slot, compress_work=compress_work, host_prev_len=list(host_prev_len),
+        host_count=list(host_count),
+    )
     if n == 0:  # nothing to compute (and w <= n, so the work list is empty too)
         return meta
 

@@ -66,9 +66,16 @@ class InklingConvStore:
         self.head_width = sum(self.widths)
         self.state: torch.Tensor | None = None  # [num_blocks, K, H, D], model dtype
 
+    # paged by position, like K/V: a rolled-back step leaves nothing that is read
+    rollback_safe = True
+
     @property
     def allocated(self) -> bool:
         return self.state is not None
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return None if self.state is None else self.state.dtype
 
     def allocate(self, device, dtype) -> None:
         shape = (self.num_blocks, self.kernel_size, self.num_heads, self.head_width)
@@ -120,33 +127,6 @@ def validate_inkling_config(config, block_size: int | None) -> None:
             )
 
 
-def check_cache_matches(cache, config) -> None:
-    """A model may only drive a cache built for its own conv kernel, window and layer schedule."""
-    if getattr(cache, "model_family", None) != "inkling":
-        raise ValueError(f"this cache serves {getattr(cache, 'model_family', None)!r} layers, not Inkling's")
-    if list(cache.layer_types) != list(config.layer_types):
-        raise ValueError(f"the cache was built for layer_types={cache.layer_types}, the model has {config.layer_types}")
-    spec = cache.num_speculative_tokens
-    conv = cache.tables["conv"]
-    if conv.block_size != config.conv_kernel_size:
-        raise ValueError(
-            f"the cache's conv window holds conv_kernel_size={conv.block_size}, the model's conv_kernel_size is "
-            f"{config.conv_kernel_size}"
-        )
-    if "sliding" in cache.tables and cache.tables["sliding"].window - spec != config.sliding_window_size:
-        raise ValueError(
-            f"the cache keeps sliding_window_size={cache.tables['sliding'].window - spec}, the model's "
-            f"sliding_window_size is {config.sliding_window_size}"
-        )
-    for i, (layer, kind) in enumerate(zip(cache.layers, config.layer_types)):
-        heads, head_dim = _layer_geometry(config, kind)
-        if (layer.kv.num_kv_heads, layer.kv.head_dim) != (heads, head_dim):
-            raise ValueError(
-                f"layer {i}: the cache holds {layer.kv.num_kv_heads} KV heads x {layer.kv.head_dim}, "
-                f"the model has {heads} x {head_dim}"
-            )
-
-
 def build_inkling_layers(cache, config, block_size: int | None, num_blocks: int | None):
     """Stores and block tables of an Inkling `QSAPagedCache`.
 
@@ -191,5 +171,5 @@ def build_inkling_layers(cache, config, block_size: int | None, num_blocks: int 
     return layers, tables
 
 
-__all__ = ["build_inkling_layers", "check_cache_matches", "InklingConvStore", "SlidingKV",
+__all__ = ["build_inkling_layers", "InklingConvStore", "SlidingKV",
            "STREAM_K", "STREAM_V", "STREAM_ATTN", "STREAM_MLP"]

@@ -26,9 +26,16 @@ class LinearAttentionState:
         self.ple_conv: torch.Tensor | None = None  # model dtype
         self.ngram_ids: torch.Tensor | None = None  # int64 token ids, EOS when fresh
 
+    # overwritten in place every step
+    rollback_safe = False
+
     @property
     def allocated(self) -> bool:
         return self.conv is not None
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return None if self.conv is None else self.conv.dtype
 
     def allocate(self, device, dtype) -> None:
         self.conv = torch.zeros(self.conv_shape, device=device, dtype=dtype)

@@ -24,9 +24,16 @@ class PagedKV:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
+    # written only at positions past the row's length: a rolled-back step leaves nothing that is read
+    rollback_safe = True
+
     @property
     def allocated(self) -> bool:
         return self.keys is not None
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return None if self.keys is None else self.keys.dtype
 
     def allocate(self, device, dtype) -> None:
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)

@@ -35,9 +35,16 @@ class QSAIndexStore:
         self.ring_positions: torch.Tensor | None = None  # [(max_rows + 1) * capacity, 3] int64
         self.compressed: torch.Tensor | None = None  # [num_blocks, rows_per_block, Di]
 
+    # the ring is overwritten in place by position modulo its capacity
+    rollback_safe = False
+
     @property
     def allocated(self) -> bool:
         return self.compressed is not None
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return None if self.compressed is None else self.compressed.dtype
 
     def allocate(self, device, dtype) -> None:
         ring_rows = (self.max_rows + 1) * self.capacity
