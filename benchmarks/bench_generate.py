@@ -1,11 +1,12 @@
 """Upstream transformers vs hf-qsa-cache, side by side in one run, same random weights, bf16, one GPU.
 
     python benchmarks/bench_generate.py --model qwen4_exp --cases 1x16384 8x4096 --new-tokens 32
-    python benchmarks/bench_generate.py --model inkling --cases 1x16384 --new-tokens 32
+    python benchmarks/bench_generate.py --model inkling --layers 6 --cases 1x16384 --new-tokens 32
 
 Reports prefill seconds, decode ms/step and peak GPU memory for each (batch x prompt length), for
 upstream (`transformers.<Model>ForCausalLM` with its DynamicCache) and ours (`modeling.<Model>` with
-`QSAPagedCache`), plus whether the greedy tokens agree. Shapes follow DESIGN.md section 6.
+`QSAPagedCache`), plus whether the greedy tokens agree. The shapes built below are listed in
+benchmarks/RESULTS.md ("Benchmark shapes").
 """
 
 from __future__ import annotations

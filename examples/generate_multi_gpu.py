@@ -1,25 +1,32 @@
-"""Multi-GPU generation with QSAPagedCache (falls back to the CPU when no GPU is visible).
+"""Generation with QSAPagedCache over several GPUs, or several CPU processes.
 
 (a) One model split across all visible GPUs with an accelerate device map; each layer's cache
-    stores live on that layer's GPU, and greedy tokens are checked against a one-device run:
+    stores live on that layer's GPU, and greedy tokens are checked against a one-GPU run
+    (with no GPU there is nothing to split or compare, and it says so):
 
         python examples/generate_multi_gpu.py split [--model inkling]
 
-(b) Data parallel: one model and one cache per process, prompts split across processes, results
-    gathered back in prompt order:
+(b) Data parallel with torch.distributed: one model and one cache per process, each process takes a
+    strided share of the prompts, results are gathered back in prompt order on rank 0 and checked
+    against rank 0 generating all prompts alone. NCCL with one GPU per process when GPUs are
+    visible, else gloo on the CPU; without a launcher it runs as one process:
 
-        accelerate launch --num_processes 2 examples/generate_multi_gpu.py data-parallel
+        torchrun --nproc_per_node 2 examples/generate_multi_gpu.py data-parallel
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
+import sys
 import time
 
 import torch
-from accelerate import PartialState, dispatch_model, infer_auto_device_map
-from accelerate.utils import gather_object, get_balanced_memory
+import torch.distributed as dist
+from accelerate import dispatch_model, infer_auto_device_map
+from accelerate.utils import get_balanced_memory
 
 from hf_qsa_cache import QSAPagedCache
 
@@ -85,29 +92,60 @@ def split(args) -> None:
     print(f"{len(batch) * args.new_tokens / elapsed:.1f} tokens/s")
     for i in range(gpus):
         print(f"  cuda:{i} peak memory {torch.cuda.max_memory_allocated(i) / 2**20:.1f} MiB")
-    if reference is not None:
-        print(f"tokens identical to a one-GPU run: {tokens == reference}")
+    if reference is None:
+        print("no GPU visible: ran on the CPU, one device, nothing to compare against")
+    else:
+        note = " (one GPU visible: nothing was split)" if gpus == 1 else ""
+        print(f"tokens identical to a one-GPU run: {tokens == reference}{note}")
     for i, row in enumerate(tokens[:4]):
         print(f"row {i}: {row}")
 
 
 def data_parallel(args) -> None:
-    state = PartialState()
-    model = build(args.model).to(state.device)
+    # torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain `python` run is one process on its own.
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        backend, device = "nccl", torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        backend, device = "gloo", torch.device("cpu")
+    if world > 1:
+        dist.init_process_group(backend)
+
+    model = build(args.model).to(device)
     batch = prompts(args.prompts, model.config.vocab_size)
-    indexed = list(enumerate(batch))
-    state.wait_for_everyone()
+    mine = list(range(rank, len(batch), world))  # strided share: rank r takes prompts r, r + world, ...
     start = time.perf_counter()
-    with state.split_between_processes(indexed) as mine:
-        results = list(zip([i for i, _ in mine], generate(model, [p for _, p in mine], args.new_tokens, state.device)))
-    gathered = gather_object(results)
-    state.wait_for_everyone()
+    tokens = generate(model, [batch[i] for i in mine], args.new_tokens, device) if mine else []
+    results = list(zip(mine, tokens))
+    gathered = [results]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, results)
     elapsed = time.perf_counter() - start
-    if state.is_main_process:
-        ordered = [tokens for _, tokens in sorted(gathered, key=lambda item: item[0])]
-        print(f"{state.num_processes} process(es): {len(batch) * args.new_tokens / elapsed:.1f} tokens/s")
+
+    same = True
+    if rank == 0:
+        ordered = [row for _, row in sorted(item for part in gathered for item in part)]
+        setup = f"backend {backend}, {world} processes" if world > 1 else "one plain process (no launcher)"
+        print(f"{setup} on {device.type}")
+        for r, part in enumerate(gathered):
+            print(f"  rank {r} took {len(part)} prompt(s): {[i for i, _ in part]}")
+        print(f"{len(batch) * args.new_tokens / elapsed:.1f} tokens/s")
+        reference = generate(model, batch, args.new_tokens, device)  # all prompts, this process alone
+        same = ordered == reference
+        print(f"tokens identical to a one-process run: {same}")
         for i, row in enumerate(ordered[:4]):
             print(f"row {i}: {row}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"backend": backend, "world_size": world, "ranks": [[i for i, _ in part] for part in gathered],
+                           "tokens": ordered, "reference": reference}, f)
+    if world > 1:
+        dist.destroy_process_group()
+    if not same:
+        sys.exit(1)
 
 
 def main() -> None:
@@ -116,6 +154,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--out", default=None, help="data-parallel: rank 0 writes the tokens here as JSON")
     args = parser.parse_args()
     split(args) if args.mode == "split" else data_parallel(args)
 
