@@ -2,15 +2,22 @@
 
 A `BlockTable` owns one pool of fixed-size blocks (a free list of physical block ids) and, for
 every cache row, the list of physical blocks that hold that row's logical positions:
-logical position ``p`` of row ``r`` lives in physical block ``table[r][p // block_size]`` at offset
+logical position ``p`` of row ``r`` lives in physical block ``rows[r][p // block_size]`` at offset
 ``p % block_size``.
 
 Physical block 0 is the *null block*: it is never handed out. Table entries that point at it are
 unallocated (or released because they fell out of a sliding window), and pad tokens write into it,
 so writes never need a mask.
 
-All bookkeeping here is host-side Python; the device copy of the table is refreshed only when it
-changed (`device_table`).
+Windowed tables (``window`` set) keep per row only the blocks a next query can read: ``base[r]`` is
+the first logical block that may still hold a live block, so releasing old blocks walks from there
+and no step ever scans a row's history.
+
+The device copy is one persistent ``[max_rows, max_columns]`` int32 tensor (``max_columns`` covers
+``max_len`` positions), so its address never changes (CUDA graphs replay against it). The host
+records every entry it changes; `device_table` writes only those entries, so a step's host and copy
+work is proportional to the blocks it touched, never to the rows' lengths. ``work`` counts table
+entries visited by the host, for tests of that bound.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ NULL_BLOCK = 0
 
 
 class BlockTable:
-    def __init__(self, name: str, num_blocks: int, block_size: int, max_rows: int, window: int | None = None):
+    def __init__(self, name: str, num_blocks: int, block_size: int, max_rows: int, max_len: int,
+                 window: int | None = None):
         if block_size <= 0:
             raise ValueError(f"{name}: block_size must be positive, got {block_size}")
         if num_blocks < 2:
@@ -30,20 +38,28 @@ class BlockTable:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_rows = max_rows
+        self.max_columns = max(1, -(-max_len // block_size))
         # A window of w means position p only needs positions >= p - w + 1 afterwards; older blocks are freed.
         self.window = window
+        self.work = 0
+        self._device: torch.Tensor | None = None
         self.reset()
 
     def reset(self) -> None:
         # Hand out low ids first (pop from the end of a descending list).
         self.free = list(range(self.num_blocks - 1, NULL_BLOCK, -1))
         self.rows: list[list[int]] = [[] for _ in range(self.max_rows)]
-        self._device_tables: dict[torch.device, torch.Tensor] = {}
-        self._version = 0
-        self._device_versions: dict[torch.device, int] = {}
+        self.base = [0] * self.max_rows  # windowed: entries below base are all the null block
+        self._changed: dict[tuple[int, int], int] = {}  # (row, column) -> block, not yet on the device
+        if self._device is not None:
+            self._device.zero_()
         # Undo record of the step in flight: each row's table length before it, and the blocks it took.
         self._step_marks: list[int] | None = None
         self._step_taken: list[int] = []
+
+    def _set(self, row: int, column: int, block: int) -> None:
+        self._changed[(row, column)] = block
+        self.work += 1
 
     # ------------------------------------------------------------------ one step: reserve, then commit or roll back
     def begin_step(self, num_rows: int) -> None:
@@ -63,9 +79,8 @@ class BlockTable:
         if self._step_marks is None:
             return
         for row, mark in enumerate(self._step_marks):
-            del self.rows[row][mark:]
+            self._drop_columns(row, mark, return_blocks=False)
         self.free.extend(reversed(self._step_taken))
-        self._version += 1
         self._step_marks = None
         self._step_taken = []
 
@@ -73,10 +88,8 @@ class BlockTable:
     def blocks_needed(self, row: int, new_len: int) -> int:
         """Free blocks `reserve(row, new_len)` would take from the pool."""
         want = -(-new_len // self.block_size)
-        have = len(self.rows[row])
-        first_live = self._first_live_block(new_len)
-        # Blocks below the window are never allocated, so they cost nothing.
-        return sum(1 for i in range(have, want) if i >= first_live)
+        start = max(len(self.rows[row]), self._first_live_block(new_len))  # blocks below the window cost nothing
+        return max(0, want - start)
 
     def _first_live_block(self, length: int) -> int:
         if self.window is None:
@@ -97,46 +110,72 @@ class BlockTable:
         """
         table = self.rows[row]
         want = -(-new_len // self.block_size)
+        if want > self.max_columns:
+            raise ValueError(f"{self.name}: row {row} needs {want} blocks, the table holds {self.max_columns}")
         keep_from = self._first_live_block(new_len)
-        if len(table) < want:
-            self._version += 1  # the device copy is refreshed only when a table changed
+        if len(table) < keep_from:  # wholly below the window: null entries (already zero on the device)
+            table.extend([NULL_BLOCK] * (keep_from - len(table)))
         while len(table) < want:
-            if len(table) < keep_from:
-                table.append(NULL_BLOCK)
-            else:
-                if not self.free:
-                    raise ValueError(f"{self.name}: block pool exhausted ({self.num_blocks - 1} blocks)")
-                table.append(self.free.pop())
-                if self._step_marks is not None:
-                    self._step_taken.append(table[-1])
+            if not self.free:
+                raise ValueError(f"{self.name}: block pool exhausted ({self.num_blocks - 1} blocks)")
+            table.append(self.free.pop())
+            self._set(row, len(table) - 1, table[-1])
+            if self._step_marks is not None:
+                self._step_taken.append(table[-1])
 
     def release_out_of_window(self, row: int, length: int) -> None:
         if self.window is None:
             return
         table = self.rows[row]
-        first_live = self._first_live_block(length)
-        changed = False
-        for i in range(min(first_live, len(table))):
+        first_live = min(self._first_live_block(length), len(table))
+        for i in range(self.base[row], first_live):
+            self.work += 1
             if table[i] != NULL_BLOCK:
                 self.free.append(table[i])
                 table[i] = NULL_BLOCK
-                changed = True
-        if changed:
-            self._version += 1
+                self._set(row, i, NULL_BLOCK)
+        self.base[row] = max(self.base[row], first_live)
+
+    def _drop_columns(self, row: int, keep: int, return_blocks: bool) -> None:
+        table = self.rows[row]
+        while len(table) > keep:
+            b = table.pop()
+            if b != NULL_BLOCK:
+                self._set(row, len(table), NULL_BLOCK)
+                if return_blocks:
+                    self.free.append(b)
+        self.base[row] = min(self.base[row], len(table))
 
     def truncate(self, row: int, new_len: int) -> None:
         """Return the blocks past ``new_len`` to the pool (crop)."""
-        table = self.rows[row]
-        want = -(-new_len // self.block_size)
-        if len(table) > want:
-            self._version += 1
-        while len(table) > want:
-            b = table.pop()
-            if b != NULL_BLOCK:
-                self.free.append(b)
+        self._drop_columns(row, -(-new_len // self.block_size), return_blocks=True)
 
     def release_row(self, row: int) -> None:
         self.truncate(row, 0)
+        self.base[row] = 0
+
+    def reorder(self, src: list[int]) -> tuple[list[int], list[int]]:
+        """Row ``i`` takes a copy of row ``src[i]``'s blocks (beam search).
+
+        Only rows that change are touched: their sources' blocks are read first (a source may itself
+        be replaced), their own are freed, then each gets fresh blocks. Returns ``(old, new)``
+        physical blocks: the stores copy block ``old[j]`` into ``new[j]``.
+        """
+        moved = [i for i in range(len(src)) if src[i] != i]
+        plan = [(i, list(self.rows[src[i]]), self.base[src[i]]) for i in moved]
+        old = [b for _, blocks, _ in plan for b in blocks if b != NULL_BLOCK]
+        for i, _, _ in plan:
+            self.release_row(i)
+        new = []
+        for i, blocks, base in plan:
+            for column, b in enumerate(blocks):
+                fresh = NULL_BLOCK if b == NULL_BLOCK else self.free.pop()
+                self.rows[i].append(fresh)
+                if fresh != NULL_BLOCK:
+                    self._set(i, column, fresh)
+                    new.append(fresh)
+            self.base[i] = base
+        return old, new
 
     # ------------------------------------------------------------------ views
     def blocks_in_use(self) -> int:
@@ -145,23 +184,24 @@ class BlockTable:
     def row_blocks_in_use(self, row: int) -> int:
         return sum(1 for b in self.rows[row] if b != NULL_BLOCK)
 
-    def device_table(self, num_rows: int, device: torch.device, min_columns: int = 1) -> torch.Tensor:
-        """``[num_rows, columns]`` int32 table on ``device``; missing entries are the null block."""
+    def device_table(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """``[num_rows, max_columns]`` int32 view of the persistent device table (null block = 0).
+
+        Entries changed since the last call are written first (one small copy); a new device gets
+        a whole copy.
+        """
         device = torch.device(device)
-        columns = max(min_columns, max((len(t) for t in self.rows[:num_rows]), default=0), 1)
-        cached = self._device_tables.get(device)
-        if (
-            cached is not None
-            and self._device_versions.get(device) == self._version
-            and cached.shape[0] == num_rows
-            and cached.shape[1] >= columns
-        ):
-            return cached
-        host = torch.zeros(num_rows, columns, dtype=torch.int32)
-        for r in range(num_rows):
-            if self.rows[r]:
-                host[r, : len(self.rows[r])] = torch.tensor(self.rows[r], dtype=torch.int32)
-        table = host.to(device, non_blocking=True) if device.type == "cuda" else host
-        self._device_tables[device] = table
-        self._device_versions[device] = self._version
-        return table
+        if self._device is None or self._device.device != device:
+            host = torch.zeros(self.max_rows, self.max_columns, dtype=torch.int32)
+            for r, blocks in enumerate(self.rows):
+                if blocks:
+                    host[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+                    self.work += len(blocks)
+            self._device = host.to(device)
+            self._changed.clear()
+        elif self._changed:
+            changes = torch.tensor([(r, c, b) for (r, c), b in self._changed.items()], dtype=torch.int64)
+            changes = changes.to(device, non_blocking=True)
+            self._device[changes[:, 0], changes[:, 1]] = changes[:, 2].to(torch.int32)
+            self._changed.clear()
+        return self._device[:num_rows]

@@ -201,7 +201,7 @@ class QSAPagedCache(Cache):
         blocks_per_row = -(-self.max_cache_len // block_size)
         if num_blocks is None:
             num_blocks = self.max_batch_size * blocks_per_row + 1
-        tables = {"main": BlockTable("main", num_blocks, block_size, self.max_batch_size)}
+        tables = {"main": BlockTable("main", num_blocks, block_size, self.max_batch_size, self.max_cache_len)}
         if has_qsa:
             cap = ring_capacity(ratio, self.num_speculative_tokens)
             self.qsa = QSAGeometry(compress_ratio=ratio, ring_capacity=cap, table="main")
@@ -522,29 +522,16 @@ class QSAPagedCache(Cache):
             raise ValueError(f"beam_idx has {n} entries, the cache holds {self.num_rows} rows")
         if any(not 0 <= s < n for s in src):
             raise ValueError(f"beam_idx entries must lie in [0, {n}), got {src}")
-        # Paged stores: only rows that take another row's history change. Gather their sources' blocks
-        # first (a source may itself be replaced), free their own, then copy into fresh blocks.
-        moved = [i for i in range(n) if src[i] != i]
         for name, table in self.tables.items():
-            if not moved:
-                break
-            plan = [(i, list(table.rows[src[i]])) for i in moved]
-            old = [b for _, blocks in plan for b in blocks if b != NULL_BLOCK]
-            tensors = [t for layer in self.layers for store in layer.stores.values()
-                       if store.table == name and store.allocated for t in store.paged_tensors()]
-            gathered = [t.index_select(0, torch.tensor(old, dtype=torch.long, device=t.device)) for t in tensors]
-            for i, _ in plan:
-                table.release_row(i)
-            new = []
-            for i, blocks in plan:
-                for b in blocks:
-                    fresh = NULL_BLOCK if b == NULL_BLOCK else table.free.pop()
-                    table.rows[i].append(fresh)
-                    if b != NULL_BLOCK:
-                        new.append(fresh)
-            table._version += 1
-            for t, data in zip(tensors, gathered):
-                t.index_copy_(0, torch.tensor(new, dtype=torch.long, device=t.device), data)
+            old, new = table.reorder(src)  # only rows that take another row's history change
+            if not new:
+                continue
+            for layer in self.layers:
+                for store in layer.stores.values():
+                    if store.table == name and store.allocated:
+                        for t in store.paged_tensors():
+                            data = t.index_select(0, torch.tensor(old, dtype=torch.long, device=t.device))
+                            t.index_copy_(0, torch.tensor(new, dtype=torch.long, device=t.device), data)
         for layer in self.layers:
             for store in layer.stores.values():
                 for t in store.row_tensors():

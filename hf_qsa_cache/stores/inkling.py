@@ -144,12 +144,12 @@ def build_inkling_layers(cache, config, block_size: int | None, num_blocks: int 
     main_bs = block_size or DEFAULT_BLOCK_SIZE
     if num_blocks is None:
         num_blocks = rows * _cdiv(cache.max_cache_len, main_bs) + 1
-    tables: dict[str, BlockTable] = {"main": BlockTable("main", num_blocks, main_bs, rows)}
+    tables: dict[str, BlockTable] = {"main": BlockTable("main", num_blocks, main_bs, rows, cache.max_cache_len)}
 
     def windowed(name: str, bs: int, window: int) -> BlockTable:
         # Per row: at most ceil(window / bs) + 1 live blocks after a step, twice that during one.
         per_row = min(2 * (_cdiv(window, bs) + 1), _cdiv(cache.max_cache_len, bs) + 1)
-        return BlockTable(name, rows * per_row + 1, bs, rows, window=window)
+        return BlockTable(name, rows * per_row + 1, bs, rows, cache.max_cache_len, window=window)
 
     has_sliding = "hybrid_sliding" in config.layer_types
     if has_sliding:
