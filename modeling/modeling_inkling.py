@@ -41,6 +41,8 @@ from hf_qsa_cache.ops.inkling_attention import paged_rel_attention
 from hf_qsa_cache.ops.sconv import short_conv
 from hf_qsa_cache.stores.inkling import STREAM_ATTN, STREAM_K, STREAM_MLP, STREAM_V
 
+from .checkpoints import StrictLoadingMixin, use_upstream_conversions
+
 
 
 class InklingPagedShortConvolution(nn.Module):
@@ -151,7 +153,7 @@ class InklingPagedDecoderLayer(nn.Module):
         return residual + self.mlp_sconv(mlp, cache, meta)
 
 
-class InklingPagedPreTrainedModel(InklingPreTrainedModel):
+class InklingPagedPreTrainedModel(StrictLoadingMixin, InklingPreTrainedModel):
     config_class = InklingTextConfig
     config: InklingTextConfig
     _no_split_modules = ["InklingPagedDecoderLayer"]
@@ -275,5 +277,7 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, PagedCacheGenerationMixin,
         return out if return_dict is not False else out.to_tuple()
 
 
+# Convert checkpoint layouts as transformers does for its own Inkling classes (if it has conversions).
+use_upstream_conversions(InklingTextConfig.model_type)
 
 __all__ = ["InklingForCausalLM", "InklingTextModel"]

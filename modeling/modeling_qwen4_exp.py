@@ -31,6 +31,8 @@ from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.generation import PagedCacheGenerationMixin, cache_for_bare_forward
 from hf_qsa_cache.ops.qsa import gather_group_raw_keys, paged_rows, score_and_select, sparse_paged_attention
 
+from .checkpoints import StrictLoadingMixin, use_upstream_conversions
+
 
 def _eos_id(config) -> int:
     eos = config.eos_token_id
@@ -216,7 +218,7 @@ class Qwen4ExpTextDecoderLayer(upstream.Qwen4ExpTextDecoderLayer):
         return hyper_input + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
 
 
-class Qwen4ExpPreTrainedModel(upstream.Qwen4ExpPreTrainedModel):
+class Qwen4ExpPreTrainedModel(StrictLoadingMixin, upstream.Qwen4ExpPreTrainedModel):
     config_class = Qwen4ExpTextConfig
     _no_split_modules = ["Qwen4ExpTextDecoderLayer"]
     _can_record_outputs = None
@@ -296,7 +298,6 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
 
 class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, PagedCacheGenerationMixin, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _keys_to_ignore_on_load_unexpected = [r"^mtp.*", r"^model.visual.*"]
 
     def __init__(self, config: Qwen4ExpTextConfig):
         super().__init__(config)
@@ -337,5 +338,8 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, PagedCacheGenerationMixin, Ge
             hidden_states=outputs.hidden_states, router_logits=outputs.router_logits,
         )
 
+
+# Upstream checkpoints store experts per expert and the n-gram table in shards: convert as upstream does.
+use_upstream_conversions(Qwen4ExpTextConfig.model_type)
 
 __all__ = ["Qwen4ExpForCausalLM", "Qwen4ExpTextModel", "Qwen4ExpPreTrainedModel"]
