@@ -355,6 +355,22 @@ class QSAPagedCache(Cache):
         The step stays open until `commit_step` (it landed) or `abort_step` (a layer raised); `step()`
         pairs them.
         """
+        prev, counts = self.accept_step(batch_size, query_len, attention_mask)
+        device = _canonical(device)
+        lengths = torch.tensor([prev, counts], dtype=torch.int32)  # one host-to-device copy per step
+        if device.type == "cuda":
+            lengths = lengths.to(device, non_blocking=True)
+        block_tables = {name: t.device_table(batch_size, device) for name, t in self.tables.items()}
+        block_sizes = {name: t.block_size for name, t in self.tables.items()}
+        meta = build_step_metadata(lengths[0], lengths[1], query_len, block_tables, block_sizes, self.qsa,
+                                   prev, counts)
+        self.set_step_metadata(meta, device)
+        return meta
+
+    def accept_step(self, batch_size: int, query_len: int,
+                    attention_mask: torch.Tensor | None) -> tuple[list[int], list[int]]:
+        """The host part of `begin_step`: validate, reserve blocks, advance the lengths, keep an undo
+        record. Returns each row's length before the step and its real tokens in it."""
         counts = self.check_step(batch_size, query_len, attention_mask)
         prev = self.lengths[:batch_size]
         # ---- from here on the step is accepted
@@ -369,18 +385,23 @@ class QSAPagedCache(Cache):
         self.columns_seen += query_len
         for b in range(batch_size):
             self.lengths[b] = prev[b] + counts[b]
+        return prev, counts
 
-        device = _canonical(device)
-        lengths = torch.tensor([prev, counts], dtype=torch.int32)  # one host-to-device copy per step
-        if device.type == "cuda":
-            lengths = lengths.to(device, non_blocking=True)
-        block_tables = {name: t.device_table(batch_size, device) for name, t in self.tables.items()}
+    def graph_step_metadata(self, lengths: torch.Tensor) -> StepMetadata:
+        """Metadata of a one-token step whose lengths (``[2, rows]``: before the step, real tokens) sit in
+        a device buffer, so that the same launches serve every replay of a CUDA graph: no host copies of
+        the lengths, shapes sized for the cache's capacity."""
+        rows = lengths.shape[1]
+        block_tables = {name: t.device_table(rows, lengths.device) for name, t in self.tables.items()}
         block_sizes = {name: t.block_size for name, t in self.tables.items()}
-        meta = build_step_metadata(lengths[0], lengths[1], query_len, block_tables, block_sizes, self.qsa,
-                                   prev, counts)
-        self._step = meta
-        self._step_by_device = {device: meta}
+        meta = build_step_metadata(lengths[0], lengths[1], 1, block_tables, block_sizes, self.qsa, None, None,
+                                   max_seq_len=self.max_cache_len)
+        self.set_step_metadata(meta, lengths.device)
         return meta
+
+    def set_step_metadata(self, meta: StepMetadata, device: torch.device) -> None:
+        self._step = meta
+        self._step_by_device = {_canonical(device): meta}
 
     def commit_step(self) -> None:
         """The forward finished: free blocks that fell out of the windows, forget the undo record."""

@@ -39,21 +39,23 @@ class StepMetadata:
     visible_blocks: torch.Tensor | None  # [B*L] int32: complete groups the query may score
     ring_slot: torch.Tensor | None  # [B*L] int64: row*cap + pos % cap for a row's last cap tokens
     compress_work: torch.Tensor | None  # [W, 2] int32 (row, group); (-1, -1) when unused
-    # Host copies of prev_len / count, for shapes that must be known without a device sync.
-    host_prev_len: list[int]
-    host_count: list[int]
+    # Host copies of prev_len / count, so that shapes are known without a device sync. None when the
+    # step is replayed from a CUDA graph: the values change from replay to replay.
+    host_prev_len: list[int] | None
+    host_count: list[int] | None
+    # Bound on every row's length after this step: the exact maximum when the host values are known,
+    # the cache's capacity in a CUDA graph. Shapes that grow with context are sized from it.
+    max_seq_len: int
 
     @property
     def valid(self) -> torch.Tensor:
         return self.position >= 0
 
-    @property
-    def host_seq_len(self) -> list[int]:
-        return [p + c for p, c in zip(self.host_prev_len, self.host_count)]
-
-    def host_groups_closed(self, ratio: int) -> int:
-        """Groups of ``ratio`` tokens this forward closes, summed over rows (known without a device sync)."""
-        return sum((p + c) // ratio - p // ratio for p, c in zip(self.host_prev_len, self.host_count))
+    def closes_groups(self, ratio: int) -> bool:
+        """Whether this forward may close a group of ``ratio`` tokens in some row (always, in a graph)."""
+        if self.host_prev_len is None:
+            return True
+        return any((p + c) // ratio > p // ratio for p, c in zip(self.host_prev_len, self.host_count))
 
     def to(self, device: torch.device) -> "StepMetadata":
         """The same metadata on another device (for models split across GPUs)."""
@@ -81,8 +83,9 @@ def build_step_metadata_torch(
     block_tables: dict[str, torch.Tensor],
     block_sizes: dict[str, int],
     qsa: QSAGeometry | None,
-    host_prev_len: list[int],
-    host_count: list[int],
+    host_prev_len: list[int] | None,
+    host_count: list[int] | None,
+    max_seq_len: int | None = None,
 ) -> StepMetadata:
     device = prev_len.device
     num_rows = prev_len.shape[0]
@@ -130,9 +133,19 @@ def build_step_metadata_torch(
     return StepMetadata(
         num_rows=num_rows, query_len=query_len, prev_len=prev_len, count=count, token_row=row.to(torch.int32),
         position=position, slots=slots, block_tables=block_tables, visible_blocks=visible_blocks,
-        ring_slot=ring_slot, compress_work=compress_work, host_prev_len=list(host_prev_len),
-        host_count=list(host_count),
+        ring_slot=ring_slot, compress_work=compress_work,
+        **host_fields(host_prev_len, host_count, max_seq_len),
     )
+
+
+def host_fields(host_prev_len: list[int] | None, host_count: list[int] | None, max_seq_len: int | None) -> dict:
+    """The host part of a `StepMetadata`: exact values, or (in a CUDA graph) only a length bound."""
+    if host_prev_len is None:
+        if max_seq_len is None:
+            raise ValueError("metadata without host lengths needs max_seq_len")
+        return dict(host_prev_len=None, host_count=None, max_seq_len=max_seq_len)
+    seq = [p + c for p, c in zip(host_prev_len, host_count)]
+    return dict(host_prev_len=list(host_prev_len), host_count=list(host_count), max_seq_len=max(seq, default=0))
 
 
 def build_step_metadata(
@@ -142,11 +155,12 @@ def build_step_metadata(
     block_tables: dict[str, torch.Tensor],
     block_sizes: dict[str, int],
     qsa: QSAGeometry | None,
-    host_prev_len: list[int],
-    host_count: list[int],
+    host_prev_len: list[int] | None,
+    host_count: list[int] | None,
+    max_seq_len: int | None = None,
 ) -> StepMetadata:
     """Dispatch: the Triton kernel on CUDA, the torch specification elsewhere."""
-    args = (prev_len, count, query_len, block_tables, block_sizes, qsa, host_prev_len, host_count)
+    args = (prev_len, count, query_len, block_tables, block_sizes, qsa, host_prev_len, host_count, max_seq_len)
     if prev_len.is_cuda:
         from .ops.metadata_triton import build_step_metadata_triton
 

@@ -35,6 +35,7 @@ from transformers.models.inkling.modeling_inkling import (
 )
 
 from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache.cuda_graphs import decode_graphs_for
 from hf_qsa_cache.generation import PagedCacheGenerationMixin, cache_for_bare_forward
 from hf_qsa_cache.metadata import StepMetadata
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention
@@ -75,6 +76,11 @@ class InklingPagedShortConvolution(nn.Module):
             L,
         )
         return y.view(B, L, C)
+
+
+def _prev_len_bound(meta: StepMetadata) -> list[int]:
+    """Each row's length before this step, or (in a CUDA graph, where lengths change per replay) a bound."""
+    return meta.host_prev_len if meta.host_prev_len is not None else [meta.max_seq_len]
 
 
 class InklingPagedAttention(nn.Module):
@@ -121,7 +127,7 @@ class InklingPagedAttention(nn.Module):
         out = paged_rel_attention(
             query, key, value, relative, self.rel_logits_proj.proj, keys, values,
             meta.block_tables[self.kv_table], cache.tables[self.kv_table].block_size,
-            meta.slots[self.kv_table], meta.position, meta.prev_len, meta.host_prev_len,
+            meta.slots[self.kv_table], meta.position, meta.prev_len, _prev_len_bound(meta),
             scaling=self.scaling, window=self.sliding_window, log_scaling=log_scaling,
         )
         return self.o_proj(out)
@@ -214,19 +220,30 @@ class InklingTextModel(InklingPagedPreTrainedModel):
             cache = cache_for_bare_forward(self.config, B, L, use_cache)
         cache.check_model(self.config, inputs_embeds.dtype)
 
-        hidden_states = inputs_embeds
-        all_hidden = (hidden_states,) if output_hidden_states else None
+        all_hidden = [] if output_hidden_states else None
         with cache.step(B, L, attention_mask, inputs_embeds.device):
-            for layer in self.layers:
-                hidden_states = layer(hidden_states, cache)
-                if output_hidden_states:
-                    all_hidden += (hidden_states,)
-        hidden_states = self.norm(hidden_states)
+            hidden_states = self.run_layers(inputs_embeds, cache, all_hidden)
+        if output_hidden_states:
+            all_hidden = tuple(all_hidden)
         return MoeModelOutputWithPast(
             last_hidden_state=hidden_states,
             past_key_values=cache if use_cache else None,
             hidden_states=all_hidden,
         )
+
+
+    def run_layers(self, inputs_embeds: torch.Tensor, cache: QSAPagedCache,
+                   all_hidden: list | None = None) -> torch.Tensor:
+        """Every layer and the final norm (device work only once the step's metadata is built, so a CUDA
+        graph can record this). Appends each layer's input to ``all_hidden`` when given."""
+        hidden_states = inputs_embeds
+        for layer in self.layers:
+            if all_hidden is not None:
+                all_hidden.append(hidden_states)
+            hidden_states = layer(hidden_states, cache)
+        if all_hidden is not None:
+            all_hidden.append(hidden_states)
+        return self.norm(hidden_states)
 
 
 class InklingForCausalLM(InklingPagedPreTrainedModel, PagedCacheGenerationMixin, GenerationMixin):
@@ -255,18 +272,19 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, PagedCacheGenerationMixin,
         return_dict: bool | None = None,
         **kwargs,
     ) -> InklingCausalLMOutputWithPast:
+        graphs = decode_graphs_for(self, past_key_values, input_ids, inputs_embeds,
+                                   extra_outputs=labels is not None or bool(output_hidden_states))
+        if graphs is not None:
+            logits = graphs.step(input_ids, position_ids, attention_mask)
+            out = InklingCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+            return out if return_dict is not False else out.to_tuple()
         outputs = self._run_model(
             input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
             past_key_values=past_key_values, logits_to_keep=logits_to_keep,
             chunkable=labels is None and not output_hidden_states, per_token={"position_ids": position_ids},
             use_cache=use_cache, output_hidden_states=output_hidden_states,
         )
-        hidden_states = outputs.last_hidden_state / self.config.logits_mup_width_multiplier
-        hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
-        logits = self.lm_head(hidden_states)
-        unpadded = self.config.unpadded_vocab_size
-        if unpadded is not None and unpadded < logits.shape[-1]:
-            logits = logits[..., :unpadded]
+        logits = self._logits(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1], **kwargs)
@@ -275,6 +293,17 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, PagedCacheGenerationMixin,
             hidden_states=outputs.hidden_states,
         )
         return out if return_dict is not False else out.to_tuple()
+
+    def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden_states / self.config.logits_mup_width_multiplier)
+        unpadded = self.config.unpadded_vocab_size
+        if unpadded is not None and unpadded < logits.shape[-1]:
+            logits = logits[..., :unpadded]
+        return logits
+
+    def _decode_logits(self, input_ids, position_ids, meta, cache: QSAPagedCache) -> torch.Tensor:
+        """Logits of a step whose metadata is built (what a captured decode graph runs)."""
+        return self._logits(self.model.run_layers(self.model.embed_tokens(input_ids), cache))
 
 
 # Convert checkpoint layouts as transformers does for its own Inkling classes (if it has conversions).

@@ -28,6 +28,7 @@ from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextCo
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache.cuda_graphs import decode_graphs_for
 from hf_qsa_cache.generation import PagedCacheGenerationMixin, cache_for_bare_forward
 from hf_qsa_cache.ops.qsa import gather_group_raw_keys, paged_rows, score_and_select, sparse_paged_attention
 
@@ -71,8 +72,8 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
 
         store = layer.index
         work = meta.compress_work
-        # Most decode steps close no group (one step in r does); the host knows, so skip the work.
-        if meta.host_groups_closed(r) > 0:
+        # Most decode steps close no group (one step in r does); when the host knows, skip the work.
+        if meta.closes_groups(r):
             group_keys, first_pos = gather_group_raw_keys(
                 meta, work, r, store.ring_keys, store.ring_positions, geometry.ring_capacity, raw_keys, positions3
             )
@@ -278,22 +279,27 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         elif not isinstance(cache, QSAPagedCache):
             raise ValueError(f"past_key_values must be a QSAPagedCache, got {type(cache).__name__}")
         cache.check_model(self.config, inputs_embeds.dtype)
-
         with cache.step(B, L, attention_mask, inputs_embeds.device) as meta:
-            valid = meta.valid.view(B, L)
-            if ple_input_ids is not None:
-                ple_input_ids = torch.where(valid, ple_input_ids, _eos_id(self.config))
-            positions3 = _positions3(position_ids, meta, B, L)
-            cos, sin = self.rotary_emb(inputs_embeds, positions3)
-            flat_positions3 = positions3.reshape(3, -1).t()
-
-            hidden_states = inputs_embeds.repeat(1, 1, self.config.hc_count)
-            for layer in self.layers[: self.config.num_hidden_layers]:
-                hidden_states = layer(hidden_states, cos, sin, flat_positions3, valid, ple_input_ids, cache)
-        hidden_states = self.hyper_connection_mixer(hidden_states)
+            hidden_states = self.run_layers(inputs_embeds, ple_input_ids, position_ids, meta, cache)
         return MoeModelOutputWithPast(
             last_hidden_state=hidden_states, past_key_values=cache if use_cache is not False else None
         )
+
+    def run_layers(self, inputs_embeds, ple_input_ids, position_ids, meta, cache: QSAPagedCache) -> torch.Tensor:
+        """Every layer and the final mixer over this step's embeddings (device work only: the step's
+        metadata is built, so a CUDA graph can record this)."""
+        B, L = inputs_embeds.shape[:2]
+        valid = meta.valid.view(B, L)
+        if ple_input_ids is not None:
+            ple_input_ids = torch.where(valid, ple_input_ids, _eos_id(self.config))
+        positions3 = _positions3(position_ids, meta, B, L)
+        cos, sin = self.rotary_emb(inputs_embeds, positions3)
+        flat_positions3 = positions3.reshape(3, -1).t()
+
+        hidden_states = inputs_embeds.repeat(1, 1, self.config.hc_count)
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = layer(hidden_states, cos, sin, flat_positions3, valid, ple_input_ids, cache)
+        return self.hyper_connection_mixer(hidden_states)
 
 
 class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, PagedCacheGenerationMixin, GenerationMixin):
@@ -313,6 +319,12 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, PagedCacheGenerationMixin, Ge
             output_router_logits = self.config.output_router_logits
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
+        graphs = decode_graphs_for(self, past_key_values, input_ids, inputs_embeds,
+                                   extra_outputs=labels is not None or output_hidden_states or output_router_logits
+                                   or "ple_input_ids" in kwargs)
+        if graphs is not None:
+            logits = graphs.step(input_ids, position_ids, attention_mask)
+            return MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
         outputs = self._run_model(
             input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
             past_key_values=past_key_values, logits_to_keep=logits_to_keep,
@@ -337,6 +349,13 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, PagedCacheGenerationMixin, Ge
             loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states, router_logits=outputs.router_logits,
         )
+
+    _decode_uses_position_ids = True  # the CUDA-graph decode step keeps a position buffer
+
+    def _decode_logits(self, input_ids, position_ids, meta, cache: QSAPagedCache) -> torch.Tensor:
+        """Logits of a step whose metadata is built (what a captured decode graph runs)."""
+        embeds = self.model.embed_tokens(input_ids)
+        return self.lm_head(self.model.run_layers(embeds, input_ids, position_ids, meta, cache))
 
 
 # Upstream checkpoints store experts per expert and the n-gram table in shards: convert as upstream does.

@@ -92,7 +92,7 @@ def test_spec_without_qsa():
     assert meta.slots["main"].tolist() == [-1, 32, 58, 59]
     assert meta.visible_blocks is None and meta.ring_slot is None
     assert meta.compress_work is None
-    assert meta.host_prev_len == [0, 2] and meta.host_count == [1, 2]
+    assert meta.host_prev_len == [0, 2] and meta.host_count == [1, 2] and meta.max_seq_len == 4
 
 
 # ----------------------------------------------------------------------------- triton vs spec
@@ -184,7 +184,8 @@ def _compare(case, build_triton):
         return "num_rows/query_len differ"
     if got.prev_len is not case[0] or got.count is not case[1] or got.block_tables is not case[3]:
         return "inputs are not passed through unchanged"
-    if (got.host_prev_len, got.host_count) != (expected.host_prev_len, expected.host_count):
+    if (got.host_prev_len, got.host_count, got.max_seq_len) != (
+            expected.host_prev_len, expected.host_count, expected.max_seq_len):
         return "host copies differ"
     fields = ["token_row", "position", "visible_blocks", "ring_slot", "compress_work"]
     pairs = [(f, getattr(expected, f), getattr(got, f)) for f in fields]

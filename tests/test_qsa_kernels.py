@@ -196,7 +196,7 @@ def _check_selection(seed: int, num_heads: int, head_dim: int, ratio: int, dtype
                                      count.tolist())
     q_index = torch.randn(num_rows * query_len, num_heads, head_dim, generator=g).to(dtype)
     compressed = torch.randn(num_blocks, block_size // ratio, head_dim, generator=g).to(dtype)
-    max_groups = max(s // ratio for s in meta.host_seq_len)
+    max_groups = meta.max_seq_len // ratio
     torch_scores = qsa.index_scores_torch(q_index, compressed, table, meta.token_row, meta.visible_blocks,
                                           block_size // ratio, max_groups)
     if _min_gap(torch_scores) < 1e-5:

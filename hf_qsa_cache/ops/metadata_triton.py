@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..metadata import QSAGeometry, StepMetadata, max_compress_work
+from ..metadata import QSAGeometry, StepMetadata, host_fields, max_compress_work
 
 # Block tables are passed as separate pointer arguments, specialised on how many are used.
 MAX_TABLES = 3
@@ -134,8 +134,9 @@ def build_step_metadata_triton(
     block_tables: dict[str, torch.Tensor],
     block_sizes: dict[str, int],
     qsa: QSAGeometry | None,
-    host_prev_len: list[int],
-    host_count: list[int],
+    host_prev_len: list[int] | None,
+    host_count: list[int] | None,
+    max_seq_len: int | None = None,
 ) -> StepMetadata:
     """Same contract and outputs as `build_step_metadata_torch`, in one kernel launch."""
     if len(block_tables) > MAX_TABLES:
@@ -175,8 +176,8 @@ def build_step_metadata_triton(
     meta = StepMetadata(
         num_rows=num_rows, query_len=query_len, prev_len=prev_len, count=count, token_row=token_row,
         position=position, slots=slots, block_tables=block_tables, visible_blocks=visible_blocks,
-        ring_slot=ring_slot, compress_work=compress_work, host_prev_len=list(host_prev_len),
-        host_count=list(host_count),
+        ring_slot=ring_slot, compress_work=compress_work,
+        **host_fields(host_prev_len, host_count, max_seq_len),
     )
     if n == 0:  # nothing to compute (and w <= n, so the work list is empty too)
         return meta

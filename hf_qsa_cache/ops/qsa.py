@@ -71,7 +71,7 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
     n = q_index.shape[0]
     device = q_index.device
     rows_per_block = block_size // ratio
-    max_groups = max((s // ratio for s in meta.host_seq_len), default=0)
+    max_groups = meta.max_seq_len // ratio
     pos = meta.position
     safe_pos = pos.clamp_min(0)
 

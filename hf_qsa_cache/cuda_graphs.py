@@ -1,0 +1,183 @@
+"""Single-token decode steps replayed from captured CUDA graphs.
+
+A decode step of a small batch is launch-bound: hundreds of small kernels per layer, a few
+microseconds of GPU work each. `DecodeGraphs` captures the whole step (metadata kernel, every
+layer, the LM head) once per batch-size bucket and replays it. Everything the step reads lives in
+static device buffers updated in place before a replay:
+
+* ``ids`` ``[bucket, 1]``, ``lengths`` ``[2, bucket]`` (each row's length before the step, and its
+  real tokens in it: 1, or 0 for the bucket's padding rows), ``positions`` ``[3, bucket, 1]``;
+* the cache's persistent block tables (`BlockTable.device_table` writes only changed entries);
+* the stores themselves (paged K/V, rings, per-row state), whose addresses never change.
+
+The host part of a step is the cache's usual validation and block reservation (``accept_step``):
+work per row, no device sync. Shapes that would grow with context are sized for the cache's
+capacity (`QSAPagedCache.graph_step_metadata`), so one graph serves a whole generation.
+
+A bucket's first step runs eagerly (which also compiles and tunes kernels) on exactly the path the
+graph records, then the graph is captured; later steps replay it. Graphs belong to one (cache,
+model) pair and stay valid across `QSAPagedCache.reset()`.
+
+Off with ``HF_QSA_CUDA_GRAPHS=0`` in the environment or ``model.use_cuda_graphs = False``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .cache import QSAPagedCache
+
+
+def enabled_by_default() -> bool:
+    return os.environ.get("HF_QSA_CUDA_GRAPHS", "1") != "0"
+
+
+@dataclass
+class _Bucket:
+    ids: torch.Tensor  # [bucket, 1] int64
+    lengths: torch.Tensor  # [2, bucket] int32
+    positions: torch.Tensor | None  # [3, bucket, 1] int64 (models with position ids)
+    table_ptrs: dict[str, int]  # device-table addresses the step reads
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None  # [bucket, 1, vocab], written by each replay
+
+
+class DecodeGraphs:
+    """The captured decode steps of one model on one cache, by batch-size bucket.
+
+    ``record=False`` runs the same static-buffer step eagerly instead of replaying a graph (the CPU
+    tests use it to check that path against the ordinary forward).
+    """
+
+    def __init__(self, model, cache: QSAPagedCache, device: torch.device, record: bool = True):
+        self.model = model
+        self.cache = cache
+        self.device = torch.device(device)
+        self.record = record
+        self.pool = torch.cuda.graph_pool_handle() if record else None
+        self.buckets: dict[int, _Bucket] = {}
+
+    def bucket(self, rows: int) -> int:
+        """Powers of two up to the cache's row count: few graphs, little padding."""
+        return min(1 << max(0, rows - 1).bit_length(), self.cache.max_batch_size)
+
+    def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+             attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """One decode step (``input_ids`` ``[B, 1]``); returns logits ``[B, 1, vocab]``."""
+        cache = self.cache
+        rows = input_ids.shape[0]
+        size = self.bucket(rows)
+        cache.check_model(self.model.config, self.model.dtype)
+        prev, counts = cache.accept_step(rows, 1, attention_mask)
+        try:
+            # Changed table entries land before the step reads them; a table that moved (another
+            # device) invalidates the graphs recorded against its old address.
+            ptrs = {n: t.device_table(size, self.device).data_ptr() for n, t in cache.tables.items()}
+            entry = self.buckets.get(size)
+            if entry is not None and entry.table_ptrs != ptrs:
+                self.buckets.clear()
+                entry = None
+            if entry is None:
+                entry = self.buckets[size] = self._new_bucket(size, ptrs)
+            self._fill(entry, prev, counts, input_ids, position_ids)
+            if entry.graph is not None:
+                entry.graph.replay()
+                logits = entry.logits[:rows].clone()
+            elif self.record:
+                logits = self._run_and_capture(entry)[:rows].clone()
+            else:
+                logits = self._body(entry)[:rows].clone()
+        except BaseException:
+            cache.abort_step()
+            raise
+        cache.commit_step()
+        return logits
+
+    # ------------------------------------------------------------------ internals
+    def _new_bucket(self, size: int, ptrs: dict[str, int]) -> _Bucket:
+        uses_positions = getattr(self.model, "_decode_uses_position_ids", False)
+        return _Bucket(
+            ids=torch.zeros(size, 1, dtype=torch.int64, device=self.device),
+            lengths=torch.zeros(2, size, dtype=torch.int32, device=self.device),
+            positions=torch.zeros(3, size, 1, dtype=torch.int64, device=self.device) if uses_positions else None,
+            table_ptrs=ptrs,
+        )
+
+    def _fill(self, entry: _Bucket, prev: list[int], counts: list[int], input_ids, position_ids) -> None:
+        rows, size = input_ids.shape[0], entry.ids.shape[0]
+        pad = [0] * (size - rows)  # padding rows: no real token, nothing written
+        entry.lengths.copy_(torch.tensor([prev + pad, counts + pad], dtype=torch.int32), non_blocking=True)
+        entry.ids[:rows].copy_(input_ids)
+        if entry.positions is not None:
+            if position_ids is None:  # each row's single token sits at its previous length
+                entry.positions[:, :rows, 0] = torch.tensor(prev, dtype=torch.int64).to(self.device, non_blocking=True)
+            else:
+                entry.positions[:, :rows].copy_(position_ids.reshape(-1, rows, 1)[-3:].expand(3, rows, 1))
+
+    def _body(self, entry: _Bucket) -> torch.Tensor:
+        """The step as a graph records it: metadata from the static buffers, then every layer."""
+        meta = self.cache.graph_step_metadata(entry.lengths)
+        return self.model._decode_logits(entry.ids, entry.positions, meta, self.cache)
+
+    def _run_and_capture(self, entry: _Bucket) -> torch.Tensor:
+        # This step itself, eagerly and on the path the graph records (on a side stream, where capture
+        # wants its kernels' first use). Its state writes are the step's.
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            logits = self._body(entry).clone()
+        current.wait_stream(side)
+        # Capture records launches without running them: the state is not written twice.
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            entry.logits = self._body(entry)
+        entry.graph = graph
+        return logits
+
+
+def decode_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: bool) -> DecodeGraphs | None:
+    """The graphs to run this forward with, or None when it must run eagerly.
+
+    Graphs serve single-token decode steps of a model held whole on one CUDA device (no offloading
+    hooks), without gradients or per-layer outputs, on a `QSAPagedCache` whose rows have all started.
+    """
+    if not (getattr(model, "use_cuda_graphs", True) and enabled_by_default()):
+        return None
+    if (input_ids is None or inputs_embeds is not None or input_ids.dim() != 2 or input_ids.shape[1] != 1
+            or extra_outputs or torch.is_grad_enabled() or not isinstance(cache, QSAPagedCache)
+            or not input_ids.is_cuda or cache.columns_seen == 0 or input_ids.shape[0] != cache.num_rows
+            or torch.cuda.is_current_stream_capturing()):
+        return None
+    device = _single_cuda_device(model)
+    if device is None or device != input_ids.device:
+        return None
+    return graphs_of(model, cache, device)
+
+
+def graphs_of(model, cache: QSAPagedCache, device, record: bool = True) -> DecodeGraphs:
+    """The `DecodeGraphs` of this (model, cache) pair, kept on the cache."""
+    graphs = cache.__dict__.setdefault("_decode_graphs", {})
+    runner = graphs.get(id(model))
+    if runner is None or runner.model is not model or runner.record != record:
+        runner = graphs[id(model)] = DecodeGraphs(model, cache, device, record)
+    return runner
+
+
+def _single_cuda_device(model) -> torch.device | None:
+    """The one CUDA device holding all of ``model`` (checked once per model), else None."""
+    first = next(model.parameters())
+    if "_graph_device" not in model.__dict__ or model.__dict__["_graph_checked_on"] != first.device:
+        model.__dict__["_graph_checked_on"] = first.device
+        devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+        hooked = any(hasattr(m, "_hf_hook") for m in model.modules())
+        one = len(devices) == 1 and next(iter(devices)).type == "cuda" and not hooked
+        model.__dict__["_graph_device"] = _canonical_cuda(next(iter(devices))) if one else None
+    return model.__dict__["_graph_device"]
+
+
+def _canonical_cuda(device: torch.device) -> torch.device:
+    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())

@@ -1,0 +1,59 @@
+"""The decode step a CUDA graph records, run eagerly on the CPU against the ordinary forward.
+
+`DecodeGraphs(record=False)` runs exactly what a graph captures: metadata from static buffers with
+no host lengths (shapes sized for the cache's capacity, group compression always on), a batch
+padded to its bucket, positions from the buffer. Each step's logits must equal the ordinary
+forward's, over steps that close QSA groups and evict window blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import test_inkling as inkling
+import torch
+from qwen4_helpers import left_pad, make_pair, random_prompts
+
+from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache.cuda_graphs import graphs_of
+
+STEPS = 9
+
+
+def _pair(family):
+    if family == "qwen4_exp":
+        _, ours = make_pair(seed=7)
+        return ours, left_pad(random_prompts([25, 9, 19], seed=8))
+    _, ours = inkling.make_pair(inkling.make_config(), seed=9)
+    return ours, inkling.left_pad(inkling.make_prompts([11, 4, 8], seed=10))
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+@pytest.mark.parametrize("positions", ["implicit", "passed"])
+def test_static_buffer_step_equals_the_forward(family, positions):
+    model, (ids, mask) = _pair(family)
+    if family == "inkling" and positions == "passed":
+        pytest.skip("Inkling has no position ids")
+    rows = ids.shape[0]
+    # Four cache rows for three sequences: the bucket pads one row that must stay inert.
+    eager = QSAPagedCache(model.config, 4, 64, block_size=4)
+    static = QSAPagedCache(model.config, 4, 64, block_size=4)
+    runner = graphs_of(model, static, "cpu", record=False)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, past_key_values=eager).logits[:, -1:]
+        model(ids, attention_mask=mask, past_key_values=static)
+        lengths = mask.sum(1)
+        for step in range(STEPS):
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            pos = (lengths + step).view(rows, 1) if positions == "passed" else None
+            logits = model(nxt, attention_mask=mask, past_key_values=eager, position_ids=pos).logits
+            got = runner.step(nxt, pos, mask)
+            torch.testing.assert_close(got, logits, atol=1e-5, rtol=0, msg=lambda m: f"step {step}: {m}")
+    assert static.lengths == eager.lengths and static.columns_seen == eager.columns_seen
+    assert list(runner.buckets) == [4]
+
+
+def test_buckets_are_powers_of_two_up_to_the_cache_rows():
+    model, _ = _pair("inkling")
+    runner = graphs_of(model, QSAPagedCache(model.config, 6, 32), "cpu", record=False)
+    assert [runner.bucket(n) for n in (1, 2, 3, 4, 5, 6)] == [1, 2, 4, 4, 6, 6]
