@@ -1,12 +1,20 @@
 """Upstream transformers vs hf-qsa-cache, side by side in one run, same random weights, bf16, one GPU.
 
-    python benchmarks/bench_generate.py --model qwen4_exp --cases 1x16384 8x4096 --new-tokens 32
-    python benchmarks/bench_generate.py --model inkling --layers 6 --cases 1x16384 --new-tokens 32
+    python benchmarks/bench_generate.py --model qwen4_exp --layers 8 --cases 1x16384 8x4096
+    python benchmarks/bench_generate.py --model qwen4_exp --layers 40 --cases 1x4096 8x1024
+    python benchmarks/bench_generate.py --model inkling --layers 6 --cases 1x16384 8x4096 32x2048
 
-Reports prefill seconds, decode ms/step and peak GPU memory for each (batch x prompt length), for
-upstream (`transformers.<Model>ForCausalLM` with its DynamicCache) and ours (`modeling.<Model>` with
-`QSAPagedCache`), plus whether the greedy tokens agree. The shapes built below are listed in
-benchmarks/RESULTS.md ("Benchmark shapes").
+For each (batch x prompt length): prefill seconds, decode ms/step (median step) and peak GPU memory
+of upstream (`transformers.<Model>ForCausalLM`, its DynamicCache) and of ours (`modeling.<Model>`
+on `QSAPagedCache`) with CUDA-graph decode on and off. Every measurement is appended as one JSON
+line to ``benchmarks/results/h200.jsonl`` (keys: model, layers, impl, graphs, batch, prompt_len,
+new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, plus status / floor_ms where known).
+
+The floor of a decode step is the bytes it must read (the weights a step touches: everything but
+the experts, plus the experts the batch is expected to route to; and the cached state the step
+reads: GatedDeltaNet state read and written, QSA compressed keys and selected K/V, Inkling window and
+full K/V) divided by the copy bandwidth measured in the same run. Layer schedules and per-layer
+shapes are listed in benchmarks/RESULTS.md ("Benchmark shapes").
 """
 
 from __future__ import annotations
@@ -14,6 +22,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import statistics
+import subprocess
 import time
 
 import torch
@@ -22,10 +33,13 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_qsa_cache import QSAPagedCache
 
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "h200.jsonl")
+
 
 def qwen4_exp_config(layers: int):
     from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
 
+    # Every fourth layer is QSA: 8 layers = 6 GatedDeltaNet + 2 QSA; 40 = 30 + 10 (the released schedule).
     return Qwen4ExpTextConfig(
         vocab_size=32000, hidden_size=2048, num_hidden_layers=layers,
         layer_types=["linear_attention" if (i + 1) % 4 else "indexed_attention" for i in range(layers)],
@@ -37,13 +51,14 @@ def qwen4_exp_config(layers: int):
         hc_count=4, hc_lowrank=320, ple_layer_ids=[2], ngram_vocab_size_base=100_003,
         indexer_n_heads=32, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048,
         indexer_compress_ratio=4, eos_token_id=1, pad_token_id=0, output_gate_type="sigmoid",
-        max_position_embeddings=65536,
+        max_position_embeddings=1 << 20,
     )
 
 
 def inkling_config(layers: int):
     from transformers.models.inkling.configuration_inkling import InklingTextConfig
 
+    # Every sixth layer is full attention: 6 layers = 5 sliding + 1 full; 66 = 55 + 11 (the released schedule).
     return InklingTextConfig(
         vocab_size=32000, hidden_size=2048, num_hidden_layers=layers,
         layer_types=["hybrid" if (i + 1) % 6 == 0 else "hybrid_sliding" for i in range(layers)],
@@ -51,37 +66,103 @@ def inkling_config(layers: int):
         swa_num_attention_heads=16, swa_num_key_value_heads=4, swa_head_dim=128,
         sliding_window_size=512, d_rel=16, rel_extent=1024, n_routed_experts=64, num_experts_per_tok=6,
         moe_intermediate_size=512, intermediate_size=2048, conv_kernel_size=4, eos_token_id=1, pad_token_id=0,
-        max_position_embeddings=65536,
+        max_position_embeddings=1 << 20,
     )
 
 
 class StepTimer(StoppingCriteria):
-    """Called once per generated token: the first call marks the end of prefill."""
+    """Called once per generated token: the first call marks the end of prefill. Stops every row once
+    ``limit_s`` has passed since the start (upstream's time limit)."""
 
-    def __init__(self):
+    def __init__(self, start: float, limit_s: float | None):
+        self.start, self.limit_s = start, limit_s
         self.times = []
 
     def __call__(self, input_ids, scores, **kwargs):
         torch.cuda.synchronize()
         self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        stop = self.limit_s is not None and self.times[-1] - self.start > self.limit_s
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
-def run(model, ids, mask, new_tokens, cache=None):
+def run(model, ids, mask, new_tokens, cache=None, limit_s=None) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    timer = StepTimer()
     start = time.perf_counter()
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
-                         do_sample=False, pad_token_id=0, eos_token_id=None,
-                         stopping_criteria=StoppingCriteriaList([timer]))
-    prefill = timer.times[0] - start
-    decode = (timer.times[-1] - timer.times[0]) / max(1, len(timer.times) - 1)
-    peak = torch.cuda.max_memory_allocated() - base
-    return out[:, ids.shape[1]:], prefill, decode * 1e3, peak / 2**30
+    timer = StepTimer(start, limit_s)
+    try:
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0, eos_token_id=None,
+                             stopping_criteria=StoppingCriteriaList([timer]))
+    except torch.OutOfMemoryError:
+        return {"status": "out of memory"}
+    steps = [b - a for a, b in zip(timer.times, timer.times[1:])]
+    row = {
+        "prefill_s": timer.times[0] - start,
+        "decode_ms_per_step": statistics.median(steps) * 1e3 if steps else None,
+        "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
+        "tokens": out[:, ids.shape[1]:],
+    }
+    if len(timer.times) < new_tokens:
+        row["status"] = f"stopped after {len(timer.times)} of {new_tokens} tokens: time limit {limit_s} s"
+    return row
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * 10 * x.numel() / (start.elapsed_time(end) / 1e3)
+
+
+def decode_bytes(model, config, batch: int, length: int) -> float:
+    """Bytes one decode step must read (weights it touches, cached state it reads)."""
+    experts, expert_bytes, other = 0, 0, 0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        if ".experts." in name:
+            expert_bytes += size
+        else:
+            other += size
+    num_experts = getattr(config, "num_experts", None) or config.n_routed_experts
+    top_k = config.num_experts_per_tok
+    touched = num_experts * (1 - (1 - top_k / num_experts) ** batch)  # expected distinct experts, uniform routing
+    weights = other + expert_bytes * touched / num_experts
+    b = 2  # bf16
+    state = 0
+    for kind in config.layer_types:
+        if kind == "linear_attention":
+            per_row = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+            state += 2 * per_row  # read and written
+        elif kind == "indexed_attention":
+            groups = length // config.indexer_compress_ratio
+            selected = min(length, config.indexer_budget + config.indexer_compress_ratio)
+            state += groups * config.indexer_head_dim * b + 2 * selected * config.num_key_value_heads * config.head_dim * b
+        elif kind == "hybrid_sliding":
+            keys = min(length, config.sliding_window_size)
+            state += 2 * keys * config.swa_num_key_value_heads * config.swa_head_dim * b
+        else:
+            state += 2 * length * config.num_key_value_heads * config.head_dim * b
+    return weights + batch * state
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 def main():
@@ -89,15 +170,13 @@ def main():
     parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--cases", nargs="+", default=["1x16384", "8x4096"])
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--graphs", choices=["on", "off", "both"], default="both")
     parser.add_argument("--skip-upstream", action="store_true")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--triton-qsa", action="store_true", help="use the opt-in Triton QSA kernels")
+    parser.add_argument("--upstream-limit", type=float, default=None,
+                        help="stop upstream's generation after this many seconds")
+    parser.add_argument("--jsonl", default=RESULTS)
     args = parser.parse_args()
-    if args.triton_qsa:
-        import hf_qsa_cache.ops.qsa as qsa_ops
-
-        qsa_ops.USE_TRITON = True
 
     torch.manual_seed(0)
     dtype = torch.bfloat16
@@ -111,48 +190,68 @@ def main():
 
         config = inkling_config(args.layers)
         Upstream = transformers.InklingForCausalLM
-    upstream = Upstream(config).to("cuda", dtype).eval()
-    ours = Ours(config).to("cuda", dtype).eval()
-    ours.load_state_dict(upstream.state_dict(), strict=True)
-    if args.skip_upstream:
-        del upstream
-        upstream = None
+    with torch.device("cuda"):
+        ours = Ours(config).to(dtype).eval()
+    upstream = None
+    if not args.skip_upstream:
+        with torch.device("cuda"):
+            upstream = Upstream(config).to(dtype).eval()
+        upstream.load_state_dict(ours.state_dict(), strict=True)
+    bandwidth = copy_bandwidth()
+    sha = commit()
+    print(json.dumps({"copy_bandwidth_TBps": round(bandwidth / 1e12, 2), "commit": sha}), flush=True)
+    graph_modes = {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
 
-    # Warm-up (kernel compilation) on a short ragged batch; also a bf16 agreement check.
+    # Warm-up (kernel compilation) on a short ragged batch.
     ids = torch.randint(2, config.vocab_size, (2, 40), device="cuda")
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
-    run(ours, ids, mask, 4)
+    for graphs in graph_modes:
+        ours.use_cuda_graphs = graphs
+        run(ours, ids, mask, 4)
     if upstream is not None:
         run(upstream, ids[:1], mask[:1], 4)
 
-    results = []
+    os.makedirs(os.path.dirname(args.jsonl), exist_ok=True)
     for case in args.cases:
         batch, length = (int(x) for x in case.split("x"))
         ids = torch.randint(2, config.vocab_size, (batch, length), device="cuda")
         mask = torch.ones_like(ids)
-        row = {"model": args.model, "batch": batch, "prompt": length, "new_tokens": args.new_tokens}
-        # Kernel autotuning (fla, Triton) keys on shapes: warm up at this case's shape first. Upstream runs
-        # after ours and shares the tuned kernels.
-        run(ours, ids, mask, 2, QSAPagedCache(config, max_batch_size=batch, max_cache_len=length + 2))
-        cache = QSAPagedCache(config, max_batch_size=batch, max_cache_len=length + args.new_tokens)
-        tokens, row["ours_prefill_s"], row["ours_decode_ms"], row["ours_peak_gib"] = run(
-            ours, ids, mask, args.new_tokens, cache)
-        row["ours_cache_gib"] = cache.memory_stats()["total_bytes"] / 2**30
-        del cache
+        common = {"model": args.model, "layers": args.layers, "batch": batch, "prompt_len": length,
+                  "new_tokens": args.new_tokens, "commit": sha}
+        floor_ms = decode_bytes(ours, config, batch, length) / bandwidth * 1e3
+        rows = []
+        for graphs in graph_modes:
+            ours.use_cuda_graphs = graphs
+            # Kernel tuning keys on shapes: warm up at this case's shape first (a fresh cache each run).
+            run(ours, ids, mask, 3, QSAPagedCache(config, max_batch_size=batch, max_cache_len=length + 3))
+            cache = QSAPagedCache(config, max_batch_size=batch, max_cache_len=length + args.new_tokens)
+            result = run(ours, ids, mask, args.new_tokens, cache)
+            result["cache_gib"] = cache.memory_stats()["total_bytes"] / 2**30
+            del cache
+            rows.append({**common, "impl": "paged", "graphs": graphs, **result, "floor_ms": floor_ms})
         if upstream is not None:
-            ref_tokens, row["up_prefill_s"], row["up_decode_ms"], row["up_peak_gib"] = run(
-                upstream, ids, mask, args.new_tokens)
-            row["prefill_speedup"] = row["up_prefill_s"] / row["ours_prefill_s"]
-            row["decode_speedup"] = row["up_decode_ms"] / row["ours_decode_ms"]
-            # bf16 rounding differs between implementations; report how long the greedy paths agree.
-            agree = (tokens == ref_tokens).int().cumprod(dim=1).sum(dim=1)
-            row["greedy_tokens_agreeing_per_row"] = agree.tolist()
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-        results.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            result = run(upstream, ids, mask, args.new_tokens, limit_s=args.upstream_limit)
+            rows.append({**common, "impl": "upstream", "graphs": False, **result})
+        reference = rows[-1].get("tokens") if upstream is not None else None
+        with open(args.jsonl, "a") as f:
+            for row in rows:
+                tokens = row.pop("tokens", None)
+                if reference is not None and tokens is not None and row["impl"] == "paged":
+                    # bf16 rounding differs between implementations: how long the greedy paths agree.
+                    n = min(tokens.shape[1], reference.shape[1])
+                    agree = (tokens[:, :n] == reference[:, :n]).int().cumprod(dim=1).sum(dim=1)
+                    row["greedy_tokens_agreeing_per_row"] = agree.tolist()
+                line = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+                f.write(json.dumps(line) + "\n")
+                print(json.dumps(line), flush=True)
+        up = rows[-1] if upstream is not None else None
+        for row in rows:
+            if row["impl"] == "paged" and up and up.get("decode_ms_per_step") and row.get("decode_ms_per_step"):
+                print(f"  {case} graphs={row['graphs']}: decode {row['decode_ms_per_step']:.2f} ms/step "
+                      f"({up['decode_ms_per_step'] / row['decode_ms_per_step']:.1f}x upstream), floor "
+                      f"{floor_ms:.2f} ms ({row['decode_ms_per_step'] / floor_ms:.1f}x floor); prefill "
+                      f"{row['prefill_s']:.2f} s ({up['prefill_s'] / row['prefill_s']:.1f}x upstream)", flush=True)
 
 
 if __name__ == "__main__":

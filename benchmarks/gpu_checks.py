@@ -1,7 +1,11 @@
-"""Correctness of the CUDA path (Triton metadata and short-conv kernels inside whole models).
+"""Correctness of the CUDA path (Triton kernels and CUDA-graph decode inside whole models).
 
-Our models run on the GPU in fp32 with a ragged batch; every row must give the greedy tokens and
-(within 1e-3) the logits of upstream transformers run on that row alone, unpadded, fp32, on the CPU.
+1. fp32, ragged batch, graphs on: every row gives the greedy tokens and (within 1e-3) the logits of
+   upstream transformers run on that row alone, unpadded, fp32, on the CPU; and graphed decode
+   equals eager decode (same tokens, logits within 1e-5).
+2. bf16 accuracy judged on logits: the same tokens are teacher-forced for 32 steps through upstream
+   fp32, upstream bf16 and ours bf16 (graphs on); our mean logit error against upstream fp32 must not
+   exceed 1.5x upstream bf16's own.
 
     python benchmarks/gpu_checks.py
 """
@@ -19,6 +23,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from hf_qsa_cache import QSAPagedCache  # noqa: E402
 
 NEW = 12
+FORCED = 32
+
+
+def _generate(model, ids, mask, block_size, graphs: bool):
+    model.use_cuda_graphs = graphs
+    cache = QSAPagedCache(model.config, ids.shape[0], ids.shape[1] + NEW, block_size=block_size)
+    out = model.generate(ids.cuda(), attention_mask=mask.cuda(), past_key_values=cache, max_new_tokens=NEW,
+                         do_sample=False, pad_token_id=0, eos_token_id=None, output_logits=True,
+                         return_dict_in_generate=True)
+    replayed = sum(1 for r in getattr(cache, "_decode_graphs", {}).values() for b in r.buckets.values() if b.graph)
+    return out, replayed
 
 
 def check_rows(name, upstream, ours_gpu, prompts, block_size):
@@ -26,11 +41,9 @@ def check_rows(name, upstream, ours_gpu, prompts, block_size):
 
     ids, mask = left_pad(prompts)
     width = ids.shape[1]
-    cache = QSAPagedCache(ours_gpu.config, len(prompts), width + NEW, block_size=block_size)
-    out = ours_gpu.generate(ids.cuda(), attention_mask=mask.cuda(), past_key_values=cache, max_new_tokens=NEW,
-                            do_sample=False, pad_token_id=0, eos_token_id=None, output_logits=True,
-                            return_dict_in_generate=True)
-    worst, ok = 0.0, True
+    out, graphs = _generate(ours_gpu, ids, mask, block_size, graphs=True)
+    eager, _ = _generate(ours_gpu, ids, mask, block_size, graphs=False)
+    worst, ok = 0.0, graphs > 0
     for i, p in enumerate(prompts):
         ref = upstream.generate(torch.as_tensor([p]), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
                                 eos_token_id=None, output_logits=True, return_dict_in_generate=True)
@@ -38,7 +51,57 @@ def check_rows(name, upstream, ours_gpu, prompts, block_size):
         diff = (torch.stack([l[i].cpu() for l in out.logits]) - torch.stack([l[0] for l in ref.logits])).abs().max()
         worst = max(worst, diff.item())
         ok &= same and diff.item() < 1e-3
-    print(f"{name}: rows {len(prompts)}, greedy tokens equal and logits within 1e-3: {ok} (max diff {worst:.2e})")
+    graph_vs_eager = max((a - b).abs().max().item() for a, b in zip(out.logits, eager.logits))
+    same_eager = torch.equal(out.sequences, eager.sequences)
+    ok &= same_eager and graph_vs_eager < 1e-5
+    print(f"{name}: rows {len(prompts)}, {graphs} graph(s) captured; tokens equal upstream and logits within 1e-3: "
+          f"max diff {worst:.2e}; graphed vs eager: tokens equal {same_eager}, max logit diff {graph_vs_eager:.2e} "
+          f"-> {'ok' if ok else 'FAILED'}")
+    return ok
+
+
+def _teacher_forced_ours(model, prompts, forced, block_size):
+    """Our logits ``[rows, FORCED, V]`` for the forced tokens, decoding one step at a time (graphs on)."""
+    from qwen4_helpers import left_pad
+
+    ids, mask = left_pad(prompts)
+    ids, mask = ids.cuda(), mask.cuda()
+    cache = QSAPagedCache(model.config, ids.shape[0], ids.shape[1] + FORCED, block_size=block_size)
+    model.use_cuda_graphs = True
+    steps = []
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, past_key_values=cache, logits_to_keep=1).logits
+        steps.append(logits[:, -1])
+        for t in range(FORCED - 1):
+            tok = forced[:, t:t + 1].cuda()
+            mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
+            steps.append(model(tok, attention_mask=mask, past_key_values=cache).logits[:, -1])
+    return torch.stack(steps, dim=1).float().cpu()
+
+
+def _teacher_forced_upstream(model, prompt, forced_row, device):
+    seq = torch.as_tensor([list(prompt) + forced_row[: FORCED - 1].tolist()], device=device)
+    with torch.no_grad():
+        logits = model(seq).logits[0, len(prompt) - 1:]
+    return logits.float().cpu()
+
+
+def check_bf16(name, upstream, ours, prompts, block_size):
+    gen = torch.Generator().manual_seed(5)
+    forced = torch.randint(2, upstream.config.vocab_size, (len(prompts), FORCED), generator=gen)
+    up32 = upstream.float()
+    up16 = copy.deepcopy(upstream).to("cuda", torch.bfloat16)
+    ours16 = copy.deepcopy(ours).to("cuda", torch.bfloat16)
+    mine = _teacher_forced_ours(ours16, prompts, forced, block_size)
+    err_ours, err_up = [], []
+    for i, p in enumerate(prompts):
+        ref = _teacher_forced_upstream(up32, p, forced[i], "cpu")
+        err_up.append((_teacher_forced_upstream(up16, p, forced[i], "cuda") - ref).abs().mean())
+        err_ours.append((mine[i] - ref).abs().mean())
+    e_ours, e_up = torch.stack(err_ours).mean().item(), torch.stack(err_up).mean().item()
+    ok = e_ours <= 1.5 * e_up
+    print(f"{name} bf16, {FORCED} teacher-forced steps, rows {len(prompts)}: mean |logit - upstream fp32| ours "
+          f"{e_ours:.3e}, upstream bf16 {e_up:.3e} (ratio {e_ours / e_up:.2f}, limit 1.5) -> {'ok' if ok else 'FAILED'}")
     return ok
 
 
@@ -49,24 +112,17 @@ def main():
 
     import qwen4_helpers as q
 
-    import hf_qsa_cache.ops.qsa as qsa_ops
-
     upstream, ours = q.make_pair(seed=0)
     prompts = q.random_prompts([29, 7, 18, 33, 25], seed=1)
     results.append(check_rows("qwen4_exp", upstream, copy.deepcopy(ours).cuda(), prompts, block_size=4))
-    # The opt-in Triton QSA kernels (HF_QSA_TRITON_QSA=1) inside the whole model.
-    saved, qsa_ops.USE_TRITON = qsa_ops.USE_TRITON, True
-    try:
-        results.append(check_rows("qwen4_exp (Triton QSA kernels)", upstream, copy.deepcopy(ours).cuda(), prompts,
-                                  block_size=4))
-    finally:
-        qsa_ops.USE_TRITON = saved
+    results.append(check_bf16("qwen4_exp", upstream, ours, prompts, block_size=4))
 
     import test_inkling as ink
 
     upstream, ours = ink.make_pair(ink.make_config())
     prompts = [p.tolist() for p in ink.make_prompts([9, 3, 14, 6, 21])]
     results.append(check_rows("inkling", upstream, copy.deepcopy(ours).cuda(), prompts, block_size=4))
+    results.append(check_bf16("inkling", upstream, ours, prompts, block_size=4))
     print("ALL GPU CHECKS PASSED" if all(results) else "GPU CHECK FAILED")
     sys.exit(0 if all(results) else 1)
 

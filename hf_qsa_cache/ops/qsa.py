@@ -5,10 +5,10 @@ Tokens are the flattened ``[B*L]`` rows of a forward, described by `StepMetadata
 row's groups ``0 .. visible_blocks-1``, keeps the ``budget / r`` best, and always attends the
 open-group tail ``((p+1)//r)*r .. p``.
 
-On CUDA, with ``HF_QSA_TRITON_QSA=1`` in the environment, the index scores and the sparse attention
-run as Triton kernels (`hf_qsa_cache.ops.qsa_triton`), tested against the torch functions here (under
-the Triton interpreter, and on GPU by ``benchmarks/check_qsa_kernels.py``). The switch is off by
-default until they have been checked in full-model GPU generation.
+On CUDA the index scores and the sparse attention run as Triton kernels (`hf_qsa_cache.ops.qsa_triton`),
+tested against the torch functions here (under the Triton interpreter, on GPU by
+``benchmarks/check_qsa_kernels.py``, and inside whole models by ``benchmarks/gpu_checks.py``);
+``HF_QSA_TRITON_QSA=0`` in the environment keeps the torch functions.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..metadata import StepMetadata
 _CHUNK_ELEMENTS = 1 << 26
 
 # Triton kernels for CUDA tensors (read once, at import).
-USE_TRITON = os.environ.get("HF_QSA_TRITON_QSA", "0") == "1"
+USE_TRITON = os.environ.get("HF_QSA_TRITON_QSA", "1") == "1"
 
 
 def _use_triton(x: torch.Tensor) -> bool:
