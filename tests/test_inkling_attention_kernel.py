@@ -115,9 +115,9 @@ def _check(name: str, case: dict, overrides: dict) -> str | None:
     have = paged_rel_attention_triton(**args, **overrides)
     if have.shape != want.shape or have.dtype != want.dtype:
         return f"{name}: shape/dtype {have.shape} {have.dtype} vs {want.shape} {want.dtype}"
-    if not torch.isfinite(have).all():
-        return f"{name}: non-finite output"
     valid = (args["position"] >= 0).view(have.shape[:2])
+    if not torch.equal(have[~valid], torch.zeros_like(have[~valid])):  # the torch op's pad rows are junk
+        return f"{name}: a pad query does not output zeros"
     err = (have.float() - want.float())[valid].abs().max() / want.float()[valid].abs().max()
     bound = 1e-4 if case.get("dtype", torch.float32) == torch.float32 else 1e-2
     if not err < bound:

@@ -11,7 +11,8 @@ merges the splits.
 
 Keys. A query at position ``p`` sees keys ``0 .. p`` (full layers) or ``p - window + 1 .. p``
 (sliding layers); a tile iterates only over the union of those ranges for its queries, in key tiles
-of ``BLOCK_N``. Keys of earlier forwards (positions ``< prev_len``) are read from the paged store
+of ``BLOCK_N``. On full layers, keys at distance ``>= E`` from every query of the tile ("far" tiles,
+most of a long context) skip the bias gather and the causal mask. Keys of earlier forwards (positions ``< prev_len``) are read from the paged store
 through the block table; keys of this forward (positions ``>= prev_len``) are read from the ``k``/``v``
 activations, at column ``L - 1 - (last_position - p)`` of the row (rows are left-padded). Windowed
 block tables never allocate blocks below the window, not even for positions a long prefill writes
@@ -45,7 +46,7 @@ PREFILL_ROWS = 128  # query rows (tokens x padded GQA group) per prefill tile
 PREFILL_BLOCK_N = 64  # keys per key tile
 DECODE_BLOCK_N = 64
 TARGET_PROGRAMS = 512  # split the keys until a launch has about this many programs ...
-MIN_SPLIT_KEYS = 128  # ... but give every split at least this many keys
+MIN_SPLIT_KEYS = 1024  # ... but give every split at least this many keys
 MAX_SPLITS = 128
 
 
@@ -80,21 +81,27 @@ def _round(x, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
 
 @triton.jit
 def _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, row_ok, kpos, kmask,
-                 qk_scale, window, extent,
+                 qk_scale, window, extent, NEAR: tl.constexpr,
                  WINDOWED: tl.constexpr, LOG_SCALING: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
-    """One key tile of the online softmax for all rows of a query tile (base-2 logits)."""
+    """One key tile of the online softmax for all rows of a query tile (base-2 logits).
+
+    A far tile (``NEAR`` false) lies at distance >= extent before every query of the tile, on a
+    layer without a window: every real query sees all its keys, and none of them has a bias."""
     if IEEE:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = _dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale
-    dist = qpos[:, None] - kpos[None, :]
-    ok = (qpos >= 0)[:, None] & kmask[None, :] & (dist >= 0)
-    if WINDOWED:
-        ok = ok & (dist < window)
-    bias = tl.load(rel_rows[:, None] + dist, mask=ok & row_ok[:, None] & (dist < extent), other=0.0)
-    if LOG_SCALING:
-        bias = _round(bias.to(tl.float32) * qtau[:, None], bias.dtype, WIDEN)
-    s = tl.where(ok, s + bias.to(tl.float32) * 1.4426950408889634, float("-inf"))
+    if NEAR:
+        dist = qpos[:, None] - kpos[None, :]
+        ok = (qpos >= 0)[:, None] & kmask[None, :] & (dist >= 0)
+        if WINDOWED:
+            ok = ok & (dist < window)
+        bias = tl.load(rel_rows[:, None] + dist, mask=ok & row_ok[:, None] & (dist < extent), other=0.0)
+        if LOG_SCALING:
+            bias = _round(bias.to(tl.float32) * qtau[:, None], bias.dtype, WIDEN)
+        s = tl.where(ok, s + bias.to(tl.float32) * 1.4426950408889634, float("-inf"))
+    else:
+        s = tl.where((qpos >= 0)[:, None] & kmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep exp2 finite
     alpha = tl.exp2(m - m_ref)
@@ -102,6 +109,44 @@ def _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, row_ok, kpos, kmask,
     l = l * alpha + tl.sum(prob, axis=1)
     acc = acc * alpha[:, None] + _dot(_round(prob, v.dtype, WIDEN), v, IEEE, WIDEN)
     return acc, m_new, l
+
+
+@triton.jit
+def _scan_store(acc, m, l, lo, hi, q, qpos, qtau, rel_rows, row_ok, kst_ptr, vst_ptr, table_row,
+                skst_s, skst_h, skst_d, svst_s, svst_h, svst_d, table_cols, block_size, kv, d, d_ok,
+                qk_scale, window, extent, NEAR: tl.constexpr, WINDOWED: tl.constexpr,
+                LOG_SCALING: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys at positions [lo, hi) of earlier forwards: the paged store, through the row's block table."""
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        kmask = kpos < hi
+        logical = tl.minimum(kpos // block_size, table_cols - 1)
+        blk = tl.load(table_row + logical, mask=kmask, other=0).to(tl.int64)
+        kslot = blk * block_size + kpos % block_size
+        lmask = kmask[:, None] & d_ok[None, :]
+        k = tl.load(kst_ptr + kslot[:, None] * skst_s + kv * skst_h + d[None, :] * skst_d, mask=lmask, other=0.0)
+        v = tl.load(vst_ptr + kslot[:, None] * svst_s + kv * svst_h + d[None, :] * svst_d, mask=lmask, other=0.0)
+        acc, m, l = _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, row_ok, kpos, kmask,
+                                 qk_scale, window, extent, NEAR, WINDOWED, LOG_SCALING, IEEE, WIDEN)
+    return acc, m, l
+
+
+@triton.jit
+def _scan_new(acc, m, l, lo, hi, q, qpos, qtau, rel_rows, row_ok, k_row, v_row,
+              sk_l, sk_h, sk_d, sv_l, sv_h, sv_d, query_len, last_pos, kv, d, d_ok,
+              qk_scale, window, extent, NEAR: tl.constexpr, WINDOWED: tl.constexpr,
+              LOG_SCALING: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys at positions [lo, hi) of this forward: the activations, at the key's column of the row."""
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        kmask = kpos < hi
+        kcol = (query_len - 1 - (last_pos - kpos)).to(tl.int64)
+        lmask = kmask[:, None] & d_ok[None, :]
+        k = tl.load(k_row + kcol[:, None] * sk_l + kv * sk_h + d[None, :] * sk_d, mask=lmask, other=0.0)
+        v = tl.load(v_row + kcol[:, None] * sv_l + kv * sv_h + d[None, :] * sv_d, mask=lmask, other=0.0)
+        acc, m, l = _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, row_ok, kpos, kmask,
+                                 qk_scale, window, extent, NEAR, WINDOWED, LOG_SCALING, IEEE, WIDEN)
+    return acc, m, l
 
 
 # Batch-varying sizes are not specialised, so a new batch, length or split width does not recompile.
@@ -165,8 +210,8 @@ def _rel_attention_kernel(
     prev = tl.load(prev_ptr + b).to(tl.int32)
     last_pos = tl.load(pos_ptr + b64 * query_len + query_len - 1).to(tl.int32)
     q_hi = tl.max(qpos, axis=0) + 1  # keys end after the tile's last query (0 when all pads)
+    q_lo = tl.min(tl.where(qpos >= 0, qpos, q_hi), axis=0)  # 0 when all pads: empty ranges
     if WINDOWED:
-        q_lo = tl.min(tl.where(qpos >= 0, qpos, q_hi), axis=0)  # 0 when all pads: empty range
         k_lo = tl.maximum(q_lo - window + 1, 0)
     else:
         k_lo = q_hi * 0
@@ -175,36 +220,38 @@ def _rel_attention_kernel(
         k_hi = tl.minimum(q_hi, k_lo + split_len)
     else:
         k_hi = q_hi
+    # Without a window, keys up to q_lo - extent are "far" for every query of the tile: no bias,
+    # no causal mask. The rest are "near".
+    if WINDOWED:
+        far_hi = k_lo
+    else:
+        far_hi = tl.maximum(k_lo, q_lo - extent + 1)
 
     m = tl.full([BLOCK_M * G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M * G_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * G_PAD, D_PAD], tl.float32)
-    kn = tl.arange(0, BLOCK_N)
 
-    # Keys of earlier forwards: the paged store, through the block table.
+    # Keys of earlier forwards (positions < prev_len) from the paged store, through the block table.
     store_hi = tl.minimum(k_hi, prev)
-    for start in range(k_lo, store_hi, BLOCK_N):
-        kpos = start + kn
-        kmask = kpos < store_hi
-        logical = tl.minimum(kpos // block_size, table_cols - 1)
-        blk = tl.load(table_ptr + b64 * stab_b + logical, mask=kmask, other=0).to(tl.int64)
-        kslot = blk * block_size + kpos % block_size
-        lmask = kmask[:, None] & d_ok[None, :]
-        k = tl.load(kst_ptr + kslot[:, None] * skst_s + kv * skst_h + d[None, :] * skst_d, mask=lmask, other=0.0)
-        v = tl.load(vst_ptr + kslot[:, None] * svst_s + kv * svst_h + d[None, :] * svst_d, mask=lmask, other=0.0)
-        acc, m, l = _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, row_ok, kpos, kmask,
-                                 qk_scale, window, extent, WINDOWED, LOG_SCALING, IEEE, WIDEN)
-
-    # Keys of this forward: the activations, at the key's column of this row.
-    for start in range(tl.maximum(k_lo, prev), k_hi, BLOCK_N):
-        kpos = start + kn
-        kmask = kpos < k_hi
-        kcol = (query_len - 1 - (last_pos - kpos)).to(tl.int64)
-        lmask = kmask[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + b64 * sk_b + kcol[:, None] * sk_l + kv * sk_h + d[None, :] * sk_d, mask=lmask, other=0.0)
-        v = tl.load(v_ptr + b64 * sv_b + kcol[:, None] * sv_l + kv * sv_h + d[None, :] * sv_d, mask=lmask, other=0.0)
-        acc, m, l = _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, row_ok, kpos, kmask,
-                                 qk_scale, window, extent, WINDOWED, LOG_SCALING, IEEE, WIDEN)
+    table_row = table_ptr + b64 * stab_b
+    acc, m, l = _scan_store(acc, m, l, k_lo, tl.minimum(far_hi, store_hi), q, qpos, qtau, rel_rows, row_ok,
+                            kst_ptr, vst_ptr, table_row, skst_s, skst_h, skst_d, svst_s, svst_h, svst_d,
+                            table_cols, block_size, kv, d, d_ok, qk_scale, window, extent,
+                            False, WINDOWED, LOG_SCALING, IEEE, WIDEN, BLOCK_N)
+    acc, m, l = _scan_store(acc, m, l, far_hi, store_hi, q, qpos, qtau, rel_rows, row_ok,
+                            kst_ptr, vst_ptr, table_row, skst_s, skst_h, skst_d, svst_s, svst_h, svst_d,
+                            table_cols, block_size, kv, d, d_ok, qk_scale, window, extent,
+                            True, WINDOWED, LOG_SCALING, IEEE, WIDEN, BLOCK_N)
+    # Keys of this forward (positions >= prev_len) from the activations.
+    new_lo = tl.maximum(k_lo, prev)
+    k_row = k_ptr + b64 * sk_b
+    v_row = v_ptr + b64 * sv_b
+    acc, m, l = _scan_new(acc, m, l, new_lo, tl.minimum(far_hi, k_hi), q, qpos, qtau, rel_rows, row_ok,
+                          k_row, v_row, sk_l, sk_h, sk_d, sv_l, sv_h, sv_d, query_len, last_pos, kv, d, d_ok,
+                          qk_scale, window, extent, False, WINDOWED, LOG_SCALING, IEEE, WIDEN, BLOCK_N)
+    acc, m, l = _scan_new(acc, m, l, tl.maximum(new_lo, far_hi), k_hi, q, qpos, qtau, rel_rows, row_ok,
+                          k_row, v_row, sk_l, sk_h, sk_d, sv_l, sv_h, sv_d, query_len, last_pos, kv, d, d_ok,
+                          qk_scale, window, extent, True, WINDOWED, LOG_SCALING, IEEE, WIDEN, BLOCK_N)
 
     omask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS > 1:
