@@ -11,15 +11,17 @@ merges the splits.
 
 Keys. A query at position ``p`` sees keys ``0 .. p`` (full layers) or ``p - window + 1 .. p``
 (sliding layers); a tile iterates only over the union of those ranges for its queries, in key tiles
-of ``BLOCK_N``. On full layers, keys at distance ``>= E`` from every query of the tile ("far" tiles,
-most of a long context) skip the bias gather and the causal mask. Keys of earlier forwards (positions ``< prev_len``) are read from the paged store
-through the block table; keys of this forward (positions ``>= prev_len``) are read from the ``k``/``v``
-activations, at column ``L - 1 - (last_position - p)`` of the row (rows are left-padded). Windowed
-block tables never allocate blocks below the window, not even for positions a long prefill writes
-in this forward (those writes land in the null block), so same-forward keys must not come from the
-store. Store reads therefore only touch positions older than this forward, and the store writes of
-this forward (done by the first split of each query tile, ``slot.clamp_min(0)`` like the torch op)
-only touch this forward's slots: the write and the attention share one launch with no ordering hazard.
+of ``BLOCK_N``. On full layers, keys at distance ``>= E`` from every query of the tile ("far" keys,
+most of a long context) skip the bias gather and the causal mask.
+
+Keys of earlier forwards (positions ``< prev_len``) are read from the paged store through the block
+table; keys of this forward (positions ``>= prev_len``) are read from the ``k``/``v`` activations,
+at column ``L - 1 - (last_position - p)`` of the row (rows are left-padded). Windowed block tables
+never allocate blocks below the window, not even for positions a long prefill writes in this
+forward (those writes land in the null block), so same-forward keys must not come from the store.
+Store reads therefore only touch positions older than this forward, and the store writes of this
+forward (done by the first split of each query tile, ``slot.clamp_min(0)`` like the torch op) only
+touch this forward's slots: the write and the attention share one launch with no ordering hazard.
 
 Scores. ``logit = tau * (q . k) * scaling + tau * rel[t, h, p_t - p_s]`` for ``0 <= p_t - p_s < E``,
 with ``rel = r @ P`` precomputed per query in ``r``'s dtype (``[B, L, Hq, E]``) and gathered per
