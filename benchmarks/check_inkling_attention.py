@@ -1,0 +1,182 @@
+"""GPU check of the Inkling paged attention kernel against the torch op, at real shapes, with timings.
+
+    python benchmarks/check_inkling_attention.py          # on a CUDA GPU
+    python benchmarks/check_inkling_attention.py --tiny   # tiny shapes on CPU, Triton interpreter
+
+Shapes (hidden 2048): 16 query heads over 4 KV heads of 128, d_rel 16; full layers with rel_extent
+1024 and log scaling (n_floor 128000, alpha 0.1), sliding layers with window 512. Cases: decode at
+1 x 131072 and 8 x 4096 cached tokens, and a 4096-token prefill chunk over 8192 cached tokens, each
+on a full and a sliding layer. Inputs follow the cache: block size 64, shuffled physical blocks, a
+windowed table (blocks below the window are the null block) on sliding layers.
+
+One line per case: max error relative to the largest output, whether the stores agree, and the times
+of the torch op and the kernel (CUDA events). Exits non-zero when a bound is exceeded.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed one
+TINY = "--tiny" in sys.argv[1:]
+if TINY:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+
+import torch  # noqa: E402
+
+from hf_qsa_cache.blocks import BlockTable  # noqa: E402
+from hf_qsa_cache.metadata import build_step_metadata_torch  # noqa: E402
+from hf_qsa_cache.ops.inkling_attention import paged_rel_attention_torch  # noqa: E402
+from hf_qsa_cache.ops import inkling_attention_triton  # noqa: E402
+from hf_qsa_cache.ops.inkling_attention_triton import paged_rel_attention_triton  # noqa: E402
+
+if TINY:
+    # Small key tiles and splits, so the tiny decode cases take the split path like the real ones.
+    inkling_attention_triton.DECODE_BLOCK_N = 16
+    inkling_attention_triton.MIN_SPLIT_KEYS = 16
+    HEADS, KV_HEADS, HEAD_DIM, D_REL, REL_EXTENT, WINDOW, BLOCK_SIZE = 4, 2, 16, 4, 24, 8, 4
+    LOG_SCALING = (16.0, 0.1)
+    # name, layer, rows as (prev_len, count), dtype
+    CASES = [
+        ("decode 1 x 100", "full", [(100, 1)], torch.bfloat16),
+        ("decode 1 x 100", "sliding", [(100, 1)], torch.bfloat16),
+        ("decode 3 x 20", "full", [(20, 1)] * 3, torch.float32),
+        ("decode 3 x 20", "sliding", [(20, 1)] * 3, torch.bfloat16),
+        ("prefill 20 over 30", "full", [(30, 20)], torch.bfloat16),
+        ("prefill 20 over 30", "sliding", [(30, 20)], torch.bfloat16),
+    ]
+else:
+    HEADS, KV_HEADS, HEAD_DIM, D_REL, REL_EXTENT, WINDOW, BLOCK_SIZE = 16, 4, 128, 16, 1024, 512, 64
+    LOG_SCALING = (128000.0, 0.1)
+    CASES = [
+        ("decode 1 x 131072", "full", [(131072, 1)], torch.bfloat16),
+        ("decode 1 x 131072", "sliding", [(131072, 1)], torch.bfloat16),
+        ("decode 8 x 4096", "full", [(4096, 1)] * 8, torch.bfloat16),
+        ("decode 8 x 4096", "sliding", [(4096, 1)] * 8, torch.bfloat16),
+        ("decode 8 x 4096", "full", [(4096, 1)] * 8, torch.float32),
+        ("prefill 4096 over 8192", "full", [(8192, 4096)], torch.bfloat16),
+        ("prefill 4096 over 8192", "sliding", [(8192, 4096)], torch.bfloat16),
+    ]
+BOUND = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
+
+
+def make_inputs(layer: str, rows: list[tuple[int, int]], dtype, device, seed: int = 0) -> dict:
+    """The op's arguments for one layer: the store holds random keys at every slot (earlier positions
+    included), the table comes from a shuffled, windowed-or-not `BlockTable`."""
+    window = WINDOW if layer == "sliding" else None
+    B = len(rows)
+    L = max(c for _, c in rows)
+    blocks_per_row = [-(-(p + c) // BLOCK_SIZE) for p, c in rows]
+    if window is not None:
+        blocks_per_row = [min(n, 2 * (-(-window // BLOCK_SIZE) + 1)) for n in blocks_per_row]
+    num_blocks = sum(blocks_per_row) + 1
+    table = BlockTable(layer, num_blocks, BLOCK_SIZE, B, window=window)
+    random.Random(seed).shuffle(table.free)
+    for b, (p, c) in enumerate(rows):
+        table.reserve(b, p)  # the forwards before this one
+    for b, (p, c) in enumerate(rows):
+        table.release_out_of_window(b, p)
+        table.reserve(b, p + c)
+    block_table = table.device_table(B, device)
+    prev = torch.tensor([p for p, _ in rows], dtype=torch.int32, device=device)
+    count = torch.tensor([c for _, c in rows], dtype=torch.int32, device=device)
+    meta = build_step_metadata_torch(prev, count, L, {layer: block_table}, {layer: BLOCK_SIZE})
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    slots = num_blocks * BLOCK_SIZE
+    extent = WINDOW if window is not None else REL_EXTENT
+    return dict(
+        q=rand(B, L, HEADS, HEAD_DIM), k=rand(B, L, KV_HEADS, HEAD_DIM), v=rand(B, L, KV_HEADS, HEAD_DIM),
+        r=rand(B, L, HEADS, D_REL), proj=rand(D_REL, extent, scale=D_REL ** -0.5),
+        key_store=rand(slots, KV_HEADS, HEAD_DIM), value_store=rand(slots, KV_HEADS, HEAD_DIM),
+        table=block_table, block_size=BLOCK_SIZE, slots=meta.slots[layer], position=meta.position,
+        prev_len=meta.prev_len, host_prev_len=[p for p, _ in rows],
+        # 1/sqrt(hd) rather than the model's 1/hd, so that q.k weighs as much as the bias in the check.
+        scaling=HEAD_DIM ** -0.5, window=window, log_scaling=None if window is not None else LOG_SCALING,
+    )
+
+
+def time_ms(fn, iters: int) -> float:
+    fn()  # warm-up (and compilation)
+    if TINY:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def check(name: str, layer: str, rows, dtype, device) -> bool:
+    args = make_inputs(layer, rows, dtype, device)
+    L = args["q"].shape[1]
+    iters = 1 if TINY else (3 if L > 1 else 20)
+    label = f"{name:24s} {layer:7s} {str(dtype).removeprefix('torch.'):8s}"
+    have_args = {**args, "key_store": args["key_store"].clone(), "value_store": args["value_store"].clone()}
+    have = paged_rel_attention_triton(**have_args)
+    t_kernel = time_ms(lambda: paged_rel_attention_triton(**have_args), iters if TINY else 50)
+    extra = ""
+    if L == 1 and not TINY:
+        t_one = time_ms(lambda: paged_rel_attention_triton(**have_args, num_splits=1), 20)
+        extra = f"  (one split {t_one:.3f} ms)"
+    try:
+        want_args = {**args, "key_store": args["key_store"].clone(), "value_store": args["value_store"].clone()}
+        want = paged_rel_attention_torch(**want_args)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        print(f"{label} torch op out of memory; kernel {t_kernel:.3f} ms{extra}  (no comparison)")
+        return bool(torch.isfinite(have).all())
+    valid = (args["position"] >= 0).view(have.shape[:2])
+    err = ((have.float() - want.float())[valid].abs().max() / want.float()[valid].abs().max()).item()
+    bs = BLOCK_SIZE  # block 0 is the null block: pads and positions below the window write there
+    store_ok = all(torch.equal(a[bs:], b[bs:]) for a, b in ((have_args["key_store"], want_args["key_store"]),
+                                                           (have_args["value_store"], want_args["value_store"])))
+    del want
+    try:
+        t_torch = time_ms(lambda: paged_rel_attention_torch(**want_args), iters)
+        torch_time = f"{t_torch:9.3f} ms"
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        torch_time = "      OOM"
+    ok = err < BOUND[dtype] and store_ok and bool(torch.isfinite(have).all())
+    print(f"{label} rel err {err:.2e} (bound {BOUND[dtype]:.0e})  store {'same' if store_ok else 'DIFFERS'}  "
+          f"torch {torch_time}  kernel {t_kernel:8.3f} ms{extra}  {'ok' if ok else 'FAIL'}")
+    return ok
+
+
+def main() -> int:
+    if TINY:
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print("no CUDA device (use --tiny for a CPU run under the Triton interpreter)")
+        return 2
+    else:
+        device = torch.device("cuda")
+        print(torch.cuda.get_device_name(device))
+    print(f"heads {HEADS}/{KV_HEADS} x {HEAD_DIM}, d_rel {D_REL}, rel_extent {REL_EXTENT}, window {WINDOW}, "
+          f"block size {BLOCK_SIZE}")
+    results = []
+    for name, layer, rows, dtype in CASES:
+        results.append(check(name, layer, rows, dtype, device))
+        if not TINY:
+            torch.cuda.empty_cache()
+    print("PASS" if all(results) else "FAIL")
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
