@@ -158,6 +158,8 @@ def decode_bytes(model, config, batch: int, length: int) -> float:
 
 
 def commit() -> str:
+    if os.environ.get("BENCH_COMMIT"):  # a copied working tree may carry no git history
+        return os.environ["BENCH_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"

@@ -74,7 +74,7 @@ def make_inputs(layer: str, rows: list[tuple[int, int]], dtype, device, seed: in
     if window is not None:
         blocks_per_row = [min(n, 2 * (-(-window // BLOCK_SIZE) + 1)) for n in blocks_per_row]
     num_blocks = sum(blocks_per_row) + 1
-    table = BlockTable(layer, num_blocks, BLOCK_SIZE, B, window=window)
+    table = BlockTable(layer, num_blocks, BLOCK_SIZE, B, max(p + c for p, c in rows), window=window)
     random.Random(seed).shuffle(table.free)
     for b, (p, c) in enumerate(rows):
         table.reserve(b, p)  # the forwards before this one
@@ -84,7 +84,8 @@ def make_inputs(layer: str, rows: list[tuple[int, int]], dtype, device, seed: in
     block_table = table.device_table(B, device)
     prev = torch.tensor([p for p, _ in rows], dtype=torch.int32, device=device)
     count = torch.tensor([c for _, c in rows], dtype=torch.int32, device=device)
-    meta = build_step_metadata_torch(prev, count, L, {layer: block_table}, {layer: BLOCK_SIZE})
+    meta = build_step_metadata_torch(prev, count, L, {layer: block_table}, {layer: BLOCK_SIZE}, None,
+                                     prev.tolist(), count.tolist())
 
     g = torch.Generator(device="cpu").manual_seed(seed)
 

@@ -30,7 +30,7 @@ def make_case(seed: int, rows: list[tuple[int, int]], L: int, heads: int, kv_hea
     g = torch.Generator().manual_seed(seed)
     B = len(rows)
     num_blocks = sum(-(-(p + c) // block_size) for p, c in rows) + 4
-    blocks = BlockTable("kv", num_blocks, block_size, B, window=window)
+    blocks = BlockTable("kv", num_blocks, block_size, B, max(p + c for p, c in rows), window=window)
     random.Random(seed).shuffle(blocks.free)
     # An earlier forward brought each row to prev_len; this one appends count tokens.
     for b, (p, c) in enumerate(rows):
@@ -41,7 +41,8 @@ def make_case(seed: int, rows: list[tuple[int, int]], L: int, heads: int, kv_hea
     table = blocks.device_table(B, "cpu")
     prev = torch.tensor([p for p, _ in rows], dtype=torch.int32)
     count = torch.tensor([c for _, c in rows], dtype=torch.int32)
-    meta = build_step_metadata_torch(prev, count, L, {"kv": table}, {"kv": block_size})
+    meta = build_step_metadata_torch(prev, count, L, {"kv": table}, {"kv": block_size}, None, prev.tolist(),
+                                     count.tolist())
 
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(dtype)

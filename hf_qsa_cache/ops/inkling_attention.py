@@ -17,6 +17,8 @@ chunks so a long prefill never builds a ``[T, T]`` tensor for all heads at once.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 # Upper bound on elements of one chunk's score tensor.
@@ -113,4 +115,14 @@ def paged_rel_attention_torch(
     return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
 
 
-paged_rel_attention = paged_rel_attention_torch
+# On CUDA the Triton kernel (`inkling_attention_triton`, tested against the function above);
+# HF_QSA_TRITON_INKLING=0 in the environment keeps the torch op there too.
+USE_TRITON = os.environ.get("HF_QSA_TRITON_INKLING", "1") == "1"
+
+
+def paged_rel_attention(q, *args, **kwargs) -> torch.Tensor:
+    if USE_TRITON and q.is_cuda:
+        from .inkling_attention_triton import paged_rel_attention_triton
+
+        return paged_rel_attention_triton(q, *args, **kwargs)
+    return paged_rel_attention_torch(q, *args, **kwargs)
