@@ -30,7 +30,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.cuda_graphs import decode_graphs_for
 from hf_qsa_cache.generation import PagedCacheGenerationMixin, cache_for_bare_forward
-from hf_qsa_cache.ops.qsa import gather_group_raw_keys, paged_rows, score_and_select, sparse_paged_attention
+from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention
 
 from .checkpoints import StrictLoadingMixin, use_upstream_conversions
 
@@ -49,8 +49,6 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
         meta = cache.step_metadata(hidden_states.device)
         layer = cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype)
         main = cache.tables["main"]
-        geometry = cache.qsa
-        r = geometry.compress_ratio
         x = hidden_states.reshape(n, -1)
         cos, sin = cos.reshape(n, -1), sin.reshape(n, -1)
 
@@ -70,30 +68,22 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
         q_index = idx.q_layernorm(q_index.view(n, idx.index_n_heads, idx.index_head_dim))
         q_index = upstream.apply_rotary_pos_emb(q_index, cos=cos, sin=sin, unsqueeze_dim=1)
 
-        store = layer.index
-        work = meta.compress_work
-        # Most decode steps close no group (one step in r does); when the host knows, skip the work.
-        if meta.closes_groups(r):
-            group_keys, first_pos = gather_group_raw_keys(
-                meta, work, r, store.ring_keys, store.ring_positions, geometry.ring_capacity, raw_keys, positions3
-            )
-            pooled = idx.k_layernorm(group_keys.float().mean(dim=1).to(raw_keys.dtype))
-            g_cos, g_sin = self._rotary(pooled, first_pos)
-            pooled = upstream.apply_rotary_pos_emb(pooled[:, None], cos=g_cos, sin=g_sin, unsqueeze_dim=1)[:, 0]
-            row = work[:, 0].long()
-            group = work[:, 1].long().clamp_min(0)
-            slots = paged_rows(meta.block_tables["main"], row.clamp_min(0), group, main.block_size // r)
-            store.write_compressed(torch.where(row >= 0, slots, -1), pooled)
-        # Only after the groups above read it: the ring keeps the newest raw keys of each row.
-        store.write_ring(meta.ring_slot, raw_keys, positions3)
-
-        selected = score_and_select(q_index, store.compressed, meta, "main", main.block_size, r, idx.block_topk)
+        selected = qsa_index_step(
+            q_index, raw_keys, positions3, meta, layer.index, main.block_size, idx.block_topk,
+            finish_group=lambda pooled, first_pos: self._finish_group(pooled, first_pos),
+        )
         out = sparse_paged_attention(
             query, layer.kv.keys, layer.kv.values, meta.block_tables["main"], meta.token_row, selected,
             main.block_size, self.scaling,
         )
         out = out.reshape(n, -1) * torch.sigmoid(gate)
         return self.o_proj(out).view(B, L, -1)
+
+    def _finish_group(self, pooled: torch.Tensor, first_pos: torch.Tensor) -> torch.Tensor:
+        """A closed group's compressed key: its mean raw key, normed, rotated at its first position."""
+        pooled = self.indexer.k_layernorm(pooled)
+        g_cos, g_sin = self._rotary(pooled, first_pos)
+        return upstream.apply_rotary_pos_emb(pooled[:, None], cos=g_cos, sin=g_sin, unsqueeze_dim=1)[:, 0]
 
     def _rotary(self, like: torch.Tensor, positions3: torch.Tensor):
         """cos/sin ``[W, rot]`` at explicit 3-axis positions ``[W, 3]``."""

@@ -37,6 +37,28 @@ def paged_rows(block_table: torch.Tensor, rows: torch.Tensor, index: torch.Tenso
     return block * rows_per_block + index % rows_per_block
 
 
+def qsa_index_step(q_index: torch.Tensor, raw_keys: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
+                   store, block_size: int, block_topk: int, finish_group) -> torch.Tensor:
+    """One QSA layer's indexer for one forward: compress the groups this forward closes, commit the
+    raw keys to the ring, select. Returns the selected positions (`score_and_select`).
+
+    q_index ``[N, Hi, Di]`` normed, rotated index queries; raw_keys ``[N, Di]`` and positions ``[N, 3]``
+    of this forward's tokens; store: the layer's `QSAIndexStore`; ``finish_group(mean_raw_key [W, Di],
+    first_position [W, 3])`` turns a closed group's mean raw key into its compressed key (the model's
+    norm and rotary).
+    """
+    r = store.ratio
+    # Most decode steps close no group (one step in r does); when the host knows, skip the work.
+    if meta.closes_groups(r):
+        group_keys, first_pos = gather_group_raw_keys(meta, meta.compress_work, r, store.ring_keys,
+                                                      store.ring_positions, store.capacity, raw_keys, positions)
+        pooled = finish_group(group_keys.float().mean(dim=1).to(raw_keys.dtype), first_pos)
+        store.write_groups(meta.compress_work, meta.block_tables[store.table], pooled)
+    # Only after the groups above read it: the ring keeps the newest raw keys of each row.
+    store.write_ring(meta.ring_slot, raw_keys, positions)
+    return score_and_select(q_index, store.compressed, meta, store.table, block_size, r, block_topk)
+
+
 def gather_group_raw_keys(meta: StepMetadata, work: torch.Tensor, ratio: int, ring_keys: torch.Tensor,
                           ring_positions: torch.Tensor, capacity: int, raw_keys: torch.Tensor,
                           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

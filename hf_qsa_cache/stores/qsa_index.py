@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.qsa import paged_rows
 from .paged_kv import write_slots
 
 
@@ -63,8 +64,12 @@ class QSAIndexStore:
         self.ring_keys.index_copy_(0, idx, raw_keys.to(self.ring_keys.dtype))
         self.ring_positions.index_copy_(0, idx, positions.to(torch.int64))
 
-    def write_compressed(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
-        write_slots(self.compressed.view(-1, self.index_head_dim), slots, keys)
+    def write_groups(self, work: torch.Tensor, block_table: torch.Tensor, keys: torch.Tensor) -> None:
+        """Compressed key ``keys[w]`` of group ``work[w] = (row, group)``; unused items ``(-1, -1)`` go to
+        the null block. Group ``g`` sits in the block of its tokens, at row ``g % rows_per_block``."""
+        row, group = work[:, 0].long(), work[:, 1].long().clamp_min(0)
+        slots = paged_rows(block_table, row.clamp_min(0), group, self.rows_per_block)
+        write_slots(self.compressed.view(-1, self.index_head_dim), torch.where(row >= 0, slots, -1), keys)
 
     def paged_tensors(self) -> list[torch.Tensor]:
         return [self.compressed] if self.compressed is not None else []
