@@ -91,3 +91,85 @@ def restore_linear_states(cache, new_lengths: list[int]) -> None:
         linear = layer.stores.get("linear")
         if linear is not None:
             linear.restore(rows, new_lengths)
+
+
+# ---------------------------------------------------------------------------------------------- generate()
+
+# transformers' default `num_assistant_tokens` (GenerationConfig defaults) when the assistant sets none.
+DEFAULT_NUM_ASSISTANT_TOKENS = 20
+HEURISTIC_SCHEDULES = ("heuristic", "heuristic_transient")
+
+
+def assistant_schedule(assistant) -> tuple[int, bool]:
+    """``(num_assistant_tokens, grows)`` of an assistant model: what it drafts in its first round, and
+    whether the heuristic schedules may raise that (by 2 after every fully accepted round, without bound)."""
+    config = assistant.generation_config
+    k = config.num_assistant_tokens
+    k = DEFAULT_NUM_ASSISTANT_TOKENS if k is None else int(k)
+    return k, config.num_assistant_tokens_schedule in HEURISTIC_SCHEDULES
+
+
+def draft_tokens_bound(model, generation_config, schedule: tuple[int, bool] | None, new_tokens: int) -> tuple[int, str]:
+    """``(bound, source)``: the most draft tokens one verify step of `generate()` can carry, hence the
+    deepest `crop` it asks for, and the setting that decides it.
+
+    * ``prompt_lookup_num_tokens=k``: k (its candidates are not capped by the remaining length).
+    * ``use_mtp``: ``num_mtp_layers`` (one draft per MTP layer).
+    * ``assistant_model``: its ``num_assistant_tokens`` (20 by default), capped by ``new_tokens`` (transformers
+      never drafts past ``max_length``); with the heuristic schedules the count grows after every fully
+      accepted round, so the bound is ``new_tokens`` (``max_new_tokens - 1``). A constant schedule keeps
+      the rollback headroom small.
+    """
+    if generation_config.prompt_lookup_num_tokens is not None:
+        return int(generation_config.prompt_lookup_num_tokens), "prompt_lookup_num_tokens"
+    if generation_config.use_mtp:
+        layers = getattr(model.config.get_text_config(decoder=True), "num_mtp_layers", None) or 0
+        return int(layers), "num_mtp_layers"
+    if schedule is not None:
+        k, grows = schedule
+        if grows:
+            return max(new_tokens, 0), "the assistant's heuristic num_assistant_tokens_schedule (max_new_tokens - 1)"
+        return max(min(k, new_tokens), 0), "the assistant's num_assistant_tokens"
+    return 0, "no drafting"
+
+
+def overshoot(generation_config, bound: int) -> int:
+    """Columns a verify step may write past ``max_length - 1``: prompt lookup and MTP draft without
+    looking at the remaining length (transformers trims the accepted tokens afterwards)."""
+    if generation_config.prompt_lookup_num_tokens is not None or generation_config.use_mtp:
+        return bound
+    return 0
+
+
+def check_headroom(cache, bound: int, source: str) -> None:
+    if cache.num_speculative_tokens < bound:
+        raise ValueError(
+            f"assisted generation verifies up to {bound} draft tokens per step ({source}) and then crops the "
+            f"rejected ones, but the cache has num_speculative_tokens={cache.num_speculative_tokens}: build the "
+            f"QSAPagedCache with num_speculative_tokens={bound} (or more)"
+        )
+
+
+def attach_assistant_cache(generator, generation_config, batch_size: int, bound: int) -> None:
+    """Give an assistant model of ours a cache it can crop, sized for the whole main generation.
+
+    transformers lets the assistant's own ``generate()`` build its cache in the first round, sized for that
+    round only and without rollback headroom. Each round transformers crops the assistant's cache to two
+    tokens short of the main sequence and re-feeds those: after ``k`` drafts of which ``n`` were accepted
+    that drops ``k - n`` tokens, at most ``bound``.
+    """
+    from transformers.generation.candidate_generator import AssistedCandidateGenerator
+
+    from .cache import QSAPagedCache
+    from .generation import PagedCacheGenerationMixin
+
+    if not isinstance(generator, AssistedCandidateGenerator):
+        return
+    assistant = generator.assistant_model
+    if not isinstance(assistant, PagedCacheGenerationMixin) or generator.assistant_kwargs.get("past_key_values") is not None:
+        return
+    # The assistant never holds more than max_length - 2 columns (it drafts up to the main model's limit).
+    generator.assistant_kwargs["past_key_values"] = QSAPagedCache(
+        assistant.config, max_batch_size=batch_size, max_cache_len=generation_config.max_length,
+        num_speculative_tokens=bound,
+    )

@@ -240,6 +240,10 @@ class Qwen4ExpPreTrainedModel(upstream.Qwen4ExpPreTrainedModel):
     # apply unchanged; attention never goes through the attention-function registry.
     _can_set_experts_implementation_cached_value = True
     _can_set_attn_implementation_cached_value = True
+    # Upstream marks Qwen4Exp stateful, which makes generate() refuse assisted decoding. A QSAPagedCache with
+    # num_speculative_tokens rolls every state back exactly (hf_qsa_cache/speculative.py), and generate()
+    # builds (or checks) the cache with that headroom.
+    _is_stateful = False
 
 
 def _positions3(position_ids, meta, B: int, L: int) -> torch.Tensor:
