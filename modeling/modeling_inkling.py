@@ -220,6 +220,8 @@ class InklingTextModel(InklingPagedPreTrainedModel):
                 if output_hidden_states:
                     all_hidden += (hidden_states,)
         hidden_states = self.norm(hidden_states)
+        if output_hidden_states:  # as upstream: the last entry is the final-normed state (MTP drafts from it)
+            all_hidden = all_hidden[:-1] + (hidden_states,)
         return MoeModelOutputWithPast(
             last_hidden_state=hidden_states,
             past_key_values=cache if use_cache else None,
@@ -273,6 +275,17 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, PagedCacheGenerationMixin,
             hidden_states=outputs.hidden_states,
         )
         return out if return_dict is not False else out.to_tuple()
+
+    def _get_candidate_generator(self, generation_config, **kwargs):
+        # use_mtp drafts with MTP layers built from transformers' decoder layer (inkling_mtp.py); transformers
+        # picks early exit and prompt lookup first, so do the same.
+        if (generation_config.use_mtp and generation_config.assistant_early_exit is None
+                and generation_config.prompt_lookup_num_tokens is None):
+            from .inkling_mtp import InklingMTPCandidateGenerator
+
+            return InklingMTPCandidateGenerator(self, generation_config, kwargs["model_kwargs"],
+                                                kwargs.get("logits_processor"))
+        return super()._get_candidate_generator(generation_config=generation_config, **kwargs)
 
 
 
