@@ -53,12 +53,21 @@ class PagedCacheGenerationMixin:
                 )
                 _warned_cache_implementation.append(asked)
             generation_config.cache_implementation = None
-        # generate() passes the batch before it expands rows for beams / returned sequences.
+        # generate() passes the batch before it expands rows for beams / returned sequences; the mask it left in
+        # model_kwargs is already expanded, or dropped when all ones (the position ids it made still give the width).
         copies = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        rows = batch_size * copies
         cache = model_kwargs.get("past_key_values")
         mask = model_kwargs.get("attention_mask")
+        prompt = None
+        if mask is not None and mask.dim() == 2:
+            prompt = [int(n) for n in mask.sum(dim=1).tolist()]
+        elif mask is None and model_kwargs.get("position_ids") is not None:
+            # transformers counts the past of a passed cache into these position ids
+            past = cache.get_seq_length() if cache is not None else 0
+            prompt = [model_kwargs["position_ids"].shape[-1] - past] * rows
         columns = max_cache_length  # generate() never feeds the last token it generates
-        new_tokens = columns - (mask.shape[1] if mask is not None else 0)
+        new_tokens = columns - (mask.shape[1] if mask is not None else prompt[0] if prompt else 0)
         # Assisted decoding verifies drafts and crops the rejected ones: the cache needs that much rollback
         # headroom (speculative.py), and prompt lookup / MTP may verify a few columns past max_length.
         schedule = generation_config.__dict__.pop("_draft_schedule", None)
@@ -66,15 +75,14 @@ class PagedCacheGenerationMixin:
         bound, source = draft_tokens_bound(self, generation_config, schedule, new_tokens) if drafting else (0, "")
         extra = overshoot(generation_config, bound)
         if cache is None and generation_config.use_cache is not False:
-            cache = QSAPagedCache(self.config, max_batch_size=batch_size * copies, max_cache_len=max_cache_length + extra,
+            cache = QSAPagedCache(self.config, max_batch_size=rows, max_cache_len=max_cache_length + extra,
                                   num_speculative_tokens=bound)
             model_kwargs["past_key_values"] = cache
         if isinstance(cache, QSAPagedCache):
             # Refuse a request that cannot fit before the prefill runs, not after tokens were generated.
             if drafting:
                 check_headroom(cache, bound, source)
-            if mask is not None and mask.dim() == 2 and new_tokens >= 0:
-                prompt = [int(n) for n in mask.sum(dim=1).tolist() for _ in range(copies)]
+            if prompt is not None and new_tokens >= 0:
                 cache.check_request(prompt, new_tokens + extra)
         return super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
@@ -90,7 +98,7 @@ class PagedCacheGenerationMixin:
         # An assistant of ours gets a croppable cache sized for the whole generation.
         schedule = assistant_schedule(generator.assistant_model) if hasattr(generator, "assistant_model") else None
         bound, _ = draft_tokens_bound(self, generation_config, schedule, generation_config.max_length - 1 - input_ids.shape[1])
-        attach_assistant_cache(generator, generation_config, input_ids.shape[0], bound)
+        attach_assistant_cache(generator, generation_config, *input_ids.shape[:2], bound)
         return generator
 
     def _run_model(self, *, input_ids, inputs_embeds, attention_mask, past_key_values, logits_to_keep, chunkable,

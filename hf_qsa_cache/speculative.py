@@ -150,7 +150,7 @@ def check_headroom(cache, bound: int, source: str) -> None:
         )
 
 
-def attach_assistant_cache(generator, generation_config, batch_size: int, bound: int) -> None:
+def attach_assistant_cache(generator, generation_config, batch_size: int, input_length: int, bound: int) -> None:
     """Give an assistant model of ours a cache it can crop, sized for the whole main generation.
 
     transformers lets the assistant's own ``generate()`` build its cache in the first round, sized for that
@@ -168,8 +168,14 @@ def attach_assistant_cache(generator, generation_config, batch_size: int, bound:
     assistant = generator.assistant_model
     if not isinstance(assistant, PagedCacheGenerationMixin) or generator.assistant_kwargs.get("past_key_values") is not None:
         return
+    kwargs = generator.assistant_kwargs
     # The assistant never holds more than max_length - 2 columns (it drafts up to the main model's limit).
-    generator.assistant_kwargs["past_key_values"] = QSAPagedCache(
+    kwargs["past_key_values"] = QSAPagedCache(
         assistant.config, max_batch_size=batch_size, max_cache_len=generation_config.max_length,
         num_speculative_tokens=bound,
     )
+    if kwargs.get("attention_mask") is None:
+        # generate() drops an all-ones mask; the assistant's own generate() would then infer one from pad ids,
+        # masking any generated token that equals pad_token_id. The main model treats every token as real: so
+        # does the assistant (transformers extends this mask with ones every round).
+        kwargs["attention_mask"] = torch.ones(batch_size, input_length, dtype=torch.long, device=assistant.device)
