@@ -97,7 +97,8 @@ class PagedCacheGenerationMixin:
         )
         # An assistant of ours gets a croppable cache sized for the whole generation.
         schedule = assistant_schedule(generator.assistant_model) if hasattr(generator, "assistant_model") else None
-        bound, _ = draft_tokens_bound(self, generation_config, schedule, generation_config.max_length - 1 - input_ids.shape[1])
+        remaining = generation_config.max_length - 1 - input_ids.shape[1]
+        bound, _ = draft_tokens_bound(self, generation_config, schedule, remaining)
         attach_assistant_cache(generator, generation_config, *input_ids.shape[:2], bound)
         return generator
 

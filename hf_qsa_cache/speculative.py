@@ -12,9 +12,9 @@ then drops the rejected drafts. What makes that exact, per kind of state:
   recurrent states of those positions come from running the recurrence one token at a time
   (`gated_delta_keeping_states`). ``crop(-n)`` copies back the state after position ``length - 1 - n``.
 
-How far back a row can go: the ring holds the states after the last ``k + 1`` positions the row
-reached, so a crop may drop up to ``k`` tokens below the longest length the row had since it last
-grew; crops in a row do not add up past that (`rollback_floor`).
+How far back a row can go: the ring holds the state after each of the last ``k + 1`` positions the row
+reached, so it can be cropped to any length down to ``k`` below the longest length it has had; crops in
+a row share that budget (`rollback_floor`).
 """
 
 from __future__ import annotations
@@ -166,7 +166,9 @@ def attach_assistant_cache(generator, generation_config, batch_size: int, input_
     if not isinstance(generator, AssistedCandidateGenerator):
         return
     assistant = generator.assistant_model
-    if not isinstance(assistant, PagedCacheGenerationMixin) or generator.assistant_kwargs.get("past_key_values") is not None:
+    if not isinstance(assistant, PagedCacheGenerationMixin):
+        return
+    if generator.assistant_kwargs.get("past_key_values") is not None:
         return
     kwargs = generator.assistant_kwargs
     # The assistant never holds more than max_length - 2 columns (it drafts up to the main model's limit).

@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import test_inkling as inkling
 import torch
@@ -269,13 +267,14 @@ def test_crop_deeper_than_kept_is_refused(qwen):
     tokens = torch.randint(2, 96, (2, 5), generator=torch.Generator().manual_seed(1))
     kept_mask = _run(model, cache, ids, mask, [tokens[:, :3]])
     before = (list(cache.lengths), cache.columns_seen)
-    with pytest.raises(ValueError, match=r"cannot drop 3 tokens: row 0 can go back 2 at most \(num_speculative_tokens=2"):
+    refused = r"cannot drop 3 tokens: row 0 can go back 2 at most \(num_speculative_tokens=2"
+    with pytest.raises(ValueError, match=refused):
         cache.crop(-3)
     assert (list(cache.lengths), cache.columns_seen) == before
     cache.crop(-1)
     with pytest.raises(ValueError, match=r"cannot drop 2 tokens: row 0 can go back 1 at most"):
         cache.crop(-2)  # crops in a row share one budget
-    # The refused crops changed nothing: the state is the one after the first kept token... plus one.
+    # The refused crops changed nothing: the cache holds the prompt and the first two tokens.
     got = _next_logits(model, cache, kept_mask[:, :-1], tokens[:, 3:4])
     plain = QSAPagedCache(model.config, max_batch_size=2, max_cache_len=64)
     want = _next_logits(model, plain, _run(model, plain, ids, mask, [tokens[:, :1], tokens[:, 1:2]]), tokens[:, 3:4])
@@ -297,7 +296,8 @@ def test_memory_stats_report_rollback_headroom(qwen):
     c = model.config
     linear_layers = c.layer_types.count("linear_attention")
     # At least the recurrent states: fp32 [rows + 1 (pads), K + 1 positions, value heads, key dim, value dim].
-    recurrent = linear_layers * 3 * (K + 1) * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    per_position = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    recurrent = linear_layers * 3 * (K + 1) * per_position
     stats = with_headroom.memory_stats()["bytes"]
     assert stats["rollback_headroom"] >= recurrent
     assert "rollback_headroom" not in without.memory_stats()["bytes"]
