@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache
 
 from .blocks import NULL_BLOCK, BlockTable
 from .metadata import QSAGeometry, StepMetadata, build_step_metadata
+from .speculative import check_linear_rollback, restore_linear_states
 from .stores.linear_state import LinearAttentionState
 from .stores.paged_kv import PagedKV
 from .stores.qsa_index import QSAIndexStore, ring_capacity
@@ -116,7 +117,9 @@ class QSAPagedCache(Cache):
         block_size: tokens per block of the main table (default 64, rounded up to a multiple of the
             QSA compress ratio, which it must be a multiple of).
         num_blocks: blocks in the main pool (default: every row at ``max_cache_len``, plus the null block).
-        num_speculative_tokens: draft tokens a step may write before acceptance (ring and window headroom).
+        num_speculative_tokens: draft tokens a step may write before acceptance: how many tokens `crop` can
+            take back (ring and window headroom; on Qwen4Exp also the per-position GatedDeltaNet / PLE
+            state kept for rollback, reported as ``"rollback_headroom"`` by `memory_stats`).
         device, dtype: allocate every store there up front; by default each layer's stores are
             allocated at its first forward, on its device and in its dtype.
     """
@@ -169,6 +172,7 @@ class QSAPagedCache(Cache):
 
         self.geometry = state_geometry(config)  # what a model must match to drive this cache
         self.lengths = [0] * max_batch_size
+        self._crop_floor = [0] * max_batch_size  # Qwen4Exp: shortest length a crop may reach (speculative.py)
         self.num_rows = 0  # rows of the batch in flight
         self.columns_seen = 0  # rectangular length (pads included) that generate() reasons in
         self._step: StepMetadata | None = None
@@ -233,6 +237,7 @@ class QSAPagedCache(Cache):
                     ple_window=(config.ple_conv_kernel_size - 1) * config.ngram_size if ple else 0,
                     ngram_context=config.ngram_size - 1 if ple else 0,
                     eos_token_id=eos if eos is not None else 0,
+                    history=self.num_speculative_tokens + 1 if self.num_speculative_tokens else 0,
                 )))
         return layers, tables
 
@@ -511,7 +516,7 @@ class QSAPagedCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return self.model_family == "inkling"
+        return self.model_family == "inkling" or self.num_speculative_tokens > 0
 
     @property
     def is_sliding(self) -> list[bool]:
@@ -527,6 +532,7 @@ class QSAPagedCache(Cache):
         for table in self.tables.values():
             table.reset()
         self.lengths = [0] * self.max_batch_size
+        self._crop_floor = [0] * self.max_batch_size
         self.num_rows = 0
         self.columns_seen = 0
         self._step = None
@@ -559,18 +565,17 @@ class QSAPagedCache(Cache):
                     idx = torch.tensor(src, dtype=torch.long, device=t.device)
                     t[:n] = t.index_select(0, idx)
         self.lengths[:n] = [self.lengths[s] for s in src]
+        self._crop_floor[:n] = [self._crop_floor[s] for s in src]
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens of every row (transformers 5.23: the argument is <= 0,
-        and ``crop(0)`` changes nothing). Rolls back by shortening: stores are addressed by position."""
+        and ``crop(0)`` changes nothing). Paged stores roll back by shortening (they are addressed by
+        position); Qwen4Exp's per-row states are copied back from their rollback ring (`speculative`).
+        A rollback deeper than what the cache kept is refused before anything changes."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
         if tokens_to_remove == 0:
             return
-        if not self.is_croppable:
-            raise ValueError(
-                "QSAPagedCache cannot crop a Qwen4Exp cache: GatedDeltaNet recurrent state has no history to roll back to"
-            )
         drop = -tokens_to_remove
         if drop > self.columns_seen:
             raise ValueError(f"cannot drop {drop} tokens, the cache holds {self.columns_seen} columns")
@@ -578,6 +583,8 @@ class QSAPagedCache(Cache):
         for b in range(self.num_rows):
             if self.lengths[b] < drop:
                 raise ValueError(f"row {b} holds {self.lengths[b]} tokens, cannot drop {drop}")
+        if self.model_family == "qwen4_exp":
+            check_linear_rollback(self, drop)
         # Windowed tables keep num_speculative_tokens positions beyond what the next query reads;
         # a deeper rollback would need positions whose blocks were already freed.
         for name, table in self.tables.items():
@@ -593,6 +600,8 @@ class QSAPagedCache(Cache):
                         f"cannot drop {drop} tokens: row {b} needs position {lo} of the {name} window, already "
                         f"freed (the cache keeps num_speculative_tokens={self.num_speculative_tokens} extra)"
                     )
+        if self.model_family == "qwen4_exp":
+            restore_linear_states(self, [self.lengths[b] - drop for b in range(self.num_rows)])
         for b in range(self.num_rows):
             self.lengths[b] -= drop
             for table in self.tables.values():

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import warnings
 
+from transformers.generation.configuration_utils import GenerationMode
+
 from .cache import QSAPagedCache
+from .speculative import (
+    assistant_schedule, attach_assistant_cache, check_headroom, draft_tokens_bound, overshoot,
+)
 
 # Tokens a row may still add after a forward that was called without a cache but with use_cache.
 FORWARD_CACHE_HEADROOM = 256
@@ -26,6 +31,16 @@ class PagedCacheGenerationMixin:
     # only the last logits are wanted: the cache makes chunks exact, and activation memory stays bounded.
     prefill_chunk_tokens = 8192
 
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
+        # How many tokens the assistant drafts decides the cache's rollback headroom; generate() calls
+        # _prepare_cache_for_generation next, without the assistant, so leave it the schedule (plain ints).
+        assistant = generation_mode_kwargs.get("assistant_model")
+        if generation_config.assistant_early_exit is not None:
+            assistant = self
+        if generation_mode == GenerationMode.ASSISTED_GENERATION and assistant is not None:
+            generation_config._draft_schedule = assistant_schedule(assistant)
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
         asked = generation_config.cache_implementation
@@ -38,23 +53,54 @@ class PagedCacheGenerationMixin:
                 )
                 _warned_cache_implementation.append(asked)
             generation_config.cache_implementation = None
-        # generate() passes the batch before it expands rows for beams / returned sequences.
+        # generate() passes the batch before it expands rows for beams / returned sequences; the mask it left in
+        # model_kwargs is already expanded, or dropped when all ones (the position ids it made still give the width).
         copies = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        rows = batch_size * copies
         cache = model_kwargs.get("past_key_values")
+        mask = model_kwargs.get("attention_mask")
+        prompt = None
+        if mask is not None and mask.dim() == 2:
+            prompt = [int(n) for n in mask.sum(dim=1).tolist()]
+        elif mask is None and model_kwargs.get("position_ids") is not None:
+            # transformers counts the past of a passed cache into these position ids
+            past = cache.get_seq_length() if cache is not None else 0
+            prompt = [model_kwargs["position_ids"].shape[-1] - past] * rows
+        columns = max_cache_length  # generate() never feeds the last token it generates
+        new_tokens = columns - (mask.shape[1] if mask is not None else prompt[0] if prompt else 0)
+        # Assisted decoding verifies drafts and crops the rejected ones: the cache needs that much rollback
+        # headroom (speculative.py), and prompt lookup / MTP may verify a few columns past max_length.
+        schedule = generation_config.__dict__.pop("_draft_schedule", None)
+        drafting = generation_mode == GenerationMode.ASSISTED_GENERATION
+        bound, source = draft_tokens_bound(self, generation_config, schedule, new_tokens) if drafting else (0, "")
+        extra = overshoot(generation_config, bound)
         if cache is None and generation_config.use_cache is not False:
-            cache = QSAPagedCache(self.config, max_batch_size=batch_size * copies, max_cache_len=max_cache_length)
+            cache = QSAPagedCache(self.config, max_batch_size=rows, max_cache_len=max_cache_length + extra,
+                                  num_speculative_tokens=bound)
             model_kwargs["past_key_values"] = cache
         if isinstance(cache, QSAPagedCache):
             # Refuse a request that cannot fit before the prefill runs, not after tokens were generated.
-            mask = model_kwargs.get("attention_mask")
-            columns = max_cache_length  # generate() never feeds the last token it generates
-            new_tokens = columns - (mask.shape[1] if mask is not None else 0)
-            if mask is not None and mask.dim() == 2 and new_tokens >= 0:
-                prompt = [int(n) for n in mask.sum(dim=1).tolist() for _ in range(copies)]
-                cache.check_request(prompt, new_tokens)
+            if drafting:
+                check_headroom(cache, bound, source)
+            if prompt is not None and new_tokens >= 0:
+                cache.check_request(prompt, new_tokens + extra)
         return super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
+        generator = super()._get_candidate_generator(
+            generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
+            logits_processor=logits_processor, model_kwargs=model_kwargs, assistant_model=assistant_model,
+            target_tokenizer=target_tokenizer, assistant_tokenizer=assistant_tokenizer,
+        )
+        # An assistant of ours gets a croppable cache sized for the whole generation.
+        schedule = assistant_schedule(generator.assistant_model) if hasattr(generator, "assistant_model") else None
+        remaining = generation_config.max_length - 1 - input_ids.shape[1]
+        bound, _ = draft_tokens_bound(self, generation_config, schedule, remaining)
+        attach_assistant_cache(generator, generation_config, *input_ids.shape[:2], bound)
+        return generator
 
     def _run_model(self, *, input_ids, inputs_embeds, attention_mask, past_key_values, logits_to_keep, chunkable,
                    per_token: dict, **model_kwargs):

@@ -223,8 +223,8 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         all_hidden = [] if output_hidden_states else None
         with cache.step(B, L, attention_mask, inputs_embeds.device):
             hidden_states = self.run_layers(inputs_embeds, cache, all_hidden)
-        if output_hidden_states:
-            all_hidden = tuple(all_hidden)
+        if output_hidden_states:  # as upstream: the last entry is the final-normed state (MTP drafts from it)
+            all_hidden = tuple(all_hidden[:-1]) + (hidden_states,)
         return MoeModelOutputWithPast(
             last_hidden_state=hidden_states,
             past_key_values=cache if use_cache else None,
@@ -300,6 +300,17 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, PagedCacheGenerationMixin,
         if unpadded is not None and unpadded < logits.shape[-1]:
             logits = logits[..., :unpadded]
         return logits
+
+    def _get_candidate_generator(self, generation_config, **kwargs):
+        # use_mtp drafts with MTP layers built from transformers' decoder layer (inkling_mtp.py); transformers
+        # picks early exit and prompt lookup first, so do the same.
+        if (generation_config.use_mtp and generation_config.assistant_early_exit is None
+                and generation_config.prompt_lookup_num_tokens is None):
+            from .inkling_mtp import InklingMTPCandidateGenerator
+
+            return InklingMTPCandidateGenerator(self, generation_config, kwargs["model_kwargs"],
+                                                kwargs.get("logits_processor"))
+        return super()._get_candidate_generator(generation_config=generation_config, **kwargs)
 
     def _decode_logits(self, input_ids, position_ids, meta, cache: QSAPagedCache) -> torch.Tensor:
         """Logits of a step whose metadata is built (what a captured decode graph runs)."""

@@ -31,6 +31,7 @@ from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.cuda_graphs import decode_graphs_for
 from hf_qsa_cache.generation import PagedCacheGenerationMixin, cache_for_bare_forward
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention
+from hf_qsa_cache.speculative import gated_delta_keeping_states, step_history
 
 from .checkpoints import StrictLoadingMixin, use_upstream_conversions
 
@@ -111,6 +112,9 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
         weight = self.conv1d.weight.squeeze(1)
         window = torch.cat([state.conv[:B].to(mixed_qkv.dtype), mixed_qkv], dim=-1)
         state.conv[:B] = window[:, :, -(self.conv_kernel_size - 1):]
+        kept = step_history(cache, state, hidden_states.device, B, L)  # rollback ring (speculative decoding)
+        if kept is not None:
+            state.record_window("conv", kept[1], window, kept[0])
         mixed_qkv = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), None, groups=window.shape[1])
         mixed_qkv = ACT2FN[self.activation](mixed_qkv).to(hidden_states.dtype).transpose(1, 2)
 
@@ -123,11 +127,18 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         g = torch.where(valid[..., None], g, 0)
 
-        rule = upstream.torch_recurrent_gated_delta_rule if L == 1 else upstream.torch_chunk_gated_delta_rule
-        core, last_state = rule(
-            query, key, value, g=g, beta=beta, initial_state=state.recurrent[:B],
-            output_final_state=True, use_qk_l2norm_in_kernel=True,
-        )
+        if kept is None:
+            rule = upstream.torch_recurrent_gated_delta_rule if L == 1 else upstream.torch_chunk_gated_delta_rule
+            core, last_state = rule(
+                query, key, value, g=g, beta=beta, initial_state=state.recurrent[:B],
+                output_final_state=True, use_qk_l2norm_in_kernel=True,
+            )
+        else:
+            core, last_state, states = gated_delta_keeping_states(
+                upstream.torch_chunk_gated_delta_rule, upstream.torch_recurrent_gated_delta_rule, query, key, value,
+                g, beta, state.recurrent[:B], keep=kept[0],
+            )
+            state.record("recurrent", kept[1], states)
         state.recurrent[:B] = last_state.to(state.recurrent.dtype)
 
         core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
@@ -140,7 +151,8 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
     def forward(self, hidden_states, input_ids, valid, cache: QSAPagedCache):
         B, L, _ = hidden_states.shape
         state = cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype).linear
-        embeddings = self._ngram_embeddings(input_ids, state)
+        kept = step_history(cache, state, hidden_states.device, B, L)  # rollback ring (speculative decoding)
+        embeddings = self._ngram_embeddings(input_ids, state, kept)
         key_normed = self.norm_key(self.key_proj(embeddings)).unflatten(-1, (self.hc_count, self.hidden_size))
         value = self.value_proj(embeddings)
         query_normed = self.norm_query(hidden_states).unflatten(-1, (self.hc_count, self.hidden_size))
@@ -154,14 +166,18 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
 
         window = torch.cat([state.ple_conv[:B], gated_value_normed.transpose(1, 2)], dim=-1)
         state.ple_conv[:B] = window[:, :, -self.short_conv_state_len:]
+        if kept is not None:
+            state.record_window("ple_conv", kept[1], window, kept[0])
         conv = F.silu(self.conv1d(window)).transpose(1, 2)
         return gated_value + conv
 
-    def _ngram_embeddings(self, input_ids, state):
+    def _ngram_embeddings(self, input_ids, state, kept=None):
         emb = self.ple_embedding
         ids = input_ids.long()
         history = torch.cat([state.ngram_ids[: ids.shape[0]], ids], dim=-1)
         state.ngram_ids[: ids.shape[0]] = history[:, -emb.context_len:]
+        if kept is not None:
+            state.record_window("ngram_ids", kept[1], history, kept[0])
         shifted = [emb._shift_right_ignore_eos(history, s) for s in range(emb.ngram_size)]
         blocks = []
         for ngram in range(2, emb.ngram_size + 1):
@@ -217,6 +233,10 @@ class Qwen4ExpPreTrainedModel(StrictLoadingMixin, upstream.Qwen4ExpPreTrainedMod
     # apply unchanged; attention never goes through the attention-function registry.
     _can_set_experts_implementation_cached_value = True
     _can_set_attn_implementation_cached_value = True
+    # Upstream marks Qwen4Exp stateful, which makes generate() refuse assisted decoding. A QSAPagedCache with
+    # num_speculative_tokens rolls every state back exactly (hf_qsa_cache/speculative.py), and generate()
+    # builds (or checks) the cache with that headroom.
+    _is_stateful = False
 
 
 def _positions3(position_ids, meta, B: int, L: int) -> torch.Tensor:

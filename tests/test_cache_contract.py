@@ -265,6 +265,32 @@ def test_generate_refuses_a_row_without_tokens(qwen, ink, family):
 
 
 @pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_generate_checks_an_unpadded_request_too(qwen, ink, family, monkeypatch):
+    """generate() drops an all-ones mask before the cache is prepared; the request is still checked."""
+    model = _model(family, qwen, ink)
+    ids = _batch(family)[0][:1, -8:]
+    cache = QSAPagedCache(model.config, 1, 8 + NEW - 2)
+    calls = _fail_on_call(monkeypatch, model.model, 0)
+    with pytest.raises(ValueError, match=rf"needs {8 + NEW - 1} slots \(8 prompt tokens"):
+        _generate(model, ids, torch.ones_like(ids), cache)
+    assert not calls
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_beam_search_on_a_padded_batch(qwen, ink, family):
+    """The mask generate() leaves for the cache is already expanded for beams: rows fit the cache it builds."""
+    model = _model(family, qwen, ink)
+    ids, mask = _batch(family)
+    kwargs = dict(max_new_tokens=4, num_beams=2, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, **kwargs)
+        for i in range(ids.shape[0]):
+            row = ids[i][mask[i].bool()][None]
+            alone = model.generate(row, attention_mask=torch.ones_like(row), **kwargs)
+            assert out[i, -4:].tolist() == alone[0, -4:].tolist()
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
 def test_cache_implementation_in_the_generation_config_is_ignored(qwen, ink, family, monkeypatch):
     model = _model(family, qwen, ink)
     ids, mask = _batch(family)

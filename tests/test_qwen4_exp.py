@@ -328,7 +328,7 @@ def test_crop_is_refused_for_recurrent_state(pair):
     cache = QSAPagedCache(ours.config, 1, 20)
     ours(torch.randint(2, 90, (1, 6)), past_key_values=cache)
     cache.crop(0)  # transformers' "shrink to working size": nothing to do
-    with pytest.raises(ValueError, match="cannot crop a Qwen4Exp cache"):
+    with pytest.raises(ValueError, match=r"no rollback history .*num_speculative_tokens=0"):
         cache.crop(-2)
     assert cache.lengths[0] == 6
 

@@ -2,6 +2,12 @@
 
 Everything here is dense per cache row (``[max_rows, ...]``): the state does not grow with the
 sequence. Conv windows keep the last ``kernel - 1`` inputs (the only ones a causal conv reads).
+
+Rollback (``history > 0``, a cache built with ``num_speculative_tokens``): every forward also keeps,
+for each of a row's last ``history`` positions, the whole state *after* that position (recurrent
+state, conv window, PLE window, n-gram context) in a per-row ring indexed by ``position % history``.
+`restore` puts a row back to the state after any kept position (`QSAPagedCache.crop`). One extra
+ring row absorbs pad writes.
 """
 
 from __future__ import annotations
@@ -14,8 +20,9 @@ class LinearAttentionState:
 
     def __init__(self, max_rows: int, conv_dim: int, conv_kernel: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, ple_channels: int = 0, ple_window: int = 0, ngram_context: int = 0,
-                 eos_token_id: int = 0):
+                 eos_token_id: int = 0, history: int = 0):
         self.max_rows = max_rows
+        self.history = history
         self.conv_shape = (max_rows, conv_dim, conv_kernel - 1)
         self.recurrent_shape = (max_rows, num_v_heads, head_k_dim, head_v_dim)
         self.ple_shape = (max_rows, ple_channels, ple_window) if ple_channels else None
@@ -25,6 +32,9 @@ class LinearAttentionState:
         self.recurrent: torch.Tensor | None = None  # fp32, as upstream
         self.ple_conv: torch.Tensor | None = None  # model dtype
         self.ngram_ids: torch.Tensor | None = None  # int64 token ids, EOS when fresh
+        # Rollback rings, ``[(max_rows + 1) * history, *state]``: slot ``row * history + pos % history``
+        # holds the state after position ``pos`` (`record`, `restore`).
+        self.rings: dict[str, torch.Tensor] = {}
 
     # overwritten in place every step
     rollback_safe = False
@@ -44,12 +54,61 @@ class LinearAttentionState:
             self.ple_conv = torch.zeros(self.ple_shape, device=device, dtype=dtype)
         if self.ngram_shape is not None:
             self.ngram_ids = torch.full(self.ngram_shape, self.eos_token_id, device=device, dtype=torch.int64)
+        if self.history:
+            slots = (self.max_rows + 1) * self.history
+            self.rings = {name: torch.zeros((slots, *live.shape[1:]), device=device, dtype=live.dtype)
+                          for name, live in self._live().items()}
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        named = {"conv": self.conv, "recurrent": self.recurrent, "ple_conv": self.ple_conv, "ngram_ids": self.ngram_ids}
+        return {name: t for name, t in named.items() if t is not None}
+
+    # ------------------------------------------------------------------ rollback
+    def history_slots(self, position: torch.Tensor, num_rows: int, query_len: int) -> tuple[int, torch.Tensor]:
+        """``(m, slots)``: the last ``m = min(query_len, history)`` columns of a step and their ring slots
+        ``[num_rows * m]`` (pads, position -1, go to the spare ring row)."""
+        m = min(query_len, self.history)
+        pos = position.view(num_rows, query_len)[:, query_len - m:]
+        rows = torch.arange(num_rows, device=pos.device)[:, None]
+        trash = self.max_rows * self.history
+        slots = torch.where(pos >= 0, rows * self.history + pos % self.history, trash)
+        return m, slots.reshape(-1)
+
+    def record(self, name: str, slots: torch.Tensor, states: torch.Tensor) -> None:
+        """``states[b, j]`` is the state ``name`` after the ``j``-th of the step's last ``m`` columns."""
+        ring = self.rings[name]
+        ring.index_copy_(0, slots.to(ring.device), states.reshape(-1, *ring.shape[1:]).to(ring.dtype))
+
+    def record_window(self, name: str, slots: torch.Tensor, window: torch.Tensor, m: int) -> None:
+        """``window`` is ``[previous state | this step's inputs]`` along its last dim (``[B, C, W + L]`` for a
+        conv window, ``[B, W + L]`` for n-gram ids); the state after column ``j`` is its ``W`` entries
+        ending there."""
+        width = self.rings[name].shape[-1]
+        after = window[..., window.shape[-1] - width - m + 1:].unfold(-1, width, 1)  # [..., m, W]
+        if after.dim() == 4:  # [B, C, m, W] -> [B, m, C, W]
+            after = after.permute(0, 2, 1, 3)
+        self.record(name, slots, after)
+
+    def restore(self, rows: list[int], lengths: list[int]) -> None:
+        """Row ``rows[i]`` becomes the state after position ``lengths[i] - 1`` (fresh when 0)."""
+        if not rows or not self.allocated:
+            return
+        fresh = [r for r, n in zip(rows, lengths) if n == 0]
+        kept = [(r, r * self.history + (n - 1) % self.history) for r, n in zip(rows, lengths) if n > 0]
+        if fresh:
+            self.reset_rows(torch.tensor(fresh, dtype=torch.long, device=self.conv.device))
+        if kept:
+            dst = torch.tensor([r for r, _ in kept], dtype=torch.long, device=self.conv.device)
+            src = torch.tensor([s for _, s in kept], dtype=torch.long, device=self.conv.device)
+            for name, live in self._live().items():
+                live.index_copy_(0, dst, self.rings[name].index_select(0, src))
 
     def paged_tensors(self) -> list[torch.Tensor]:
         return []
 
     def row_tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.conv, self.recurrent, self.ple_conv, self.ngram_ids) if t is not None]
+        rings = [r.view(self.max_rows + 1, self.history, *r.shape[1:]) for r in self.rings.values()]
+        return [t for t in (self.conv, self.recurrent, self.ple_conv, self.ngram_ids) if t is not None] + rings
 
     def reset(self) -> None:
         for t in (self.conv, self.recurrent, self.ple_conv):
@@ -75,4 +134,5 @@ class LinearAttentionState:
             "linear_recurrent": size(self.recurrent),
             "ple_conv": size(self.ple_conv),
             "ple_ngram": size(self.ngram_ids),
+            "rollback_headroom": sum(size(r) for r in self.rings.values()),
         }

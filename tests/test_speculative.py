@@ -1,0 +1,352 @@
+"""Speculative decoding on QSAPagedCache (CPU, fp32), both families.
+
+* Every drafting mode of transformers' generate() (prompt lookup, an assistant model of ours or of
+  transformers, Inkling's MTP layers) gives the tokens of plain greedy generate(), on prompts where some
+  drafts are accepted and others rejected (checked, not assumed), with QSA selection active (Qwen4Exp
+  prompts of 20+ tokens) and Inkling's sliding windows evicting while drafting.
+* crop after a verify step (or after several steps) leaves exactly the state plain decoding of the kept
+  tokens reaches: the next logits agree; an assistant of ours drafts what it drafts from scratch.
+* A crop deeper than the cache kept, or a passed cache with too little headroom, is refused before
+  anything changes; memory_stats reports the rollback headroom.
+* Sampling with drafting runs and repeats under the same seed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import test_inkling as inkling
+import torch
+from qwen4_helpers import left_pad, make_pair, random_prompts, tiny_config
+from transformers import InklingForCausalLM as UpstreamInkling
+from transformers.modeling_layers import MtpModel
+
+from hf_qsa_cache import QSAPagedCache
+from modeling import InklingForCausalLM, Qwen4ExpForCausalLM
+
+K = 3  # draft tokens per step
+
+
+# ----------------------------------------------------------------------------- models
+def _truncated(main, cls, config, upstream_cls=None):
+    """A 2-layer model of the same family made of the main model's first layers (drafts that sometimes agree)."""
+    keep = {k: v for k, v in main.state_dict().items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < 2}
+    models = []
+    for c in (cls, upstream_cls):
+        if c is None:
+            continue
+        model = c(config).eval()
+        missing, _ = model.load_state_dict(keep, strict=False)
+        assert not missing
+        model.generation_config.num_assistant_tokens = K
+        model.generation_config.num_assistant_tokens_schedule = "constant"
+        model.generation_config.assistant_confidence_threshold = 0.0  # always draft K tokens
+        models.append(model)
+    return models
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    import transformers
+
+    _, ours = make_pair()
+    small = tiny_config(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"])
+    assistant, upstream_assistant = _truncated(ours, Qwen4ExpForCausalLM, small, transformers.Qwen4ExpForCausalLM)
+    return ours, assistant, upstream_assistant
+
+
+@pytest.fixture(scope="module")
+def ink():
+    _, ours = inkling.make_pair(inkling.make_config())
+    small = inkling.make_config(num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"])
+    assistant, upstream_assistant = _truncated(ours, InklingForCausalLM, small, UpstreamInkling)
+    return ours, assistant, upstream_assistant
+
+
+@pytest.fixture(scope="module")
+def ink_mtp(tmp_path_factory):
+    """An Inkling checkpoint with two MTP layers, written by transformers' InklingForCausalLM.save_pretrained.
+
+    A small vocabulary makes random MTP drafts right often enough to see both outcomes.
+    """
+    config = inkling.make_config(num_mtp_layers=2, vocab_size=8)
+    upstream, _ = inkling.make_pair(config, seed=1)
+    mtp = MtpModel(upstream, 2)
+    with torch.no_grad():
+        for name, p in mtp.named_parameters():
+            if not name.startswith(("embed_tokens", "shared_head")) and "norm" not in name:
+                p.normal_(0.0, 0.3)
+    extra = {f"model.mtp.{k}": v for k, v in mtp.state_dict().items()
+             if not k.startswith(("embed_tokens", "shared_head"))}
+    path = tmp_path_factory.mktemp("inkling_mtp")
+    upstream.save_pretrained(path, state_dict={**upstream.state_dict(), **extra})
+    return InklingForCausalLM.from_pretrained(path).eval()
+
+
+# ----------------------------------------------------------------------------- helpers
+class DraftLog:
+    """Counts the main model's forwards and the tokens each crop of its cache drops."""
+
+    def __init__(self, monkeypatch, model):
+        self.forwards = 0
+        self.crops: list[tuple[int, int]] = []  # (id of the cache, tokens dropped)
+        crop = QSAPagedCache.crop
+
+        def logged(cache, n):
+            self.crops.append((id(cache), -n))
+            return crop(cache, n)
+
+        monkeypatch.setattr(QSAPagedCache, "crop", logged)
+        self.hook = model.register_forward_pre_hook(lambda *a: setattr(self, "forwards", self.forwards + 1))
+
+    def outcome(self, out, new_tokens):
+        """(accepted, rejected) drafts of the main model over a generate() call."""
+        self.hook.remove()
+        main = id(out.past_key_values)
+        rejected = sum(n for c, n in self.crops if c == main)
+        return new_tokens - self.forwards, rejected
+
+
+def _greedy(model, ids, n, **kwargs):
+    kwargs = {"pad_token_id": 0, **kwargs}
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              eos_token_id=None, return_dict_in_generate=True, **kwargs)
+
+
+def _check_drafting(monkeypatch, model, ids, n, **kwargs):
+    plain = _greedy(model, ids, n)
+    log = DraftLog(monkeypatch, model)
+    out = _greedy(model, ids, n, **kwargs)
+    accepted, rejected = log.outcome(out, n)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert accepted > 0 and rejected > 0, f"want both outcomes: {accepted} accepted, {rejected} rejected"
+    return out
+
+
+# Random models rarely agree with a drafter; these seeds give prompts where some drafts are accepted (the
+# tests check that they are, and that others are rejected).
+def _qwen_prompt(seed=0):
+    """A 12-token passage twice, then 10 more tokens: 34 tokens, QSA selection active."""
+    return torch.tensor([random_prompts([12], seed=seed)[0] * 2 + random_prompts([10], seed=seed + 1)[0]])
+
+
+def _ink_prompt(seed=2):
+    row = inkling.make_prompts([9], seed=seed)[0]
+    return torch.cat([row, row, row[:4]])[None]  # 22 tokens, far past the window of 6
+
+
+def _ink_lookup_prompt(model, seed=5):
+    """A passage, its first 8 greedy tokens, the passage again: the window then sees what it saw before."""
+    row = inkling.make_prompts([9], seed=seed)[0]
+    continuation = _greedy(model, row[None], 8).sequences[0, len(row):]
+    return torch.cat([row, continuation, row])[None]
+
+
+# ----------------------------------------------------------------------------- greedy equality, every mode
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_prompt_lookup_matches_plain_greedy(family, qwen, ink, monkeypatch):
+    model = (qwen if family == "qwen4_exp" else ink)[0]
+    ids = _qwen_prompt(seed=5) if family == "qwen4_exp" else _ink_lookup_prompt(model)
+    out = _check_drafting(monkeypatch, model, ids, 20, prompt_lookup_num_tokens=K)
+    # The cache generate() built can take back what one verify step drafts, and a little more room.
+    assert out.past_key_values.num_speculative_tokens == K
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+@pytest.mark.parametrize("which", ["ours", "upstream"])
+def test_assistant_model_matches_plain_greedy(family, which, qwen, ink, monkeypatch):
+    model, assistant, upstream_assistant = qwen if family == "qwen4_exp" else ink
+    ids = _qwen_prompt() if family == "qwen4_exp" else _ink_prompt()
+    _check_drafting(monkeypatch, model, ids, 16, assistant_model=assistant if which == "ours" else upstream_assistant)
+
+
+def test_mtp_matches_plain_greedy(ink_mtp, monkeypatch):
+    ids = torch.randint(3, 8, (1, 14), generator=torch.Generator().manual_seed(3))
+    out = _check_drafting(monkeypatch, ink_mtp, ids, 20, use_mtp=True)
+    assert out.past_key_values.num_speculative_tokens == 2  # one draft per MTP layer
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_our_assistant_drafts_what_it_drafts_from_scratch(family, qwen, ink, monkeypatch):
+    """The assistant's own cache is cropped every round (across several of its steps): its drafts must be
+    exactly those of a fresh greedy run on the same tokens."""
+    model, assistant, _ = qwen if family == "qwen4_exp" else ink
+    ids = _qwen_prompt() if family == "qwen4_exp" else _ink_prompt()
+    rounds = []
+    generate = type(assistant).generate
+
+    def checked(**kwargs):
+        out = generate(assistant, **kwargs)
+        given = kwargs["input_ids"]
+        drafts = out.sequences[:, given.shape[1]:]
+        fresh = generate(assistant, given, attention_mask=torch.ones_like(given), max_new_tokens=drafts.shape[1],
+                         do_sample=False, pad_token_id=0, eos_token_id=None)
+        rounds.append((drafts, fresh[:, given.shape[1]:]))
+        return out
+
+    monkeypatch.setattr(assistant, "generate", checked)
+    _greedy(model, ids, 12, assistant_model=assistant)
+    assert len(rounds) > 3
+    for drafts, fresh in rounds:
+        assert torch.equal(drafts, fresh)
+
+
+def test_assistant_treats_a_generated_pad_id_as_a_token(ink):
+    """generate() drops the main model's all-ones mask; the assistant must not infer one from pad ids (a generated
+    token equal to pad_token_id would look like padding in the middle of the row)."""
+    model, assistant, _ = ink
+    ids = _ink_prompt()
+    plain = _greedy(model, ids, 12).sequences[0, ids.shape[1]:]
+    pad = next(t for t in plain.tolist() if t not in ids[0].tolist())
+    out = _greedy(model, ids, 12, assistant_model=assistant, pad_token_id=pad)
+    assert out.sequences[0, ids.shape[1]:].tolist() == plain.tolist()
+
+
+# ----------------------------------------------------------------------------- crop exactness
+def _family(family, qwen, ink):
+    if family == "qwen4_exp":
+        ids, mask = left_pad(random_prompts([22, 17], seed=3))
+        return qwen[0], ids, mask, 96
+    ids, mask = inkling.left_pad(inkling.make_prompts([11, 7], seed=3))
+    return ink[0], ids, mask, 128
+
+
+def _run(model, cache, ids, mask, chunks, crop=0):
+    """Prompt, then each chunk of tokens as one forward, then crop; returns the (extended) mask."""
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+        for chunk in chunks:
+            mask = torch.cat([mask, torch.ones_like(chunk)], dim=1)
+            model(chunk, attention_mask=mask, past_key_values=cache)
+    cache.crop(-crop)
+    return mask[:, : mask.shape[1] - crop]
+
+
+def _next_logits(model, cache, mask, token):
+    mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+    with torch.no_grad():
+        return model(token, attention_mask=mask, past_key_values=cache).logits[:, -1]
+
+
+# (forwards after the prompt as lengths, tokens to crop): one verify step rejecting some or all of its
+# drafts, a crop reaching back across several decode steps, two crops in a row.
+SCENARIOS = [([K + 1], 2), ([K + 1], K), ([1, 1, 1], K), ([2, 1], 2), ([K + 1, "crop1"], 1)]
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+@pytest.mark.parametrize("steps, drop", SCENARIOS)
+def test_crop_restores_the_state_plain_decoding_reaches(family, steps, drop, qwen, ink):
+    model, ids, mask, vocab = _family(family, qwen, ink)
+    gen = torch.Generator().manual_seed(5)
+    lengths = [s for s in steps if s != "crop1"]
+    tokens = torch.randint(2, vocab, (2, sum(lengths) + 1), generator=gen)
+    chunks = list(torch.split(tokens[:, :-1], lengths, dim=1))
+    cache = QSAPagedCache(model.config, max_batch_size=2, max_cache_len=64, block_size=4, num_speculative_tokens=K)
+    if "crop1" in steps:  # crop one, then crop again: both come out of the same kept history
+        kept_mask = _run(model, cache, ids, mask, chunks, crop=1)
+        cache.crop(-drop)
+        kept_mask = kept_mask[:, :-drop]
+        drop += 1
+    else:
+        kept_mask = _run(model, cache, ids, mask, chunks, crop=drop)
+    kept = tokens[:, : sum(lengths) - drop]
+    nxt = tokens[:, -1:]
+    got = _next_logits(model, cache, kept_mask, nxt)
+
+    plain = QSAPagedCache(model.config, max_batch_size=2, max_cache_len=64, block_size=4)
+    steps_kept = [kept[:, i: i + 1] for i in range(kept.shape[1])]  # plain decode, one token a step
+    want = _next_logits(model, plain, _run(model, plain, ids, mask, steps_kept), nxt)
+    assert got.std() > 0.5
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_crop_deeper_than_kept_is_refused(qwen):
+    model = qwen[0]
+    ids, mask = left_pad(random_prompts([22, 17], seed=3))
+    cache = QSAPagedCache(model.config, max_batch_size=2, max_cache_len=64, num_speculative_tokens=2)
+    tokens = torch.randint(2, 96, (2, 5), generator=torch.Generator().manual_seed(1))
+    kept_mask = _run(model, cache, ids, mask, [tokens[:, :3]])
+    before = (list(cache.lengths), cache.columns_seen)
+    refused = r"cannot drop 3 tokens: row 0 can go back 2 at most \(num_speculative_tokens=2"
+    with pytest.raises(ValueError, match=refused):
+        cache.crop(-3)
+    assert (list(cache.lengths), cache.columns_seen) == before
+    cache.crop(-1)
+    with pytest.raises(ValueError, match=r"cannot drop 2 tokens: row 0 can go back 1 at most"):
+        cache.crop(-2)  # crops in a row share one budget
+    # The refused crops changed nothing: the cache holds the prompt and the first two tokens.
+    got = _next_logits(model, cache, kept_mask[:, :-1], tokens[:, 3:4])
+    plain = QSAPagedCache(model.config, max_batch_size=2, max_cache_len=64)
+    want = _next_logits(model, plain, _run(model, plain, ids, mask, [tokens[:, :1], tokens[:, 1:2]]), tokens[:, 3:4])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+    no_history = QSAPagedCache(model.config, max_batch_size=2, max_cache_len=64)
+    _run(model, no_history, ids, mask, [tokens[:, :2]])
+    with pytest.raises(ValueError, match=r"no rollback history .*num_speculative_tokens=0.*num_speculative_tokens=1"):
+        no_history.crop(-1)
+
+
+def test_memory_stats_report_rollback_headroom(qwen):
+    model = qwen[0]
+    ids, mask = left_pad(random_prompts([22, 17], seed=3))
+    with_headroom = QSAPagedCache(model.config, max_batch_size=2, max_cache_len=64, num_speculative_tokens=K)
+    without = QSAPagedCache(model.config, max_batch_size=2, max_cache_len=64)
+    for cache in (with_headroom, without):
+        _run(model, cache, ids, mask, [])
+    c = model.config
+    linear_layers = c.layer_types.count("linear_attention")
+    # At least the recurrent states: fp32 [rows + 1 (pads), K + 1 positions, value heads, key dim, value dim].
+    per_position = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    recurrent = linear_layers * 3 * (K + 1) * per_position
+    stats = with_headroom.memory_stats()["bytes"]
+    assert stats["rollback_headroom"] >= recurrent
+    assert "rollback_headroom" not in without.memory_stats()["bytes"]
+    assert with_headroom.memory_stats()["total_bytes"] > without.memory_stats()["total_bytes"]
+
+
+# ----------------------------------------------------------------------------- caches passed by the user
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_passed_cache_without_headroom_is_refused_before_prefill(family, qwen, ink):
+    model, assistant, _ = qwen if family == "qwen4_exp" else ink
+    ids = _qwen_prompt() if family == "qwen4_exp" else _ink_prompt()
+    for kwargs in (dict(prompt_lookup_num_tokens=K), dict(assistant_model=assistant)):
+        cache = QSAPagedCache(model.config, max_batch_size=1, max_cache_len=64, num_speculative_tokens=K - 1)
+        with pytest.raises(ValueError, match=rf"num_speculative_tokens={K - 1}: build .*num_speculative_tokens={K}"):
+            _greedy(model, ids, 8, past_key_values=cache, **kwargs)
+        assert cache.columns_seen == 0 and not cache.is_initialized
+    # Enough headroom: the passed cache is used as is.
+    cache = QSAPagedCache(model.config, max_batch_size=1, max_cache_len=64, num_speculative_tokens=K)
+    out = _greedy(model, ids, 8, past_key_values=cache, prompt_lookup_num_tokens=K)
+    assert out.past_key_values is cache
+    assert torch.equal(out.sequences, _greedy(model, ids, 8).sequences)
+
+
+def test_heuristic_schedule_sizes_headroom_by_the_remaining_length(qwen):
+    model, assistant, _ = qwen
+    ids = _qwen_prompt()
+    assistant.generation_config.num_assistant_tokens_schedule = "heuristic_transient"
+    try:
+        out = _greedy(model, ids, 6, assistant_model=assistant)
+    finally:
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assert out.past_key_values.num_speculative_tokens == 5  # drafts never pass max_length: max_new_tokens - 1
+    assert torch.equal(out.sequences, _greedy(model, ids, 6).sequences)
+
+
+# ----------------------------------------------------------------------------- sampling
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_sampling_with_drafting_repeats_under_a_seed(family, qwen, ink):
+    model, assistant, _ = qwen if family == "qwen4_exp" else ink
+    ids = _qwen_prompt() if family == "qwen4_exp" else _ink_prompt()
+
+    def sample(seed, **kwargs):
+        with torch.random.fork_rng(), torch.no_grad():
+            torch.manual_seed(seed)
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=True,
+                                  top_k=0, pad_token_id=0, eos_token_id=None, **kwargs)
+
+    for kwargs in (dict(prompt_lookup_num_tokens=K), dict(assistant_model=assistant)):
+        first, again, other = sample(0, **kwargs), sample(0, **kwargs), sample(1, **kwargs)
+        assert first.shape == (1, ids.shape[1] + 10)
+        assert torch.equal(first, again)
+        assert not torch.equal(first, other)
