@@ -192,13 +192,15 @@ def main():
 
         config = inkling_config(args.layers)
         Upstream = transformers.InklingForCausalLM
+    torch.set_default_dtype(dtype)  # build in bf16 on the GPU: no fp32 copy of a 40-layer model
     with torch.device("cuda"):
-        ours = Ours(config).to(dtype).eval()
+        ours = Ours(config).eval()
     upstream = None
     if not args.skip_upstream:
         with torch.device("cuda"):
-            upstream = Upstream(config).to(dtype).eval()
+            upstream = Upstream(config).eval()
         upstream.load_state_dict(ours.state_dict(), strict=True)
+    torch.set_default_dtype(torch.float32)
     bandwidth = copy_bandwidth()
     sha = commit()
     print(json.dumps({"copy_bandwidth_TBps": round(bandwidth / 1e12, 2), "commit": sha}), flush=True)
