@@ -227,8 +227,8 @@ def main():
         rows = []
         for graphs in graph_modes:
             ours.use_cuda_graphs = graphs
-            # Kernel tuning keys on shapes: warm up at this case's shape first (a fresh cache each run).
-            run(ours, ids, mask, 3, QSAPagedCache(config, max_batch_size=batch, max_cache_len=length + 3))
+            # Kernel tuning keys on shapes: warm up at this case's shapes first (a fresh cache each run).
+            run(ours, ids, mask, 3, QSAPagedCache(config, max_batch_size=batch, max_cache_len=length + args.new_tokens))
             cache = QSAPagedCache(config, max_batch_size=batch, max_cache_len=length + args.new_tokens)
             result = run(ours, ids, mask, args.new_tokens, cache)
             result["cache_gib"] = cache.memory_stats()["total_bytes"] / 2**30

@@ -152,7 +152,8 @@ def _scan_new(acc, m, l, lo, hi, q, qpos, qtau, rel_rows, row_ok, k_row, v_row,
 
 
 # Batch-varying sizes are not specialised, so a new batch, length or split width does not recompile.
-@triton.jit(do_not_specialize=["query_len", "num_q_tiles", "table_cols", "split_len"])
+# Sizes that change with the cache or the step are not specialised (no recompilation per cache size).
+@triton.jit(do_not_specialize=["stab_b", "query_len", "num_q_tiles", "table_cols", "split_len"])
 def _rel_attention_kernel(
     q_ptr, k_ptr, v_ptr, rel_ptr, kst_ptr, vst_ptr, table_ptr, slots_ptr, pos_ptr, prev_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,

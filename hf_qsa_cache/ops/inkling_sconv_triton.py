@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The table's width and row stride follow the cache size: not specialised (no recompilation per cache).
+@triton.jit(do_not_specialize=["table_s0", "table_cols", "query_len"])
 def _short_conv_kernel(
     x_ptr, w_ptr, store_ptr, table_ptr, slots_ptr, pos_ptr, prev_ptr, y_ptr,
     C, width, store_s0, store_s1, table_s0, table_cols, query_len, block_size,

@@ -42,7 +42,7 @@ def _dot(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
 
 
 # Batch-varying sizes are not specialised, so a new batch or selection width does not recompile.
-@triton.jit(do_not_specialize=["num_tokens", "width", "table_width"])
+@triton.jit(do_not_specialize=["num_tokens", "width", "table_width", "stride_tr"])
 def _sparse_paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, token_row_ptr, pos_ptr,
     stride_qn, stride_qh, stride_qd,
@@ -128,7 +128,7 @@ def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, value
     return out
 
 
-@triton.jit(do_not_specialize=["max_groups", "table_width"])
+@triton.jit(do_not_specialize=["max_groups", "table_width", "stride_tr"])
 def _index_scores_kernel(
     q_ptr, c_ptr, table_ptr, token_row_ptr, visible_ptr, out_ptr,
     stride_qn, stride_qh, stride_qd, stride_cr, stride_cd, stride_tr, stride_tc, stride_on,
