@@ -128,7 +128,7 @@ def copy_bandwidth() -> float:
 
 def decode_bytes(model, config, batch: int, length: int) -> float:
     """Bytes one decode step must read (weights it touches, cached state it reads)."""
-    experts, expert_bytes, other = 0, 0, 0
+    expert_bytes, other = 0, 0
     for name, p in model.named_parameters():
         size = p.numel() * p.element_size()
         if ".experts." in name:

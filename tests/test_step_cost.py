@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import test_inkling as inkling
-import torch
 from qwen4_helpers import tiny_config
 
 from hf_qsa_cache import QSAPagedCache

@@ -32,16 +32,13 @@ query that sees no key (a pad) writes zeros.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
-# The Triton interpreter multiplies bf16 dot operands as their raw 16-bit patterns; under it the
-# operands are widened to fp32 first (bf16 products are exact in fp32, so the math is the same).
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from .triton_common import INTERPRET, LOG2E, dot, pow2
+
 
 # Launch policy (all overridable per call through keyword arguments).
 PREFILL_ROWS = 128  # query rows (tokens x padded GQA group) per prefill tile
@@ -52,23 +49,8 @@ MIN_SPLIT_KEYS = 1024  # ... but give every split at least this many keys
 MAX_SPLITS = 128
 
 
-def _pow2(x: int, floor: int = 16) -> int:
-    """Next power of two >= x, at least ``floor`` (tl.dot needs every dimension >= 16)."""
-    return max(floor, triton.next_power_of_2(max(1, x)))
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
-    if WIDEN:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -92,7 +74,7 @@ def _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, row_ok, kpos, kmask,
     if IEEE:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = _dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale
+    s = dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale
     if NEAR:
         dist = qpos[:, None] - kpos[None, :]
         ok = (qpos >= 0)[:, None] & kmask[None, :] & (dist >= 0)
@@ -109,7 +91,7 @@ def _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, row_ok, kpos, kmask,
     alpha = tl.exp2(m - m_ref)
     prob = tl.exp2(s - m_ref[:, None])
     l = l * alpha + tl.sum(prob, axis=1)
-    acc = acc * alpha[:, None] + _dot(_round(prob, v.dtype, WIDEN), v, IEEE, WIDEN)
+    acc = acc * alpha[:, None] + dot(_round(prob, v.dtype, WIDEN), v, IEEE, WIDEN)
     return acc, m_new, l
 
 
@@ -334,8 +316,8 @@ def paged_rel_attention_triton(
     g_pad = max(g_pow, triton.next_power_of_2(_cdiv(16, block_m)))  # tl.dot needs >= 16 rows
     if block_n is None:
         block_n = DECODE_BLOCK_N if decode else PREFILL_BLOCK_N
-    block_n = _pow2(block_n)
-    d_pad = _pow2(hd)
+    block_n = pow2(block_n)
+    d_pad = pow2(hd)
     num_q_tiles = _cdiv(L, block_m)
 
     # Keys one query tile may scan (host bound, no device sync).
@@ -367,15 +349,15 @@ def paged_rel_attention_triton(
         *q.stride(), *k.stride(), *v.stride(),
         *key_store.stride(), *value_store.stride(), table.stride(0),
         L, num_q_tiles, table.shape[1], block_size, window if window is not None else 0, E, split_len,
-        float(scaling) * _LOG2E, float(n_floor), float(alpha),
+        float(scaling) * LOG2E, float(n_floor), float(alpha),
         NUM_HEADS=Hq, GROUP=G, HEAD_DIM=hd, G_PAD=g_pad, BLOCK_M=block_m, D_PAD=d_pad, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, WINDOWED=window is not None, LOG_SCALING=log_scaling is not None,
-        IEEE=ieee, WIDEN=_INTERPRET, num_warps=num_warps,
+        IEEE=ieee, WIDEN=INTERPRET, num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(T * Hq,)](
             part_m, part_l, part_acc, out, HEAD_DIM=hd, NUM_SPLITS=num_splits,
-            S_PAD=triton.next_power_of_2(num_splits), D_PAD=triton.next_power_of_2(hd), WIDEN=_INTERPRET,
+            S_PAD=triton.next_power_of_2(num_splits), D_PAD=triton.next_power_of_2(hd), WIDEN=INTERPRET,
             num_warps=4,
         )
     return out

@@ -14,31 +14,13 @@ Block-table lookups clamp the logical block to the table's last column, like `pa
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
-# The Triton interpreter multiplies bf16 dot operands as their raw 16-bit patterns; under it the
-# operands are widened to fp32 first (bf16 products are exact in fp32, so the math is the same).
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from .triton_common import INTERPRET, LOG2E, dot, pow2
 
-
-def _pow2(x: int, floor: int = 16) -> int:
-    """Next power of two >= x, at least ``floor`` (tl.dot needs every dimension >= 16)."""
-    return max(floor, triton.next_power_of_2(max(1, x)))
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
-    if WIDEN:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 # Batch-varying sizes are not specialised, so a new batch or selection width does not recompile.
@@ -80,7 +62,7 @@ def _sparse_paged_attention_kernel(
         kv_mask = ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kv * stride_kh + d[None, :] * stride_kd,
                     mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale  # [G_PAD, BLOCK_W], log2 domain
+        s = dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale  # [G_PAD, BLOCK_W], log2 domain
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: keep exp2 finite
@@ -89,7 +71,7 @@ def _sparse_paged_attention_kernel(
         l = l * alpha + tl.sum(prob, axis=1)
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kv * stride_vh + d[None, :] * stride_vd,
                     mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(prob.to(v.dtype), v, IEEE, WIDEN)
+        acc = acc * alpha[:, None] + dot(prob.to(v.dtype), v, IEEE, WIDEN)
         m = m_new
     # A token with no valid position (a pad) writes zeros.
     out = tl.where(l[:, None] > 0, acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
@@ -120,9 +102,9 @@ def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, value
         values.stride(1), values.stride(2), values.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         block_table.stride(0), block_table.stride(1), positions.stride(0), positions.stride(1),
-        n, width, block_table.shape[1], block_size, float(scaling) * _LOG2E,
-        GROUP=group, HEAD_DIM=head_dim, G_PAD=_pow2(group), D_PAD=_pow2(head_dim), BLOCK_W=64,
-        IEEE=query.dtype == torch.float32, WIDEN=_INTERPRET,
+        n, width, block_table.shape[1], block_size, float(scaling) * LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, G_PAD=pow2(group), D_PAD=pow2(head_dim), BLOCK_W=64,
+        IEEE=query.dtype == torch.float32, WIDEN=INTERPRET,
         num_warps=4,
     )
     return out
@@ -162,7 +144,7 @@ def _index_scores_kernel(
                         mask=(h < NUM_HEADS)[:, None] & d_ok[None, :], other=0.0)
             if IEEE:
                 q = q.to(tl.float32)
-            s = _dot(q, key_t, IEEE, WIDEN)  # [BLOCK_H, BLOCK_G]; padded heads give 0
+            s = dot(q, key_t, IEEE, WIDEN)  # [BLOCK_H, BLOCK_G]; padded heads give 0
             total += tl.sum(tl.maximum(s, 0.0), axis=0)
         score = tl.where(live, total / sqrt_dim, float("-inf"))
     tl.store(out_ptr + n * stride_on + g, score, mask=g < max_groups)
@@ -189,8 +171,8 @@ def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_t
         q_index.stride(0), q_index.stride(1), q_index.stride(2), flat.stride(0), flat.stride(1),
         block_table.stride(0), block_table.stride(1), out.stride(0),
         max_groups, block_table.shape[1], rows_per_block, math.sqrt(head_dim),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=_pow2(head_dim),
-        BLOCK_H=min(_pow2(num_heads), 32), BLOCK_G=block_g, IEEE=ieee, WIDEN=_INTERPRET,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=pow2(head_dim),
+        BLOCK_H=min(pow2(num_heads), 32), BLOCK_G=block_g, IEEE=ieee, WIDEN=INTERPRET,
         num_warps=4,
     )
     return out

@@ -1,0 +1,29 @@
+"""Helpers shared by the Triton kernels of this package."""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * LOG2E)
+# The Triton interpreter multiplies bf16 dot operands as their raw 16-bit patterns; under it the
+# operands are widened to fp32 first (bf16 products are exact in fp32, so the math is the same).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def pow2(x: int, floor: int = 16) -> int:
+    """Next power of two >= x, at least ``floor`` (tl.dot needs every dimension >= 16)."""
+    return max(floor, triton.next_power_of_2(max(1, x)))
+
+
+@triton.jit
+def dot(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    """``tl.dot`` in IEEE fp32 when asked (fp32 inputs), widened under the interpreter."""
+    if WIDEN:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
