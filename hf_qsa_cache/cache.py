@@ -392,15 +392,15 @@ class QSAPagedCache(Cache):
             self.lengths[b] = prev[b] + counts[b]
         return prev, counts
 
-    def graph_step_metadata(self, lengths: torch.Tensor) -> StepMetadata:
-        """Metadata of a one-token step whose lengths (``[2, rows]``: before the step, real tokens) sit in
-        a device buffer, so that the same launches serve every replay of a CUDA graph: no host copies of
-        the lengths, shapes sized for the cache's capacity."""
+    def graph_step_metadata(self, lengths: torch.Tensor, query_len: int) -> StepMetadata:
+        """Metadata of a step whose lengths (``[2, rows]``: before the step, real tokens) sit in a device
+        buffer, so that the same launches serve every replay of a CUDA graph: no host copies of the
+        lengths, shapes sized for the cache's capacity."""
         rows = lengths.shape[1]
         block_tables = {name: t.device_table(rows, lengths.device) for name, t in self.tables.items()}
         block_sizes = {name: t.block_size for name, t in self.tables.items()}
-        meta = build_step_metadata(lengths[0], lengths[1], 1, block_tables, block_sizes, self.qsa, None, None,
-                                   max_seq_len=self.max_cache_len)
+        meta = build_step_metadata(lengths[0], lengths[1], query_len, block_tables, block_sizes, self.qsa, None,
+                                   None, max_seq_len=self.max_cache_len)
         self.set_step_metadata(meta, lengths.device)
         return meta
 

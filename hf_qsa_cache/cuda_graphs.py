@@ -1,22 +1,24 @@
-"""Single-token decode steps replayed from captured CUDA graphs.
+"""Decode and verify steps replayed from captured CUDA graphs.
 
 A decode step of a small batch is launch-bound: hundreds of small kernels per layer, a few
 microseconds of GPU work each. `DecodeGraphs` captures the whole step (metadata kernel, every
-layer, the LM head) once per batch-size bucket and replays it. Everything the step reads lives in
-static device buffers updated in place before a replay:
+layer, the LM head) once per (batch-size bucket, step length) and replays it. Step lengths are 1
+(decode) and, on a cache with ``num_speculative_tokens = k``, up to ``k + 1`` (verifying drafts).
+Everything the step reads lives in static device buffers updated in place before a replay:
 
-* ``ids`` ``[bucket, 1]``, ``lengths`` ``[2, bucket]`` (each row's length before the step, and its
-  real tokens in it: 1, or 0 for the bucket's padding rows), ``positions`` ``[3, bucket, 1]``;
+* ``ids`` ``[bucket, L]``, ``lengths`` ``[2, bucket]`` (each row's length before the step, and its
+  real tokens in it: L, or 0 for the bucket's padding rows), ``positions`` ``[3, bucket, L]``;
 * the cache's persistent block tables (`BlockTable.device_table` writes only changed entries);
 * the stores themselves (paged K/V, rings, per-row state), whose addresses never change.
 
 The host part of a step is the cache's usual validation and block reservation (``accept_step``):
-work per row, no device sync. Shapes that would grow with context are sized for the cache's
+work per row, no device sync for decode (a verify step reads its mask once). Shapes that would grow with context are sized for the cache's
 capacity (`QSAPagedCache.graph_step_metadata`), so one graph serves a whole generation.
 
 A bucket's first step runs eagerly (which also compiles and tunes kernels) on exactly the path the
-graph records, then the graph is captured; later steps replay it. Graphs belong to one (cache,
-model) pair and stay valid across `QSAPagedCache.reset()`.
+graph records, then the graph is captured; later steps replay it. If a capture fails (a module that
+syncs with the host, say), that bucket runs eagerly from then on, with one warning. Graphs belong
+to one (cache, model) pair and stay valid across `QSAPagedCache.reset()`.
 
 Off with ``HF_QSA_CUDA_GRAPHS=0`` in the environment or ``model.use_cuda_graphs = False``.
 """
@@ -24,6 +26,7 @@ Off with ``HF_QSA_CUDA_GRAPHS=0`` in the environment or ``model.use_cuda_graphs 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -37,12 +40,13 @@ def enabled_by_default() -> bool:
 
 @dataclass
 class _Bucket:
-    ids: torch.Tensor  # [bucket, 1] int64
+    ids: torch.Tensor  # [bucket, L] int64
     lengths: torch.Tensor  # [2, bucket] int32
-    positions: torch.Tensor | None  # [3, bucket, 1] int64 (models with position ids)
+    positions: torch.Tensor | None  # [3, bucket, L] int64 (models with position ids)
     table_ptrs: dict[str, int]  # device-table addresses the step reads
     graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None  # [bucket, 1, vocab], written by each replay
+    logits: torch.Tensor | None = None  # [bucket, L, vocab], written by each replay
+    eager: bool = False  # capture failed: run the static-buffer step eagerly
 
 
 class DecodeGraphs:
@@ -58,7 +62,7 @@ class DecodeGraphs:
         self.device = torch.device(device)
         self.record = record
         self.pool = torch.cuda.graph_pool_handle() if record else None
-        self.buckets: dict[int, _Bucket] = {}
+        self.buckets: dict[tuple[int, int], _Bucket] = {}  # (rows bucket, step length) -> buffers, graph
 
     def bucket(self, rows: int) -> int:
         """Powers of two up to the cache's row count: few graphs, little padding."""
@@ -66,27 +70,27 @@ class DecodeGraphs:
 
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
              attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """One decode step (``input_ids`` ``[B, 1]``); returns logits ``[B, 1, vocab]``."""
+        """One step of ``input_ids`` ``[B, L]``; returns logits ``[B, L, vocab]``."""
         cache = self.cache
-        rows = input_ids.shape[0]
+        rows, length = input_ids.shape
         size = self.bucket(rows)
         cache.check_model(self.model.config, self.model.dtype)
-        prev, counts = cache.accept_step(rows, 1, attention_mask)
+        prev, counts = cache.accept_step(rows, length, attention_mask)
         try:
             # Changed table entries land before the step reads them; a table that moved (another
             # device) invalidates the graphs recorded against its old address.
             ptrs = {n: t.device_table(size, self.device).data_ptr() for n, t in cache.tables.items()}
-            entry = self.buckets.get(size)
+            entry = self.buckets.get((size, length))
             if entry is not None and entry.table_ptrs != ptrs:
                 self.buckets.clear()
                 entry = None
             if entry is None:
-                entry = self.buckets[size] = self._new_bucket(size, ptrs)
+                entry = self.buckets[(size, length)] = self._new_bucket(size, length, ptrs)
             self._fill(entry, prev, counts, input_ids, position_ids)
             if entry.graph is not None:
                 entry.graph.replay()
                 logits = entry.logits[:rows].clone()
-            elif self.record:
+            elif self.record and not entry.eager:
                 logits = self._run_and_capture(entry)[:rows].clone()
             else:
                 logits = self._body(entry)[:rows].clone()
@@ -97,29 +101,30 @@ class DecodeGraphs:
         return logits
 
     # ------------------------------------------------------------------ internals
-    def _new_bucket(self, size: int, ptrs: dict[str, int]) -> _Bucket:
+    def _new_bucket(self, size: int, length: int, ptrs: dict[str, int]) -> _Bucket:
         uses_positions = getattr(self.model, "_decode_uses_position_ids", False)
         return _Bucket(
-            ids=torch.zeros(size, 1, dtype=torch.int64, device=self.device),
+            ids=torch.zeros(size, length, dtype=torch.int64, device=self.device),
             lengths=torch.zeros(2, size, dtype=torch.int32, device=self.device),
-            positions=torch.zeros(3, size, 1, dtype=torch.int64, device=self.device) if uses_positions else None,
+            positions=torch.zeros(3, size, length, dtype=torch.int64, device=self.device) if uses_positions else None,
             table_ptrs=ptrs,
         )
 
     def _fill(self, entry: _Bucket, prev: list[int], counts: list[int], input_ids, position_ids) -> None:
-        rows, size = input_ids.shape[0], entry.ids.shape[0]
+        (rows, length), size = input_ids.shape, entry.ids.shape[0]
         pad = [0] * (size - rows)  # padding rows: no real token, nothing written
         entry.lengths.copy_(torch.tensor([prev + pad, counts + pad], dtype=torch.int32), non_blocking=True)
         entry.ids[:rows].copy_(input_ids)
         if entry.positions is not None:
-            if position_ids is None:  # each row's single token sits at its previous length
-                entry.positions[:, :rows, 0] = torch.tensor(prev, dtype=torch.int64).to(self.device, non_blocking=True)
+            if position_ids is None:  # rows have started, so a step has no pads: positions follow the length
+                steps = torch.tensor(prev, dtype=torch.int64)[:, None] + torch.arange(length)
+                entry.positions[:, :rows] = steps.to(self.device, non_blocking=True)
             else:
-                entry.positions[:, :rows].copy_(position_ids.reshape(-1, rows, 1)[-3:].expand(3, rows, 1))
+                entry.positions[:, :rows].copy_(position_ids.reshape(-1, rows, length)[-3:].expand(3, rows, length))
 
     def _body(self, entry: _Bucket) -> torch.Tensor:
         """The step as a graph records it: metadata from the static buffers, then every layer."""
-        meta = self.cache.graph_step_metadata(entry.lengths)
+        meta = self.cache.graph_step_metadata(entry.lengths, entry.ids.shape[1])
         return self.model._decode_logits(entry.ids, entry.positions, meta, self.cache)
 
     def _run_and_capture(self, entry: _Bucket) -> torch.Tensor:
@@ -133,8 +138,14 @@ class DecodeGraphs:
         current.wait_stream(side)
         # Capture records launches without running them: the state is not written twice.
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            entry.logits = self._body(entry)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                entry.logits = self._body(entry)
+        except Exception as error:  # this step already ran above; the bucket stays eager
+            entry.eager, entry.logits = True, None
+            warnings.warn(f"CUDA graph capture failed, decode runs eagerly for this batch size: {error}",
+                          stacklevel=4)
+            return logits
         entry.graph = graph
         return logits
 
@@ -142,12 +153,14 @@ class DecodeGraphs:
 def decode_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: bool) -> DecodeGraphs | None:
     """The graphs to run this forward with, or None when it must run eagerly.
 
-    Graphs serve single-token decode steps of a model held whole on one CUDA device (no offloading
-    hooks), without gradients or per-layer outputs, on a `QSAPagedCache` whose rows have all started.
+    Graphs serve decode steps (one token per row) and verify steps (up to ``num_speculative_tokens + 1``)
+    of a model held whole on one CUDA device (no offloading hooks), without gradients or per-layer
+    outputs, on a `QSAPagedCache` whose rows have all started.
     """
     if not (getattr(model, "use_cuda_graphs", True) and enabled_by_default()):
         return None
-    if (input_ids is None or inputs_embeds is not None or input_ids.dim() != 2 or input_ids.shape[1] != 1
+    if (input_ids is None or inputs_embeds is not None or input_ids.dim() != 2
+            or not 1 <= input_ids.shape[1] <= getattr(cache, "num_speculative_tokens", 0) + 1
             or extra_outputs or torch.is_grad_enabled() or not isinstance(cache, QSAPagedCache)
             or not input_ids.is_cuda or cache.columns_seen == 0 or input_ids.shape[0] != cache.num_rows
             or torch.cuda.is_current_stream_capturing()):

@@ -275,7 +275,7 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, PagedCacheGenerationMixin,
         graphs = decode_graphs_for(self, past_key_values, input_ids, inputs_embeds,
                                    extra_outputs=labels is not None or bool(output_hidden_states))
         if graphs is not None:
-            logits = graphs.step(input_ids, position_ids, attention_mask)
+            logits = slice_logits_to_keep(graphs.step(input_ids, position_ids, attention_mask), logits_to_keep)
             out = InklingCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
             return out if return_dict is not False else out.to_tuple()
         outputs = self._run_model(

@@ -333,7 +333,7 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, PagedCacheGenerationMixin, Ge
                                    extra_outputs=labels is not None or output_hidden_states or output_router_logits
                                    or "ple_input_ids" in kwargs)
         if graphs is not None:
-            logits = graphs.step(input_ids, position_ids, attention_mask)
+            logits = slice_logits_to_keep(graphs.step(input_ids, position_ids, attention_mask), logits_to_keep)
             return MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
         outputs = self._run_model(
             input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,

@@ -50,7 +50,35 @@ def test_static_buffer_step_equals_the_forward(family, positions):
             got = runner.step(nxt, pos, mask)
             torch.testing.assert_close(got, logits, atol=1e-5, rtol=0, msg=lambda m: f"step {step}: {m}")
     assert static.lengths == eager.lengths and static.columns_seen == eager.columns_seen
-    assert list(runner.buckets) == [4]
+    assert list(runner.buckets) == [(4, 1)]
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_static_buffer_verify_steps_equal_the_forward(family):
+    """Verify steps of k + 1 tokens (drafts) on a cache with rollback headroom, each followed by a crop of
+    a different depth (none, some, all drafts rejected): the recorded path equals the forward."""
+    model, (ids, mask) = _pair(family)
+    k = 3
+    eager = QSAPagedCache(model.config, 4, 96, block_size=4, num_speculative_tokens=k)
+    static = QSAPagedCache(model.config, 4, 96, block_size=4, num_speculative_tokens=k)
+    runner = graphs_of(model, static, "cpu", record=False)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=eager)
+        model(ids, attention_mask=mask, past_key_values=static)
+        for step in range(6):
+            drafts = torch.randint(2, model.config.vocab_size, (ids.shape[0], k + 1), generator=gen)
+            mask = torch.cat([mask, torch.ones_like(drafts)], dim=1)
+            want = model(drafts, attention_mask=mask, past_key_values=eager).logits
+            got = runner.step(drafts, None, mask)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=lambda m: f"step {step}: {m}")
+            drop = step % (k + 1)
+            if drop:
+                eager.crop(-drop)
+                static.crop(-drop)
+                mask = mask[:, :-drop]
+    assert static.lengths == eager.lengths
+    assert list(runner.buckets) == [(4, k + 1)]
 
 
 def test_buckets_are_powers_of_two_up_to_the_cache_rows():
