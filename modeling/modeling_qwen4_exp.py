@@ -111,10 +111,8 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
         # row's first token, when the window is still all zeros.
         weight = self.conv1d.weight.squeeze(1)
         window = torch.cat([state.conv[:B].to(mixed_qkv.dtype), mixed_qkv], dim=-1)
-        state.conv[:B] = window[:, :, -(self.conv_kernel_size - 1):]
         kept = step_history(cache, state, hidden_states.device, B, L)  # rollback ring (speculative decoding)
-        if kept is not None:
-            state.record_window("conv", kept[1], window, kept[0])
+        state.write_window("conv", window, kept)
         mixed_qkv = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), None, groups=window.shape[1])
         mixed_qkv = ACT2FN[self.activation](mixed_qkv).to(hidden_states.dtype).transpose(1, 2)
 
@@ -127,6 +125,7 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         g = torch.where(valid[..., None], g, 0)
 
+        states = None
         if kept is None:
             rule = upstream.torch_recurrent_gated_delta_rule if L == 1 else upstream.torch_chunk_gated_delta_rule
             core, last_state = rule(
@@ -138,8 +137,7 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
                 upstream.torch_chunk_gated_delta_rule, upstream.torch_recurrent_gated_delta_rule, query, key, value,
                 g, beta, state.recurrent[:B], keep=kept[0],
             )
-            state.record("recurrent", kept[1], states)
-        state.recurrent[:B] = last_state.to(state.recurrent.dtype)
+        state.write_recurrent(last_state, kept, states)
 
         core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.reshape(B, L, -1))
@@ -165,9 +163,7 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
         gated_value_normed = torch.where(valid[..., None], gated_value_normed, 0)
 
         window = torch.cat([state.ple_conv[:B], gated_value_normed.transpose(1, 2)], dim=-1)
-        state.ple_conv[:B] = window[:, :, -self.short_conv_state_len:]
-        if kept is not None:
-            state.record_window("ple_conv", kept[1], window, kept[0])
+        state.write_window("ple_conv", window, kept)
         conv = F.silu(self.conv1d(window)).transpose(1, 2)
         return gated_value + conv
 
@@ -175,9 +171,7 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
         emb = self.ple_embedding
         ids = input_ids.long()
         history = torch.cat([state.ngram_ids[: ids.shape[0]], ids], dim=-1)
-        state.ngram_ids[: ids.shape[0]] = history[:, -emb.context_len:]
-        if kept is not None:
-            state.record_window("ngram_ids", kept[1], history, kept[0])
+        state.write_window("ngram_ids", history, kept)
         shifted = [emb._shift_right_ignore_eos(history, s) for s in range(emb.ngram_size)]
         blocks = []
         for ngram in range(2, emb.ngram_size + 1):

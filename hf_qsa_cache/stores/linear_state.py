@@ -63,6 +63,23 @@ class LinearAttentionState:
         named = {"conv": self.conv, "recurrent": self.recurrent, "ple_conv": self.ple_conv, "ngram_ids": self.ngram_ids}
         return {name: t for name, t in named.items() if t is not None}
 
+    # ------------------------------------------------------------------ the writes of a step
+    def write_window(self, name: str, window: torch.Tensor, kept) -> None:
+        """Rows ``[0, B)`` of window state ``name`` (``conv``, ``ple_conv``, ``ngram_ids``) become the tail of
+        ``window`` = ``[previous state | this step's inputs]``; with rollback history (``kept`` from
+        `hf_qsa_cache.speculative.step_history`) the states after the step's last columns are kept too."""
+        live = getattr(self, name)
+        live[: window.shape[0]] = window[..., -live.shape[-1]:].to(live.dtype)
+        if kept is not None:
+            self.record_window(name, kept[1], window, kept[0])
+
+    def write_recurrent(self, last_state: torch.Tensor, kept=None, states: torch.Tensor | None = None) -> None:
+        """Rows ``[0, B)`` of the recurrent state become ``last_state``; with rollback history, ``states``
+        (after each of the step's last columns) are kept too."""
+        self.recurrent[: last_state.shape[0]] = last_state.to(self.recurrent.dtype)
+        if kept is not None:
+            self.record("recurrent", kept[1], states)
+
     # ------------------------------------------------------------------ rollback
     def history_slots(self, position: torch.Tensor, num_rows: int, query_len: int) -> tuple[int, torch.Tensor]:
         """``(m, slots)``: the last ``m = min(query_len, history)`` columns of a step and their ring slots
