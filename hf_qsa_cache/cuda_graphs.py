@@ -3,7 +3,8 @@
 A decode step of a small batch is launch-bound: hundreds of small kernels per layer, a few
 microseconds of GPU work each. `DecodeGraphs` captures the whole step (metadata kernel, every
 layer, the LM head) once per (batch-size bucket, step length) and replays it. Step lengths are 1
-(decode) and, on a cache with ``num_speculative_tokens = k``, up to ``k + 1`` (verifying drafts).
+(decode) and, on a cache with ``num_speculative_tokens = k``, up to ``min(k + 1, MAX_STEP_LEN)``
+(verifying drafts).
 Everything the step reads lives in static device buffers updated in place before a replay:
 
 * ``ids`` ``[bucket, L]``, ``lengths`` ``[2, bucket]`` (each row's length before the step, and its
@@ -32,6 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from .cache import QSAPagedCache
+
+
+# Longest verify step that gets graphs (one per length and bucket); longer ones run eagerly.
+MAX_STEP_LEN = 8
 
 
 def enabled_by_default() -> bool:
@@ -153,14 +158,15 @@ class DecodeGraphs:
 def decode_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: bool) -> DecodeGraphs | None:
     """The graphs to run this forward with, or None when it must run eagerly.
 
-    Graphs serve decode steps (one token per row) and verify steps (up to ``num_speculative_tokens + 1``)
+    Graphs serve decode steps (one token per row) and verify steps (up to ``num_speculative_tokens + 1``
+    tokens, at most ``MAX_STEP_LEN``)
     of a model held whole on one CUDA device (no offloading hooks), without gradients or per-layer
     outputs, on a `QSAPagedCache` whose rows have all started.
     """
     if not (getattr(model, "use_cuda_graphs", True) and enabled_by_default()):
         return None
     if (input_ids is None or inputs_embeds is not None or input_ids.dim() != 2
-            or not 1 <= input_ids.shape[1] <= getattr(cache, "num_speculative_tokens", 0) + 1
+            or not 1 <= input_ids.shape[1] <= min(getattr(cache, "num_speculative_tokens", 0) + 1, MAX_STEP_LEN)
             or extra_outputs or torch.is_grad_enabled() or not isinstance(cache, QSAPagedCache)
             or not input_ids.is_cuda or cache.columns_seen == 0 or input_ids.shape[0] != cache.num_rows
             or torch.cuda.is_current_stream_capturing()):
