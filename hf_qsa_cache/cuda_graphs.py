@@ -159,9 +159,8 @@ def decode_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: boo
     """The graphs to run this forward with, or None when it must run eagerly.
 
     Graphs serve decode steps (one token per row) and verify steps (up to ``num_speculative_tokens + 1``
-    tokens, at most ``MAX_STEP_LEN``)
-    of a model held whole on one CUDA device (no offloading hooks), without gradients or per-layer
-    outputs, on a `QSAPagedCache` whose rows have all started.
+    tokens, at most ``MAX_STEP_LEN``) of a model held whole on one CUDA device (no offloading hooks),
+    without gradients or per-layer outputs, on a `QSAPagedCache` whose rows have all started.
     """
     if not (getattr(model, "use_cuda_graphs", True) and enabled_by_default()):
         return None
