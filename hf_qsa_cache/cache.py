@@ -379,7 +379,7 @@ class QSAPagedCache(Cache):
         counts = self.check_step(batch_size, query_len, attention_mask)
         prev = self.lengths[:batch_size]
         # ---- from here on the step is accepted
-        self._undo = (list(self.lengths), self.num_rows, self.columns_seen)
+        self._undo = (list(self.lengths), self.num_rows, self.columns_seen, query_len)
         if self.columns_seen == 0:
             self._reset_stores()  # rows start fresh: zero GDN/PLE state, EOS n-gram context
         for table in self.tables.values():
@@ -420,13 +420,15 @@ class QSAPagedCache(Cache):
 
         Host state (lengths, block tables, free lists) is restored exactly. Paged stores only gained
         entries past the restored lengths, which nothing reads. Stores overwritten in place (recurrent
-        state, the QSA ring) cannot be restored: a cache that started the step empty is reset (exact),
-        any other is marked unusable until `reset()`.
+        state, the QSA ring): a cache that started the step empty is reset (exact); a Qwen4Exp cache
+        whose rollback history covers the step (``query_len <= num_speculative_tokens``) takes back the
+        state after each row's last position, as `crop` does (exact: the step's ring writes cannot reach
+        it); any other is marked unusable until `reset()`.
         """
         if self._undo is None:
             return
-        started_empty = self._undo[2] == 0
-        self.lengths, self.num_rows, self.columns_seen = self._undo
+        self.lengths, self.num_rows, self.columns_seen, query_len = self._undo
+        started_empty = self.columns_seen == 0
         self._undo = None
         for table in self.tables.values():
             table.rollback_step()
@@ -434,6 +436,8 @@ class QSAPagedCache(Cache):
         self._step_by_device = {}
         if started_empty:
             self.reset()
+        elif not self._exact_rollback and query_len <= self.num_speculative_tokens:
+            restore_linear_states(self, self.lengths[: self.num_rows])
         elif not self._exact_rollback:
             self._mark_unusable("a forward failed after it overwrote per-row state in place (recurrent state, "
                                 "QSA ring)")

@@ -236,6 +236,30 @@ def test_qwen4_decode_failure_marks_the_cache_for_reset(qwen, monkeypatch):
     torch.testing.assert_close(logits, expected[1], atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("layer", [0, 1, 2])  # PLE + GatedDeltaNet, QSA, GatedDeltaNet
+def test_qwen4_decode_failure_with_rollback_history_is_undone_exactly(qwen, monkeypatch, layer):
+    """With num_speculative_tokens >= the step's length, the state before the step is still kept: the
+    failed step is taken back exactly, wherever in the model it failed."""
+    _, model = qwen
+    ids, mask = _batch("qwen4_exp")
+    reference = QSAPagedCache(model.config, 3, 64, block_size=4, num_speculative_tokens=2)
+    nxt, step_mask = _prefill_and_decode(model, reference, ids, mask, steps=3)
+    with torch.no_grad():
+        expected = model(nxt, attention_mask=step_mask, past_key_values=reference).logits
+
+    cache = QSAPagedCache(model.config, 3, 64, block_size=4, num_speculative_tokens=2)
+    _prefill_and_decode(model, cache, ids, mask, steps=3)
+    before = _host_state(cache)
+    with monkeypatch.context() as m:
+        _fail_on_call(m, model.model.layers[layer].mlp, 1)  # after the layer's attention wrote its state
+        with pytest.raises(_Boom), torch.no_grad():
+            model(nxt, attention_mask=step_mask, past_key_values=cache)
+    assert _host_state(cache) == before
+    with torch.no_grad():
+        again = model(nxt, attention_mask=step_mask, past_key_values=cache).logits
+    torch.testing.assert_close(again, expected, atol=1e-6, rtol=0)
+
+
 # ----------------------------------------------------------------------------- generate() requests
 @pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
 def test_generate_refuses_what_cannot_fit_before_the_prefill(qwen, ink, family, monkeypatch):
