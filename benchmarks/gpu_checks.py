@@ -3,7 +3,9 @@
 1. fp32, ragged batch, graphs on: every row gives the greedy tokens and (within 1e-3) the logits of
    upstream transformers run on that row alone, unpadded, fp32, on the CPU; and graphed decode
    equals eager decode (same tokens, logits within 1e-5).
-2. bf16 accuracy judged on logits: the same tokens are teacher-forced for 32 steps through upstream
+2. The same with rows longer than the prefill chunk and the attention kernels' key splits (forced
+   small), so those loops run several times.
+3. bf16 accuracy judged on logits: the same tokens are teacher-forced for 32 steps through upstream
    fp32, upstream bf16 and ours bf16 (graphs on); our mean logit error against upstream fp32 must not
    exceed 1.5x upstream bf16's own.
 
@@ -105,6 +107,32 @@ def check_bf16(name, upstream, ours, prompts, block_size):
     return ok
 
 
+def check_long_rows():
+    """Rows longer than the prefill chunk and than the attention kernels' key splits (both forced small
+    here), so every chunk and split loop runs several times inside the CUDA path."""
+    import qwen4_helpers as q
+    import test_inkling as ink
+
+    from hf_qsa_cache.ops import inkling_attention_triton as ink_kernel
+
+    saved = ink_kernel.MIN_SPLIT_KEYS, ink_kernel.DECODE_BLOCK_N, ink_kernel.PREFILL_BLOCK_N
+    ink_kernel.MIN_SPLIT_KEYS, ink_kernel.DECODE_BLOCK_N, ink_kernel.PREFILL_BLOCK_N = 16, 16, 16
+    ok = True
+    try:
+        upstream, ours = q.make_pair(seed=4)
+        gpu = copy.deepcopy(ours).cuda()
+        gpu.prefill_chunk_tokens = 40  # the 61-token row is prefilled in chunks of 40 // 3 = 13 columns
+        ok &= check_rows("qwen4_exp long rows", upstream, gpu, q.random_prompts([61, 9, 37], seed=5), block_size=4)
+        upstream, ours = ink.make_pair(ink.make_config(), seed=6)
+        gpu = copy.deepcopy(ours).cuda()
+        gpu.prefill_chunk_tokens = 40
+        prompts = [p.tolist() for p in ink.make_prompts([70, 12, 41], seed=7)]
+        ok &= check_rows("inkling long rows", upstream, gpu, prompts, block_size=4)
+    finally:
+        ink_kernel.MIN_SPLIT_KEYS, ink_kernel.DECODE_BLOCK_N, ink_kernel.PREFILL_BLOCK_N = saved
+    return ok
+
+
 def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -123,6 +151,7 @@ def main():
     prompts = [p.tolist() for p in ink.make_prompts([9, 3, 14, 6, 21])]
     results.append(check_rows("inkling", upstream, copy.deepcopy(ours).cuda(), prompts, block_size=4))
     results.append(check_bf16("inkling", upstream, ours, prompts, block_size=4))
+    results.append(check_long_rows())
     print("ALL GPU CHECKS PASSED" if all(results) else "GPU CHECK FAILED")
     sys.exit(0 if all(results) else 1)
 
