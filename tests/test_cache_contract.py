@@ -193,26 +193,32 @@ def _prefill_and_decode(model, cache, ids, mask, steps):
     return nxt, torch.cat([mask, torch.ones_like(nxt)], dim=1)
 
 
-def test_inkling_decode_failure_is_rolled_back_exactly(ink, monkeypatch):
-    """Windows evict during these steps, so the roll-back must return freed blocks exactly."""
-    _, model = ink
-    ids, mask = _batch("inkling")
-    reference = QSAPagedCache(model.config, 3, 64, block_size=2)
-    nxt, step_mask = _prefill_and_decode(model, reference, ids, mask, steps=5)
+def _assert_failed_step_is_undone(model, make_cache, ids, mask, steps: int, failing, monkeypatch):
+    """A decode step that raises inside ``failing`` leaves the cache exactly as before it: same host state,
+    and the retried step gives the logits of a cache that never failed."""
+    reference = make_cache()
+    nxt, step_mask = _prefill_and_decode(model, reference, ids, mask, steps=steps)
     with torch.no_grad():
         expected = model(nxt, attention_mask=step_mask, past_key_values=reference).logits
-
-    cache = QSAPagedCache(model.config, 3, 64, block_size=2)
-    _prefill_and_decode(model, cache, ids, mask, steps=5)
+    cache = make_cache()
+    _prefill_and_decode(model, cache, ids, mask, steps=steps)
     before = _host_state(cache)
     with monkeypatch.context() as m:
-        _fail_on_call(m, model.model.layers[3], 1)
+        _fail_on_call(m, failing, 1)
         with pytest.raises(_Boom), torch.no_grad():
             model(nxt, attention_mask=step_mask, past_key_values=cache)
     assert _host_state(cache) == before
     with torch.no_grad():
         again = model(nxt, attention_mask=step_mask, past_key_values=cache).logits
     torch.testing.assert_close(again, expected, atol=1e-6, rtol=0)
+
+
+def test_inkling_decode_failure_is_rolled_back_exactly(ink, monkeypatch):
+    """Windows evict during these steps, so the roll-back must return freed blocks exactly."""
+    _, model = ink
+    ids, mask = _batch("inkling")
+    _assert_failed_step_is_undone(model, lambda: QSAPagedCache(model.config, 3, 64, block_size=2), ids, mask,
+                                  steps=5, failing=model.model.layers[3], monkeypatch=monkeypatch)
 
 
 def test_qwen4_decode_failure_marks_the_cache_for_reset(qwen, monkeypatch):
@@ -239,25 +245,14 @@ def test_qwen4_decode_failure_marks_the_cache_for_reset(qwen, monkeypatch):
 @pytest.mark.parametrize("layer", [0, 1, 2])  # PLE + GatedDeltaNet, QSA, GatedDeltaNet
 def test_qwen4_decode_failure_with_rollback_history_is_undone_exactly(qwen, monkeypatch, layer):
     """With num_speculative_tokens >= the step's length, the state before the step is still kept: the
-    failed step is taken back exactly, wherever in the model it failed."""
+    failed step is taken back exactly, wherever in the model it failed (here after the layer's attention
+    or recurrence wrote its state)."""
     _, model = qwen
     ids, mask = _batch("qwen4_exp")
-    reference = QSAPagedCache(model.config, 3, 64, block_size=4, num_speculative_tokens=2)
-    nxt, step_mask = _prefill_and_decode(model, reference, ids, mask, steps=3)
-    with torch.no_grad():
-        expected = model(nxt, attention_mask=step_mask, past_key_values=reference).logits
-
-    cache = QSAPagedCache(model.config, 3, 64, block_size=4, num_speculative_tokens=2)
-    _prefill_and_decode(model, cache, ids, mask, steps=3)
-    before = _host_state(cache)
-    with monkeypatch.context() as m:
-        _fail_on_call(m, model.model.layers[layer].mlp, 1)  # after the layer's attention wrote its state
-        with pytest.raises(_Boom), torch.no_grad():
-            model(nxt, attention_mask=step_mask, past_key_values=cache)
-    assert _host_state(cache) == before
-    with torch.no_grad():
-        again = model(nxt, attention_mask=step_mask, past_key_values=cache).logits
-    torch.testing.assert_close(again, expected, atol=1e-6, rtol=0)
+    _assert_failed_step_is_undone(
+        model, lambda: QSAPagedCache(model.config, 3, 64, block_size=4, num_speculative_tokens=2), ids, mask,
+        steps=3, failing=model.model.layers[layer].mlp, monkeypatch=monkeypatch,
+    )
 
 
 # ----------------------------------------------------------------------------- generate() requests
