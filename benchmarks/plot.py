@@ -23,6 +23,8 @@ def load(path: str) -> dict:
     with open(path) as f:
         for line in f:
             row = json.loads(line)
+            if "mode" in row:  # bench_speculative lines measure other things
+                continue
             label = "upstream" if row["impl"] == "upstream" else ("ours, graphs" if row["graphs"] else "ours, eager")
             series[(row["model"], row["layers"])][(label, row["batch"])][row["prompt_len"]] = row
     return series
