@@ -113,21 +113,37 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
     k = min(block_topk, max_groups)
     visible = meta.visible_blocks.long()
     chosen = []
+    # Scores, their packed keys and top-k temporaries: about 4 x 4 bytes per (token, group).
     step = max(1, _CHUNK_ELEMENTS // max_groups)
     for start in range(0, n, step):
         end = start + step
         scores = scores_fn(q_index[start:end], compressed, table_t, meta.token_row[start:end],
                            meta.visible_blocks[start:end], rows_per_block, max_groups)
-        vis = visible[start:end]
-        # Ties (relu makes exact zeros common) go to the lower group index: a stable, documented rule.
-        idx = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]  # [l, k]
-        idx = torch.where(idx < vis[..., None], idx, -1)
-        chosen.append(idx)
+        idx = top_groups(scores, k)
+        chosen.append(torch.where(idx < visible[start:end, None], idx, -1))
     blocks = torch.cat(chosen, dim=0)
     tokens = blocks[:, :, None] * ratio + torch.arange(ratio, device=device)
     tokens = torch.where(blocks[:, :, None] >= 0, tokens, -1).reshape(n, k * ratio)
     pad = torch.full((n, (block_topk - k) * ratio), -1, dtype=torch.long, device=device)
     return torch.cat([tokens, pad, tail], dim=1)
+
+
+def top_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices ``[N, k]`` of the ``k`` best groups per row of ``scores`` ``[N, G]``, best first.
+
+    Among equal scores the lower group index wins (relu makes exact zero ties common; upstream leaves
+    ties to ``torch.topk``). One top-k over a packed int64 key (score bits high, reversed group index
+    low) gives that order without sorting every group: the scores are ``>= 0`` or ``-inf``, whose
+    float32 bit patterns order as signed integers.
+    """
+    groups = scores.shape[-1]
+    if groups >= 1 << 31:
+        raise ValueError(f"top_groups packs group indices in 31 bits; got {groups} groups")
+    bits = (scores + 0.0).view(torch.int32).long()  # + 0.0 turns a -0.0 into 0.0
+    low = (1 << 31) - 1 - torch.arange(groups, device=scores.device)
+    keys = bits * (1 << 32) + low
+    best = keys.topk(k, dim=-1, sorted=True).values
+    return (1 << 31) - 1 - (best & 0xFFFFFFFF)
 
 
 def index_scores_torch(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,

@@ -1,0 +1,29 @@
+"""QSA top-k selection: `top_groups` keeps the best groups with ties going to the lower group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_qsa_cache.ops.qsa import top_groups
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_top_groups_equals_a_stable_descending_sort(seed):
+    g = torch.Generator().manual_seed(seed)
+    groups = int(torch.randint(1, 300, (1,), generator=g))
+    # Few distinct values: many exact ties, as relu zeros make them; -inf marks invisible groups.
+    scores = torch.randint(0, 4, (5, groups), generator=g).float() * torch.rand(1, generator=g)
+    scores[torch.rand(5, groups, generator=g) < 0.2] = float("-inf")
+    scores[0, 0] = -0.0  # relu of a negative zero: must tie with 0.0
+    k = int(torch.randint(1, groups + 1, (1,), generator=g))
+    expected = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(top_groups(scores, k), expected)
+
+
+def test_top_groups_orders_large_scores_and_many_groups():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(2, 70_000, generator=g) * 1e30
+    scores[:, 5000:6000] = 3.0e30  # a block of ties above everything else
+    expected = scores.sort(dim=-1, descending=True, stable=True).indices[:, :1500]
+    assert torch.equal(top_groups(scores, 1500), expected)
