@@ -3,12 +3,17 @@
     python benchmarks/bench_generate.py --model qwen4_exp --layers 8 --cases 1x16384 8x4096
     python benchmarks/bench_generate.py --model qwen4_exp --layers 40 --cases 1x4096 8x1024
     python benchmarks/bench_generate.py --model inkling --layers 6 --cases 1x16384 8x4096 32x2048
+    python benchmarks/bench_generate.py --model qwen4_exp --layers 40 --cases 1x131072 1x1048576 \
+        --graphs on --upstream-limit 60        # long context
 
 For each (batch x prompt length): prefill seconds, decode ms/step (median step) and peak GPU memory
 of upstream (`transformers.<Model>ForCausalLM`, its DynamicCache) and of ours (`modeling.<Model>`
 on `QSAPagedCache`) with CUDA-graph decode on and off. Every measurement is appended as one JSON
 line to ``benchmarks/results/h200.jsonl`` (keys: model, layers, impl, graphs, batch, prompt_len,
-new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, plus status / floor_ms where known).
+new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, plus status / floor_ms where known;
+ours adds cache_gib, store_gib (bytes per cache store) and prefill_peak_share: model FLOPs of the
+prefill per second over the H200's dense bf16 peak). Upstream under ``--upstream-limit`` is stopped
+during its prefill too and reported as "did not finish in N s" (or "out of memory").
 
 The floor of a decode step is the bytes it must read (the weights a step touches: everything but
 the experts, plus the experts the batch is expected to route to; and the cached state the step
@@ -23,6 +28,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import statistics
 import subprocess
 import time
@@ -51,7 +57,7 @@ def qwen4_exp_config(layers: int):
         hc_count=4, hc_lowrank=320, ple_layer_ids=[2], ngram_vocab_size_base=100_003,
         indexer_n_heads=32, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048,
         indexer_compress_ratio=4, eos_token_id=1, pad_token_id=0, output_gate_type="sigmoid",
-        max_position_embeddings=1 << 20,
+        max_position_embeddings=1 << 21,
     )
 
 
@@ -66,8 +72,16 @@ def inkling_config(layers: int):
         swa_num_attention_heads=16, swa_num_key_value_heads=4, swa_head_dim=128,
         sliding_window_size=512, d_rel=16, rel_extent=1024, n_routed_experts=64, num_experts_per_tok=6,
         moe_intermediate_size=512, intermediate_size=2048, conv_kernel_size=4, eos_token_id=1, pad_token_id=0,
-        max_position_embeddings=1 << 20,
+        max_position_embeddings=1 << 21,
     )
+
+
+class TimeLimit(Exception):
+    pass
+
+
+def _stop_now(signum, frame):
+    raise TimeLimit
 
 
 class StepTimer(StoppingCriteria):
@@ -93,12 +107,24 @@ def run(model, ids, mask, new_tokens, cache=None, limit_s=None) -> dict:
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     timer = StepTimer(start, limit_s)
+    if limit_s is not None:
+        # The stopping criterion only runs between tokens; a prefill (upstream's indexer is a Python loop)
+        # is stopped by an alarm a little after the limit, which leaves room for the decode steps.
+        signal.signal(signal.SIGALRM, _stop_now)
+        signal.setitimer(signal.ITIMER_REAL, limit_s + 30)
     try:
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
                              do_sample=False, pad_token_id=0, eos_token_id=None,
                              stopping_criteria=StoppingCriteriaList([timer]))
     except torch.OutOfMemoryError:
-        return {"status": "out of memory"}
+        return {"status": "out of memory", "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}
+    except TimeLimit:
+        done = "during prefill" if not timer.times else f"after {len(timer.times)} tokens"
+        return {"status": f"did not finish in {limit_s + 30:.0f} s ({done})",
+                "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}
+    finally:
+        if limit_s is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
     steps = [b - a for a, b in zip(timer.times, timer.times[1:])]
     row = {
         "prefill_s": timer.times[0] - start,
@@ -155,6 +181,41 @@ def decode_bytes(model, config, batch: int, length: int) -> float:
         else:
             state += 2 * length * config.num_key_value_heads * config.head_dim * b
     return weights + batch * state
+
+
+H200_BF16_PEAK = 989e12  # dense bf16 tensor-core FLOP/s of the H200 (spec sheet)
+
+
+def prefill_flops(model, config, batch: int, length: int) -> float:
+    """Model FLOPs of a prefill: 2 per weight a token touches (embedding lookups and the LM head, which
+    prefill runs on one position, left out; routed experts counted at top_k / num_experts), plus the
+    attention the design must do at each position p: QSA index scores over its p // r visible groups
+    and attention over its selected tokens, GatedDeltaNet state update and read-out, Inkling sliding
+    window and full causal attention."""
+    weights = 0.0
+    num_experts = getattr(config, "num_experts", None) or config.n_routed_experts
+    for name, p in model.named_parameters():
+        if "embed" in name or name.startswith("lm_head"):
+            continue
+        weights += p.numel() * (config.num_experts_per_tok / num_experts if ".experts." in name else 1)
+    pos = torch.arange(length, dtype=torch.float64)
+    attention = 0.0
+    for kind in config.layer_types:
+        if kind == "linear_attention":
+            heads = config.linear_num_value_heads
+            attention += length * 4 * heads * config.linear_key_head_dim * config.linear_value_head_dim
+        elif kind == "indexed_attention":
+            r = config.indexer_compress_ratio
+            width = config.indexer_budget + r - 1
+            index = 2 * config.indexer_n_heads * config.indexer_head_dim * ((pos + 1) // r).sum().item()
+            attend = 4 * config.num_attention_heads * config.head_dim * (pos + 1).clamp(max=width).sum().item()
+            attention += index + attend
+        elif kind == "hybrid_sliding":
+            keys = (pos + 1).clamp(max=config.sliding_window_size).sum().item()
+            attention += 4 * config.swa_num_attention_heads * config.swa_head_dim * keys
+        else:
+            attention += 4 * config.num_attention_heads * config.head_dim * (pos + 1).sum().item()
+    return batch * (2 * weights * length + attention)
 
 
 def commit() -> str:
@@ -224,14 +285,22 @@ def main():
         common = {"model": args.model, "layers": args.layers, "batch": batch, "prompt_len": length,
                   "new_tokens": args.new_tokens, "commit": sha}
         floor_ms = decode_bytes(ours, config, batch, length) / bandwidth * 1e3
+        flops = prefill_flops(ours, config, batch, length)
         rows = []
         for graphs in graph_modes:
             ours.use_cuda_graphs = graphs
-            # Kernel tuning keys on shapes: warm up at this case's shapes first (a fresh cache each run).
-            run(ours, ids, mask, 3, QSAPagedCache(config, max_batch_size=batch, max_cache_len=length + args.new_tokens))
+            # Kernel tuning keys on shapes: warm up at this case's batch first (a fresh cache each run). Prefill
+            # chunks are at most 8192 tokens, so two chunks' worth of prompt reach every chunk shape.
+            warm = min(length, 16384)
+            run(ours, ids[:, :warm], mask[:, :warm], 3,
+                QSAPagedCache(config, max_batch_size=batch, max_cache_len=warm + args.new_tokens))
             cache = QSAPagedCache(config, max_batch_size=batch, max_cache_len=length + args.new_tokens)
             result = run(ours, ids, mask, args.new_tokens, cache)
-            result["cache_gib"] = cache.memory_stats()["total_bytes"] / 2**30
+            stats = cache.memory_stats()
+            result["cache_gib"] = stats["total_bytes"] / 2**30
+            result["store_gib"] = {name: round(size / 2**30, 4) for name, size in stats["bytes"].items()}
+            if result.get("prefill_s"):
+                result["prefill_peak_share"] = flops / result["prefill_s"] / H200_BF16_PEAK
             del cache
             rows.append({**common, "impl": "paged", "graphs": graphs, **result, "floor_ms": floor_ms})
         if upstream is not None:

@@ -20,14 +20,18 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=None, help="default: 8 (Qwen4Exp), 6 (Inkling)")
     args = parser.parse_args()
     if args.model == "qwen4_exp":
         from modeling import Qwen4ExpForCausalLM as Ours
-        config = qwen4_exp_config(8)
+        config = qwen4_exp_config(args.layers or 8)
     else:
         from modeling import InklingForCausalLM as Ours
-        config = inkling_config(6)
-    model = Ours(config).to("cuda", torch.bfloat16).eval()
+        config = inkling_config(args.layers or 6)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = Ours(config).eval()
+    torch.set_default_dtype(torch.float32)
     ids = torch.randint(2, config.vocab_size, (args.batch, args.prompt), device="cuda")
 
     def prefill():
@@ -47,7 +51,7 @@ def main():
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         cache, tok = prefill()
     print("=== prefill, by CUDA time")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         decode(cache, tok)
     print("=== decode, by CPU time")

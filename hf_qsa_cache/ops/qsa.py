@@ -20,8 +20,9 @@ import torch
 
 from ..metadata import StepMetadata
 
-# Upper bound on the float elements one chunk of scores / gathered K/V may take.
-_CHUNK_ELEMENTS = 1 << 26
+# Upper bound on the elements one chunk of scores / gathered K/V may take (selection at long context
+# holds about 16 bytes per (token, group) in a chunk: 2 GiB at this bound).
+_CHUNK_ELEMENTS = 1 << 27
 
 # Triton kernels for CUDA tensors (read once, at import).
 USE_TRITON = os.environ.get("HF_QSA_TRITON_QSA", "1") == "1"
@@ -113,7 +114,6 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
     k = min(block_topk, max_groups)
     visible = meta.visible_blocks.long()
     chosen = []
-    # Scores, their packed keys and top-k temporaries: about 4 x 4 bytes per (token, group).
     step = max(1, _CHUNK_ELEMENTS // max_groups)
     for start in range(0, n, step):
         end = start + step
@@ -139,9 +139,8 @@ def top_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
     groups = scores.shape[-1]
     if groups >= 1 << 31:
         raise ValueError(f"top_groups packs group indices in 31 bits; got {groups} groups")
-    bits = (scores + 0.0).view(torch.int32).long()  # + 0.0 turns a -0.0 into 0.0
-    low = (1 << 31) - 1 - torch.arange(groups, device=scores.device)
-    keys = bits * (1 << 32) + low
+    keys = (scores + 0.0).view(torch.int32).long()  # + 0.0 turns a -0.0 into 0.0
+    keys.mul_(1 << 32).add_((1 << 31) - 1 - torch.arange(groups, device=scores.device))
     best = keys.topk(k, dim=-1, sorted=True).values
     return (1 << 31) - 1 - (best & 0xFFFFFFFF)
 
