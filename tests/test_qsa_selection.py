@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_qsa_cache.ops import qsa
 from hf_qsa_cache.ops.qsa import top_groups
 
 
@@ -27,3 +28,17 @@ def test_top_groups_orders_large_scores_and_many_groups():
     scores[:, 5000:6000] = 3.0e30  # a block of ties above everything else
     expected = scores.sort(dim=-1, descending=True, stable=True).indices[:, :1500]
     assert torch.equal(top_groups(scores, 1500), expected)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_top_groups_by_value_equals_the_packed_top_k(seed):
+    """The float top-k path (long CUDA prefills) redoes rows whose k-th score ties a left-out one."""
+    g = torch.Generator().manual_seed(seed)
+    groups = int(torch.randint(2, 200, (1,), generator=g))
+    scores = torch.rand(6, groups, generator=g)
+    scores[:3] = torch.randint(0, 3, (3, groups), generator=g).float()  # rows full of ties
+    scores[torch.rand(6, groups, generator=g) < 0.2] = float("-inf")
+    k = int(torch.randint(1, groups + 1, (1,), generator=g))
+    expected = qsa.top_groups_packed(scores, k)
+    assert torch.equal(qsa.top_groups_by_value(scores, k), expected)
+    assert torch.equal(expected, scores.sort(dim=-1, descending=True, stable=True).indices[:, :k])

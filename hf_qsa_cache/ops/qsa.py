@@ -132,17 +132,53 @@ def top_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices ``[N, k]`` of the ``k`` best groups per row of ``scores`` ``[N, G]``, best first.
 
     Among equal scores the lower group index wins (relu makes exact zero ties common; upstream leaves
-    ties to ``torch.topk``). One top-k over a packed int64 key (score bits high, reversed group index
-    low) gives that order without sorting every group: the scores are ``>= 0`` or ``-inf``, whose
-    float32 bit patterns order as signed integers.
+    ties to ``torch.topk``). Large eager calls on CUDA (long prefills) take `top_groups_by_value`, which
+    syncs with the host; decode steps (which CUDA graphs capture) and the CPU take `top_groups_packed`.
     """
+    if scores.is_cuda and scores.numel() >= _FAST_TOPK_ELEMENTS and not torch.cuda.is_current_stream_capturing():
+        return top_groups_by_value(scores, k)
+    return top_groups_packed(scores, k)
+
+
+# Below this many scores the packed top-k is cheap enough (and needs no host sync).
+_FAST_TOPK_ELEMENTS = 1 << 22
+
+
+def _pack(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordering (score, lower group) pairs: score bits high, reversed group index low. The
+    scores are ``>= 0`` or ``-inf``, whose float32 bit patterns order as signed integers."""
+    keys = (scores + 0.0).view(torch.int32).long()  # + 0.0 turns a -0.0 into 0.0
+    return keys.mul_(1 << 32).add_((1 << 31) - 1 - groups)
+
+
+def _unpack(keys: torch.Tensor) -> torch.Tensor:
+    return (1 << 31) - 1 - (keys & 0xFFFFFFFF)
+
+
+def top_groups_packed(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`top_groups` as one top-k over packed int64 keys: exact, no host sync."""
     groups = scores.shape[-1]
     if groups >= 1 << 31:
         raise ValueError(f"top_groups packs group indices in 31 bits; got {groups} groups")
-    keys = (scores + 0.0).view(torch.int32).long()  # + 0.0 turns a -0.0 into 0.0
-    keys.mul_(1 << 32).add_((1 << 31) - 1 - torch.arange(groups, device=scores.device))
-    best = keys.topk(k, dim=-1, sorted=True).values
-    return (1 << 31) - 1 - (best & 0xFFFFFFFF)
+    keys = _pack(scores, torch.arange(groups, device=scores.device))
+    return _unpack(keys.topk(k, dim=-1, sorted=True).values)
+
+
+def top_groups_by_value(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`top_groups` from a float32 top-k (half the passes of the packed one over 64-bit keys).
+
+    The float top-k is exact but for the order of ties: the selected set can differ only in a row
+    whose ``k``-th score equals a score left out. Such rows (counted with one host sync) are redone
+    packed; the ``k`` winners of every row are then ordered by (score, lower group).
+    """
+    values, index = scores.topk(k, dim=-1, sorted=False)
+    kth = values.min(dim=-1, keepdim=True).values
+    tie_left_out = (scores == kth).sum(dim=-1) > (values == kth).sum(dim=-1)
+    redo = tie_left_out.nonzero().flatten()
+    if redo.numel():
+        index[redo] = top_groups_packed(scores[redo], k)
+        values[redo] = scores[redo].gather(1, index[redo])
+    return _unpack(_pack(values, index).sort(dim=-1, descending=True).values)
 
 
 def index_scores_torch(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
