@@ -238,6 +238,8 @@ def main():
     parser.add_argument("--skip-upstream", action="store_true")
     parser.add_argument("--upstream-limit", type=float, default=None,
                         help="stop upstream's generation after this many seconds")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                        help="tokens per prefill chunk, summed over the batch (default: the model's)")
     parser.add_argument("--jsonl", default=RESULTS)
     args = parser.parse_args()
 
@@ -256,6 +258,8 @@ def main():
     torch.set_default_dtype(dtype)  # build in bf16 on the GPU: no fp32 copy of a 40-layer model
     with torch.device("cuda"):
         ours = Ours(config).eval()
+    if args.prefill_chunk_tokens:
+        ours.prefill_chunk_tokens = args.prefill_chunk_tokens
     upstream = None
     if not args.skip_upstream:
         with torch.device("cuda"):
@@ -283,15 +287,15 @@ def main():
         ids = torch.randint(2, config.vocab_size, (batch, length), device="cuda")
         mask = torch.ones_like(ids)
         common = {"model": args.model, "layers": args.layers, "batch": batch, "prompt_len": length,
-                  "new_tokens": args.new_tokens, "commit": sha}
+                  "new_tokens": args.new_tokens, "commit": sha, "prefill_chunk_tokens": ours.prefill_chunk_tokens}
         floor_ms = decode_bytes(ours, config, batch, length) / bandwidth * 1e3
         flops = prefill_flops(ours, config, batch, length)
         rows = []
         for graphs in graph_modes:
             ours.use_cuda_graphs = graphs
-            # Kernel tuning keys on shapes: warm up at this case's batch first (a fresh cache each run). Prefill
-            # chunks are at most 8192 tokens, so two chunks' worth of prompt reach every chunk shape.
-            warm = min(length, 16384)
+            # Kernel tuning keys on shapes: warm up at this case's batch first (a fresh cache each run); two
+            # prefill chunks' worth of prompt reach every chunk shape.
+            warm = min(length, 2 * max(1, ours.prefill_chunk_tokens // batch))
             run(ours, ids[:, :warm], mask[:, :warm], 3,
                 QSAPagedCache(config, max_batch_size=batch, max_cache_len=warm + args.new_tokens))
             cache = QSAPagedCache(config, max_batch_size=batch, max_cache_len=length + args.new_tokens)

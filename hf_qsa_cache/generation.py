@@ -29,7 +29,7 @@ class PagedCacheGenerationMixin:
 
     # Prompts longer than this many tokens (summed over the batch) run as exact chunked prefill when
     # only the last logits are wanted: the cache makes chunks exact, and activation memory stays bounded.
-    prefill_chunk_tokens = 8192
+    prefill_chunk_tokens = 16384
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)

@@ -97,15 +97,18 @@ _SCRIPT_CASES = [
 def _run_triton_cases() -> None:
     from hf_qsa_cache.ops.inkling_sconv_triton import short_conv_triton
 
-    for seed, rows, L, K in _SCRIPT_CASES:
-        args, _, full = _case(seed, rows, L=L, K=K, H=3, width=5)
-        ref_full = full.clone()
-        ref_args = dict(args, store=ref_full[:, :, 1:6])
-        want = short_conv_torch(**ref_args)
-        got = short_conv_triton(**args)
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-        # Same store afterwards, the padding lanes beside the stream included.
-        torch.testing.assert_close(full[1:], ref_full[1:], atol=0, rtol=0)
+    # Default tiles, and tiles forced small: token tiles that span rows and end past the last token,
+    # several channel tiles.
+    for tiles in ({}, {"block_t": 4, "block_c": 4}, {"block_t": 2, "block_c": 8}):
+        for seed, rows, L, K in _SCRIPT_CASES:
+            args, _, full = _case(seed, rows, L=L, K=K, H=3, width=5)
+            ref_full = full.clone()
+            ref_args = dict(args, store=ref_full[:, :, 1:6])
+            want = short_conv_torch(**ref_args)
+            got = short_conv_triton(**args, **tiles)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+            # Same store afterwards, the padding lanes beside the stream included.
+            torch.testing.assert_close(full[1:], ref_full[1:], atol=0, rtol=0)
     print("ok", len(_SCRIPT_CASES))
 
 

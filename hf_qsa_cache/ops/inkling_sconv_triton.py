@@ -1,6 +1,6 @@
 """Triton kernel for `hf_qsa_cache.ops.sconv.short_conv_torch` (same signature, same results).
 
-One program per (token, channel tile): it reads the ``K`` taps (from ``x`` when the tap lies in
+One program per (token tile, channel tile): for each token it reads the ``K`` taps (from ``x`` when the tap lies in
 this forward, from the paged store when it lies before ``prev_len``, zero before position 0 or for
 pads), adds the residual in fp32, and writes the token's input to its slot. Taps read from the
 store are always positions of earlier forwards, which this launch never writes, so the insert and
@@ -15,47 +15,52 @@ import triton.language as tl
 
 
 # The table's width and row stride follow the cache size: not specialised (no recompilation per cache).
-@triton.jit(do_not_specialize=["table_s0", "table_cols", "query_len"])
+@triton.jit(do_not_specialize=["T", "table_s0", "table_cols", "query_len"])
 def _short_conv_kernel(
     x_ptr, w_ptr, store_ptr, table_ptr, slots_ptr, pos_ptr, prev_ptr, y_ptr,
-    C, width, store_s0, store_s1, table_s0, table_cols, query_len, block_size,
-    K: tl.constexpr, BLOCK_C: tl.constexpr,
+    T, C, width, store_s0, store_s1, table_s0, table_cols, query_len, block_size,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    tm = t < T
     cm = c < C
+    m2 = tm[:, None] & cm[None, :]
+    t64 = t.to(tl.int64)
     row = t // query_len
-    p = tl.load(pos_ptr + t)
-    prev = tl.load(prev_ptr + row).to(tl.int64)
+    p = tl.load(pos_ptr + t, mask=tm, other=-1)
+    prev = tl.load(prev_ptr + row, mask=tm, other=0).to(tl.int64)
     valid = p >= 0
     head = c // width
     d = c % width
-    x = tl.load(x_ptr + t.to(tl.int64) * C + c, mask=cm, other=0.0).to(tl.float32)
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    store_col = head * store_s1 + d
+    x_raw = tl.load(x_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0)
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for j in tl.static_range(K):
         back = K - 1 - j
         src = p - back
-        in_x = (valid & (src >= prev)).to(tl.int32)
-        in_store = (valid & (src >= 0) & (src < prev)).to(tl.int32)
-        mask_x = cm & (in_x + tl.zeros([BLOCK_C], dtype=tl.int32) > 0)
-        mask_s = cm & (in_store + tl.zeros([BLOCK_C], dtype=tl.int32) > 0)
+        in_x = valid & (src >= prev)
+        in_store = valid & (src >= 0) & (src < prev)
         w = tl.load(w_ptr + c * K + j, mask=cm, other=0.0).to(tl.float32)
-        tap_x = tl.load(x_ptr + (t - back).to(tl.int64) * C + c, mask=mask_x, other=0.0).to(tl.float32)
+        tap_x = tl.load(x_ptr + (t64 - back)[:, None] * C + c[None, :], mask=m2 & in_x[:, None], other=0.0)
         safe = tl.maximum(src, 0)
         col = tl.minimum(safe // block_size, table_cols - 1)
-        block = tl.load(table_ptr + row * table_s0 + col).to(tl.int64)
+        block = tl.load(table_ptr + row * table_s0 + col, mask=tm & in_store, other=0).to(tl.int64)
         slot = block * block_size + safe % block_size
-        tap_s = tl.load(store_ptr + slot * store_s0 + head * store_s1 + d, mask=mask_s,
-                        other=0.0).to(tl.float32)
-        acc = acc + tl.where(mask_x, tap_x, tap_s) * w
-    y = acc + x
-    tl.store(y_ptr + t.to(tl.int64) * C + c, y.to(y_ptr.dtype.element_ty), mask=cm)
-    out_slot = tl.maximum(tl.load(slots_ptr + t), 0)
-    raw = tl.load(x_ptr + t.to(tl.int64) * C + c, mask=cm, other=0.0)
-    tl.store(store_ptr + out_slot * store_s0 + head * store_s1 + d, raw.to(store_ptr.dtype.element_ty), mask=cm)
+        tap_s = tl.load(store_ptr + slot[:, None] * store_s0 + store_col[None, :], mask=m2 & in_store[:, None],
+                        other=0.0)
+        tap = tl.where(in_x[:, None], tap_x.to(tl.float32), tap_s.to(tl.float32))
+        acc = acc + tap * w[None, :]
+    y = acc + x_raw.to(tl.float32)
+    tl.store(y_ptr + t64[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
+    out_slot = tl.maximum(tl.load(slots_ptr + t, mask=tm, other=0), 0)
+    tl.store(store_ptr + out_slot[:, None] * store_s0 + store_col[None, :], x_raw.to(store_ptr.dtype.element_ty),
+             mask=m2)
 
 
-def short_conv_triton(x, weight, store, table, block_size, slots, position, prev_len, query_len):
+def short_conv_triton(x, weight, store, table, block_size, slots, position, prev_len, query_len, *,
+                      block_t: int | None = None, block_c: int | None = None):
+    """``block_t`` tokens x ``block_c`` channels per program (defaults by shape; tests force small tiles)."""
     T, C = x.shape
     K = weight.shape[1]
     if store.stride(2) != 1:
@@ -66,11 +71,14 @@ def short_conv_triton(x, weight, store, table, block_size, slots, position, prev
     y = torch.empty_like(x)
     if T == 0:
         return y
-    block_c = min(triton.next_power_of_2(C), 256)
-    grid = (T, triton.cdiv(C, block_c))
+    if block_t is None:
+        block_t = min(16, triton.next_power_of_2(T))
+    if block_c is None:
+        block_c = min(triton.next_power_of_2(C), 4096 // block_t, 256)
+    grid = (triton.cdiv(T, block_t), triton.cdiv(C, block_c))
     _short_conv_kernel[grid](
         x, weight, store, table, slots.contiguous(), position.contiguous(), prev_len.contiguous(), y,
-        C, store.shape[2], store.stride(0), store.stride(1), table.stride(0), table.shape[1], query_len,
-        block_size, K=K, BLOCK_C=block_c,
+        T, C, store.shape[2], store.stride(0), store.stride(1), table.stride(0), table.shape[1], query_len,
+        block_size, K=K, BLOCK_T=block_t, BLOCK_C=block_c,
     )
     return y
