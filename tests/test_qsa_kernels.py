@@ -63,6 +63,17 @@ def scores_case(seed: int, num_heads: int, head_dim: int, ratio: int, dtype=torc
     return q_index, compressed, table, token_row, visible, rows_per_block, max_groups
 
 
+def split_attention_case(seed: int, group: int, num_kv: int, head_dim: int, dtype=torch.float32):
+    """`attention_case` over a width of several tiles (64 positions each), with holes covering whole
+    splits: the first ones (token 4), the last ones (token 3), the middle ones (token 5)."""
+    case = attention_case(seed, group, num_kv, head_dim, dtype, width=300)
+    positions = case[5]
+    positions[3, 128:] = -1
+    positions[4, :192] = -1
+    positions[5, 64:256] = -1
+    return case
+
+
 ATTENTION_SHAPES = [  # (group, num_kv, head_dim, dtype, atol)
     (1, 2, 16, torch.float32, 1e-5),
     (2, 1, 32, torch.float32, 1e-5),
@@ -225,6 +236,7 @@ def _main() -> int:
     launches: list = []
     _counting(qsa_triton, "_index_scores_kernel", launches)
     _counting(qsa_triton, "_sparse_paged_attention_kernel", launches)
+    _counting(qsa_triton, "_merge_splits_kernel", launches)
 
     for i, (num_heads, head_dim, ratio, dtype) in enumerate(SCORE_SHAPES):
         case = scores_case(100 + i, num_heads, head_dim, ratio, dtype)
@@ -265,6 +277,33 @@ def _main() -> int:
             torch.testing.assert_close(have.float(), want.float(), atol=atol, rtol=0)
         except AssertionError as err:
             print(f"attention case {i} {(group, num_kv, head_dim, dtype)}: {err}")
+            return 1
+    # Split widths (5 tiles): forced split counts (3 leaves a middle split of holes only, 100 is clamped
+    # to one tile per split), the single-launch path when forced to one split, and the default policy
+    # at decode (one token: the policy splits). (ATTENTION_SHAPES index, num_splits, expected splits)
+    split_cases = [(0, 2, 2), (1, 3, 3), (2, 3, 3), (3, 3, 3), (4, 3, 3), (2, 100, 5), (4, 100, 5), (2, 1, 1),
+                   (3, 2, 2), (4, None, 3)]
+    for i, num_splits, expect in split_cases:
+        group, num_kv, head_dim, dtype, atol = ATTENTION_SHAPES[i]
+        case = split_attention_case(400 + i, group, num_kv, head_dim, dtype)
+        if num_splits is None:
+            query, keys, values, table, token_row, positions, block_size, scaling = case
+            case = (query[:1], keys, values, table, token_row[:1], positions[:1], block_size, scaling)
+        want = qsa.sparse_paged_attention(*case)
+        launches.clear()
+        have = qsa_triton.sparse_paged_attention_triton(*case, num_splits=num_splits)
+        splits, _ = qsa_triton.attention_splits(case[0].shape[0], num_kv, case[5].shape[1], num_splits)
+        label = f"split attention case {i} {(group, num_kv, head_dim, dtype)} num_splits={num_splits}"
+        if splits != expect or len(launches) != (1 if splits == 1 else 2):
+            print(f"{label}: {splits} splits, {len(launches)} launches")
+            return 1
+        try:
+            assert have.dtype == want.dtype and have.shape == want.shape
+            if num_splits is not None:
+                assert torch.equal(have[1], torch.zeros_like(have[1])), "pad token is not zero"
+            torch.testing.assert_close(have.float(), want.float(), atol=atol, rtol=0)
+        except AssertionError as err:
+            print(f"{label}: {err}")
             return 1
     print("all qsa kernel cases ok")
     return 0

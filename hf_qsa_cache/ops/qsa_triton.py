@@ -1,10 +1,15 @@
-"""Triton versions of the two QSA hot ops, one launch each.
+"""Triton versions of the two QSA hot ops.
 
 Same signatures and outputs as the torch specification in `hf_qsa_cache.ops.qsa`:
 
-* `sparse_paged_attention_triton`: one program per (token, KV head) runs all GQA query heads of that
-  KV head over the token's selected positions in tiles of ``BLOCK_W``, mapping each logical position
-  to its physical slot through the block table, with an online softmax in fp32.
+* `sparse_paged_attention_triton`: one program per (token, KV head, split) runs all GQA query heads
+  of that KV head over a contiguous range of the token's selected positions, in tiles of ``BLOCK_W``,
+  mapping each logical position to its physical slot through the block table, with an online
+  softmax in fp32 (base 2). With one split (enough tokens to fill the GPU) the program writes the
+  normalised output: one launch. Decode has too few (token, KV head) pairs to fill the GPU, so the
+  width is split: each program writes its partial (running max, running sum, unnormalised
+  accumulator) in fp32 and a second small kernel merges the splits. The split count depends on the
+  shapes only (no host sync: the op is captured into CUDA graphs).
 * `index_scores_triton`: one program per (token, tile of ``BLOCK_G`` compressed groups) computes
   ``sum_h relu(q_h . k_g) / sqrt(Di)`` for the visible groups and ``-inf`` for the others.
 
@@ -21,24 +26,46 @@ import triton.language as tl
 
 from .triton_common import INTERPRET, LOG2E, dot, pow2
 
+# Sparse attention launch policy (shapes only; `num_splits` overrides it per call).
+ATTENTION_BLOCK_W = 64  # selected positions per tile
+TARGET_PROGRAMS = 512  # split the width until a launch has about this many programs ...
+MIN_SPLIT_POSITIONS = 128  # ... but give every split at least this many positions
+MAX_SPLITS = 32
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def attention_splits(num_tokens: int, num_kv: int, width: int, num_splits: int | None = None) -> tuple[int, int]:
+    """``(num_splits, split_len)`` of a sparse attention launch: the width in ``num_splits`` contiguous
+    ranges of ``split_len`` positions (a multiple of ``ATTENTION_BLOCK_W``), none of them empty."""
+    tiles = max(1, _cdiv(width, ATTENTION_BLOCK_W))
+    if num_splits is None:
+        programs = max(1, num_tokens * num_kv)
+        num_splits = min(MAX_SPLITS, _cdiv(width, MIN_SPLIT_POSITIONS), _cdiv(TARGET_PROGRAMS, programs))
+    num_splits = max(1, min(num_splits, tiles))
+    tiles_per_split = _cdiv(tiles, num_splits)
+    return _cdiv(tiles, tiles_per_split), tiles_per_split * ATTENTION_BLOCK_W
 
 
 # Batch-varying sizes are not specialised, so a new batch or selection width does not recompile.
-@triton.jit(do_not_specialize=["num_tokens", "width", "table_width", "stride_tr"])
+@triton.jit(do_not_specialize=["num_tokens", "width", "table_width", "stride_tr", "split_len", "num_splits"])
 def _sparse_paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, token_row_ptr, pos_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, table_ptr, token_row_ptr, pos_ptr,
     stride_qn, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
     stride_vs, stride_vh, stride_vd,
     stride_on, stride_oh, stride_od,
     stride_tr, stride_tc, stride_pn, stride_pw,
-    num_tokens, width, table_width, block_size, qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr,
-    WIDEN: tl.constexpr,
+    num_tokens, width, table_width, block_size, qk_scale, split_len, num_splits,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT: tl.constexpr,
+    IEEE: tl.constexpr, WIDEN: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)
+    split = tl.program_id(2)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     g_ok = g < GROUP
@@ -48,12 +75,15 @@ def _sparse_paged_attention_kernel(
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     row = tl.load(token_row_ptr + n).to(tl.int64)
 
+    # This program's positions: [lo, hi) of the width (the whole width without a split).
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, width)
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for start in range(0, width, BLOCK_W):
+    for start in range(lo, hi, BLOCK_W):
         w = start + tl.arange(0, BLOCK_W)
-        pos = tl.load(pos_ptr + n * stride_pn + w * stride_pw, mask=w < width, other=-1).to(tl.int64)
+        pos = tl.load(pos_ptr + n * stride_pn + w * stride_pw, mask=w < hi, other=-1).to(tl.int64)
         ok = pos >= 0
         p = tl.maximum(pos, 0)
         logical = tl.minimum(p // block_size, table_width - 1)
@@ -73,16 +103,51 @@ def _sparse_paged_attention_kernel(
                     mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + dot(prob.to(v.dtype), v, IEEE, WIDEN)
         m = m_new
+    if SPLIT:
+        # Partials [N, H, splits] and [N, H, splits, D]; a split of holes only leaves (-inf, 0, 0).
+        part = (n * NUM_HEADS + head) * num_splits + split
+        tl.store(part_m_ptr + part, m, mask=g_ok)
+        tl.store(part_l_ptr + part, l, mask=g_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        # A token with no valid position (a pad) writes zeros.
+        out = tl.where(l[:, None] > 0, acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
+        tl.store(out_ptr + n * stride_on + head[:, None] * stride_oh + d[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_on, stride_oh, stride_od, num_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """One program per (token, query head): combine the splits' (max, sum, accumulator)."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    th = n * NUM_HEADS + h
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    s_ok = s < num_splits
+    d_ok = d < HEAD_DIM
+    m = tl.load(part_m_ptr + th * num_splits + s, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + th * num_splits + s, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + (th * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    top = tl.max(m, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(m - top)  # splits of holes only (max -inf) weigh 0
+    total = tl.sum(w * l, axis=0)
+    o = tl.sum(w[:, None] * acc, axis=0)
     # A token with no valid position (a pad) writes zeros.
-    out = tl.where(l[:, None] > 0, acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
-    tl.store(out_ptr + n * stride_on + head[:, None] * stride_oh + d[None, :] * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    o = tl.where(total > 0, o / tl.where(total > 0, total, 1.0), 0.0)
+    tl.store(out_ptr + n * stride_on + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                                   block_table: torch.Tensor, token_row: torch.Tensor, positions: torch.Tensor,
-                                  block_size: int, scaling: float) -> torch.Tensor:
-    """`hf_qsa_cache.ops.qsa.sparse_paged_attention` in one launch (see there for shapes)."""
+                                  block_size: int, scaling: float, *, num_splits: int | None = None) -> torch.Tensor:
+    """`hf_qsa_cache.ops.qsa.sparse_paged_attention` in one launch, two when the width is split (see
+    there for shapes). ``num_splits`` overrides the launch policy (`attention_splits`)."""
     n, num_heads, head_dim = query.shape
     num_kv = keys.shape[2]
     group = num_heads // num_kv
@@ -94,19 +159,32 @@ def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, value
     assert keys.stride(0) == block_size * keys.stride(1) and values.stride(0) == block_size * values.stride(1)
     if width == 0 or block_table.shape[1] == 0:
         return out.zero_()
-    grid = (n, num_kv)
+    splits, split_len = attention_splits(n, num_kv, width, num_splits)
+    if splits > 1:
+        part_m = torch.empty(n, num_heads, splits, dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(n, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
+    else:
+        part_m = part_l = part_acc = out
+    grid = (n, num_kv, splits)
     _sparse_paged_attention_kernel[grid](
-        query, keys, values, out, block_table, token_row, positions,
+        query, keys, values, out, part_m, part_l, part_acc, block_table, token_row, positions,
         query.stride(0), query.stride(1), query.stride(2),
         keys.stride(1), keys.stride(2), keys.stride(3),
         values.stride(1), values.stride(2), values.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         block_table.stride(0), block_table.stride(1), positions.stride(0), positions.stride(1),
-        n, width, block_table.shape[1], block_size, float(scaling) * LOG2E,
-        GROUP=group, HEAD_DIM=head_dim, G_PAD=pow2(group), D_PAD=pow2(head_dim), BLOCK_W=64,
-        IEEE=query.dtype == torch.float32, WIDEN=INTERPRET,
+        n, width, block_table.shape[1], block_size, float(scaling) * LOG2E, split_len, splits,
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, G_PAD=pow2(group), D_PAD=pow2(head_dim),
+        BLOCK_W=ATTENTION_BLOCK_W, SPLIT=splits > 1, IEEE=query.dtype == torch.float32, WIDEN=INTERPRET,
         num_warps=4,
     )
+    if splits > 1:
+        _merge_splits_kernel[(n, num_heads)](
+            part_m, part_l, part_acc, out, out.stride(0), out.stride(1), out.stride(2), splits,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, S_PAD=triton.next_power_of_2(splits),
+            D_PAD=triton.next_power_of_2(head_dim), num_warps=4,
+        )
     return out
 
 
