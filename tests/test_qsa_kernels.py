@@ -74,6 +74,19 @@ def split_attention_case(seed: int, group: int, num_kv: int, head_dim: int, dtyp
     return case
 
 
+def tiled_scores_case(seed: int, num_heads: int, head_dim: int, ratio: int, dtype=torch.float32,
+                      mixed_rows: bool = False):
+    """`scores_case` for 15 tokens in tiles of 4: three tiles of one row each (ragged visible counts,
+    tokens that see nothing, a tile whose tokens all see fewer than 64 groups), then a last tile of 3
+    tokens across two rows; ``mixed_rows``: random rows instead."""
+    case = scores_case(seed, num_heads, head_dim, ratio, dtype, num_tokens=15)
+    q_index, compressed, table, token_row, visible, rows_per_block, max_groups = case
+    if not mixed_rows:
+        token_row = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 1, 2, 2], dtype=torch.int32)
+        visible = torch.tensor([70, 0, 13, 64, 65, 1, 64, 40, 10, 20, 0, 63, 30, 70, 5], dtype=torch.int32)
+    return q_index, compressed, table, token_row, visible, rows_per_block, max_groups
+
+
 ATTENTION_SHAPES = [  # (group, num_kv, head_dim, dtype, atol)
     (1, 2, 16, torch.float32, 1e-5),
     (2, 1, 32, torch.float32, 1e-5),
@@ -262,6 +275,34 @@ def _main() -> int:
         if error:
             print(error)
             return 1
+
+    # Token tiles: forced tiles of 4 and 8 tokens (same-row tiles share their key loads, tiles across
+    # rows load per token; 15 tokens end in a partial tile), and the default policy in prefill.
+    for i, (num_heads, head_dim, ratio, dtype) in enumerate(SCORE_SHAPES):
+        for block_m, mixed_rows in [(4, False), (8, False), (4, True)] + [(None, False)] * (i >= 3):
+            case = tiled_scores_case(150 + i, num_heads, head_dim, ratio, dtype, mixed_rows)
+            if block_m is None:  # 71 tokens of one row, visible counts growing like a prefill chunk's
+                q_index, compressed, table, _, _, rows_per_block, max_groups = case
+                q_index = q_index.repeat(5, 1, 1)[:71]
+                token_row = torch.full((71,), 1, dtype=torch.int32)
+                visible = (torch.arange(71, dtype=torch.int32) + 3) // 3 * 3 - 2
+                case = (q_index, compressed, table, token_row, visible, rows_per_block, max_groups)
+                if qsa_triton.scores_block_m(71) == 1:
+                    print("the default policy does not tile prefill tokens")
+                    return 1
+            want = qsa.index_scores_torch(*case)
+            launches.clear()
+            have = qsa_triton.index_scores_triton(*case, block_m=block_m)
+            tol = 1e-5 if dtype == torch.float32 else 1e-4
+            label = f"tiled scores case {i} {(num_heads, head_dim, ratio, dtype)} block_m={block_m} mixed={mixed_rows}"
+            if len(launches) != 1 or not torch.equal(torch.isinf(want), torch.isinf(have)):
+                print(f"{label}: {len(launches)} launches, or the -inf pattern differs")
+                return 1
+            try:
+                torch.testing.assert_close(have, want, atol=tol, rtol=tol)
+            except AssertionError as err:
+                print(f"{label}: {err}")
+                return 1
 
     for i, (group, num_kv, head_dim, dtype, atol) in enumerate(ATTENTION_SHAPES):
         case = attention_case(300 + i, group, num_kv, head_dim, dtype)

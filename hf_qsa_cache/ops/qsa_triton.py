@@ -10,8 +10,11 @@ Same signatures and outputs as the torch specification in `hf_qsa_cache.ops.qsa`
   width is split: each program writes its partial (running max, running sum, unnormalised
   accumulator) in fp32 and a second small kernel merges the splits. The split count depends on the
   shapes only (no host sync: the op is captured into CUDA graphs).
-* `index_scores_triton`: one program per (token, tile of ``BLOCK_G`` compressed groups) computes
-  ``sum_h relu(q_h . k_g) / sqrt(Di)`` for the visible groups and ``-inf`` for the others.
+* `index_scores_triton`: one program per (tile of ``BLOCK_M`` consecutive tokens, tile of ``BLOCK_G``
+  compressed groups) computes ``sum_h relu(q_h . k_g) / sqrt(Di)`` for the visible groups and
+  ``-inf`` for the others. Decode runs one token per program. In prefill the consecutive tokens of a
+  tile usually read the same cache row: the program then loads each key tile once and runs the dot
+  of every token of the tile against it (a tile across rows falls back to per-token key loads).
 
 Block-table lookups clamp the logical block to the table's last column, like `paged_rows`.
 """
@@ -31,6 +34,11 @@ ATTENTION_BLOCK_W = 64  # selected positions per tile
 TARGET_PROGRAMS = 512  # split the width until a launch has about this many programs ...
 MIN_SPLIT_POSITIONS = 128  # ... but give every split at least this many positions
 MAX_SPLITS = 32
+
+# Index scores launch policy (shapes only; `block_m` overrides it per call).
+SCORES_BLOCK_G = 64  # compressed groups per program
+SCORES_PREFILL_TOKENS = 64  # from this many tokens on (prefill), ...
+SCORES_PREFILL_BLOCK_M = 8  # ... a program scores this many consecutive tokens
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -188,50 +196,85 @@ def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, value
     return out
 
 
-@triton.jit(do_not_specialize=["max_groups", "table_width", "stride_tr"])
+@triton.jit
+def _key_tile(c_ptr, table_ptr, row, g, live, d, d_ok, stride_cr, stride_cd, stride_tr, stride_tc,
+              table_width, rows_per_block, IEEE: tl.constexpr):
+    """Compressed keys of groups ``g`` of cache row ``row``, transposed: ``[D_PAD, BLOCK_G]``."""
+    logical = tl.minimum(g // rows_per_block, table_width - 1)
+    block = tl.load(table_ptr + row * stride_tr + logical * stride_tc, mask=live, other=0).to(tl.int64)
+    flat = block * rows_per_block + g % rows_per_block
+    key = tl.load(c_ptr + flat[:, None] * stride_cr + d[None, :] * stride_cd,
+                  mask=live[:, None] & d_ok[None, :], other=0.0)
+    if IEEE:
+        key = key.to(tl.float32)
+    return tl.trans(key)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "max_groups", "table_width", "stride_tr"])
 def _index_scores_kernel(
     q_ptr, c_ptr, table_ptr, token_row_ptr, visible_ptr, out_ptr,
     stride_qn, stride_qh, stride_qd, stride_cr, stride_cd, stride_tr, stride_tc, stride_on,
-    max_groups, table_width, rows_per_block, sqrt_dim,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr,
-    WIDEN: tl.constexpr,
+    num_tokens, max_groups, table_width, rows_per_block, sqrt_dim,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
 ):
-    n = tl.program_id(0).to(tl.int64)
+    t0 = tl.program_id(0).to(tl.int64) * BLOCK_M
     g0 = tl.program_id(1) * BLOCK_G
     g = g0 + tl.arange(0, BLOCK_G)
-    visible = tl.load(visible_ptr + n).to(tl.int32)
-    live = g < visible
-    score = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    if g0 < visible:
-        d = tl.arange(0, D_PAD)
-        d_ok = d < HEAD_DIM
-        row = tl.load(token_row_ptr + n).to(tl.int64)
-        logical = tl.minimum(g // rows_per_block, table_width - 1)
-        block = tl.load(table_ptr + row * stride_tr + logical * stride_tc, mask=live, other=0).to(tl.int64)
-        flat = block * rows_per_block + g % rows_per_block
-        key = tl.load(c_ptr + flat[:, None] * stride_cr + d[None, :] * stride_cd,
-                      mask=live[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:
-            key = key.to(tl.float32)
-        key_t = tl.trans(key)
-        total = tl.zeros([BLOCK_G], tl.float32)
-        for h0 in range(0, NUM_HEADS, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            q = tl.load(q_ptr + n * stride_qn + h[:, None] * stride_qh + d[None, :] * stride_qd,
-                        mask=(h < NUM_HEADS)[:, None] & d_ok[None, :], other=0.0)
-            if IEEE:
-                q = q.to(tl.float32)
-            s = dot(q, key_t, IEEE, WIDEN)  # [BLOCK_H, BLOCK_G]; padded heads give 0
-            total += tl.sum(tl.maximum(s, 0.0), axis=0)
-        score = tl.where(live, total / sqrt_dim, float("-inf"))
-    tl.store(out_ptr + n * stride_on + g, score, mask=g < max_groups)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    if BLOCK_M > 1:
+        # A tile whose tokens all read one cache row (prefill) loads each key tile once for all of
+        # them, up to the largest visible count of the tile; a tile across rows loads per token.
+        t = t0 + tl.arange(0, BLOCK_M)
+        t_ok = t < num_tokens
+        rows = tl.load(token_row_ptr + t, mask=t_ok, other=0)
+        row0 = tl.load(token_row_ptr + t0)
+        per_token = tl.max(tl.where(t_ok & (rows != row0), 1, 0), axis=0) > 0
+        tile_visible = tl.max(tl.load(visible_ptr + t, mask=t_ok, other=0), axis=0)
+        shared_live = g < tl.where(per_token, 0, tile_visible)  # nothing to load for a tile across rows
+        shared_key_t = _key_tile(c_ptr, table_ptr, row0.to(tl.int64), g, shared_live, d, d_ok, stride_cr, stride_cd,
+                                 stride_tr, stride_tc, table_width, rows_per_block, IEEE)
+    for i in tl.static_range(BLOCK_M):
+        n = t0 + i
+        n_ok = n < num_tokens
+        visible = tl.load(visible_ptr + n, mask=n_ok, other=0).to(tl.int32)
+        live = g < visible  # each token masks by its own visible count
+        score = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        if g0 < visible:
+            if BLOCK_M > 1:
+                key_t = shared_key_t
+                if per_token:
+                    row = tl.load(token_row_ptr + n).to(tl.int64)
+                    key_t = _key_tile(c_ptr, table_ptr, row, g, live, d, d_ok, stride_cr, stride_cd,
+                                      stride_tr, stride_tc, table_width, rows_per_block, IEEE)
+            else:
+                row = tl.load(token_row_ptr + n).to(tl.int64)
+                key_t = _key_tile(c_ptr, table_ptr, row, g, live, d, d_ok, stride_cr, stride_cd,
+                                  stride_tr, stride_tc, table_width, rows_per_block, IEEE)
+            total = tl.zeros([BLOCK_G], tl.float32)
+            for h0 in range(0, NUM_HEADS, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                q = tl.load(q_ptr + n * stride_qn + h[:, None] * stride_qh + d[None, :] * stride_qd,
+                            mask=(h < NUM_HEADS)[:, None] & d_ok[None, :], other=0.0)
+                if IEEE:
+                    q = q.to(tl.float32)
+                s = dot(q, key_t, IEEE, WIDEN)  # [BLOCK_H, BLOCK_G]; padded heads give 0
+                total += tl.sum(tl.maximum(s, 0.0), axis=0)
+            score = tl.where(live, total / sqrt_dim, float("-inf"))
+        tl.store(out_ptr + n * stride_on + g, score, mask=g < tl.where(n_ok, max_groups, 0))
+
+
+def scores_block_m(num_tokens: int) -> int:
+    """Tokens per index-score program: one at decode, a tile sharing key loads in prefill (shapes only)."""
+    return SCORES_PREFILL_BLOCK_M if num_tokens >= SCORES_PREFILL_TOKENS else 1
 
 
 def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                         token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
-                        max_groups: int) -> torch.Tensor:
-    """`hf_qsa_cache.ops.qsa.index_scores_torch` in one launch (see there for shapes)."""
+                        max_groups: int, *, block_m: int | None = None) -> torch.Tensor:
+    """`hf_qsa_cache.ops.qsa.index_scores_torch` in one launch (see there for shapes). ``block_m``
+    overrides the tokens per program (`scores_block_m`)."""
     n, num_heads, head_dim = q_index.shape
     out = torch.empty(n, max_groups, dtype=torch.float32, device=q_index.device)
     if n == 0 or max_groups == 0:
@@ -242,15 +285,17 @@ def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_t
     # bf16/fp16 products are exact in fp32, so the tensor-core dot with an fp32 accumulator only
     # differs from the fp32 reference in summation order; fp32 (or mixed) inputs use an IEEE dot.
     ieee = not (q_index.dtype == flat.dtype and q_index.dtype in (torch.bfloat16, torch.float16))
-    block_g = 64
-    grid = (n, triton.cdiv(max_groups, block_g))
+    if block_m is None:
+        block_m = scores_block_m(n)
+    assert block_m >= 1 and block_m & (block_m - 1) == 0, f"block_m={block_m} is not a power of two"
+    grid = (triton.cdiv(n, block_m), triton.cdiv(max_groups, SCORES_BLOCK_G))
     _index_scores_kernel[grid](
         q_index, flat, block_table, token_row, visible_blocks, out,
         q_index.stride(0), q_index.stride(1), q_index.stride(2), flat.stride(0), flat.stride(1),
         block_table.stride(0), block_table.stride(1), out.stride(0),
-        max_groups, block_table.shape[1], rows_per_block, math.sqrt(head_dim),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=pow2(head_dim),
-        BLOCK_H=min(pow2(num_heads), 32), BLOCK_G=block_g, IEEE=ieee, WIDEN=INTERPRET,
+        n, max_groups, block_table.shape[1], rows_per_block, math.sqrt(head_dim),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=pow2(head_dim), BLOCK_M=block_m,
+        BLOCK_H=min(pow2(num_heads), 32), BLOCK_G=SCORES_BLOCK_G, IEEE=ieee, WIDEN=INTERPRET,
         num_warps=4,
     )
     return out
