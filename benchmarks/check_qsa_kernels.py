@@ -2,9 +2,12 @@
 
     python benchmarks/check_qsa_kernels.py
 
-Sparse attention: H=16 query heads over 2 KV heads, head_dim 256, W=2051 selected positions.
-Index scores: 32 index heads x 128, up to 4096 compressed groups per row. One line per case
-(max error, torch and Triton times from triton.testing.do_bench), then PASS or FAIL.
+Sparse attention: H=16 query heads over 2 KV heads, head_dim 256, W=2051 selected positions; decode
+(N=1, N=8) runs the default launch policy (split width), timed against one split per program too.
+Index scores: 32 index heads x 128; tokens of 8 rows over up to 4096 compressed groups, a prefill
+chunk of 4096 tokens of one row over 4096 and 32768 groups (token tiles; timed against one token per
+program too), and one decode token over 262144 groups (a 1M-token context). One line per case (max
+error, torch and Triton times from triton.testing.do_bench), then PASS or FAIL.
 """
 
 from __future__ import annotations
@@ -26,12 +29,12 @@ SEQ_LEN = GROUPS * RATIO
 NUM_ROWS = 8
 
 
-def _table(g: torch.Generator, device) -> tuple[torch.Tensor, int]:
+def _table(g: torch.Generator, device, num_rows: int = NUM_ROWS, seq_len: int = SEQ_LEN) -> tuple[torch.Tensor, int]:
     """Shuffled distinct physical blocks per row (block 0 is the null block)."""
-    columns = SEQ_LEN // BLOCK_SIZE
-    num_blocks = NUM_ROWS * columns + 1
-    ids = torch.randperm(num_blocks - 1, generator=g)[: NUM_ROWS * columns] + 1
-    return ids.view(NUM_ROWS, columns).to(torch.int32).to(device), num_blocks
+    columns = seq_len // BLOCK_SIZE
+    num_blocks = num_rows * columns + 1
+    ids = torch.randperm(num_blocks - 1, generator=g)[: num_rows * columns] + 1
+    return ids.view(num_rows, columns).to(torch.int32).to(device), num_blocks
 
 
 def _bench(fn) -> float:
@@ -56,24 +59,39 @@ def check_attention(n: int, dtype, g: torch.Generator, device) -> bool:
     err = (have.float() - want.float()).abs().max().item()
     atol = 1e-4 if dtype == torch.float32 else 2e-2
     ok = err <= atol and have.dtype == want.dtype and (n == 1 or bool((have[1] == 0).all()))
+    splits = qsa_triton.attention_splits(n, num_kv, width)[0]
+    extra = ""
+    if splits > 1:  # the default policy split the width: check and time one split per program too
+        single = qsa_triton.sparse_paged_attention_triton(*args, num_splits=1)
+        err = max(err, (single.float() - want.float()).abs().max().item())
+        ok = ok and err <= atol
+        t_one = _bench(lambda: qsa_triton.sparse_paged_attention_triton(*args, num_splits=1))
+        extra = f" (1 split: {t_one:9.1f}us)"
     t_ref = _bench(lambda: qsa.sparse_paged_attention(*args))
     t_tri = _bench(lambda: qsa_triton.sparse_paged_attention_triton(*args))
-    print(f"attention N={n:5d} {str(dtype):14s} max_err={err:.2e} torch={t_ref:9.1f}us "
-          f"triton={t_tri:9.1f}us speedup={t_ref / t_tri:6.2f}x {'ok' if ok else 'MISMATCH'}")
+    print(f"attention N={n:5d} {dtype!s:14s} splits={splits:2d} max_err={err:.2e} torch={t_ref:9.1f}us "
+          f"triton={t_tri:9.1f}us{extra} speedup={t_ref / t_tri:6.2f}x {'ok' if ok else 'MISMATCH'}")
     return ok
 
 
-def check_scores(n: int, dtype, g: torch.Generator, device) -> bool:
+def check_scores(n: int, dtype, g: torch.Generator, device, groups: int = GROUPS, one_row: bool = False) -> bool:
+    """Tokens of ``NUM_ROWS`` rows with random visible counts, or (``one_row``) the last ``n`` tokens
+    of one row of ``groups * RATIO`` positions (a prefill chunk, or decode when n is 1)."""
     heads, head_dim, topk = 32, 128, 512
     rows_per_block = BLOCK_SIZE // RATIO
-    table, num_blocks = _table(g, device)
+    table, num_blocks = _table(g, device, 1 if one_row else NUM_ROWS, groups * RATIO)
     q_index = torch.randn(n, heads, head_dim, generator=g).to(device, dtype)
     compressed = torch.randn(num_blocks, rows_per_block, head_dim, generator=g).to(device, dtype)
-    token_row = (torch.arange(n) % NUM_ROWS).to(torch.int32).to(device)
-    visible = torch.randint(0, GROUPS + 1, (n,), generator=g, dtype=torch.int32)
-    visible[0] = GROUPS
-    visible = visible.to(device)
-    args = (q_index, compressed, table, token_row, visible, rows_per_block, GROUPS)
+    if one_row:
+        token_row = torch.zeros(n, dtype=torch.int32)
+        position = groups * RATIO - n + torch.arange(n)
+        visible = ((position + 1) // RATIO).to(torch.int32)  # the closed groups before each token
+    else:
+        token_row = (torch.arange(n) % NUM_ROWS).to(torch.int32)
+        visible = torch.randint(0, groups + 1, (n,), generator=g, dtype=torch.int32)
+        visible[0] = groups
+    token_row, visible = token_row.to(device), visible.to(device)
+    args = (q_index, compressed, table, token_row, visible, rows_per_block, groups)
     want = qsa.index_scores_torch(*args)
     have = qsa_triton.index_scores_triton(*args)
     finite = torch.isfinite(want)
@@ -81,19 +99,32 @@ def check_scores(n: int, dtype, g: torch.Generator, device) -> bool:
     err = (have[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
     scale = want[finite].abs().max().item() if finite.any() else 1.0
     # Selection: the top-k sets may only differ where the k-th and (k+1)-th scores nearly tie.
-    k = min(topk, GROUPS)
+    k = min(topk, groups)
     top_want = want.sort(dim=-1, descending=True, stable=True)
     top_have = have.sort(dim=-1, descending=True, stable=True).indices[:, :k]
     differs = (top_want.indices[:, :k].sort(-1).values != top_have.sort(-1).values).any(-1)
-    boundary = (top_want.values[:, k - 1] - top_want.values[:, k]).abs() if GROUPS > k else None
+    boundary = (top_want.values[:, k - 1] - top_want.values[:, k]).abs() if groups > k else None
     near_tie = boundary < 1e-4 * scale if boundary is not None else torch.zeros_like(differs)
     bad_selection = int((differs & ~near_tie).sum())
+    del top_want, top_have
     ok = same_inf and err <= 1e-5 * scale + 1e-4 and bad_selection == 0
+    block_m = qsa_triton.scores_block_m(n)
+    extra = ""
+    if block_m > 1:  # token tiles: check and time one token per program too
+        single = qsa_triton.index_scores_triton(*args, block_m=1)
+        ok = ok and torch.equal(finite, torch.isfinite(single))
+        ok = ok and (single[finite] - want[finite]).abs().max().item() <= 1e-5 * scale + 1e-4
+        del single
+        t_one = _bench(lambda: qsa_triton.index_scores_triton(*args, block_m=1))
+        extra = f" (block_m=1: {t_one:9.1f}us)"
+    del want, have
     t_ref = _bench(lambda: qsa.index_scores_torch(*args))
     t_tri = _bench(lambda: qsa_triton.index_scores_triton(*args))
-    print(f"scores    N={n:5d} {str(dtype):14s} max_err={err:.2e} (|s|<={scale:.1f}) "
+    print(f"scores    N={n:5d} G={groups:6d} {'1 row ' if one_row else f'{NUM_ROWS} rows'} {dtype!s:14s} "
+          f"block_m={block_m} max_err={err:.2e} (|s|<={scale:.1f}) "
           f"selections differ={int(differs.sum())} (near-ties {int((differs & near_tie).sum())}) "
-          f"torch={t_ref:9.1f}us triton={t_tri:9.1f}us speedup={t_ref / t_tri:6.2f}x {'ok' if ok else 'MISMATCH'}")
+          f"torch={t_ref:9.1f}us triton={t_tri:9.1f}us{extra} speedup={t_ref / t_tri:6.2f}x "
+          f"{'ok' if ok else 'MISMATCH'}")
     return ok
 
 
@@ -110,6 +141,10 @@ def main() -> int:
     for n in (1, 8, 4096):
         ok &= check_scores(n, torch.bfloat16, g, device)
     ok &= check_scores(8, torch.float32, g, device)
+    # Prefill chunks of one row (token tiles share key loads), and decode in a 1M-token context.
+    for groups in (4096, 32768):
+        ok &= check_scores(4096, torch.bfloat16, g, device, groups=groups, one_row=True)
+    ok &= check_scores(1, torch.bfloat16, g, device, groups=262144, one_row=True)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -63,6 +63,30 @@ def scores_case(seed: int, num_heads: int, head_dim: int, ratio: int, dtype=torc
     return q_index, compressed, table, token_row, visible, rows_per_block, max_groups
 
 
+def split_attention_case(seed: int, group: int, num_kv: int, head_dim: int, dtype=torch.float32):
+    """`attention_case` over a width of several tiles (64 positions each), with holes covering whole
+    splits: the first ones (token 4), the last ones (token 3), the middle ones (token 5)."""
+    case = attention_case(seed, group, num_kv, head_dim, dtype, width=300)
+    positions = case[5]
+    positions[3, 128:] = -1
+    positions[4, :192] = -1
+    positions[5, 64:256] = -1
+    return case
+
+
+def tiled_scores_case(seed: int, num_heads: int, head_dim: int, ratio: int, dtype=torch.float32,
+                      mixed_rows: bool = False):
+    """`scores_case` for 15 tokens in tiles of 4: three tiles of one row each (ragged visible counts,
+    tokens that see nothing, a tile whose tokens all see fewer than 64 groups), then a last tile of 3
+    tokens across two rows; ``mixed_rows``: random rows instead."""
+    case = scores_case(seed, num_heads, head_dim, ratio, dtype, num_tokens=15)
+    q_index, compressed, table, token_row, visible, rows_per_block, max_groups = case
+    if not mixed_rows:
+        token_row = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 1, 2, 2], dtype=torch.int32)
+        visible = torch.tensor([70, 0, 13, 64, 65, 1, 64, 40, 10, 20, 0, 63, 30, 70, 5], dtype=torch.int32)
+    return q_index, compressed, table, token_row, visible, rows_per_block, max_groups
+
+
 ATTENTION_SHAPES = [  # (group, num_kv, head_dim, dtype, atol)
     (1, 2, 16, torch.float32, 1e-5),
     (2, 1, 32, torch.float32, 1e-5),
@@ -225,6 +249,7 @@ def _main() -> int:
     launches: list = []
     _counting(qsa_triton, "_index_scores_kernel", launches)
     _counting(qsa_triton, "_sparse_paged_attention_kernel", launches)
+    _counting(qsa_triton, "_merge_splits_kernel", launches)
 
     for i, (num_heads, head_dim, ratio, dtype) in enumerate(SCORE_SHAPES):
         case = scores_case(100 + i, num_heads, head_dim, ratio, dtype)
@@ -251,6 +276,34 @@ def _main() -> int:
             print(error)
             return 1
 
+    # Token tiles: forced tiles of 4 and 8 tokens (same-row tiles share their key loads, tiles across
+    # rows load per token; 15 tokens end in a partial tile), and the default policy in prefill.
+    for i, (num_heads, head_dim, ratio, dtype) in enumerate(SCORE_SHAPES):
+        for block_m, mixed_rows in [(4, False), (8, False), (4, True)] + [(None, False)] * (i >= 3):
+            case = tiled_scores_case(150 + i, num_heads, head_dim, ratio, dtype, mixed_rows)
+            if block_m is None:  # 71 tokens of one row, visible counts growing like a prefill chunk's
+                q_index, compressed, table, _, _, rows_per_block, max_groups = case
+                q_index = q_index.repeat(5, 1, 1)[:71]
+                token_row = torch.full((71,), 1, dtype=torch.int32)
+                visible = (torch.arange(71, dtype=torch.int32) + 3) // 3 * 3 - 2
+                case = (q_index, compressed, table, token_row, visible, rows_per_block, max_groups)
+                if qsa_triton.scores_block_m(71) == 1:
+                    print("the default policy does not tile prefill tokens")
+                    return 1
+            want = qsa.index_scores_torch(*case)
+            launches.clear()
+            have = qsa_triton.index_scores_triton(*case, block_m=block_m)
+            tol = 1e-5 if dtype == torch.float32 else 1e-4
+            label = f"tiled scores case {i} {(num_heads, head_dim, ratio, dtype)} block_m={block_m} mixed={mixed_rows}"
+            if len(launches) != 1 or not torch.equal(torch.isinf(want), torch.isinf(have)):
+                print(f"{label}: {len(launches)} launches, or the -inf pattern differs")
+                return 1
+            try:
+                torch.testing.assert_close(have, want, atol=tol, rtol=tol)
+            except AssertionError as err:
+                print(f"{label}: {err}")
+                return 1
+
     for i, (group, num_kv, head_dim, dtype, atol) in enumerate(ATTENTION_SHAPES):
         case = attention_case(300 + i, group, num_kv, head_dim, dtype)
         want = qsa.sparse_paged_attention(*case)
@@ -265,6 +318,33 @@ def _main() -> int:
             torch.testing.assert_close(have.float(), want.float(), atol=atol, rtol=0)
         except AssertionError as err:
             print(f"attention case {i} {(group, num_kv, head_dim, dtype)}: {err}")
+            return 1
+    # Split widths (5 tiles): forced split counts (3 leaves a middle split of holes only, 100 is clamped
+    # to one tile per split), the single-launch path when forced to one split, and the default policy
+    # at decode (one token: the policy splits). (ATTENTION_SHAPES index, num_splits, expected splits)
+    split_cases = [(0, 2, 2), (1, 3, 3), (2, 3, 3), (3, 3, 3), (4, 3, 3), (2, 100, 5), (4, 100, 5), (2, 1, 1),
+                   (3, 2, 2), (4, None, 3)]
+    for i, num_splits, expect in split_cases:
+        group, num_kv, head_dim, dtype, atol = ATTENTION_SHAPES[i]
+        case = split_attention_case(400 + i, group, num_kv, head_dim, dtype)
+        if num_splits is None:
+            query, keys, values, table, token_row, positions, block_size, scaling = case
+            case = (query[:1], keys, values, table, token_row[:1], positions[:1], block_size, scaling)
+        want = qsa.sparse_paged_attention(*case)
+        launches.clear()
+        have = qsa_triton.sparse_paged_attention_triton(*case, num_splits=num_splits)
+        splits, _ = qsa_triton.attention_splits(case[0].shape[0], num_kv, case[5].shape[1], num_splits)
+        label = f"split attention case {i} {(group, num_kv, head_dim, dtype)} num_splits={num_splits}"
+        if splits != expect or len(launches) != (1 if splits == 1 else 2):
+            print(f"{label}: {splits} splits, {len(launches)} launches")
+            return 1
+        try:
+            assert have.dtype == want.dtype and have.shape == want.shape
+            if num_splits is not None:
+                assert torch.equal(have[1], torch.zeros_like(have[1])), "pad token is not zero"
+            torch.testing.assert_close(have.float(), want.float(), atol=atol, rtol=0)
+        except AssertionError as err:
+            print(f"{label}: {err}")
             return 1
     print("all qsa kernel cases ok")
     return 0

@@ -1,12 +1,20 @@
-"""Triton versions of the two QSA hot ops, one launch each.
+"""Triton versions of the two QSA hot ops.
 
 Same signatures and outputs as the torch specification in `hf_qsa_cache.ops.qsa`:
 
-* `sparse_paged_attention_triton`: one program per (token, KV head) runs all GQA query heads of that
-  KV head over the token's selected positions in tiles of ``BLOCK_W``, mapping each logical position
-  to its physical slot through the block table, with an online softmax in fp32.
-* `index_scores_triton`: one program per (token, tile of ``BLOCK_G`` compressed groups) computes
-  ``sum_h relu(q_h . k_g) / sqrt(Di)`` for the visible groups and ``-inf`` for the others.
+* `sparse_paged_attention_triton`: one program per (token, KV head, split) runs all GQA query heads
+  of that KV head over a contiguous range of the token's selected positions, in tiles of ``BLOCK_W``,
+  mapping each logical position to its physical slot through the block table, with an online
+  softmax in fp32 (base 2). With one split (enough tokens to fill the GPU) the program writes the
+  normalised output: one launch. Decode has too few (token, KV head) pairs to fill the GPU, so the
+  width is split: each program writes its partial (running max, running sum, unnormalised
+  accumulator) in fp32 and a second small kernel merges the splits. The split count depends on the
+  shapes only (no host sync: the op is captured into CUDA graphs).
+* `index_scores_triton`: one program per (tile of ``BLOCK_M`` consecutive tokens, tile of ``BLOCK_G``
+  compressed groups) computes ``sum_h relu(q_h . k_g) / sqrt(Di)`` for the visible groups and
+  ``-inf`` for the others. Decode runs one token per program. In prefill the consecutive tokens of a
+  tile usually read the same cache row: the program then loads each key tile once and runs the dot
+  of every token of the tile against it (a tile across rows falls back to per-token key loads).
 
 Block-table lookups clamp the logical block to the table's last column, like `paged_rows`.
 """
@@ -21,24 +29,51 @@ import triton.language as tl
 
 from .triton_common import INTERPRET, LOG2E, dot, pow2
 
+# Sparse attention launch policy (shapes only; `num_splits` overrides it per call).
+ATTENTION_BLOCK_W = 64  # selected positions per tile
+TARGET_PROGRAMS = 512  # split the width until a launch has about this many programs ...
+MIN_SPLIT_POSITIONS = 128  # ... but give every split at least this many positions
+MAX_SPLITS = 32
+
+# Index scores launch policy (shapes only; `block_m` overrides it per call).
+SCORES_BLOCK_G = 64  # compressed groups per program
+SCORES_PREFILL_TOKENS = 64  # from this many tokens on (prefill), ...
+SCORES_PREFILL_BLOCK_M = 8  # ... a program scores this many consecutive tokens
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def attention_splits(num_tokens: int, num_kv: int, width: int, num_splits: int | None = None) -> tuple[int, int]:
+    """``(num_splits, split_len)`` of a sparse attention launch: the width in ``num_splits`` contiguous
+    ranges of ``split_len`` positions (a multiple of ``ATTENTION_BLOCK_W``), none of them empty."""
+    tiles = max(1, _cdiv(width, ATTENTION_BLOCK_W))
+    if num_splits is None:
+        programs = max(1, num_tokens * num_kv)
+        num_splits = min(MAX_SPLITS, _cdiv(width, MIN_SPLIT_POSITIONS), _cdiv(TARGET_PROGRAMS, programs))
+    num_splits = max(1, min(num_splits, tiles))
+    tiles_per_split = _cdiv(tiles, num_splits)
+    return _cdiv(tiles, tiles_per_split), tiles_per_split * ATTENTION_BLOCK_W
 
 
 # Batch-varying sizes are not specialised, so a new batch or selection width does not recompile.
-@triton.jit(do_not_specialize=["num_tokens", "width", "table_width", "stride_tr"])
+@triton.jit(do_not_specialize=["num_tokens", "width", "table_width", "stride_tr", "split_len", "num_splits"])
 def _sparse_paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, token_row_ptr, pos_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, table_ptr, token_row_ptr, pos_ptr,
     stride_qn, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
     stride_vs, stride_vh, stride_vd,
     stride_on, stride_oh, stride_od,
     stride_tr, stride_tc, stride_pn, stride_pw,
-    num_tokens, width, table_width, block_size, qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr,
-    WIDEN: tl.constexpr,
+    num_tokens, width, table_width, block_size, qk_scale, split_len, num_splits,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT: tl.constexpr,
+    IEEE: tl.constexpr, WIDEN: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)
+    split = tl.program_id(2)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     g_ok = g < GROUP
@@ -48,12 +83,15 @@ def _sparse_paged_attention_kernel(
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     row = tl.load(token_row_ptr + n).to(tl.int64)
 
+    # This program's positions: [lo, hi) of the width (the whole width without a split).
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, width)
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for start in range(0, width, BLOCK_W):
+    for start in range(lo, hi, BLOCK_W):
         w = start + tl.arange(0, BLOCK_W)
-        pos = tl.load(pos_ptr + n * stride_pn + w * stride_pw, mask=w < width, other=-1).to(tl.int64)
+        pos = tl.load(pos_ptr + n * stride_pn + w * stride_pw, mask=w < hi, other=-1).to(tl.int64)
         ok = pos >= 0
         p = tl.maximum(pos, 0)
         logical = tl.minimum(p // block_size, table_width - 1)
@@ -73,16 +111,51 @@ def _sparse_paged_attention_kernel(
                     mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + dot(prob.to(v.dtype), v, IEEE, WIDEN)
         m = m_new
+    if SPLIT:
+        # Partials [N, H, splits] and [N, H, splits, D]; a split of holes only leaves (-inf, 0, 0).
+        part = (n * NUM_HEADS + head) * num_splits + split
+        tl.store(part_m_ptr + part, m, mask=g_ok)
+        tl.store(part_l_ptr + part, l, mask=g_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        # A token with no valid position (a pad) writes zeros.
+        out = tl.where(l[:, None] > 0, acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
+        tl.store(out_ptr + n * stride_on + head[:, None] * stride_oh + d[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_on, stride_oh, stride_od, num_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """One program per (token, query head): combine the splits' (max, sum, accumulator)."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    th = n * NUM_HEADS + h
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    s_ok = s < num_splits
+    d_ok = d < HEAD_DIM
+    m = tl.load(part_m_ptr + th * num_splits + s, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + th * num_splits + s, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + (th * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    top = tl.max(m, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(m - top)  # splits of holes only (max -inf) weigh 0
+    total = tl.sum(w * l, axis=0)
+    o = tl.sum(w[:, None] * acc, axis=0)
     # A token with no valid position (a pad) writes zeros.
-    out = tl.where(l[:, None] > 0, acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
-    tl.store(out_ptr + n * stride_on + head[:, None] * stride_oh + d[None, :] * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    o = tl.where(total > 0, o / tl.where(total > 0, total, 1.0), 0.0)
+    tl.store(out_ptr + n * stride_on + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                                   block_table: torch.Tensor, token_row: torch.Tensor, positions: torch.Tensor,
-                                  block_size: int, scaling: float) -> torch.Tensor:
-    """`hf_qsa_cache.ops.qsa.sparse_paged_attention` in one launch (see there for shapes)."""
+                                  block_size: int, scaling: float, *, num_splits: int | None = None) -> torch.Tensor:
+    """`hf_qsa_cache.ops.qsa.sparse_paged_attention` in one launch, two when the width is split (see
+    there for shapes). ``num_splits`` overrides the launch policy (`attention_splits`)."""
     n, num_heads, head_dim = query.shape
     num_kv = keys.shape[2]
     group = num_heads // num_kv
@@ -94,66 +167,114 @@ def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, value
     assert keys.stride(0) == block_size * keys.stride(1) and values.stride(0) == block_size * values.stride(1)
     if width == 0 or block_table.shape[1] == 0:
         return out.zero_()
-    grid = (n, num_kv)
+    splits, split_len = attention_splits(n, num_kv, width, num_splits)
+    if splits > 1:
+        part_m = torch.empty(n, num_heads, splits, dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(n, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
+    else:
+        part_m = part_l = part_acc = out
+    grid = (n, num_kv, splits)
     _sparse_paged_attention_kernel[grid](
-        query, keys, values, out, block_table, token_row, positions,
+        query, keys, values, out, part_m, part_l, part_acc, block_table, token_row, positions,
         query.stride(0), query.stride(1), query.stride(2),
         keys.stride(1), keys.stride(2), keys.stride(3),
         values.stride(1), values.stride(2), values.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         block_table.stride(0), block_table.stride(1), positions.stride(0), positions.stride(1),
-        n, width, block_table.shape[1], block_size, float(scaling) * LOG2E,
-        GROUP=group, HEAD_DIM=head_dim, G_PAD=pow2(group), D_PAD=pow2(head_dim), BLOCK_W=64,
-        IEEE=query.dtype == torch.float32, WIDEN=INTERPRET,
+        n, width, block_table.shape[1], block_size, float(scaling) * LOG2E, split_len, splits,
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, G_PAD=pow2(group), D_PAD=pow2(head_dim),
+        BLOCK_W=ATTENTION_BLOCK_W, SPLIT=splits > 1, IEEE=query.dtype == torch.float32, WIDEN=INTERPRET,
         num_warps=4,
     )
+    if splits > 1:
+        _merge_splits_kernel[(n, num_heads)](
+            part_m, part_l, part_acc, out, out.stride(0), out.stride(1), out.stride(2), splits,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, S_PAD=triton.next_power_of_2(splits),
+            D_PAD=triton.next_power_of_2(head_dim), num_warps=4,
+        )
     return out
 
 
-@triton.jit(do_not_specialize=["max_groups", "table_width", "stride_tr"])
+@triton.jit
+def _key_tile(c_ptr, table_ptr, row, g, live, d, d_ok, stride_cr, stride_cd, stride_tr, stride_tc,
+              table_width, rows_per_block, IEEE: tl.constexpr):
+    """Compressed keys of groups ``g`` of cache row ``row``, transposed: ``[D_PAD, BLOCK_G]``."""
+    logical = tl.minimum(g // rows_per_block, table_width - 1)
+    block = tl.load(table_ptr + row * stride_tr + logical * stride_tc, mask=live, other=0).to(tl.int64)
+    flat = block * rows_per_block + g % rows_per_block
+    key = tl.load(c_ptr + flat[:, None] * stride_cr + d[None, :] * stride_cd,
+                  mask=live[:, None] & d_ok[None, :], other=0.0)
+    if IEEE:
+        key = key.to(tl.float32)
+    return tl.trans(key)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "max_groups", "table_width", "stride_tr"])
 def _index_scores_kernel(
     q_ptr, c_ptr, table_ptr, token_row_ptr, visible_ptr, out_ptr,
     stride_qn, stride_qh, stride_qd, stride_cr, stride_cd, stride_tr, stride_tc, stride_on,
-    max_groups, table_width, rows_per_block, sqrt_dim,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr,
-    WIDEN: tl.constexpr,
+    num_tokens, max_groups, table_width, rows_per_block, sqrt_dim,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
 ):
-    n = tl.program_id(0).to(tl.int64)
+    t0 = tl.program_id(0).to(tl.int64) * BLOCK_M
     g0 = tl.program_id(1) * BLOCK_G
     g = g0 + tl.arange(0, BLOCK_G)
-    visible = tl.load(visible_ptr + n).to(tl.int32)
-    live = g < visible
-    score = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    if g0 < visible:
-        d = tl.arange(0, D_PAD)
-        d_ok = d < HEAD_DIM
-        row = tl.load(token_row_ptr + n).to(tl.int64)
-        logical = tl.minimum(g // rows_per_block, table_width - 1)
-        block = tl.load(table_ptr + row * stride_tr + logical * stride_tc, mask=live, other=0).to(tl.int64)
-        flat = block * rows_per_block + g % rows_per_block
-        key = tl.load(c_ptr + flat[:, None] * stride_cr + d[None, :] * stride_cd,
-                      mask=live[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:
-            key = key.to(tl.float32)
-        key_t = tl.trans(key)
-        total = tl.zeros([BLOCK_G], tl.float32)
-        for h0 in range(0, NUM_HEADS, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            q = tl.load(q_ptr + n * stride_qn + h[:, None] * stride_qh + d[None, :] * stride_qd,
-                        mask=(h < NUM_HEADS)[:, None] & d_ok[None, :], other=0.0)
-            if IEEE:
-                q = q.to(tl.float32)
-            s = dot(q, key_t, IEEE, WIDEN)  # [BLOCK_H, BLOCK_G]; padded heads give 0
-            total += tl.sum(tl.maximum(s, 0.0), axis=0)
-        score = tl.where(live, total / sqrt_dim, float("-inf"))
-    tl.store(out_ptr + n * stride_on + g, score, mask=g < max_groups)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    if BLOCK_M > 1:
+        # A tile whose tokens all read one cache row (prefill) loads each key tile once for all of
+        # them, up to the largest visible count of the tile; a tile across rows loads per token.
+        t = t0 + tl.arange(0, BLOCK_M)
+        t_ok = t < num_tokens
+        rows = tl.load(token_row_ptr + t, mask=t_ok, other=0)
+        row0 = tl.load(token_row_ptr + t0)
+        per_token = tl.max(tl.where(t_ok & (rows != row0), 1, 0), axis=0) > 0
+        tile_visible = tl.max(tl.load(visible_ptr + t, mask=t_ok, other=0), axis=0)
+        shared_live = g < tl.where(per_token, 0, tile_visible)  # nothing to load for a tile across rows
+        shared_key_t = _key_tile(c_ptr, table_ptr, row0.to(tl.int64), g, shared_live, d, d_ok, stride_cr, stride_cd,
+                                 stride_tr, stride_tc, table_width, rows_per_block, IEEE)
+    for i in tl.static_range(BLOCK_M):
+        n = t0 + i
+        n_ok = n < num_tokens
+        visible = tl.load(visible_ptr + n, mask=n_ok, other=0).to(tl.int32)
+        live = g < visible  # each token masks by its own visible count
+        score = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        if g0 < visible:
+            if BLOCK_M > 1:
+                key_t = shared_key_t
+                if per_token:
+                    row = tl.load(token_row_ptr + n).to(tl.int64)
+                    key_t = _key_tile(c_ptr, table_ptr, row, g, live, d, d_ok, stride_cr, stride_cd,
+                                      stride_tr, stride_tc, table_width, rows_per_block, IEEE)
+            else:
+                row = tl.load(token_row_ptr + n).to(tl.int64)
+                key_t = _key_tile(c_ptr, table_ptr, row, g, live, d, d_ok, stride_cr, stride_cd,
+                                  stride_tr, stride_tc, table_width, rows_per_block, IEEE)
+            total = tl.zeros([BLOCK_G], tl.float32)
+            for h0 in range(0, NUM_HEADS, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                q = tl.load(q_ptr + n * stride_qn + h[:, None] * stride_qh + d[None, :] * stride_qd,
+                            mask=(h < NUM_HEADS)[:, None] & d_ok[None, :], other=0.0)
+                if IEEE:
+                    q = q.to(tl.float32)
+                s = dot(q, key_t, IEEE, WIDEN)  # [BLOCK_H, BLOCK_G]; padded heads give 0
+                total += tl.sum(tl.maximum(s, 0.0), axis=0)
+            score = tl.where(live, total / sqrt_dim, float("-inf"))
+        tl.store(out_ptr + n * stride_on + g, score, mask=g < tl.where(n_ok, max_groups, 0))
+
+
+def scores_block_m(num_tokens: int) -> int:
+    """Tokens per index-score program: one at decode, a tile sharing key loads in prefill (shapes only)."""
+    return SCORES_PREFILL_BLOCK_M if num_tokens >= SCORES_PREFILL_TOKENS else 1
 
 
 def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                         token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
-                        max_groups: int) -> torch.Tensor:
-    """`hf_qsa_cache.ops.qsa.index_scores_torch` in one launch (see there for shapes)."""
+                        max_groups: int, *, block_m: int | None = None) -> torch.Tensor:
+    """`hf_qsa_cache.ops.qsa.index_scores_torch` in one launch (see there for shapes). ``block_m``
+    overrides the tokens per program (`scores_block_m`)."""
     n, num_heads, head_dim = q_index.shape
     out = torch.empty(n, max_groups, dtype=torch.float32, device=q_index.device)
     if n == 0 or max_groups == 0:
@@ -164,15 +285,17 @@ def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_t
     # bf16/fp16 products are exact in fp32, so the tensor-core dot with an fp32 accumulator only
     # differs from the fp32 reference in summation order; fp32 (or mixed) inputs use an IEEE dot.
     ieee = not (q_index.dtype == flat.dtype and q_index.dtype in (torch.bfloat16, torch.float16))
-    block_g = 64
-    grid = (n, triton.cdiv(max_groups, block_g))
+    if block_m is None:
+        block_m = scores_block_m(n)
+    assert block_m >= 1 and block_m & (block_m - 1) == 0, f"block_m={block_m} is not a power of two"
+    grid = (triton.cdiv(n, block_m), triton.cdiv(max_groups, SCORES_BLOCK_G))
     _index_scores_kernel[grid](
         q_index, flat, block_table, token_row, visible_blocks, out,
         q_index.stride(0), q_index.stride(1), q_index.stride(2), flat.stride(0), flat.stride(1),
         block_table.stride(0), block_table.stride(1), out.stride(0),
-        max_groups, block_table.shape[1], rows_per_block, math.sqrt(head_dim),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=pow2(head_dim),
-        BLOCK_H=min(pow2(num_heads), 32), BLOCK_G=block_g, IEEE=ieee, WIDEN=INTERPRET,
+        n, max_groups, block_table.shape[1], rows_per_block, math.sqrt(head_dim),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=pow2(head_dim), BLOCK_M=block_m,
+        BLOCK_H=min(pow2(num_heads), 32), BLOCK_G=SCORES_BLOCK_G, IEEE=ieee, WIDEN=INTERPRET,
         num_warps=4,
     )
     return out
