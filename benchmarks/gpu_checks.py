@@ -114,12 +114,17 @@ def check_long_rows():
     import test_inkling as ink
 
     from hf_qsa_cache.ops import inkling_attention_triton as ink_kernel
+    from hf_qsa_cache.ops import qsa_triton
 
     saved = ink_kernel.MIN_SPLIT_KEYS, ink_kernel.DECODE_BLOCK_N, ink_kernel.PREFILL_BLOCK_N
     ink_kernel.MIN_SPLIT_KEYS, ink_kernel.DECODE_BLOCK_N, ink_kernel.PREFILL_BLOCK_N = 16, 16, 16
+    # QSA: selections split in tiles of 16 (a split per tile), index scores in token tiles from 2 tokens.
+    saved_qsa = qsa_triton.ATTENTION_BLOCK_W, qsa_triton.MIN_SPLIT_POSITIONS, qsa_triton.SCORES_PREFILL_TOKENS
+    qsa_triton.ATTENTION_BLOCK_W, qsa_triton.MIN_SPLIT_POSITIONS, qsa_triton.SCORES_PREFILL_TOKENS = 16, 1, 2
     ok = True
     try:
-        upstream, ours = q.make_pair(seed=4)
+        # Budget 32 (ratio 2): a selection of width 33 spans three 16-position tiles, so decode splits it.
+        upstream, ours = q.make_pair(q.tiny_config(indexer_budget=32), seed=4)
         gpu = copy.deepcopy(ours).cuda()
         gpu.prefill_chunk_tokens = 40  # the 61-token row is prefilled in chunks of 40 // 3 = 13 columns
         ok &= check_rows("qwen4_exp long rows", upstream, gpu, q.random_prompts([61, 9, 37], seed=5), block_size=4)
@@ -130,6 +135,7 @@ def check_long_rows():
         ok &= check_rows("inkling long rows", upstream, gpu, prompts, block_size=4)
     finally:
         ink_kernel.MIN_SPLIT_KEYS, ink_kernel.DECODE_BLOCK_N, ink_kernel.PREFILL_BLOCK_N = saved
+        qsa_triton.ATTENTION_BLOCK_W, qsa_triton.MIN_SPLIT_POSITIONS, qsa_triton.SCORES_PREFILL_TOKENS = saved_qsa
     return ok
 
 

@@ -32,7 +32,7 @@ from .triton_common import INTERPRET, LOG2E, dot, pow2
 # Sparse attention launch policy (shapes only; `num_splits` overrides it per call).
 ATTENTION_BLOCK_W = 64  # selected positions per tile
 TARGET_PROGRAMS = 512  # split the width until a launch has about this many programs ...
-MIN_SPLIT_POSITIONS = 128  # ... but give every split at least this many positions
+MIN_SPLIT_POSITIONS = 64  # ... but give every split at least this many positions
 MAX_SPLITS = 32
 
 # Index scores launch policy (shapes only; `block_m` overrides it per call).
