@@ -145,8 +145,56 @@ def main() -> int:
     for groups in (4096, 32768):
         ok &= check_scores(4096, torch.bfloat16, g, device, groups=groups, one_row=True)
     ok &= check_scores(1, torch.bfloat16, g, device, groups=262144, one_row=True)
+    # The real long-context selection chunk: 512 tokens of one row over 262144 groups (1M tokens).
+    ok &= check_scores(512, torch.bfloat16, g, device, groups=262144, one_row=True)
+    for n, groups in ((4096, 32768), (512, 262144)):
+        ok &= sweep_scores(n, groups, g, device)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+def sweep_scores(n: int, groups: int, g: torch.Generator, device) -> bool:
+    """Prefill index scores of one row under other launch settings (tokens per program, groups per key
+    tile, warps, pipeline stages): time, TFLOP/s and agreement with the default settings."""
+    heads, head_dim = 32, 128
+    rows_per_block = BLOCK_SIZE // RATIO
+    table, num_blocks = _table(g, device, 1, groups * RATIO)
+    q_index = torch.randn(n, heads, head_dim, generator=g).to(device, torch.bfloat16)
+    compressed = torch.randn(num_blocks, rows_per_block, head_dim, generator=g).to(device, torch.bfloat16)
+    position = groups * RATIO - n + torch.arange(n)
+    visible = ((position + 1) // RATIO).to(torch.int32).to(device)
+    token_row = torch.zeros(n, dtype=torch.int32, device=device)
+    args = (q_index, compressed, table, token_row, visible, rows_per_block, groups)
+    want = qsa_triton.index_scores_triton(*args)
+    finite = torch.isfinite(want)
+    flops = 2.0 * heads * head_dim * float(visible.long().sum())
+    defaults = (qsa_triton.SCORES_BLOCK_G, qsa_triton.SCORES_NUM_WARPS, qsa_triton.SCORES_NUM_STAGES)
+    ok = True
+    results = []
+    for block_m in (1, 2, 4, 8):
+        for block_g in (64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    qsa_triton.SCORES_BLOCK_G, qsa_triton.SCORES_NUM_WARPS, qsa_triton.SCORES_NUM_STAGES = (
+                        block_g, warps, stages)
+                    try:
+                        have = qsa_triton.index_scores_triton(*args, block_m=block_m)
+                        same = torch.equal(finite, torch.isfinite(have)) and bool(
+                            torch.allclose(have[finite], want[finite], rtol=1e-5, atol=1e-4))
+                        del have
+                        t = _bench(lambda: qsa_triton.index_scores_triton(*args, block_m=block_m))
+                        results.append((t, block_m, block_g, warps, stages, same))
+                        ok &= same
+                    except Exception as error:  # out of resources for a setting: report and go on
+                        print(f"  sweep block_m={block_m} block_g={block_g} warps={warps} stages={stages}: "
+                              f"{type(error).__name__}")
+    qsa_triton.SCORES_BLOCK_G, qsa_triton.SCORES_NUM_WARPS, qsa_triton.SCORES_NUM_STAGES = defaults
+    print(f"scores sweep N={n} G={groups} (1 row, bf16; default block_m={qsa_triton.scores_block_m(n)} "
+          f"block_g={defaults[0]} warps={defaults[1]} stages={defaults[2]}):")
+    for t, block_m, block_g, warps, stages, same in sorted(results)[:8]:
+        print(f"  {t:9.1f}us {flops / t / 1e6:6.1f} TFLOP/s block_m={block_m} block_g={block_g} "
+              f"warps={warps} stages={stages} {'ok' if same else 'MISMATCH'}")
+    return ok
 
 
 if __name__ == "__main__":

@@ -27,13 +27,14 @@ Off with ``HF_QSA_CUDA_GRAPHS=0`` in the environment or ``model.use_cuda_graphs 
 from __future__ import annotations
 
 import os
+import traceback
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .cache import QSAPagedCache
-
 
 # Longest verify step that gets graphs (one per length and bucket); longer ones run eagerly.
 MAX_STEP_LEN = 8
@@ -148,8 +149,10 @@ class DecodeGraphs:
                 entry.logits = self._body(entry)
         except Exception as error:  # this step already ran above; the bucket stays eager
             entry.eager, entry.logits = True, None
-            warnings.warn(f"CUDA graph capture failed, decode runs eagerly for this batch size: {error}",
-                          stacklevel=4)
+            where = "; ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                              for f in traceback.extract_tb(error.__traceback__)[-4:])
+            warnings.warn(f"CUDA graph capture failed, decode runs eagerly for this batch size: {error} "
+                          f"(at {where})", stacklevel=4)
             return logits
         entry.graph = graph
         return logits

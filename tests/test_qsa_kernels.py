@@ -276,10 +276,13 @@ def _main() -> int:
             print(error)
             return 1
 
-    # Token tiles: forced tiles of 4 and 8 tokens (same-row tiles share their key loads, tiles across
-    # rows load per token; 15 tokens end in a partial tile), and the default policy in prefill.
+    # Token tiles and group ranges, forced: tiles of 1, 4 and 8 tokens (a tile across rows runs one pass
+    # per row; 15 tokens end in a partial tile), key tiles of 64 or 16 groups, one program along the
+    # groups or several (so a program loops over several key tiles and over -inf tiles past every
+    # token's visible count); and the default policy in prefill.
     for i, (num_heads, head_dim, ratio, dtype) in enumerate(SCORE_SHAPES):
-        for block_m, mixed_rows in [(4, False), (8, False), (4, True)] + [(None, False)] * (i >= 3):
+        forced = [(4, False, None, 64), (8, False, 1, 16), (4, True, 2, 16), (1, True, 3, 16)]
+        for block_m, mixed_rows, splits, block_g in forced + [(None, False, None, 16)] * (i >= 3):
             case = tiled_scores_case(150 + i, num_heads, head_dim, ratio, dtype, mixed_rows)
             if block_m is None:  # 71 tokens of one row, visible counts growing like a prefill chunk's
                 q_index, compressed, table, _, _, rows_per_block, max_groups = case
@@ -292,11 +295,19 @@ def _main() -> int:
                     return 1
             want = qsa.index_scores_torch(*case)
             launches.clear()
-            have = qsa_triton.index_scores_triton(*case, block_m=block_m)
+            qsa_triton.SCORES_BLOCK_G = block_g
+            try:
+                have = qsa_triton.index_scores_triton(*case, block_m=block_m, group_splits=splits)
+            finally:
+                qsa_triton.SCORES_BLOCK_G = 64
             tol = 1e-5 if dtype == torch.float32 else 1e-4
-            label = f"tiled scores case {i} {(num_heads, head_dim, ratio, dtype)} block_m={block_m} mixed={mixed_rows}"
+            label = (f"tiled scores case {i} {(num_heads, head_dim, ratio, dtype)} block_m={block_m} "
+                     f"mixed={mixed_rows} splits={splits} block_g={block_g}")
             if len(launches) != 1 or not torch.equal(torch.isinf(want), torch.isinf(have)):
                 print(f"{label}: {len(launches)} launches, or the -inf pattern differs")
+                return 1
+            if splits is not None and launches[0][1] != splits:
+                print(f"{label}: grid {launches[0]}")
                 return 1
             try:
                 torch.testing.assert_close(have, want, atol=tol, rtol=tol)

@@ -10,11 +10,12 @@ Same signatures and outputs as the torch specification in `hf_qsa_cache.ops.qsa`
   width is split: each program writes its partial (running max, running sum, unnormalised
   accumulator) in fp32 and a second small kernel merges the splits. The split count depends on the
   shapes only (no host sync: the op is captured into CUDA graphs).
-* `index_scores_triton`: one program per (tile of ``BLOCK_M`` consecutive tokens, tile of ``BLOCK_G``
+* `index_scores_triton`: one program per (tile of ``BLOCK_M`` consecutive tokens, range of
   compressed groups) computes ``sum_h relu(q_h . k_g) / sqrt(Di)`` for the visible groups and
-  ``-inf`` for the others. Decode runs one token per program. In prefill the consecutive tokens of a
-  tile usually read the same cache row: the program then loads each key tile once and runs the dot
-  of every token of the tile against it (a tile across rows falls back to per-token key loads).
+  ``-inf`` for the others. The queries of all heads of the tile's tokens form one
+  ``[BLOCK_M * heads, Di]`` operand, so each key tile costs one tensor-core dot for the whole tile;
+  the relu'd products are then summed over heads. A tile whose tokens read several cache rows runs
+  one pass per row. Decode runs one token per program, the groups split across programs.
 
 Block-table lookups clamp the logical block to the table's last column, like `paged_rows`.
 """
@@ -36,9 +37,12 @@ MIN_SPLIT_POSITIONS = 64  # ... but give every split at least this many position
 MAX_SPLITS = 32
 
 # Index scores launch policy (shapes only; `block_m` overrides it per call).
-SCORES_BLOCK_G = 64  # compressed groups per program
+SCORES_BLOCK_G = 64  # compressed groups per key tile
 SCORES_PREFILL_TOKENS = 64  # from this many tokens on (prefill), ...
-SCORES_PREFILL_BLOCK_M = 8  # ... a program scores this many consecutive tokens
+SCORES_PREFILL_BLOCK_M = 4  # ... a program scores this many consecutive tokens (x heads: the dot's rows)
+SCORES_TARGET_PROGRAMS = 1024  # split the groups across programs until a launch has about this many
+SCORES_NUM_WARPS = 4
+SCORES_NUM_STAGES = 3
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -210,59 +214,57 @@ def _key_tile(c_ptr, table_ptr, row, g, live, d, d_ok, stride_cr, stride_cd, str
     return tl.trans(key)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "max_groups", "table_width", "stride_tr"])
+@triton.jit(do_not_specialize=["num_tokens", "max_groups", "table_width", "stride_tr", "groups_per_program"])
 def _index_scores_kernel(
     q_ptr, c_ptr, table_ptr, token_row_ptr, visible_ptr, out_ptr,
     stride_qn, stride_qh, stride_qd, stride_cr, stride_cd, stride_tr, stride_tc, stride_on,
-    num_tokens, max_groups, table_width, rows_per_block, sqrt_dim,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+    num_tokens, max_groups, table_width, rows_per_block, groups_per_program, sqrt_dim,
+    NUM_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
 ):
     t0 = tl.program_id(0).to(tl.int64) * BLOCK_M
-    g0 = tl.program_id(1) * BLOCK_G
-    g = g0 + tl.arange(0, BLOCK_G)
+    g_start = tl.program_id(1) * groups_per_program
+    g_end = tl.minimum(g_start + groups_per_program, max_groups)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    if BLOCK_M > 1:
-        # A tile whose tokens all read one cache row (prefill) loads each key tile once for all of
-        # them, up to the largest visible count of the tile; a tile across rows loads per token.
-        t = t0 + tl.arange(0, BLOCK_M)
-        t_ok = t < num_tokens
-        rows = tl.load(token_row_ptr + t, mask=t_ok, other=0)
-        row0 = tl.load(token_row_ptr + t0)
-        per_token = tl.max(tl.where(t_ok & (rows != row0), 1, 0), axis=0) > 0
-        tile_visible = tl.max(tl.load(visible_ptr + t, mask=t_ok, other=0), axis=0)
-        shared_live = g < tl.where(per_token, 0, tile_visible)  # nothing to load for a tile across rows
-        shared_key_t = _key_tile(c_ptr, table_ptr, row0.to(tl.int64), g, shared_live, d, d_ok, stride_cr, stride_cd,
-                                 stride_tr, stride_tc, table_width, rows_per_block, IEEE)
-    for i in tl.static_range(BLOCK_M):
+    # The queries of all heads of the tile's tokens as one [BLOCK_M * H_PAD, D] operand (padded heads
+    # and tokens past the end are zero rows, whose relu scores add nothing).
+    qr = tl.arange(0, BLOCK_M * H_PAD)
+    q_tok = t0 + qr // H_PAD
+    q_head = qr % H_PAD
+    q = tl.load(q_ptr + q_tok[:, None] * stride_qn + q_head[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=((q_tok < num_tokens) & (q_head < NUM_HEADS))[:, None] & d_ok[None, :], other=0.0)
+    if IEEE:
+        q = q.to(tl.float32)
+    t = t0 + tl.arange(0, BLOCK_M)
+    t_ok = t < num_tokens
+    rows = tl.load(token_row_ptr + t, mask=t_ok, other=-1)
+    visible = tl.load(visible_ptr + t, mask=t_ok, other=0)
+    # One pass per cache row among the tile's tokens (a prefill tile has one; a row's tokens are
+    # consecutive): each key tile of that row is loaded once and scored against all its tokens.
+    for i in range(BLOCK_M):
         n = t0 + i
-        n_ok = n < num_tokens
-        visible = tl.load(visible_ptr + n, mask=n_ok, other=0).to(tl.int32)
-        live = g < visible  # each token masks by its own visible count
-        score = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        if g0 < visible:
-            if BLOCK_M > 1:
-                key_t = shared_key_t
-                if per_token:
-                    row = tl.load(token_row_ptr + n).to(tl.int64)
-                    key_t = _key_tile(c_ptr, table_ptr, row, g, live, d, d_ok, stride_cr, stride_cd,
-                                      stride_tr, stride_tc, table_width, rows_per_block, IEEE)
-            else:
-                row = tl.load(token_row_ptr + n).to(tl.int64)
-                key_t = _key_tile(c_ptr, table_ptr, row, g, live, d, d_ok, stride_cr, stride_cd,
-                                  stride_tr, stride_tc, table_width, rows_per_block, IEEE)
-            total = tl.zeros([BLOCK_G], tl.float32)
-            for h0 in range(0, NUM_HEADS, BLOCK_H):
-                h = h0 + tl.arange(0, BLOCK_H)
-                q = tl.load(q_ptr + n * stride_qn + h[:, None] * stride_qh + d[None, :] * stride_qd,
-                            mask=(h < NUM_HEADS)[:, None] & d_ok[None, :], other=0.0)
-                if IEEE:
-                    q = q.to(tl.float32)
-                s = dot(q, key_t, IEEE, WIDEN)  # [BLOCK_H, BLOCK_G]; padded heads give 0
-                total += tl.sum(tl.maximum(s, 0.0), axis=0)
-            score = tl.where(live, total / sqrt_dim, float("-inf"))
-        tl.store(out_ptr + n * stride_on + g, score, mask=g < tl.where(n_ok, max_groups, 0))
+        row = tl.load(token_row_ptr + n, mask=n < num_tokens, other=-1)
+        prev = tl.load(token_row_ptr + n - 1, mask=(i > 0) & (n < num_tokens), other=-1)
+        if (n < num_tokens) & ((i == 0) | (row != prev)):
+            mine = t_ok & (rows == row)
+            reach = tl.minimum(tl.max(tl.where(mine, visible, 0), axis=0), g_end)  # groups any of them sees
+            for g0 in range(g_start, reach, BLOCK_G):
+                g = g0 + tl.arange(0, BLOCK_G)
+                key_t = _key_tile(c_ptr, table_ptr, row.to(tl.int64), g, g < reach, d, d_ok, stride_cr,
+                                  stride_cd, stride_tr, stride_tc, table_width, rows_per_block, IEEE)
+                s = tl.maximum(dot(q, key_t, IEEE, WIDEN), 0.0)  # [BLOCK_M * H_PAD, BLOCK_G]
+                total = tl.sum(tl.reshape(s, (BLOCK_M, H_PAD, BLOCK_G)), axis=1)  # over heads
+                score = tl.where(g[None, :] < visible[:, None], total / sqrt_dim, float("-inf"))
+                tl.store(out_ptr + t[:, None] * stride_on + g[None, :], score,
+                         mask=mine[:, None] & (g < g_end)[None, :])
+            # Groups past every token's visible count: -inf without loading keys.
+            done = g_start + tl.cdiv(tl.maximum(reach - g_start, 0), BLOCK_G) * BLOCK_G
+            for g0 in range(done, g_end, BLOCK_G):
+                g = g0 + tl.arange(0, BLOCK_G)
+                tl.store(out_ptr + t[:, None] * stride_on + g[None, :],
+                         tl.full([BLOCK_M, BLOCK_G], float("-inf"), tl.float32),
+                         mask=mine[:, None] & (g < g_end)[None, :])
 
 
 def scores_block_m(num_tokens: int) -> int:
@@ -270,11 +272,19 @@ def scores_block_m(num_tokens: int) -> int:
     return SCORES_PREFILL_BLOCK_M if num_tokens >= SCORES_PREFILL_TOKENS else 1
 
 
+def scores_group_splits(num_tokens: int, max_groups: int, block_m: int) -> int:
+    """Programs along the groups: enough (with the token tiles) to fill the GPU (shapes only)."""
+    token_tiles = _cdiv(num_tokens, block_m)
+    return max(1, min(_cdiv(SCORES_TARGET_PROGRAMS, token_tiles), _cdiv(max_groups, SCORES_BLOCK_G)))
+
+
 def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                         token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
-                        max_groups: int, *, block_m: int | None = None) -> torch.Tensor:
+                        max_groups: int, *, block_m: int | None = None,
+                        group_splits: int | None = None) -> torch.Tensor:
     """`hf_qsa_cache.ops.qsa.index_scores_torch` in one launch (see there for shapes). ``block_m``
-    overrides the tokens per program (`scores_block_m`)."""
+    overrides the tokens per program (`scores_block_m`), ``group_splits`` the programs along the
+    groups (`scores_group_splits`)."""
     n, num_heads, head_dim = q_index.shape
     out = torch.empty(n, max_groups, dtype=torch.float32, device=q_index.device)
     if n == 0 or max_groups == 0:
@@ -285,17 +295,23 @@ def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_t
     # bf16/fp16 products are exact in fp32, so the tensor-core dot with an fp32 accumulator only
     # differs from the fp32 reference in summation order; fp32 (or mixed) inputs use an IEEE dot.
     ieee = not (q_index.dtype == flat.dtype and q_index.dtype in (torch.bfloat16, torch.float16))
+    h_pad = triton.next_power_of_2(num_heads)
     if block_m is None:
         block_m = scores_block_m(n)
     assert block_m >= 1 and block_m & (block_m - 1) == 0, f"block_m={block_m} is not a power of two"
-    grid = (triton.cdiv(n, block_m), triton.cdiv(max_groups, SCORES_BLOCK_G))
+    block_m = max(block_m, 16 // h_pad)  # tl.dot needs at least 16 query rows
+    if group_splits is None:
+        group_splits = scores_group_splits(n, max_groups, block_m)
+    tiles = _cdiv(max_groups, SCORES_BLOCK_G)
+    groups_per_program = _cdiv(tiles, max(1, min(group_splits, tiles))) * SCORES_BLOCK_G
+    grid = (triton.cdiv(n, block_m), triton.cdiv(max_groups, groups_per_program))
     _index_scores_kernel[grid](
         q_index, flat, block_table, token_row, visible_blocks, out,
         q_index.stride(0), q_index.stride(1), q_index.stride(2), flat.stride(0), flat.stride(1),
         block_table.stride(0), block_table.stride(1), out.stride(0),
-        n, max_groups, block_table.shape[1], rows_per_block, math.sqrt(head_dim),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=pow2(head_dim), BLOCK_M=block_m,
-        BLOCK_H=min(pow2(num_heads), 32), BLOCK_G=SCORES_BLOCK_G, IEEE=ieee, WIDEN=INTERPRET,
-        num_warps=4,
+        n, max_groups, block_table.shape[1], rows_per_block, groups_per_program, math.sqrt(head_dim),
+        NUM_HEADS=num_heads, H_PAD=h_pad, HEAD_DIM=head_dim, D_PAD=pow2(head_dim), BLOCK_M=block_m,
+        BLOCK_G=SCORES_BLOCK_G, IEEE=ieee, WIDEN=INTERPRET, num_warps=SCORES_NUM_WARPS,
+        num_stages=SCORES_NUM_STAGES,
     )
     return out
