@@ -148,9 +148,29 @@ def main() -> int:
     # The real long-context selection chunk: 512 tokens of one row over 262144 groups (1M tokens).
     ok &= check_scores(512, torch.bfloat16, g, device, groups=262144, one_row=True)
     for n, groups in ((4096, 32768), (512, 262144)):
+        ok &= check_top_groups(n, groups, g, device)
+    for n, groups in ((4096, 32768), (512, 262144)):
         ok &= sweep_scores(n, groups, g, device)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+def check_top_groups(n: int, groups: int, g: torch.Generator, device, k: int = 512) -> bool:
+    """The three top-k paths of the selection on prefill-like scores (relu-zero ties, a causal -inf
+    tail per token): same groups, and their times."""
+    scores = torch.randn(n, groups, generator=g).relu_().to(device)
+    visible = groups - n // 4 + torch.arange(n, device=device) // 4
+    scores.masked_fill_(torch.arange(groups, device=device)[None, :] >= visible[:, None], float("-inf"))
+    want = qsa.top_groups_packed(scores, k)
+    ok = True
+    times = []
+    for name in ("top_groups_packed", "top_groups_by_value", "top_groups_two_level"):
+        fn = getattr(qsa, name)
+        same = torch.equal(fn(scores, k), want)
+        ok &= same
+        times.append(f"{name.removeprefix('top_groups_')}={_bench(lambda: fn(scores, k)):8.1f}us{'' if same else ' MISMATCH'}")
+    print(f"top-k     N={n:5d} G={groups:6d} k={k} " + " ".join(times) + f" {'ok' if ok else 'MISMATCH'}")
+    return ok
 
 
 def sweep_scores(n: int, groups: int, g: torch.Generator, device) -> bool:

@@ -42,3 +42,29 @@ def test_top_groups_by_value_equals_the_packed_top_k(seed):
     expected = qsa.top_groups_packed(scores, k)
     assert torch.equal(qsa.top_groups_by_value(scores, k), expected)
     assert torch.equal(expected, scores.sort(dim=-1, descending=True, stable=True).indices[:, :k])
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_top_groups_two_level_equals_the_packed_top_k(seed):
+    """Tiles of a few groups (forced small), group counts that leave a partial last tile, ties inside
+    and across tiles, -inf tails (invisible groups) and rows with fewer visible groups than k."""
+    g = torch.Generator().manual_seed(seed)
+    groups = int(torch.randint(2, 400, (1,), generator=g))
+    scores = torch.rand(7, groups, generator=g)
+    scores[:3] = torch.randint(0, 3, (3, groups), generator=g).float()  # rows full of ties
+    scores[3, -1] = 5.0  # the best group alone in the last (maybe partial) tile
+    visible = torch.randint(0, groups + 1, (7,), generator=g)
+    scores[torch.arange(groups)[None, :] >= visible[:, None]] = float("-inf")
+    k = int(torch.randint(1, groups + 1, (1,), generator=g))
+    tile = int(torch.randint(1, 9, (1,), generator=g))
+    expected = qsa.top_groups_packed(scores, k)
+    assert torch.equal(qsa.top_groups_two_level(scores, k, tile), expected)
+    assert torch.equal(expected, scores.sort(dim=-1, descending=True, stable=True).indices[:, :k])
+
+
+def test_top_groups_takes_the_two_level_path_for_many_groups(monkeypatch):
+    calls = []
+    two_level = qsa.top_groups_two_level
+    monkeypatch.setattr(qsa, "top_groups_two_level", lambda s, k: calls.append(k) or two_level(s, k))
+    scores = torch.rand(3, 2 * 4 * qsa.TOPK_TILE + 5)
+    assert torch.equal(top_groups(scores, 4), qsa.top_groups_packed(scores, 4)) and calls == [4]

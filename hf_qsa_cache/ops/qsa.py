@@ -132,9 +132,12 @@ def top_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices ``[N, k]`` of the ``k`` best groups per row of ``scores`` ``[N, G]``, best first.
 
     Among equal scores the lower group index wins (relu makes exact zero ties common; upstream leaves
-    ties to ``torch.topk``). Large eager calls on CUDA (long prefills) take `top_groups_by_value`, which
-    syncs with the host; decode steps (which CUDA graphs capture) and the CPU take `top_groups_packed`.
+    ties to ``torch.topk``). Many groups per pick (long contexts) take `top_groups_two_level`; other
+    large eager calls on CUDA take `top_groups_by_value`, which syncs with the host; the rest (decode
+    steps, which CUDA graphs capture, and the CPU) take `top_groups_packed`. All give the same result.
     """
+    if scores.shape[-1] >= 2 * k * TOPK_TILE:
+        return top_groups_two_level(scores, k)
     if scores.is_cuda and scores.numel() >= _FAST_TOPK_ELEMENTS and not torch.cuda.is_current_stream_capturing():
         return top_groups_by_value(scores, k)
     return top_groups_packed(scores, k)
@@ -142,6 +145,8 @@ def top_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 # Below this many scores the packed top-k is cheap enough (and needs no host sync).
 _FAST_TOPK_ELEMENTS = 1 << 22
+# Groups per tile of the two-level top-k.
+TOPK_TILE = 16
 
 
 def _pack(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
@@ -179,6 +184,29 @@ def top_groups_by_value(scores: torch.Tensor, k: int) -> torch.Tensor:
         index[redo] = top_groups_packed(scores[redo], k)
         values[redo] = scores[redo].gather(1, index[redo])
     return _unpack(_pack(values, index).sort(dim=-1, descending=True).values)
+
+
+def top_groups_two_level(scores: torch.Tensor, k: int, tile: int = TOPK_TILE) -> torch.Tensor:
+    """`top_groups` over ``k`` tiles of ``tile`` groups instead of all groups: exact, no host sync.
+
+    Order tiles by their best (score, lower group), i.e. by (tile max, lower tile). If a group ``x``
+    is among the ``k`` best groups, its tile is among the ``k`` best tiles: otherwise ``k`` tiles beat
+    it, and the best group of each beats ``x``, ``k`` groups ahead of ``x``. So the ``k`` best groups
+    of the ``k * tile`` groups of the best tiles are the ``k`` best of all. At long context that is a
+    small share of the groups (``G / tile`` tile maxima, then ``k * tile`` candidates).
+    """
+    n, groups = scores.shape
+    whole = groups // tile
+    maxima = scores[:, :whole * tile].unflatten(1, (whole, tile)).amax(dim=-1)
+    if groups % tile:  # a last, partial tile
+        maxima = torch.cat([maxima, scores[:, whole * tile:].amax(dim=-1, keepdim=True)], dim=1)
+    tiles = top_groups_packed(maxima, min(k, maxima.shape[1]))
+    candidates = (tiles[:, :, None] * tile + torch.arange(tile, device=scores.device)).flatten(1)
+    # Groups past the end (in a partial tile) score -inf under a higher index than every real group,
+    # so they lose to all of them; at least k real candidates exist.
+    picked = scores.gather(1, candidates.clamp_max(groups - 1))
+    picked = picked.masked_fill(candidates >= groups, float("-inf"))
+    return _unpack(_pack(picked, candidates).topk(k, dim=-1, sorted=True).values)
 
 
 def index_scores_torch(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
