@@ -36,6 +36,7 @@ import torch
 
 from .cache import QSAPagedCache
 
+
 # Longest verify step that gets graphs (one per length and bucket); longer ones run eagerly.
 MAX_STEP_LEN = 8
 
