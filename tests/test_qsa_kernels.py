@@ -295,11 +295,11 @@ def _main() -> int:
                     return 1
             want = qsa.index_scores_torch(*case)
             launches.clear()
-            qsa_triton.SCORES_BLOCK_G = block_g
+            default_block_g, qsa_triton.SCORES_BLOCK_G = qsa_triton.SCORES_BLOCK_G, block_g
             try:
                 have = qsa_triton.index_scores_triton(*case, block_m=block_m, group_splits=splits)
             finally:
-                qsa_triton.SCORES_BLOCK_G = 64
+                qsa_triton.SCORES_BLOCK_G = default_block_g
             tol = 1e-5 if dtype == torch.float32 else 1e-4
             label = (f"tiled scores case {i} {(num_heads, head_dim, ratio, dtype)} block_m={block_m} "
                      f"mixed={mixed_rows} splits={splits} block_g={block_g}")

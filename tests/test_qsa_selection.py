@@ -52,8 +52,9 @@ def test_top_groups_two_level_equals_the_packed_top_k(seed):
     groups = int(torch.randint(2, 400, (1,), generator=g))
     scores = torch.rand(7, groups, generator=g)
     scores[:3] = torch.randint(0, 3, (3, groups), generator=g).float()  # rows full of ties
-    scores[3, -1] = 5.0  # the best group alone in the last (maybe partial) tile
     visible = torch.randint(0, groups + 1, (7,), generator=g)
+    visible[3] = groups
+    scores[3, -1] = 5.0  # row 3: the best group alone in the last (maybe partial) tile
     scores[torch.arange(groups)[None, :] >= visible[:, None]] = float("-inf")
     k = int(torch.randint(1, groups + 1, (1,), generator=g))
     tile = int(torch.randint(1, 9, (1,), generator=g))
