@@ -22,22 +22,22 @@ def check(name: str, model, config, step_len: int) -> bool:
         model(ids, past_key_values=cache, logits_to_keep=1)
         runner = graphs_of(model, cache, torch.device("cuda", torch.cuda.current_device()))
         step = torch.randint(2, 1000, (2, step_len), device="cuda")
-        prev, counts = cache.accept_step(2, step_len, None)
-        entry = runner._new_bucket(2, step_len, {})
-        runner._fill(entry, prev, counts, step, None)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            runner._body(entry)  # eager first: compiles the kernels
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                runner._body(entry)
-        except Exception:
-            print(f"{name} step of {step_len}: capture FAILED")
-            traceback.print_exc()
-            return False
+        with cache.transaction(2, step_len, None) as (prev, counts):
+            entry = runner._new_bucket(2, step_len, {})
+            runner._fill(entry, prev, counts, step, None)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                runner._body(entry)  # eager first: compiles the kernels
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    runner._body(entry)
+            except Exception:
+                print(f"{name} step of {step_len}: capture FAILED")
+                traceback.print_exc()
+                return False
     print(f"{name} step of {step_len}: captured")
     return True
 

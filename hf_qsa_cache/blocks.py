@@ -154,8 +154,17 @@ class BlockTable:
         self.truncate(row, 0)
         self.base[row] = 0
 
-    def reorder(self, src: list[int]) -> tuple[list[int], list[int]]:
-        """Row ``i`` takes a copy of row ``src[i]``'s blocks (beam search).
+    def blocks_for_select(self, src: list[int], num_rows: int) -> int:
+        """Free blocks `select_rows(src, num_rows)` takes beyond those it gives back."""
+        moved = [i for i in range(len(src)) if src[i] != i]
+        dropped = range(len(src), num_rows)
+        taken = sum(self.row_blocks_in_use(src[i]) for i in moved)
+        returned = sum(self.row_blocks_in_use(i) for i in [*moved, *dropped])
+        return max(0, taken - returned)
+
+    def select_rows(self, src: list[int], num_rows: int) -> tuple[list[int], list[int]]:
+        """Row ``i`` takes a copy of row ``src[i]``'s blocks (beam search, repeat, select); rows
+        ``len(src) .. num_rows - 1`` give theirs back.
 
         Only rows that change are touched: their sources' blocks are read first (a source may itself
         be replaced), their own are freed, then each gets fresh blocks. Returns ``(old, new)``
@@ -164,7 +173,7 @@ class BlockTable:
         moved = [i for i in range(len(src)) if src[i] != i]
         plan = [(i, list(self.rows[src[i]]), self.base[src[i]]) for i in moved]
         old = [b for _, blocks, _ in plan for b in blocks if b != NULL_BLOCK]
-        for i, _, _ in plan:
+        for i in [*moved, *range(len(src), num_rows)]:
             self.release_row(i)
         new = []
         for i, blocks, base in plan:

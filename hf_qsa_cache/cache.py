@@ -10,13 +10,16 @@ Where each state lives:
   keeps each layer's state beside it).
 * ``self.lengths``: each row's logical length (real tokens, pads excluded).
 
-A forward starts with `begin_step`, which validates the input, reserves blocks and builds one
-`StepMetadata` that every layer reads (`step_metadata(device)`).
+A forward runs inside `step` (eager) or `transaction` (a CUDA-graph replay): validation first, then
+block reservation and one `StepMetadata` that every layer reads (`step_metadata(device)`); the step is
+a transaction (`hf_qsa_cache.transaction`): it lands whole or not at all.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache
@@ -24,12 +27,20 @@ from transformers.cache_utils import Cache
 from .blocks import NULL_BLOCK, BlockTable
 from .metadata import QSAGeometry, StepMetadata, build_step_metadata
 from .speculative import check_linear_rollback, restore_linear_states
+from .transaction import StepTransaction
 from .stores.linear_state import LinearAttentionState
 from .stores.paged_kv import PagedKV
 from .stores.qsa_index import QSAIndexStore, ring_capacity
+from .stores.token_log import TokenLog
 
 QWEN4_LAYER_TYPES = {"indexed_attention", "linear_attention"}
 INKLING_LAYER_TYPES = {"hybrid", "hybrid_sliding"}
+
+
+@dataclass
+class _Scope:
+    columns_before: int  # columns the cache held when the forward started
+    pending: StepTransaction | None = None  # the forward's last step, not landed yet
 
 
 class LayerState:
@@ -177,13 +188,17 @@ class QSAPagedCache(Cache):
         self.columns_seen = 0  # rectangular length (pads included) that generate() reasons in
         self._step: StepMetadata | None = None
         self._step_by_device: dict[torch.device, StepMetadata] = {}
-        self._undo: tuple | None = None  # host state before the step in flight
+        self._in_step = False  # a transaction is open (steps do not nest)
+        self._scope: _Scope | None = None  # the model forward in flight (`forward_scope`)
+        self.token_log = TokenLog(max_batch_size, max_cache_len)  # what each row holds (`check_continues`)
+        self.steps_committed = 0  # steps that landed, ever (runners notice steps they did not take)
         self._checked_model: tuple | None = None  # (config, dtype) last accepted by check_model
         self._unusable: str | None = None  # why the cache must be reset() before further use
-        # Stores that one step overwrites in place (recurrent state, the QSA ring) cannot be rolled back.
-        self._exact_rollback = all(
-            store.rollback_safe for layer in layers for store in layer.stores.values()
+        # Qwen4Exp with num_speculative_tokens: per-position state kept for crop (speculative.py)
+        self.keeps_rollback_history = any(
+            getattr(store, "history", 0) for layer in layers for store in layer.stores.values()
         )
+        self.graph_runners = weakref.WeakKeyDictionary()  # model -> its CUDA-graph runner (cuda_graphs.py)
         if self.device is not None and self.dtype is not None:
             for layer in self.layers:
                 for store in layer.stores.values():
@@ -285,6 +300,8 @@ class QSAPagedCache(Cache):
         """
         if self._unusable is not None:
             raise ValueError(self._unusable)
+        if query_len < 1 or batch_size < 1:
+            raise ValueError(f"a step needs at least one row and one token, got input of shape [{batch_size}, {query_len}]")
         if batch_size > self.max_batch_size:
             raise ValueError(f"batch of {batch_size} rows exceeds max_batch_size={self.max_batch_size}")
         if self.columns_seen > 0 and batch_size != self.num_rows:
@@ -339,7 +356,17 @@ class QSAPagedCache(Cache):
             if mine != other:
                 raise ValueError(f"the cache was built for {field}={mine!r}, the model has {field}={other!r}")
         held = self.dtype or self._allocated_dtype()
-        if held is not None and held != dtype:
+        if held is not None and held != dtype and self.dtype is None and self.columns_seen == 0:
+            # Built to follow the model, and empty (new or reset): follow it into its new dtype.
+            for layer in self.layers:
+                for store in layer.stores.values():
+                    store.deallocate()
+        elif held is not None and held != dtype:
+            if self.dtype is None:
+                raise ValueError(
+                    f"the cache holds state of a model that ran in dtype={held}, this one runs in dtype={dtype}: "
+                    f"call cache.reset() first (an empty cache built without device/dtype follows the model)"
+                )
             raise ValueError(
                 f"the cache holds state in dtype={held}, the model runs in dtype={dtype}: build the cache with "
                 f"dtype={dtype} (or without device/dtype, to follow the model)"
@@ -353,124 +380,147 @@ class QSAPagedCache(Cache):
                     return store.dtype
         return None
 
-    def begin_step(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None,
-                   device: torch.device) -> StepMetadata:
-        """Validate, reserve blocks and build this forward's metadata. Nothing changes on error.
+    @contextlib.contextmanager
+    def transaction(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None):
+        """``with cache.transaction(B, L, mask) as (prev, counts):`` one step, as a transaction.
 
-        The step stays open until `commit_step` (it landed) or `abort_step` (a layer raised); `step()`
-        pairs them.
+        Validates first (nothing changes on error), then reserves blocks, advances the lengths and copies
+        the in-place state of the step's rows aside. The step lands only if the block exits normally;
+        any exception (host code, metadata, a layer, a graph replay) takes every change back
+        (`hf_qsa_cache.transaction`). Yields each row's length before the step and its real tokens in it.
         """
-        prev, counts = self.accept_step(batch_size, query_len, attention_mask)
-        device = _canonical(device)
-        lengths = torch.tensor([prev, counts], dtype=torch.int32)  # one host-to-device copy per step
-        if device.type == "cuda":
-            lengths = lengths.to(device, non_blocking=True)
-        block_tables = {name: t.device_table(batch_size, device) for name, t in self.tables.items()}
-        block_sizes = {name: t.block_size for name, t in self.tables.items()}
-        meta = build_step_metadata(lengths[0], lengths[1], query_len, block_tables, block_sizes, self.qsa,
-                                   prev, counts)
-        self.set_step_metadata(meta, device)
-        return meta
-
-    def accept_step(self, batch_size: int, query_len: int,
-                    attention_mask: torch.Tensor | None) -> tuple[list[int], list[int]]:
-        """The host part of `begin_step`: validate, reserve blocks, advance the lengths, keep an undo
-        record. Returns each row's length before the step and its real tokens in it."""
+        if self._in_step:
+            raise RuntimeError("a step of this cache is already in flight (steps do not nest)")
+        if self._scope is not None and self._scope.pending is not None:
+            self._scope.pending.commit()  # the previous chunk of this forward lands first
+            self._scope.pending = None
         counts = self.check_step(batch_size, query_len, attention_mask)
         prev = self.lengths[:batch_size]
-        # ---- from here on the step is accepted
-        self._undo = (list(self.lengths), self.num_rows, self.columns_seen, query_len)
-        if self.columns_seen == 0:
-            self._reset_stores()  # rows start fresh: zero GDN/PLE state, EOS n-gram context
-        for table in self.tables.values():
-            table.begin_step(batch_size)
+        txn = StepTransaction(self, batch_size, query_len)
+        self._in_step = True
+        try:
+            if txn.started_empty:
+                self._reset_stores()  # rows start fresh: zero GDN/PLE state, EOS n-gram context
+            txn.save_rows()
+            for table in self.tables.values():
+                for b in range(batch_size):
+                    table.reserve(b, prev[b] + counts[b])
+            self.num_rows = batch_size
+            self.columns_seen += query_len
             for b in range(batch_size):
-                table.reserve(b, prev[b] + counts[b])
-        self.num_rows = batch_size
-        self.columns_seen += query_len
-        for b in range(batch_size):
-            self.lengths[b] = prev[b] + counts[b]
-        return prev, counts
+                self.lengths[b] = prev[b] + counts[b]
+            yield prev, counts
+        except BaseException:
+            self._in_step = False
+            txn.abort()
+            raise
+        self._in_step = False
+        if self._scope is not None:
+            self._scope.pending = txn  # lands when the model's whole forward returns
+        else:
+            txn.commit()
 
-    def graph_step_metadata(self, lengths: torch.Tensor, query_len: int) -> StepMetadata:
+    @contextlib.contextmanager
+    def step(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None, device: torch.device,
+             input_ids: torch.Tensor | None = None):
+        """``with cache.step(...) as meta:`` run one forward with this step's metadata; it lands only if
+        the block exits normally (`transaction`). ``input_ids`` (None for a forward from embeddings) are
+        logged for `check_continues`."""
+        with self.transaction(batch_size, query_len, attention_mask) as (prev, counts):
+            device = _canonical(device)
+            lengths = torch.tensor([prev, counts], dtype=torch.int32)  # one host-to-device copy per step
+            if device.type == "cuda":
+                lengths = lengths.to(device, non_blocking=True)
+            block_tables = {name: t.device_table(batch_size, device) for name, t in self.tables.items()}
+            block_sizes = {name: t.block_size for name, t in self.tables.items()}
+            meta = build_step_metadata(lengths[0], lengths[1], query_len, block_tables, block_sizes, self.qsa,
+                                       prev, counts)
+            self.set_step_metadata(meta, device)
+            self.log_tokens(meta, input_ids)
+            try:
+                yield meta
+            finally:
+                self.clear_step_metadata()
+
+    def graph_step_metadata(self, lengths: torch.Tensor, query_len: int,
+                            block_tables: dict[str, torch.Tensor] | None = None) -> StepMetadata:
         """Metadata of a step whose lengths (``[2, rows]``: before the step, real tokens) sit in a device
         buffer, so that the same launches serve every replay of a CUDA graph: no host copies of the
-        lengths, shapes sized for the cache's capacity."""
+        lengths, shapes sized for the cache's capacity. ``block_tables``: the device tables to read
+        (default: the persistent ones, brought up to date)."""
         rows = lengths.shape[1]
-        block_tables = {name: t.device_table(rows, lengths.device) for name, t in self.tables.items()}
+        if block_tables is None:
+            block_tables = {name: t.device_table(rows, lengths.device) for name, t in self.tables.items()}
         block_sizes = {name: t.block_size for name, t in self.tables.items()}
         meta = build_step_metadata(lengths[0], lengths[1], query_len, block_tables, block_sizes, self.qsa, None,
                                    None, max_seq_len=self.max_cache_len)
         self.set_step_metadata(meta, lengths.device)
         return meta
 
+    def log_tokens(self, meta: StepMetadata, input_ids: torch.Tensor | None) -> None:
+        self.token_log.write(meta.position, meta.token_row, input_ids)
+
+    def check_continues(self, input_ids: torch.Tensor) -> None:
+        """Raise, naming `reset()`, unless ``input_ids`` ``[B, W]`` (a new `generate()` call's whole
+        input) extends what the cache holds: the same rows, more columns, and the held tokens first.
+        transformers feeds a passed cache only the columns past what it holds, so anything else would
+        silently continue the old sequences. Once per `generate()` call (one host sync)."""
+        if self.columns_seen == 0:
+            return
+        rows, width = input_ids.shape[:2]
+        if rows != self.num_rows:
+            raise ValueError(f"the cache holds {self.num_rows} rows of an earlier call, this call has {rows}: "
+                             f"call cache.reset() before a new batch")
+        if width <= self.columns_seen:
+            raise ValueError(f"the cache holds {self.columns_seen} columns of an earlier call and input_ids has "
+                             f"{width}, so it does not continue them: call cache.reset() before a new prompt")
+        bad = self.token_log.mismatched_rows(input_ids, self.lengths[:rows], self.columns_seen)
+        if bad:
+            raise ValueError(f"row {bad[0]} of input_ids does not start with the tokens the cache holds for it: "
+                             f"call cache.reset() before a new prompt")
+
     def set_step_metadata(self, meta: StepMetadata, device: torch.device) -> None:
         self._step = meta
         self._step_by_device = {_canonical(device): meta}
 
-    def commit_step(self) -> None:
-        """The forward finished: free blocks that fell out of the windows, forget the undo record."""
-        new_lengths = self.lengths[: self.num_rows]
-        for table in self.tables.values():
-            table.commit_step(new_lengths)
-        self._undo = None
-
-    def abort_step(self) -> None:
-        """A layer raised: return to the state before `begin_step`.
-
-        Host state (lengths, block tables, free lists) is restored exactly. Paged stores only gained
-        entries past the restored lengths, which nothing reads. Stores overwritten in place (recurrent
-        state, the QSA ring): a cache that started the step empty is reset (exact); a Qwen4Exp cache
-        whose rollback history covers the step (``query_len <= num_speculative_tokens``) takes back the
-        state after each row's last position, as `crop` does (exact: the step's ring writes cannot reach
-        it); any other is marked unusable until `reset()`.
-        """
-        if self._undo is None:
-            return
-        self.lengths, self.num_rows, self.columns_seen, query_len = self._undo
-        started_empty = self.columns_seen == 0
-        self._undo = None
-        for table in self.tables.values():
-            table.rollback_step()
+    def clear_step_metadata(self) -> None:
         self._step = None
         self._step_by_device = {}
-        if started_empty:
-            self.reset()
-        elif not self._exact_rollback and query_len <= self.num_speculative_tokens:
-            restore_linear_states(self, self.lengths[: self.num_rows])
-        elif not self._exact_rollback:
-            self._mark_unusable("a forward failed after it overwrote per-row state in place (recurrent state, "
-                                "QSA ring)")
 
-    def _mark_unusable(self, why: str) -> None:
+    def mark_unusable(self, why: str) -> None:
+        """Refuse every further step until `reset()` (the state could not be taken back)."""
         self._unusable = f"{why}; the cache cannot return to its state before that forward: call cache.reset()"
 
     @contextlib.contextmanager
-    def step(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None, device: torch.device):
-        """``with cache.step(...) as meta:`` run one forward; it lands only if the block exits normally."""
-        meta = self.begin_step(batch_size, query_len, attention_mask, device)
-        try:
-            yield meta
-        except BaseException:
-            self.abort_step()
-            raise
-        self.commit_step()
+    def forward_scope(self):
+        """``with cache.forward_scope():`` one call of a model's forward (its steps, the LM head, the
+        loss): the steps it runs land only if the whole call returns.
 
-    @contextlib.contextmanager
-    def chunked_forward(self):
-        """Several steps (the chunks of one long prompt, validated whole beforehand) as one forward:
-        if a chunk fails after earlier chunks landed, a cache that started empty is reset, any other
-        is marked unusable (the earlier chunks cannot be taken back)."""
-        columns_before = self.columns_seen
+        A step ends pending inside a scope; the next step of the same call (a chunk of a long prompt)
+        commits it first, and the scope commits the last one when the call returns. If the call
+        raises, the pending step is taken back; if earlier chunks of the call had landed, a cache that
+        was empty before the call is reset, any other refuses further steps until `reset()` (landed
+        chunks cannot be taken back). Scopes nest: only the outermost one counts.
+        """
+        if self._scope is not None:
+            yield
+            return
+        scope = self._scope = _Scope(columns_before=self.columns_seen)
         try:
             yield
         except BaseException:
-            if self.columns_seen != columns_before:  # some chunk landed
-                if columns_before == 0:
+            self._scope = None
+            if scope.pending is not None:
+                scope.pending.abort()
+            if self.columns_seen != scope.columns_before:  # earlier steps of this call landed
+                if scope.columns_before == 0:
                     self.reset()
                 else:
-                    self._mark_unusable("a chunked forward failed after some of its chunks landed")
+                    self.mark_unusable("a forward failed after some of its chunks landed")
             raise
+        self._scope = None
+        if scope.pending is not None:
+            scope.pending.commit()
 
     def _reset_stores(self) -> None:
         for layer in self.layers:
@@ -481,7 +531,7 @@ class QSAPagedCache(Cache):
     def step_metadata(self, device: torch.device) -> StepMetadata:
         """This forward's metadata on ``device`` (copied once per device, for split models)."""
         if self._step is None:
-            raise RuntimeError("no step in progress: the model must call cache.begin_step() first")
+            raise RuntimeError("no step in progress: the model must run inside cache.step()")
         device = _canonical(device)
         meta = self._step_by_device.get(device)
         if meta is None:
@@ -532,6 +582,33 @@ class QSAPagedCache(Cache):
             "need a DynamicCache"
         )
 
+    # transformers' own models read and write dense per-layer state through these; ours go through the stores.
+    update_conv_state = update_recurrent_state = update_indexer = update
+    get_conv_state = get_recurrent_state = update
+
+    def early_initialization(self, *args, **kwargs):
+        raise NotImplementedError("QSAPagedCache allocates up front when built with device= and dtype=")
+
+    def offload(self, *args, **kwargs):
+        raise NotImplementedError("QSAPagedCache keeps each layer's state on that layer's device (no offloading)")
+
+    prefetch = offload
+
+    def activate_past_recording(self) -> None:
+        """Nothing to switch on: rollback history is sized at construction (``num_speculative_tokens``), and
+        generate() checks it before assisted decoding starts."""
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return self.columns_seen > 0
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [layer.layer_type == "linear_attention" for layer in self.layers]
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * len(self.layers)
+
     def reset(self) -> None:
         for table in self.tables.values():
             table.reset()
@@ -539,37 +616,74 @@ class QSAPagedCache(Cache):
         self._crop_floor = [0] * self.max_batch_size
         self.num_rows = 0
         self.columns_seen = 0
-        self._step = None
-        self._step_by_device = {}
-        self._undo = None
+        self.clear_step_metadata()
+        self._in_step = False
+        self._scope = None
+        self.token_log.reset()
         self._unusable = None
+        self.steps_committed += 1  # a runner's next step re-validates
         self._reset_stores()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` becomes a copy of row ``beam_idx[i]`` (beam search)."""
         src = [int(i) for i in beam_idx.tolist()]
-        n = len(src)
-        if n != self.num_rows:
-            raise ValueError(f"beam_idx has {n} entries, the cache holds {self.num_rows} rows")
-        if any(not 0 <= s < n for s in src):
-            raise ValueError(f"beam_idx entries must lie in [0, {n}), got {src}")
+        if len(src) != self.num_rows:
+            raise ValueError(f"beam_idx has {len(src)} entries, the cache holds {self.num_rows} rows")
+        self.select_rows(src)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row becomes ``repeats`` consecutive copies of itself (as transformers' caches do)."""
+        _check_int("repeats", repeats, 1)
+        self.select_rows([b for b in range(self.num_rows) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows ``indices`` (in that order); the others give their blocks back."""
+        self.select_rows([int(i) for i in torch.as_tensor(indices).flatten().tolist()])
+
+    def select_rows(self, src: list[int]) -> None:
+        """Row ``i`` becomes a copy of row ``src[i]``; rows past ``len(src)`` are released.
+
+        Everything is checked first (row indices, ``max_batch_size``, free blocks for the copies), and the
+        device data is gathered before anything is written, so a refusal changes nothing.
+        """
+        if self._in_step:
+            raise RuntimeError("cannot move rows while a step is in flight")
+        if self._unusable is not None:
+            raise ValueError(self._unusable)
+        n, held = len(src), self.num_rows
+        if not 1 <= n <= self.max_batch_size:
+            raise ValueError(f"the cache can hold 1 to max_batch_size={self.max_batch_size} rows, asked for {n}")
+        if any(not 0 <= s < held for s in src):
+            raise ValueError(f"row indices must lie in [0, {held}) (rows the cache holds), got {src}")
         for name, table in self.tables.items():
-            old, new = table.reorder(src)  # only rows that take another row's history change
-            if not new:
-                continue
-            for layer in self.layers:
-                for store in layer.stores.values():
-                    if store.table == name and store.allocated:
-                        for t in store.paged_tensors():
-                            data = t.index_select(0, torch.tensor(old, dtype=torch.long, device=t.device))
-                            t.index_copy_(0, torch.tensor(new, dtype=torch.long, device=t.device), data)
-        for layer in self.layers:
-            for store in layer.stores.values():
-                for t in store.row_tensors():
-                    idx = torch.tensor(src, dtype=torch.long, device=t.device)
-                    t[:n] = t.index_select(0, idx)
-        self.lengths[:n] = [self.lengths[s] for s in src]
-        self._crop_floor[:n] = [self._crop_floor[s] for s in src]
+            need, have = table.blocks_for_select(src, held), len(table.free)
+            if need > have:
+                raise ValueError(f"{name} block pool: copying rows needs {need} more free blocks of "
+                                 f"{table.block_size} tokens, {have} are free (num_blocks={table.num_blocks})")
+        gathered = []  # (row tensor, its new rows): read everything before the first write
+        for store in [*(s for layer in self.layers for s in layer.stores.values()), self.token_log]:
+            for t in store.row_tensors():
+                idx = torch.tensor(src, dtype=torch.long, device=t.device)
+                gathered.append((t, t.index_select(0, idx)))
+        plans = {name: table.select_rows(src, held) for name, table in self.tables.items()}
+        self.lengths = [self.lengths[s] for s in src] + [0] * (self.max_batch_size - n)
+        self._crop_floor = [self._crop_floor[s] for s in src] + [0] * (self.max_batch_size - n)
+        self.num_rows = n
+        try:
+            for name, (old, new) in plans.items():
+                if not new:
+                    continue
+                for layer in self.layers:
+                    for store in layer.stores.values():
+                        if store.table == name and store.allocated:
+                            for t in store.paged_tensors():
+                                data = t.index_select(0, torch.tensor(old, dtype=torch.long, device=t.device))
+                                t.index_copy_(0, torch.tensor(new, dtype=torch.long, device=t.device), data)
+            for t, data in gathered:
+                t[:n] = data
+        except BaseException as error:
+            self.mark_unusable(f"copying rows failed half way ({type(error).__name__}: {error})")
+            raise
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens of every row (transformers 5.23: the argument is <= 0,

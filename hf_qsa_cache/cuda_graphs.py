@@ -12,7 +12,7 @@ Everything the step reads lives in static device buffers updated in place before
 * the cache's persistent block tables (`BlockTable.device_table` writes only changed entries);
 * the stores themselves (paged K/V, rings, per-row state), whose addresses never change.
 
-The host part of a step is the cache's usual validation and block reservation (``accept_step``):
+The host part of a step is the cache's usual validation and block reservation (``transaction``):
 work per row, no device sync for decode (a verify step reads its mask once). Shapes that would grow with context are sized for the cache's
 capacity (`QSAPagedCache.graph_step_metadata`), so one graph serves a whole generation.
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import traceback
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,12 +65,23 @@ class DecodeGraphs:
     """
 
     def __init__(self, model, cache: QSAPagedCache, device: torch.device, record: bool = True):
-        self.model = model
+        # Held weakly: the cache keeps runners per model, and must not keep a deleted model alive.
+        self._model = weakref.ref(model)
         self.cache = cache
         self.device = torch.device(device)
         self.record = record
-        self.pool = torch.cuda.graph_pool_handle() if record else None
+        self.pool = torch.cuda.graph_pool_handle() if record and self.device.type == "cuda" else None
         self.buckets: dict[tuple[int, int], _Bucket] = {}  # (rows bucket, step length) -> buffers, graph
+        self.model_state = model_fingerprint(model)  # what the recorded graphs read (checked at replay)
+        self.probe = _probe(model)  # the cheap part of that check, done every step
+        self.steps_seen = -1  # cache.steps_committed after this runner's last step
+
+    @property
+    def model(self):
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the model of these CUDA graphs was deleted")
+        return model
 
     def bucket(self, rows: int) -> int:
         """Powers of two up to the cache's row count: few graphs, little padding."""
@@ -81,9 +93,10 @@ class DecodeGraphs:
         cache = self.cache
         rows, length = input_ids.shape
         size = self.bucket(rows)
-        cache.check_model(self.model.config, self.model.dtype)
-        prev, counts = cache.accept_step(rows, length, attention_mask)
-        try:
+        model = self.model
+        cache.check_model(model.config, model.dtype)
+        self._forget_stale_graphs(model)
+        with cache.transaction(rows, length, attention_mask) as (prev, counts):
             # Changed table entries land before the step reads them; a table that moved (another
             # device) invalidates the graphs recorded against its old address.
             ptrs = {n: t.device_table(size, self.device).data_ptr() for n, t in cache.tables.items()}
@@ -94,18 +107,34 @@ class DecodeGraphs:
             if entry is None:
                 entry = self.buckets[(size, length)] = self._new_bucket(size, length, ptrs)
             self._fill(entry, prev, counts, input_ids, position_ids)
-            if entry.graph is not None:
-                entry.graph.replay()
-                logits = entry.logits[:rows].clone()
-            elif self.record and not entry.eager:
-                logits = self._run_and_capture(entry)[:rows].clone()
-            else:
-                logits = self._body(entry)[:rows].clone()
-        except BaseException:
-            cache.abort_step()
-            raise
-        cache.commit_step()
+            try:
+                if entry.graph is not None:
+                    entry.graph.replay()
+                    logits = entry.logits[:rows].clone()
+                elif self.record and not entry.eager:
+                    logits = self._run_and_capture(entry)[:rows].clone()
+                else:
+                    logits = self._body(entry)[:rows].clone()
+            finally:
+                cache.clear_step_metadata()
+        self.steps_seen = cache.steps_committed
         return logits
+
+    def _forget_stale_graphs(self, model) -> None:
+        """Drop the graphs if the weights they read moved or the model gained or lost hooks.
+
+        Every step compares a cheap probe (`_probe`); the first step after any step this runner did not
+        take (a prefill, another generate() call, a reset) compares every weight, buffer and hook count
+        (a full walk costs about a millisecond at the released depths, too much for every decode step),
+        so a hook added deep inside a block between two graphed steps is seen at the next such step.
+        """
+        probe = _probe(model)
+        if probe == self.probe and self.steps_seen == self.cache.steps_committed:
+            return
+        state = model_fingerprint(model)
+        if probe != self.probe or state != self.model_state:
+            self.buckets.clear()
+        self.probe, self.model_state = probe, state
 
     # ------------------------------------------------------------------ internals
     def _new_bucket(self, size: int, length: int, ptrs: dict[str, int]) -> _Bucket:
@@ -126,12 +155,13 @@ class DecodeGraphs:
             if position_ids is None:  # rows have started, so a step has no pads: positions follow the length
                 steps = torch.tensor(prev, dtype=torch.int64)[:, None] + torch.arange(length)
                 entry.positions[:, :rows] = steps.to(self.device, non_blocking=True)
-            else:
-                entry.positions[:, :rows].copy_(position_ids.reshape(-1, rows, length)[-3:].expand(3, rows, length))
+            else:  # the step's columns of what the caller passed, as the eager forward reads them
+                entry.positions[:, :rows].copy_(self.model.step_positions(position_ids, rows, length))
 
-    def _body(self, entry: _Bucket) -> torch.Tensor:
+    def _body(self, entry: _Bucket, tables: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The step as a graph records it: metadata from the static buffers, then every layer."""
-        meta = self.cache.graph_step_metadata(entry.lengths, entry.ids.shape[1])
+        meta = self.cache.graph_step_metadata(entry.lengths, entry.ids.shape[1], tables)
+        self.cache.log_tokens(meta, entry.ids)
         return self.model._decode_logits(entry.ids, entry.positions, meta, self.cache)
 
     def _run_and_capture(self, entry: _Bucket) -> torch.Tensor:
@@ -181,19 +211,56 @@ def decode_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: boo
 
 
 def graphs_of(model, cache: QSAPagedCache, device, record: bool = True) -> DecodeGraphs:
-    """The `DecodeGraphs` of this (model, cache) pair, kept on the cache."""
-    graphs = cache.__dict__.setdefault("_decode_graphs", {})
-    runner = graphs.get(id(model))
-    if runner is None or runner.model is not model or runner.record != record:
-        runner = graphs[id(model)] = DecodeGraphs(model, cache, device, record)
+    """The `DecodeGraphs` of this (model, cache) pair, kept on the cache while the model lives."""
+    runner = cache.graph_runners.get(model)
+    if runner is None or runner.record != record:
+        runner = cache.graph_runners[model] = DecodeGraphs(model, cache, device, record)
     return runner
 
 
+# Parameters or buffers registered anywhere since import (a replaced weight, an added adapter). Module
+# registrations are not counted: slicing an nn.ModuleList registers its modules anew on every forward.
+_registrations = [0]
+
+
+def _count_registration(*args) -> None:
+    _registrations[0] += 1
+
+
+for _register in (torch.nn.modules.module.register_module_parameter_registration_hook,
+                  torch.nn.modules.module.register_module_buffer_registration_hook):
+    _register(_count_registration)
+
+
+def _probe(model) -> tuple:
+    """The cheap per-step part of `model_fingerprint`: registrations anywhere, the first and last weight's
+    address, and the hooks of the model and of its blocks (members of a ModuleList: the decoder layers)."""
+    cached = model.__dict__.get("_graph_probe")
+    if cached is None:
+        params = list(model.parameters())
+        blocks = [model] + [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
+        cached = model.__dict__["_graph_probe"] = ((params[0], params[-1]), blocks)
+    params, blocks = cached
+    return (_registrations[0], *(p.data_ptr() for p in params),
+            sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in blocks))
+
+
+def model_fingerprint(model) -> tuple:
+    """Where every weight and buffer lives, and how many hooks the modules carry: a recorded graph reads
+    the first and bypasses the second, so it is valid only while both stay as they were at capture."""
+    modules = list(model.modules())
+    return (
+        tuple(t.data_ptr() for m in modules for t in (*m._parameters.values(), *m._buffers.values())
+              if t is not None),
+        tuple(len(m._forward_hooks) + len(m._forward_pre_hooks) + hasattr(m, "_hf_hook") for m in modules),
+    )
+
+
 def _single_cuda_device(model) -> torch.device | None:
-    """The one CUDA device holding all of ``model`` (checked once per model), else None."""
-    first = next(model.parameters())
-    if "_graph_device" not in model.__dict__ or model.__dict__["_graph_checked_on"] != first.device:
-        model.__dict__["_graph_checked_on"] = first.device
+    """The one CUDA device holding all of ``model`` (checked again when its weights move), else None."""
+    probe = _probe(model)
+    if model.__dict__.get("_graph_checked_on") != probe:
+        model.__dict__["_graph_checked_on"] = probe
         devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
         hooked = any(hasattr(m, "_hf_hook") for m in model.modules())
         one = len(devices) == 1 and next(iter(devices)).type == "cuda" and not hooked

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 
+import torch
 from transformers.generation.configuration_utils import GenerationMode
 
 from .cache import QSAPagedCache
@@ -17,10 +20,36 @@ FORWARD_CACHE_HEADROOM = 256
 _warned_cache_implementation: list[str] = []  # the warning below is said once per process
 
 
+def check_token_ids(input_ids, vocab_size: int) -> None:
+    """Refuse token ids outside the vocabulary before anything runs (one host sync: done for prompts and
+    multi-token steps, not for single-token decode steps, whose tokens come from the model's own logits)."""
+    if input_ids is None or input_ids.numel() == 0 or input_ids.shape[-1] == 1:
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"token ids must lie in [0, {vocab_size}) (vocab_size), got {high if high >= vocab_size else low}")
+
+
 def cache_for_bare_forward(config, batch_size: int, length: int, use_cache) -> QSAPagedCache:
     """The cache a forward builds when none is passed: the models always run on paged state."""
     headroom = FORWARD_CACHE_HEADROOM if use_cache is not False else 0
     return QSAPagedCache(config, max_batch_size=batch_size, max_cache_len=max(length, 1) + headroom)
+
+
+def lands_whole(forward):
+    """Decorator for a model's ``forward``: the cache steps it runs land only if the whole call returns
+    (head, loss and outputs included), and are taken back if it raises (`QSAPagedCache.forward_scope`)."""
+    position = list(inspect.signature(forward).parameters).index("past_key_values")
+
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        cache = kwargs.get("past_key_values", args[position] if len(args) > position else None)
+        if not isinstance(cache, QSAPagedCache):
+            return forward(*args, **kwargs)
+        with cache.forward_scope():
+            return forward(*args, **kwargs)
+
+    return wrapper
 
 
 class PagedCacheGenerationMixin:
@@ -30,6 +59,15 @@ class PagedCacheGenerationMixin:
     # Prompts longer than this many tokens (summed over the batch) run as exact chunked prefill when
     # only the last logits are wanted: the cache makes chunks exact, and activation memory stays bounded.
     prefill_chunk_tokens = 16384
+
+    def generate(self, inputs=None, *args, **kwargs):
+        # A passed cache that holds rows must be continued by this call's input (checked once per call).
+        cache = kwargs.get("past_key_values")
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if isinstance(cache, QSAPagedCache) and isinstance(ids, torch.Tensor) and ids.dim() == 2 \
+                and not ids.is_floating_point():
+            cache.check_continues(ids)
+        return super().generate(inputs, *args, **kwargs)
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
@@ -122,7 +160,7 @@ class PagedCacheGenerationMixin:
         past = attention_mask.shape[1] - L if attention_mask is not None else 0
         # Chunks end at L, L - chunk, ...: the last one is whole, so it holds the logits to keep.
         ends = list(range(L, 0, -chunk))[::-1]
-        with past_key_values.chunked_forward():
+        with past_key_values.forward_scope():  # a failed chunk takes the call back (or asks for reset())
             for start, end in zip([0] + ends[:-1], ends):
 
                 def cols(x, dim=-1):

@@ -5,7 +5,7 @@ state dict or checkpoint loads unchanged. Modules whose forward never touches th
 RMSNorm, embeddings, the relative-logits parameter) are imported from transformers; the short
 convolutions and the attention are ours and read/write the paged stores by logical position:
 
-* every forward starts with ``cache.begin_step`` (validation, block reservation, one metadata);
+* every forward runs inside ``cache.step`` (validation, block reservation, one metadata; a transaction);
 * each short conv reads its taps from this forward's input or the paged conv store
   (`hf_qsa_cache.ops.sconv`), then stores its input;
 * attention gathers the row's cached keys (all of them on full layers, the window on sliding
@@ -36,7 +36,9 @@ from transformers.models.inkling.modeling_inkling import (
 
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.cuda_graphs import decode_graphs_for
-from hf_qsa_cache.generation import PagedCacheGenerationMixin, cache_for_bare_forward
+from hf_qsa_cache.generation import (
+    PagedCacheGenerationMixin, cache_for_bare_forward, check_token_ids, lands_whole,
+)
 from hf_qsa_cache.metadata import StepMetadata
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention
 from hf_qsa_cache.ops.sconv import short_conv
@@ -188,6 +190,7 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @lands_whole
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -212,6 +215,7 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         if output_hidden_states is None:
             output_hidden_states = getattr(self.config, "output_hidden_states", False)
         if inputs_embeds is None:
+            check_token_ids(input_ids, self.config.vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
         B, L = inputs_embeds.shape[:2]
 
@@ -221,7 +225,7 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         cache.check_model(self.config, inputs_embeds.dtype)
 
         all_hidden = [] if output_hidden_states else None
-        with cache.step(B, L, attention_mask, inputs_embeds.device):
+        with cache.step(B, L, attention_mask, inputs_embeds.device, input_ids):
             hidden_states = self.run_layers(inputs_embeds, cache, all_hidden)
         if output_hidden_states:  # as upstream: the last entry is the final-normed state (MTP drafts from it)
             all_hidden = tuple(all_hidden[:-1]) + (hidden_states,)
@@ -258,6 +262,7 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, PagedCacheGenerationMixin,
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @lands_whole
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

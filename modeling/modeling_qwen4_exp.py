@@ -29,7 +29,9 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.cuda_graphs import decode_graphs_for
-from hf_qsa_cache.generation import PagedCacheGenerationMixin, cache_for_bare_forward
+from hf_qsa_cache.generation import (
+    PagedCacheGenerationMixin, cache_for_bare_forward, check_token_ids, lands_whole,
+)
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention
 from hf_qsa_cache.speculative import gated_delta_keeping_states, step_history
 
@@ -237,6 +239,13 @@ def _positions3(position_ids, meta, B: int, L: int) -> torch.Tensor:
     """RoPE positions ``[3, B, L]`` (T, H, W). Defaults to each row's logical positions."""
     if position_ids is None:
         return meta.position.clamp_min(0).view(1, B, L).expand(3, B, L)
+    return step_position_ids(position_ids, B, L)
+
+
+def step_position_ids(position_ids: torch.Tensor, B: int, L: int) -> torch.Tensor:
+    """The ``[3, B, L]`` positions of this step's ``L`` columns from what a caller passed: ``[B, T]``
+    (text positions, ``T >= L``: the whole sequence's are fine) or ``[3 | 4, B, T]`` (MRoPE, with or
+    without the text row)."""
     if position_ids.dim() == 2:
         return position_ids.view(1, B, -1)[..., -L:].expand(3, B, L)
     if position_ids.shape[0] == 4:  # text row + three MRoPE rows
@@ -265,12 +274,14 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @lands_whole
     @capture_outputs
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, ple_input_ids=None, **kwargs) -> MoeModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
+            check_token_ids(input_ids, self.config.vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
         B, L = inputs_embeds.shape[:2]
         if self.config.ple_layer_ids and ple_input_ids is None:
@@ -283,7 +294,7 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         elif not isinstance(cache, QSAPagedCache):
             raise ValueError(f"past_key_values must be a QSAPagedCache, got {type(cache).__name__}")
         cache.check_model(self.config, inputs_embeds.dtype)
-        with cache.step(B, L, attention_mask, inputs_embeds.device) as meta:
+        with cache.step(B, L, attention_mask, inputs_embeds.device, input_ids) as meta:
             hidden_states = self.run_layers(inputs_embeds, ple_input_ids, position_ids, meta, cache)
         return MoeModelOutputWithPast(
             last_hidden_state=hidden_states, past_key_values=cache if use_cache is not False else None
@@ -316,6 +327,7 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, PagedCacheGenerationMixin, Ge
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @lands_whole
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None,
                 output_hidden_states=None, logits_to_keep=0, **kwargs):
@@ -355,6 +367,7 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, PagedCacheGenerationMixin, Ge
         )
 
     _decode_uses_position_ids = True  # the CUDA-graph decode step keeps a position buffer
+    step_positions = staticmethod(step_position_ids)  # what it writes there from a caller's position_ids
 
     def _decode_logits(self, input_ids, position_ids, meta, cache: QSAPagedCache) -> torch.Tensor:
         """Logits of a step whose metadata is built (what a captured decode graph runs)."""

@@ -2,8 +2,8 @@
 
 * every constructor argument is validated;
 * a model the cache does not fit is refused before any state changes, naming the field and both values;
-* a forward that raises leaves the cache as it was before the step (or reset / marked unusable, when
-  state was overwritten in place), so the next generate() equals one on a fresh cache;
+* a forward that raises leaves the cache as it was before the step (test_fault_injection.py injects a
+  fault at every torch call), so the next generate() equals one on a fresh cache;
 * generate() refuses what cannot fit before its prefill, and rows without a real token;
 * a `cache_implementation` from the generation config does not break generate();
 * Qwen4Exp returns hidden states and router logits as upstream does.
@@ -114,13 +114,42 @@ def test_cache_dtype_other_than_the_model_is_refused(qwen, ink, family):
     with pytest.raises(ValueError, match=r"holds state in dtype=torch.bfloat16, the model runs in dtype=torch.float32"):
         model(ids, attention_mask=mask, past_key_values=cache)
     assert cache.columns_seen == 0
-    # A cache that followed an fp32 model refuses a bf16 copy of it, too.
+    # A cache that followed an fp32 model refuses a bf16 copy of it while it holds rows, naming reset();
+    # once reset (empty), it follows the new dtype like a new cache.
     lazy = QSAPagedCache(model.config, 3, 64)
     model(ids, attention_mask=mask, past_key_values=lazy)
-    lazy.reset()
     half = type(model)(model.config).to(torch.bfloat16).eval()
-    with pytest.raises(ValueError, match="holds state in dtype=torch.float32, the model runs in dtype=torch.bfloat16"):
+    half.load_state_dict(model.state_dict())
+    with pytest.raises(ValueError, match=r"ran in dtype=torch.float32, this one runs in dtype=torch.bfloat16: "
+                                         r"call cache.reset\(\) first"):
         half(ids, attention_mask=mask, past_key_values=lazy)
+    lazy.reset()
+    with torch.no_grad():
+        got = half(ids, attention_mask=mask, past_key_values=lazy).logits
+        want = half(ids, attention_mask=mask, past_key_values=QSAPagedCache(model.config, 3, 64)).logits
+    assert lazy.memory_stats()["total_bytes"] > 0 and lazy._allocated_dtype() == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_bad_input_gets_a_clear_error_before_any_change(qwen, ink, family):
+    model = _model(family, qwen, ink)
+    ids, mask = _batch(family)
+    cache = QSAPagedCache(model.config, 3, 64)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+    before = _host_state(cache)
+    with pytest.raises(ValueError, match=r"at least one row and one token, got input of shape \[3, 0\]"):
+        model(ids[:, :0], past_key_values=cache)
+    vocab = model.config.vocab_size
+    bad = ids[:, -2:].clone()
+    bad[1, 0] = vocab
+    with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {vocab}\) \(vocab_size\), got {vocab}"):
+        model(bad, past_key_values=cache)
+    assert _host_state(cache) == before
+    # A fresh cache and no mask: the empty prompt is refused too (not a reshape error deep in the model).
+    with pytest.raises(ValueError, match="at least one row and one token"):
+        model(ids[:, :0])
 
 
 # ----------------------------------------------------------------------------- a failing forward
@@ -221,25 +250,12 @@ def test_inkling_decode_failure_is_rolled_back_exactly(ink, monkeypatch):
                                   steps=5, failing=model.model.layers[3], monkeypatch=monkeypatch)
 
 
-def test_qwen4_decode_failure_marks_the_cache_for_reset(qwen, monkeypatch):
-    """Recurrent state is overwritten in place: the cache cannot go back, and says so until reset()."""
+def test_qwen4_decode_failure_without_rollback_history_is_undone_exactly(qwen, monkeypatch):
+    """Recurrent state and the QSA ring are overwritten in place: the step copies its rows aside first."""
     _, model = qwen
     ids, mask = _batch("qwen4_exp")
-    cache = QSAPagedCache(model.config, 3, 64, block_size=4)
-    nxt, step_mask = _prefill_and_decode(model, cache, ids, mask, steps=2)
-    with monkeypatch.context() as m:
-        _fail_on_call(m, model.model.layers[-1], 1)
-        with pytest.raises(_Boom), torch.no_grad():
-            model(nxt, attention_mask=step_mask, past_key_values=cache)
-    with pytest.raises(ValueError, match=r"call cache.reset\(\)"):
-        model(nxt, attention_mask=step_mask, past_key_values=cache)
-    with pytest.raises(ValueError, match=r"call cache.reset\(\)"):
-        _generate(model, ids, mask, cache)
-    cache.reset()
-    expected = _generate(model, ids, mask, QSAPagedCache(model.config, 3, 64, block_size=4))
-    tokens, logits = _generate(model, ids, mask, cache)
-    assert tokens.tolist() == expected[0].tolist()
-    torch.testing.assert_close(logits, expected[1], atol=1e-6, rtol=0)
+    _assert_failed_step_is_undone(model, lambda: QSAPagedCache(model.config, 3, 64, block_size=4), ids, mask,
+                                  steps=2, failing=model.model.layers[-1], monkeypatch=monkeypatch)
 
 
 @pytest.mark.parametrize("layer", [0, 1, 2])  # PLE + GatedDeltaNet, QSA, GatedDeltaNet

@@ -66,9 +66,6 @@ class InklingConvStore:
         self.head_width = sum(self.widths)
         self.state: torch.Tensor | None = None  # [num_blocks, K, H, D], model dtype
 
-    # paged by position, like K/V: a rolled-back step leaves nothing that is read
-    rollback_safe = True
-
     @property
     def allocated(self) -> bool:
         return self.state is not None
@@ -81,6 +78,9 @@ class InklingConvStore:
         shape = (self.num_blocks, self.kernel_size, self.num_heads, self.head_width)
         self.state = torch.zeros(shape, device=device, dtype=dtype)
 
+    def deallocate(self) -> None:
+        self.state = None
+
     def stream(self, idx: int) -> torch.Tensor:
         """``[num_blocks * K, H, width]`` view of one stream; row ``s`` is slot ``s``."""
         flat = self.state.view(-1, self.num_heads, self.head_width)
@@ -92,6 +92,9 @@ class InklingConvStore:
 
     def row_tensors(self) -> list[torch.Tensor]:
         return []
+
+    def inplace_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return []  # paged by position: a step writes only past its rows' lengths
 
     def reset(self) -> None:
         pass  # taps are read only for positions a row wrote; the tables decide what is live

@@ -35,9 +35,8 @@ class LinearAttentionState:
         # Rollback rings, ``[(max_rows + 1) * history, *state]``: slot ``row * history + pos % history``
         # holds the state after position ``pos`` (`record`, `restore`).
         self.rings: dict[str, torch.Tensor] = {}
-
-    # overwritten in place every step
-    rollback_safe = False
+        # Copies of the live state, taken before a step writes (`hf_qsa_cache.transaction`).
+        self.saved: dict[str, torch.Tensor] = {}
 
     @property
     def allocated(self) -> bool:
@@ -58,6 +57,11 @@ class LinearAttentionState:
             slots = (self.max_rows + 1) * self.history
             self.rings = {name: torch.zeros((slots, *live.shape[1:]), device=device, dtype=live.dtype)
                           for name, live in self._live().items()}
+        self.saved = {name: torch.empty_like(live) for name, live in self._live().items()}
+
+    def deallocate(self) -> None:
+        self.conv = self.recurrent = self.ple_conv = self.ngram_ids = None
+        self.rings, self.saved = {}, {}
 
     def _live(self) -> dict[str, torch.Tensor]:
         named = {"conv": self.conv, "recurrent": self.recurrent, "ple_conv": self.ple_conv, "ngram_ids": self.ngram_ids}
@@ -120,6 +124,10 @@ class LinearAttentionState:
             for name, live in self._live().items():
                 live.index_copy_(0, dst, self.rings[name].index_select(0, src))
 
+    def inplace_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(live, saved)`` pairs, row-major: the state a step overwrites in place, and its copy."""
+        return [(live, self.saved[name]) for name, live in self._live().items()]
+
     def paged_tensors(self) -> list[torch.Tensor]:
         return []
 
@@ -152,4 +160,5 @@ class LinearAttentionState:
             "ple_conv": size(self.ple_conv),
             "ple_ngram": size(self.ngram_ids),
             "rollback_headroom": sum(size(r) for r in self.rings.values()),
+            "step_undo": sum(size(t) for t in self.saved.values()),
         }

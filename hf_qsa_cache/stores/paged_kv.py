@@ -24,9 +24,6 @@ class PagedKV:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
-    # written only at positions past the row's length: a rolled-back step leaves nothing that is read
-    rollback_safe = True
-
     @property
     def allocated(self) -> bool:
         return self.keys is not None
@@ -39,6 +36,9 @@ class PagedKV:
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
+
+    def deallocate(self) -> None:
+        self.keys = self.values = None
 
     def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (-1, self.num_kv_heads, self.head_dim)
@@ -57,6 +57,9 @@ class PagedKV:
 
     def row_tensors(self) -> list[torch.Tensor]:
         return []
+
+    def inplace_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return []  # paged by position: a step writes only past its rows' lengths
 
     def reset(self) -> None:
         pass  # stale blocks are unreachable once the tables are reset

@@ -35,9 +35,9 @@ class QSAIndexStore:
         self.ring_keys: torch.Tensor | None = None  # [(max_rows + 1) * capacity, Di]
         self.ring_positions: torch.Tensor | None = None  # [(max_rows + 1) * capacity, 3] int64
         self.compressed: torch.Tensor | None = None  # [num_blocks, rows_per_block, Di]
-
-    # the ring is overwritten in place by position modulo its capacity
-    rollback_safe = False
+        # Copies of the ring, taken before a step writes (`hf_qsa_cache.transaction`).
+        self.saved_keys: torch.Tensor | None = None
+        self.saved_positions: torch.Tensor | None = None
 
     @property
     def allocated(self) -> bool:
@@ -53,6 +53,11 @@ class QSAIndexStore:
         self.ring_positions = torch.zeros(ring_rows, 3, device=device, dtype=torch.int64)
         self.compressed = torch.zeros(self.num_blocks, self.rows_per_block, self.index_head_dim, device=device,
                                       dtype=dtype)
+        self.saved_keys = torch.empty_like(self.ring_keys)
+        self.saved_positions = torch.empty_like(self.ring_positions)
+
+    def deallocate(self) -> None:
+        self.ring_keys = self.ring_positions = self.compressed = self.saved_keys = self.saved_positions = None
 
     def _ring_slots(self, slots: torch.Tensor) -> torch.Tensor:
         trash = self.max_rows * self.capacity
@@ -70,6 +75,15 @@ class QSAIndexStore:
         row, group = work[:, 0].long(), work[:, 1].long().clamp_min(0)
         slots = paged_rows(block_table, row.clamp_min(0), group, self.rows_per_block)
         write_slots(self.compressed.view(-1, self.index_head_dim), torch.where(row >= 0, slots, -1), keys)
+
+    def inplace_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(live, saved)`` pairs, one row per cache row: the ring is overwritten in place by position
+        modulo its capacity (compressed keys are paged by position, so a step never overwrites a read one)."""
+        if self.ring_keys is None:
+            return []
+        by_row = (self.max_rows + 1, self.capacity)
+        return [(self.ring_keys.view(*by_row, -1), self.saved_keys.view(*by_row, -1)),
+                (self.ring_positions.view(*by_row, 3), self.saved_positions.view(*by_row, 3))]
 
     def paged_tensors(self) -> list[torch.Tensor]:
         return [self.compressed] if self.compressed is not None else []
@@ -92,4 +106,5 @@ class QSAIndexStore:
         return {
             "qsa_ring": size(self.ring_keys) + size(self.ring_positions),
             "qsa_compressed": size(self.compressed),
+            "step_undo": size(self.saved_keys) + size(self.saved_positions),
         }

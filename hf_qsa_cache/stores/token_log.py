@@ -1,0 +1,52 @@
+"""Each row's token ids by logical position: what lets a new `generate()` call be checked against what
+the cache holds (`QSAPagedCache.check_continues`).
+
+``ids`` is ``[max_rows + 1, max_len]`` int32 on the device of the embeddings (4 bytes per cached token);
+the extra row absorbs pads. Steps write it past their rows' old lengths, so an aborted step leaves
+nothing that is read, and crop only shortens the rows. A step that ran from ``inputs_embeds`` has no
+ids to log: the log is then incomplete until `reset()` and the check is skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TokenLog:
+    def __init__(self, max_rows: int, max_len: int):
+        self.max_rows = max_rows
+        self.max_len = max_len
+        self.ids: torch.Tensor | None = None
+        self.complete = True
+
+    def write(self, position: torch.Tensor, token_row: torch.Tensor, input_ids: torch.Tensor | None) -> None:
+        """Log this step's ids ``[B, L]`` at their positions ``[B*L]`` (-1 = pad)."""
+        if input_ids is None:
+            self.complete = False
+            return
+        if self.ids is None:
+            self.ids = torch.zeros(self.max_rows + 1, self.max_len, dtype=torch.int32, device=input_ids.device)
+        position, token_row = position.to(self.ids.device), token_row.to(self.ids.device)
+        trash = self.max_rows * self.max_len
+        slot = torch.where(position >= 0, token_row.long() * self.max_len + position, trash)
+        self.ids.view(-1).index_copy_(0, slot, input_ids.reshape(-1).to(self.ids.device, torch.int32))
+
+    def mismatched_rows(self, input_ids: torch.Tensor, lengths: list[int], columns: int) -> list[int]:
+        """Rows whose held tokens are not the real tokens of ``input_ids[:, :columns]`` (left-padded: a
+        row's real tokens are the last ``lengths[b]`` of those columns). One host sync."""
+        if not self.complete or self.ids is None:
+            return []
+        rows = input_ids.shape[0]
+        device = self.ids.device
+        held = torch.tensor(lengths, device=device)[:, None]
+        p = torch.arange(min(columns, self.max_len), device=device)
+        column = (columns - held + p).clamp(0, columns - 1)
+        given = input_ids[:, :columns].to(device).gather(1, column)
+        differ = (given != self.ids[:rows, : p.numel()]) & (p < held)
+        return differ.any(dim=1).nonzero().flatten().tolist()
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        return [] if self.ids is None else [self.ids]
+
+    def reset(self) -> None:
+        self.complete = True

@@ -1,0 +1,188 @@
+"""A step is a transaction: a fault at any torch call of any kind of step leaves the cache as it was.
+
+For each kind of step (decode, verify of k + 1 drafts, a prompt continued by several tokens, the second
+chunk of a chunked prefill, the static-buffer step a CUDA graph records, its replay) and both families,
+a fault is injected at the n-th torch call of the step (`faults.FailAt`), for every n up to the end of
+the metadata and an even spread over the rest. After each fault:
+
+* the host state (lengths, rows, columns, crop floors, block tables, free lists) is what it was;
+* the same step, retried on the same cache, gives the logits of a cache that never failed, and so does
+  the step after it (state that only a later step reads, such as the QSA ring or recurrent state);
+* or, where the fault came after earlier chunks of the same forward landed on a cache that held rows,
+  the cache refuses every step with an error naming reset(), and after reset() equals a fresh one.
+
+Set HF_QSA_FAULTS=all to try every n (slow; see benchmarks/RESULTS.md for the full sweep's figures).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import test_inkling as inkling
+import torch
+from faults import FailAt, Injected, count_calls, host_state, sample_points
+from qwen4_helpers import left_pad, make_pair, random_prompts
+
+from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache.cuda_graphs import DecodeGraphs, graphs_of
+
+EVERY = os.environ.get("HF_QSA_FAULTS") == "all"
+K = 2  # drafts per verify step
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return make_pair(seed=3)[1]
+
+
+@pytest.fixture(scope="module")
+def ink():
+    return inkling.make_pair(inkling.make_config(), seed=4)[1]
+
+
+def _prompts(family):
+    if family == "qwen4_exp":
+        return left_pad(random_prompts([23, 9, 17], seed=11))
+    return inkling.left_pad(inkling.make_prompts([11, 4, 8], seed=12))
+
+
+class RerunGraph:
+    """A CPU stand-in for a captured CUDA graph: replay re-runs the recorded body against the block
+    tables it was recorded with (a real graph reads the addresses it captured)."""
+
+    def __init__(self, runner, entry):
+        self.runner, self.entry = runner, entry
+        self.tables = {n: t.device_table(entry.ids.shape[0], runner.device) for n, t in runner.cache.tables.items()}
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        self.entry.logits.copy_(self.runner._body(self.entry, tables=self.tables))
+
+
+class ReplayingGraphs(DecodeGraphs):
+    """`DecodeGraphs` whose captures are `RerunGraph`s, so the replay branch runs on the CPU."""
+
+    def _run_and_capture(self, entry):
+        logits = self._body(entry).clone()
+        entry.logits = torch.empty_like(logits)
+        entry.graph = RerunGraph(self, entry)
+        return logits
+
+
+class Scenario:
+    """A cache brought to some state, then one step (``step``) and the step after it (``after``)."""
+
+    def __init__(self, model, family, kind):
+        self.model, self.family, self.kind = model, family, kind
+
+    def build(self):
+        model, kind = self.model, self.kind
+        spec = K if kind in ("verify", "graph_verify") else 0
+        cache = QSAPagedCache(model.config, 4, 96, block_size=4, num_speculative_tokens=spec)
+        ids, mask = _prompts(self.family)
+        rows = ids.shape[0]
+        runner = None
+        if kind.startswith("graph") or kind == "replay":
+            cls = ReplayingGraphs if kind == "replay" else DecodeGraphs
+            runner = cache.graph_runners[model] = cls(model, cache, "cpu", record=kind == "replay")
+        gen = torch.Generator().manual_seed(5)
+
+        def tokens(n):
+            return torch.randint(2, model.config.vocab_size, (rows, n), generator=gen)
+
+        def forward(step_ids, step_mask):
+            if runner is not None and step_ids.shape[1] <= spec + 1 and cache.columns_seen:
+                return runner.step(step_ids, None, step_mask)
+            if kind == "chunk" and cache.columns_seen == 0:
+                # The prompt as a chunked prefill of 4 columns a chunk (chunks end inside QSA groups and windows).
+                chunk, model.prefill_chunk_tokens = model.prefill_chunk_tokens, 4 * rows
+                try:
+                    return model(step_ids, attention_mask=step_mask, past_key_values=cache, logits_to_keep=1).logits
+                finally:
+                    model.prefill_chunk_tokens = chunk
+            return model(step_ids, attention_mask=step_mask, past_key_values=cache).logits
+
+        state = {"mask": mask}
+
+        def run(n):
+            step_ids = tokens(n)
+            state["mask"] = torch.cat([state["mask"], torch.ones_like(step_ids)], dim=1)
+            return step_ids, state["mask"]
+
+        with torch.no_grad():
+            if kind != "chunk":  # the chunked prefill is the step itself
+                forward(ids, mask)
+                for _ in range(4):  # windows evict, groups close
+                    forward(*run(1))
+                if kind == "replay":
+                    forward(*run(1))  # captures; the steps below replay
+            length = {"decode": 1, "graph": 1, "replay": 1, "verify": K + 1, "graph_verify": K + 1,
+                      "continue": 5}.get(kind)
+            step = (ids, mask) if kind == "chunk" else run(length)
+            drop = K - 1 if length == K + 1 else 0  # a verify step: the model rejects its last K - 1 drafts
+            next_ids, next_mask = run(1)
+            if drop:
+                next_mask = torch.cat([step[1][:, :-drop], next_mask[:, -1:]], dim=1)
+
+        def after():
+            if drop:
+                cache.crop(-drop)
+            return forward(next_ids, next_mask)
+
+        return cache, forward, step, after
+
+
+def _outcome(scenario):
+    cache, forward, step, after = scenario.build()
+    with torch.no_grad():
+        return forward(*step), after(), cache
+
+
+KINDS = ["decode", "verify", "continue", "chunk", "graph", "graph_verify", "replay"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_fault_anywhere_in_a_step_leaves_the_cache_as_it_was(qwen, ink, family, kind):
+    model = qwen if family == "qwen4_exp" else ink
+    scenario = Scenario(model, family, kind)
+    want_step, want_after, clean = _outcome(scenario)
+
+    def setup_and_step():
+        _, forward, step, _ = scenario.build()
+        forward(*step)
+
+    # The setup's calls run first (and all succeed): the injection is offset past them.
+    with torch.no_grad():
+        setup = count_calls(scenario.build)
+        total = count_calls(setup_and_step) - setup
+    assert total > 100, "the step must be counted, not only its setup"
+    points = range(1, total + 1) if EVERY else sample_points(total, dense_until=30, spread=16)
+    for n in points:
+        got_step, got_after, cache = _outcome_after_fault(scenario, setup + n)
+        torch.testing.assert_close(got_step, want_step, atol=1e-6, rtol=0, msg=lambda m: f"fault at {n}: {m}")
+        torch.testing.assert_close(got_after, want_after, atol=1e-6, rtol=0, msg=lambda m: f"after fault at {n}: {m}")
+        assert same_but_crop_floor(host_state(cache), host_state(clean))
+
+
+def same_but_crop_floor(state, other) -> bool:
+    """Host states equal except for the crop floors (an aborted step raises them: see transaction.py)."""
+    return state[:3] + state[4:] == other[:3] + other[4:]
+
+
+def _outcome_after_fault(scenario, global_n):
+    """The step fails at torch call ``global_n`` (counted from the start of the setup); then the step and
+    the one after it run again on the same cache."""
+    with torch.no_grad(), FailAt(global_n):
+        try:
+            cache, forward, step, after = scenario.build()
+        except Injected:
+            raise AssertionError("the fault fell in the setup") from None
+        before = host_state(cache)
+        with pytest.raises(Injected):
+            forward(*step)
+    assert same_but_crop_floor(host_state(cache), before), f"a fault at call {global_n} changed the host state"
+    with torch.no_grad():
+        return forward(*step), after(), cache
