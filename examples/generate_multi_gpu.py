@@ -124,6 +124,12 @@ def data_parallel(args) -> None:
         gathered = [None] * world
         dist.all_gather_object(gathered, results)
     elapsed = time.perf_counter() - start
+    if world > 1:
+        # Leave the group all together, before rank 0's long reference run: gloo can abort a rank ("terminate
+        # called without an active exception") that tears its group down while a peer is still in it. Not in a
+        # `finally`: destroying the group while a peer waits in a collective can hang instead of failing.
+        dist.barrier()
+        dist.destroy_process_group()
 
     same = True
     if rank == 0:
@@ -142,8 +148,6 @@ def data_parallel(args) -> None:
             with open(args.out, "w") as f:
                 json.dump({"backend": backend, "world_size": world, "ranks": [[i for i, _ in part] for part in gathered],
                            "tokens": ordered, "reference": reference}, f)
-    if world > 1:
-        dist.destroy_process_group()
     if not same:
         sys.exit(1)
 

@@ -13,11 +13,10 @@ import gc
 import weakref
 
 import pytest
-import test_inkling as inkling
 import torch
 from faults import host_state
-from qwen4_helpers import left_pad, make_pair, random_prompts
-from test_fault_injection import ReplayingGraphs
+from qwen4_helpers import make_pair
+from test_fault_injection import ReplayingGraphs, _prompts, ink, qwen  # noqa: F401 (fixtures)
 
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.cuda_graphs import graphs_of
@@ -25,20 +24,8 @@ from hf_qsa_cache.cuda_graphs import graphs_of
 NEW = 4
 
 
-@pytest.fixture(scope="module")
-def qwen():
-    return make_pair(seed=3)[1]
-
-
-@pytest.fixture(scope="module")
-def ink():
-    return inkling.make_pair(inkling.make_config(), seed=4)[1]
-
-
 def _setup(family, qwen, ink):
-    if family == "qwen4_exp":
-        return qwen, *left_pad(random_prompts([23, 9, 17], seed=11))
-    return ink, *inkling.left_pad(inkling.make_prompts([11, 4, 8], seed=12))
+    return (qwen if family == "qwen4_exp" else ink), *_prompts(family)
 
 
 def _generate(model, ids, mask, cache, new=NEW):
