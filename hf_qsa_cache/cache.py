@@ -191,7 +191,7 @@ class QSAPagedCache(Cache):
         self._in_step = False  # a transaction is open (steps do not nest)
         self._scope: _Scope | None = None  # the model forward in flight (`forward_scope`)
         self.token_log = TokenLog(max_batch_size, max_cache_len)  # what each row holds (`check_continues`)
-        self.steps_committed = 0  # steps that landed, ever (runners notice steps they did not take)
+        self.steps_started = 0  # steps opened, ever (graph runners notice steps they did not take)
         self._checked_model: tuple | None = None  # (config, dtype) last accepted by check_model
         self._unusable: str | None = None  # why the cache must be reset() before further use
         # Qwen4Exp with num_speculative_tokens: per-position state kept for crop (speculative.py)
@@ -397,6 +397,7 @@ class QSAPagedCache(Cache):
         counts = self.check_step(batch_size, query_len, attention_mask)
         prev = self.lengths[:batch_size]
         txn = StepTransaction(self, batch_size, query_len)
+        self.steps_started += 1
         self._in_step = True
         try:
             if txn.started_empty:
@@ -621,7 +622,7 @@ class QSAPagedCache(Cache):
         self._scope = None
         self.token_log.reset()
         self._unusable = None
-        self.steps_committed += 1  # a runner's next step re-validates
+        self.steps_started += 1  # a runner's next step re-validates
         self._reset_stores()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -74,7 +74,7 @@ class DecodeGraphs:
         self.buckets: dict[tuple[int, int], _Bucket] = {}  # (rows bucket, step length) -> buffers, graph
         self.model_state = model_fingerprint(model)  # what the recorded graphs read (checked at replay)
         self.probe = _probe(model)  # the cheap part of that check, done every step
-        self.steps_seen = -1  # cache.steps_committed after this runner's last step
+        self.steps_seen = -1  # cache.steps_started when this runner last opened a step
 
     @property
     def model(self):
@@ -97,6 +97,7 @@ class DecodeGraphs:
         cache.check_model(model.config, model.dtype)
         self._forget_stale_graphs(model)
         with cache.transaction(rows, length, attention_mask) as (prev, counts):
+            self.steps_seen = cache.steps_started
             # Changed table entries land before the step reads them; a table that moved (another
             # device) invalidates the graphs recorded against its old address.
             ptrs = {n: t.device_table(size, self.device).data_ptr() for n, t in cache.tables.items()}
@@ -117,7 +118,6 @@ class DecodeGraphs:
                     logits = self._body(entry)[:rows].clone()
             finally:
                 cache.clear_step_metadata()
-        self.steps_seen = cache.steps_committed
         return logits
 
     def _forget_stale_graphs(self, model) -> None:
@@ -129,7 +129,7 @@ class DecodeGraphs:
         so a hook added deep inside a block between two graphed steps is seen at the next such step.
         """
         probe = _probe(model)
-        if probe == self.probe and self.steps_seen == self.cache.steps_committed:
+        if probe == self.probe and self.steps_seen == self.cache.steps_started:
             return
         state = model_fingerprint(model)
         if probe != self.probe or state != self.model_state:

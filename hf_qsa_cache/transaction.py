@@ -63,7 +63,6 @@ class StepTransaction:
         cache = self.cache
         for table in cache.tables.values():
             table.commit_step(cache.lengths[: cache.num_rows])
-        cache.steps_committed += 1
 
     def abort(self) -> None:
         """Put the cache back as it was before the step (see the module docstring)."""

@@ -233,3 +233,23 @@ def test_inkling_crop_deeper_than_the_windows_kept_is_refused(ink):
                          attention_mask=torch.cat([full_mask[:, :keep], torch.ones_like(nxt)], 1),
                          past_key_values=fresh).logits[:, -1:]
             torch.testing.assert_close(got, want, atol=5e-5, rtol=0)
+
+
+def test_graphed_decode_steps_walk_the_model_once(qwen, monkeypatch):
+    """The full weight and hook walk (about a millisecond at the released depths) runs on the first graphed
+    step after a step the runner did not take, not on every decode step of generate()."""
+    import hf_qsa_cache.cuda_graphs as cuda_graphs
+
+    model, ids, mask = _setup("qwen4_exp", qwen, None)
+    cache = QSAPagedCache(model.config, 4, 64, block_size=4)
+    runner = cache.graph_runners[model] = ReplayingGraphs(model, cache, "cpu", record=True)
+    walks = []
+    real = cuda_graphs.model_fingerprint
+    monkeypatch.setattr(cuda_graphs, "model_fingerprint", lambda m: walks.append(1) or real(m))
+    monkeypatch.setattr(cuda_graphs, "decode_graphs_for", lambda *a, **k: runner)  # as on a GPU
+    import modeling.modeling_qwen4_exp as qwen_module
+
+    monkeypatch.setattr(qwen_module, "decode_graphs_for", lambda model, cache, ids, *a, **k:
+                        runner if cache is not None and cache.columns_seen and ids.shape[1] == 1 else None)
+    _generate(model, ids, mask, cache, new=6)
+    assert len(walks) == 1 and runner.buckets[(4, 1)].graph.replays == 4

@@ -47,17 +47,21 @@ class LinearAttentionState:
         return None if self.conv is None else self.conv.dtype
 
     def allocate(self, device, dtype) -> None:
-        self.conv = torch.zeros(self.conv_shape, device=device, dtype=dtype)
-        self.recurrent = torch.zeros(self.recurrent_shape, device=device, dtype=torch.float32)
+        live = {"conv": torch.zeros(self.conv_shape, device=device, dtype=dtype),
+                "recurrent": torch.zeros(self.recurrent_shape, device=device, dtype=torch.float32)}
         if self.ple_shape is not None:
-            self.ple_conv = torch.zeros(self.ple_shape, device=device, dtype=dtype)
+            live["ple_conv"] = torch.zeros(self.ple_shape, device=device, dtype=dtype)
         if self.ngram_shape is not None:
-            self.ngram_ids = torch.full(self.ngram_shape, self.eos_token_id, device=device, dtype=torch.int64)
+            live["ngram_ids"] = torch.full(self.ngram_shape, self.eos_token_id, device=device, dtype=torch.int64)
+        rings = {}
         if self.history:
             slots = (self.max_rows + 1) * self.history
-            self.rings = {name: torch.zeros((slots, *live.shape[1:]), device=device, dtype=live.dtype)
-                          for name, live in self._live().items()}
-        self.saved = {name: torch.empty_like(live) for name, live in self._live().items()}
+            rings = {name: torch.zeros((slots, *t.shape[1:]), device=device, dtype=t.dtype) for name, t in live.items()}
+        saved = {name: torch.empty_like(t) for name, t in live.items()}
+        # Set together once all exist (``conv`` marks the store allocated).
+        self.rings, self.saved = rings, saved
+        self.recurrent, self.ple_conv, self.ngram_ids = live["recurrent"], live.get("ple_conv"), live.get("ngram_ids")
+        self.conv = live["conv"]
 
     def deallocate(self) -> None:
         self.conv = self.recurrent = self.ple_conv = self.ngram_ids = None

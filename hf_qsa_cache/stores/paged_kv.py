@@ -34,8 +34,9 @@ class PagedKV:
 
     def allocate(self, device, dtype) -> None:
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        values = torch.zeros(shape, device=device, dtype=dtype)
+        keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values, self.keys = values, keys  # keys mark the store allocated: set only once all exist
 
     def deallocate(self) -> None:
         self.keys = self.values = None

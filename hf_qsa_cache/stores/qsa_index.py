@@ -51,10 +51,11 @@ class QSAIndexStore:
         ring_rows = (self.max_rows + 1) * self.capacity
         self.ring_keys = torch.zeros(ring_rows, self.index_head_dim, device=device, dtype=dtype)
         self.ring_positions = torch.zeros(ring_rows, 3, device=device, dtype=torch.int64)
-        self.compressed = torch.zeros(self.num_blocks, self.rows_per_block, self.index_head_dim, device=device,
-                                      dtype=dtype)
         self.saved_keys = torch.empty_like(self.ring_keys)
         self.saved_positions = torch.empty_like(self.ring_positions)
+        # The compressed store marks the store allocated: set last, once everything else exists.
+        self.compressed = torch.zeros(self.num_blocks, self.rows_per_block, self.index_head_dim, device=device,
+                                      dtype=dtype)
 
     def deallocate(self) -> None:
         self.ring_keys = self.ring_positions = self.compressed = self.saved_keys = self.saved_positions = None
