@@ -720,7 +720,19 @@ class QSAPagedCache(Cache):
                         f"freed (the cache keeps num_speculative_tokens={self.num_speculative_tokens} extra)"
                     )
         if self.model_family == "qwen4_exp":
-            restore_linear_states(self, [self.lengths[b] - drop for b in range(self.num_rows)])
+            floors = list(self._crop_floor)
+            try:
+                restore_linear_states(self, [self.lengths[b] - drop for b in range(self.num_rows)])
+            except BaseException as error:
+                # Some layers may hold the cropped state already: put every layer back to the current
+                # lengths (the ring holds the state after each row's last position, which checks above
+                # guarantee), or refuse further steps.
+                try:
+                    restore_linear_states(self, self.lengths[: self.num_rows])
+                    self._crop_floor = floors  # the floors before this crop (restoring raises them)
+                except BaseException:
+                    self.mark_unusable(f"a crop failed half way ({type(error).__name__}: {error})")
+                raise
         for b in range(self.num_rows):
             self.lengths[b] -= drop
             for table in self.tables.values():

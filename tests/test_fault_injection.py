@@ -186,3 +186,58 @@ def _outcome_after_fault(scenario, global_n):
     assert same_but_crop_floor(host_state(cache), before), f"a fault at call {global_n} changed the host state"
     with torch.no_grad():
         return forward(*step), after(), cache
+
+
+ROW_OPS = {
+    "crop": lambda cache: cache.crop(-(K - 1)),
+    "reorder": lambda cache: cache.reorder_cache(torch.tensor([2, 0, 0])),
+    "select": lambda cache: cache.batch_select_indices(torch.tensor([2, 0])),
+    "repeat": lambda cache: cache.batch_repeat_interleave(2),
+}
+
+
+@pytest.mark.parametrize("op", list(ROW_OPS))
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_fault_anywhere_in_a_crop_or_row_move(qwen, ink, family, op):
+    """Crops and row moves (beam reorder, select, repeat) between steps: a fault at any torch call of the
+    operation leaves the cache as it was (the operation then works and the next step equals a cache that
+    never failed), or, for row moves whose writes had begun, refusing with reset() named."""
+    model = qwen if family == "qwen4_exp" else ink
+    scenario = Scenario(model, family, "verify")
+    apply = ROW_OPS[op]
+
+    def prepared():
+        cache, forward, step, _ = scenario.build()
+        with torch.no_grad():
+            forward(*step)
+        if op == "repeat":  # two rows, so that repeating them stays within max_batch_size
+            cache.batch_select_indices(torch.tensor([1, 2]))
+        return cache
+
+    def next_logits(cache):
+        rows, columns = cache.num_rows, cache.columns_seen
+        mask = torch.ones(rows, columns + 1, dtype=torch.long)
+        for b in range(rows):
+            mask[b, : columns - cache.lengths[b]] = 0
+        with torch.no_grad():
+            return model(torch.full((rows, 1), 7), attention_mask=mask, past_key_values=cache).logits
+
+    clean = prepared()
+    apply(clean)
+    want = next_logits(clean)
+    total = count_calls(lambda: apply(prepared())) - count_calls(prepared)
+    if family == "inkling" and op == "crop":
+        assert total == 0  # host bookkeeping only: every state is addressed by position
+        return
+    assert total > 5
+    for n in range(1, total + 1) if EVERY else sample_points(total, dense_until=12, spread=10):
+        cache = prepared()
+        before = host_state(cache)
+        with pytest.raises(Injected), FailAt(n):
+            apply(cache)
+        if cache._unusable is not None:
+            assert op != "crop" and "call cache.reset()" in cache._unusable
+            continue
+        assert host_state(cache) == before, f"{op}: a fault at call {n} changed the host state"
+        apply(cache)
+        torch.testing.assert_close(next_logits(cache), want, atol=1e-6, rtol=0, msg=lambda m: f"{op}, fault at {n}: {m}")
