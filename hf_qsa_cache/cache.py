@@ -199,6 +199,7 @@ class QSAPagedCache(Cache):
             getattr(store, "history", 0) for layer in layers for store in layer.stores.values()
         )
         self.graph_runners = weakref.WeakKeyDictionary()  # model -> its CUDA-graph runner (cuda_graphs.py)
+        self._row_views: dict[int, tuple[list, list]] = {}  # `inplace_row_views`, by row count
         if self.device is not None and self.dtype is not None:
             for layer in self.layers:
                 for store in layer.stores.values():
@@ -358,6 +359,7 @@ class QSAPagedCache(Cache):
         held = self.dtype or self._allocated_dtype()
         if held is not None and held != dtype and self.dtype is None and self.columns_seen == 0:
             # Built to follow the model, and empty (new or reset): follow it into its new dtype.
+            self._row_views.clear()
             for layer in self.layers:
                 for store in layer.stores.values():
                     store.deallocate()
@@ -544,8 +546,24 @@ class QSAPagedCache(Cache):
         layer = self.layers[layer_idx]
         for store in layer.stores.values():
             if not store.allocated:
+                self._row_views.clear()
                 store.allocate(device, self.dtype or dtype)
         return layer
+
+    def inplace_row_views(self, rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(live, saved)``: views of the first ``rows`` rows of every state a step overwrites in place, and
+        of their copies (`hf_qsa_cache.transaction`). Kept per row count: building ~100 views costs more
+        host time than a graphed decode step can spare, and they change only when a store is allocated."""
+        views = self._row_views.get(rows)
+        if views is None:
+            live, saved = [], []
+            for layer in self.layers:
+                for store in layer.stores.values():
+                    for state, copy in store.inplace_rows():
+                        live.append(state[:rows])
+                        saved.append(copy[:rows])
+            views = self._row_views[rows] = (live, saved)
+        return views
 
     # ------------------------------------------------------------------ transformers Cache API
     def get_seq_length(self, layer_idx: int | None = 0) -> int:

@@ -24,17 +24,6 @@ from __future__ import annotations
 import torch
 
 
-def _row_state_pairs(cache, rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``(live, saved)`` views of the first ``rows`` rows of every in-place state of every layer."""
-    live, saved = [], []
-    for layer in cache.layers:
-        for store in layer.stores.values():
-            for state, copy in store.inplace_rows():
-                live.append(state[:rows])
-                saved.append(copy[:rows])
-    return live, saved
-
-
 class StepTransaction:
     """Opened before a step changes anything; ends with exactly one of `commit` or `abort`."""
 
@@ -52,7 +41,7 @@ class StepTransaction:
         """Copy the step's rows of every in-place state aside (before any layer writes)."""
         if self.started_empty:
             return  # an abort resets the cache: nothing to copy back
-        live, saved = _row_state_pairs(self.cache, self.batch_size)
+        live, saved = self.cache.inplace_row_views(self.batch_size)
         if live:
             with torch.no_grad():  # cached state is never differentiated (and foreach copies refuse int64 under grad)
                 torch._foreach_copy_(saved, live)
@@ -77,7 +66,7 @@ class StepTransaction:
                 cache.reset()
                 return
             if self.saved_rows:
-                live, saved = _row_state_pairs(cache, self.saved_rows)
+                live, saved = cache.inplace_row_views(self.saved_rows)
                 if live:
                     with torch.no_grad():
                         torch._foreach_copy_(live, saved)
