@@ -11,7 +11,7 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from .cache import QSAPagedCache
 from .speculative import (
-    assistant_schedule, attach_assistant_cache, check_headroom, draft_tokens_bound, overshoot,
+    assistant_schedule, attach_assistant_cache, cap_heuristic_drafts, check_headroom, draft_tokens_bound, overshoot,
 )
 
 # Tokens a row may still add after a forward that was called without a cache but with use_cache.
@@ -138,6 +138,8 @@ class PagedCacheGenerationMixin:
         remaining = generation_config.max_length - 1 - input_ids.shape[1]
         bound, _ = draft_tokens_bound(self, generation_config, schedule, remaining)
         attach_assistant_cache(generator, generation_config, *input_ids.shape[:2], bound)
+        if schedule is not None and schedule[1]:
+            cap_heuristic_drafts(generator, schedule[0])
         return generator
 
     def _run_model(self, *, input_ids, inputs_embeds, attention_mask, past_key_values, logits_to_keep, chunkable,

@@ -117,8 +117,8 @@ def draft_tokens_bound(model, generation_config, schedule: tuple[int, bool] | No
     * ``use_mtp``: ``num_mtp_layers`` (one draft per MTP layer).
     * ``assistant_model``: its ``num_assistant_tokens`` (20 by default), capped by ``new_tokens`` (transformers
       never drafts past ``max_length``); with the heuristic schedules the count grows after every fully
-      accepted round, so the bound is ``new_tokens`` (``max_new_tokens - 1``). A constant schedule keeps
-      the rollback headroom small.
+      accepted round, without bound in transformers; our generate() caps it at twice the starting count
+      (`heuristic_draft_cap`), so the bound is ``min(2 * k, new_tokens)``.
     """
     if generation_config.prompt_lookup_num_tokens is not None:
         return int(generation_config.prompt_lookup_num_tokens), "prompt_lookup_num_tokens"
@@ -128,9 +128,29 @@ def draft_tokens_bound(model, generation_config, schedule: tuple[int, bool] | No
     if schedule is not None:
         k, grows = schedule
         if grows:
-            return max(new_tokens, 0), "the assistant's heuristic num_assistant_tokens_schedule (max_new_tokens - 1)"
+            return max(min(heuristic_draft_cap(k), new_tokens), 0), (
+                "the assistant's heuristic num_assistant_tokens_schedule (at most twice its num_assistant_tokens)")
         return max(min(k, new_tokens), 0), "the assistant's num_assistant_tokens"
     return 0, "no drafting"
+
+
+def heuristic_draft_cap(k: int) -> int:
+    """Most drafts per round a heuristic schedule may reach, starting from ``k``. transformers grows the count
+    by 2 after every fully accepted round without bound, which would size every row's rollback history
+    (Qwen4Exp: the whole recurrent state per kept position) by ``max_new_tokens``."""
+    return 2 * max(k, 1)
+
+
+def cap_heuristic_drafts(generator, k: int) -> None:
+    """Keep an assistant's heuristic draft count within `heuristic_draft_cap` (greedy tokens do not depend
+    on it; the count only decides how much is verified per step)."""
+    update = generator.update_candidate_strategy
+
+    def capped(*args, **kwargs):
+        update(*args, **kwargs)
+        generator.num_assistant_tokens = min(generator.num_assistant_tokens, heuristic_draft_cap(k))
+
+    generator.update_candidate_strategy = capped
 
 
 def overshoot(generation_config, bound: int) -> int:

@@ -321,16 +321,33 @@ def test_passed_cache_without_headroom_is_refused_before_prefill(family, qwen, i
     assert torch.equal(out.sequences, _greedy(model, ids, 8).sequences)
 
 
-def test_heuristic_schedule_sizes_headroom_by_the_remaining_length(qwen):
-    model, assistant, _ = qwen
+@pytest.mark.parametrize("new_tokens", [6, 40])
+def test_heuristic_schedule_is_capped_at_twice_its_start(qwen, new_tokens, monkeypatch):
+    """transformers grows a heuristic draft count by 2 after every fully accepted round, without bound;
+    generate() caps it at twice the assistant's num_assistant_tokens and sizes the rollback headroom by
+    that (or by max_new_tokens - 1 when smaller). The assistant here is the model itself: every draft is
+    accepted, so the count would grow every round."""
+    from transformers.generation.candidate_generator import AssistedCandidateGenerator
+
+    model, _, _ = qwen
     ids = _qwen_prompt()
-    assistant.generation_config.num_assistant_tokens_schedule = "heuristic_transient"
-    try:
-        out = _greedy(model, ids, 6, assistant_model=assistant)
-    finally:
-        assistant.generation_config.num_assistant_tokens_schedule = "constant"
-    assert out.past_key_values.num_speculative_tokens == 5  # drafts never pass max_length: max_new_tokens - 1
-    assert torch.equal(out.sequences, _greedy(model, ids, 6).sequences)
+    assistant = Qwen4ExpForCausalLM(model.config).eval()
+    assistant.load_state_dict(model.state_dict())
+    assistant.generation_config.num_assistant_tokens = 2
+    assistant.generation_config.num_assistant_tokens_schedule = "heuristic"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    drafted = []
+    get_candidates = AssistedCandidateGenerator.get_candidates
+
+    def recording(self, *args, **kwargs):
+        drafted.append(self.num_assistant_tokens)
+        return get_candidates(self, *args, **kwargs)
+
+    monkeypatch.setattr(AssistedCandidateGenerator, "get_candidates", recording)
+    out = _greedy(model, ids, new_tokens, assistant_model=assistant)
+    assert out.past_key_values.num_speculative_tokens == min(4, new_tokens - 1)
+    assert max(drafted) == 4 and (new_tokens < 20 or drafted.count(4) > 2), drafted
+    assert torch.equal(out.sequences, _greedy(model, ids, new_tokens).sequences)
 
 
 # ----------------------------------------------------------------------------- sampling
