@@ -34,7 +34,7 @@ def _generate(model, ids, mask, block_size, graphs: bool):
     out = model.generate(ids.cuda(), attention_mask=mask.cuda(), past_key_values=cache, max_new_tokens=NEW,
                          do_sample=False, pad_token_id=0, eos_token_id=None, output_logits=True,
                          return_dict_in_generate=True)
-    replayed = sum(1 for r in getattr(cache, "_decode_graphs", {}).values() for b in r.buckets.values() if b.graph)
+    replayed = sum(1 for r in cache.graph_runners.values() for b in r.buckets.values() if b.graph)
     return out, replayed
 
 
