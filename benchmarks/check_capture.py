@@ -28,12 +28,12 @@ def check(name: str, model, config, step_len: int) -> bool:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                runner._body(entry)  # eager first: compiles the kernels
+                runner._eager(entry)  # eager first: compiles the kernels
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph):
-                    runner._body(entry)
+                    runner._recorded(entry)
             except Exception:
                 print(f"{name} step of {step_len}: capture FAILED")
                 traceback.print_exc()

@@ -189,6 +189,7 @@ class QSAPagedCache(Cache):
         self._step: StepMetadata | None = None
         self._step_by_device: dict[torch.device, StepMetadata] = {}
         self._in_step = False  # a transaction is open (steps do not nest)
+        self._open: StepTransaction | None = None  # that transaction
         self._scope: _Scope | None = None  # the model forward in flight (`forward_scope`)
         self.token_log = TokenLog(max_batch_size, max_cache_len)  # what each row holds (`check_continues`)
         self.steps_started = 0  # steps opened, ever (graph runners notice steps they did not take)
@@ -383,13 +384,18 @@ class QSAPagedCache(Cache):
         return None
 
     @contextlib.contextmanager
-    def transaction(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None):
+    def transaction(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None,
+                    copy_rows: bool = True):
         """``with cache.transaction(B, L, mask) as (prev, counts):`` one step, as a transaction.
 
         Validates first (nothing changes on error), then reserves blocks, advances the lengths and copies
         the in-place state of the step's rows aside. The step lands only if the block exits normally;
         any exception (host code, metadata, a layer, a graph replay) takes every change back
         (`hf_qsa_cache.transaction`). Yields each row's length before the step and its real tokens in it.
+
+        ``copy_rows=False``: the caller copies the rows aside itself, inside a recorded CUDA graph
+        (`copy_rows_aside`), and says so once that copy has run (`rows_copied_aside`); until then an abort
+        restores nothing in place (nothing was written there).
         """
         if self._in_step:
             raise RuntimeError("a step of this cache is already in flight (steps do not nest)")
@@ -398,13 +404,14 @@ class QSAPagedCache(Cache):
             self._scope.pending = None
         counts = self.check_step(batch_size, query_len, attention_mask)
         prev = self.lengths[:batch_size]
-        txn = StepTransaction(self, batch_size, query_len)
+        txn = self._open = StepTransaction(self, batch_size, query_len)
         self.steps_started += 1
         self._in_step = True
         try:
             if txn.started_empty:
                 self._reset_stores()  # rows start fresh: zero GDN/PLE state, EOS n-gram context
-            txn.save_rows()
+            if copy_rows:
+                txn.save_rows()
             for table in self.tables.values():
                 for b in range(batch_size):
                     table.reserve(b, prev[b] + counts[b])
@@ -414,10 +421,10 @@ class QSAPagedCache(Cache):
                 self.lengths[b] = prev[b] + counts[b]
             yield prev, counts
         except BaseException:
-            self._in_step = False
+            self._in_step, self._open = False, None
             txn.abort()
             raise
-        self._in_step = False
+        self._in_step, self._open = False, None
         if self._scope is not None:
             self._scope.pending = txn  # lands when the model's whole forward returns
         else:
@@ -550,6 +557,19 @@ class QSAPagedCache(Cache):
                 store.allocate(device, self.dtype or dtype)
         return layer
 
+    def copy_rows_aside(self, rows: int) -> None:
+        """Copy the first ``rows`` rows of every state a step overwrites in place to their undo copies (one
+        batched copy; also recorded inside CUDA graphs)."""
+        live, saved = self.inplace_row_views(rows)
+        if live:
+            with torch.no_grad():  # cached state is never differentiated (and foreach copies refuse int64 under grad)
+                torch._foreach_copy_(saved, live)
+
+    def rows_copied_aside(self, rows: int) -> None:
+        """The open step's rows were copied aside by its caller (`transaction(copy_rows=False)`)."""
+        if self._open is not None:
+            self._open.mark_saved(rows)
+
     def inplace_row_views(self, rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``(live, saved)``: views of the first ``rows`` rows of every state a step overwrites in place, and
         of their copies (`hf_qsa_cache.transaction`). Kept per row count: building ~100 views costs more
@@ -636,7 +656,7 @@ class QSAPagedCache(Cache):
         self.num_rows = 0
         self.columns_seen = 0
         self.clear_step_metadata()
-        self._in_step = False
+        self._in_step, self._open = False, None
         self._scope = None
         self.token_log.reset()
         self._unusable = None

@@ -96,7 +96,9 @@ class DecodeGraphs:
         model = self.model
         cache.check_model(model.config, model.dtype)
         self._forget_stale_graphs(model)
-        with cache.transaction(rows, length, attention_mask) as (prev, counts):
+        # The rows the step overwrites in place are copied aside inside the recorded step (`_recorded`):
+        # one graph launch instead of a host launch per state tensor.
+        with cache.transaction(rows, length, attention_mask, copy_rows=False) as (prev, counts):
             self.steps_seen = cache.steps_started
             # Changed table entries land before the step reads them; a table that moved (another
             # device) invalidates the graphs recorded against its old address.
@@ -110,12 +112,13 @@ class DecodeGraphs:
             self._fill(entry, prev, counts, input_ids, position_ids)
             try:
                 if entry.graph is not None:
-                    entry.graph.replay()
+                    entry.graph.replay()  # a launch runs whole (its copy included) or raises before running
+                    cache.rows_copied_aside(size)
                     logits = entry.logits[:rows].clone()
                 elif self.record and not entry.eager:
                     logits = self._run_and_capture(entry)[:rows].clone()
                 else:
-                    logits = self._body(entry)[:rows].clone()
+                    logits = self._eager(entry)[:rows].clone()
             finally:
                 cache.clear_step_metadata()
         return logits
@@ -158,8 +161,19 @@ class DecodeGraphs:
             else:  # the step's columns of what the caller passed, as the eager forward reads them
                 entry.positions[:, :rows].copy_(self.model.step_positions(position_ids, rows, length))
 
+    def _recorded(self, entry: _Bucket, tables: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """What a graph records: the rows the step overwrites in place copied aside, then the step."""
+        self.cache.copy_rows_aside(entry.ids.shape[0])
+        return self._body(entry, tables)
+
+    def _eager(self, entry: _Bucket) -> torch.Tensor:
+        """The recorded step run eagerly; the transaction learns of the copy once it has run."""
+        self.cache.copy_rows_aside(entry.ids.shape[0])
+        self.cache.rows_copied_aside(entry.ids.shape[0])
+        return self._body(entry)
+
     def _body(self, entry: _Bucket, tables: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """The step as a graph records it: metadata from the static buffers, then every layer."""
+        """The step proper: metadata from the static buffers, then every layer."""
         meta = self.cache.graph_step_metadata(entry.lengths, entry.ids.shape[1], tables)
         self.cache.log_tokens(meta, entry.ids)
         return self.model._decode_logits(entry.ids, entry.positions, meta, self.cache)
@@ -171,13 +185,13 @@ class DecodeGraphs:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            logits = self._body(entry).clone()
+            logits = self._eager(entry).clone()
         current.wait_stream(side)
         # Capture records launches without running them: the state is not written twice.
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                entry.logits = self._body(entry)
+                entry.logits = self._recorded(entry)
         except Exception as error:  # this step already ran above; the bucket stays eager
             entry.eager, entry.logits = True, None
             where = "; ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"

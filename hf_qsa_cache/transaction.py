@@ -39,13 +39,13 @@ class StepTransaction:
 
     def save_rows(self) -> None:
         """Copy the step's rows of every in-place state aside (before any layer writes)."""
-        if self.started_empty:
-            return  # an abort resets the cache: nothing to copy back
-        live, saved = self.cache.inplace_row_views(self.batch_size)
-        if live:
-            with torch.no_grad():  # cached state is never differentiated (and foreach copies refuse int64 under grad)
-                torch._foreach_copy_(saved, live)
-        self.saved_rows = self.batch_size
+        self.cache.copy_rows_aside(self.batch_size)
+        self.mark_saved(self.batch_size)
+
+    def mark_saved(self, rows: int) -> None:
+        """``rows`` rows of in-place state were copied aside: an abort copies them back."""
+        if not self.started_empty:  # an abort resets the cache: nothing to copy back
+            self.saved_rows = rows
 
     def commit(self) -> None:
         """The step landed: release blocks that fell out of the windows."""

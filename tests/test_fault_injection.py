@@ -58,14 +58,24 @@ class RerunGraph:
 
     def replay(self):
         self.replays += 1
-        self.entry.logits.copy_(self.runner._body(self.entry, tables=self.tables))
+        cache, rows = self.runner.cache, self.entry.ids.shape[0]
+        cache.copy_rows_aside(rows)
+        try:
+            self.entry.logits.copy_(self.runner._body(self.entry, tables=self.tables))
+        except BaseException:
+            # A CUDA graph launch runs whole or raises before running: a fault injected half way here
+            # takes the partial run back, so that the runner sees what a real replay would leave.
+            live, saved = cache.inplace_row_views(rows)
+            if live:
+                torch._foreach_copy_(live, saved)
+            raise
 
 
 class ReplayingGraphs(DecodeGraphs):
     """`DecodeGraphs` whose captures are `RerunGraph`s, so the replay branch runs on the CPU."""
 
     def _run_and_capture(self, entry):
-        logits = self._body(entry).clone()
+        logits = self._eager(entry).clone()
         entry.logits = torch.empty_like(logits)
         entry.graph = RerunGraph(self, entry)
         return logits
