@@ -565,6 +565,13 @@ class QSAPagedCache(Cache):
             with torch.no_grad():  # cached state is never differentiated (and foreach copies refuse int64 under grad)
                 torch._foreach_copy_(saved, live)
 
+    def copy_rows_back(self, rows: int) -> None:
+        """The reverse of `copy_rows_aside` (a step is taken back)."""
+        live, saved = self.inplace_row_views(rows)
+        if live:
+            with torch.no_grad():
+                torch._foreach_copy_(live, saved)
+
     def rows_copied_aside(self, rows: int) -> None:
         """The open step's rows were copied aside by its caller (`transaction(copy_rows=False)`)."""
         if self._open is not None:
@@ -780,11 +787,10 @@ class QSAPagedCache(Cache):
     def memory_stats(self) -> dict:
         """Bytes per store (summed over layers) and block usage per table."""
         bytes_per_store: dict[str, int] = {}
-        for layer in self.layers:
-            for store in layer.stores.values():
-                for key, size in store.nbytes().items():
-                    if size:
-                        bytes_per_store[key] = bytes_per_store.get(key, 0) + size
+        for store in [*(s for layer in self.layers for s in layer.stores.values()), self.token_log]:
+            for key, size in store.nbytes().items():
+                if size:
+                    bytes_per_store[key] = bytes_per_store.get(key, 0) + size
         tables = {
             name: {
                 "block_size": t.block_size,

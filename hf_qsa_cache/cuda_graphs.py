@@ -128,7 +128,7 @@ class DecodeGraphs:
 
         Every step compares a cheap probe (`_probe`); the first step after any step this runner did not
         take (a prefill, another generate() call, a reset) compares every weight, buffer and hook count
-        (a full walk costs about a millisecond at the released depths, too much for every decode step),
+        (a full walk costs milliseconds of host time at the released depths, too much for every step),
         so a hook added deep inside a block between two graphed steps is seen at the next such step.
         """
         probe = _probe(model)

@@ -21,8 +21,6 @@ error is what the caller sees.
 
 from __future__ import annotations
 
-import torch
-
 
 class StepTransaction:
     """Opened before a step changes anything; ends with exactly one of `commit` or `abort`."""
@@ -66,10 +64,7 @@ class StepTransaction:
                 cache.reset()
                 return
             if self.saved_rows:
-                live, saved = cache.inplace_row_views(self.saved_rows)
-                if live:
-                    with torch.no_grad():
-                        torch._foreach_copy_(live, saved)
+                cache.copy_rows_back(self.saved_rows)
         except BaseException as error:  # the original error is the one the caller sees
             cache.mark_unusable(f"a forward failed and taking it back failed too ({type(error).__name__}: {error})")
             return

@@ -65,9 +65,7 @@ class RerunGraph:
         except BaseException:
             # A CUDA graph launch runs whole or raises before running: a fault injected half way here
             # takes the partial run back, so that the runner sees what a real replay would leave.
-            live, saved = cache.inplace_row_views(rows)
-            if live:
-                torch._foreach_copy_(live, saved)
+            cache.copy_rows_back(rows)
             raise
 
 

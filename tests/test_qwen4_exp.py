@@ -251,7 +251,8 @@ def test_memory_stats_show_the_qsa_index_bound(pair):
     assert stats["bytes"]["qsa_ring"] == ring_bytes
     # Nothing else in a QSA layer grows with the sequence except main K/V.
     assert set(stats["bytes"]) == {"attention_kv", "qsa_ring", "qsa_compressed", "linear_conv",
-                                   "linear_recurrent", "ple_conv", "ple_ngram", "step_undo"}
+                                   "linear_recurrent", "ple_conv", "ple_ngram", "step_undo", "token_log"}
+    assert stats["bytes"]["token_log"] == (cache.max_batch_size + 1) * cache.max_cache_len * 4
     # The copy a step takes of what it overwrites in place: the ring and the per-row state, once.
     in_place = ("qsa_ring", "linear_conv", "linear_recurrent", "ple_conv", "ple_ngram")
     assert stats["bytes"]["step_undo"] == sum(stats["bytes"][k] for k in in_place)

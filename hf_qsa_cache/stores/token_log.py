@@ -48,5 +48,8 @@ class TokenLog:
     def row_tensors(self) -> list[torch.Tensor]:
         return [] if self.ids is None else [self.ids]
 
+    def nbytes(self) -> dict[str, int]:
+        return {"token_log": 0 if self.ids is None else self.ids.numel() * self.ids.element_size()}
+
     def reset(self) -> None:
         self.complete = True
