@@ -25,9 +25,10 @@ import torch
 from transformers.cache_utils import Cache
 
 from .blocks import NULL_BLOCK, BlockTable
-from .metadata import QSAGeometry, StepMetadata, build_step_metadata
-from .speculative import check_linear_rollback, restore_linear_states
+from .metadata import QSAGeometry, StepMetadata, build_step_metadata_torch
+from .rollback import check_linear_rollback, restore_linear_states
 from .transaction import StepTransaction
+from .stores.layer_state import LayerState
 from .stores.linear_state import LinearAttentionState
 from .stores.paged_kv import PagedKV
 from .stores.qsa_index import QSAIndexStore, ring_capacity
@@ -41,23 +42,6 @@ INKLING_LAYER_TYPES = {"hybrid", "hybrid_sliding"}
 class _Scope:
     columns_before: int  # columns the cache held when the forward started
     pending: StepTransaction | None = None  # the forward's last step, not landed yet
-
-
-class LayerState:
-    """The stores of one decoder layer (attribute names say what they hold)."""
-
-    def __init__(self, layer_type: str, **stores):
-        self.layer_type = layer_type
-        self.stores = stores
-        for name, store in stores.items():
-            setattr(self, name, store)
-
-    @property
-    def is_sliding(self) -> bool:
-        return self.layer_type == "hybrid_sliding"
-
-    def __repr__(self):
-        return f"LayerState({self.layer_type}, {sorted(self.stores)})"
 
 
 def _canonical(device) -> torch.device:
@@ -77,6 +61,16 @@ def _text_config(config):
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def build_step_metadata(prev_len: torch.Tensor, *args, **kwargs) -> StepMetadata:
+    """A step's metadata: one Triton launch on CUDA, the torch specification elsewhere (same arguments
+    as `hf_qsa_cache.metadata.build_step_metadata_torch`)."""
+    if prev_len.is_cuda:
+        from .ops.metadata_triton import build_step_metadata_triton
+
+        return build_step_metadata_triton(prev_len, *args, **kwargs)
+    return build_step_metadata_torch(prev_len, *args, **kwargs)
 
 
 def model_family(config) -> str:
@@ -183,7 +177,7 @@ class QSAPagedCache(Cache):
 
         self.geometry = state_geometry(config)  # what a model must match to drive this cache
         self.lengths = [0] * max_batch_size
-        self._crop_floor = [0] * max_batch_size  # Qwen4Exp: shortest length a crop may reach (speculative.py)
+        self._crop_floor = [0] * max_batch_size  # Qwen4Exp: shortest length a crop may reach (rollback.py)
         self.num_rows = 0  # rows of the batch in flight
         self.columns_seen = 0  # rectangular length (pads included) that generate() reasons in
         self._step: StepMetadata | None = None
@@ -195,7 +189,7 @@ class QSAPagedCache(Cache):
         self.steps_started = 0  # steps opened, ever (graph runners notice steps they did not take)
         self._checked_model: tuple | None = None  # (config, dtype) last accepted by check_model
         self._unusable: str | None = None  # why the cache must be reset() before further use
-        # Qwen4Exp with num_speculative_tokens: per-position state kept for crop (speculative.py)
+        # Qwen4Exp with num_speculative_tokens: per-position state kept for crop (rollback.py)
         self.keeps_rollback_history = any(
             getattr(store, "history", 0) for layer in layers for store in layer.stores.values()
         )
@@ -734,7 +728,7 @@ class QSAPagedCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens of every row (transformers 5.23: the argument is <= 0,
         and ``crop(0)`` changes nothing). Paged stores roll back by shortening (they are addressed by
-        position); Qwen4Exp's per-row states are copied back from their rollback ring (`speculative`).
+        position); Qwen4Exp's per-row states are copied back from their rollback ring (`rollback`).
         A rollback deeper than what the cache kept is refused before anything changes."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")

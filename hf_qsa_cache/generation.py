@@ -7,11 +7,12 @@ import inspect
 import warnings
 
 import torch
+from transformers.generation.candidate_generator import AssistedCandidateGenerator
 from transformers.generation.configuration_utils import GenerationMode
 
 from .cache import QSAPagedCache
 from .speculative import (
-    assistant_schedule, attach_assistant_cache, cap_heuristic_drafts, check_headroom, draft_tokens_bound, overshoot,
+    assistant_schedule, cap_heuristic_drafts, check_headroom, draft_tokens_bound, overshoot,
 )
 
 # Tokens a row may still add after a forward that was called without a cache but with use_cache.
@@ -174,3 +175,31 @@ class PagedCacheGenerationMixin:
                     past_key_values=past_key_values, **{k: cols(v) for k, v in per_token.items()}, **model_kwargs,
                 )
         return outputs
+
+
+def attach_assistant_cache(generator, generation_config, batch_size: int, input_length: int, bound: int) -> None:
+    """Give an assistant model of ours a cache it can crop, sized for the whole main generation.
+
+    transformers lets the assistant's own ``generate()`` build its cache in the first round, sized for that
+    round only and without rollback headroom. Each round transformers crops the assistant's cache to two
+    tokens short of the main sequence and re-feeds those: after ``k`` drafts of which ``n`` were accepted
+    that drops ``k - n`` tokens, at most ``bound``.
+    """
+    if not isinstance(generator, AssistedCandidateGenerator):
+        return
+    assistant = generator.assistant_model
+    if not isinstance(assistant, PagedCacheGenerationMixin):
+        return
+    if generator.assistant_kwargs.get("past_key_values") is not None:
+        return
+    kwargs = generator.assistant_kwargs
+    # The assistant never holds more than max_length - 2 columns (it drafts up to the main model's limit).
+    kwargs["past_key_values"] = QSAPagedCache(
+        assistant.config, max_batch_size=batch_size, max_cache_len=generation_config.max_length,
+        num_speculative_tokens=bound,
+    )
+    if kwargs.get("attention_mask") is None:
+        # generate() drops an all-ones mask; the assistant's own generate() would then infer one from pad ids,
+        # masking any generated token that equals pad_token_id. The main model treats every token as real: so
+        # does the assistant (transformers extends this mask with ones every round).
+        kwargs["attention_mask"] = torch.ones(batch_size, input_length, dtype=torch.long, device=assistant.device)

@@ -6,7 +6,8 @@ its last columns; its first real token has logical position ``prev_len[b]``. Pad
 position -1, zero visible blocks and slot -1 everywhere (never written, never read).
 
 `build_step_metadata_torch` is the readable specification. On CUDA the same outputs come from one
-Triton launch (`hf_qsa_cache.ops.metadata_triton`), tested against this function.
+Triton launch (`hf_qsa_cache.ops.metadata_triton`), tested against this function; the cache picks
+one (`QSAPagedCache`'s `build_step_metadata`).
 """
 
 from __future__ import annotations
@@ -146,23 +147,3 @@ def host_fields(host_prev_len: list[int] | None, host_count: list[int] | None, m
         return dict(host_prev_len=None, host_count=None, max_seq_len=max_seq_len)
     seq = [p + c for p, c in zip(host_prev_len, host_count)]
     return dict(host_prev_len=list(host_prev_len), host_count=list(host_count), max_seq_len=max(seq, default=0))
-
-
-def build_step_metadata(
-    prev_len: torch.Tensor,
-    count: torch.Tensor,
-    query_len: int,
-    block_tables: dict[str, torch.Tensor],
-    block_sizes: dict[str, int],
-    qsa: QSAGeometry | None,
-    host_prev_len: list[int] | None,
-    host_count: list[int] | None,
-    max_seq_len: int | None = None,
-) -> StepMetadata:
-    """Dispatch: the Triton kernel on CUDA, the torch specification elsewhere."""
-    args = (prev_len, count, query_len, block_tables, block_sizes, qsa, host_prev_len, host_count, max_seq_len)
-    if prev_len.is_cuda:
-        from .ops.metadata_triton import build_step_metadata_triton
-
-        return build_step_metadata_triton(*args)
-    return build_step_metadata_torch(*args)

@@ -33,7 +33,7 @@ from hf_qsa_cache.generation import (
     PagedCacheGenerationMixin, cache_for_bare_forward, check_token_ids, lands_whole,
 )
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention
-from hf_qsa_cache.speculative import gated_delta_keeping_states, step_history
+from hf_qsa_cache.rollback import gated_delta_keeping_states, step_history
 
 from .checkpoints import StrictLoadingMixin, use_upstream_conversions
 
@@ -230,7 +230,7 @@ class Qwen4ExpPreTrainedModel(StrictLoadingMixin, upstream.Qwen4ExpPreTrainedMod
     _can_set_experts_implementation_cached_value = True
     _can_set_attn_implementation_cached_value = True
     # Upstream marks Qwen4Exp stateful, which makes generate() refuse assisted decoding. A QSAPagedCache with
-    # num_speculative_tokens rolls every state back exactly (hf_qsa_cache/speculative.py), and generate()
+    # num_speculative_tokens rolls every state back exactly (hf_qsa_cache/rollback.py), and generate()
     # builds (or checks) the cache with that headroom.
     _is_stateful = False
 

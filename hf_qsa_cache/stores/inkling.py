@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..blocks import BlockTable
+from .layer_state import LayerState
 from .paged_kv import PagedKV
 
 STREAM_K, STREAM_V, STREAM_ATTN, STREAM_MLP = 0, 1, 2, 3
@@ -137,8 +138,6 @@ def build_inkling_layers(cache, config, block_size: int | None, num_blocks: int 
     uses the same block size when given (default: the window rounded up to a power of two, at most
     64), and the windowed pools are sized from their per-row bound, so they never run out.
     """
-    from ..cache import LayerState
-
     validate_inkling_config(config, block_size)
     rows = cache.max_batch_size
     spec = cache.num_speculative_tokens

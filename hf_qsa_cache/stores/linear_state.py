@@ -75,7 +75,7 @@ class LinearAttentionState:
     def write_window(self, name: str, window: torch.Tensor, kept) -> None:
         """Rows ``[0, B)`` of window state ``name`` (``conv``, ``ple_conv``, ``ngram_ids``) become the tail of
         ``window`` = ``[previous state | this step's inputs]``; with rollback history (``kept`` from
-        `hf_qsa_cache.speculative.step_history`) the states after the step's last columns are kept too."""
+        `hf_qsa_cache.rollback.step_history`) the states after the step's last columns are kept too."""
         live = getattr(self, name)
         live[: window.shape[0]] = window[..., -live.shape[-1]:].to(live.dtype)
         if kept is not None:

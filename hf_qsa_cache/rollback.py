@@ -1,0 +1,91 @@
+"""Exact rollback of the state a speculative verify step overwrites in place (Qwen4Exp).
+
+A verify step writes ``k + 1`` tokens (the last accepted one and ``k`` drafts); `QSAPagedCache.crop`
+then drops the rejected drafts. What makes that exact, per kind of state:
+
+* Paged K/V (main, sliding), Inkling's conv taps, QSA compressed keys: addressed by position, so
+  shortening a row is enough. Windowed tables keep ``num_speculative_tokens`` positions more than the
+  next query reads (`stores.inkling`), the QSA raw-key ring as many more keys (`stores.qsa_index`).
+* GatedDeltaNet recurrent state and conv window, PLE conv window and n-gram context (Qwen4Exp):
+  overwritten in place every step. With ``num_speculative_tokens = k`` each forward keeps the state
+  after each of a row's last ``k + 1`` positions in a per-row ring (`stores.linear_state`); the
+  recurrent states of those positions come from running the recurrence one token at a time
+  (`gated_delta_keeping_states`). ``crop(-n)`` copies back the state after position ``length - 1 - n``.
+
+How far back a row can go: the ring holds the state after each of the last ``k + 1`` positions the row
+reached, so it can be cropped to any length down to ``k`` below the longest length it has had; crops in
+a row share that budget (`rollback_floor`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def step_history(cache, state, device, num_rows: int, query_len: int):
+    """``(m, slots)`` for a linear-state store that keeps rollback history, else None."""
+    if not state.history:
+        return None
+    return state.history_slots(cache.step_metadata(device).position, num_rows, query_len)
+
+
+def gated_delta_keeping_states(chunk_rule, recurrent_rule, query, key, value, g, beta, initial_state, keep: int):
+    """The gated delta rule over ``[B, L, ...]`` inputs, also returning the recurrent state after each of
+    the last ``keep`` tokens.
+
+    The first ``L - keep`` tokens run as one chunked pass; the last ``keep`` run one at a time through
+    the recurrent rule (a decode step does exactly that, so verifying a draft costs the same arithmetic
+    as decoding it). Returns ``(core [B, L, Hv, Dv], final state, states [B, keep, Hv, Dk, Dv])``.
+    """
+    L = query.shape[1]
+    head = L - keep
+    kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    outs, states = [], []
+    state = initial_state
+    if head > 0:
+        out, state = chunk_rule(query[:, :head], key[:, :head], value[:, :head], g=g[:, :head], beta=beta[:, :head],
+                                initial_state=state, **kwargs)
+        outs.append(out)
+    for t in range(head, L):
+        s = slice(t, t + 1)
+        out, state = recurrent_rule(query[:, s], key[:, s], value[:, s], g=g[:, s], beta=beta[:, s],
+                                    initial_state=state, **kwargs)
+        outs.append(out)
+        states.append(state)
+    return torch.cat(outs, dim=1), state, torch.stack(states, dim=1)
+
+
+def rollback_floor(cache, row: int) -> int:
+    """The shortest length ``row`` can be cropped to on a Qwen4Exp cache (ring history and QSA ring)."""
+    if cache.num_speculative_tokens == 0:
+        return cache.lengths[row]
+    return max(0, cache._crop_floor[row], cache.lengths[row] - cache.num_speculative_tokens)
+
+
+def check_linear_rollback(cache, drop: int) -> None:
+    """Raise unless every row of a Qwen4Exp cache can drop ``drop`` tokens (before anything changes)."""
+    limit = cache.num_speculative_tokens
+    if limit == 0:
+        raise ValueError(
+            f"cannot drop {drop} tokens: this Qwen4Exp cache keeps no rollback history for its recurrent state "
+            f"(num_speculative_tokens=0); build it with num_speculative_tokens={drop} or more"
+        )
+    for b in range(cache.num_rows):
+        deepest = cache.lengths[b] - rollback_floor(cache, b)
+        if drop > deepest:
+            raise ValueError(
+                f"cannot drop {drop} tokens: row {b} can go back {deepest} at most (num_speculative_tokens={limit}: "
+                f"the cache keeps the state after each of the last {limit + 1} positions a row reached)"
+            )
+
+
+def restore_linear_states(cache, new_lengths: list[int]) -> None:
+    """Every row of a Qwen4Exp cache takes its recurrent / conv / PLE state after ``new_lengths[b] - 1``."""
+    rows = list(range(cache.num_rows))
+    for b in rows:
+        # What the ring held before this crop bounds every later crop until the row grows past it.
+        cache._crop_floor[b] = max(cache._crop_floor[b], cache.lengths[b] - cache.num_speculative_tokens)
+    for layer in cache.layers:
+        linear = layer.stores.get("linear")
+        if linear is not None:
+            linear.restore(rows, new_lengths)
