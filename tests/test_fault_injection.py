@@ -249,3 +249,44 @@ def test_fault_anywhere_in_a_crop_or_row_move(qwen, ink, family, op):
         assert host_state(cache) == before, f"{op}: a fault at call {n} changed the host state"
         apply(cache)
         torch.testing.assert_close(next_logits(cache), want, atol=1e-6, rtol=0, msg=lambda m: f"{op}, fault at {n}: {m}")
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_fault_while_a_store_allocates_leaves_it_unallocated(qwen, ink, family, monkeypatch):
+    """Stores of a cache built without device/dtype allocate inside the first forward: a fault at any
+    torch call of an allocation must leave that store wholly unallocated, so the retried prompt (here a
+    chunked prefill) allocates it again and equals a cache that never failed."""
+    model = qwen if family == "qwen4_exp" else ink
+    ids, mask = _prompts(family)
+    monkeypatch.setattr(model, "prefill_chunk_tokens", 4 * ids.shape[0])
+
+    def prefill(cache):
+        with torch.no_grad():
+            return model(ids, attention_mask=mask, past_key_values=cache, logits_to_keep=1).logits
+
+    want = prefill(QSAPagedCache(model.config, 4, 96, block_size=4))
+    kinds = {type(s) for layer in QSAPagedCache(model.config, 4, 96).layers for s in layer.stores.values()}
+    for kind in kinds:
+        original = kind.allocate
+        for n in range(1, 8):
+            first = [True]
+
+            def failing(self, device, dtype, n=n, first=first, original=original):
+                if first[0]:
+                    first[0] = False
+                    with FailAt(n):
+                        return original(self, device, dtype)
+                return original(self, device, dtype)
+
+            cache = QSAPagedCache(model.config, 4, 96, block_size=4)
+            monkeypatch.setattr(kind, "allocate", failing)
+            try:
+                prefill(cache)
+                failed = False
+            except Injected:
+                failed = True
+            monkeypatch.setattr(kind, "allocate", original)
+            if not failed:
+                break  # n is past the allocation's last call
+            torch.testing.assert_close(prefill(cache), want, atol=1e-6, rtol=0,
+                                       msg=lambda m: f"{kind.__name__}, fault at call {n}: {m}")

@@ -49,13 +49,15 @@ class QSAIndexStore:
 
     def allocate(self, device, dtype) -> None:
         ring_rows = (self.max_rows + 1) * self.capacity
-        self.ring_keys = torch.zeros(ring_rows, self.index_head_dim, device=device, dtype=dtype)
-        self.ring_positions = torch.zeros(ring_rows, 3, device=device, dtype=torch.int64)
-        self.saved_keys = torch.empty_like(self.ring_keys)
-        self.saved_positions = torch.empty_like(self.ring_positions)
-        # The compressed store marks the store allocated: set last, once everything else exists.
-        self.compressed = torch.zeros(self.num_blocks, self.rows_per_block, self.index_head_dim, device=device,
-                                      dtype=dtype)
+        ring_keys = torch.zeros(ring_rows, self.index_head_dim, device=device, dtype=dtype)
+        ring_positions = torch.zeros(ring_rows, 3, device=device, dtype=torch.int64)
+        saved_keys, saved_positions = torch.empty_like(ring_keys), torch.empty_like(ring_positions)
+        compressed = torch.zeros(self.num_blocks, self.rows_per_block, self.index_head_dim, device=device,
+                                 dtype=dtype)
+        # Set together once all exist (``compressed`` marks the store allocated).
+        self.ring_keys, self.ring_positions = ring_keys, ring_positions
+        self.saved_keys, self.saved_positions = saved_keys, saved_positions
+        self.compressed = compressed
 
     def deallocate(self) -> None:
         self.ring_keys = self.ring_positions = self.compressed = self.saved_keys = self.saved_positions = None
@@ -80,7 +82,7 @@ class QSAIndexStore:
     def inplace_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(live, saved)`` pairs, one row per cache row: the ring is overwritten in place by position
         modulo its capacity (compressed keys are paged by position, so a step never overwrites a read one)."""
-        if self.ring_keys is None:
+        if not self.allocated:
             return []
         by_row = (self.max_rows + 1, self.capacity)
         return [(self.ring_keys.view(*by_row, -1), self.saved_keys.view(*by_row, -1)),
