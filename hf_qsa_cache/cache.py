@@ -182,8 +182,7 @@ class QSAPagedCache(Cache):
         self.columns_seen = 0  # rectangular length (pads included) that generate() reasons in
         self._step: StepMetadata | None = None
         self._step_by_device: dict[torch.device, StepMetadata] = {}
-        self._in_step = False  # a transaction is open (steps do not nest)
-        self._open: StepTransaction | None = None  # that transaction
+        self._open: StepTransaction | None = None  # the step in flight (steps do not nest)
         self._scope: _Scope | None = None  # the model forward in flight (`forward_scope`)
         self.token_log = TokenLog(max_batch_size, max_cache_len)  # what each row holds (`check_continues`)
         self.steps_started = 0  # steps opened, ever (graph runners notice steps they did not take)
@@ -391,16 +390,15 @@ class QSAPagedCache(Cache):
         (`copy_rows_aside`), and says so once that copy has run (`rows_copied_aside`); until then an abort
         restores nothing in place (nothing was written there).
         """
-        if self._in_step:
+        if self._open is not None:
             raise RuntimeError("a step of this cache is already in flight (steps do not nest)")
         if self._scope is not None and self._scope.pending is not None:
             self._scope.pending.commit()  # the previous chunk of this forward lands first
             self._scope.pending = None
         counts = self.check_step(batch_size, query_len, attention_mask)
         prev = self.lengths[:batch_size]
-        txn = self._open = StepTransaction(self, batch_size, query_len)
+        txn = self._open = StepTransaction(self, batch_size)
         self.steps_started += 1
-        self._in_step = True
         try:
             if txn.started_empty:
                 self._reset_stores()  # rows start fresh: zero GDN/PLE state, EOS n-gram context
@@ -415,10 +413,10 @@ class QSAPagedCache(Cache):
                 self.lengths[b] = prev[b] + counts[b]
             yield prev, counts
         except BaseException:
-            self._in_step, self._open = False, None
+            self._open = None
             txn.abort()
             raise
-        self._in_step, self._open = False, None
+        self._open = None
         if self._scope is not None:
             self._scope.pending = txn  # lands when the model's whole forward returns
         else:
@@ -657,7 +655,7 @@ class QSAPagedCache(Cache):
         self.num_rows = 0
         self.columns_seen = 0
         self.clear_step_metadata()
-        self._in_step, self._open = False, None
+        self._open = None
         self._scope = None
         self.token_log.reset()
         self._unusable = None
@@ -686,7 +684,7 @@ class QSAPagedCache(Cache):
         Everything is checked first (row indices, ``max_batch_size``, free blocks for the copies), and the
         device data is gathered before anything is written, so a refusal changes nothing.
         """
-        if self._in_step:
+        if self._open is not None:
             raise RuntimeError("cannot move rows while a step is in flight")
         if self._unusable is not None:
             raise ValueError(self._unusable)
@@ -701,7 +699,7 @@ class QSAPagedCache(Cache):
                 raise ValueError(f"{name} block pool: copying rows needs {need} more free blocks of "
                                  f"{table.block_size} tokens, {have} are free (num_blocks={table.num_blocks})")
         gathered = []  # (row tensor, its new rows): read everything before the first write
-        for store in [*(s for layer in self.layers for s in layer.stores.values()), self.token_log]:
+        for store in self._all_stores():
             for t in store.row_tensors():
                 idx = torch.tensor(src, dtype=torch.long, device=t.device)
                 gathered.append((t, t.index_select(0, idx)))
@@ -778,10 +776,14 @@ class QSAPagedCache(Cache):
                 table.truncate(b, self.lengths[b])
         self.columns_seen = max_length
 
+    def _all_stores(self) -> list:
+        """Every layer's stores, then the cache's own token log."""
+        return [*(store for layer in self.layers for store in layer.stores.values()), self.token_log]
+
     def memory_stats(self) -> dict:
         """Bytes per store (summed over layers) and block usage per table."""
         bytes_per_store: dict[str, int] = {}
-        for store in [*(s for layer in self.layers for s in layer.stores.values()), self.token_log]:
+        for store in self._all_stores():
             for key, size in store.nbytes().items():
                 if size:
                     bytes_per_store[key] = bytes_per_store.get(key, 0) + size

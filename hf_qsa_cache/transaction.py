@@ -6,8 +6,9 @@ A step changes five kinds of state; each has one way back, decided here and nowh
   anything changes, put back whole;
 * block tables: each table journals the blocks the step reserves (`BlockTable.begin_step`), and blocks
   that fall out of a window are only released at commit, so an abort finds every block where it was;
-* paged stores (attention K/V, QSA compressed keys, Inkling conv taps): a step writes them only at
-  positions past its rows' old lengths, which nothing reads once the lengths are back;
+* paged stores (attention K/V, QSA compressed keys, Inkling conv taps) and the token log: a step
+  writes them only at positions past its rows' old lengths, which nothing reads once the lengths are
+  back;
 * stores overwritten in place (GatedDeltaNet / PLE state and windows, the QSA raw-key ring): the step's
   rows are copied aside before the first write (one batched copy) and copied back on abort;
 * the speculative rollback rings (Qwen4Exp): not copied. An aborted step may have overwritten entries
@@ -25,10 +26,9 @@ from __future__ import annotations
 class StepTransaction:
     """Opened before a step changes anything; ends with exactly one of `commit` or `abort`."""
 
-    def __init__(self, cache, batch_size: int, query_len: int):
+    def __init__(self, cache, batch_size: int):
         self.cache = cache
         self.batch_size = batch_size
-        self.query_len = query_len
         self.host = (list(cache.lengths), cache.num_rows, cache.columns_seen, list(cache._crop_floor))
         self.started_empty = cache.columns_seen == 0
         self.saved_rows = 0  # rows of in-place state copied aside (0: nothing to copy back)

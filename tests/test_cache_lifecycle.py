@@ -246,10 +246,9 @@ def test_graphed_decode_steps_walk_the_model_once(qwen, monkeypatch):
     walks = []
     real = cuda_graphs.model_fingerprint
     monkeypatch.setattr(cuda_graphs, "model_fingerprint", lambda m: walks.append(1) or real(m))
-    monkeypatch.setattr(cuda_graphs, "decode_graphs_for", lambda *a, **k: runner)  # as on a GPU
     import modeling.modeling_qwen4_exp as qwen_module
 
-    monkeypatch.setattr(qwen_module, "decode_graphs_for", lambda model, cache, ids, *a, **k:
+    monkeypatch.setattr(qwen_module, "decode_graphs_for", lambda model, cache, ids, *a, **k:  # as on a GPU
                         runner if cache is not None and cache.columns_seen and ids.shape[1] == 1 else None)
     _generate(model, ids, mask, cache, new=6)
     assert len(walks) == 1 and runner.buckets[(4, 1)].graph.replays == 4

@@ -287,6 +287,7 @@ def test_fault_while_a_store_allocates_leaves_it_unallocated(qwen, ink, family, 
                 failed = True
             monkeypatch.setattr(kind, "allocate", original)
             if not failed:
+                assert n > 1, f"{kind.__name__}: a fault at its allocation's first call did not raise"
                 break  # n is past the allocation's last call
             torch.testing.assert_close(prefill(cache), want, atol=1e-6, rtol=0,
                                        msg=lambda m: f"{kind.__name__}, fault at call {n}: {m}")
