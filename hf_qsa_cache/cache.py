@@ -253,7 +253,12 @@ class QSAPagedCache(Cache):
 
     # ------------------------------------------------------------------ the step
     def _row_counts(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None) -> list[int]:
-        """Real tokens per row in this forward, validating that the mask is left-padded."""
+        """Real tokens per row in this forward (the mask's last ``query_len`` columns).
+
+        Within the step a row's pads must come before its real tokens (the models reorder any other
+        mask to that layout first: `hf_qsa_cache.padding`); the columns before the step may hold pads
+        anywhere (a right-padded prompt, then tokens generated after the pads). A row that holds tokens
+        may have pads in a step: its state continues at its real length."""
         starting = any(self.lengths[b] == 0 for b in range(batch_size))
         if attention_mask is None:
             return [query_len] * batch_size
@@ -268,24 +273,17 @@ class QSAPagedCache(Cache):
         if query_len == 1 and not starting:
             # generate() appends a 1 for every row at every step; trusting it keeps decode free of host syncs.
             return [1] * batch_size
-        mask = attention_mask.detach().to("cpu", torch.int64)
+        mask = attention_mask[:, -query_len:].detach().to("cpu", torch.int64)
         if not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError("attention_mask must hold only 0 and 1")
         steps = mask[:, 1:] - mask[:, :-1]
         bad = (steps < 0).any(dim=1).nonzero().flatten().tolist()
         if bad:
             raise ValueError(
-                f"attention_mask is not left-padded: row {bad[0]} has a real token before a pad "
-                "(use tokenizer.padding_side='left')"
+                f"the step's attention_mask columns are not left-padded: row {bad[0]} has a real token before a "
+                "pad (the models reorder such masks before the step: hf_qsa_cache.padding.step_order)"
             )
-        counts = mask[:, -query_len:].sum(dim=1).tolist()
-        for b, c in enumerate(counts):
-            if self.lengths[b] > 0 and c != query_len:
-                raise ValueError(
-                    f"attention_mask is not left-padded: row {b} already holds {self.lengths[b]} tokens "
-                    f"but has {query_len - c} pads in this step"
-                )
-        return counts
+        return mask.sum(dim=1).tolist()
 
     def check_step(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None) -> list[int]:
         """Validate a forward of ``[batch_size, query_len]`` tokens without changing anything.

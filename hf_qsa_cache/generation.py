@@ -11,6 +11,7 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from transformers.generation.configuration_utils import GenerationMode
 
 from .cache import QSAPagedCache
+from .padding import step_order
 from .speculative import (
     assistant_schedule, cap_heuristic_drafts, check_headroom, draft_tokens_bound, overshoot,
 )
@@ -69,6 +70,17 @@ class PagedCacheGenerationMixin:
                 and not ids.is_floating_point():
             cache.check_continues(ids)
         return super().generate(inputs, *args, **kwargs)
+
+    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
+        # transformers numbers real tokens by the mask and gives pads 0, then adds 1 to the last column every
+        # step: after a right-padded prompt the generated tokens would restart near 0. A pad takes the
+        # position of the latest real token before it instead, so generation continues from each row's real
+        # length (real tokens keep their positions; pads are never read).
+        position_ids = super()._prepare_position_ids_for_generation(inputs_tensor, model_kwargs)
+        mask = model_kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 2 and position_ids.shape == mask.shape:
+            position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        return position_ids
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
@@ -159,6 +171,13 @@ class PagedCacheGenerationMixin:
                               past_key_values=past_key_values, **per_token, **model_kwargs)
         if past_key_values is None:
             past_key_values = cache_for_bare_forward(self.config, B, L, model_kwargs.get("use_cache"))
+        # A mask with pads after real tokens: reorder the whole prompt once (`hf_qsa_cache.padding`), so every
+        # chunk is left-padded and the last chunk holds each row's last real tokens.
+        order = step_order(attention_mask, L)
+        if order is not None:
+            input_ids, inputs_embeds = order.inputs(input_ids, 1), order.inputs(inputs_embeds, 1)
+            per_token = {k: None if v is None else order.inputs(v[..., -L:], -1, -2) for k, v in per_token.items()}
+            attention_mask = order.full_mask(attention_mask)
         past_key_values.check_step(B, L, attention_mask)  # reject a bad prompt before any chunk lands
         past = attention_mask.shape[1] - L if attention_mask is not None else 0
         # Chunks end at L, L - chunk, ...: the last one is whole, so it holds the logits to keep.
@@ -174,6 +193,11 @@ class PagedCacheGenerationMixin:
                     attention_mask=None if attention_mask is None else attention_mask[:, : past + end],
                     past_key_values=past_key_values, **{k: cols(v) for k, v in per_token.items()}, **model_kwargs,
                 )
+        if order is not None:  # the last chunk's columns back in the caller's order (they stay in that chunk)
+            start = L - outputs.last_hidden_state.shape[1]
+            source = order.source[:, start:] - start
+            outputs.last_hidden_state = outputs.last_hidden_state.gather(
+                1, source[..., None].expand_as(outputs.last_hidden_state))
         return outputs
 
 

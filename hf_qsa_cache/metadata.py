@@ -1,8 +1,9 @@
 """Per-forward step metadata, built once and only read by the layers.
 
 Token layout: a forward sees ``input_ids`` of shape ``[B, L]``. Token ``t`` of the flattened batch is
-row ``t // L``, column ``t % L``. Rows are left-padded: row ``b`` has ``count[b]`` real tokens in
-its last columns; its first real token has logical position ``prev_len[b]``. Pad tokens get
+row ``t // L``, column ``t % L``. Rows are left-padded within the step: row ``b`` has ``count[b]`` real
+tokens in its last columns; its first real token has logical position ``prev_len[b]`` (a row that
+holds tokens may have pads in a step too: they sit between its past and its new tokens). Pad tokens get
 position -1, zero visible blocks and slot -1 everywhere (never written, never read).
 
 `build_step_metadata_torch` is the readable specification. On CUDA the same outputs come from one
@@ -51,6 +52,13 @@ class StepMetadata:
     @property
     def valid(self) -> torch.Tensor:
         return self.position >= 0
+
+    def leading_pads(self) -> torch.Tensor | None:
+        """``[B]`` pad columns before each row's real tokens in this step, or None when no row has any
+        (always None for a CUDA-graph step: decode and verify steps carry no pads)."""
+        if self.host_count is None or all(c == self.query_len for c in self.host_count):
+            return None
+        return self.query_len - self.count.long()
 
     def closes_groups(self, ratio: int) -> bool:
         """Whether this forward may close a group of ``ratio`` tokens in some row (always, in a graph)."""

@@ -40,6 +40,7 @@ from hf_qsa_cache.generation import (
     PagedCacheGenerationMixin, cache_for_bare_forward, check_token_ids, lands_whole,
 )
 from hf_qsa_cache.metadata import StepMetadata
+from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention
 from hf_qsa_cache.ops.sconv import short_conv
 from hf_qsa_cache.stores.inkling import STREAM_ATTN, STREAM_K, STREAM_MLP, STREAM_V
@@ -191,6 +192,8 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         self.post_init()
 
     @lands_whole
+    @runs_any_padding(per_token={"input_ids": -1, "inputs_embeds": 1},
+                      outputs={"last_hidden_state": (1, 0), "hidden_states": (1, 0)})
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

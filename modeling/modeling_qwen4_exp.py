@@ -32,6 +32,7 @@ from hf_qsa_cache.cuda_graphs import decode_graphs_for
 from hf_qsa_cache.generation import (
     PagedCacheGenerationMixin, cache_for_bare_forward, check_token_ids, lands_whole,
 )
+from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention
 from hf_qsa_cache.rollback import gated_delta_keeping_states, step_history
 
@@ -109,10 +110,10 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
         b = self.in_proj_b(hidden_states)
         a = self.in_proj_a(hidden_states)
 
-        # Causal depthwise conv over [last K-1 inputs | this step]; pads are zero and only precede a
-        # row's first token, when the window is still all zeros.
+        # Causal depthwise conv over [last K-1 inputs | this step's real inputs] (pads are zero and moved
+        # in front of the kept inputs).
         weight = self.conv1d.weight.squeeze(1)
-        window = torch.cat([state.conv[:B].to(mixed_qkv.dtype), mixed_qkv], dim=-1)
+        window = state.window("conv", mixed_qkv, cache.step_metadata(hidden_states.device).leading_pads())
         kept = step_history(cache, state, hidden_states.device, B, L)  # rollback ring (speculative decoding)
         state.write_window("conv", window, kept)
         mixed_qkv = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), None, groups=window.shape[1])
@@ -152,7 +153,8 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
         B, L, _ = hidden_states.shape
         state = cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype).linear
         kept = step_history(cache, state, hidden_states.device, B, L)  # rollback ring (speculative decoding)
-        embeddings = self._ngram_embeddings(input_ids, state, kept)
+        leading_pads = cache.step_metadata(hidden_states.device).leading_pads()
+        embeddings = self._ngram_embeddings(input_ids, state, kept, leading_pads)
         key_normed = self.norm_key(self.key_proj(embeddings)).unflatten(-1, (self.hc_count, self.hidden_size))
         value = self.value_proj(embeddings)
         query_normed = self.norm_query(hidden_states).unflatten(-1, (self.hc_count, self.hidden_size))
@@ -164,15 +166,15 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
         gated_value = torch.where(valid[..., None], gated_value, 0)
         gated_value_normed = torch.where(valid[..., None], gated_value_normed, 0)
 
-        window = torch.cat([state.ple_conv[:B], gated_value_normed.transpose(1, 2)], dim=-1)
+        window = state.window("ple_conv", gated_value_normed.transpose(1, 2), leading_pads)
         state.write_window("ple_conv", window, kept)
         conv = F.silu(self.conv1d(window)).transpose(1, 2)
         return gated_value + conv
 
-    def _ngram_embeddings(self, input_ids, state, kept=None):
+    def _ngram_embeddings(self, input_ids, state, kept=None, leading_pads=None):
         emb = self.ple_embedding
         ids = input_ids.long()
-        history = torch.cat([state.ngram_ids[: ids.shape[0]], ids], dim=-1)
+        history = state.window("ngram_ids", ids, leading_pads)
         state.write_window("ngram_ids", history, kept)
         shifted = [emb._shift_right_ignore_eos(history, s) for s in range(emb.ngram_size)]
         blocks = []
@@ -253,6 +255,12 @@ def step_position_ids(position_ids: torch.Tensor, B: int, L: int) -> torch.Tenso
     return position_ids[..., -L:].expand(3, B, L)
 
 
+# What a step with pads after real tokens reorders (`runs_any_padding`): inputs -> column dim; outputs ->
+# (column dim, batch dim).
+TOKEN_INPUTS = {"input_ids": -1, "inputs_embeds": 1, "position_ids": -1, "ple_input_ids": -1}
+TOKEN_OUTPUTS = {"last_hidden_state": (1, 0), "hidden_states": (1, 0), "router_logits": (1, 0)}
+
+
 class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
     # As upstream: output_hidden_states / output_router_logits record these modules' outputs.
     _can_record_outputs = {
@@ -275,6 +283,7 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         self.post_init()
 
     @lands_whole
+    @runs_any_padding(per_token=TOKEN_INPUTS, outputs=TOKEN_OUTPUTS)
     @capture_outputs
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, ple_input_ids=None, **kwargs) -> MoeModelOutputWithPast:

@@ -188,8 +188,10 @@ def test_bad_input_raises_and_leaves_cache_usable(pair):
     prompts = random_prompts([9, 14], seed=9)
     ids, mask = left_pad(prompts)
     right = mask.flip(1)
-    with pytest.raises(ValueError, match="not left-padded: row 0"):
-        ours(ids, attention_mask=right, past_key_values=cache)
+    with pytest.raises(ValueError, match="not left-padded: row 0"):  # the models reorder such steps first
+        cache.check_step(2, ids.shape[1], right)
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        ours(ids, attention_mask=mask * 2, past_key_values=cache)
     too_many = torch.randint(2, 90, (4, 5))
     with pytest.raises(ValueError, match="batch of 4 rows exceeds max_batch_size=3"):
         ours(too_many, past_key_values=cache)

@@ -72,6 +72,25 @@ class LinearAttentionState:
         return {name: t for name, t in named.items() if t is not None}
 
     # ------------------------------------------------------------------ the writes of a step
+    def window(self, name: str, x: torch.Tensor, leading_pads: torch.Tensor | None) -> torch.Tensor:
+        """``[previous state | this step's inputs]`` for rows ``[0, B)`` of window state ``name``, along the
+        last dim. ``x``'s real columns are each row's last ones; ``leading_pads`` (``[B]``, None when no row
+        has pads) moves a row's pad columns in front of its kept window, filled as a fresh window is, so the
+        window reaches the row's real inputs unbroken even when the row holds tokens."""
+        live = getattr(self, name)[: x.shape[0]].to(x.dtype)
+        window = torch.cat([live, x], dim=-1)
+        if leading_pads is None:
+            return window
+        kept, width = live.shape[-1], window.shape[-1]
+        col = torch.arange(width, device=x.device)
+        pads = leading_pads.view(-1, 1)
+        # Column j takes: a fresh value before the row's kept window, the kept window next, then x as is.
+        src = torch.where(col < pads + kept, (col - pads).clamp_min(0), col)
+        shape = [x.shape[0]] + [1] * (x.dim() - 2) + [width]
+        src = src.view(shape).expand(window.shape)
+        fresh = self.eos_token_id if name == "ngram_ids" else 0
+        return torch.where((col < pads).view(shape), fresh, window.gather(-1, src))
+
     def write_window(self, name: str, window: torch.Tensor, kept) -> None:
         """Rows ``[0, B)`` of window state ``name`` (``conv``, ``ple_conv``, ``ngram_ids``) become the tail of
         ``window`` = ``[previous state | this step's inputs]``; with rollback history (``kept`` from

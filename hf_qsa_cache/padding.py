@@ -1,0 +1,127 @@
+"""Any 2-D padding mask on a cache whose steps are laid out left-padded.
+
+The layers see each row's real tokens of a step in the step's last columns (`hf_qsa_cache.metadata`).
+A mask with pads after or between real tokens (right padding, pads in the middle) runs by reordering
+each row's columns of the step: pads first, then the real tokens in their order. Pads are inert, so a
+row's real tokens compute what the row computes without its pads; that is what transformers' models
+compute at the real positions of left- and right-padded rows. The outputs are put back in the
+caller's columns.
+
+Output at a pad column: after a real token of the same step it repeats that token's output (so the
+last column's logits of a right-padded prompt predict the row's next token and `generate()` works on
+right-padded prompts: later steps continue from the row's real length); before any it is unspecified
+(transformers' are too).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepOrder:
+    """How a step's ``L`` columns are reordered for the layers, and how outputs come back."""
+
+    order: torch.Tensor  # [B, L] long: reordered column j holds the caller's column order[b, j]
+    source: torch.Tensor  # [B, L] long: the caller's column c reads reordered column source[b, c]
+    mask: torch.Tensor  # [B, L] the step's mask columns, reordered (left-padded)
+
+    def inputs(self, x: torch.Tensor | None, dim: int, batch_dim: int = 0) -> torch.Tensor | None:
+        """``x`` (the step's columns along ``dim``) in the layers' order."""
+        return None if x is None else _take(x, self.order, dim, batch_dim)
+
+    def outputs(self, y: torch.Tensor | None, dim: int = 1, batch_dim: int = 0) -> torch.Tensor | None:
+        """``y`` (the layers' columns along ``dim``) back in the caller's columns."""
+        return None if y is None else _take(y, self.source, dim, batch_dim)
+
+    def full_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The whole mask (past columns as given) with the step's columns reordered."""
+        L = self.mask.shape[1]
+        return torch.cat([attention_mask[:, : attention_mask.shape[1] - L], self.mask.to(attention_mask.dtype)], 1)
+
+
+def _take(x: torch.Tensor, index: torch.Tensor, dim: int, batch_dim: int) -> torch.Tensor:
+    """``x`` with its ``dim`` entries taken per row (``batch_dim``) from ``index`` ``[B, L]``."""
+    dim, batch_dim = dim % x.dim(), batch_dim % x.dim()
+    shape = [1] * x.dim()
+    shape[batch_dim], shape[dim] = index.shape
+    sizes = list(x.shape)
+    sizes[dim] = index.shape[1]
+    return x.gather(dim, index.to(x.device).view(shape).expand(sizes))
+
+
+def step_order(attention_mask: torch.Tensor | None, query_len: int) -> StepOrder | None:
+    """The reordering a step of ``query_len`` columns needs, or None when its mask columns are already
+    left-padded (no mask, single-token steps, left padding). One host sync for multi-token steps."""
+    if attention_mask is None or query_len == 1 or attention_mask.dim() != 2:
+        return None
+    step = attention_mask[:, -query_len:]
+    real = step != 0
+    if not bool((real[:, :-1] & ~real[:, 1:]).any()):  # no real token before a pad
+        return None
+    order = torch.sort(real.to(torch.int8), dim=1, stable=True).indices  # pads first, each kept in order
+    position_in_order = order.argsort(dim=1)
+    col = torch.arange(query_len, device=step.device).expand_as(order)
+    # A pad after a real token reads that token's output: the latest real column at or before it.
+    latest_real = torch.where(real, col, -1).cummax(dim=1).values
+    source = position_in_order.gather(1, torch.where(latest_real >= 0, latest_real, col))
+    return StepOrder(order=order, source=source, mask=step.gather(1, order))
+
+
+def runs_any_padding(per_token: dict[str, int], outputs: dict[str, tuple[int, int]]):
+    """Decorator for a text model's ``forward``: a step whose mask columns are not left-padded runs
+    reordered (`step_order`) and its outputs come back in the caller's columns.
+
+    ``per_token``: inputs holding the step's columns (the last ``L`` along the given dim; the batch is
+    the dim before it). ``outputs``: output fields -> (column dim, batch dim); tuples of tensors are
+    mapped entry by entry, and a ``[B * L, ...]`` tensor (router logits) is viewed as ``[B, L, ...]``."""
+
+    def decorate(forward):
+        signature = inspect.signature(forward)
+
+        @functools.wraps(forward)
+        def wrapper(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            call = bound.arguments
+            tokens = call.get("input_ids")
+            if tokens is None:
+                tokens = call.get("inputs_embeds")
+            mask = call.get("attention_mask")
+            order = None
+            if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and isinstance(mask, torch.Tensor):
+                order = step_order(mask, tokens.shape[1])
+            if order is None:
+                return forward(*args, **kwargs)
+            B, L = order.order.shape
+            extra = call.pop("kwargs", {}) if "kwargs" in signature.parameters else {}
+            for name, dim in per_token.items():
+                where = call if name in call else extra
+                value = where.get(name)
+                if isinstance(value, torch.Tensor) and value.shape[dim] >= L:
+                    dim %= value.dim()
+                    where[name] = order.inputs(value.narrow(dim, value.shape[dim] - L, L), dim, dim - 1)
+            call["attention_mask"] = order.full_mask(mask)
+            result = forward(**call, **extra)
+            for name, (dim, batch_dim) in outputs.items():
+                value = getattr(result, name, None)
+                if value is not None:
+                    setattr(result, name, _restore(value, order, dim, batch_dim, B, L))
+            return result
+
+        return wrapper
+
+    return decorate
+
+
+def _restore(value, order: StepOrder, dim: int, batch_dim: int, B: int, L: int):
+    if isinstance(value, tuple):
+        return tuple(_restore(v, order, dim, batch_dim, B, L) for v in value)
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() >= 1 and value.shape[0] == B * L != B:  # flattened [B * L, ...] (router logits)
+        return order.outputs(value.view(B, L, *value.shape[1:]), 1).reshape(value.shape)
+    return order.outputs(value, dim, batch_dim)
