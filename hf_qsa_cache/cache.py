@@ -528,6 +528,21 @@ class QSAPagedCache(Cache):
                 if store.allocated:
                     store.reset()
 
+    @contextlib.contextmanager
+    def replaying(self, meta: StepMetadata):
+        """Run a layer of the step ``meta`` describes. A no-op inside that step; after it (activation
+        checkpointing recomputes layers during backward) the step's metadata is put back for the layer's
+        run. The recompute writes the values the step wrote, to the same slots."""
+        if self._step is meta:
+            yield
+            return
+        saved = self._step, self._step_by_device
+        self._step, self._step_by_device = meta, {}
+        try:
+            yield
+        finally:
+            self._step, self._step_by_device = saved
+
     def step_metadata(self, device: torch.device) -> StepMetadata:
         """This forward's metadata on ``device`` (copied once per device, for split models)."""
         if self._step is None:

@@ -19,7 +19,8 @@ from .speculative import (
 # Tokens a row may still add after a forward that was called without a cache but with use_cache.
 FORWARD_CACHE_HEADROOM = 256
 
-_warned_cache_implementation: list[str] = []  # the warning below is said once per process
+_warned_cache_implementation: list[str] = []  # the warnings below are said once per process
+_warned_checkpointing: list[bool] = []
 
 
 def check_token_ids(input_ids, vocab_size: int) -> None:
@@ -36,6 +37,43 @@ def cache_for_bare_forward(config, batch_size: int, length: int, use_cache) -> Q
     """The cache a forward builds when none is passed: the models always run on paged state."""
     headroom = FORWARD_CACHE_HEADROOM if use_cache is not False else 0
     return QSAPagedCache(config, max_batch_size=batch_size, max_cache_len=max(length, 1) + headroom)
+
+
+def forward_cache(model, past_key_values, batch_size: int, length: int, use_cache) -> tuple[QSAPagedCache, bool]:
+    """``(cache, use_cache)`` a text model's forward runs on: the caller's, or one sized for this call.
+
+    Under activation checkpointing while training, always a throwaway cache (as transformers' layers drop
+    the cache there): the layers are rerun during backward, after the step, and must read the state the
+    step started from, which only a fresh cache guarantees (`StepMetadata.starts_fresh`)."""
+    if past_key_values is not None and not isinstance(past_key_values, QSAPagedCache):
+        raise ValueError(
+            f"{type(model).__name__} keeps its state in a QSAPagedCache, got {type(past_key_values).__name__} "
+            "as past_key_values"
+        )
+    if model.training and getattr(model, "gradient_checkpointing", False) and (
+            past_key_values is not None or use_cache):
+        if not _warned_checkpointing:
+            warnings.warn("activation checkpointing reruns layers during backward: this forward runs on a "
+                          "throwaway cache (use_cache=False, past_key_values not used)", stacklevel=3)
+            _warned_checkpointing.append(True)
+        past_key_values, use_cache = None, False
+    if past_key_values is None:
+        past_key_values = cache_for_bare_forward(model.config, batch_size, length, use_cache)
+    return past_key_values, use_cache
+
+
+def grow_for_request(cache: QSAPagedCache, need: int) -> None:
+    """Grow a cache generate() built so that rows can hold ``need`` tokens.
+
+    The new length is ``need`` rounded up to whole blocks of the main table: pools hold whole blocks
+    anyway, so the rounding costs no memory and spares short continuations a reallocation each. No
+    more than that (no doubling): generate() sized this cache for what its caller asked, and on a long
+    context spare capacity is device memory the caller did not ask for.
+    """
+    if need <= cache.max_cache_len:
+        return
+    block = cache.tables["main"].block_size
+    cache.grow(block * -(-need // block))
 
 
 def lands_whole(forward):

@@ -53,6 +53,13 @@ class StepMetadata:
     def valid(self) -> torch.Tensor:
         return self.position >= 0
 
+    @property
+    def starts_fresh(self) -> bool:
+        """Every row is empty before this step (known on the host; False for a CUDA-graph step): layers
+        start from fresh state instead of reading it, so a step recomputed later (activation
+        checkpointing, after the step has written its state) computes the same."""
+        return self.host_prev_len is not None and not any(self.host_prev_len)
+
     def leading_pads(self) -> torch.Tensor | None:
         """``[B]`` pad columns before each row's real tokens in this step, or None when no row has any
         (always None for a CUDA-graph step: decode and verify steps carry no pads)."""

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers.generation import GenerationMixin
 from transformers.integrations.accelerate import force_accelerate_hooks
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeModelOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.inkling.configuration_inkling import InklingTextConfig
@@ -37,7 +38,7 @@ from transformers.models.inkling.modeling_inkling import (
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.cuda_graphs import decode_graphs_for
 from hf_qsa_cache.generation import (
-    PagedCacheGenerationMixin, cache_for_bare_forward, check_token_ids, lands_whole,
+    PagedCacheGenerationMixin, check_token_ids, forward_cache, lands_whole,
 )
 from hf_qsa_cache.metadata import StepMetadata
 from hf_qsa_cache.padding import runs_any_padding
@@ -136,7 +137,7 @@ class InklingPagedAttention(nn.Module):
         return self.o_proj(out)
 
 
-class InklingPagedDecoderLayer(nn.Module):
+class InklingPagedDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: InklingTextConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -151,7 +152,11 @@ class InklingPagedDecoderLayer(nn.Module):
         self.mlp_sconv = InklingPagedShortConvolution(config.hidden_size, config.conv_kernel_size, layer_idx,
                                                       STREAM_MLP)
 
-    def forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata) -> torch.Tensor:
+        with cache.replaying(meta):  # activation checkpointing may rerun this layer after the step
+            return self._forward(hidden_states, cache)
+
+    def _forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache) -> torch.Tensor:
         meta = cache.step_metadata(hidden_states.device)
         cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype)
         residual = hidden_states
@@ -207,10 +212,6 @@ class InklingTextModel(InklingPagedPreTrainedModel):
     ) -> MoeModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if past_key_values is not None and not isinstance(past_key_values, QSAPagedCache):
-            raise ValueError(
-                f"this Inkling model keeps its state in a QSAPagedCache, got {type(past_key_values).__name__}"
-            )
         if isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() != 2):
             raise ValueError("attention_mask must be a 2-D [batch, length] padding mask")
         if use_cache is None:
@@ -222,14 +223,12 @@ class InklingTextModel(InklingPagedPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         B, L = inputs_embeds.shape[:2]
 
-        cache = past_key_values
-        if cache is None:
-            cache = cache_for_bare_forward(self.config, B, L, use_cache)
+        cache, use_cache = forward_cache(self, past_key_values, B, L, use_cache)
         cache.check_model(self.config, inputs_embeds.dtype)
 
         all_hidden = [] if output_hidden_states else None
-        with cache.step(B, L, attention_mask, inputs_embeds.device, input_ids):
-            hidden_states = self.run_layers(inputs_embeds, cache, all_hidden)
+        with cache.step(B, L, attention_mask, inputs_embeds.device, input_ids) as meta:
+            hidden_states = self.run_layers(inputs_embeds, cache, meta, all_hidden)
         if output_hidden_states:  # as upstream: the last entry is the final-normed state (MTP drafts from it)
             all_hidden = tuple(all_hidden[:-1]) + (hidden_states,)
         return MoeModelOutputWithPast(
@@ -239,7 +238,7 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         )
 
 
-    def run_layers(self, inputs_embeds: torch.Tensor, cache: QSAPagedCache,
+    def run_layers(self, inputs_embeds: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata,
                    all_hidden: list | None = None) -> torch.Tensor:
         """Every layer and the final norm (device work only once the step's metadata is built, so a CUDA
         graph can record this). Appends each layer's input to ``all_hidden`` when given."""
@@ -247,7 +246,7 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         for layer in self.layers:
             if all_hidden is not None:
                 all_hidden.append(hidden_states)
-            hidden_states = layer(hidden_states, cache)
+            hidden_states = layer(hidden_states, cache, meta)
         if all_hidden is not None:
             all_hidden.append(hidden_states)
         return self.norm(hidden_states)
@@ -322,7 +321,7 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, PagedCacheGenerationMixin,
 
     def _decode_logits(self, input_ids, position_ids, meta, cache: QSAPagedCache) -> torch.Tensor:
         """Logits of a step whose metadata is built (what a captured decode graph runs)."""
-        return self._logits(self.model.run_layers(self.model.embed_tokens(input_ids), cache))
+        return self._logits(self.model.run_layers(self.model.embed_tokens(input_ids), cache, meta))
 
 
 # Convert checkpoint layouts as transformers does for its own Inkling classes (if it has conversions).

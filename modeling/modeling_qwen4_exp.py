@@ -30,9 +30,10 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.cuda_graphs import decode_graphs_for
 from hf_qsa_cache.generation import (
-    PagedCacheGenerationMixin, cache_for_bare_forward, check_token_ids, lands_whole,
+    PagedCacheGenerationMixin, check_token_ids, forward_cache, lands_whole,
 )
 from hf_qsa_cache.padding import runs_any_padding
+from hf_qsa_cache.ops import records_grad
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention
 from hf_qsa_cache.rollback import gated_delta_keeping_states, step_history
 
@@ -76,9 +77,11 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
             q_index, raw_keys, positions3, meta, layer.index, main.block_size, idx.block_topk,
             finish_group=lambda pooled, first_pos: self._finish_group(pooled, first_pos),
         )
+        pages = layer.kv.keys, layer.kv.values
+        if records_grad(key, value):  # the pages keep values only; autograd needs this step's keys as computed
+            pages = layer.kv.with_step_written(meta.slots["main"], key, value)
         out = sparse_paged_attention(
-            query, layer.kv.keys, layer.kv.values, meta.block_tables["main"], meta.token_row, selected,
-            main.block_size, self.scaling,
+            query, *pages, meta.block_tables["main"], meta.token_row, selected, main.block_size, self.scaling,
         )
         out = out.reshape(n, -1) * torch.sigmoid(gate)
         return self.o_proj(out).view(B, L, -1)
@@ -112,8 +115,9 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
 
         # Causal depthwise conv over [last K-1 inputs | this step's real inputs] (pads are zero and moved
         # in front of the kept inputs).
+        meta = cache.step_metadata(hidden_states.device)
         weight = self.conv1d.weight.squeeze(1)
-        window = state.window("conv", mixed_qkv, cache.step_metadata(hidden_states.device).leading_pads())
+        window = state.window("conv", mixed_qkv, meta.leading_pads(), meta.starts_fresh)
         kept = step_history(cache, state, hidden_states.device, B, L)  # rollback ring (speculative decoding)
         state.write_window("conv", window, kept)
         mixed_qkv = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), None, groups=window.shape[1])
@@ -129,16 +133,17 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
         g = torch.where(valid[..., None], g, 0)
 
         states = None
+        initial_state = state.initial_recurrent(B, meta.starts_fresh)
         if kept is None:
             rule = upstream.torch_recurrent_gated_delta_rule if L == 1 else upstream.torch_chunk_gated_delta_rule
             core, last_state = rule(
-                query, key, value, g=g, beta=beta, initial_state=state.recurrent[:B],
+                query, key, value, g=g, beta=beta, initial_state=initial_state,
                 output_final_state=True, use_qk_l2norm_in_kernel=True,
             )
         else:
             core, last_state, states = gated_delta_keeping_states(
                 upstream.torch_chunk_gated_delta_rule, upstream.torch_recurrent_gated_delta_rule, query, key, value,
-                g, beta, state.recurrent[:B], keep=kept[0],
+                g, beta, initial_state, keep=kept[0],
             )
         state.write_recurrent(last_state, kept, states)
 
@@ -153,8 +158,8 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
         B, L, _ = hidden_states.shape
         state = cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype).linear
         kept = step_history(cache, state, hidden_states.device, B, L)  # rollback ring (speculative decoding)
-        leading_pads = cache.step_metadata(hidden_states.device).leading_pads()
-        embeddings = self._ngram_embeddings(input_ids, state, kept, leading_pads)
+        meta = cache.step_metadata(hidden_states.device)
+        embeddings = self._ngram_embeddings(input_ids, state, kept, meta)
         key_normed = self.norm_key(self.key_proj(embeddings)).unflatten(-1, (self.hc_count, self.hidden_size))
         value = self.value_proj(embeddings)
         query_normed = self.norm_query(hidden_states).unflatten(-1, (self.hc_count, self.hidden_size))
@@ -166,15 +171,15 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
         gated_value = torch.where(valid[..., None], gated_value, 0)
         gated_value_normed = torch.where(valid[..., None], gated_value_normed, 0)
 
-        window = state.window("ple_conv", gated_value_normed.transpose(1, 2), leading_pads)
+        window = state.window("ple_conv", gated_value_normed.transpose(1, 2), meta.leading_pads(), meta.starts_fresh)
         state.write_window("ple_conv", window, kept)
         conv = F.silu(self.conv1d(window)).transpose(1, 2)
         return gated_value + conv
 
-    def _ngram_embeddings(self, input_ids, state, kept=None, leading_pads=None):
+    def _ngram_embeddings(self, input_ids, state, kept, meta):
         emb = self.ple_embedding
         ids = input_ids.long()
-        history = state.window("ngram_ids", ids, leading_pads)
+        history = state.window("ngram_ids", ids, meta.leading_pads(), meta.starts_fresh)
         state.write_window("ngram_ids", history, kept)
         shifted = [emb._shift_right_ignore_eos(history, s) for s in range(emb.ngram_size)]
         blocks = []
@@ -209,7 +214,11 @@ class Qwen4ExpTextDecoderLayer(upstream.Qwen4ExpTextDecoderLayer):
         self.attn_hyper_connection = upstream.Qwen4ExpTextGatedResidual(config)
         self.mlp_hyper_connection = upstream.Qwen4ExpTextGatedResidual(config)
 
-    def forward(self, hidden_states, cos, sin, positions3, valid, ple_input_ids, cache):
+    def forward(self, hidden_states, cos, sin, positions3, valid, ple_input_ids, cache, meta):
+        with cache.replaying(meta):  # activation checkpointing may rerun this layer after the step
+            return self._forward(hidden_states, cos, sin, positions3, valid, ple_input_ids, cache)
+
+    def _forward(self, hidden_states, cos, sin, positions3, valid, ple_input_ids, cache):
         if self.ple is not None:
             hidden_states = hidden_states + self.ple(hidden_states, ple_input_ids, valid, cache)
         block_input, hyper_input, inject = self.attn_hyper_connection(hidden_states)
@@ -296,12 +305,8 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         if self.config.ple_layer_ids and ple_input_ids is None:
             ple_input_ids = input_ids if input_ids is not None else upstream.Qwen4ExpTextModel.reverse_embedding(
                 self, inputs_embeds)
-        cache = past_key_values
-        if cache is None:
-            # Without a cache from the caller the forward still runs on paged state, sized for this call.
-            cache = cache_for_bare_forward(self.config, B, L, use_cache)
-        elif not isinstance(cache, QSAPagedCache):
-            raise ValueError(f"past_key_values must be a QSAPagedCache, got {type(cache).__name__}")
+        # Without a cache from the caller the forward still runs on paged state, sized for this call.
+        cache, use_cache = forward_cache(self, past_key_values, B, L, use_cache)
         cache.check_model(self.config, inputs_embeds.dtype)
         with cache.step(B, L, attention_mask, inputs_embeds.device, input_ids) as meta:
             hidden_states = self.run_layers(inputs_embeds, ple_input_ids, position_ids, meta, cache)
@@ -322,7 +327,7 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
 
         hidden_states = inputs_embeds.repeat(1, 1, self.config.hc_count)
         for layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_states = layer(hidden_states, cos, sin, flat_positions3, valid, ple_input_ids, cache)
+            hidden_states = layer(hidden_states, cos, sin, flat_positions3, valid, ple_input_ids, cache, meta)
         return self.hyper_connection_mixer(hidden_states)
 
 

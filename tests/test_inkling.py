@@ -235,9 +235,8 @@ def test_bad_input_raises_and_leaves_state_intact(models):
     cache = QSAPagedCache(ours.config, max_batch_size=3, max_cache_len=ids.shape[1] + n, block_size=BLOCK)
     before = cache.memory_stats()
 
-    right = mask.flip(1)
-    with pytest.raises(ValueError, match="left-padded"):
-        ours(ids, attention_mask=right, past_key_values=cache)
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        ours(ids, attention_mask=mask * 2, past_key_values=cache)
     big = torch.cat([ids, ids[:1]])
     with pytest.raises(ValueError, match=r"4 rows exceeds max_batch_size=3"):
         ours(big, attention_mask=torch.cat([mask, mask[:1]]), past_key_values=cache)

@@ -21,6 +21,8 @@ import os
 
 import torch
 
+from . import records_grad
+
 # Upper bound on elements of one chunk's score tensor.
 SCORE_BUDGET = 1 << 25
 
@@ -72,8 +74,9 @@ def paged_rel_attention_torch(
     v_cached = value_store[cslot]
     cpos = torch.where(cpos >= 0, cpos, -1)
 
-    key_store.index_copy_(0, slots.clamp_min(0), k.reshape(B * L, Hkv, hd).to(key_store.dtype))
-    value_store.index_copy_(0, slots.clamp_min(0), v.reshape(B * L, Hkv, hd).to(value_store.dtype))
+    # The stores keep values, not autograd history: this step's keys reach the scores from k and v directly.
+    key_store.index_copy_(0, slots.clamp_min(0), k.detach().reshape(B * L, Hkv, hd).to(key_store.dtype))
+    value_store.index_copy_(0, slots.clamp_min(0), v.detach().reshape(B * L, Hkv, hd).to(value_store.dtype))
 
     tau = None
     if log_scaling is not None:
@@ -121,7 +124,7 @@ USE_TRITON = os.environ.get("HF_QSA_TRITON_INKLING", "1") == "1"
 
 
 def paged_rel_attention(q, *args, **kwargs) -> torch.Tensor:
-    if USE_TRITON and q.is_cuda:
+    if USE_TRITON and q.is_cuda and not records_grad(q, *args[:4]):
         from .inkling_attention_triton import paged_rel_attention_triton
 
         return paged_rel_attention_triton(q, *args, **kwargs)

@@ -19,6 +19,7 @@ import os
 import torch
 
 from ..metadata import StepMetadata
+from . import records_grad
 
 # Upper bound on the elements one chunk of scores / gathered K/V may take (selection at long context
 # holds about 16 bytes per (token, group) in a chunk: 2 GiB at this bound).
@@ -254,7 +255,7 @@ def sparse_paged_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
     logical positions in the query's row (-1 = unused). Returns ``[N, H, D]``. A query with no
     valid position (a pad) returns zeros.
     """
-    if _use_triton(query):
+    if _use_triton(query) and not records_grad(query, keys, values):
         from .qsa_triton import sparse_paged_attention_triton
 
         return sparse_paged_attention_triton(query, keys, values, block_table, token_row, positions, block_size,

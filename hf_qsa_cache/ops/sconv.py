@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from . import records_grad
+
 
 def short_conv_torch(
     x: torch.Tensor,  # [T, C] with T = B * L, row-major over [B, L]
@@ -56,12 +58,13 @@ def short_conv_torch(
         tap = torch.where(in_x[:, None], from_x, torch.where(in_store[:, None], from_store, 0.0))
         acc = acc + tap * w[:, j]
     y = (acc + xf).to(x.dtype)
-    store.index_copy_(0, slots.clamp_min(0), x.view(T, store.shape[1], store.shape[2]).to(store.dtype))
+    # The store keeps values, not autograd history (this step's taps come from x itself).
+    store.index_copy_(0, slots.clamp_min(0), x.detach().view(T, store.shape[1], store.shape[2]).to(store.dtype))
     return y
 
 
 def short_conv(x, weight, store, table, block_size, slots, position, prev_len, query_len):
-    if x.is_cuda:
+    if x.is_cuda and not records_grad(x, weight):
         from .inkling_sconv_triton import short_conv_triton
 
         return short_conv_triton(x, weight, store, table, block_size, slots, position, prev_len, query_len)

@@ -72,12 +72,15 @@ class LinearAttentionState:
         return {name: t for name, t in named.items() if t is not None}
 
     # ------------------------------------------------------------------ the writes of a step
-    def window(self, name: str, x: torch.Tensor, leading_pads: torch.Tensor | None) -> torch.Tensor:
+    def window(self, name: str, x: torch.Tensor, leading_pads: torch.Tensor | None, fresh: bool = False) -> torch.Tensor:
         """``[previous state | this step's inputs]`` for rows ``[0, B)`` of window state ``name``, along the
         last dim. ``x``'s real columns are each row's last ones; ``leading_pads`` (``[B]``, None when no row
         has pads) moves a row's pad columns in front of its kept window, filled as a fresh window is, so the
-        window reaches the row's real inputs unbroken even when the row holds tokens."""
-        live = getattr(self, name)[: x.shape[0]].to(x.dtype)
+        window reaches the row's real inputs unbroken even when the row holds tokens. ``fresh``: the rows
+        start empty (the fresh window is used, the stored one is not read)."""
+        fill = self.eos_token_id if name == "ngram_ids" else 0
+        live = getattr(self, name)[: x.shape[0]]
+        live = torch.full_like(live, fill, dtype=x.dtype) if fresh else live.to(x.dtype)
         window = torch.cat([live, x], dim=-1)
         if leading_pads is None:
             return window
@@ -88,22 +91,29 @@ class LinearAttentionState:
         src = torch.where(col < pads + kept, (col - pads).clamp_min(0), col)
         shape = [x.shape[0]] + [1] * (x.dim() - 2) + [width]
         src = src.view(shape).expand(window.shape)
-        fresh = self.eos_token_id if name == "ngram_ids" else 0
-        return torch.where((col < pads).view(shape), fresh, window.gather(-1, src))
+        return torch.where((col < pads).view(shape), fill, window.gather(-1, src))
+
+    def initial_recurrent(self, num_rows: int, fresh: bool) -> torch.Tensor | None:
+        """The recurrent state rows ``[0, num_rows)`` start this step from: None (zeros) for fresh rows; a
+        copy when autograd records, since the step overwrites the stored state in place afterwards."""
+        if fresh:
+            return None
+        live = self.recurrent[:num_rows]
+        return live.clone() if torch.is_grad_enabled() else live
 
     def write_window(self, name: str, window: torch.Tensor, kept) -> None:
         """Rows ``[0, B)`` of window state ``name`` (``conv``, ``ple_conv``, ``ngram_ids``) become the tail of
         ``window`` = ``[previous state | this step's inputs]``; with rollback history (``kept`` from
         `hf_qsa_cache.rollback.step_history`) the states after the step's last columns are kept too."""
         live = getattr(self, name)
-        live[: window.shape[0]] = window[..., -live.shape[-1]:].to(live.dtype)
+        live[: window.shape[0]] = window[..., -live.shape[-1]:].detach().to(live.dtype)  # values, not history
         if kept is not None:
             self.record_window(name, kept[1], window, kept[0])
 
     def write_recurrent(self, last_state: torch.Tensor, kept=None, states: torch.Tensor | None = None) -> None:
         """Rows ``[0, B)`` of the recurrent state become ``last_state``; with rollback history, ``states``
         (after each of the step's last columns) are kept too."""
-        self.recurrent[: last_state.shape[0]] = last_state.to(self.recurrent.dtype)
+        self.recurrent[: last_state.shape[0]] = last_state.detach().to(self.recurrent.dtype)
         if kept is not None:
             self.record("recurrent", kept[1], states)
 
@@ -121,7 +131,7 @@ class LinearAttentionState:
     def record(self, name: str, slots: torch.Tensor, states: torch.Tensor) -> None:
         """``states[b, j]`` is the state ``name`` after the ``j``-th of the step's last ``m`` columns."""
         ring = self.rings[name]
-        ring.index_copy_(0, slots.to(ring.device), states.reshape(-1, *ring.shape[1:]).to(ring.dtype))
+        ring.index_copy_(0, slots.to(ring.device), states.detach().reshape(-1, *ring.shape[1:]).to(ring.dtype))
 
     def record_window(self, name: str, slots: torch.Tensor, window: torch.Tensor, m: int) -> None:
         """``window`` is ``[previous state | this step's inputs]`` along its last dim (``[B, C, W + L]`` for a

@@ -10,8 +10,9 @@ import torch
 
 
 def write_slots(store: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """``store[slot] = value`` for every token; slot -1 lands in the null block's first row."""
-    store.index_copy_(0, slots.clamp_min(0), values.to(store.dtype))
+    """``store[slot] = value`` for every token; slot -1 lands in the null block's first row. Stores keep
+    values, not autograd history (a layer that reads this step's writes back takes `with_step_written`)."""
+    store.index_copy_(0, slots.clamp_min(0), values.detach().to(store.dtype))
 
 
 class PagedKV:
@@ -52,6 +53,14 @@ class PagedKV:
         k, v = self.flat()
         write_slots(k, slots, keys)
         write_slots(v, slots, values)
+
+    def with_step_written(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        """``(keys, values)`` pages as `write` leaves them, built out of place so that they carry this step's
+        autograd history (for a layer that reads its own step's keys back from the pages while training)."""
+        k, v = self.flat()
+        at = slots.clamp_min(0)
+        return (k.index_copy(0, at, keys.to(k.dtype)).view_as(self.keys),
+                v.index_copy(0, at, values.to(v.dtype)).view_as(self.values))
 
     def paged_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.keys, self.values) if t is not None]

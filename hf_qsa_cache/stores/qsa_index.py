@@ -69,7 +69,7 @@ class QSAIndexStore:
     def write_ring(self, slots: torch.Tensor, raw_keys: torch.Tensor, positions: torch.Tensor) -> None:
         """raw_keys ``[tokens, Di]``, positions ``[tokens, 3]``; slot -1 goes to the trash ring."""
         idx = self._ring_slots(slots)
-        self.ring_keys.index_copy_(0, idx, raw_keys.to(self.ring_keys.dtype))
+        self.ring_keys.index_copy_(0, idx, raw_keys.detach().to(self.ring_keys.dtype))
         self.ring_positions.index_copy_(0, idx, positions.to(torch.int64))
 
     def write_groups(self, work: torch.Tensor, block_table: torch.Tensor, keys: torch.Tensor) -> None:
