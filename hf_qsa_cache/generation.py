@@ -11,7 +11,7 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from transformers.generation.configuration_utils import GenerationMode
 
 from .cache import QSAPagedCache
-from .padding import step_order
+from .padding import as_padding_mask, step_order
 from .speculative import (
     assistant_schedule, cap_heuristic_drafts, check_headroom, draft_tokens_bound, overshoot,
 )
@@ -203,6 +203,7 @@ class PagedCacheGenerationMixin:
         """
         tokens = input_ids if input_ids is not None else inputs_embeds
         B, L = tokens.shape[:2]
+        attention_mask = as_padding_mask(attention_mask, L)  # a 4-D causal mask with padding -> its 2-D mask
         chunk = max(1, self.prefill_chunk_tokens // B)
         if not (chunkable and isinstance(logits_to_keep, int) and 0 < logits_to_keep <= chunk < L):
             return self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,

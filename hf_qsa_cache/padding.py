@@ -72,6 +72,38 @@ def step_order(attention_mask: torch.Tensor | None, query_len: int) -> StepOrder
     return StepOrder(order=order, source=source, mask=step.gather(1, order))
 
 
+def as_padding_mask(attention_mask, query_len: int):
+    """A 2-D ``[B, W]`` padding mask from what a caller passed: a 2-D mask (as is), None, or a 4-D
+    ``[B, 1 | heads, L, W]`` mask (bool: True = visible; float: 0 = visible) that is a causal mask with
+    padding, as transformers builds from a 2-D mask. Any other 4-D mask (packed sequences, bidirectional
+    spans, custom patterns) is refused: the cache runs each row as one causal sequence."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        return attention_mask
+    B, heads, L, W = attention_mask.shape
+    if L != query_len or W < L:
+        raise ValueError(f"a 4-D attention_mask must be [batch, 1, {query_len} queries, keys >= {query_len}], "
+                         f"got {tuple(attention_mask.shape)}")
+    visible = attention_mask != 0 if attention_mask.dtype in (torch.bool, torch.int64, torch.int32) else attention_mask == 0
+    if heads > 1 and not bool((visible == visible[:, :1]).all()):
+        raise ValueError("a 4-D attention_mask must be the same for every head (a causal mask with padding)")
+    visible = visible[:, 0]
+    real = visible[:, -1]  # the last query sees every real key up to itself
+    past = W - L
+    causal = torch.arange(W, device=visible.device)[None, :] <= past + torch.arange(L, device=visible.device)[:, None]
+    expected = causal[None] & real[:, None, :]
+    # pad queries' rows are free (their outputs are unspecified; transformers may unmask them entirely)
+    real_queries = real[:, past:]
+    differs = (visible != expected) & real_queries[..., None]
+    if bool(differs.any()):
+        b, i, j = (int(x) for x in differs.nonzero()[0])
+        raise ValueError(
+            "a 4-D attention_mask must be a causal mask with padding (what transformers builds from a 2-D padding "
+            f"mask); this one differs from that at row {b}, query {i}, key {j}. Pass the 2-D padding mask instead: "
+            "custom 4-D masks (packed sequences, bidirectional spans) are not supported"
+        )
+    return real.long()
+
+
 def runs_any_padding(per_token: dict[str, int], outputs: dict[str, tuple[int, int]]):
     """Decorator for a text model's ``forward``: a step whose mask columns are not left-padded runs
     reordered (`step_order`) and its outputs come back in the caller's columns.
@@ -85,19 +117,19 @@ def runs_any_padding(per_token: dict[str, int], outputs: dict[str, tuple[int, in
 
         @functools.wraps(forward)
         def wrapper(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            call = bound.arguments
+            call = dict(signature.bind(*args, **kwargs).arguments)
+            extra = call.pop("kwargs", {}) if "kwargs" in signature.parameters else {}
             tokens = call.get("input_ids")
             if tokens is None:
                 tokens = call.get("inputs_embeds")
             mask = call.get("attention_mask")
             order = None
             if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and isinstance(mask, torch.Tensor):
+                mask = call["attention_mask"] = as_padding_mask(mask, tokens.shape[1])
                 order = step_order(mask, tokens.shape[1])
             if order is None:
-                return forward(*args, **kwargs)
+                return forward(**call, **extra)
             B, L = order.order.shape
-            extra = call.pop("kwargs", {}) if "kwargs" in signature.parameters else {}
             for name, dim in per_token.items():
                 where = call if name in call else extra
                 value = where.get(name)

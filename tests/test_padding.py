@@ -138,3 +138,34 @@ def test_generate_from_any_padding_equals_each_row_alone(family, kind, monkeypat
             alone = ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                  max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
             assert out[b, ids.shape[1]:].tolist() == alone[0, len(p):].tolist(), b
+
+
+def _causal_4d(mask, dtype):
+    """transformers' 4-D form of a 2-D padding mask: [B, 1, L, W], key j visible to query i iff j <= i and
+    j is real (bool True = visible; float 0 = visible, min = masked)."""
+    B, W = mask.shape
+    causal = torch.ones(W, W, dtype=torch.bool).tril()
+    visible = causal[None] & mask.bool()[:, None, :]
+    if dtype == torch.bool:
+        return visible[:, None]
+    return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_4d_causal_mask_with_padding_equals_its_2d_mask(family, dtype):
+    ref, ours = family
+    prompts = random_prompts(LENGTHS, vocab=90, seed=10)
+    ids, mask = _layout(prompts, "right")
+    with torch.no_grad():
+        expected = ours(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=_causal_4d(mask, dtype)).logits
+    torch.testing.assert_close(got, expected)
+
+
+def test_other_4d_masks_are_refused_with_what_is_supported(family):
+    ref, ours = family
+    prompts = random_prompts(LENGTHS, vocab=90, seed=10)
+    ids, mask = _layout(prompts, "right")
+    bidirectional = mask.bool()[:, None, None, :].expand(-1, 1, ids.shape[1], -1)
+    with pytest.raises(ValueError, match="must be a causal mask with padding.*row 0, query 0, key 1.*2-D padding mask"):
+        ours(ids, attention_mask=bidirectional)
