@@ -27,6 +27,17 @@ import torch
 NULL_BLOCK = 0
 
 
+def default_num_blocks(rows: int, block_size: int, max_len: int, window: int | None = None) -> int:
+    """Blocks (the null block included) that let every one of ``rows`` rows reach ``max_len`` positions.
+
+    A windowed row holds at most ``ceil(window / block_size) + 1`` live blocks after a step and twice
+    that while a step is in flight, never more than a whole row would."""
+    per_row = -(-max_len // block_size)
+    if window is not None:
+        per_row = min(2 * (-(-window // block_size) + 1), per_row + 1)
+    return rows * per_row + 1
+
+
 class BlockTable:
     def __init__(self, name: str, num_blocks: int, block_size: int, max_rows: int, max_len: int,
                  window: int | None = None):
@@ -56,6 +67,22 @@ class BlockTable:
         # Undo record of the step in flight: each row's table length before it, and the blocks it took.
         self._step_marks: list[int] | None = None
         self._step_taken: list[int] = []
+
+    def grow(self, num_blocks: int, max_len: int) -> None:
+        """Enlarge the pool to ``num_blocks`` and let rows reach ``max_len`` positions, keeping every held
+        entry: the new blocks join the free list behind the free ones, and the device table is widened
+        (held columns copied over, a new address). Never shrinks."""
+        if self._step_marks is not None:
+            raise RuntimeError(f"{self.name}: cannot grow while a step is in flight")
+        num_blocks = max(num_blocks, self.num_blocks)
+        columns = max(self.max_columns, -(-max_len // self.block_size))
+        if self._device is not None and columns > self.max_columns:
+            wider = torch.zeros(self.max_rows, columns, dtype=self._device.dtype, device=self._device.device)
+            wider[:, : self.max_columns] = self._device
+            self._device = wider
+        self.free[:0] = range(num_blocks - 1, self.num_blocks - 1, -1)  # popped from the end: handed out last
+        self.num_blocks = num_blocks
+        self.max_columns = columns
 
     def _set(self, row: int, column: int, block: int) -> None:
         self._changed[(row, column)] = block

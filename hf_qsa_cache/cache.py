@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from .blocks import NULL_BLOCK, BlockTable
+from .blocks import NULL_BLOCK, BlockTable, default_num_blocks
 from .metadata import QSAGeometry, StepMetadata, build_step_metadata_torch
 from .rollback import check_linear_rollback, restore_linear_states
 from .transaction import StepTransaction
@@ -194,6 +194,8 @@ class QSAPagedCache(Cache):
         )
         self.graph_runners = weakref.WeakKeyDictionary()  # model -> its CUDA-graph runner (cuda_graphs.py)
         self._row_views: dict[int, tuple[list, list]] = {}  # `inplace_row_views`, by row count
+        self._main_pool_follows_length = num_blocks is None  # `grow` enlarges a main pool it sized itself
+        self._generate_may_grow = False  # set on a cache generate() built: a later call may `grow` it
         if self.device is not None and self.dtype is not None:
             for layer in self.layers:
                 for store in layer.stores.values():
@@ -212,9 +214,8 @@ class QSAPagedCache(Cache):
             raise ValueError(
                 f"block_size must be a multiple of indexer_compress_ratio={ratio}, got block_size={block_size}"
             )
-        blocks_per_row = -(-self.max_cache_len // block_size)
         if num_blocks is None:
-            num_blocks = self.max_batch_size * blocks_per_row + 1
+            num_blocks = default_num_blocks(self.max_batch_size, block_size, self.max_cache_len)
         tables = {"main": BlockTable("main", num_blocks, block_size, self.max_batch_size, self.max_cache_len)}
         if has_qsa:
             cap = ring_capacity(ratio, self.num_speculative_tokens)
@@ -792,6 +793,40 @@ class QSAPagedCache(Cache):
     def _all_stores(self) -> list:
         """Every layer's stores, then the cache's own token log."""
         return [*(store for layer in self.layers for store in layer.stores.values()), self.token_log]
+
+    def grow(self, max_cache_len: int) -> None:
+        """Raise ``max_cache_len`` in place, keeping everything the cache holds.
+
+        Rows may then reach ``max_cache_len`` tokens: each block table widens and each pool sized from the
+        length (the main pool unless built with ``num_blocks``; the windowed ones always) gains the blocks
+        its rows now need. Every paged store grows its own tensors to its table's new pool and copies the
+        held blocks; per-row state (rings, GatedDeltaNet / PLE state, rollback history) does not depend on
+        the length and is left as is. Held blocks keep their ids, so block tables, free lists, lengths and
+        rollback headroom stay valid. Captured CUDA graphs are dropped (they hold the old buffers' addresses).
+
+        Stores grow before the tables: if an allocation fails, the cache still serves its old capacity.
+        A smaller or equal ``max_cache_len`` changes nothing.
+        """
+        _check_int("max_cache_len", max_cache_len, 1)
+        if self._open is not None or self._scope is not None:
+            raise RuntimeError("cannot grow the cache while a forward is in flight")
+        if max_cache_len <= self.max_cache_len:
+            return
+        pools = {}
+        for name, table in self.tables.items():
+            follows = table.window is not None or self._main_pool_follows_length
+            need = default_num_blocks(self.max_batch_size, table.block_size, max_cache_len, table.window)
+            pools[name] = max(table.num_blocks, need) if follows else table.num_blocks
+        for layer in self.layers:
+            for store in layer.stores.values():
+                if store.table is not None:
+                    store.resize_blocks(pools[store.table])
+        self.token_log.grow(max_cache_len)
+        for name, table in self.tables.items():
+            table.grow(pools[name], max_cache_len)
+        self.max_cache_len = max_cache_len
+        self._row_views.clear()
+        self.graph_runners = weakref.WeakKeyDictionary()
 
     def memory_stats(self) -> dict:
         """Bytes per store (summed over layers) and block usage per table."""

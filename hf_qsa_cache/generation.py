@@ -166,12 +166,15 @@ class PagedCacheGenerationMixin:
         if cache is None and generation_config.use_cache is not False:
             cache = QSAPagedCache(self.config, max_batch_size=rows, max_cache_len=max_cache_length + extra,
                                   num_speculative_tokens=bound)
+            cache._generate_may_grow = True  # sized for this call only: a call that continues it grows it
             model_kwargs["past_key_values"] = cache
         if isinstance(cache, QSAPagedCache):
             # Refuse a request that cannot fit before the prefill runs, not after tokens were generated.
             if drafting:
                 check_headroom(cache, bound, source)
             if prompt is not None and new_tokens >= 0:
+                if cache._generate_may_grow:
+                    grow_for_request(cache, max(prompt, default=0) + new_tokens + extra)
                 cache.check_request(prompt, new_tokens + extra)
         return super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length

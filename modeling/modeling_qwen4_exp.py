@@ -25,6 +25,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+from transformers.utils import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from hf_qsa_cache import QSAPagedCache
@@ -291,6 +292,7 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @can_return_tuple  # outermost: the decorators below reorder and fill the output's fields
     @lands_whole
     @runs_any_padding(per_token=TOKEN_INPUTS, outputs=TOKEN_OUTPUTS)
     @capture_outputs
@@ -333,6 +335,8 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
 
 class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, PagedCacheGenerationMixin, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: Qwen4ExpTextConfig):
         super().__init__(config)
@@ -341,6 +345,7 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, PagedCacheGenerationMixin, Ge
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @can_return_tuple
     @lands_whole
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None,

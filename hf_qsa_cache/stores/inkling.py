@@ -29,16 +29,12 @@ from __future__ import annotations
 
 import torch
 
-from ..blocks import BlockTable
+from ..blocks import BlockTable, default_num_blocks
 from .layer_state import LayerState
-from .paged_kv import PagedKV
+from .paged_kv import PagedKV, grown_pool
 
 STREAM_K, STREAM_V, STREAM_ATTN, STREAM_MLP = 0, 1, 2, 3
 DEFAULT_BLOCK_SIZE = 64
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _next_pow2(n: int) -> int:
@@ -81,6 +77,12 @@ class InklingConvStore:
 
     def deallocate(self) -> None:
         self.state = None
+
+    def resize_blocks(self, num_blocks: int) -> None:
+        """Grow the pool to ``num_blocks`` blocks, keeping what the held ones hold."""
+        if self.state is not None and num_blocks > self.num_blocks:
+            self.state = grown_pool(self.state, num_blocks)
+        self.num_blocks = max(num_blocks, self.num_blocks)
 
     def stream(self, idx: int) -> torch.Tensor:
         """``[num_blocks * K, H, width]`` view of one stream; row ``s`` is slot ``s``."""
@@ -145,13 +147,12 @@ def build_inkling_layers(cache, config, block_size: int | None, num_blocks: int 
 
     main_bs = block_size or DEFAULT_BLOCK_SIZE
     if num_blocks is None:
-        num_blocks = rows * _cdiv(cache.max_cache_len, main_bs) + 1
+        num_blocks = default_num_blocks(rows, main_bs, cache.max_cache_len)
     tables: dict[str, BlockTable] = {"main": BlockTable("main", num_blocks, main_bs, rows, cache.max_cache_len)}
 
     def windowed(name: str, bs: int, window: int) -> BlockTable:
-        # Per row: at most ceil(window / bs) + 1 live blocks after a step, twice that during one.
-        per_row = min(2 * (_cdiv(window, bs) + 1), _cdiv(cache.max_cache_len, bs) + 1)
-        return BlockTable(name, rows * per_row + 1, bs, rows, cache.max_cache_len, window=window)
+        num = default_num_blocks(rows, bs, cache.max_cache_len, window)
+        return BlockTable(name, num, bs, rows, cache.max_cache_len, window=window)
 
     has_sliding = "hybrid_sliding" in config.layer_types
     if has_sliding:

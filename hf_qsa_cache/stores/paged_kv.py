@@ -15,6 +15,13 @@ def write_slots(store: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) 
     store.index_copy_(0, slots.clamp_min(0), values.detach().to(store.dtype))
 
 
+def grown_pool(pool: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``pool`` (``[blocks, ...]``) with ``num_blocks`` blocks: the held ones copied, the new ones zero."""
+    bigger = pool.new_zeros((num_blocks, *pool.shape[1:]))
+    bigger[: pool.shape[0]] = pool
+    return bigger
+
+
 class PagedKV:
     def __init__(self, table: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
         self.table = table
@@ -41,6 +48,12 @@ class PagedKV:
 
     def deallocate(self) -> None:
         self.keys = self.values = None
+
+    def resize_blocks(self, num_blocks: int) -> None:
+        """Grow the pool to ``num_blocks`` blocks, keeping what the held ones hold."""
+        if self.allocated and num_blocks > self.num_blocks:
+            self.values, self.keys = grown_pool(self.values, num_blocks), grown_pool(self.keys, num_blocks)
+        self.num_blocks = max(num_blocks, self.num_blocks)
 
     def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (-1, self.num_kv_heads, self.head_dim)

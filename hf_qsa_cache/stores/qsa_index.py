@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.qsa import paged_rows
-from .paged_kv import write_slots
+from .paged_kv import grown_pool, write_slots
 
 
 def ring_capacity(ratio: int, num_speculative_tokens: int) -> int:
@@ -61,6 +61,13 @@ class QSAIndexStore:
 
     def deallocate(self) -> None:
         self.ring_keys = self.ring_positions = self.compressed = self.saved_keys = self.saved_positions = None
+
+    def resize_blocks(self, num_blocks: int) -> None:
+        """Grow the compressed-key pool to ``num_blocks`` blocks, keeping the held rows (the ring is per
+        cache row and does not depend on the pool)."""
+        if self.compressed is not None and num_blocks > self.num_blocks:
+            self.compressed = grown_pool(self.compressed, num_blocks)
+        self.num_blocks = max(num_blocks, self.num_blocks)
 
     def _ring_slots(self, slots: torch.Tensor) -> torch.Tensor:
         trash = self.max_rows * self.capacity

@@ -45,6 +45,14 @@ class TokenLog:
         differ = (given != self.ids[:rows, : p.numel()]) & (p < held)
         return differ.any(dim=1).nonzero().flatten().tolist()
 
+    def grow(self, max_len: int) -> None:
+        """Let rows log up to ``max_len`` positions, keeping what they hold."""
+        if self.ids is not None and max_len > self.max_len:
+            ids = self.ids.new_zeros((self.max_rows + 1, max_len))
+            ids[:, : self.max_len] = self.ids
+            self.ids = ids
+        self.max_len = max(max_len, self.max_len)
+
     def row_tensors(self) -> list[torch.Tensor]:
         return [] if self.ids is None else [self.ids]
 
