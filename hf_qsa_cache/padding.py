@@ -28,6 +28,7 @@ class StepOrder:
 
     order: torch.Tensor  # [B, L] long: reordered column j holds the caller's column order[b, j]
     source: torch.Tensor  # [B, L] long: the caller's column c reads reordered column source[b, c]
+    inverse: torch.Tensor  # [B, L] long: the caller's column c is reordered column inverse[b, c]
     mask: torch.Tensor  # [B, L] the step's mask columns, reordered (left-padded)
 
     def inputs(self, x: torch.Tensor | None, dim: int, batch_dim: int = 0) -> torch.Tensor | None:
@@ -37,6 +38,13 @@ class StepOrder:
     def outputs(self, y: torch.Tensor | None, dim: int = 1, batch_dim: int = 0) -> torch.Tensor | None:
         """``y`` (the layers' columns along ``dim``) back in the caller's columns."""
         return None if y is None else _take(y, self.source, dim, batch_dim)
+
+    def key_outputs(self, y: torch.Tensor, dim: int = -1, batch_dim: int = 0) -> torch.Tensor:
+        """``y`` with the step's key columns (the last ``L`` along ``dim``) back in the caller's columns: a
+        plain permutation (a pad key column keeps what the layers gave it), unlike query outputs."""
+        L = self.order.shape[1]
+        past, step = y.split([y.shape[dim] - L, L], dim)
+        return torch.cat([past, _take(step, self.inverse, dim, batch_dim)], dim)
 
     def full_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
         """The whole mask (past columns as given) with the step's columns reordered."""
@@ -69,7 +77,7 @@ def step_order(attention_mask: torch.Tensor | None, query_len: int) -> StepOrder
     # A pad after a real token reads that token's output: the latest real column at or before it.
     latest_real = torch.where(real, col, -1).cummax(dim=1).values
     source = position_in_order.gather(1, torch.where(latest_real >= 0, latest_real, col))
-    return StepOrder(order=order, source=source, mask=step.gather(1, order))
+    return StepOrder(order=order, source=source, inverse=position_in_order, mask=step.gather(1, order))
 
 
 def as_padding_mask(attention_mask, query_len: int):
@@ -104,13 +112,15 @@ def as_padding_mask(attention_mask, query_len: int):
     return real.long()
 
 
-def runs_any_padding(per_token: dict[str, int], outputs: dict[str, tuple[int, int]]):
+def runs_any_padding(per_token: dict[str, int], outputs: dict[str, tuple[int, ...]]):
     """Decorator for a text model's ``forward``: a step whose mask columns are not left-padded runs
     reordered (`step_order`) and its outputs come back in the caller's columns.
 
     ``per_token``: inputs holding the step's columns (the last ``L`` along the given dim; the batch is
-    the dim before it). ``outputs``: output fields -> (column dim, batch dim); tuples of tensors are
-    mapped entry by entry, and a ``[B * L, ...]`` tensor (router logits) is viewed as ``[B, L, ...]``."""
+    the dim before it). ``outputs``: output fields -> (column dim, batch dim) or, for attention weights,
+    whose keys end with the step's columns too, (query column dim, batch dim, key column dim); tuples of
+    tensors are mapped entry by entry, and a ``[B * L, ...]`` tensor (router logits) is viewed as
+    ``[B, L, ...]``."""
 
     def decorate(forward):
         signature = inspect.signature(forward)
@@ -138,10 +148,10 @@ def runs_any_padding(per_token: dict[str, int], outputs: dict[str, tuple[int, in
                     where[name] = order.inputs(value.narrow(dim, value.shape[dim] - L, L), dim, dim - 1)
             call["attention_mask"] = order.full_mask(mask)
             result = forward(**call, **extra)
-            for name, (dim, batch_dim) in outputs.items():
+            for name, dims in outputs.items():
                 value = getattr(result, name, None)
                 if value is not None:
-                    setattr(result, name, _restore(value, order, dim, batch_dim, B, L))
+                    setattr(result, name, _restore(value, order, B, L, *dims))
             return result
 
         return wrapper
@@ -149,11 +159,13 @@ def runs_any_padding(per_token: dict[str, int], outputs: dict[str, tuple[int, in
     return decorate
 
 
-def _restore(value, order: StepOrder, dim: int, batch_dim: int, B: int, L: int):
+def _restore(value, order: StepOrder, B: int, L: int, dim: int, batch_dim: int, key_dim: int | None = None):
     if isinstance(value, tuple):
-        return tuple(_restore(v, order, dim, batch_dim, B, L) for v in value)
+        return tuple(_restore(v, order, B, L, dim, batch_dim, key_dim) for v in value)
     if not isinstance(value, torch.Tensor):
         return value
     if value.dim() >= 1 and value.shape[0] == B * L != B:  # flattened [B * L, ...] (router logits)
         return order.outputs(value.view(B, L, *value.shape[1:]), 1).reshape(value.shape)
+    if key_dim is not None:
+        value = order.key_outputs(value, key_dim, batch_dim)
     return order.outputs(value, dim, batch_dim)

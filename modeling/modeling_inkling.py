@@ -34,15 +34,17 @@ from transformers.models.inkling.modeling_inkling import (
     InklingRelativeLogits,
     InklingRMSNorm,
 )
+from transformers.utils import can_return_tuple
 
 from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache.attentions import by_key_column
 from hf_qsa_cache.cuda_graphs import decode_graphs_for
 from hf_qsa_cache.generation import (
     PagedCacheGenerationMixin, check_token_ids, forward_cache, lands_whole,
 )
 from hf_qsa_cache.metadata import StepMetadata
 from hf_qsa_cache.padding import runs_any_padding
-from hf_qsa_cache.ops.inkling_attention import paged_rel_attention
+from hf_qsa_cache.ops.inkling_attention import paged_rel_attention, paged_rel_attention_probs
 from hf_qsa_cache.ops.sconv import short_conv
 from hf_qsa_cache.stores.inkling import STREAM_ATTN, STREAM_K, STREAM_MLP, STREAM_V
 
@@ -115,7 +117,10 @@ class InklingPagedAttention(nn.Module):
         self.rel_logits_proj = InklingRelativeLogits(config.d_rel, self.rel_extent)
 
     @force_accelerate_hooks("rel_logits_proj")  # its `proj` parameter is read directly
-    def forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata,
+                attentions: list | None = None) -> torch.Tensor:
+        """``attentions``: when a list, this layer appends its attention probabilities ``[B, L, H, max_len]``
+        by key position (`paged_rel_attention_probs`)."""
         B, L, _ = hidden_states.shape
         heads = (B, L, -1, self.head_dim)
         query = self.q_norm(self.q_proj(hidden_states).view(heads))
@@ -128,6 +133,12 @@ class InklingPagedAttention(nn.Module):
             log_scaling = (float(self.config.log_scaling_n_floor), float(self.config.log_scaling_alpha))
         kv = cache.layers[self.layer_idx].kv
         keys, values = kv.flat()
+        if attentions is not None:  # before the op below writes this step's keys to the store
+            attentions.append(paged_rel_attention_probs(
+                query, key, relative, self.rel_logits_proj.proj, keys, meta.block_tables[self.kv_table],
+                cache.tables[self.kv_table].block_size, meta.position, meta.prev_len, _prev_len_bound(meta),
+                meta.max_seq_len, scaling=self.scaling, window=self.sliding_window, log_scaling=log_scaling,
+            ))
         out = paged_rel_attention(
             query, key, value, relative, self.rel_logits_proj.proj, keys, values,
             meta.block_tables[self.kv_table], cache.tables[self.kv_table].block_size,
@@ -152,15 +163,16 @@ class InklingPagedDecoderLayer(GradientCheckpointingLayer):
         self.mlp_sconv = InklingPagedShortConvolution(config.hidden_size, config.conv_kernel_size, layer_idx,
                                                       STREAM_MLP)
 
-    def forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata,
+                attentions: list | None = None) -> torch.Tensor:
         with cache.replaying(meta):  # activation checkpointing may rerun this layer after the step
-            return self._forward(hidden_states, cache)
+            return self._forward(hidden_states, cache, attentions)
 
-    def _forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache) -> torch.Tensor:
+    def _forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, attentions: list | None) -> torch.Tensor:
         meta = cache.step_metadata(hidden_states.device)
         cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype)
         residual = hidden_states
-        attn = self.self_attn(self.input_layernorm(hidden_states), cache, meta)
+        attn = self.self_attn(self.input_layernorm(hidden_states), cache, meta, attentions)
         hidden_states = residual + self.attn_sconv(attn, cache, meta)
         residual = hidden_states
         mlp = self.mlp(self.post_attention_layernorm(hidden_states))
@@ -196,9 +208,10 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @can_return_tuple  # outermost: the decorators below reorder the output's fields
     @lands_whole
     @runs_any_padding(per_token={"input_ids": -1, "inputs_embeds": 1},
-                      outputs={"last_hidden_state": (1, 0), "hidden_states": (1, 0)})
+                      outputs={"last_hidden_state": (1, 0), "hidden_states": (1, 0), "attentions": (2, 0, -1)})
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -208,6 +221,7 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> MoeModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
@@ -218,6 +232,8 @@ class InklingTextModel(InklingPagedPreTrainedModel):
             use_cache = getattr(self.config, "use_cache", True)
         if output_hidden_states is None:
             output_hidden_states = getattr(self.config, "output_hidden_states", False)
+        if output_attentions is None:
+            output_attentions = getattr(self.config, "output_attentions", False)
         if inputs_embeds is None:
             check_token_ids(input_ids, self.config.vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
@@ -227,26 +243,31 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         cache.check_model(self.config, inputs_embeds.dtype)
 
         all_hidden = [] if output_hidden_states else None
+        attentions = [] if output_attentions else None
         with cache.step(B, L, attention_mask, inputs_embeds.device, input_ids) as meta:
-            hidden_states = self.run_layers(inputs_embeds, cache, meta, all_hidden)
+            hidden_states = self.run_layers(inputs_embeds, cache, meta, all_hidden, attentions)
         if output_hidden_states:  # as upstream: the last entry is the final-normed state (MTP drafts from it)
             all_hidden = tuple(all_hidden[:-1]) + (hidden_states,)
+        if output_attentions:  # as upstream: every layer, [B, heads, L, the mask's columns]
+            attentions = tuple(by_key_column(a.transpose(1, 2), attention_mask) for a in attentions)
         return MoeModelOutputWithPast(
             last_hidden_state=hidden_states,
             past_key_values=cache if use_cache else None,
             hidden_states=all_hidden,
+            attentions=attentions,
         )
 
 
     def run_layers(self, inputs_embeds: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata,
-                   all_hidden: list | None = None) -> torch.Tensor:
+                   all_hidden: list | None = None, attentions: list | None = None) -> torch.Tensor:
         """Every layer and the final norm (device work only once the step's metadata is built, so a CUDA
-        graph can record this). Appends each layer's input to ``all_hidden`` when given."""
+        graph can record this). Appends each layer's input to ``all_hidden`` and its attention
+        probabilities by key position to ``attentions`` when given."""
         hidden_states = inputs_embeds
         for layer in self.layers:
             if all_hidden is not None:
                 all_hidden.append(hidden_states)
-            hidden_states = layer(hidden_states, cache, meta)
+            hidden_states = layer(hidden_states, cache, meta, attentions)
         if all_hidden is not None:
             all_hidden.append(hidden_states)
         return self.norm(hidden_states)
@@ -276,11 +297,14 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, PagedCacheGenerationMixin,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
     ) -> InklingCausalLMOutputWithPast:
+        if output_attentions is None:
+            output_attentions = getattr(self.config, "output_attentions", False)
         graphs = decode_graphs_for(self, past_key_values, input_ids, inputs_embeds,
-                                   extra_outputs=labels is not None or bool(output_hidden_states))
+                                   extra_outputs=labels is not None or bool(output_hidden_states) or output_attentions)
         if graphs is not None:
             logits = slice_logits_to_keep(graphs.step(input_ids, position_ids, attention_mask), logits_to_keep)
             out = InklingCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
@@ -288,8 +312,9 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, PagedCacheGenerationMixin,
         outputs = self._run_model(
             input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
             past_key_values=past_key_values, logits_to_keep=logits_to_keep,
-            chunkable=labels is None and not output_hidden_states, per_token={"position_ids": position_ids},
-            use_cache=use_cache, output_hidden_states=output_hidden_states,
+            chunkable=labels is None and not output_hidden_states and not output_attentions,
+            per_token={"position_ids": position_ids},
+            use_cache=use_cache, output_hidden_states=output_hidden_states, output_attentions=output_attentions,
         )
         logits = self._logits(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         loss = None
@@ -297,7 +322,7 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, PagedCacheGenerationMixin,
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1], **kwargs)
         out = InklingCausalLMOutputWithPast(
             loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
         return out if return_dict is not False else out.to_tuple()
 

@@ -29,13 +29,14 @@ from transformers.utils import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache.attentions import by_key_column
 from hf_qsa_cache.cuda_graphs import decode_graphs_for
 from hf_qsa_cache.generation import (
     PagedCacheGenerationMixin, check_token_ids, forward_cache, lands_whole,
 )
 from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.ops import records_grad
-from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention
+from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention, sparse_paged_attention_probs
 from hf_qsa_cache.rollback import gated_delta_keeping_states, step_history
 
 from .checkpoints import StrictLoadingMixin, use_upstream_conversions
@@ -49,7 +50,9 @@ def _eos_id(config) -> int:
 class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
     """Gated GQA restricted to the tokens the QSA indexer selects, over paged K/V."""
 
-    def forward(self, hidden_states, cos, sin, positions3, cache: QSAPagedCache):
+    def forward(self, hidden_states, cos, sin, positions3, cache: QSAPagedCache, attentions: list | None = None):
+        """``attentions``: when a list, this layer appends its attention probabilities ``[B*L, H, max_len]``
+        by key position (`sparse_paged_attention_probs`)."""
         B, L, _ = hidden_states.shape
         n = B * L
         meta = cache.step_metadata(hidden_states.device)
@@ -84,6 +87,11 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
         out = sparse_paged_attention(
             query, *pages, meta.block_tables["main"], meta.token_row, selected, main.block_size, self.scaling,
         )
+        if attentions is not None:
+            attentions.append(sparse_paged_attention_probs(
+                query, pages[0], meta.block_tables["main"], meta.token_row, selected, main.block_size, self.scaling,
+                meta.max_seq_len,
+            ))
         out = out.reshape(n, -1) * torch.sigmoid(gate)
         return self.o_proj(out).view(B, L, -1)
 
@@ -215,18 +223,18 @@ class Qwen4ExpTextDecoderLayer(upstream.Qwen4ExpTextDecoderLayer):
         self.attn_hyper_connection = upstream.Qwen4ExpTextGatedResidual(config)
         self.mlp_hyper_connection = upstream.Qwen4ExpTextGatedResidual(config)
 
-    def forward(self, hidden_states, cos, sin, positions3, valid, ple_input_ids, cache, meta):
+    def forward(self, hidden_states, cos, sin, positions3, valid, ple_input_ids, cache, meta, attentions=None):
         with cache.replaying(meta):  # activation checkpointing may rerun this layer after the step
-            return self._forward(hidden_states, cos, sin, positions3, valid, ple_input_ids, cache)
+            return self._forward(hidden_states, cos, sin, positions3, valid, ple_input_ids, cache, attentions)
 
-    def _forward(self, hidden_states, cos, sin, positions3, valid, ple_input_ids, cache):
+    def _forward(self, hidden_states, cos, sin, positions3, valid, ple_input_ids, cache, attentions):
         if self.ple is not None:
             hidden_states = hidden_states + self.ple(hidden_states, ple_input_ids, valid, cache)
         block_input, hyper_input, inject = self.attn_hyper_connection(hidden_states)
         if self.layer_type == "linear_attention":
             out = self.linear_attn(block_input, valid, cache)
         else:
-            out = self.self_attn(block_input, cos, sin, positions3, cache)
+            out = self.self_attn(block_input, cos, sin, positions3, cache, attentions)
         hidden_states = hyper_input + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
         block_input, hyper_input, inject = self.mlp_hyper_connection(hidden_states)
         out = self.mlp(block_input)
@@ -266,9 +274,10 @@ def step_position_ids(position_ids: torch.Tensor, B: int, L: int) -> torch.Tenso
 
 
 # What a step with pads after real tokens reorders (`runs_any_padding`): inputs -> column dim; outputs ->
-# (column dim, batch dim).
+# (column dim, batch dim[, key column dim]).
 TOKEN_INPUTS = {"input_ids": -1, "inputs_embeds": 1, "position_ids": -1, "ple_input_ids": -1}
-TOKEN_OUTPUTS = {"last_hidden_state": (1, 0), "hidden_states": (1, 0), "router_logits": (1, 0)}
+TOKEN_OUTPUTS = {"last_hidden_state": (1, 0), "hidden_states": (1, 0), "router_logits": (1, 0),
+                 "attentions": (2, 0, -1)}
 
 
 class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
@@ -310,15 +319,25 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         # Without a cache from the caller the forward still runs on paged state, sized for this call.
         cache, use_cache = forward_cache(self, past_key_values, B, L, use_cache)
         cache.check_model(self.config, inputs_embeds.dtype)
+        output_attentions = kwargs.get("output_attentions")
+        if output_attentions is None:
+            output_attentions = getattr(self.config, "output_attentions", False)
+        attentions = [] if output_attentions else None
         with cache.step(B, L, attention_mask, inputs_embeds.device, input_ids) as meta:
-            hidden_states = self.run_layers(inputs_embeds, ple_input_ids, position_ids, meta, cache)
+            hidden_states = self.run_layers(inputs_embeds, ple_input_ids, position_ids, meta, cache, attentions)
+        if attentions is not None:  # as upstream: QSA layers only, [B, heads, L, the mask's columns]
+            attentions = tuple(by_key_column(a.view(B, L, *a.shape[1:]).transpose(1, 2), attention_mask)
+                               for a in attentions)
         return MoeModelOutputWithPast(
-            last_hidden_state=hidden_states, past_key_values=cache if use_cache is not False else None
+            last_hidden_state=hidden_states, past_key_values=cache if use_cache is not False else None,
+            attentions=attentions,
         )
 
-    def run_layers(self, inputs_embeds, ple_input_ids, position_ids, meta, cache: QSAPagedCache) -> torch.Tensor:
+    def run_layers(self, inputs_embeds, ple_input_ids, position_ids, meta, cache: QSAPagedCache,
+                   attentions: list | None = None) -> torch.Tensor:
         """Every layer and the final mixer over this step's embeddings (device work only: the step's
-        metadata is built, so a CUDA graph can record this)."""
+        metadata is built, so a CUDA graph can record this). Each QSA layer appends its attention
+        probabilities by key position to ``attentions`` when given."""
         B, L = inputs_embeds.shape[:2]
         valid = meta.valid.view(B, L)
         if ple_input_ids is not None:
@@ -329,7 +348,8 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
 
         hidden_states = inputs_embeds.repeat(1, 1, self.config.hc_count)
         for layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_states = layer(hidden_states, cos, sin, flat_positions3, valid, ple_input_ids, cache, meta)
+            hidden_states = layer(hidden_states, cos, sin, flat_positions3, valid, ple_input_ids, cache, meta,
+                                  attentions)
         return self.hyper_connection_mixer(hidden_states)
 
 
@@ -349,24 +369,28 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, PagedCacheGenerationMixin, Ge
     @lands_whole
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None,
-                output_hidden_states=None, logits_to_keep=0, **kwargs):
+                output_hidden_states=None, output_attentions=None, logits_to_keep=0, **kwargs):
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
+        if output_attentions is None:
+            output_attentions = getattr(self.config, "output_attentions", False)
         graphs = decode_graphs_for(self, past_key_values, input_ids, inputs_embeds,
                                    extra_outputs=labels is not None or output_hidden_states or output_router_logits
-                                   or "ple_input_ids" in kwargs)
+                                   or output_attentions or "ple_input_ids" in kwargs)
         if graphs is not None:
             logits = slice_logits_to_keep(graphs.step(input_ids, position_ids, attention_mask), logits_to_keep)
             return MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
         outputs = self._run_model(
             input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
             past_key_values=past_key_values, logits_to_keep=logits_to_keep,
-            # Per-position outputs (loss, hidden states, router logits) need the whole prompt in one forward.
-            chunkable=labels is None and not output_hidden_states and not output_router_logits,
+            # Per-position outputs (loss, hidden states, router logits, attentions) need the whole prompt in one
+            # forward.
+            chunkable=labels is None and not (output_hidden_states or output_router_logits or output_attentions),
             per_token={"position_ids": position_ids, "ple_input_ids": kwargs.pop("ple_input_ids", None)},
             use_cache=use_cache, output_router_logits=output_router_logits, output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)
@@ -382,7 +406,7 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, PagedCacheGenerationMixin, Ge
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
         return MoeCausalLMOutputWithPast(
             loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states, router_logits=outputs.router_logits,
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions, router_logits=outputs.router_logits,
         )
 
     _decode_uses_position_ids = True  # the CUDA-graph decode step keeps a position buffer

@@ -54,29 +54,79 @@ def paged_rel_attention_torch(
     """Returns the attention output ``[B, L, Hq * hd]`` in ``q``'s dtype."""
     B, L, Hq, hd = q.shape
     Hkv = k.shape[2]
-    G = Hq // Hkv
-    E = proj.shape[1]
-    device = q.device
-    pos = position.view(B, L)
-    prev = prev_len.long()
-
-    # Keys of earlier forwards: the last n_cached positions before each row's prev_len.
-    if window is None:
-        n_cached = max(host_prev_len, default=0)
-    else:
-        n_cached = max((min(p, window - 1) for p in host_prev_len), default=0)
-    cpos = prev[:, None] - n_cached + torch.arange(n_cached, device=device)
-    safe = cpos.clamp_min(0)
-    columns = table.shape[1]
-    block = table.gather(1, (safe // block_size).clamp_max(columns - 1)).long()
-    cslot = block * block_size + safe % block_size
+    cslot, cpos = _cached_slots(table, block_size, prev_len, host_prev_len, window)
     k_cached = key_store[cslot]  # [B, n_cached, Hkv, hd]
     v_cached = value_store[cslot]
-    cpos = torch.where(cpos >= 0, cpos, -1)
 
     # The stores keep values, not autograd history: this step's keys reach the scores from k and v directly.
     key_store.index_copy_(0, slots.clamp_min(0), k.detach().reshape(B * L, Hkv, hd).to(key_store.dtype))
     value_store.index_copy_(0, slots.clamp_min(0), v.detach().reshape(B * L, Hkv, hd).to(value_store.dtype))
+
+    outputs = []
+    for c0, c1, k0, probs, _, _ in _rel_softmax(q, k, r, proj, k_cached, cpos, position, scaling, window,
+                                                 log_scaling):
+        values = torch.cat([v_cached, v[:, k0:c1]], dim=1).float()
+        out = torch.einsum("bqhgs,bshd->bqhgd", probs, values)
+        outputs.append(out.reshape(B, c1 - c0, Hq * hd).to(q.dtype))
+    return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+
+
+def paged_rel_attention_probs(
+    q: torch.Tensor,  # [B, L, Hq, hd], normed
+    k: torch.Tensor,  # [B, L, Hkv, hd], normed
+    r: torch.Tensor,  # [B, L, Hq, d_rel]
+    proj: torch.Tensor,  # [d_rel, E]
+    key_store: torch.Tensor,  # [slots, Hkv, hd]: keys of earlier forwards
+    table: torch.Tensor,  # [B, columns] int32
+    block_size: int,
+    position: torch.Tensor,  # [B*L] int64, -1 pads
+    prev_len: torch.Tensor,  # [B]
+    host_prev_len: list[int],
+    max_len: int,
+    scaling: float,
+    window: int | None = None,
+    log_scaling: tuple[float, float] | None = None,  # (n_floor, alpha)
+) -> torch.Tensor:
+    """The attention probabilities of `paged_rel_attention_torch` by key position: ``[B, L, Hq, max_len]``
+    in ``q``'s dtype, zero at every position a query does not attend (later, outside the window, pads;
+    a pad query's row is all zeros). Reads the store only below each row's ``prev_len``."""
+    B, L, Hq, _ = q.shape
+    cslot, cpos = _cached_slots(table, block_size, prev_len, host_prev_len, window)
+    # One extra column takes the keys that are no position (-1), then is dropped.
+    out = torch.zeros(B, L, Hq, max_len + 1, dtype=torch.float32, device=q.device)
+    for c0, c1, _, probs, kpos, allowed in _rel_softmax(q, k, r, proj, key_store[cslot], cpos, position, scaling,
+                                                         window, log_scaling):
+        probs = probs.masked_fill(~allowed[:, :, None, None, :], 0.0).flatten(2, 3)  # [B, Lq, Hq, S]
+        column = torch.where(kpos >= 0, kpos, max_len)[:, None, None, :].expand_as(probs)
+        out[:, c0:c1].scatter_add_(-1, column, probs)
+    return out[..., :max_len].to(q.dtype)
+
+
+def _cached_slots(table: torch.Tensor, block_size: int, prev_len: torch.Tensor, host_prev_len: list[int],
+                  window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store rows ``[B, n_cached]`` and positions (-1: none) of the keys of earlier forwards a query of
+    this step may see: the last ``n_cached`` positions before each row's ``prev_len``."""
+    if window is None:
+        n_cached = max(host_prev_len, default=0)
+    else:
+        n_cached = max((min(p, window - 1) for p in host_prev_len), default=0)
+    cpos = prev_len.long()[:, None] - n_cached + torch.arange(n_cached, device=table.device)
+    safe = cpos.clamp_min(0)
+    block = table.gather(1, (safe // block_size).clamp_max(table.shape[1] - 1)).long()
+    return block * block_size + safe % block_size, torch.where(cpos >= 0, cpos, -1)
+
+
+def _rel_softmax(q, k, r, proj, k_cached, cpos, position, scaling, window, log_scaling):
+    """Per chunk of queries ``c0:c1``: ``(c0, c1, k0, probs, kpos, allowed)``: the fp32 softmax ``probs
+    [B, Lq, Hkv, G, S]`` over the keys ``[cached | this step's k0:c1]`` at positions ``kpos [B, S]``, and
+    which of them each query may see (``allowed [B, Lq, S]``). What `paged_rel_attention_torch` and its
+    probabilities share."""
+    B, L, Hq, hd = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    E = proj.shape[1]
+    pos = position.view(B, L)
+    n_cached = k_cached.shape[1]
 
     tau = None
     if log_scaling is not None:
@@ -86,12 +136,10 @@ def paged_rel_attention_torch(
     span = (window - 1 if window is not None else L) + n_cached
     chunk = max(1, min(L, SCORE_BUDGET // max(1, B * Hq * (span + 1))))
     neg = torch.finfo(torch.float32).min
-    outputs = []
     for c0 in range(0, L, chunk):
         c1 = min(L, c0 + chunk)
         k0 = 0 if window is None else max(0, c0 - window + 1)
         keys = torch.cat([k_cached, k[:, k0:c1]], dim=1).float()
-        values = torch.cat([v_cached, v[:, k0:c1]], dim=1).float()
         kpos = torch.cat([cpos, pos[:, k0:c1]], dim=1)  # [B, S]
         qpos = pos[:, c0:c1]  # [B, Lq]
         Lq, S = c1 - c0, keys.shape[1]
@@ -112,10 +160,7 @@ def paged_rel_attention_torch(
         scores = scores + bias.view(B, Lq, Hkv, G, S)
         # Finite fill: a pad query with no visible key gets a harmless uniform average.
         scores = scores.masked_fill(~allowed[:, :, None, None, :], neg)
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("bqhgs,bshd->bqhgd", probs, values)
-        outputs.append(out.reshape(B, Lq, Hq * hd).to(q.dtype))
-    return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+        yield c0, c1, k0, torch.softmax(scores, dim=-1), kpos, allowed
 
 
 # On CUDA the Triton kernel (`inkling_attention_triton`, tested against the function above);

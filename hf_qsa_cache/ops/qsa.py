@@ -261,24 +261,51 @@ def sparse_paged_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
         return sparse_paged_attention_triton(query, keys, values, block_table, token_row, positions, block_size,
                                              scaling)
     n, num_heads, head_dim = query.shape
+    out = torch.zeros_like(query)
+    for start, end, probs, slots in _selected_softmax(query, keys, block_table, token_row, positions, block_size,
+                                                       scaling):
+        v = values.view(-1, *values.shape[2:])[slots]  # [n, W, Hkv, D]
+        o = torch.einsum("nkgw,nwkd->nkgd", probs.to(v.dtype), v)
+        out[start:end] = o.reshape(-1, num_heads, head_dim)
+    return out
+
+
+def sparse_paged_attention_probs(query: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor,
+                                 token_row: torch.Tensor, positions: torch.Tensor, block_size: int, scaling: float,
+                                 max_len: int) -> torch.Tensor:
+    """The attention probabilities of `sparse_paged_attention` by key position: ``[N, H, max_len]`` in
+    ``query``'s dtype, zero at every position a query does not attend (unselected, later, pads; a pad
+    query's row is all zeros)."""
+    n, num_heads, _ = query.shape
+    # One extra column takes the unused (-1) selections, then is dropped.
+    out = torch.zeros(n, num_heads, max_len + 1, dtype=torch.float32, device=query.device)
+    for start, end, probs, _ in _selected_softmax(query, keys, block_table, token_row, positions, block_size,
+                                                  scaling):
+        pos = positions[start:end].long()
+        column = torch.where(pos >= 0, pos, max_len)[:, None, :].expand(-1, num_heads, -1)
+        out[start:end].scatter_add_(-1, column, probs.reshape(end - start, num_heads, -1))
+    return out[..., :max_len].to(query.dtype)
+
+
+def _selected_softmax(query: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor, token_row: torch.Tensor,
+                      positions: torch.Tensor, block_size: int, scaling: float):
+    """Per chunk of queries: ``(start, end, probs, slots)`` with the fp32 softmax ``probs [n, Hkv, G, W]``
+    of each query over its selected positions (0 at unused ones; all 0 for a query with none) and
+    their store rows ``slots [n, W]``. What `sparse_paged_attention` and its probabilities share."""
+    n, num_heads, head_dim = query.shape
     num_kv = keys.shape[2]
     group = num_heads // num_kv
     width = positions.shape[1]
-    out = torch.zeros_like(query)
     k_flat = keys.view(-1, num_kv, head_dim)
-    v_flat = values.view(-1, num_kv, head_dim)
     step = max(1, _CHUNK_ELEMENTS // max(1, width * num_kv * head_dim))
     for start in range(0, n, step):
-        pos = positions[start:start + step]
+        end = min(n, start + step)
+        pos = positions[start:end]
         ok = pos >= 0
-        slots = paged_rows(block_table, token_row[start:start + step, None].long(), pos.clamp_min(0), block_size)
+        slots = paged_rows(block_table, token_row[start:end, None].long(), pos.clamp_min(0), block_size)
         k = k_flat[slots]  # [n, W, Hkv, D]
-        v = v_flat[slots]
-        q = query[start:start + step].view(-1, num_kv, group, head_dim)
+        q = query[start:end].view(-1, num_kv, group, head_dim)
         logits = torch.einsum("nkgd,nwkd->nkgw", q, k) * scaling
         logits = logits.masked_fill(~ok[:, None, None, :], float("-inf"))
         probs = torch.softmax(logits.float(), dim=-1)
-        probs = torch.nan_to_num(probs, nan=0.0).to(v.dtype)  # rows with nothing to attend (pads)
-        o = torch.einsum("nkgw,nwkd->nkgd", probs, v)
-        out[start:start + step] = o.reshape(-1, num_heads, head_dim)
-    return out
+        yield start, end, torch.nan_to_num(probs, nan=0.0), slots  # rows with nothing to attend (pads)
