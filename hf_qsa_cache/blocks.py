@@ -181,6 +181,21 @@ class BlockTable:
         self.truncate(row, 0)
         self.base[row] = 0
 
+    def move_rows(self, src: list[int], num_rows: int) -> None:
+        """Row ``i`` takes over row ``src[i]``'s blocks (``-1``: a new, empty row); rows ``[0, num_rows)``
+        that no entry names give theirs back. Blocks change owner, not content: no data moves."""
+        taken = [(list(self.rows[s]), self.base[s]) if s >= 0 else ([], 0) for s in src]
+        for row in sorted(set(range(num_rows)) - {s for s in src if s >= 0}):
+            self.release_row(row)
+        for i in range(max(num_rows, len(src))):
+            blocks, base = taken[i] if i < len(src) else ([], 0)
+            old = self.rows[i]
+            for column in range(max(len(old), len(blocks))):
+                block = blocks[column] if column < len(blocks) else NULL_BLOCK
+                if column >= len(old) or old[column] != block:
+                    self._set(i, column, block)
+            self.rows[i], self.base[i] = blocks, base
+
     def blocks_for_select(self, src: list[int], num_rows: int) -> int:
         """Free blocks `select_rows(src, num_rows)` takes beyond those it gives back."""
         moved = [i for i in range(len(src)) if src[i] != i]

@@ -180,6 +180,9 @@ class QSAPagedCache(Cache):
         self._crop_floor = [0] * max_batch_size  # Qwen4Exp: shortest length a crop may reach (rollback.py)
         self.num_rows = 0  # rows of the batch in flight
         self.columns_seen = 0  # rectangular length (pads included) that generate() reasons in
+        # Rows placed one by one (`move_rows`, continuous batching) rather than a batch generate() holds: a step
+        # may then cover any prefix of the rows, and an aborted step never resets the others.
+        self.rows_managed = False
         self._step: StepMetadata | None = None
         self._step_by_device: dict[torch.device, StepMetadata] = {}
         self._open: StepTransaction | None = None  # the step in flight (steps do not nest)
@@ -298,7 +301,10 @@ class QSAPagedCache(Cache):
             raise ValueError(f"a step needs at least one row and one token, got input of shape [{batch_size}, {query_len}]")
         if batch_size > self.max_batch_size:
             raise ValueError(f"batch of {batch_size} rows exceeds max_batch_size={self.max_batch_size}")
-        if self.columns_seen > 0 and batch_size != self.num_rows:
+        if self.rows_managed:
+            if batch_size > self.num_rows:
+                raise ValueError(f"a step over {batch_size} rows, the cache holds {self.num_rows} (move_rows admits rows)")
+        elif self.columns_seen > 0 and batch_size != self.num_rows:
             raise ValueError(
                 f"the cache holds a batch of {self.num_rows} rows in flight, got {batch_size}; call reset() first"
             )
@@ -308,16 +314,22 @@ class QSAPagedCache(Cache):
 
     def _check_fits(self, new_lengths: list[int], what: str = "this step") -> None:
         """Raise unless rows growing to ``new_lengths`` fit ``max_cache_len`` and every block pool."""
+        problem = self.why_not_fits(new_lengths, what)
+        if problem is not None:
+            raise ValueError(problem)
+
+    def why_not_fits(self, new_lengths: list[int], what: str = "this step") -> str | None:
+        """None if rows ``0, 1, ...`` can grow to ``new_lengths`` (``max_cache_len``, every block pool), else
+        what stands in the way."""
         for b, need in enumerate(new_lengths):
             if need > self.max_cache_len:
-                raise ValueError(f"row {b} needs {need} slots, cache holds max_cache_len={self.max_cache_len}")
+                return f"row {b} needs {need} slots, cache holds max_cache_len={self.max_cache_len}"
         for name, table in self.tables.items():
             need = sum(table.blocks_needed(b, n) for b, n in enumerate(new_lengths))
             if need > len(table.free):
-                raise ValueError(
-                    f"{name} block pool: {what} needs {need} free blocks of {table.block_size} tokens, "
-                    f"{len(table.free)} are free (num_blocks={table.num_blocks})"
-                )
+                return (f"{name} block pool: {what} needs {need} free blocks of {table.block_size} tokens, "
+                        f"{len(table.free)} are free (num_blocks={table.num_blocks})")
+        return None
 
     def check_request(self, prompt_lengths: list[int], max_new_tokens: int) -> None:
         """Raise before any forward unless rows of ``prompt_lengths`` real tokens can each add
@@ -406,7 +418,7 @@ class QSAPagedCache(Cache):
             for table in self.tables.values():
                 for b in range(batch_size):
                     table.reserve(b, prev[b] + counts[b])
-            self.num_rows = batch_size
+            self.num_rows = max(self.num_rows, batch_size) if self.rows_managed else batch_size
             self.columns_seen += query_len
             for b in range(batch_size):
                 self.lengths[b] = prev[b] + counts[b]
@@ -673,6 +685,7 @@ class QSAPagedCache(Cache):
         self._scope = None
         self.token_log.reset()
         self._unusable = None
+        self.rows_managed = False
         self.steps_started += 1  # a runner's next step re-validates
         self._reset_stores()
 
@@ -735,6 +748,52 @@ class QSAPagedCache(Cache):
                 t[:n] = data
         except BaseException as error:
             self.mark_unusable(f"copying rows failed half way ({type(error).__name__}: {error})")
+            raise
+
+    def move_rows(self, src: list[int]) -> None:
+        """Place rows one by one (continuous batching): row ``i`` becomes row ``src[i]``, or a fresh, empty row
+        for a new sequence where ``src[i] == -1``; rows no entry names are released (their blocks return to
+        the pools). Paged data does not move (blocks change owner); per-row state (GatedDeltaNet / PLE state,
+        QSA ring, token log) is copied in one gather per tensor. Afterwards a forward may cover any prefix
+        of the rows (`check_step`), and a failed step leaves every row as it was.
+
+        Everything is checked first; a failure while copying refuses further steps, naming `reset()`.
+        """
+        if self._open is not None:
+            raise RuntimeError("cannot move rows while a step is in flight")
+        if self._unusable is not None:
+            raise ValueError(self._unusable)
+        held = self.num_rows
+        kept = [s for s in src if s != -1]
+        if len(src) > self.max_batch_size:
+            raise ValueError(f"the cache can hold up to max_batch_size={self.max_batch_size} rows, asked for {len(src)}")
+        if any(not 0 <= s < held for s in kept) or len(set(kept)) != len(kept):
+            raise ValueError(f"entries must be distinct rows in [0, {held}) or -1 (a fresh row), got {src}")
+        index = [max(s, 0) for s in src]
+        gathered = []  # read every row before the first write
+        if src:
+            for store in self._all_stores():
+                for t in store.row_tensors():
+                    gathered.append((t, t.index_select(0, torch.tensor(index, dtype=torch.long, device=t.device))))
+        for table in self.tables.values():
+            table.move_rows(src, held)
+        pad = [0] * (self.max_batch_size - len(src))
+        self.lengths = [self.lengths[s] if s >= 0 else 0 for s in src] + pad
+        self._crop_floor = [self._crop_floor[s] if s >= 0 else 0 for s in src] + pad
+        self.num_rows = len(src)
+        self.rows_managed = True
+        self.columns_seen = max(self.columns_seen, 1)  # generate()'s whole-batch rules no longer apply
+        try:
+            for t, data in gathered:
+                t[: len(src)] = data
+            fresh = [i for i, s in enumerate(src) if s == -1]
+            if fresh:
+                for layer in self.layers:
+                    for store in layer.stores.values():
+                        if store.allocated and hasattr(store, "reset_rows"):
+                            store.reset_rows(fresh)
+        except BaseException as error:
+            self.mark_unusable(f"moving rows failed half way ({type(error).__name__}: {error})")
             raise
 
     def crop(self, tokens_to_remove: int) -> None:

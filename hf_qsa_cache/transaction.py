@@ -30,7 +30,8 @@ class StepTransaction:
         self.cache = cache
         self.batch_size = batch_size
         self.host = (list(cache.lengths), cache.num_rows, cache.columns_seen, list(cache._crop_floor))
-        self.started_empty = cache.columns_seen == 0
+        # Managed rows (continuous batching) are never reset wholesale: the other rows hold live requests.
+        self.started_empty = cache.columns_seen == 0 and not cache.rows_managed
         self.saved_rows = 0  # rows of in-place state copied aside (0: nothing to copy back)
         for table in cache.tables.values():
             table.begin_step(batch_size)

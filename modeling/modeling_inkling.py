@@ -44,6 +44,7 @@ from hf_qsa_cache.generation import (
 )
 from hf_qsa_cache.metadata import StepMetadata
 from hf_qsa_cache.padding import runs_any_padding
+from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention, paged_rel_attention_probs
 from hf_qsa_cache.ops.sconv import short_conv
 from hf_qsa_cache.stores.inkling import STREAM_ATTN, STREAM_K, STREAM_MLP, STREAM_V
@@ -273,7 +274,8 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         return self.norm(hidden_states)
 
 
-class InklingForCausalLM(InklingPagedPreTrainedModel, PagedCacheGenerationMixin, GenerationMixin):
+class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, PagedCacheGenerationMixin,
+                         GenerationMixin):
     _tied_weights_keys = {}
     _tp_plan = {"lm_head": "rowwise_split_input"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}

@@ -35,6 +35,7 @@ from hf_qsa_cache.generation import (
     PagedCacheGenerationMixin, check_token_ids, forward_cache, lands_whole,
 )
 from hf_qsa_cache.padding import runs_any_padding
+from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops import records_grad
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention, sparse_paged_attention_probs
 from hf_qsa_cache.rollback import gated_delta_keeping_states, step_history
@@ -353,7 +354,7 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         return self.hyper_connection_mixer(hidden_states)
 
 
-class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, PagedCacheGenerationMixin, GenerationMixin):
+class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, ContinuousBatchingMixin, PagedCacheGenerationMixin, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}

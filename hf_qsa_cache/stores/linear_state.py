@@ -175,8 +175,9 @@ class LinearAttentionState:
         if self.ngram_ids is not None:
             self.ngram_ids.fill_(self.eos_token_id)
 
-    def reset_rows(self, rows: torch.Tensor) -> None:
-        """Fresh state for rows that start a new sequence."""
+    def reset_rows(self, rows) -> None:
+        """Fresh state for rows (a list or a tensor of indices) that start a new sequence."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.conv.device)
         for t in (self.conv, self.recurrent, self.ple_conv):
             if t is not None:
                 t.index_fill_(0, rows, 0)

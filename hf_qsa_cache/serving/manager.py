@@ -1,0 +1,340 @@
+"""The background loop of continuous batching and transformers' manager API around it.
+
+One thread runs the loop: take new requests and cancellations, admit waiting requests into free rows,
+make sure the block pools can hold the next steps (preempting the latest admitted request if not), run a
+prefill step and a decode step (`scheduler`), and hand results out. Everything a request holds is given
+back the moment it finishes, is cancelled or fails. A step that fails leaves the cache as it was (every
+forward is a transaction): the requests in that step fail with the error, the others go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import warnings
+
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+from ..cache import QSAPagedCache
+from .requests import Request, Sampling
+from .runner import ModelRunner
+from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ROWS = 32  # rows (requests in flight) without max_requests_per_batch
+DEFAULT_BATCH_TOKENS = 2048  # prefill tokens per step without max_batch_tokens
+DEFAULT_TOKENS_PER_ROW = 4096  # pool sizing without num_blocks or workload hints: rows x this many tokens
+# ContinuousBatchingConfig fields this engine does not use (each named in one warning when set).
+_UNUSED_FIELDS = ("max_memory_percent", "max_blocks_per_request", "use_async_batching", "q_padding_interval_size",
+                  "kv_padding_interval_size", "varlen_compile_config", "decode_compile_config", "cpu_offload_space",
+                  "per_request_processors", "max_cached_graphs")
+_IGNORED_SAMPLING = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "min_p", "typical_p")
+
+
+class ContinuousBatchingManager:
+    def __init__(self, model, generation_config: GenerationConfig | None = None,
+                 continuous_batching_config: ContinuousBatchingConfig | None = None, workload_hints=None):
+        self.model = model
+        self.generation_config = generation_config if generation_config is not None else model.generation_config
+        config = continuous_batching_config if continuous_batching_config is not None else ContinuousBatchingConfig()
+        self.continuous_batching_config = config
+        _warn_unused(config, self.generation_config)
+        gen = self.generation_config
+        self.num_return_sequences = gen.num_return_sequences or 1
+        self.sampling = Sampling(do_sample=bool(gen.do_sample), temperature=gen.temperature or 1.0,
+                                 top_k=gen.top_k, top_p=gen.top_p)
+        self.seed = config.seed
+        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        rows = config.max_requests_per_batch or DEFAULT_ROWS
+        max_len = getattr(text_config, "max_position_embeddings", None) or 32768
+        per_row = DEFAULT_TOKENS_PER_ROW
+        if workload_hints is not None and workload_hints.max_prompt_length:
+            per_row = workload_hints.max_prompt_length + workload_hints.max_generated_length
+            max_len = max(max_len, per_row)
+        block_size = config.block_size or config.page_size
+        num_blocks = config.num_blocks or rows * -(-min(per_row, max_len) // block_size) + 1
+        self.cache = QSAPagedCache(model.config, max_batch_size=rows, max_cache_len=max_len, block_size=block_size,
+                                   num_blocks=num_blocks)
+        self.runner = ModelRunner(model, self.cache, return_logprobs=bool(config.return_logprobs))
+        self.scheduler = Scheduler(rows, config.max_batch_tokens or DEFAULT_BATCH_TOKENS,
+                                   prefill_first=config.scheduler_type == "prefill_first")
+        if config.scheduler_type not in ("fifo", "prefill_first"):
+            raise ValueError(f"scheduler_type must be 'fifo' or 'prefill_first', got {config.scheduler_type!r}")
+        self.input_queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size or 0)
+        self.cancel_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._stop: str | None = None  # "flush" (finish what was submitted) or "hard" (fail it)
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._counter = 0
+        self._requests = 0  # requests submitted (seeds the per-request sampling streams)
+        self.fatal_error: BaseException | None = None
+        # What the loop did (for tests, benchmarks and curious users).
+        self.stats = {"prefill_steps": 0, "decode_steps": 0, "preemptions": 0, "failed_steps": 0, "most_rows": 0}
+        self.warmed_up = False
+        self._graphs_before = getattr(model, "use_cuda_graphs", True)
+
+    # ------------------------------------------------------------------ lifecycle
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def warmup(self) -> None:
+        """Decode graphs are captured at the first decode step of each batch size; nothing to do ahead."""
+        self.warmed_up = True
+
+    def start(self) -> None:
+        if self.is_running():
+            logger.warning("the continuous batching loop is already running")
+            return
+        self._stop = None
+        self.fatal_error = None
+        if self.continuous_batching_config.use_cuda_graph is not None:
+            self.model.use_cuda_graphs = bool(self.continuous_batching_config.use_cuda_graph)
+        self._thread = threading.Thread(target=self._loop, name="hf-qsa-continuous-batching", daemon=True)
+        self._thread.start()
+
+    def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
+             hard_stop: bool = False) -> None:
+        """Stop the loop: by default once every submitted request is done; ``hard_stop`` fails those left."""
+        if self._thread is None:
+            return
+        self._stop = "hard" if hard_stop else "flush"
+        self._wake.set()
+        if block:
+            self.join(timeout)
+        if keep_for_next_session:
+            self.model._cached_continuous_batching_manager = self
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is None:
+            return
+        self._thread.join(timeout=timeout)
+        if not self._thread.is_alive():
+            self._thread = None
+            self.model.use_cuda_graphs = self._graphs_before
+
+    def destroy(self) -> None:
+        if self.is_running():
+            self.stop(block=True)
+        self.cache.reset()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
+                    streaming: bool = False, record_timestamps: bool = False, eos_token_id=None, **kwargs) -> str:
+        """Queue a request; returns its id. Children ``{id}__child#{i}`` carry the extra return sequences."""
+        if kwargs:
+            _warn_once(f"add_request ignores {sorted(kwargs)} (per-request logits processors are not supported)")
+        prompt = [int(t) for t in input_ids]
+        vocab = self.model.config.get_text_config().vocab_size if hasattr(self.model.config, "get_text_config") \
+            else self.model.config.vocab_size
+        if not prompt:
+            raise ValueError("a request needs at least one prompt token, got an empty input_ids")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids must lie in [0, {vocab}) (vocab_size), got {bad[0]}")
+        max_new_tokens = max_new_tokens if max_new_tokens is not None else self.generation_config.max_new_tokens
+        if max_new_tokens is None or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
+        if eos_token_id is None:
+            eos_token_id = self.generation_config.eos_token_id
+        eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
+        eos = frozenset(int(e) for e in eos if e is not None and int(e) >= 0)
+        with self._lock:
+            if request_id is None:
+                request_id = f"req_{self._counter}"
+                self._counter += 1
+            first = self._requests
+            self._requests += self.num_return_sequences
+        ids = [f"{request_id}__child#{i}" for i in range(self.num_return_sequences - 1)] + [request_id]
+        for k, rid in enumerate(ids):
+            request = Request(rid, prompt, max_new_tokens, eos, self.sampling,
+                              seed=None if self.seed is None else self.seed + first + k, streaming=streaming,
+                              record_timestamps=record_timestamps)
+            self.input_queue.put(request, block=True, timeout=10)
+        self._wake.set()
+        return request_id
+
+    def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None, streaming: bool = False,
+                     record_timestamps: bool = False, **kwargs) -> list[str]:
+        return [self.add_request(ids, max_new_tokens=max_new_tokens, streaming=streaming,
+                                 record_timestamps=record_timestamps, **kwargs) for ids in inputs]
+
+    def cancel_request(self, request_id: str) -> None:
+        self.cancel_queue.put(request_id)
+        self._wake.set()
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """One result (a finished request, or a streaming request's progress); None after ``timeout`` seconds.
+        With ``request_id``, a result of another request is put back and None returned."""
+        if self.output_queue.empty() and not self.is_running():
+            return None
+        try:
+            result = self.output_queue.get(block=True, timeout=timeout)
+        except queue.Empty:
+            return None
+        if request_id is not None and result.request_id != request_id:
+            self.output_queue.put(result)
+            return None
+        return result
+
+    def __iter__(self):
+        while self.is_running() or not self.output_queue.empty():
+            result = self.get_result(timeout=0.1)
+            if result is not None:
+                yield result
+
+    def request_id_iter(self, request_id: str):
+        while self.is_running() or not self.output_queue.empty():
+            result = self.get_result(request_id=request_id, timeout=0.1)
+            if result is not None:
+                yield result
+                if result.is_finished():
+                    return
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        try:
+            with torch.no_grad():
+                while True:
+                    self._intake()
+                    if self._stop == "hard":
+                        self._fail_all("the continuous batching loop was stopped (hard_stop)")
+                        break
+                    if not self.scheduler.has_work:
+                        if self._stop == "flush" and self.input_queue.empty():
+                            break
+                        self._wake.wait(timeout=0.05)
+                        self._wake.clear()
+                        continue
+                    self._iteration()
+        except BaseException as error:  # the loop cannot go on: every request gets the error
+            self.fatal_error = error
+            logger.error("continuous batching loop failed: %s", error, exc_info=True)
+            self._fail_all(f"the continuous batching loop failed: {type(error).__name__}: {error}")
+        finally:
+            try:
+                self.runner.place([])
+            except BaseException:  # a cache that refuses (unusable) is reset by place([]) on the next start
+                self.cache.reset()
+
+    def _intake(self) -> None:
+        while True:
+            try:
+                self.scheduler.submit(self.input_queue.get_nowait())
+            except queue.Empty:
+                break
+        while True:
+            try:
+                request_id = self.cancel_queue.get_nowait()
+            except queue.Empty:
+                break
+            for request in [*self.scheduler.rows, *self.scheduler.waiting]:
+                if request.request_id == request_id:
+                    self._end(request, RequestStatus.FAILED, "cancelled")
+
+    def _iteration(self) -> None:
+        scheduler, runner = self.scheduler, self.runner
+        for request in scheduler.admit():
+            if request.started < 0:
+                request.started = time.perf_counter()
+            need = len(request.prompt) + request.max_new_tokens - 1  # the last token is never fed
+            if need > self.cache.max_cache_len:
+                self._end(request, RequestStatus.FAILED,
+                          f"prompt of {len(request.prompt)} tokens + max_new_tokens={request.max_new_tokens} needs "
+                          f"{need} slots, the cache holds max_cache_len={self.cache.max_cache_len}")
+        runner.place(scheduler.rows)
+        self._make_room()
+        steps = ("prefill", "decode") if scheduler.prefill_first else ("decode", "prefill")
+        for kind in steps:
+            if kind == "prefill" and scheduler.prefilling():
+                self.stats["prefill_steps"] += 1
+                self._run(runner.rows[: scheduler.prefilling()], lambda: runner.prefill(scheduler.prefill_chunks()))
+            elif kind == "decode" and len(scheduler.rows) > scheduler.prefilling():
+                self.stats["decode_steps"] += 1
+                self.stats["most_rows"] = max(self.stats["most_rows"], len(runner.rows))
+                self._run(runner.rows, runner.decode)
+
+    def _make_room(self) -> None:
+        """Preempt (latest admitted first) until the pools hold the next prefill and decode steps; a request
+        that cannot fit even alone fails."""
+        scheduler, runner = self.scheduler, self.runner
+        while scheduler.rows:
+            chunks = scheduler.prefill_chunks()
+            growth = [c + 1 for c in chunks] + [1] * (len(scheduler.rows) - len(chunks))
+            problem = runner.why_not_fits(growth)
+            if problem is None:
+                return
+            victim = scheduler.victim()
+            if victim is None:
+                self._end(scheduler.rows[0], RequestStatus.FAILED, f"the request cannot fit even alone: {problem}")
+            else:
+                scheduler.preempt(victim)
+                self.stats["preemptions"] += 1
+            scheduler.order()
+            runner.place(scheduler.rows)
+
+    def _run(self, rows: list[Request], step) -> None:
+        try:
+            picked = step()
+        except Exception as error:  # the cache took the step back: these requests fail, the others go on
+            logger.error("a continuous batching step failed: %s", error, exc_info=True)
+            self.stats["failed_steps"] += 1
+            for request in list(rows):
+                self._end(request, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
+            return
+        for request, token, logprob in picked:
+            request.add_token(token, logprob)
+            if request.done:
+                self._end(request, request.status, request.error)
+            elif request.streaming:
+                self.output_queue.put(request.output())
+        self.scheduler.order()
+        self.runner.place(self.scheduler.rows)
+
+    def _end(self, request: Request, status: RequestStatus, error: str | None) -> None:
+        """The request is done: it leaves the scheduler (its row and blocks go back at the next `place`, before
+        any further step), its result goes out."""
+        if not request.done or request.status != status:
+            request.finish(status, error)
+        self.scheduler.release(request)
+        self.output_queue.put(request.output())
+
+    def _fail_all(self, why: str) -> None:
+        for request in [*self.scheduler.rows, *self.scheduler.waiting]:
+            self._end_quietly(request, why)
+        while True:
+            try:
+                self._end_quietly(self.input_queue.get_nowait(), why)
+            except queue.Empty:
+                break
+
+    def _end_quietly(self, request: Request, why: str) -> None:
+        request.finish(RequestStatus.FAILED, why)
+        self.scheduler.release(request)
+        self.output_queue.put(request.output())
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def _warn_unused(config: ContinuousBatchingConfig, generation_config: GenerationConfig) -> None:
+    default = ContinuousBatchingConfig()
+    for name in _UNUSED_FIELDS:
+        if getattr(config, name, None) != getattr(default, name, None):
+            _warn_once(f"ContinuousBatchingConfig.{name} is not used by this engine (QSAPagedCache)")
+    for name in _IGNORED_SAMPLING:
+        value = getattr(generation_config, name, None)
+        if value not in (None, 1.0, 0, 0.0):
+            _warn_once(f"GenerationConfig.{name}={value} is not applied by continuous batching here")

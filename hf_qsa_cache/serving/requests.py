@@ -1,0 +1,87 @@
+"""One request's life in the continuous-batching engine: host state only (no tensors)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a request picks its next token: greedy, or sampled after temperature, top-k and top-p."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    sampling: Sampling = Sampling()
+    seed: int | None = None  # the request's own sampling stream (independent of how it is batched)
+    streaming: bool = False
+    record_timestamps: bool = False
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    timestamps: list[float] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.PENDING
+    error: str | None = None
+    created: float = field(default_factory=time.perf_counter)
+    started: float = -1.0  # no longer pending (first admitted)
+    ended: float = -1.0
+    held: int = 0  # tokens its cache row holds (0 without a row, or after preemption)
+    admitted: int = -1  # admission number (the latest admitted is preempted first)
+    generator: object = None  # its torch.Generator, made at its first sampled token
+
+    @property
+    def total(self) -> int:
+        """Tokens the row must hold before the next token can be sampled."""
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def pending(self) -> int:
+        return self.total - self.held
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than one token to feed: its prompt (or, after preemption, its tokens so far) is not all in."""
+        return self.pending > 1
+
+    def next_tokens(self, n: int) -> list[int]:
+        """The next ``n`` tokens its row has not held yet."""
+        start, split = self.held, len(self.prompt)
+        head = self.prompt[start: start + n] if start < split else []
+        tail_start = max(0, start - split)
+        return head + self.generated[tail_start: tail_start + n - len(head)]
+
+    @property
+    def done(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+
+    def add_token(self, token: int, logprob: float | None) -> None:
+        """A sampled token; ends the request at an eos token or at ``max_new_tokens``."""
+        self.generated.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        if self.record_timestamps:
+            self.timestamps.append(time.perf_counter())
+        if token in self.eos_token_ids or len(self.generated) >= self.max_new_tokens:
+            self.finish(RequestStatus.FINISHED)
+
+    def finish(self, status: RequestStatus, error: str | None = None) -> None:
+        self.status, self.error, self.ended = status, error, time.perf_counter()
+
+    def output(self) -> GenerationOutput:
+        """transformers' result for this request, as of now (copies: later tokens do not change it)."""
+        return GenerationOutput(
+            request_id=self.request_id, prompt_ids=list(self.prompt), generated_tokens=list(self.generated),
+            logprobs=list(self.logprobs), error=self.error, status=self.status, created_time=self.created,
+            lifespan=(self.started, self.ended), timestamps=list(self.timestamps) if self.record_timestamps else None,
+        )

@@ -1,0 +1,120 @@
+"""The model and its cache in the continuous-batching loop: keeps the cache's rows in the scheduler's
+order, runs each step's forward, samples the next tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import QSAPagedCache
+from .requests import Request
+
+
+class ModelRunner:
+    def __init__(self, model, cache: QSAPagedCache, return_logprobs: bool = False):
+        self.model = model
+        self.cache = cache
+        self.return_logprobs = return_logprobs
+        self.device = next(model.parameters()).device
+        self.rows: list[Request] = []  # the cache's rows, in order
+
+    def place(self, order: list[Request]) -> None:
+        """Make the cache's rows ``order``: rows of requests that left are released, new requests get fresh
+        rows (`QSAPagedCache.move_rows`: blocks change owner, nothing is recomputed)."""
+        if [id(r) for r in order] == [id(r) for r in self.rows]:
+            return
+        index = {id(r): i for i, r in enumerate(self.rows)}
+        src = [index.get(id(r), -1) for r in order]
+        if order:
+            self.cache.move_rows(src)
+        else:
+            self.cache.reset()  # no request holds a row
+        for request, s in zip(order, src):
+            if s == -1:
+                request.held = 0
+        self.rows = list(order)
+
+    def why_not_fits(self, growth: list[int]) -> str | None:
+        """None if every row can grow by ``growth`` tokens in the next steps, else what stands in the way."""
+        return self.cache.why_not_fits([r.held + g for r, g in zip(self.rows, growth)], what="the next step")
+
+    def prefill(self, chunks: list[int]) -> list[tuple[Request, int, float | None]]:
+        """Rows ``[0, len(chunks))`` take their next ``chunks[i]`` tokens (left-padded to one length); returns
+        the sampled (request, token, logprob) of rows that have then fed everything they had."""
+        rows = self.rows[: len(chunks)]
+        length = max(chunks)
+        ids = torch.zeros(len(rows), length, dtype=torch.long)
+        mask = torch.zeros(len(rows), length, dtype=torch.long)
+        for i, (request, n) in enumerate(zip(rows, chunks)):
+            ids[i, length - n:] = torch.tensor(request.next_tokens(n))
+            mask[i, length - n:] = 1
+        logits = self._forward(ids, mask)
+        for request, n in zip(rows, chunks):
+            request.held += n
+        return self._sample(rows, logits)
+
+    def decode(self) -> list[tuple[Request, int, float | None]]:
+        """Every row takes one token (its last sampled token, or its next prompt token)."""
+        ids = torch.tensor([r.next_tokens(1) for r in self.rows], dtype=torch.long)
+        logits = self._forward(ids, None)
+        for request in self.rows:
+            request.held += 1
+        return self._sample(self.rows, logits)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        out = self.model(
+            input_ids=ids.to(self.device), attention_mask=None if mask is None else mask.to(self.device),
+            past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+        )
+        return out.logits[:, -1]
+
+    def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[tuple[Request, int, float | None]]:
+        ready = [i for i, r in enumerate(rows) if r.pending == 0]
+        if not ready:
+            return []
+        logits = logits[ready].float()
+        picked = []
+        greedy = [j for j, i in enumerate(ready) if not rows[i].sampling.do_sample]
+        tokens = torch.empty(len(ready), dtype=torch.long, device=logits.device)
+        scores = logits
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        if len(greedy) < len(ready):
+            scores = logits.clone()
+            for j, i in enumerate(ready):
+                request = rows[i]
+                if request.sampling.do_sample:
+                    scores[j] = warp(logits[j], request.sampling)
+                    tokens[j] = torch.multinomial(scores[j].softmax(-1), 1, generator=_generator(request, logits.device))[0]
+        logprobs = None
+        if self.return_logprobs:
+            logprobs = scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0].tolist()
+        for j, (i, token) in enumerate(zip(ready, tokens.tolist())):
+            picked.append((rows[i], token, None if logprobs is None else logprobs[j]))
+        return picked
+
+
+def warp(logits: torch.Tensor, sampling) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (as transformers' warpers, in that order): filtered logits."""
+    scores = logits / max(sampling.temperature, 1e-6)
+    neg = torch.finfo(scores.dtype).min
+    if sampling.top_k is not None and 0 < sampling.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, sampling.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, neg)
+    if sampling.top_p is not None and sampling.top_p < 1.0:
+        order = scores.argsort(descending=False)
+        cumulative = scores[order].softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - sampling.top_p
+        drop[-1] = False  # the most likely token always stays
+        scores = scores.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), neg)
+    return scores
+
+
+def _generator(request: Request, device: torch.device) -> torch.Generator:
+    """The request's own random stream: its draws do not depend on what it was batched with."""
+    if request.generator is None:
+        request.generator = torch.Generator(device=device)
+        if request.seed is not None:
+            request.generator.manual_seed(request.seed)
+        else:
+            request.generator.seed()
+    return request.generator

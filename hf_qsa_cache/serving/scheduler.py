@@ -1,0 +1,90 @@
+"""Which requests hold cache rows, in what order, what each step feeds, and whom to preempt (host only).
+
+The cache's steps cover a prefix of its rows, so rows are kept in one order: requests still prefilling
+first (rows ``[0, p)``), then those decoding. Two kinds of step follow:
+
+* a prefill step feeds every prefilling request a chunk of its pending tokens (rows ``[0, p)``, one
+  length ``L`` for all, capped so that ``p * L <= max_batch_tokens``; a chunk may end anywhere: inside a
+  QSA group, a window, a conv span);
+* a decode step feeds every row one token: a decoding request its last sampled token, a prefilling one
+  its next prompt token (useful work, and one real token per row: the CUDA-graph decode step applies).
+
+Admission is first come, first served while rows are free; when the block pools cannot hold the next
+step, the request admitted last is preempted (its row and blocks released; its tokens so far are fed
+again when it is readmitted, so it loses no token and gains no wrong one).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .requests import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, max_rows: int, max_batch_tokens: int, prefill_first: bool):
+        self.max_rows = max_rows
+        self.max_batch_tokens = max_batch_tokens
+        self.prefill_first = prefill_first
+        self.waiting: deque[Request] = deque()
+        self.rows: list[Request] = []  # the row order the cache must have (the runner makes it so)
+        self._admissions = 0
+
+    def submit(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.rows)
+
+    def admit(self) -> list[Request]:
+        """Waiting requests (oldest first) take the free rows; returns them."""
+        admitted = []
+        while self.waiting and len(self.rows) < self.max_rows:
+            request = self.waiting.popleft()
+            request.admitted = self._admissions
+            self._admissions += 1
+            if request.status == RequestStatus.PENDING:
+                request.status = RequestStatus.PREFILLING
+            self.rows.append(request)
+            admitted.append(request)
+        self.order()
+        return admitted
+
+    def order(self) -> None:
+        """Prefilling rows first, then decoding ones, each kind in its current order."""
+        self.rows = [r for r in self.rows if r.in_prefill] + [r for r in self.rows if not r.in_prefill]
+        for r in self.rows:
+            if not r.in_prefill and r.status == RequestStatus.PREFILLING:
+                r.status = RequestStatus.DECODING
+
+    def release(self, request: Request) -> None:
+        """The request leaves its row (finished, failed, cancelled) or the queue."""
+        if request in self.rows:
+            self.rows.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def preempt(self, request: Request) -> None:
+        """Back to the front of the queue, without a row: its tokens so far are fed again when readmitted."""
+        self.rows.remove(request)
+        request.held = 0
+        request.status = RequestStatus.PENDING
+        self.waiting.appendleft(request)
+
+    def victim(self) -> Request | None:
+        """Whom to preempt when the pools cannot hold the next step: the latest admitted (None if alone)."""
+        if len(self.rows) < 2:
+            return None
+        return max(self.rows, key=lambda r: r.admitted)
+
+    def prefilling(self) -> int:
+        return sum(1 for r in self.rows if r.in_prefill)
+
+    def prefill_chunks(self) -> list[int]:
+        """Tokens each prefilling row (rows ``[0, p)``) gets in a prefill step."""
+        p = self.prefilling()
+        if p == 0:
+            return []
+        length = min(max(r.pending for r in self.rows[:p]), max(1, self.max_batch_tokens // p))
+        return [min(r.pending, length) for r in self.rows[:p]]
