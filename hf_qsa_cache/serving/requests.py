@@ -74,6 +74,8 @@ class Request:
             self.timestamps.append(time.perf_counter())
         if token in self.eos_token_ids or len(self.generated) >= self.max_new_tokens:
             self.finish(RequestStatus.FINISHED)
+        else:
+            self.status = RequestStatus.DECODING
 
     def finish(self, status: RequestStatus, error: str | None = None) -> None:
         self.status, self.error, self.ended = status, error, time.perf_counter()

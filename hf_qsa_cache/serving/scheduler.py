@@ -54,9 +54,6 @@ class Scheduler:
     def order(self) -> None:
         """Prefilling rows first, then decoding ones, each kind in its current order."""
         self.rows = [r for r in self.rows if r.in_prefill] + [r for r in self.rows if not r.in_prefill]
-        for r in self.rows:
-            if not r.in_prefill and r.status == RequestStatus.PREFILLING:
-                r.status = RequestStatus.DECODING
 
     def release(self, request: Request) -> None:
         """The request leaves its row (finished, failed, cancelled) or the queue."""

@@ -1,0 +1,261 @@
+"""Continuous batching (`generate_batch`, `init_continuous_batching`) on both families against transformers'
+own classes on each prompt alone (fp32, CPU, greedy unless said otherwise).
+
+Pools are tiny and token budgets small so that the engine preempts, chunks prompts inside QSA groups,
+windows and conv spans, admits requests while others decode, and gives everything back.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from qwen4_helpers import make_pair as qwen_pair
+from qwen4_helpers import random_prompts
+from test_inkling import make_config as inkling_config
+from test_inkling import make_pair as inkling_pair
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching.requests import RequestStatus
+
+from hf_qsa_cache import QSAPagedCache
+
+NEW = 6
+LENGTHS = [23, 9, 17, 30, 5, 14]
+
+
+@pytest.fixture(scope="module", params=["qwen4_exp", "inkling"])
+def family(request):
+    ref, ours = qwen_pair() if request.param == "qwen4_exp" else inkling_pair(inkling_config())
+    return request.param, ref, ours
+
+
+_alone_cache: dict = {}
+
+
+def _alone(ref, prompt, new=NEW, eos=None):
+    key = (id(ref), tuple(prompt), new, eos)
+    if key not in _alone_cache:
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                               max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        _alone_cache[key] = out[0, len(prompt):].tolist()
+    return _alone_cache[key]
+
+
+def _greedy(new=NEW, **kwargs):
+    return GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+
+
+def _pools_full(cache: QSAPagedCache) -> bool:
+    return all(len(t.free) == t.num_blocks - 1 for t in cache.tables.values()) and cache.num_rows == 0
+
+
+def test_generate_batch_equals_each_prompt_alone_with_preemption_and_small_chunks(family):
+    name, ref, ours = family
+    prompts = random_prompts(LENGTHS, vocab=90, seed=3)
+    # 3 rows, 5-token prefill budget (chunks end inside QSA groups of 2, Inkling windows of 6 and conv
+    # spans of 4), a pool too small for three long rows at once: preemption must happen.
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=16, max_batch_tokens=5, max_requests_per_batch=3)
+    with ours.continuous_batching_context_manager(_greedy(), continuous_batching_config=config) as manager:
+        ids = manager.add_requests(prompts)
+        results = {}
+        while len(results) < len(prompts):
+            result = manager.get_result(timeout=5)
+            assert result is not None
+            results[result.request_id] = result
+        stats = dict(manager.stats)
+        cache = manager.cache
+    for request_id, prompt in zip(ids, prompts):
+        result = results[request_id]
+        assert result.status == RequestStatus.FINISHED and result.error is None
+        assert result.prompt_ids == prompt
+        assert result.generated_tokens == _alone(ref, prompt), request_id
+    assert stats["preemptions"] > 0 and stats["prefill_steps"] > len(prompts)
+    assert stats["most_rows"] == 3
+    assert _pools_full(cache)
+
+
+def test_requests_arriving_while_others_decode(family):
+    name, ref, ours = family
+    prompts = random_prompts([19, 7, 26, 11], vocab=90, seed=5)
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=8, max_requests_per_batch=4)
+    with ours.continuous_batching_context_manager(_greedy(new=10), continuous_batching_config=config) as manager:
+        first = manager.add_request(prompts[0], max_new_tokens=10, streaming=True)
+        assert next(manager.request_id_iter(first)).status == RequestStatus.DECODING
+        late = [manager.add_request(prompt, max_new_tokens=10) for prompt in prompts[1:]]
+        results = {}
+        while len(results) < len(prompts):
+            result = manager.get_result(timeout=5)
+            if result.is_finished():
+                results[result.request_id] = result
+    for request_id, prompt in zip([first, *late], prompts):
+        assert results[request_id].generated_tokens == _alone(ref, prompt, new=10), request_id
+
+
+def test_eos_ends_requests_on_different_steps(family):
+    name, ref, ours = family
+    prompts = random_prompts([12, 21, 8], vocab=90, seed=7)
+    eos = _alone(ref, prompts[1])[2]  # the second prompt's third token ends it; the others wherever it appears
+    expected = [_alone(ref, p, eos=eos) for p in prompts]
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=16, max_requests_per_batch=3)
+    results = ours.generate_batch(prompts, GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
+                                                            pad_token_id=0), config)
+    got = [results[f"req_{i}"].generated_tokens for i in range(3)]
+    assert got == expected
+    assert len({len(g) for g in got}) > 1  # they ended on different steps
+
+
+def test_cancel_mid_prefill_and_mid_decode(family):
+    name, ref, ours = family
+    prompts = random_prompts([30, 8, 12], vocab=90, seed=9)
+    # One-token prefill budget: the long prompt is mid-prefill for many steps.
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=1, max_requests_per_batch=3)
+    with ours.continuous_batching_context_manager(_greedy(new=40), continuous_batching_config=config) as manager:
+        long_id = manager.add_request(prompts[0], max_new_tokens=40)
+        decoding_id = manager.add_request(prompts[1], max_new_tokens=40, streaming=True)
+        keep_id = manager.add_request(prompts[2], max_new_tokens=NEW)
+        progress = next(manager.request_id_iter(decoding_id))  # it decodes: a streamed token arrived
+        assert progress.status == RequestStatus.DECODING and len(progress.generated_tokens) >= 1
+        manager.cancel_request(long_id)
+        manager.cancel_request(decoding_id)
+        finals = {}
+        deadline = time.time() + 20
+        while len(finals) < 3 and time.time() < deadline:
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                finals[result.request_id] = result
+        cache = manager.cache
+    assert finals[long_id].status == RequestStatus.FAILED and finals[long_id].error == "cancelled"
+    assert len(finals[long_id].generated_tokens) == 0  # cancelled before its prompt was in
+    assert finals[decoding_id].status == RequestStatus.FAILED and 1 <= len(finals[decoding_id].generated_tokens) < 40
+    assert finals[keep_id].generated_tokens == _alone(ref, prompts[2])
+    assert _pools_full(cache)
+
+
+def test_a_request_that_cannot_fit_alone_fails_and_the_others_go_on(family):
+    name, ref, ours = family
+    prompts = random_prompts([10, 40, 7], vocab=90, seed=11)
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=9, max_batch_tokens=64, max_requests_per_batch=2)
+    results = ours.generate_batch(prompts, _greedy(), config)
+    assert results["req_1"].status == RequestStatus.FAILED
+    assert "cannot fit even alone" in results["req_1"].error and "block pool" in results["req_1"].error
+    for i in (0, 2):
+        assert results[f"req_{i}"].generated_tokens == _alone(ref, prompts[i])
+
+
+def test_a_failed_step_fails_its_requests_only(family, monkeypatch):
+    """A prefill step that raises fails the requests it carried; the request decoding beside it and a request
+    submitted afterwards are exact, and the pools come back full."""
+    name, ref, ours = family
+    from hf_qsa_cache.serving.runner import ModelRunner
+
+    prompts = random_prompts([15, 9, 20, 11], vocab=90, seed=13)
+    armed = {"on": False}
+    forward = ModelRunner._forward
+
+    def failing(self, ids, mask):
+        if armed["on"] and mask is not None:  # the next prefill step
+            armed["on"] = False
+            raise RuntimeError("injected fault")
+        return forward(self, ids, mask)
+
+    monkeypatch.setattr(ModelRunner, "_forward", failing)
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=3)
+    with ours.continuous_batching_context_manager(_greedy(new=12), continuous_batching_config=config) as manager:
+        first = manager.add_request(prompts[0], max_new_tokens=12, streaming=True)
+        next(manager.request_id_iter(first))  # it decodes
+        armed["on"] = True
+        doomed = manager.add_requests(prompts[1:3], max_new_tokens=12)
+        finals = {}
+        while len(finals) < 3:
+            result = manager.get_result(timeout=5)
+            if result.is_finished():
+                finals[result.request_id] = result
+        after = manager.add_request(prompts[3], max_new_tokens=12)
+        finals[after] = next(r for r in manager.request_id_iter(after) if r.is_finished())
+        cache, stats = manager.cache, dict(manager.stats)
+    assert stats["failed_steps"] == 1
+    for request_id in doomed:
+        assert finals[request_id].status == RequestStatus.FAILED and "injected fault" in finals[request_id].error
+    assert finals[first].generated_tokens == _alone(ref, prompts[0], new=12)
+    assert finals[after].generated_tokens == _alone(ref, prompts[3], new=12)
+    assert _pools_full(cache)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batching(family):
+    name, ref, ours = family
+    prompts = random_prompts([12, 18, 7], vocab=90, seed=15)
+    sample = GenerationConfig(max_new_tokens=8, do_sample=True, temperature=0.9, top_k=20, top_p=0.9,
+                              eos_token_id=None, pad_token_id=0)
+
+    def run(seed, rows, budget):
+        config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=budget, max_requests_per_batch=rows, seed=seed,
+                                          return_logprobs=True)
+        return ours.generate_batch(prompts, sample, config)
+
+    a, b, c, other = run(0, 3, 16), run(0, 3, 16), run(0, 1, 4), run(1, 3, 16)
+    tokens = lambda results: [r.generated_tokens for r in results.values()]  # noqa: E731
+    assert tokens(a) == tokens(b) == tokens(c)  # same seed: same tokens, however the requests were batched
+    assert tokens(a) != tokens(other)
+    assert all(len(r.logprobs) == 8 and all(lp <= 0 for lp in r.logprobs) for r in a.values())
+
+
+def test_return_sequences_streaming_and_result_order(family):
+    name, ref, ours = family
+    prompts = random_prompts([11, 16], vocab=90, seed=17)
+    top1 = GenerationConfig(max_new_tokens=NEW, do_sample=True, top_k=1, num_return_sequences=2, eos_token_id=None,
+                            pad_token_id=0)  # sampling from the top token only: greedy, with two sequences
+    results = ours.generate_batch(prompts, top1, ContinuousBatchingConfig(page_size=4, max_requests_per_batch=4))
+    assert list(results) == ["req_0__child#0", "req_0", "req_1__child#0", "req_1"]
+    for i, prompt in enumerate(prompts):
+        assert results[f"req_{i}"].generated_tokens == results[f"req_{i}__child#0"].generated_tokens == \
+            _alone(ref, prompt)
+    with ours.continuous_batching_context_manager(_greedy(), continuous_batching_config=ContinuousBatchingConfig(
+            page_size=4)) as manager:
+        request_id = manager.add_request(prompts[0], streaming=True)
+        stream = list(manager.request_id_iter(request_id))
+    assert [len(r.generated_tokens) for r in stream] == list(range(1, NEW + 1))
+    assert stream[-1].is_finished() and stream[-1].generated_tokens == _alone(ref, prompts[0])
+
+
+def test_bad_requests_are_refused_with_the_limit():
+    ref, ours = qwen_pair()
+    manager = ours.init_continuous_batching(_greedy(), ContinuousBatchingConfig(page_size=4))
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 96\).*got 500"):
+        manager.add_request([3, 500])
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        manager.add_request([])
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1, got 0"):
+        manager.add_request([3, 4], max_new_tokens=0)
+    with pytest.raises(ValueError, match="scheduler_type must be 'fifo' or 'prefill_first'"):
+        ours.init_continuous_batching(_greedy(), ContinuousBatchingConfig(page_size=4, scheduler_type="lifo"))
+
+
+def test_move_rows_hands_blocks_over_without_copying(family):
+    name, ref, ours = family
+    prompts = random_prompts([13, 6], vocab=90, seed=19)
+    cache = QSAPagedCache(ours.config, max_batch_size=3, max_cache_len=40, block_size=4)
+    cache.move_rows([-1, -1])
+    ids = torch.zeros(2, 13, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, 13 - len(p):], mask[b, 13 - len(p):] = torch.tensor(p), 1
+    with torch.no_grad():
+        ours(ids, attention_mask=mask, past_key_values=cache)
+        main = cache.tables["main"]
+        held = [list(main.rows[0]), list(main.rows[1])]
+        cache.move_rows([1, -1, 0])  # swap, with a fresh row in the middle
+        assert [list(main.rows[i]) for i in (0, 2)] == [held[1], held[0]] and main.rows[1] == []
+        assert cache.lengths[:3] == [6, 0, 13]
+        fresh = random_prompts([9], vocab=90, seed=21)[0]
+        step = torch.zeros(3, 9, dtype=torch.long)
+        step_mask = torch.zeros_like(step)
+        step[0, -1], step[1], step[2, -1] = 5, torch.tensor(fresh), 7
+        step_mask[0, -1], step_mask[1], step_mask[2, -1] = 1, 1, 1
+        logits = ours(step, attention_mask=step_mask, past_key_values=cache).logits[:, -1]
+        expect = [ref(torch.tensor([p])).logits[0, -1] for p in (prompts[1] + [5], fresh, prompts[0] + [7])]
+    for got, want in zip(logits, expect):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    cache.move_rows([])
+    assert _pools_full(cache)
