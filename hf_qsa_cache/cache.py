@@ -754,7 +754,7 @@ class QSAPagedCache(Cache):
         """Place rows one by one (continuous batching): row ``i`` becomes row ``src[i]``, or a fresh, empty row
         for a new sequence where ``src[i] == -1``; rows no entry names are released (their blocks return to
         the pools). Paged data does not move (blocks change owner); per-row state (GatedDeltaNet / PLE state,
-        QSA ring, token log) is copied in one gather per tensor. Afterwards a forward may cover any prefix
+        QSA ring, token log) is copied for the rows that change place only, one gather per tensor. Afterwards a forward may cover any prefix
         of the rows (`check_step`), and a failed step leaves every row as it was.
 
         Everything is checked first; a failure while copying refuses further steps, naming `reset()`.
@@ -769,12 +769,13 @@ class QSAPagedCache(Cache):
             raise ValueError(f"the cache can hold up to max_batch_size={self.max_batch_size} rows, asked for {len(src)}")
         if any(not 0 <= s < held for s in kept) or len(set(kept)) != len(kept):
             raise ValueError(f"entries must be distinct rows in [0, {held}) or -1 (a fresh row), got {src}")
-        index = [max(s, 0) for s in src]
-        gathered = []  # read every row before the first write
-        if src:
+        moved = [i for i, s in enumerate(src) if s not in (i, -1)]  # only rows that change place are copied
+        gathered = []  # read every moved row before the first write
+        if moved:
             for store in self._all_stores():
                 for t in store.row_tensors():
-                    gathered.append((t, t.index_select(0, torch.tensor(index, dtype=torch.long, device=t.device))))
+                    sources = torch.tensor([src[i] for i in moved], dtype=torch.long, device=t.device)
+                    gathered.append((t, torch.tensor(moved, dtype=torch.long, device=t.device), t.index_select(0, sources)))
         for table in self.tables.values():
             table.move_rows(src, held)
         pad = [0] * (self.max_batch_size - len(src))
@@ -784,8 +785,8 @@ class QSAPagedCache(Cache):
         self.rows_managed = True
         self.columns_seen = max(self.columns_seen, 1)  # generate()'s whole-batch rules no longer apply
         try:
-            for t, data in gathered:
-                t[: len(src)] = data
+            for t, rows, data in gathered:
+                t.index_copy_(0, rows, data)
             fresh = [i for i, s in enumerate(src) if s == -1]
             if fresh:
                 for layer in self.layers:

@@ -46,3 +46,13 @@ def test_data_parallel_runs_as_one_plain_process(tmp_path, monkeypatch):
     result = _run([sys.executable], tmp_path / "tokens.json")
     assert result["world_size"] == 1 and result["ranks"] == [list(range(PROMPTS))]
     assert result["tokens"] == _one_process_tokens(monkeypatch)
+
+
+def test_continuous_batching_example_runs_and_matches_generate():
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "continuous_batching.py"), "--requests", "6",
+                           "--rows", "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "6 requests, 192 new tokens" in proc.stdout, proc.stdout
+    assert "requests equal generate() on their prompt alone: True" in proc.stdout, proc.stdout
