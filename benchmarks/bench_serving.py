@@ -1,0 +1,195 @@
+"""Serving a stream of requests: our continuous batching vs our static generate() batches vs upstream's
+generate() batches, side by side in one run, same random weights, bf16, one GPU.
+
+    python benchmarks/bench_serving.py --model qwen4_exp --layers 40 --requests 256 --arrival all
+    python benchmarks/bench_serving.py --model inkling --layers 6 --requests 256 --arrival poisson --rate 8
+
+The workload is seeded: prompt lengths log-uniform in [--min-prompt, --max-prompt], output lengths
+uniform in [--min-output, --max-output], random tokens, no eos (each request generates exactly its
+length). Requests arrive all at once or at a Poisson rate. Reported, as JSON lines appended to
+``benchmarks/results/h200.jsonl`` (key ``bench: "serving"``):
+
+* ours continuous (`generate_batch`'s engine: `init_continuous_batching`): output tokens/s, time to first
+  token and time per output token (p50 / p99, from per-token timestamps), latency, peak memory;
+* ours static: `generate()` in batches of --static-batch in arrival order; a batch runs until its
+  longest request is done (only each request's own tokens count), a request's latency is its batch's end;
+* upstream static: the same batches through transformers' own class under --upstream-limit seconds; if a
+  batch does not finish, the throughput is extrapolated from the tokens it made and marked so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import threading
+import time
+
+import torch
+import transformers
+from bench_generate import RESULTS, commit, inkling_config, qwen4_exp_config, run
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+
+def workload(args, vocab: int):
+    gen = torch.Generator().manual_seed(args.seed)
+    lo, hi = math.log(args.min_prompt), math.log(args.max_prompt)
+    lengths = [int(math.exp(lo + (hi - lo) * float(u))) for u in torch.rand(args.requests, generator=gen)]
+    outputs = torch.randint(args.min_output, args.max_output + 1, (args.requests,), generator=gen).tolist()
+    prompts = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
+    gaps = [0.0] * args.requests
+    if args.arrival == "poisson":
+        gaps = torch.empty(args.requests).exponential_(args.rate, generator=gen).tolist()
+    return prompts, outputs, gaps
+
+
+def pct(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+
+def continuous(model, prompts, outputs, gaps, args) -> dict:
+    config = ContinuousBatchingConfig(page_size=args.page_size, max_requests_per_batch=args.rows,
+                                      max_batch_tokens=args.batch_tokens, num_blocks=args.num_blocks)
+    gen_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(outputs))
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    submitted = {}
+    with model.continuous_batching_context_manager(gen_config, continuous_batching_config=config) as manager:
+        start = time.perf_counter()
+
+        def feed():
+            for i, (prompt, n, gap) in enumerate(zip(prompts, outputs, gaps)):
+                time.sleep(gap)
+                submitted[manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n,
+                                              record_timestamps=True)] = time.perf_counter()
+
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        results = {}
+        while len(results) < len(prompts):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+        end = time.perf_counter()
+        feeder.join()
+        stats = dict(manager.stats)
+    failed = [r.error for r in results.values() if r.error]
+    tokens = sum(len(r.generated_tokens) for r in results.values())
+    ttft = [r.timestamps[0] - submitted[k] for k, r in results.items() if r.timestamps]
+    tpot = [(r.timestamps[-1] - r.timestamps[0]) / (len(r.timestamps) - 1) for r in results.values()
+            if r.timestamps and len(r.timestamps) > 1]
+    latency = [r.timestamps[-1] - submitted[k] for k, r in results.items() if r.timestamps]
+    return {"impl": "ours continuous", "wall_s": end - start, "output_tokens": tokens,
+            "tokens_per_s": tokens / (end - start), "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
+            "tpot_p50_ms": 1e3 * pct(tpot, 0.5), "tpot_p99_ms": 1e3 * pct(tpot, 0.99),
+            "latency_p50_s": pct(latency, 0.5), "latency_p99_s": pct(latency, 0.99),
+            "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30, "failed": len(failed),
+            "first_error": failed[0] if failed else None, **stats}
+
+
+def static(model, prompts, outputs, args, limit_s=None, name="ours static") -> dict:
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    tokens, latency, status = 0, [], None
+    for b in range(0, len(prompts), args.static_batch):
+        batch, wants = prompts[b: b + args.static_batch], outputs[b: b + args.static_batch]
+        width = max(len(p) for p in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(batch):
+            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        left = None if limit_s is None else limit_s - (time.perf_counter() - start)
+        out = run(model, ids.cuda(), mask.cuda(), max(wants), limit_s=left)
+        made = 0 if "tokens" not in out else out["tokens"].shape[1]
+        tokens += sum(min(made, n) for n in wants)
+        latency += [time.perf_counter() - start] * len(batch)
+        if "status" in out or made < max(wants):
+            status = f"batch {b // args.static_batch} of {len(batch)}: {out.get('status', 'stopped')}"
+            break
+    wall = time.perf_counter() - start
+    row = {"impl": name, "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+           "latency_p50_s": pct(latency, 0.5), "latency_p99_s": pct(latency, 0.99),
+           "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}
+    if status is not None:
+        row["status"] = f"extrapolated from {tokens} of {sum(outputs)} tokens: {status}"
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--min-prompt", type=int, default=64)
+    parser.add_argument("--max-prompt", type=int, default=8192)
+    parser.add_argument("--min-output", type=int, default=32)
+    parser.add_argument("--max-output", type=int, default=512)
+    parser.add_argument("--arrival", choices=["all", "poisson"], default="all")
+    parser.add_argument("--rate", type=float, default=8.0, help="requests per second (poisson)")
+    parser.add_argument("--rows", type=int, default=64, help="requests in flight (max_requests_per_batch)")
+    parser.add_argument("--batch-tokens", type=int, default=8192, help="prefill tokens per step")
+    parser.add_argument("--page-size", type=int, default=256)
+    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--static-batch", type=int, default=32)
+    parser.add_argument("--upstream-limit", type=float, default=None)
+    parser.add_argument("--skip-static", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jsonl", default=RESULTS)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    if args.model == "qwen4_exp":
+        from modeling import Qwen4ExpForCausalLM as Ours
+
+        config, Upstream = qwen4_exp_config(args.layers), transformers.Qwen4ExpForCausalLM
+    else:
+        from modeling import InklingForCausalLM as Ours
+
+        config, Upstream = inkling_config(args.layers), transformers.InklingForCausalLM
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        ours = Ours(config).eval()
+    torch.set_default_dtype(torch.float32)
+    prompts, outputs, gaps = workload(args, config.vocab_size)
+    common = {"bench": "serving", "model": args.model, "layers": args.layers, "requests": args.requests,
+              "arrival": args.arrival, "rate": args.rate if args.arrival == "poisson" else None,
+              "prompt_tokens": sum(map(len, prompts)), "wanted_tokens": sum(outputs), "rows": args.rows,
+              "batch_tokens": args.batch_tokens, "static_batch": args.static_batch, "commit": commit()}
+
+    # Warm-up: kernel compilation, and one CUDA graph per decode batch size (rows finish one by one).
+    warm = [[5] * (16 + 8 * i) for i in range(args.rows)]
+    continuous(ours, warm, [2 + i for i in range(args.rows)], [0.0] * args.rows,
+               argparse.Namespace(**{**vars(args), "num_blocks": None}))
+    run(ours, torch.randint(2, 100, (2, 40), device="cuda"), torch.ones(2, 40, dtype=torch.long, device="cuda"), 4)
+
+    rows = [continuous(ours, prompts, outputs, gaps, args)]
+    if not args.skip_static:
+        rows.append(static(ours, prompts, outputs, args))
+    if args.upstream_limit:
+        del ours
+        torch.cuda.empty_cache()
+        torch.set_default_dtype(torch.bfloat16)
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            reference = Ours(config).eval()  # the same seeded init: the weights ours ran with
+            upstream = Upstream(config).eval()
+        upstream.load_state_dict(reference.state_dict(), strict=True)
+        del reference
+        torch.set_default_dtype(torch.float32)
+        rows.append(static(upstream, prompts, outputs, args, limit_s=args.upstream_limit, name="upstream static"))
+    os.makedirs(os.path.dirname(args.jsonl), exist_ok=True)
+    with open(args.jsonl, "a") as f:
+        for row in rows:
+            row = {**common, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}}
+            print(json.dumps(row), flush=True)
+            f.write(json.dumps(row) + "\n")
+    ours_cb = rows[0]["tokens_per_s"]
+    print("throughput ratios: " + ", ".join(f"{r['impl']} {ours_cb / r['tokens_per_s']:.2f}x" for r in rows[1:]))
+
+
+if __name__ == "__main__":
+    main()
