@@ -228,6 +228,9 @@ def test_bad_requests_are_refused_with_the_limit():
         manager.add_request([])
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1, got 0"):
         manager.add_request([3, 4], max_new_tokens=0)
+    unlimited = ours.generate_batch([[3, 4, 5]], GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0),
+                                    ContinuousBatchingConfig(page_size=4))  # no max_new_tokens: up to the row's room
+    assert len(unlimited["req_0"].generated_tokens) == ours.config.max_position_embeddings - 3 + 1
     with pytest.raises(ValueError, match="scheduler_type must be 'fifo' or 'prefill_first'"):
         ours.init_continuous_batching(_greedy(), ContinuousBatchingConfig(page_size=4, scheduler_type="lifo"))
 

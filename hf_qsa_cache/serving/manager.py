@@ -53,7 +53,7 @@ class ContinuousBatchingManager:
         rows = config.max_requests_per_batch or DEFAULT_ROWS
         max_len = getattr(text_config, "max_position_embeddings", None) or 32768
         per_row = DEFAULT_TOKENS_PER_ROW
-        if workload_hints is not None and workload_hints.max_prompt_length:
+        if workload_hints is not None and workload_hints.max_prompt_length and workload_hints.max_generated_length:
             per_row = workload_hints.max_prompt_length + workload_hints.max_generated_length
             max_len = max(max_len, per_row)
         block_size = config.block_size or config.page_size
@@ -139,7 +139,9 @@ class ContinuousBatchingManager:
         if bad:
             raise ValueError(f"token ids must lie in [0, {vocab}) (vocab_size), got {bad[0]}")
         max_new_tokens = max_new_tokens if max_new_tokens is not None else self.generation_config.max_new_tokens
-        if max_new_tokens is None or max_new_tokens < 1:
+        if max_new_tokens is None:  # as transformers: no limit but eos, here the row's capacity
+            max_new_tokens = max(1, self.cache.max_cache_len - len(prompt) + 1)
+        if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
         if eos_token_id is None:
             eos_token_id = self.generation_config.eos_token_id
