@@ -90,13 +90,14 @@ def continuous(model, prompts, outputs, gaps, args) -> dict:
             "first_error": failed[0] if failed else None, **stats}
 
 
-def static(model, prompts, outputs, args, limit_s=None, name="ours static") -> dict:
+def static(model, prompts, outputs, args, limit_s=None, name="ours static", batch_size=None) -> dict:
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     start = time.perf_counter()
     tokens, latency, status = 0, [], None
-    for b in range(0, len(prompts), args.static_batch):
-        batch, wants = prompts[b: b + args.static_batch], outputs[b: b + args.static_batch]
+    batch_size = batch_size or args.static_batch
+    for b in range(0, len(prompts), batch_size):
+        batch, wants = prompts[b: b + batch_size], outputs[b: b + batch_size]
         width = max(len(p) for p in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -108,7 +109,7 @@ def static(model, prompts, outputs, args, limit_s=None, name="ours static") -> d
         tokens += sum(min(made, n) for n in wants)
         latency += [time.perf_counter() - start] * len(batch)
         if "status" in out or made < max(wants):
-            status = f"batch {b // args.static_batch} of {len(batch)}: {out.get('status', 'stopped')}"
+            status = f"batch {b // batch_size} of {len(batch)}: {out.get('status', 'stopped')}"
             break
     wall = time.perf_counter() - start
     row = {"impl": name, "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
@@ -136,6 +137,7 @@ def main():
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--static-batch", type=int, default=32)
     parser.add_argument("--upstream-limit", type=float, default=None)
+    parser.add_argument("--upstream-batch", type=int, default=None, help="upstream's batch (default --static-batch)")
     parser.add_argument("--skip-static", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jsonl", default=RESULTS)
@@ -180,7 +182,8 @@ def main():
         upstream.load_state_dict(reference.state_dict(), strict=True)
         del reference
         torch.set_default_dtype(torch.float32)
-        rows.append(static(upstream, prompts, outputs, args, limit_s=args.upstream_limit, name="upstream static"))
+        rows.append(static(upstream, prompts, outputs, args, limit_s=args.upstream_limit, name="upstream static",
+                           batch_size=args.upstream_batch))
     os.makedirs(os.path.dirname(args.jsonl), exist_ok=True)
     with open(args.jsonl, "a") as f:
         for row in rows:
@@ -188,7 +191,9 @@ def main():
             print(json.dumps(row), flush=True)
             f.write(json.dumps(row) + "\n")
     ours_cb = rows[0]["tokens_per_s"]
-    print("throughput ratios: " + ", ".join(f"{r['impl']} {ours_cb / r['tokens_per_s']:.2f}x" for r in rows[1:]))
+    print("throughput ratios: " + ", ".join(
+        f"{r['impl']} {ours_cb / r['tokens_per_s']:.2f}x" if r["tokens_per_s"] else f"{r['impl']} made no token"
+        for r in rows[1:]))
 
 
 if __name__ == "__main__":

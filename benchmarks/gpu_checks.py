@@ -174,25 +174,72 @@ def check_training(name, upstream, ours):
     return ok
 
 
+def check_pads_on_held_rows(name, upstream, ours):
+    """Steps where rows that already hold tokens carry pads (a ragged continuation; what continuous batching's
+    prefill steps do), on CUDA with the Triton kernels, graphs on: each row's logits equal upstream fp32 on the
+    CPU on that row alone; then continuous batching (fp32) equals each prompt alone."""
+    import qwen4_helpers as q
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    model = copy.deepcopy(ours).cuda()
+    upstream.generation_config.eos_token_id = None  # as continuous batching with an unset eos: none
+    first = q.random_prompts([12, 21, 7], vocab=90, seed=6)
+    second = q.random_prompts([5, 1, 9], vocab=90, seed=7)
+    cache = QSAPagedCache(model.config, max_batch_size=3, max_cache_len=64, block_size=4)
+    ids1, mask1 = q.left_pad(first)
+    width = 11
+    ids2 = torch.zeros(3, width, dtype=torch.long)
+    mask2 = torch.zeros_like(ids2)
+    for b, p in enumerate(second):
+        ids2[b, width - len(p):], mask2[b, width - len(p):] = torch.tensor(p), 1
+    worst = 0.0
+    with torch.no_grad():
+        model(ids1.cuda(), attention_mask=mask1.cuda(), past_key_values=cache)
+        logits = model(ids2.cuda(), attention_mask=torch.cat([mask1, mask2], 1).cuda(), past_key_values=cache).logits
+        for b in range(3):
+            expect = upstream(torch.tensor([first[b] + second[b]])).logits[0, -1]
+            worst = max(worst, float((logits[b, -1].cpu() - expect).abs().max()))
+    ok = worst < 1e-3
+    prompts = q.random_prompts([23, 9, 17, 30, 5, 14], vocab=90, seed=3)
+    greedy = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    results = model.generate_batch(prompts, greedy, ContinuousBatchingConfig(page_size=4, num_blocks=16,
+                                                                             max_batch_tokens=5, max_requests_per_batch=3))
+    same = True
+    for i, p in enumerate(prompts):
+        alone = upstream.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                  max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+        same &= results[f"req_{i}"].generated_tokens == alone[0, len(p):].tolist()
+    print(f"{name} pads on rows that hold tokens (CUDA): max logit diff {worst:.2e}; continuous batching equals each "
+          f"prompt alone: {same} -> {'ok' if ok and same else 'FAILED'}")
+    return ok and same
+
+
 def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     results = []
 
     import qwen4_helpers as q
+    import test_inkling as ink
+
+    if os.environ.get("GPU_CHECKS_ONLY_PADS"):  # just the checks of steps with pads on held rows
+        ok = [check_pads_on_held_rows("qwen4_exp", *q.make_pair(seed=0)),
+              check_pads_on_held_rows("inkling", *ink.make_pair(ink.make_config()))]
+        sys.exit(0 if all(ok) else 1)
 
     upstream, ours = q.make_pair(seed=0)
     prompts = q.random_prompts([29, 7, 18, 33, 25], seed=1)
     results.append(check_rows("qwen4_exp", upstream, copy.deepcopy(ours).cuda(), prompts, block_size=4))
     results.append(check_bf16("qwen4_exp", upstream, ours, prompts, block_size=4))
 
-    import test_inkling as ink
 
     upstream, ours = ink.make_pair(ink.make_config())
     prompts = [p.tolist() for p in ink.make_prompts([9, 3, 14, 6, 21])]
     results.append(check_rows("inkling", upstream, copy.deepcopy(ours).cuda(), prompts, block_size=4))
     results.append(check_bf16("inkling", upstream, ours, prompts, block_size=4))
     results.append(check_long_rows())
+    results.append(check_pads_on_held_rows("qwen4_exp", *q.make_pair(seed=0)))
+    results.append(check_pads_on_held_rows("inkling", *ink.make_pair(ink.make_config())))
     results.append(check_training("qwen4_exp", *q.make_pair(seed=0)))
     results.append(check_training("inkling", *ink.make_pair(ink.make_config())))
     print("ALL GPU CHECKS PASSED" if all(results) else "GPU CHECK FAILED")

@@ -29,6 +29,8 @@ def main():
 
     torch.manual_seed(0)
     model = Qwen4ExpForCausalLM(small_config()).to(args.device, getattr(torch, args.dtype)).eval()
+    # No eos: every request generates its 32 tokens (generate() would otherwise fall back to the config's eos).
+    model.generation_config.eos_token_id = None
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 512, (int(n),), generator=gen).tolist()
                for n in torch.randint(8, 160, (args.requests,), generator=gen)]

@@ -27,6 +27,9 @@ LENGTHS = [23, 9, 17, 30, 5, 14]
 @pytest.fixture(scope="module", params=["qwen4_exp", "inkling"])
 def family(request):
     ref, ours = qwen_pair() if request.param == "qwen4_exp" else inkling_pair(inkling_config())
+    # generate() falls back to the model's eos when a GenerationConfig leaves it unset; continuous batching (as
+    # transformers') treats unset as no eos. Compare like with like: no eos unless a test sets one.
+    ref.generation_config.eos_token_id = ours.generation_config.eos_token_id = None
     return request.param, ref, ours
 
 
