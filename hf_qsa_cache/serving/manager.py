@@ -220,10 +220,7 @@ class ContinuousBatchingManager:
             logger.error("continuous batching loop failed: %s", error, exc_info=True)
             self._fail_all(f"the continuous batching loop failed: {type(error).__name__}: {error}")
         finally:
-            try:
-                self.runner.place([])
-            except BaseException:  # a cache that refuses (unusable) is reset by place([]) on the next start
-                self.cache.reset()
+            self.runner.release_all()
 
     def _intake(self) -> None:
         while True:

@@ -33,6 +33,11 @@ class ModelRunner:
                 request.held = 0
         self.rows = list(order)
 
+    def release_all(self) -> None:
+        """Every row back (the loop ended): the cache is reset, whatever state a failure left it in."""
+        self.cache.reset()
+        self.rows = []
+
     def why_not_fits(self, growth: list[int]) -> str | None:
         """None if every row can grow by ``growth`` tokens in the next steps, else what stands in the way."""
         return self.cache.why_not_fits([r.held + g for r, g in zip(self.rows, growth)], what="the next step")
