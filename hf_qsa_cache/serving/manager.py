@@ -253,7 +253,8 @@ class ContinuousBatchingManager:
         for kind in steps:
             if kind == "prefill" and scheduler.prefilling():
                 self.stats["prefill_steps"] += 1
-                self._run(runner.rows[: scheduler.prefilling()], lambda: runner.prefill(scheduler.prefill_chunks()))
+                chunks = scheduler.prefill_chunks()
+                self._run(runner.rows[: len(chunks)], lambda: runner.prefill(chunks))
             elif kind == "decode" and len(scheduler.rows) > scheduler.prefilling():
                 self.stats["decode_steps"] += 1
                 self.stats["most_rows"] = max(self.stats["most_rows"], len(runner.rows))

@@ -3,9 +3,9 @@
 The cache's steps cover a prefix of its rows, so rows are kept in one order: requests still prefilling
 first (rows ``[0, p)``), then those decoding. Two kinds of step follow:
 
-* a prefill step feeds every prefilling request a chunk of its pending tokens (rows ``[0, p)``, one
-  length ``L`` for all, capped so that ``p * L <= max_batch_tokens``; a chunk may end anywhere: inside a
-  QSA group, a window, a conv span);
+* a prefill step feeds the oldest prefilling requests a chunk of their pending tokens (rows ``[0, k)``:
+  the oldest takes as much of ``max_batch_tokens`` as it can use, the next ones join while ``k`` chunks of
+  that length fit; a chunk may end anywhere: inside a QSA group, a window, a conv span);
 * a decode step feeds every row one token: a decoding request its last sampled token, a prefilling one
   its next prompt token (useful work, and one real token per row: the CUDA-graph decode step applies).
 
@@ -79,9 +79,14 @@ class Scheduler:
         return sum(1 for r in self.rows if r.in_prefill)
 
     def prefill_chunks(self) -> list[int]:
-        """Tokens each prefilling row (rows ``[0, p)``) gets in a prefill step."""
+        """Tokens the first ``k`` prefilling rows get in a prefill step (rows ``[0, k)``, oldest first).
+
+        The oldest prefilling request takes as much of the budget as it can use (its first token comes
+        soonest, first come first served); the step's length is its chunk, and the rows after it join
+        while ``k * length`` fits the budget (each gets up to that length: a row with less is padded)."""
         p = self.prefilling()
         if p == 0:
             return []
-        length = min(max(r.pending for r in self.rows[:p]), max(1, self.max_batch_tokens // p))
-        return [min(r.pending, length) for r in self.rows[:p]]
+        length = min(self.rows[0].pending, self.max_batch_tokens)
+        k = max(1, min(p, self.max_batch_tokens // length))
+        return [min(r.pending, length) for r in self.rows[:k]]
