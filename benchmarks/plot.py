@@ -23,7 +23,7 @@ def load(path: str) -> dict:
     with open(path) as f:
         for line in f:
             row = json.loads(line)
-            if "mode" in row:  # bench_speculative lines measure other things
+            if "mode" in row or row.get("bench") == "serving":  # bench_speculative / bench_serving lines
                 continue
             label = "upstream" if row["impl"] == "upstream" else ("ours, graphs" if row["graphs"] else "ours, eager")
             series[(row["model"], row["layers"])][(label, row["batch"])][row["prompt_len"]] = row
@@ -72,11 +72,57 @@ def plot(series: dict, out_dir: str) -> list[str]:
     return written
 
 
+def load_serving(path: str) -> dict:
+    """(model, layers, requests, prompt tokens, rows) -> {impl: row}, the newest row per impl (bench_serving)."""
+    runs: dict = defaultdict(dict)
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            if row.get("bench") == "serving" and row.get("tokens_per_s"):
+                runs[(row["model"], row["layers"], row["requests"], row["prompt_tokens"], row["rows"])][row["impl"]] = row
+    return runs
+
+
+def plot_serving(runs: dict, out_dir: str) -> list[str]:
+    """One PNG, ``serving.png``: output tokens/s of each implementation, one group of bars per workload."""
+    if not runs:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impls = ["ours continuous", "ours static", "upstream static"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    keys = sorted(runs)
+    for i, impl in enumerate(impls):
+        xs = [k + (i - 1) * 0.27 for k in range(len(keys))]
+        ys = [runs[key].get(impl, {}).get("tokens_per_s", 0) for key in keys]
+        bars = ax.bar(xs, ys, width=0.27, label=impl)
+        for bar, key in zip(bars, keys):
+            if "status" in runs[key].get(impl, {}):
+                bar.set_hatch("//")  # extrapolated (did not finish in its time limit)
+    ax.set_xticks(range(len(keys)))
+    ax.set_xticklabels([f"{m} {layers}L\n{n} requests, {rows} rows\n{tokens // 1000}k prompt tokens"
+                        for m, layers, n, tokens, rows in keys], fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("serving a stream of requests, bf16, one H200 (hatched: extrapolated)")
+    ax.legend(fontsize=7)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "serving.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--results", default=os.path.join(HERE, "results", "h200.jsonl"))
     args = parser.parse_args()
-    for path in plot(load(args.results), os.path.dirname(os.path.abspath(args.results))):
+    out_dir = os.path.dirname(os.path.abspath(args.results))
+    for path in plot(load(args.results), out_dir) + plot_serving(load_serving(args.results), out_dir):
         print(path)
 
 

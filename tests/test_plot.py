@@ -31,3 +31,20 @@ def test_newest_line_of_a_case_wins_and_plots(tmp_path):
     pytest.importorskip("matplotlib")
     written = plot.plot(series, str(tmp_path))
     assert [os.path.basename(p) for p in written] == ["m_2_layers.png"] and os.path.getsize(written[0]) > 0
+
+
+def test_serving_lines_are_kept_apart_and_plotted(tmp_path):
+    serving = {"bench": "serving", "model": "m", "layers": 2, "requests": 8, "prompt_tokens": 4000, "rows": 4}
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join([
+        _line("paged", True, 1024, 3.0),
+        json.dumps({**serving, "impl": "ours continuous", "tokens_per_s": 10.0}),
+        json.dumps({**serving, "impl": "ours continuous", "tokens_per_s": 12.0}),
+        json.dumps({**serving, "impl": "upstream static", "tokens_per_s": 1.0, "status": "extrapolated"}),
+    ]) + "\n")
+    assert list(plot.load(str(path))[("m", 2)]) == [("ours, graphs", 1)]  # serving lines are not decode cases
+    runs = plot.load_serving(str(path))
+    assert runs[("m", 2, 8, 4000, 4)]["ours continuous"]["tokens_per_s"] == 12.0
+    pytest.importorskip("matplotlib")
+    written = plot.plot_serving(runs, str(tmp_path))
+    assert [os.path.basename(p) for p in written] == ["serving.png"] and os.path.getsize(written[0]) > 0
