@@ -1,7 +1,8 @@
 """A step is a transaction: a fault at any torch call of any kind of step leaves the cache as it was.
 
 For each kind of step (decode, verify of k + 1 drafts, a prompt continued by several tokens, the second
-chunk of a chunked prefill, the static-buffer step a CUDA graph records, its replay) and both families,
+chunk of a chunked prefill, the static-buffer step a CUDA graph records, its replay, a step over a prefix
+of rows placed one by one as continuous batching does) and both families,
 a fault is injected at the n-th torch call of the step (`faults.FailAt`), for every n up to the end of
 the metadata and an even spread over the rest. After each fault:
 
@@ -120,12 +121,23 @@ class Scenario:
             return step_ids, state["mask"]
 
         with torch.no_grad():
+            if kind == "managed":  # rows placed one by one, as continuous batching does
+                cache.move_rows([-1] * rows)
             if kind != "chunk":  # the chunked prefill is the step itself
                 forward(ids, mask)
                 for _ in range(4):  # windows evict, groups close
                     forward(*run(1))
                 if kind == "replay":
                     forward(*run(1))  # captures; the steps below replay
+            if kind == "managed":
+                # Row 2 moves to row 0, a fresh row enters at 1, row 1 leaves; the step covers rows [0, 2) only,
+                # with pads on row 0, which holds tokens; the step after it decodes all three rows.
+                cache.move_rows([2, -1, 0])
+                step_ids = tokens(5)[:2]
+                step_mask = torch.ones_like(step_ids)
+                step_mask[0, :3] = 0
+                next_ids = tokens(1)
+                return cache, forward, (step_ids, step_mask), lambda: forward(next_ids, None)
             length = {"decode": 1, "graph": 1, "replay": 1, "verify": K + 1, "graph_verify": K + 1,
                       "continue": 5}.get(kind)
             step = (ids, mask) if kind == "chunk" else run(length)
@@ -148,7 +160,7 @@ def _outcome(scenario):
         return forward(*step), after(), cache
 
 
-KINDS = ["decode", "verify", "continue", "chunk", "graph", "graph_verify", "replay"]
+KINDS = ["decode", "verify", "continue", "chunk", "graph", "graph_verify", "replay", "managed"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
