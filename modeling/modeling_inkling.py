@@ -194,7 +194,27 @@ class InklingPagedPreTrainedModel(StrictLoadingMixin, InklingPreTrainedModel):
             module.conv1d.reset_parameters()
 
 
+# transformers 5.23's tensor-parallel plan for Inkling (`config.base_model_tp_plan`) fails three ways: the
+# normed embedding cannot be cut on the vocabulary (the plan adds "embedding_rowwise"; its norm needs whole
+# rows), the shared experts multiply raw 3-D parameters (a bmm of a tensor and a DTensor), and "colwise" on
+# the packed gate/up tensor of the experts cuts it in the wrong place (wrong tokens, no error). Our text
+# model replaces those entries: embedding and shared experts replicated, gate/up cut as a packed pair.
+TP_PLAN_FIXES = {
+    "embed_tokens": "replicate",
+    "layers.*.mlp.shared_experts.gate_proj": "replicate",
+    "layers.*.mlp.shared_experts.up_proj": "replicate",
+    "layers.*.mlp.shared_experts.down_proj": "replicate",
+    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+}
+
+
 class InklingTextModel(InklingPagedPreTrainedModel):
+    def init_parallel_plans(self) -> None:
+        super().init_parallel_plans()
+        if self._tp_plan:
+            self._tp_plan.pop("layers.*.mlp.shared_experts", None)  # replicated: no all-reduce of its output
+            self._tp_plan.update(TP_PLAN_FIXES)
+
     def __init__(self, config: InklingTextConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
