@@ -12,6 +12,13 @@
     visible, else gloo on the CPU; without a launcher it runs as one process:
 
         torchrun --nproc_per_node 2 examples/generate_multi_gpu.py data-parallel
+
+(c) Tensor parallel (and expert parallel): every process loads its share of one model with
+    transformers' `from_pretrained(distributed_config=...)` and runs the whole batch; rank 0 checks the
+    tokens against the same weights in one process. NCCL on GPUs, gloo on the CPU:
+
+        torchrun --nproc_per_node 2 examples/generate_multi_gpu.py tp [--model inkling]
+        torchrun --nproc_per_node 2 examples/generate_multi_gpu.py tp+ep
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import copy
 import json
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -152,15 +160,42 @@ def data_parallel(args) -> None:
         sys.exit(1)
 
 
+def tensor_parallel(args) -> None:
+    from transformers import DistributedConfig
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    reference = build(args.model)  # every process builds the same weights, and saves them as a checkpoint
+    with tempfile.TemporaryDirectory() as checkpoint:
+        reference.save_pretrained(checkpoint)
+        sizes = {"tp_size": world, **({"ep_size": world} if args.mode == "tp+ep" else {})}
+        model = type(reference).from_pretrained(checkpoint, distributed_config=DistributedConfig(**sizes)).eval()
+    device = next(model.parameters()).device
+    batch = prompts(args.prompts, model.config.vocab_size)
+    start = time.perf_counter()
+    tokens = generate(model, batch, args.new_tokens, device)
+    elapsed = time.perf_counter() - start
+    experts = next((p for n, p in model.named_parameters() if n.endswith("experts.gate_up_proj")), None)
+    same = True
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"{args.mode} over {world} process(es) on {device.type}: {len(batch) * args.new_tokens / elapsed:.1f} tokens/s")
+        if experts is not None:
+            local = experts.to_local().shape if hasattr(experts, "to_local") else experts.shape
+            print(f"experts' gate/up weights on this rank: {tuple(local)} of {tuple(experts.shape)}")
+        same = tokens == generate(reference.to(device), batch, args.new_tokens, device)
+        print(f"tokens identical to a one-process run: {same}")
+    if not same:
+        sys.exit(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["split", "data-parallel"])
+    parser.add_argument("mode", choices=["split", "data-parallel", "tp", "tp+ep"])
     parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--out", default=None, help="data-parallel: rank 0 writes the tokens here as JSON")
     args = parser.parse_args()
-    split(args) if args.mode == "split" else data_parallel(args)
+    {"split": split, "data-parallel": data_parallel}.get(args.mode, tensor_parallel)(args)
 
 
 if __name__ == "__main__":

@@ -56,3 +56,14 @@ def test_continuous_batching_example_runs_and_matches_generate():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "6 requests, 192 new tokens" in proc.stdout, proc.stdout
     assert "requests equal generate() on their prompt alone: True" in proc.stdout, proc.stdout
+
+
+def test_tensor_parallel_example_on_two_cpu_processes():
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT, "tp+ep",
+           "--model", "inkling", "--prompts", "3", "--new-tokens", "4"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "tokens identical to a one-process run: True" in proc.stdout, proc.stdout
+    assert "experts' gate/up weights on this rank: (" in proc.stdout, proc.stdout
