@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRET, LOG2E, dot, pow2
+from .triton_common import INTERPRET, LOG2E, dot, on_device_of_first_tensor, pow2
 
 
 # Launch policy (all overridable per call through keyword arguments).
@@ -272,6 +272,7 @@ def _merge_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
     tl.store(out_ptr + th * HEAD_DIM + d, _round(o, out_ptr.dtype.element_ty, WIDEN), mask=d < HEAD_DIM)
 
 
+@on_device_of_first_tensor
 def paged_rel_attention_triton(
     q: torch.Tensor,  # [B, L, Hq, hd], normed
     k: torch.Tensor,  # [B, L, Hkv, hd], normed

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_common import on_device_of_first_tensor
+
 
 # The table's width and row stride follow the cache size: not specialised (no recompilation per cache).
 @triton.jit(do_not_specialize=["T", "table_s0", "table_cols", "query_len"])
@@ -58,6 +60,7 @@ def _short_conv_kernel(
              mask=m2)
 
 
+@on_device_of_first_tensor
 def short_conv_triton(x, weight, store, table, block_size, slots, position, prev_len, query_len, *,
                       block_t: int | None = None, block_c: int | None = None):
     """``block_t`` tokens x ``block_c`` channels per program (defaults by shape; tests force small tiles)."""

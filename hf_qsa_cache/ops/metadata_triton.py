@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_common import on_device_of_first_tensor
+
 from ..metadata import QSAGeometry, StepMetadata, host_fields, max_compress_work
 
 # Block tables are passed as separate pointer arguments, specialised on how many are used.
@@ -127,6 +129,7 @@ def _step_metadata_kernel(
             tl.store(work_ptr + 2 * w + 1, tl.where(active, w_group, -1), mask=w_in_range)
 
 
+@on_device_of_first_tensor
 def build_step_metadata_triton(
     prev_len: torch.Tensor,
     count: torch.Tensor,

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRET, LOG2E, dot, pow2
+from .triton_common import INTERPRET, LOG2E, dot, on_device_of_first_tensor, pow2
 
 # Sparse attention launch policy (shapes only; `num_splits` overrides it per call).
 ATTENTION_BLOCK_W = 64  # selected positions per tile
@@ -157,6 +157,7 @@ def _merge_splits_kernel(
     tl.store(out_ptr + n * stride_on + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+@on_device_of_first_tensor
 def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                                   block_table: torch.Tensor, token_row: torch.Tensor, positions: torch.Tensor,
                                   block_size: int, scaling: float, *, num_splits: int | None = None) -> torch.Tensor:
@@ -280,6 +281,7 @@ def scores_group_splits(num_tokens: int, max_groups: int, block_m: int) -> int:
     return max(1, min(_cdiv(SCORES_TARGET_PROGRAMS, token_tiles), _cdiv(max_groups, SCORES_BLOCK_G)))
 
 
+@on_device_of_first_tensor
 def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                         token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
                         max_groups: int, *, block_m: int | None = None,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -11,6 +13,22 @@ LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * LOG2E)
 # The Triton interpreter multiplies bf16 dot operands as their raw 16-bit patterns; under it the
 # operands are widened to fp32 first (bf16 products are exact in fp32, so the math is the same).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def on_device_of_first_tensor(launch):
+    """Decorator for a function that launches Triton kernels: launch on the device of its first tensor
+    argument. Triton launches on the current CUDA device, which is not the tensors' own when accelerate placed
+    a layer on another GPU."""
+
+    @functools.wraps(launch)
+    def wrapper(*args, **kwargs):
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if first is None or not first.is_cuda or first.device.index == torch.cuda.current_device():
+            return launch(*args, **kwargs)
+        with torch.cuda.device(first.device):
+            return launch(*args, **kwargs)
+
+    return wrapper
 
 
 def pow2(x: int, floor: int = 16) -> int:
