@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from qwen4_helpers import make_pair as qwen_pair
+from qwen4_helpers import tiny_config as qwen_config
 from qwen4_helpers import random_prompts
 from test_inkling import make_config as inkling_config
 from test_inkling import make_pair as inkling_pair
@@ -223,7 +224,7 @@ def test_return_sequences_streaming_and_result_order(family):
 
 
 def test_bad_requests_are_refused_with_the_limit():
-    ref, ours = qwen_pair()
+    ref, ours = qwen_pair(qwen_config(max_position_embeddings=40))
     manager = ours.init_continuous_batching(_greedy(), ContinuousBatchingConfig(page_size=4))
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 96\).*got 500"):
         manager.add_request([3, 500])

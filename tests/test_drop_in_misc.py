@@ -165,10 +165,16 @@ def test_parallel_plans_equal_transformers(ours_cls, config):
     assert ours_cls._tp_plan == upstream_cls._tp_plan and ours_cls._pp_plan == upstream_cls._pp_plan
     config = config()
     ours, theirs = ours_cls(config), upstream_cls(config)
-    assert ours.tp_plan == theirs.tp_plan and ours.pp_plan == theirs.pp_plan
+    expected = dict(theirs.tp_plan)
+    if "Inkling" in ours_cls.__name__:
+        # Except where transformers' Inkling plan fails (modeling_inkling.TP_PLAN_FIXES; tests/test_tensor_parallel.py)
+        prefix = "model." if hasattr(ours, "lm_head") else ""
+        expected.pop(prefix + "layers.*.mlp.shared_experts", None)
+        expected.update({prefix + k: v for k, v in modeling_inkling.TP_PLAN_FIXES.items()})
+    assert ours.tp_plan == expected and ours.pp_plan == theirs.pp_plan
     assert ours.tp_plan  # not trivially equal
     if ours_cls is modeling.Qwen4ExpForCausalLM:
         assert ours.tp_plan["lm_head"] == "colwise_gather_output"
         assert ours.pp_plan == {"lm_head": (["hidden_states"], ["logits"])}
-    if not hasattr(ours, "lm_head"):  # a base model's plan comes from its config
+    if not hasattr(ours, "lm_head") and "Inkling" not in ours_cls.__name__:  # a base model's plan: its config's
         assert config.base_model_tp_plan.items() <= ours.tp_plan.items()
