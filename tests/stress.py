@@ -3,7 +3,9 @@ reference that recomputes every row from its token history on a fresh cache.
 
 Operations: a new batch (reset + prefill of rows of very different lengths), decode steps, verify steps
 of k + 1 tokens followed by a crop of the rejected ones, continuations of a few tokens, beam reorders,
-row repeats and selections, resets, and any step with a fault injected at a random torch call.
+row repeats and selections, row placement as continuous batching does it (`move_rows`: rows leave, fresh
+rows enter and take their first tokens in the next step), resets, and any step with a fault injected at
+a random torch call.
 After every step the last logits of each row must equal the reference's (the row alone, unpadded, on a
 fresh cache), and every block table must account for each block exactly once (free, or held by one
 row). A failed step must change nothing (the row histories stay), or leave a cache that refuses with
@@ -122,15 +124,15 @@ class Stress:
                 self.check_pools()
 
     def one_op(self, fault_rate: float) -> None:
-        kind = self.rng.choices(["decode", "verify", "continue", "reorder", "select", "repeat", "batch"],
-                                weights=[6, 4, 2, 1, 1, 1, 1])[0]
+        kind = self.rng.choices(["decode", "verify", "continue", "reorder", "select", "repeat", "move", "batch"],
+                                weights=[6, 4, 2, 1, 1, 1, 1, 1])[0]
         if kind in ("decode", "verify", "continue") and self.room() < 6:
             kind = "batch"
         if kind == "batch":
             self.count("batch")
             self.check(self.new_batch())
             return
-        if kind in ("reorder", "select", "repeat"):
+        if kind in ("reorder", "select", "repeat", "move"):
             self.rows_op(kind)
             return
         run, land = self.step_op(kind)
@@ -167,12 +169,17 @@ class Stress:
         elif kind == "select":
             src = self.rng.sample(range(rows), self.rng.randint(1, rows))
             self.cache.batch_select_indices(torch.tensor(src))
+        elif kind == "move":  # continuous batching's row placement: some rows leave, fresh ones enter anywhere
+            src = self.rng.sample(range(rows), self.rng.randint(1, rows))
+            src += [-1] * self.rng.randint(0, ROWS - len(src))
+            self.rng.shuffle(src)
+            self.cache.move_rows(src)
         else:
             if 2 * rows > ROWS:
                 return
             src = [b for b in range(rows) for _ in range(2)]
             self.cache.batch_repeat_interleave(2)
-        self.history = [list(self.history[s]) for s in src]
+        self.history = [list(self.history[s]) if s >= 0 else [] for s in src]
         self.count(kind)
 
     def replay_histories(self) -> torch.Tensor:
