@@ -266,3 +266,13 @@ def test_move_rows_hands_blocks_over_without_copying(family):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     cache.move_rows([])
     assert _pools_full(cache)
+
+
+def test_prefill_first_scheduling_gives_the_same_tokens(family):
+    name, ref, ours = family
+    prompts = random_prompts([21, 6, 13, 27], vocab=90, seed=23)
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=7, max_requests_per_batch=2,
+                                      scheduler_type="prefill_first")
+    results = ours.generate_batch(prompts, _greedy(), config)
+    for i, prompt in enumerate(prompts):
+        assert results[f"req_{i}"].generated_tokens == _alone(ref, prompt)
