@@ -18,7 +18,7 @@ class Sampling:
     top_p: float | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared and hashed by identity, never field by field
 class Request:
     request_id: str
     prompt: list[int]
