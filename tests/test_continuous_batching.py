@@ -276,3 +276,30 @@ def test_prefill_first_scheduling_gives_the_same_tokens(family):
     results = ours.generate_batch(prompts, _greedy(), config)
     for i, prompt in enumerate(prompts):
         assert results[f"req_{i}"].generated_tokens == _alone(ref, prompt)
+
+
+def test_manager_lifecycle_persistent_hard_stop_and_iteration(family):
+    name, ref, ours = family
+    prompts = random_prompts([10, 15, 8], vocab=90, seed=25)
+    config = ContinuousBatchingConfig(page_size=4, max_requests_per_batch=2)
+    # A persistent manager is kept on the model and reused by the next call, its cache with it.
+    first = ours.generate_batch(prompts[:1], _greedy(), config, persistent_manager=True)
+    manager = ours._cached_continuous_batching_manager
+    second = ours.generate_batch(prompts[1:], _greedy(), config, persistent_manager=True)
+    assert ours.init_continuous_batching() is manager
+    ours.destroy_cached_continuous_batching_manager()
+    assert not hasattr(ours, "_cached_continuous_batching_manager")
+    assert first["req_0"].generated_tokens == _alone(ref, prompts[0])
+    assert [r.generated_tokens for r in second.values()] == [_alone(ref, p) for p in prompts[1:]]
+    # Iterating the manager yields every result; a hard stop fails what is left and gives the rows back.
+    manager = ours.init_continuous_batching(_greedy(new=200), config)
+    manager.start()
+    ids = manager.add_requests(prompts, max_new_tokens=200)
+    seen = next(iter(manager))
+    manager.stop(block=True, hard_stop=True)
+    results = {seen.request_id: seen}
+    while (result := manager.get_result(timeout=0.5)) is not None:
+        results[result.request_id] = result
+    assert set(ids) <= set(results)
+    assert any(r.status == RequestStatus.FAILED and "hard_stop" in r.error for r in results.values())
+    assert _pools_full(manager.cache) and not manager.is_running()
