@@ -12,7 +12,8 @@ convolutions and the attention are ours and read/write the paged stores by logic
   layers), adds the current chunk, and gathers the relative bias per selected key
   (`hf_qsa_cache.ops.inkling_attention`).
 
-Rows are left-padded; pads are never written and never read.
+Any 2-D padding mask works: a step whose pads follow real tokens is reordered so that each row's pads
+come first (`hf_qsa_cache.padding`); pads are never written and never read.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ math) are transformers' own. Every path that reads or writes cached state is wri
 * `PagedGatedDeltaNet`: conv window and recurrent state per cache row.
 * `PagedPLELayer`: n-gram context and dilated short-conv window per cache row.
 
-Rows are ragged: pad tokens are inert (masked to zero before every recurrence, never written),
-so each row's result is the one upstream computes on that row alone.
+Rows are ragged and may be padded anywhere (a step whose pads follow real tokens is reordered so each
+row's pads come first: `hf_qsa_cache.padding`): pad tokens are inert (masked to zero before every
+recurrence, never written), so each row's result is the one upstream computes on that row alone.
 """
 
 from __future__ import annotations
