@@ -303,3 +303,19 @@ def test_manager_lifecycle_persistent_hard_stop_and_iteration(family):
     assert set(ids) <= set(results)
     assert any(r.status == RequestStatus.FAILED and "hard_stop" in r.error for r in results.values())
     assert _pools_full(manager.cache) and not manager.is_running()
+
+
+def test_prefill_chunks_serve_the_oldest_first_within_budget_and_padding():
+    from hf_qsa_cache.serving.requests import Request
+    from hf_qsa_cache.serving.scheduler import Scheduler
+
+    def chunks(pending, budget):
+        scheduler = Scheduler(max_rows=8, max_batch_tokens=budget, prefill_first=False)
+        scheduler.rows = [Request(f"r{i}", [5] * n, 4, frozenset()) for i, n in enumerate(pending)]
+        return scheduler.prefill_chunks()
+
+    assert chunks([30, 5, 9], budget=8) == [8]  # the oldest takes the whole budget
+    assert chunks([4, 4, 2, 4], budget=10) == [4, 4]  # a third row of 4 columns would exceed the budget
+    assert chunks([8, 2, 8, 8], budget=100) == [8, 2, 8, 8]  # pads 6 of 32 columns
+    assert chunks([8, 2, 2, 2], budget=100) == [8, 2, 2]  # pads 12 of 24; a fourth short row: 18 of 32
+    assert chunks([1, 1], budget=4) == []  # rows with one pending token decode; nothing to prefill

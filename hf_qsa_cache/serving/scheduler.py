@@ -83,10 +83,19 @@ class Scheduler:
 
         The oldest prefilling request takes as much of the budget as it can use (its first token comes
         soonest, first come first served); the step's length is its chunk, and the rows after it join
-        while ``k * length`` fits the budget (each gets up to that length: a row with less is padded)."""
+        while ``k * length`` fits the budget and pads (a row with less than that length is padded) stay at
+        most half of the step."""
         p = self.prefilling()
         if p == 0:
             return []
         length = min(self.rows[0].pending, self.max_batch_tokens)
-        k = max(1, min(p, self.max_batch_tokens // length))
-        return [min(r.pending, length) for r in self.rows[:k]]
+        chunks = [length]
+        for r in self.rows[1:p]:
+            if (len(chunks) + 1) * length > self.max_batch_tokens:
+                break
+            chunk = min(r.pending, length)
+            # Every row of the step is padded to `length`: a row joins only while pads stay at most half the step.
+            if (len(chunks) + 1) * length > 2 * (sum(chunks) + chunk):
+                break
+            chunks.append(chunk)
+        return chunks
