@@ -319,3 +319,24 @@ def test_prefill_chunks_serve_the_oldest_first_within_budget_and_padding():
     assert chunks([8, 2, 8, 8], budget=100) == [8, 2, 8, 8]  # pads 6 of 32 columns
     assert chunks([8, 2, 2, 2], budget=100) == [8, 2, 2]  # pads 12 of 24; a fourth short row: 18 of 32
     assert chunks([1, 1], budget=4) == []  # rows with one pending token decode; nothing to prefill
+
+
+def test_a_request_that_fills_the_row_exactly_runs():
+    """prompt + max_new_tokens - 1 == max_cache_len: the row never holds more (its last token is not fed)."""
+    ref, ours = qwen_pair(qwen_config(max_position_embeddings=24))
+    ref.generation_config.eos_token_id = ours.generation_config.eos_token_id = None
+    prompt = random_prompts([20], vocab=90, seed=27)[0]
+    results = ours.generate_batch([prompt], _greedy(new=5), ContinuousBatchingConfig(page_size=4))
+    assert results["req_0"].status == RequestStatus.FINISHED
+    assert results["req_0"].generated_tokens == _alone(ref, prompt, new=5)
+    # Without workload hints the rows hold max_position_embeddings tokens: a 24-token prompt still gets its
+    # one new token (never fed), one more new token does not fit.
+    full = random_prompts([24], vocab=90, seed=29)[0]
+    with ours.continuous_batching_context_manager(_greedy(new=6), continuous_batching_config=ContinuousBatchingConfig(
+            page_size=4)) as manager:
+        one = manager.add_request(full, max_new_tokens=1)
+        done = next(r for r in manager.request_id_iter(one) if r.is_finished())
+        too_many = manager.add_request(prompt, max_new_tokens=6)
+        result = next(r for r in manager.request_id_iter(too_many) if r.is_finished())
+    assert done.status == RequestStatus.FINISHED and done.generated_tokens == _alone(ref, full, new=1)
+    assert result.status == RequestStatus.FAILED and "needs 25 slots" in result.error

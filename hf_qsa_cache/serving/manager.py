@@ -242,7 +242,7 @@ class ContinuousBatchingManager:
         for request in scheduler.admit():
             if request.started < 0:
                 request.started = time.perf_counter()
-            need = len(request.prompt) + request.max_new_tokens - 1  # the last token is never fed
+            need = request.most_held
             if need > self.cache.max_cache_len:
                 self._end(request, RequestStatus.FAILED,
                           f"prompt of {len(request.prompt)} tokens + max_new_tokens={request.max_new_tokens} needs "

@@ -46,6 +46,11 @@ class Request:
         return len(self.prompt) + len(self.generated)
 
     @property
+    def most_held(self) -> int:
+        """The most tokens its row ever holds: the last token it generates is never fed."""
+        return len(self.prompt) + self.max_new_tokens - 1
+
+    @property
     def pending(self) -> int:
         return self.total - self.held
 

@@ -40,7 +40,8 @@ class ModelRunner:
 
     def why_not_fits(self, growth: list[int]) -> str | None:
         """None if every row can grow by ``growth`` tokens in the next steps, else what stands in the way."""
-        return self.cache.why_not_fits([r.held + g for r, g in zip(self.rows, growth)], what="the next step")
+        lengths = [min(r.held + g, r.most_held) for r, g in zip(self.rows, growth)]
+        return self.cache.why_not_fits(lengths, what="the next step")
 
     def prefill(self, chunks: list[int]) -> list[tuple[Request, int, float | None]]:
         """Rows ``[0, len(chunks))`` take their next ``chunks[i]`` tokens (left-padded to one length); returns
