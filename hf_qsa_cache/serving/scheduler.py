@@ -5,7 +5,8 @@ first (rows ``[0, p)``), then those decoding. Two kinds of step follow:
 
 * a prefill step feeds the oldest prefilling requests a chunk of their pending tokens (rows ``[0, k)``:
   the oldest takes as much of ``max_batch_tokens`` as it can use, the next ones join while ``k`` chunks of
-  that length fit; a chunk may end anywhere: inside a QSA group, a window, a conv span);
+  that length fit and pads stay at most half the step; a chunk may end anywhere: inside a QSA group, a
+  window, a conv span);
 * a decode step feeds every row one token: a decoding request its last sampled token, a prefilling one
   its next prompt token (useful work, and one real token per row: the CUDA-graph decode step applies).
 
