@@ -776,15 +776,15 @@ class QSAPagedCache(Cache):
                 for t in store.row_tensors():
                     sources = torch.tensor([src[i] for i in moved], dtype=torch.long, device=t.device)
                     gathered.append((t, torch.tensor(moved, dtype=torch.long, device=t.device), t.index_select(0, sources)))
-        for table in self.tables.values():
-            table.move_rows(src, held)
-        pad = [0] * (self.max_batch_size - len(src))
-        self.lengths = [self.lengths[s] if s >= 0 else 0 for s in src] + pad
-        self._crop_floor = [self._crop_floor[s] if s >= 0 else 0 for s in src] + pad
-        self.num_rows = len(src)
-        self.rows_managed = True
-        self.columns_seen = max(self.columns_seen, 1)  # generate()'s whole-batch rules no longer apply
-        try:
+        try:  # from the first change on, a failure refuses further steps (naming reset())
+            for table in self.tables.values():
+                table.move_rows(src, held)
+            pad = [0] * (self.max_batch_size - len(src))
+            self.lengths = [self.lengths[s] if s >= 0 else 0 for s in src] + pad
+            self._crop_floor = [self._crop_floor[s] if s >= 0 else 0 for s in src] + pad
+            self.num_rows = len(src)
+            self.rows_managed = True
+            self.columns_seen = max(self.columns_seen, 1)  # generate()'s whole-batch rules no longer apply
             for t, rows, data in gathered:
                 t.index_copy_(0, rows, data)
             fresh = [i for i, s in enumerate(src) if s == -1]

@@ -18,6 +18,7 @@ from qwen4_helpers import random_prompts
 from test_inkling import make_config as inkling_config
 from test_inkling import make_pair as inkling_pair
 from test_inkling import make_prompts as inkling_prompts
+from test_padding import _layout
 
 from hf_qsa_cache import QSAPagedCache
 
@@ -53,25 +54,6 @@ class Family:
 @pytest.fixture(scope="module", params=["qwen4_exp", "inkling"])
 def family(request):
     return Family(request.param)
-
-
-def _layout(prompts, kind: str):
-    """A batch with pads where ``kind`` says: "left", "right" or "middle" (pads between real tokens)."""
-    width = max(len(p) for p in prompts) + (3 if kind == "middle" else 0)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        n = len(p)
-        if kind == "left":
-            cols = torch.arange(width - n, width)
-        elif kind == "right":
-            cols = torch.arange(n)
-        else:  # the first half after a pad, a gap, the rest at the end
-            half = n // 2
-            cols = torch.cat([torch.arange(1, 1 + half), torch.arange(width - (n - half), width)])
-        ids[b, cols] = p
-        mask[b, cols] = 1
-    return ids, mask
 
 
 def _assert_row(got: torch.Tensor, want: torch.Tensor, query_cols, key_cols, msg: str):

@@ -213,6 +213,7 @@ ROW_OPS = {
     "reorder": lambda cache: cache.reorder_cache(torch.tensor([2, 0, 0])),
     "select": lambda cache: cache.batch_select_indices(torch.tensor([2, 0])),
     "repeat": lambda cache: cache.batch_repeat_interleave(2),
+    "move": lambda cache: cache.move_rows([2, -1, 0]),  # continuous batching's placement, a fresh row in the middle
 }
 
 

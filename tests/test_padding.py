@@ -44,7 +44,7 @@ def _layout(prompts, kind: str, seed: int = 0):
         else:
             cols = torch.randperm(width - 1, generator=gen)[: n - 1].sort().values
             cols = torch.cat([cols, torch.tensor([width - 1])])  # last column real, pads in between
-        ids[b, cols] = torch.tensor(p)
+        ids[b, cols] = torch.as_tensor(p)
         mask[b, cols] = 1
     return ids, mask
 
