@@ -9,6 +9,10 @@ Where each state lives:
   write, on the device and in the dtype of that layer's activations, so a model split across GPUs
   keeps each layer's state beside it).
 * ``self.lengths``: each row's logical length (real tokens, pads excluded).
+* ``self.rope_deltas``: each row's multimodal RoPE offset (Qwen4Exp with images or video): a token
+  given no explicit position ids is rotated at its logical position plus its row's delta on all three
+  axes, so text after an image continues where the image's 3-D positions end. Zero for text-only rows;
+  set by the step that carries a row's media (`transaction`).
 
 A forward runs inside `step` (eager) or `transaction` (a CUDA-graph replay): validation first, then
 block reservation and one `StepMetadata` that every layer reads (`step_metadata(device)`); the step is
@@ -177,6 +181,7 @@ class QSAPagedCache(Cache):
 
         self.geometry = state_geometry(config)  # what a model must match to drive this cache
         self.lengths = [0] * max_batch_size
+        self.rope_deltas = [0] * max_batch_size
         self._crop_floor = [0] * max_batch_size  # Qwen4Exp: shortest length a crop may reach (rollback.py)
         self.num_rows = 0  # rows of the batch in flight
         self.columns_seen = 0  # rectangular length (pads included) that generate() reasons in
@@ -389,13 +394,15 @@ class QSAPagedCache(Cache):
 
     @contextlib.contextmanager
     def transaction(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None,
-                    copy_rows: bool = True):
+                    copy_rows: bool = True, rope_deltas: list[int | None] | None = None):
         """``with cache.transaction(B, L, mask) as (prev, counts):`` one step, as a transaction.
 
         Validates first (nothing changes on error), then reserves blocks, advances the lengths and copies
         the in-place state of the step's rows aside. The step lands only if the block exits normally;
         any exception (host code, metadata, a layer, a graph replay) takes every change back
         (`hf_qsa_cache.transaction`). Yields each row's length before the step and its real tokens in it.
+
+        ``rope_deltas``: each row's RoPE offset after this step (None keeps a row's; see ``self.rope_deltas``).
 
         ``copy_rows=False``: the caller copies the rows aside itself, inside a recorded CUDA graph
         (`copy_rows_aside`), and says so once that copy has run (`rows_copied_aside`); until then an abort
@@ -422,6 +429,9 @@ class QSAPagedCache(Cache):
             self.columns_seen += query_len
             for b in range(batch_size):
                 self.lengths[b] = prev[b] + counts[b]
+            for b, delta in enumerate(rope_deltas or []):
+                if delta is not None:
+                    self.rope_deltas[b] = int(delta)
             yield prev, counts
         except BaseException:
             self._open = None
@@ -435,11 +445,11 @@ class QSAPagedCache(Cache):
 
     @contextlib.contextmanager
     def step(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None, device: torch.device,
-             input_ids: torch.Tensor | None = None):
+             input_ids: torch.Tensor | None = None, rope_deltas: list[int | None] | None = None):
         """``with cache.step(...) as meta:`` run one forward with this step's metadata; it lands only if
         the block exits normally (`transaction`). ``input_ids`` (None for a forward from embeddings) are
         logged for `check_continues`."""
-        with self.transaction(batch_size, query_len, attention_mask) as (prev, counts):
+        with self.transaction(batch_size, query_len, attention_mask, rope_deltas=rope_deltas) as (prev, counts):
             device = _canonical(device)
             lengths = torch.tensor([prev, counts], dtype=torch.int32)  # one host-to-device copy per step
             if device.type == "cuda":
@@ -469,6 +479,10 @@ class QSAPagedCache(Cache):
                                    None, max_seq_len=self.max_cache_len)
         self.set_step_metadata(meta, lengths.device)
         return meta
+
+    def next_positions(self, rows: int) -> list[int]:
+        """The RoPE position each of the first ``rows`` rows continues at (its length plus its delta)."""
+        return [self.lengths[b] + self.rope_deltas[b] for b in range(rows)]
 
     def log_tokens(self, meta: StepMetadata, input_ids: torch.Tensor | None) -> None:
         self.token_log.write(meta.position, meta.token_row, input_ids)
@@ -677,6 +691,7 @@ class QSAPagedCache(Cache):
         for table in self.tables.values():
             table.reset()
         self.lengths = [0] * self.max_batch_size
+        self.rope_deltas = [0] * self.max_batch_size
         self._crop_floor = [0] * self.max_batch_size
         self.num_rows = 0
         self.columns_seen = 0
@@ -732,6 +747,7 @@ class QSAPagedCache(Cache):
                 gathered.append((t, t.index_select(0, idx)))
         plans = {name: table.select_rows(src, held) for name, table in self.tables.items()}
         self.lengths = [self.lengths[s] for s in src] + [0] * (self.max_batch_size - n)
+        self.rope_deltas = [self.rope_deltas[s] for s in src] + [0] * (self.max_batch_size - n)
         self._crop_floor = [self._crop_floor[s] for s in src] + [0] * (self.max_batch_size - n)
         self.num_rows = n
         try:
@@ -781,6 +797,7 @@ class QSAPagedCache(Cache):
                 table.move_rows(src, held)
             pad = [0] * (self.max_batch_size - len(src))
             self.lengths = [self.lengths[s] if s >= 0 else 0 for s in src] + pad
+            self.rope_deltas = [self.rope_deltas[s] if s >= 0 else 0 for s in src] + pad
             self._crop_floor = [self._crop_floor[s] if s >= 0 else 0 for s in src] + pad
             self.num_rows = len(src)
             self.rows_managed = True

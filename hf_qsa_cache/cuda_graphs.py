@@ -156,7 +156,8 @@ class DecodeGraphs:
         entry.ids[:rows].copy_(input_ids)
         if entry.positions is not None:
             if position_ids is None:  # rows have started, so a step has no pads: positions follow the length
-                steps = torch.tensor(prev, dtype=torch.int64)[:, None] + torch.arange(length)
+                start = [p + d for p, d in zip(prev, self.cache.rope_deltas)]  # (plus a row's multimodal offset)
+                steps = torch.tensor(start, dtype=torch.int64)[:, None] + torch.arange(length)
                 entry.positions[:, :rows] = steps.to(self.device, non_blocking=True)
             else:  # the step's columns of what the caller passed, as the eager forward reads them
                 entry.positions[:, :rows].copy_(self.model.step_positions(position_ids, rows, length))

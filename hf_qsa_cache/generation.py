@@ -197,8 +197,9 @@ class PagedCacheGenerationMixin:
         return generator
 
     def _run_model(self, *, input_ids, inputs_embeds, attention_mask, past_key_values, logits_to_keep, chunkable,
-                   per_token: dict, **model_kwargs):
-        """``self.model(...)``, split into column chunks for a long prompt when ``chunkable``.
+                   per_token: dict, model=None, **model_kwargs):
+        """``model(...)`` (default ``self.model``, the text model), split into column chunks for a long prompt
+        when ``chunkable``.
 
         ``per_token`` holds extra ``[..., L]`` inputs (position ids, PLE ids) that are sliced with the
         tokens. Returns the last chunk's outputs, whose last ``logits_to_keep`` positions are the
@@ -208,8 +209,9 @@ class PagedCacheGenerationMixin:
         B, L = tokens.shape[:2]
         attention_mask = as_padding_mask(attention_mask, L)  # a 4-D causal mask with padding -> its 2-D mask
         chunk = max(1, self.prefill_chunk_tokens // B)
+        model = self.model if model is None else model
         if not (chunkable and isinstance(logits_to_keep, int) and 0 < logits_to_keep <= chunk < L):
-            return self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            return model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                               past_key_values=past_key_values, **per_token, **model_kwargs)
         if past_key_values is None:
             past_key_values = cache_for_bare_forward(self.config, B, L, model_kwargs.get("use_cache"))
@@ -230,7 +232,7 @@ class PagedCacheGenerationMixin:
                 def cols(x, dim=-1):
                     return None if x is None else x.narrow(dim, start, end - start)
 
-                outputs = self.model(
+                outputs = model(
                     input_ids=cols(input_ids), inputs_embeds=cols(inputs_embeds, 1),
                     attention_mask=None if attention_mask is None else attention_mask[:, : past + end],
                     past_key_values=past_key_values, **{k: cols(v) for k, v in per_token.items()}, **model_kwargs,

@@ -2,7 +2,7 @@
 
 A step changes five kinds of state; each has one way back, decided here and nowhere else:
 
-* host bookkeeping (row lengths, rows in flight, columns seen, crop floors): a copy taken before
+* host bookkeeping (row lengths and RoPE deltas, rows in flight, columns seen, crop floors): a copy taken before
   anything changes, put back whole;
 * block tables: each table journals the blocks the step reserves (`BlockTable.begin_step`), and blocks
   that fall out of a window are only released at commit, so an abort finds every block where it was;
@@ -29,7 +29,8 @@ class StepTransaction:
     def __init__(self, cache, batch_size: int):
         self.cache = cache
         self.batch_size = batch_size
-        self.host = (list(cache.lengths), cache.num_rows, cache.columns_seen, list(cache._crop_floor))
+        self.host = (list(cache.lengths), list(cache.rope_deltas), cache.num_rows, cache.columns_seen,
+                     list(cache._crop_floor))
         # Managed rows (continuous batching) are never reset wholesale: the other rows hold live requests.
         self.started_empty = cache.columns_seen == 0 and not cache.rows_managed
         self.saved_rows = 0  # rows of in-place state copied aside (0: nothing to copy back)
@@ -55,8 +56,8 @@ class StepTransaction:
     def abort(self) -> None:
         """Put the cache back as it was before the step (see the module docstring)."""
         cache = self.cache
-        lengths, cache.num_rows, cache.columns_seen, cache._crop_floor = self.host
-        cache.lengths = lengths
+        lengths, deltas, cache.num_rows, cache.columns_seen, cache._crop_floor = self.host
+        cache.lengths, cache.rope_deltas = lengths, deltas
         for table in cache.tables.values():
             table.rollback_step()
         cache.clear_step_metadata()

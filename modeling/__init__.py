@@ -2,5 +2,9 @@
 
 from .modeling_inkling import InklingForCausalLM, InklingTextModel
 from .modeling_qwen4_exp import Qwen4ExpForCausalLM, Qwen4ExpTextModel
+from .multimodal_qwen4_exp import Qwen4ExpForConditionalGeneration, Qwen4ExpModel
 
-__all__ = ["InklingForCausalLM", "InklingTextModel", "Qwen4ExpForCausalLM", "Qwen4ExpTextModel"]
+__all__ = [
+    "InklingForCausalLM", "InklingTextModel", "Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration",
+    "Qwen4ExpModel", "Qwen4ExpTextModel",
+]

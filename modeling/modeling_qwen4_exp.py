@@ -257,11 +257,16 @@ class Qwen4ExpPreTrainedModel(StrictLoadingMixin, upstream.Qwen4ExpPreTrainedMod
     _is_stateful = False
 
 
-def _positions3(position_ids, meta, B: int, L: int) -> torch.Tensor:
-    """RoPE positions ``[3, B, L]`` (T, H, W). Defaults to each row's logical positions."""
-    if position_ids is None:
-        return meta.position.clamp_min(0).view(1, B, L).expand(3, B, L)
-    return step_position_ids(position_ids, B, L)
+def _positions3(position_ids, meta, B: int, L: int, cache: QSAPagedCache) -> torch.Tensor:
+    """RoPE positions ``[3, B, L]`` (T, H, W). Defaults to each row's logical positions plus its multimodal
+    offset (`QSAPagedCache.rope_deltas`: text after an image continues where the image's positions end)."""
+    if position_ids is not None:
+        return step_position_ids(position_ids, B, L)
+    position = meta.position.clamp_min(0)
+    if any(cache.rope_deltas[:B]):
+        deltas = torch.tensor(cache.rope_deltas[:B], dtype=position.dtype).to(position.device, non_blocking=True)
+        position = position + deltas[meta.token_row.long()]
+    return position.view(1, B, L).expand(3, B, L)
 
 
 def step_position_ids(position_ids: torch.Tensor, B: int, L: int) -> torch.Tensor:
@@ -308,7 +313,10 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
     @runs_any_padding(per_token=TOKEN_INPUTS, outputs=TOKEN_OUTPUTS)
     @capture_outputs
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, ple_input_ids=None, **kwargs) -> MoeModelOutputWithPast:
+                inputs_embeds=None, use_cache=None, ple_input_ids=None, rope_deltas=None,
+                **kwargs) -> MoeModelOutputWithPast:
+        """``rope_deltas``: each row's multimodal RoPE offset after this step (`QSAPagedCache.rope_deltas`; set
+        by the multimodal model for the rows whose media this step carries, None entries keep a row's)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -318,6 +326,8 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         if self.config.ple_layer_ids and ple_input_ids is None:
             ple_input_ids = input_ids if input_ids is not None else upstream.Qwen4ExpTextModel.reverse_embedding(
                 self, inputs_embeds)
+        # The ids the embeddings stand for (PLE's ids when running from embeddings) are logged for check_continues.
+        token_ids = input_ids if input_ids is not None else ple_input_ids
         # Without a cache from the caller the forward still runs on paged state, sized for this call.
         cache, use_cache = forward_cache(self, past_key_values, B, L, use_cache)
         cache.check_model(self.config, inputs_embeds.dtype)
@@ -325,7 +335,7 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         if output_attentions is None:
             output_attentions = getattr(self.config, "output_attentions", False)
         attentions = [] if output_attentions else None
-        with cache.step(B, L, attention_mask, inputs_embeds.device, input_ids) as meta:
+        with cache.step(B, L, attention_mask, inputs_embeds.device, token_ids, rope_deltas) as meta:
             hidden_states = self.run_layers(inputs_embeds, ple_input_ids, position_ids, meta, cache, attentions)
         if attentions is not None:  # as upstream: QSA layers only, [B, heads, L, the mask's columns]
             attentions = tuple(by_key_column(a.view(B, L, *a.shape[1:]).transpose(1, 2), attention_mask)
@@ -344,7 +354,7 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         valid = meta.valid.view(B, L)
         if ple_input_ids is not None:
             ple_input_ids = torch.where(valid, ple_input_ids, _eos_id(self.config))
-        positions3 = _positions3(position_ids, meta, B, L)
+        positions3 = _positions3(position_ids, meta, B, L, cache)
         cos, sin = self.rotary_emb(inputs_embeds, positions3)
         flat_positions3 = positions3.reshape(3, -1).t()
 
@@ -367,24 +377,31 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, ContinuousBatchingMixin, Page
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @property
+    def language_model(self) -> Qwen4ExpTextModel:
+        """The text model on the cache (the multimodal class holds it under its vision tower's model)."""
+        return self.model
+
     @can_return_tuple
     @lands_whole
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None,
                 output_hidden_states=None, output_attentions=None, logits_to_keep=0, **kwargs):
+        config = self.language_model.config
         if output_router_logits is None:
-            output_router_logits = self.config.output_router_logits
+            output_router_logits = config.output_router_logits
         if output_hidden_states is None:
-            output_hidden_states = self.config.output_hidden_states
+            output_hidden_states = config.output_hidden_states
         if output_attentions is None:
-            output_attentions = getattr(self.config, "output_attentions", False)
+            output_attentions = getattr(config, "output_attentions", False)
         graphs = decode_graphs_for(self, past_key_values, input_ids, inputs_embeds,
                                    extra_outputs=labels is not None or output_hidden_states or output_router_logits
-                                   or output_attentions or "ple_input_ids" in kwargs)
+                                   or output_attentions or "ple_input_ids" in kwargs or "rope_deltas" in kwargs)
         if graphs is not None:
             logits = slice_logits_to_keep(graphs.step(input_ids, position_ids, attention_mask), logits_to_keep)
             return MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
         outputs = self._run_model(
+            model=self.language_model, rope_deltas=kwargs.pop("rope_deltas", None),
             input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
             past_key_values=past_key_values, logits_to_keep=logits_to_keep,
             # Per-position outputs (loss, hidden states, router logits, attentions) need the whole prompt in one
@@ -398,14 +415,14 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, ContinuousBatchingMixin, Page
         logits = self.lm_head(hidden_states)
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+            loss = self.loss_function(logits, labels, config.vocab_size, **kwargs)
         aux_loss = None
         if output_router_logits:
             aux_loss = upstream.load_balancing_loss_func(
-                outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
+                outputs.router_logits, config.num_experts, config.num_experts_per_tok, attention_mask
             )
             if labels is not None:
-                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+                loss = loss + config.router_aux_loss_coef * aux_loss.to(loss.device)
         return MoeCausalLMOutputWithPast(
             loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states, attentions=outputs.attentions, router_logits=outputs.router_logits,
@@ -416,8 +433,8 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, ContinuousBatchingMixin, Page
 
     def _decode_logits(self, input_ids, position_ids, meta, cache: QSAPagedCache) -> torch.Tensor:
         """Logits of a step whose metadata is built (what a captured decode graph runs)."""
-        embeds = self.model.embed_tokens(input_ids)
-        return self.lm_head(self.model.run_layers(embeds, input_ids, position_ids, meta, cache))
+        embeds = self.language_model.embed_tokens(input_ids)
+        return self.lm_head(self.language_model.run_layers(embeds, input_ids, position_ids, meta, cache))
 
 
 # Upstream checkpoints store experts per expert and the n-gram table in shards: convert as upstream does.
