@@ -183,6 +183,47 @@ class Qwen4ExpForConditionalGeneration(Qwen4ExpForCausalLM):
                                past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
                                ple_input_ids=ple_input_ids, rope_deltas=deltas, **kwargs)
 
+    # Continuous batching: a request's media (`add_request(ids, pixel_values=..., ...)`) are encoded once, and
+    # steps holding its prompt tokens run from those embeddings and positions.
+    media_inputs = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_token_type_ids",
+                    "mm_encoder_outputs")
+
+    @torch.no_grad()
+    def encode_prompt(self, input_ids: torch.Tensor, media: dict) -> dict:
+        """One prompt ``[1, n]`` with its media: its embeddings ``[n, hidden]``, 3-D positions ``[3, n]`` and the
+        RoPE delta its row continues with."""
+        grids = media.get("image_grid_thw"), media.get("video_grid_thw")
+        embeds = self.model.embed(input_ids, None, media.get("pixel_values"), media.get("pixel_values_videos"),
+                                  *grids, media.get("mm_encoder_outputs"))
+        positions, after = self.model.media_positions(input_ids, media.get("mm_token_type_ids"), *grids, None, [0])
+        return {"embeds": embeds[0], "positions": positions[:, 0], "delta": after[0] - input_ids.shape[1]}
+
+    def prompt_step_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                           rows: list[tuple[dict | None, int]], cache: QSAPagedCache) -> dict:
+        """Forward inputs of a step ``[B, L]`` (left-padded) whose row ``b`` holds ``rows[b][1]`` tokens and has
+        the prompt encoding ``rows[b][0]`` (None: a text prompt): embeddings, 3-D positions, PLE ids, deltas."""
+        B, L = input_ids.shape
+        embeds = self.language_model.embed_tokens(input_ids)
+        positions = torch.zeros(3, B, L, dtype=torch.long, device=input_ids.device)
+        counts = [L] * B if attention_mask is None else attention_mask[:, -L:].sum(dim=1).tolist()
+        deltas: list[int | None] = [None] * B
+        for b, (encoded, held) in enumerate(rows):
+            cols = slice(L - counts[b], L)
+            logical = held + torch.arange(counts[b], device=input_ids.device)
+            delta = encoded["delta"] if encoded is not None else cache.rope_deltas[b]
+            row = (logical + delta).expand(3, -1).clone()
+            if encoded is not None:
+                deltas[b] = delta
+                prompt = logical < encoded["embeds"].shape[0]
+                index = logical[prompt]
+                row[:, prompt] = encoded["positions"][:, index]
+                row_embeds = embeds[b, cols].clone()
+                row_embeds[prompt] = encoded["embeds"][index].to(embeds.dtype)
+                embeds[b, cols] = row_embeds
+            positions[:, b, cols] = row
+        return {"inputs_embeds": embeds, "position_ids": positions, "ple_input_ids": input_ids,
+                "rope_deltas": deltas}
+
     def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
         # generate() keeps [4, B, T] positions (a text row, then T/H/W) and extends each by one per step, so
         # every row continues from its own last position. Rows a passed cache holds continue at their delta;

@@ -265,3 +265,41 @@ def test_row_placement_moves_each_rows_delta(models):
     d = list(cache.rope_deltas[:3])
     cache.move_rows([1, -1, 0])
     assert cache.rope_deltas[:3] == [d[1], 0, d[0]]
+
+
+def test_continuous_batching_with_media(models, upstream_alone):
+    """Requests carry their own media (`add_request(..., pixel_values=...)`); a tiny pool forces preemption and a
+    5-token budget cuts prefill chunks inside images; every request equals upstream on its prompt alone."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    _, ours, _ = models
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=19, max_batch_tokens=5, max_requests_per_batch=3)
+    manager = ours.init_continuous_batching(GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False,
+                                                             eos_token_id=None, pad_token_id=0), config)
+    manager.start()
+    try:
+        for i, r in enumerate(ROWS):
+            inputs = batch([r])
+            ids = inputs.pop("input_ids")[0].tolist()
+            inputs.pop("attention_mask")
+            manager.add_request(ids, request_id=f"r{i}", **inputs)
+        results = {}
+        while len(results) < len(ROWS):
+            result = manager.get_result(timeout=60)
+            assert result is not None
+            results[result.request_id] = result
+    finally:
+        manager.stop(block=True)
+    assert manager.stats["preemptions"] > 0
+    for i, (tokens, _) in enumerate(upstream_alone):
+        assert results[f"r{i}"].error is None
+        assert results[f"r{i}"].generated_tokens == tokens, f"request {i}"
+
+
+def test_text_model_refuses_media_in_a_request():
+    from qwen4_helpers import make_pair
+
+    _, text_only = make_pair()
+    manager = text_only.init_continuous_batching()
+    with pytest.raises(ValueError, match="takes no media"):
+        manager.add_request([5, 6, 7], pixel_values=torch.zeros(4, PATCH_FEATURES))

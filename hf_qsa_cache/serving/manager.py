@@ -33,6 +33,9 @@ DEFAULT_TOKENS_PER_ROW = 4096  # pool sizing without num_blocks or workload hint
 _UNUSED_FIELDS = ("max_memory_percent", "max_blocks_per_request", "use_async_batching", "q_padding_interval_size",
                   "kv_padding_interval_size", "varlen_compile_config", "decode_compile_config", "cpu_offload_space",
                   "per_request_processors", "max_cached_graphs")
+# Media inputs of the multimodal models: refused (not ignored) by a text-only model.
+MEDIA_NAMES = {"pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_token_type_ids",
+               "mm_encoder_outputs", "audio_input_ids", "audio_input_ids_mask"}
 _IGNORED_SAMPLING = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "min_p", "typical_p")
 
 
@@ -127,7 +130,18 @@ class ContinuousBatchingManager:
     # ------------------------------------------------------------------ requests
     def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, record_timestamps: bool = False, eos_token_id=None, **kwargs) -> str:
-        """Queue a request; returns its id. Children ``{id}__child#{i}`` carry the extra return sequences."""
+        """Queue a request; returns its id. Children ``{id}__child#{i}`` carry the extra return sequences.
+
+        A multimodal model (one with ``media_inputs``, e.g. `Qwen4ExpForConditionalGeneration`) takes the
+        request's media as keyword arguments, as its forward names them (``pixel_values``, ``image_grid_thw``,
+        ``mm_token_type_ids``, ...), for this one prompt."""
+        accepted = getattr(self.model, "media_inputs", ())
+        media = {name: kwargs.pop(name) for name in list(kwargs) if name in accepted}
+        media = {name: value for name, value in media.items() if value is not None} or None
+        named_media = sorted(set(kwargs) & MEDIA_NAMES)
+        if named_media:
+            raise ValueError(f"{type(self.model).__name__} takes no media ({named_media} given): load the model's "
+                             f"ConditionalGeneration class for images, video or audio")
         if kwargs:
             _warn_once(f"add_request ignores {sorted(kwargs)} (per-request logits processors are not supported)")
         prompt = [int(t) for t in input_ids]
@@ -157,7 +171,7 @@ class ContinuousBatchingManager:
         for k, rid in enumerate(ids):
             request = Request(rid, prompt, max_new_tokens, eos, self.sampling,
                               seed=None if self.seed is None else self.seed + first + k, streaming=streaming,
-                              record_timestamps=record_timestamps)
+                              record_timestamps=record_timestamps, media=media)
             self.input_queue.put(request, block=True, timeout=10)
         self._wake.set()
         return request_id
@@ -247,6 +261,12 @@ class ContinuousBatchingManager:
                 self._end(request, RequestStatus.FAILED,
                           f"prompt of {len(request.prompt)} tokens + max_new_tokens={request.max_new_tokens} needs "
                           f"{need} slots, the cache holds max_cache_len={self.cache.max_cache_len}")
+                continue
+            try:  # a prompt's media are encoded once, before its first step (a bad one fails that request alone)
+                runner.encode(request)
+            except Exception as error:
+                logger.error("encoding the media of request %s failed: %s", request.request_id, error, exc_info=True)
+                self._end(request, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
         runner.place(scheduler.rows)
         self._make_room()
         steps = ("prefill", "decode") if scheduler.prefill_first else ("decode", "prefill")
@@ -303,6 +323,7 @@ class ContinuousBatchingManager:
         if not request.done or request.status != status:
             request.finish(status, error)
         self.scheduler.release(request)
+        self.runner.forget(request)
         self.output_queue.put(request.output())
 
     def _fail_all(self, why: str) -> None:
@@ -317,6 +338,7 @@ class ContinuousBatchingManager:
     def _end_quietly(self, request: Request, why: str) -> None:
         request.finish(RequestStatus.FAILED, why)
         self.scheduler.release(request)
+        self.runner.forget(request)
         self.output_queue.put(request.output())
 
 

@@ -1,4 +1,5 @@
-"""One request's life in the continuous-batching engine: host state only (no tensors)."""
+"""One request's life in the continuous-batching engine: host state, plus the media tensors a multimodal
+prompt carries (encoded by the runner when the request first runs)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class Request:
     held: int = 0  # tokens its cache row holds (0 without a row, or after preemption)
     admitted: int = -1  # admission number (the latest admitted is preempted first)
     generator: object = None  # its torch.Generator, made at its first sampled token
+    media: dict | None = None  # a multimodal prompt's media inputs (the model's `media_inputs`), or None
 
     @property
     def total(self) -> int:

@@ -16,6 +16,18 @@ class ModelRunner:
         self.return_logprobs = return_logprobs
         self.device = next(model.parameters()).device
         self.rows: list[Request] = []  # the cache's rows, in order
+        # A multimodal prompt's encoding (`model.encode_prompt`: its embeddings, positions), by request, kept
+        # until the request ends (a preempted request feeds its prompt again).
+        self.encoded: dict[int, dict] = {}
+
+    def encode(self, request: Request) -> None:
+        if request.media is not None and id(request) not in self.encoded:
+            ids = torch.tensor([request.prompt], dtype=torch.long, device=self.device)
+            media = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in request.media.items()}
+            self.encoded[id(request)] = self.model.encode_prompt(ids, media)
+
+    def forget(self, request: Request) -> None:
+        self.encoded.pop(id(request), None)
 
     def place(self, order: list[Request]) -> None:
         """Make the cache's rows ``order``: rows of requests that left are released, new requests get fresh
@@ -53,7 +65,7 @@ class ModelRunner:
         for i, (request, n) in enumerate(zip(rows, chunks)):
             ids[i, length - n:] = torch.tensor(request.next_tokens(n))
             mask[i, length - n:] = 1
-        logits = self._forward(ids, mask)
+        logits = self._forward(rows, ids, mask)
         for request, n in zip(rows, chunks):
             request.held += n
         return self._sample(rows, logits)
@@ -61,16 +73,21 @@ class ModelRunner:
     def decode(self) -> list[tuple[Request, int, float | None]]:
         """Every row takes one token (its last sampled token, or its next prompt token)."""
         ids = torch.tensor([r.next_tokens(1) for r in self.rows], dtype=torch.long)
-        logits = self._forward(ids, None)
+        logits = self._forward(self.rows, ids, None)
         for request in self.rows:
             request.held += 1
         return self._sample(self.rows, logits)
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        out = self.model(
-            input_ids=ids.to(self.device), attention_mask=None if mask is None else mask.to(self.device),
-            past_key_values=self.cache, use_cache=True, logits_to_keep=1,
-        )
+    def _forward(self, rows: list[Request], ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        ids = ids.to(self.device)
+        mask = None if mask is None else mask.to(self.device)
+        if any(id(r) in self.encoded and r.held < len(r.prompt) for r in rows):
+            # Prompt tokens of a multimodal request: the model's encoding gives their embeddings (and positions).
+            inputs = self.model.prompt_step_inputs(ids, mask, [(self.encoded.get(id(r)), r.held) for r in rows],
+                                                   self.cache)
+        else:
+            inputs = {"input_ids": ids}
+        out = self.model(**inputs, attention_mask=mask, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[tuple[Request, int, float | None]]:
