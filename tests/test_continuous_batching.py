@@ -158,11 +158,11 @@ def test_a_failed_step_fails_its_requests_only(family, monkeypatch):
     armed = {"on": False}
     forward = ModelRunner._forward
 
-    def failing(self, ids, mask):
+    def failing(self, rows, ids, mask):
         if armed["on"] and mask is not None:  # the next prefill step
             armed["on"] = False
             raise RuntimeError("injected fault")
-        return forward(self, ids, mask)
+        return forward(self, rows, ids, mask)
 
     monkeypatch.setattr(ModelRunner, "_forward", failing)
     config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=3)
