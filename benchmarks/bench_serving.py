@@ -147,6 +147,8 @@ def main():
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--static-batch", type=int, default=32)
     parser.add_argument("--upstream-limit", type=float, default=None)
+    parser.add_argument("--static-limit", type=float, default=None,
+                        help="stop our static batches after this many seconds (throughput from what they made)")
     parser.add_argument("--upstream-batch", type=int, default=None, help="upstream's batch (default --static-batch)")
     parser.add_argument("--skip-static", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
@@ -180,11 +182,20 @@ def main():
     continuous(manager, warm, [2 + i for i in range(args.rows)], [0.0] * args.rows, prefix="warm")
     run(ours, torch.randint(2, 100, (2, 40), device="cuda"), torch.ones(2, 40, dtype=torch.long, device="cuda"), 4)
 
-    rows = [continuous(manager, prompts, outputs, gaps)]
+    os.makedirs(os.path.dirname(args.jsonl), exist_ok=True)
+
+    def record(row: dict) -> dict:  # each result is written as soon as it is measured
+        line = {**common, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}}
+        print(json.dumps(line), flush=True)
+        with open(args.jsonl, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        return row
+
+    rows = [record(continuous(manager, prompts, outputs, gaps))]
     manager.stop()
     manager.destroy()
     if not args.skip_static:
-        rows.append(static(ours, prompts, outputs, args))
+        rows.append(record(static(ours, prompts, outputs, args, limit_s=args.static_limit)))
     if args.upstream_limit:
         del ours
         torch.cuda.empty_cache()
@@ -196,14 +207,8 @@ def main():
         upstream.load_state_dict(reference.state_dict(), strict=True)
         del reference
         torch.set_default_dtype(torch.float32)
-        rows.append(static(upstream, prompts, outputs, args, limit_s=args.upstream_limit, name="upstream static",
-                           batch_size=args.upstream_batch))
-    os.makedirs(os.path.dirname(args.jsonl), exist_ok=True)
-    with open(args.jsonl, "a") as f:
-        for row in rows:
-            row = {**common, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}}
-            print(json.dumps(row), flush=True)
-            f.write(json.dumps(row) + "\n")
+        rows.append(record(static(upstream, prompts, outputs, args, limit_s=args.upstream_limit,
+                                  name="upstream static", batch_size=args.upstream_batch)))
     ours_cb = rows[0]["tokens_per_s"]
     print("throughput ratios: " + ", ".join(
         f"{r['impl']} {ours_cb / r['tokens_per_s']:.2f}x" if r["tokens_per_s"] else f"{r['impl']} made no token"
