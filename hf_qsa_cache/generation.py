@@ -7,13 +7,14 @@ import inspect
 import warnings
 
 import torch
-from transformers.generation.candidate_generator import AssistedCandidateGenerator
+from transformers.generation.candidate_generator import AssistedCandidateGenerator, PromptLookupCandidateGenerator
 from transformers.generation.configuration_utils import GenerationMode
 
 from .cache import QSAPagedCache
 from .padding import as_padding_mask, step_order
 from .speculative import (
-    assistant_schedule, cap_heuristic_drafts, check_headroom, draft_tokens_bound, overshoot,
+    DraftBudget, adapt_prompt_lookup, assistant_schedule, cap_heuristic_drafts, check_headroom, draft_tokens_bound,
+    overshoot,
 )
 
 # Tokens a row may still add after a forward that was called without a cache but with use_cache.
@@ -99,6 +100,9 @@ class PagedCacheGenerationMixin:
     # Prompts longer than this many tokens (summed over the batch) run as exact chunked prefill when
     # only the last logits are wanted: the cache makes chunks exact, and activation memory stays bounded.
     prefill_chunk_tokens = 16384
+    # Prompt lookup proposes as many drafts as recent rounds had accepted (`DraftBudget`); False: always
+    # prompt_lookup_num_tokens, as transformers does (see `_get_candidate_generator`).
+    adaptive_prompt_lookup = True
 
     def generate(self, inputs=None, *args, **kwargs):
         # A passed cache that holds rows must be continued by this call's input (checked once per call).
@@ -182,6 +186,21 @@ class PagedCacheGenerationMixin:
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
+        """transformers' candidate generator, adapted to the paged cache.
+
+        * An assistant model of ours gets a croppable cache sized for the whole generation
+          (`attach_assistant_cache`); a heuristic draft schedule is capped (`cap_heuristic_drafts`).
+        * Prompt lookup (``prompt_lookup_num_tokens=k``) adapts its draft count to what the model accepts
+          (`DraftBudget`): up to ``k`` drafts while they are accepted, fewer after rejections, and none at
+          all for a while (plain one-token steps, with an exponential back-off before looking again) after
+          rounds whose drafts were all rejected. transformers proposes ``k`` drafts on every round that
+          finds a match; when they are rejected each round pays a ``k + 1``-token verify step and a crop
+          for the one token it yields. Greedy tokens are the same either way (drafting only changes how
+          many tokens a forward verifies). ``model.adaptive_prompt_lookup = False`` keeps transformers'
+          fixed ``k`` (e.g. to compare the two). It is a model attribute, not a generate() argument:
+          transformers refuses keywords it does not know, and its ``num_assistant_tokens_schedule``
+          (``"constant"`` by default) is about assistant models, not prompt lookup.
+        """
         generator = super()._get_candidate_generator(
             generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
             logits_processor=logits_processor, model_kwargs=model_kwargs, assistant_model=assistant_model,
@@ -194,6 +213,8 @@ class PagedCacheGenerationMixin:
         attach_assistant_cache(generator, generation_config, *input_ids.shape[:2], bound)
         if schedule is not None and schedule[1]:
             cap_heuristic_drafts(generator, schedule[0])
+        if isinstance(generator, PromptLookupCandidateGenerator) and self.adaptive_prompt_lookup:
+            adapt_prompt_lookup(generator, DraftBudget(generation_config.prompt_lookup_num_tokens))
         return generator
 
     def _run_model(self, *, input_ids, inputs_embeds, attention_mask, past_key_values, logits_to_keep, chunkable,

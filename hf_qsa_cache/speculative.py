@@ -1,6 +1,6 @@
 """Speculative decoding in `generate()`: how many drafts one verify step may carry (hence the rollback
-headroom a cache needs), and the cap on heuristic draft schedules. The rollback itself is in
-`hf_qsa_cache.rollback`.
+headroom a cache needs), the cap on heuristic draft schedules, and the adaptive draft count of prompt
+lookup (`DraftBudget`). The rollback itself is in `hf_qsa_cache.rollback`.
 """
 
 from __future__ import annotations
@@ -78,3 +78,94 @@ def check_headroom(cache, bound: int, source: str) -> None:
             f"rejected ones, but the cache has num_speculative_tokens={cache.num_speculative_tokens}: build the "
             f"QSAPagedCache with num_speculative_tokens={bound} (or more)"
         )
+
+
+class DraftBudget:
+    """How many draft tokens prompt lookup proposes in its next round, from how its last rounds went.
+
+    A verify step that carries drafts costs more than a plain decode step (more tokens through every layer,
+    then a crop), and a round whose drafts are all rejected yields one token either way. So:
+
+    * every draft of a round accepted: the budget grows by 2, up to ``limit`` (what the caller asked for,
+      ``prompt_lookup_num_tokens``: the cache's rollback headroom is sized by it, never exceeded);
+    * some accepted, some rejected: the budget shrinks by 1 (at least 1);
+    * every draft rejected: the budget halves (at least 1), and the next ``pause`` rounds propose nothing
+      (plain one-token steps, without even looking the prompt up). The pause starts at 1 round and doubles
+      after each further round whose drafts are all rejected, up to ``max_pause`` (exponential back-off);
+      a round with any accepted draft sets it back to 1;
+    * a round that proposed nothing (paused, or the lookup found no match) changes nothing.
+
+    The budget starts at ``limit``: while drafts keep being accepted it stays there, as transformers' fixed
+    ``num_output_tokens``. When every draft is rejected, over ``n`` rounds only about ``log2(n)`` of them
+    verify a draft (one token each after the first). Greedy tokens never depend on it: drafting only
+    decides how many tokens one forward verifies.
+
+    Call `propose` once at the start of every round and `observe` once at its end.
+    """
+
+    def __init__(self, limit: int, max_pause: int = 64):
+        if limit < 1 or max_pause < 1:
+            raise ValueError(f"DraftBudget needs limit >= 1 and max_pause >= 1, got {limit} and {max_pause}")
+        self.limit, self.max_pause = int(limit), int(max_pause)
+        self.tokens = self.limit  # drafts the next drafting round may propose
+        self.paused = 0  # rounds left that propose nothing
+        self.pause = 1  # rounds the next all-rejected round pauses for
+
+    def propose(self) -> int:
+        """Drafts this round may propose (0: a plain step; a paused round is used up by asking)."""
+        if self.paused:
+            self.paused -= 1
+            return 0
+        return self.tokens
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """The round proposed ``proposed`` drafts and the model accepted the first ``accepted`` of them."""
+        if proposed <= 0:
+            return
+        accepted = min(max(int(accepted), 0), proposed)
+        if accepted == proposed:
+            self.tokens = min(self.limit, self.tokens + 2)
+            self.pause = 1
+        elif accepted:
+            self.tokens = max(1, self.tokens - 1)
+            self.pause = 1
+        else:
+            self.tokens = max(1, self.tokens // 2)
+            self.paused = self.pause
+            self.pause = min(2 * self.pause, self.max_pause)
+
+    def __repr__(self) -> str:
+        return (f"DraftBudget(limit={self.limit}, tokens={self.tokens}, paused={self.paused}, "
+                f"pause={self.pause}, max_pause={self.max_pause})")
+
+
+def adapt_prompt_lookup(generator, budget: DraftBudget) -> None:
+    """Let ``budget`` decide how many drafts transformers' `PromptLookupCandidateGenerator` proposes each
+    round (its ``num_output_tokens``, fixed in transformers), and learn from each round's outcome (its
+    ``update_candidate_strategy`` does nothing in transformers).
+
+    A round the budget gives no drafts returns the input unchanged without looking the prompt up, as
+    transformers does when the lookup finds no match: the verify step is a plain one-token step. The
+    budget is kept as ``generator.draft_budget``. One budget serves the one row transformers allows in
+    assisted generation (it refuses batches of more than one row).
+    """
+    get_candidates, update_candidate_strategy = generator.get_candidates, generator.update_candidate_strategy
+    proposed = [0]
+
+    def budgeted_candidates(input_ids, *args, **kwargs):
+        proposed[0] = 0
+        n = budget.propose()
+        if n == 0:
+            return input_ids, None
+        generator.num_output_tokens = n
+        candidates, logits = get_candidates(input_ids, *args, **kwargs)
+        proposed[0] = candidates.shape[1] - input_ids.shape[1]
+        return candidates, logits
+
+    def observed_strategy(input_ids, scores, num_matches):
+        update_candidate_strategy(input_ids, scores, num_matches)
+        budget.observe(proposed[0], int(num_matches))
+
+    generator.get_candidates = budgeted_candidates
+    generator.update_candidate_strategy = observed_strategy
+    generator.draft_budget = budget

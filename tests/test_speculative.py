@@ -9,18 +9,26 @@
 * A crop deeper than the cache kept, or a passed cache with too little headroom, is refused before
   anything changes; memory_stats reports the rollback headroom.
 * Sampling with drafting runs and repeats under the same seed.
+* Prompt lookup's draft count adapts (`DraftBudget`): the policy on its own, its wrapping of transformers'
+  generator, and generate() verifying far fewer drafts than transformers' fixed count when every draft
+  is rejected, and exactly as many forwards when every draft is accepted, with the tokens of plain greedy.
 """
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import test_inkling as inkling
 import torch
 from qwen4_helpers import left_pad, make_pair, random_prompts, tiny_config
 from transformers import InklingForCausalLM as UpstreamInkling
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 from transformers.modeling_layers import MtpModel
 
 from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache.speculative import DraftBudget, adapt_prompt_lookup
 from modeling import InklingForCausalLM, Qwen4ExpForCausalLM
 
 K = 3  # draft tokens per step
@@ -367,3 +375,172 @@ def test_sampling_with_drafting_repeats_under_a_seed(family, qwen, ink):
         assert first.shape == (1, ids.shape[1] + 10)
         assert torch.equal(first, again)
         assert not torch.equal(first, other)
+
+
+# ----------------------------------------------------------------------------- adaptive prompt lookup
+def _rounds(budget, outcome, n):
+    """``n`` rounds: propose, then observe ``outcome(proposed)`` accepted drafts. Returns the proposals."""
+    proposals = []
+    for _ in range(n):
+        proposed = budget.propose()
+        proposals.append(proposed)
+        budget.observe(proposed, outcome(proposed))
+    return proposals
+
+
+def test_draft_budget_backs_off_when_every_draft_is_rejected():
+    budget = DraftBudget(4, max_pause=8)
+    proposals = _rounds(budget, lambda p: 0, 40)
+    # 4 drafts, halved to 2 and 1; the rounds between two tries double (1, 2, 4, 8) and stop growing at 8.
+    assert proposals[:11] == [4, 0, 2, 0, 0, 1, 0, 0, 0, 0, 1]
+    tries = [i for i, p in enumerate(proposals) if p]
+    assert [b - a - 1 for a, b in zip(tries, tries[1:])] == [1, 2, 4, 8, 8, 8]
+    assert budget.pause == 8 and budget.tokens == 1
+
+
+def test_draft_budget_stays_at_its_limit_while_drafts_are_accepted():
+    budget = DraftBudget(5)
+    assert _rounds(budget, lambda p: p, 30) == [5] * 30
+    # A round that finds no match (proposes nothing) tells nothing: the budget stays.
+    budget.observe(0, 0)
+    assert budget.propose() == 5
+
+
+def test_draft_budget_mixed_rounds():
+    budget = DraftBudget(6, max_pause=16)
+    assert _rounds(budget, lambda p: 0, 8) == [6, 0, 3, 0, 0, 1, 0, 0]  # backed off: tokens 1, pause 8
+    assert budget.pause == 8
+    # Accepted again: +2 a fully accepted round up to the limit, and the back-off starts over at 1 round.
+    assert _rounds(budget, lambda p: p, 6) == [0, 0, 1, 3, 5, 6]
+    assert budget.pause == 1
+    # Some accepted, some rejected: one draft less a round, at least one; the back-off stays at 1.
+    assert _rounds(budget, lambda p: p - 1, 5) == [6, 5, 4, 3, 2]
+    assert budget.pause == 1 and budget.tokens == 1
+    assert _rounds(budget, lambda p: 0, 3) == [1, 0, 1]  # the first all-rejected round pauses 1 round
+    # An accepted count above the proposal (transformers never reports one) is read as all accepted.
+    budget = DraftBudget(3)
+    budget.observe(2, 9)
+    assert budget.propose() == 3
+
+
+def test_draft_budget_never_exceeds_its_limit():
+    rng = random.Random(0)
+    for limit in (1, 2, 3, 7):
+        budget = DraftBudget(limit)
+        proposals = _rounds(budget, lambda p: rng.randint(0, p), 500)
+        assert max(proposals) == limit and min(proposals) == 0
+        assert all(0 <= p <= limit for p in proposals)
+    with pytest.raises(ValueError, match="limit >= 1"):
+        DraftBudget(0)
+
+
+def test_adapt_prompt_lookup_sets_the_count_and_skips_the_lookup_when_paused(monkeypatch):
+    """The wrapper around transformers' generator: the budget sets num_output_tokens; a paused round returns
+    the input as transformers does without a match, and never runs the lookup."""
+    generator = PromptLookupCandidateGenerator(num_output_tokens=3, max_length=64)
+    lookups = []
+    lookup = PromptLookupCandidateGenerator.get_candidates
+
+    def counted(self, input_ids, **kwargs):
+        lookups.append(self.num_output_tokens)
+        return lookup(self, input_ids, **kwargs)
+
+    monkeypatch.setattr(PromptLookupCandidateGenerator, "get_candidates", counted)
+    adapt_prompt_lookup(generator, DraftBudget(3))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 5, 6]])
+
+    def round_(accepted):
+        candidates, logits = generator.get_candidates(ids)
+        generator.update_candidate_strategy(candidates, None, accepted)
+        return candidates[0, ids.shape[1]:].tolist()
+
+    assert round_(0) == [7, 8, 9]  # all rejected: 1 round paused, then 1 draft
+    assert round_(0) == []
+    assert round_(1) == [7]
+    assert round_(1) == [7, 8, 9]  # fully accepted: +2
+    assert lookups == [3, 1, 3] and generator.draft_budget.pause == 1
+
+
+class ForceTokens(LogitsProcessor):
+    """Allows only ``stream[i]`` at the i-th position after a prompt of ``start`` tokens."""
+
+    def __init__(self, stream, start):
+        self.stream, self.start = stream, start
+
+    def __call__(self, input_ids, scores):
+        token = self.stream[input_ids.shape[1] - self.start]
+        return torch.full_like(scores, float("-inf")).index_fill_(1, token.view(1), 0.0)
+
+
+class FedTokens:
+    """Tokens each forward of the main model receives (the first: the prompt, plus drafts when drafting)."""
+
+    def __init__(self, model):
+        self.lengths: list[int] = []
+        self.hook = model.register_forward_pre_hook(
+            lambda m, args, kwargs: self.lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+
+    def drafts(self, prompt_len):
+        """Draft tokens verified: every forward verifies one token besides its drafts."""
+        self.hook.remove()
+        return sum(self.lengths) - prompt_len - len(self.lengths)
+
+
+def _passage(vocab, length, seed):
+    return torch.randperm(vocab - 2, generator=torch.Generator().manual_seed(seed))[:length] + 2
+
+
+def _lookup_runs(model, ids, n, monkeypatch, **kwargs):
+    """(plain, fixed, adaptive): each (tokens, forwards, verified drafts) of a greedy generate()."""
+    runs = [_greedy(model, ids, n, **kwargs).sequences]
+    for adaptive in (False, True):
+        monkeypatch.setattr(model, "adaptive_prompt_lookup", adaptive)
+        fed = FedTokens(model)
+        tokens = _greedy(model, ids, n, prompt_lookup_num_tokens=K, **kwargs).sequences
+        runs.append((tokens, len(fed.lengths), fed.drafts(ids.shape[1])))
+    return runs
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_adaptive_prompt_lookup_verifies_few_drafts_when_all_are_rejected(family, qwen, ink, monkeypatch):
+    """A passage of distinct tokens twice: lookup keeps finding n-grams of it (and of the generated text)
+    whose continuations the random model does not follow. transformers' fixed count verifies K drafts
+    every round that finds a match; the adaptive one backs off after the first rejections."""
+    model = (qwen if family == "qwen4_exp" else ink)[0]
+    passage = _passage(model.config.vocab_size, 40, seed=0)
+    ids = torch.cat([passage, passage])[None]
+    n = 24
+    plain, (fixed, fixed_forwards, fixed_drafts), (adaptive, forwards, drafts) = _lookup_runs(
+        model, ids, n, monkeypatch)
+    assert torch.equal(fixed, plain) and torch.equal(adaptive, plain)
+    # Every draft rejected (checked, not assumed): one forward per token either way.
+    assert fixed_forwards == forwards == n
+    assert fixed_drafts >= 20
+    # The first round's K drafts, then a single draft after pauses of 1, 2, 4, 8 rounds (a round that
+    # finds no match does not count as a try).
+    assert drafts <= K + 5 and drafts * 3 <= fixed_drafts, (drafts, fixed_drafts)
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_adaptive_prompt_lookup_keeps_every_accepted_draft(family, qwen, ink, monkeypatch):
+    """The text is forced to continue the passage the prompt repeats: every draft is accepted, and the
+    adaptive count verifies exactly what transformers' fixed count does, in as few forwards."""
+    model = (qwen if family == "qwen4_exp" else ink)[0]
+    passage = _passage(model.config.vocab_size, 40, seed=1)
+    ids = torch.cat([passage, passage[:8]])[None]
+    n = 20
+    force = LogitsProcessorList([ForceTokens(passage[8:], ids.shape[1])])
+    plain, (fixed, fixed_forwards, fixed_drafts), (adaptive, forwards, drafts) = _lookup_runs(
+        model, ids, n, monkeypatch, logits_processor=force)
+    assert torch.equal(plain[0, ids.shape[1]:], passage[8:8 + n])
+    assert torch.equal(fixed, plain) and torch.equal(adaptive, plain)
+    assert forwards == fixed_forwards == -(-n // (K + 1)) and drafts == fixed_drafts
+
+
+def test_prompt_lookup_batch_is_one_row(qwen):
+    """transformers 5.23 runs assisted generation (prompt lookup included) on one row only; a DraftBudget
+    per generate() call is that row's."""
+    model = qwen[0]
+    ids = torch.cat([_passage(96, 12, seed=2)] * 2)[None].repeat(2, 1)
+    with pytest.raises(ValueError, match="only supported for batch_size = 1"):
+        _greedy(model, ids, 4, prompt_lookup_num_tokens=K)
