@@ -1,8 +1,10 @@
-"""Multi-token prediction drafts (``generate(..., use_mtp=True)``) for `modeling.InklingForCausalLM`.
+"""Multi-token prediction drafts (``generate(..., use_mtp=True)``) for `modeling.InklingForCausalLM` and
+`modeling.InklingForConditionalGeneration`.
 
 transformers drafts with `MtpModel`: ``num_mtp_layers`` extra decoder layers whose weights sit in the
-checkpoint under ``model.mtp.*`` (InklingForCausalLM ignores them when it loads; `MtpModel.from_pretrained`
-reads them from ``config.name_or_path``). Each round they take the main model's last hidden states
+checkpoint under ``model.mtp.*``, in text and multimodal checkpoints alike (our classes ignore them when they
+load; `MtpModel.from_pretrained` reads them from ``config.name_or_path``), built from the text config
+(``get_mtp_config``). Each round they take the main model's last hidden states
 (``output_hidden_states=-1``, the final-normed state) and draft one token per MTP layer; the main model
 verifies them in one forward and crops what it rejected.
 
@@ -14,6 +16,8 @@ lives in the `QSAPagedCache`, which `generate()` builds with ``num_speculative_t
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 from transformers.cache_utils import MtpCache
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
@@ -22,12 +26,15 @@ from transformers.modeling_layers import MtpLayer, MtpModel
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.inkling.modeling_inkling import InklingDecoderLayer, InklingRMSNorm
 
+# Checkpoint keys of the MTP layers (upstream's Inkling classes ignore `model.mtp.*` when they load).
+MTP_WEIGHTS = re.compile(r"^(model\.)?mtp\.")
+
 
 class InklingMtpModel(MtpModel):
     """transformers' `MtpModel` whose layers are transformers' `InklingDecoderLayer` blocks."""
 
     def __init__(self, main_model, num_mtp_layers: int):
-        PreTrainedModel.__init__(self, main_model.config.get_mtp_config())
+        PreTrainedModel.__init__(self, main_model.language_model.config.get_mtp_config())
         self.loss_type = "ForCausalLM"
         self.num_mtp_layers = num_mtp_layers
         # Inkling configs carry `chain_hidden_post_norm`: no per-layer post norm, at most one shared by the chain.
@@ -42,6 +49,13 @@ class InklingMtpModel(MtpModel):
         self.has_per_layer_rope = False
         self.post_init()
 
+    @staticmethod
+    def get_mtp_weights_regex(main_model) -> re.Pattern:
+        # transformers reads as MTP weights every checkpoint key matching a pattern the main model ignores on load;
+        # ours ignore more than MTP layers (a multimodal checkpoint's tower keys for the text class, say), and
+        # Inkling checkpoints, multimodal ones included, keep the MTP layers under `model.mtp.`.
+        return MTP_WEIGHTS
+
     def get_weight_conversions(self, main_model):
         # transformers finds the checkpoint layout of MTP weights by class name ("MtpModel"), and skips classes
         # defined outside the library: name it explicitly.
@@ -52,13 +66,15 @@ class InklingMTPCandidateGenerator(MTPCandidateGenerator):
     """`MTPCandidateGenerator` drafting with `InklingMtpModel`; drafting itself is transformers' own."""
 
     def __init__(self, main_model, generation_config, model_kwargs, logits_processor=None):
-        self.num_mtp_layers = getattr(main_model.config.get_text_config(), "num_mtp_layers", None)
+        # The text model's config: the main model may be the multimodal class (a composite config).
+        text_config = main_model.language_model.config
+        self.num_mtp_layers = getattr(text_config, "num_mtp_layers", None)
         if self.num_mtp_layers is None:
             raise ValueError("use_mtp=True needs a config with `num_mtp_layers` (a checkpoint with MTP weights)")
         self.model_kwargs_overrides = {"output_hidden_states": -1}  # the main model's last hidden states
-        self.device = next(main_model.get_decoder().layers[-1].parameters()).device
+        self.device = next(main_model.language_model.layers[-1].parameters()).device
         self.mtp_model = InklingMtpModel.from_pretrained(main_model, device_map={"": self.device})
-        self.mtp_cache = MtpCache(config=main_model.config.get_mtp_config())
+        self.mtp_cache = MtpCache(config=text_config.get_mtp_config())
         self.mtp_cache.activate_past_recording()
         self.do_sample = generation_config.do_sample
         self.logits_processor = logits_processor

@@ -232,7 +232,7 @@ class InklingTextModel(InklingPagedPreTrainedModel):
 
     @can_return_tuple  # outermost: the decorators below reorder the output's fields
     @lands_whole
-    @runs_any_padding(per_token={"input_ids": -1, "inputs_embeds": 1},
+    @runs_any_padding(per_token={"input_ids": -1, "inputs_embeds": 1, "token_ids": -1},
                       outputs={"last_hidden_state": (1, 0), "hidden_states": (1, 0), "attentions": (2, 0, -1)})
     def forward(
         self,
@@ -244,8 +244,12 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
+        token_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> MoeModelOutputWithPast:
+        """``token_ids``: for a forward from ``inputs_embeds``, the ``[B, L]`` ids the embeddings stand for (the
+        multimodal model passes its placeholder ids), logged for `QSAPagedCache.check_continues` as ``input_ids``
+        would be. Without them such a step leaves the log incomplete and later calls go unchecked."""
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() != 2):
@@ -266,7 +270,8 @@ class InklingTextModel(InklingPagedPreTrainedModel):
 
         all_hidden = [] if output_hidden_states else None
         attentions = [] if output_attentions else None
-        with cache.step(B, L, attention_mask, inputs_embeds.device, input_ids) as meta:
+        logged = input_ids if input_ids is not None else token_ids
+        with cache.step(B, L, attention_mask, inputs_embeds.device, logged) as meta:
             hidden_states = self.run_layers(inputs_embeds, cache, meta, all_hidden, attentions)
         if output_hidden_states:  # as upstream: the last entry is the final-normed state (MTP drafts from it)
             all_hidden = tuple(all_hidden[:-1]) + (hidden_states,)
@@ -308,6 +313,11 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, P
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @property
+    def language_model(self) -> InklingTextModel:
+        """The text model on the cache (the multimodal class holds it beside its vision and audio towers)."""
+        return self.model
+
     @lands_whole
     def forward(
         self,
@@ -325,7 +335,7 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, P
         **kwargs,
     ) -> InklingCausalLMOutputWithPast:
         if output_attentions is None:
-            output_attentions = getattr(self.config, "output_attentions", False)
+            output_attentions = getattr(self.language_model.config, "output_attentions", False)
         graphs = decode_graphs_for(self, past_key_values, input_ids, inputs_embeds,
                                    extra_outputs=labels is not None or bool(output_hidden_states) or output_attentions)
         if graphs is not None:
@@ -333,10 +343,11 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, P
             out = InklingCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
             return out if return_dict is not False else out.to_tuple()
         outputs = self._run_model(
+            model=self.language_model,
             input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
             past_key_values=past_key_values, logits_to_keep=logits_to_keep,
             chunkable=labels is None and not output_hidden_states and not output_attentions,
-            per_token={"position_ids": position_ids},
+            per_token={"position_ids": position_ids, "token_ids": kwargs.pop("token_ids", None)},
             use_cache=use_cache, output_hidden_states=output_hidden_states, output_attentions=output_attentions,
         )
         logits = self._logits(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
@@ -350,8 +361,9 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, P
         return out if return_dict is not False else out.to_tuple()
 
     def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden_states / self.config.logits_mup_width_multiplier)
-        unpadded = self.config.unpadded_vocab_size
+        config = self.language_model.config
+        logits = self.lm_head(hidden_states / config.logits_mup_width_multiplier)
+        unpadded = config.unpadded_vocab_size
         if unpadded is not None and unpadded < logits.shape[-1]:
             logits = logits[..., :unpadded]
         return logits
@@ -369,7 +381,8 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, P
 
     def _decode_logits(self, input_ids, position_ids, meta, cache: QSAPagedCache) -> torch.Tensor:
         """Logits of a step whose metadata is built (what a captured decode graph runs)."""
-        return self._logits(self.model.run_layers(self.model.embed_tokens(input_ids), cache, meta))
+        text = self.language_model
+        return self._logits(text.run_layers(text.embed_tokens(input_ids), cache, meta))
 
 
 # Convert checkpoint layouts as transformers does for its own Inkling classes (if it has conversions).
