@@ -3,6 +3,7 @@
     python benchmarks/bench_speculative.py                                  # Qwen4Exp 8 layers, Inkling 6
     python benchmarks/bench_speculative.py --models qwen4_exp --layers 40 --draft-tokens 3
     python benchmarks/bench_speculative.py --device cpu --tiny --jsonl /tmp/spec.jsonl   # logic check (CI)
+    python benchmarks/bench_speculative.py --lookup fixed                   # transformers' fixed count only
 
 Random weights never repeat a passage on their own, so the generated text is chosen by a logits
 processor that leaves one token allowed per position (`ForceContinuation`); transformers applies
@@ -22,7 +23,11 @@ decode phase (tokens added after the first step / seconds from the first step to
 prefill is left out of both), and for prompt lookup the acceptance rate: drafts the model accepted
 / drafts prompt lookup proposed, summed over the rounds (a round that finds no draft proposes 0;
 transformers' own count of matches per round, the ``n_matches`` it passes to
-``update_candidate_strategy``). The drafter gets no logits processor: transformers would otherwise
+``update_candidate_strategy``). Prompt lookup runs with each schedule of ``--lookup``: ``adaptive``
+(what generate() does by default: `DraftBudget` shrinks the draft count after rejections, down to
+paused rounds that propose nothing, and grows it back to k) and ``fixed`` (transformers' k on every
+round that finds a match; ``model.adaptive_prompt_lookup = False``). Full runs measure both, tiny
+runs the adaptive one. The drafter gets no logits processor: transformers would otherwise
 use the forcing processor to veto wrong drafts, an oracle real prompt lookup does not have. The
 tokens with drafting must equal the plain tokens; for the forced continuations the script fails
 (exit status 1) if they do not, after writing the lines. Each ``generate()`` runs once to warm up
@@ -37,11 +42,14 @@ around the forward from an idle device (synchronized before), so host work is in
 
 One JSON line per measurement, appended to ``benchmarks/results/h200.jsonl`` on CUDA (``--jsonl``
 to choose; on the CPU only when given). Keys: model, layers, impl ("paged"), graphs, mode ("plain",
-"prompt_lookup", "decode_step", "verify_step"), continuation (generate lines), draft_tokens (k, or 0
-for plain decoding and the cache without headroom), batch (1), prompt_len, new_tokens (generated
-tokens; for step lines the tokens one step feeds), tokens_per_s or step_ms, acceptance_rate,
-proposed / accepted drafts, rounds (forwards after the prefill), speedup (prompt lookup tokens/s
-over plain), tokens_equal_plain, verify_over_decode, commit.
+"prompt_lookup", "decode_step", "verify_step"), lookup ("adaptive" or "fixed", prompt lookup lines),
+continuation (generate lines), draft_tokens (k, or 0 for plain decoding and the cache without
+headroom), batch (1), prompt_len, new_tokens (generated tokens; for step lines the tokens one step
+feeds), tokens_per_s or step_ms, acceptance_rate, proposed / accepted drafts (proposed: the draft
+tokens the forwards verified), rounds (forwards after the prefill), drafting_rounds /
+rounds_without_drafts (forwards, the prefill's included, that verified some / no drafts: a round
+paused by the adaptive schedule, or whose lookup found no match, verifies none), speedup (prompt
+lookup tokens/s over plain), tokens_equal_plain, verify_over_decode, commit.
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ from hf_qsa_cache.cuda_graphs import enabled_by_default as graphs_enabled  # noq
 
 DEFAULT_LAYERS = {"qwen4_exp": 8, "inkling": 6}
 CONTINUATIONS = ("copy", "skip", "free")
+LOOKUPS = ("adaptive", "fixed")  # prompt lookup's draft count: DraftBudget, or transformers' fixed k
 
 
 # ----------------------------------------------------------------------------- models
@@ -215,24 +224,30 @@ class DraftCount:
         self.accepted = sum(a for _, a in self.rounds)
 
 
-def generate(model, prompt, new_tokens, cache, processor, draft_tokens, cuda) -> dict:
-    """One greedy generate() on ``cache`` (reset first); decode-phase tokens/s, drafts when drafting."""
+def generate(model, prompt, new_tokens, cache, processor, draft_tokens, cuda, lookup="adaptive") -> dict:
+    """One greedy generate() on ``cache`` (reset first); decode-phase tokens/s, drafts when drafting
+    (``lookup``: the draft count's schedule, see LOOKUPS)."""
     cache.reset()
     clock = Clock(cuda)
     kwargs = dict(prompt_lookup_num_tokens=draft_tokens) if draft_tokens else {}
     count = DraftCount(model)
-    with count, torch.no_grad():
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
-                             max_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=0, eos_token_id=None,
-                             logits_processor=LogitsProcessorList([processor] if processor else []),
-                             stopping_criteria=StoppingCriteriaList([clock]), **kwargs)
+    model.adaptive_prompt_lookup = lookup == "adaptive"
+    try:
+        with count, torch.no_grad():
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+                                 max_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None,
+                                 logits_processor=LogitsProcessorList([processor] if processor else []),
+                                 stopping_criteria=StoppingCriteriaList([clock]), **kwargs)
+    finally:
+        del model.adaptive_prompt_lookup  # back to the class's default
     (t0, n0), (t1, n1) = clock.marks[0], clock.marks[-1]
     row = {"tokens_per_s": (n1 - n0) / (t1 - t0) if t1 > t0 else None, "rounds": len(clock.marks) - 1,
            "tokens": out[0, prompt.shape[1]:].cpu()}
     if draft_tokens:
         row.update(acceptance_rate=count.accepted / count.proposed if count.proposed else None,
-                   proposed=count.proposed, accepted=count.accepted,
+                   proposed=count.proposed, accepted=count.accepted, lookup=lookup,
+                   drafting_rounds=sum(1 for p, _ in count.rounds if p),
                    rounds_without_drafts=sum(1 for p, _ in count.rounds if p == 0))
     return row
 
@@ -305,20 +320,24 @@ def bench_model(name: str, args, sha: str) -> tuple[list[dict], list[str]]:
         stream = continuation(kind, text, args.repeat, new + k + 1)
         processor = ForceContinuation(stream.to(device), length) if stream is not None else None
         measured = {}
-        for mode, cache, drafts in (("plain", plain_cache, 0), ("prompt_lookup", draft_cache, k)):
-            generate(model, prompt, new, cache, processor, drafts, cuda)  # warm-up
-            measured[mode] = generate(model, prompt, new, cache, processor, drafts, cuda)
-        plain, lookup = measured["plain"], measured["prompt_lookup"]
+        runs = [("plain", None, plain_cache, 0)] + [("prompt_lookup", s, draft_cache, k) for s in args.lookup]
+        for mode, schedule, cache, drafts in runs:
+            generate(model, prompt, new, cache, processor, drafts, cuda, schedule or "adaptive")  # warm-up
+            measured[mode, schedule] = generate(model, prompt, new, cache, processor, drafts, cuda,
+                                                schedule or "adaptive")
+        plain = measured["plain", None]
         if stream is not None and not torch.equal(plain["tokens"], stream[:new]):
             failures.append(f"{name} {kind}: plain generate() did not produce the forced tokens")
-        agree = int((plain["tokens"] == lookup["tokens"]).int().cumprod(0).sum())
-        lookup["tokens_equal_plain"] = agree == new
-        lookup["greedy_tokens_agreeing"] = agree
-        if stream is not None and agree != new:
-            failures.append(f"{name} {kind}: prompt lookup tokens differ from plain from token {agree}")
-        if plain["tokens_per_s"] and lookup["tokens_per_s"]:
-            lookup["speedup"] = lookup["tokens_per_s"] / plain["tokens_per_s"]
-        for mode, row in measured.items():
+        for schedule in args.lookup:
+            lookup = measured["prompt_lookup", schedule]
+            agree = int((plain["tokens"] == lookup["tokens"]).int().cumprod(0).sum())
+            lookup["tokens_equal_plain"] = agree == new
+            lookup["greedy_tokens_agreeing"] = agree
+            if stream is not None and agree != new:
+                failures.append(f"{name} {kind}: prompt lookup ({schedule}) tokens differ from plain from token {agree}")
+            if plain["tokens_per_s"] and lookup["tokens_per_s"]:
+                lookup["speedup"] = lookup["tokens_per_s"] / plain["tokens_per_s"]
+        for (mode, _), row in measured.items():
             row.pop("tokens")
             rows.append({**common, "mode": mode, "continuation": kind, "draft_tokens": k if mode != "plain" else 0,
                          "new_tokens": new, **row})
@@ -337,12 +356,14 @@ def summary(rows: list[dict], k: int) -> list[str]:
              f"{first['new_tokens']} new, k = {k}, graphs {'on' if first['graphs'] else 'off'}:"]
     for kind in CONTINUATIONS:
         plain = next(r for r in rows if r["mode"] == "plain" and r["continuation"] == kind)
-        look = next(r for r in rows if r["mode"] == "prompt_lookup" and r["continuation"] == kind)
-        rate = "n/a (no drafts)" if look["acceptance_rate"] is None else f"{look['acceptance_rate']:.2f}"
-        speed = f"{look['speedup']:.2f}x" if look.get("speedup") else "n/a"
-        lines.append(f"  {kind}: plain {plain['tokens_per_s']:.1f} tok/s, prompt lookup {look['tokens_per_s']:.1f} "
-                     f"tok/s ({speed}), acceptance {rate} ({look['accepted']}/{look['proposed']}), "
-                     f"{look['rounds']} rounds, tokens equal plain: {'yes' if look['tokens_equal_plain'] else 'NO'}")
+        lines.append(f"  {kind}: plain {plain['tokens_per_s']:.1f} tok/s")
+        for look in (r for r in rows if r["mode"] == "prompt_lookup" and r["continuation"] == kind):
+            rate = "n/a (no drafts)" if look["acceptance_rate"] is None else f"{look['acceptance_rate']:.2f}"
+            speed = f"{look['speedup']:.2f}x" if look.get("speedup") else "n/a"
+            lines.append(f"    prompt lookup, {look['lookup']}: {look['tokens_per_s']:.1f} tok/s ({speed}), "
+                         f"acceptance {rate} ({look['accepted']}/{look['proposed']} drafts), {look['rounds'] + 1} "
+                         f"forwards ({look['drafting_rounds']} with drafts), tokens equal plain: "
+                         f"{'yes' if look['tokens_equal_plain'] else 'NO'}")
     steps = [r for r in rows if r["mode"] in ("decode_step", "verify_step")]
     bare, decode, verify = steps
     lines.append(f"  steps: decode {decode['step_ms']:.3f} ms (no headroom {bare['step_ms']:.3f} ms), verify of "
@@ -365,8 +386,11 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the test suite's tiny configs (fp32)")
     parser.add_argument("--jsonl", default=None, help="append lines here (default: results/h200.jsonl on CUDA)")
+    parser.add_argument("--lookup", nargs="+", choices=LOOKUPS, default=None,
+                        help="prompt lookup draft-count schedules to measure (adaptive fixed; tiny: adaptive)")
     args = parser.parse_args(argv)
-    defaults = dict(passage=(40, 512), repeat=(8, 64), new_tokens=(12, 128), steps=(3, 20), warmup=(1, 5))
+    defaults = dict(passage=(40, 512), repeat=(8, 64), new_tokens=(12, 128), steps=(3, 20), warmup=(1, 5),
+                    lookup=(["adaptive"], list(LOOKUPS)))
     for key, (tiny, full) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, tiny if args.tiny else full)
