@@ -18,14 +18,21 @@ capacity (`QSAPagedCache.graph_step_metadata`), so one graph serves a whole gene
 
 A bucket's first step runs eagerly (which also compiles and tunes kernels) on exactly the path the
 graph records, then the graph is captured; later steps replay it. If a capture fails (a module that
-syncs with the host, say), that bucket runs eagerly from then on, with one warning. Graphs belong
-to one (cache, model) pair and stay valid across `QSAPagedCache.reset()`.
+syncs with the host, say), that bucket runs eagerly from then on, with one warning, and the failure
+is remembered on the model (`capture_failures`): every later cache (each generate() call builds
+one) runs steps of that shape eagerly at once instead of paying the failed capture again. Graphs
+belong to one (cache, model) pair and stay valid across `QSAPagedCache.reset()`.
+
+Mixture-of-experts layers run transformers' experts implementation; its default, ``grouped_mm``,
+captures only where torch has a device kernel for it (bf16 on compute capability 9.x/10.x). Elsewhere
+(fp32 or fp16 weights, other GPUs) graph steps run ``batched_mm`` instead (`graph_experts`).
 
 Off with ``HF_QSA_CUDA_GRAPHS=0`` in the environment or ``model.use_cuda_graphs = False``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 import warnings
@@ -40,6 +47,9 @@ from .cache import QSAPagedCache
 
 # Longest verify step that gets graphs (one per length and bucket); longer ones run eagerly.
 MAX_STEP_LEN = 8
+# Most bytes of expert weights a graph step may gather for ``batched_mm`` (`graph_experts`); a bigger
+# step keeps the model's own experts implementation (and runs eagerly if that cannot be captured).
+BATCHED_EXPERTS_MAX_BYTES = 1 << 30
 
 
 def enabled_by_default() -> bool:
@@ -54,7 +64,9 @@ class _Bucket:
     table_ptrs: dict[str, int]  # device-table addresses the step reads
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # [bucket, L, vocab], written by each replay
-    eager: bool = False  # capture failed: run the static-buffer step eagerly
+    eager: bool = False  # capture failed (here or on an earlier cache): run the static-buffer step eagerly
+    experts: str | None = None  # experts implementation the step runs instead of the model's own
+    key: tuple = ()  # what decides whether the step captures (`capture_key`)
 
 
 class DecodeGraphs:
@@ -75,6 +87,7 @@ class DecodeGraphs:
         self.model_state = model_fingerprint(model)  # what the recorded graphs read (checked at replay)
         self.probe = _probe(model)  # the cheap part of that check, done every step
         self.steps_seen = -1  # cache.steps_started when this runner last opened a step
+        self.experts = experts_modules(model)  # refreshed with model_state
 
     @property
     def model(self):
@@ -137,16 +150,20 @@ class DecodeGraphs:
         state = model_fingerprint(model)
         if probe != self.probe or state != self.model_state:
             self.buckets.clear()
+            self.experts = experts_modules(model)
         self.probe, self.model_state = probe, state
 
     # ------------------------------------------------------------------ internals
     def _new_bucket(self, size: int, length: int, ptrs: dict[str, int]) -> _Bucket:
-        uses_positions = getattr(self.model, "_decode_uses_position_ids", False)
+        model = self.model
+        uses_positions = getattr(model, "_decode_uses_position_ids", False)
+        experts = graph_experts(model, self.experts, self.device, size * length)
+        key = capture_key(model, self.experts, self.device, experts, size, length)
         return _Bucket(
             ids=torch.zeros(size, length, dtype=torch.int64, device=self.device),
             lengths=torch.zeros(2, size, dtype=torch.int32, device=self.device),
             positions=torch.zeros(3, size, length, dtype=torch.int64, device=self.device) if uses_positions else None,
-            table_ptrs=ptrs,
+            table_ptrs=ptrs, experts=experts, key=key, eager=key in capture_failures(model),
         )
 
     def _fill(self, entry: _Bucket, prev: list[int], counts: list[int], input_ids, position_ids) -> None:
@@ -174,34 +191,143 @@ class DecodeGraphs:
         return self._body(entry)
 
     def _body(self, entry: _Bucket, tables: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """The step proper: metadata from the static buffers, then every layer."""
+        """The step proper: metadata from the static buffers, then every layer (experts as `graph_experts`
+        chose for this bucket)."""
         meta = self.cache.graph_step_metadata(entry.lengths, entry.ids.shape[1], tables)
         self.cache.log_tokens(meta, entry.ids)
-        return self.model._decode_logits(entry.ids, entry.positions, meta, self.cache)
+        with experts_running(self.experts, entry.experts):
+            return self.model._decode_logits(entry.ids, entry.positions, meta, self.cache)
 
     def _run_and_capture(self, entry: _Bucket) -> torch.Tensor:
-        # This step itself, eagerly and on the path the graph records (on a side stream, where capture
-        # wants its kernels' first use). Its state writes are the step's.
+        logits = self._warm_up(entry)
+        try:
+            entry.graph, entry.logits = self._capture(entry)
+        except Exception as error:  # this step already ran above; the bucket stays eager
+            entry.eager, entry.graph, entry.logits = True, None, None
+            remember_capture_failure(self.model, entry.key, error)
+        return logits
+
+    def _warm_up(self, entry: _Bucket) -> torch.Tensor:
+        """This step itself, eagerly and on the path the graph records (on a side stream, where capture
+        wants its kernels' first use). Its state writes are the step's."""
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
             logits = self._eager(entry).clone()
         current.wait_stream(side)
-        # Capture records launches without running them: the state is not written twice.
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                entry.logits = self._recorded(entry)
-        except Exception as error:  # this step already ran above; the bucket stays eager
-            entry.eager, entry.logits = True, None
-            where = "; ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
-                              for f in traceback.extract_tb(error.__traceback__)[-4:])
-            warnings.warn(f"CUDA graph capture failed, decode runs eagerly for this batch size: {error} "
-                          f"(at {where})", stacklevel=4)
-            return logits
-        entry.graph = graph
         return logits
+
+    def _capture(self, entry: _Bucket) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """(graph, the logits buffer each replay writes). Capture records launches without running them:
+        the state is not written twice."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._recorded(entry)
+        return graph, logits
+
+
+# ----------------------------------------------------------------------------- failed captures
+def capture_key(model, experts: list, device: torch.device, substitute: str | None, size: int, length: int) -> tuple:
+    """What decides whether a step of ``size`` rows x ``length`` tokens captures: the device, the weights'
+    dtype, the experts implementation the step runs, and the step's shape.
+
+    dtype and experts implementation pick the kernels (fp32 ``grouped_mm`` copies to the host, bf16 on
+    Hopper does not), and both can change on a live model (``model.to``, `set_experts_implementation`),
+    which gives capture another try. The shape is part of it because kernels are chosen by shape too
+    (a verify step runs other attention paths than a decode step): one shape failing must not cost
+    the graphs of shapes that capture. Each failing shape is paid once per model and process.
+    """
+    implementation = substitute or (experts[0][1]._experts_implementation if experts else None)
+    return (str(device), model.dtype, implementation, size, length)
+
+
+def capture_failures(model) -> dict[tuple, str]:
+    """The steps that failed to capture on this model (`capture_key` -> the error), for every cache."""
+    return model.__dict__.setdefault("_graph_capture_failures", {})
+
+
+def remember_capture_failure(model, key: tuple, error: BaseException) -> None:
+    """Record a failed capture; warn at the model's first failure of this dtype and experts implementation
+    (other shapes failing the same way are recorded quietly)."""
+    failures = capture_failures(model)
+    first = not any(k[:3] == key[:3] for k in failures)
+    failures[key] = f"{type(error).__name__}: {error}"
+    if first:
+        where = "; ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                          for f in traceback.extract_tb(error.__traceback__)[-4:])
+        warnings.warn(
+            f"CUDA graph capture failed ({key[1]}, experts {key[2]}, {key[3]} rows x {key[4]} tokens): {error} "
+            f"(at {where}). Such steps of this model run eagerly from now on, on every cache, without "
+            "trying to capture again", stacklevel=5)
+
+
+# ----------------------------------------------------------------------------- experts in graph steps
+def experts_modules(model) -> list[tuple[torch.nn.Module, object]]:
+    """(experts module, the config whose ``_experts_implementation`` it reads) for each module built by
+    transformers' ``use_experts_implementation`` (its experts implementations apply)."""
+    return [(m, m.config) for m in model.modules()
+            if hasattr(m, "_is_expert_parallel") and hasattr(m, "is_concatenated") and hasattr(m, "config")]
+
+
+def grouped_mm_captures(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether transformers' ``grouped_mm`` experts can be captured in a CUDA graph.
+
+    They call torch's ``grouped_mm`` with per-expert offsets computed on the device. On CUDA, torch runs
+    its CUTLASS kernel only when inputs and output are bf16 on compute capability 9.x or 10.x
+    (``_grouped_mm_cuda``); anything else takes ``_grouped_mm_fallback``, which copies the offsets to
+    the host (``offs.cpu()``) and runs one matmul per expert. Inside a capture that copy raises
+    ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is
+    pinned"), and a graph could not hold it anyway: the group sizes (the routing) would be frozen at
+    the captured step's. Off CUDA nothing is captured (False).
+    """
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+def graph_experts(model, experts: list, device: torch.device, tokens: int) -> str | None:
+    """The experts implementation a graph step of ``tokens`` tokens runs instead of the model's own, or
+    None to run the model's own.
+
+    ``batched_mm`` replaces ``grouped_mm`` where the latter cannot be captured (`grouped_mm_captures`):
+    it gathers each token's ``top_k`` expert matrices and runs batched matmuls, with fixed shapes and no
+    host copy, so it captures. The gather holds ``tokens * top_k`` expert matrices of one layer at a
+    time; a step needing more than `BATCHED_EXPERTS_MAX_BYTES` keeps ``grouped_mm`` (its capture then
+    fails once, `capture_failures`, and the step runs eagerly). The same choice applies to the step's
+    eager runs (the first one, and every one of a bucket that did not capture), so a graph and its
+    eager run compute alike. Other implementations chosen by the user (``eager``, ...) are kept.
+    """
+    if not experts or any(config._experts_implementation != "grouped_mm" for _, config in experts):
+        return None
+    module = experts[0][0]
+    weights = [w for w in (getattr(module, n, None) for n in ("gate_up_proj", "up_proj", "down_proj"))
+               if isinstance(w, torch.Tensor)]
+    if not weights or grouped_mm_captures(weights[0].dtype, device):
+        return None
+    top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None) or len(weights[0])
+    per_pair = max(w[0].numel() for w in weights) * weights[0].element_size()
+    if tokens * top_k * per_pair > BATCHED_EXPERTS_MAX_BYTES:
+        return None
+    return "batched_mm"
+
+
+@contextlib.contextmanager
+def experts_running(experts: list, implementation: str | None):
+    """Run the experts with ``implementation`` (None: unchanged) inside the block, then restore each
+    config's own (on the internal attribute, as transformers' `set_experts_implementation` does)."""
+    if implementation is None:
+        yield
+        return
+    configs = list({id(config): config for _, config in experts}.values())
+    saved = [config._experts_implementation_internal for config in configs]
+    for config in configs:
+        config._experts_implementation_internal = implementation
+    try:
+        yield
+    finally:
+        for config, value in zip(configs, saved):
+            config._experts_implementation_internal = value
 
 
 def decode_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: bool) -> DecodeGraphs | None:
