@@ -5,6 +5,8 @@ lookup (`DraftBudget`). The rollback itself is in `hf_qsa_cache.rollback`.
 
 from __future__ import annotations
 
+import torch
+
 # transformers' default `num_assistant_tokens` (GenerationConfig defaults) when the assistant sets none.
 DEFAULT_NUM_ASSISTANT_TOKENS = 20
 HEURISTIC_SCHEDULES = ("heuristic", "heuristic_transient")
@@ -142,7 +144,8 @@ class DraftBudget:
 def adapt_prompt_lookup(generator, budget: DraftBudget) -> None:
     """Let ``budget`` decide how many drafts transformers' `PromptLookupCandidateGenerator` proposes each
     round (its ``num_output_tokens``, fixed in transformers), and learn from each round's outcome (its
-    ``update_candidate_strategy`` does nothing in transformers).
+    ``update_candidate_strategy`` does nothing in transformers): the drafts the verify step carried
+    (read off the logits transformers passes) and how many of them the model accepted.
 
     A round the budget gives no drafts returns the input unchanged without looking the prompt up, as
     transformers does when the lookup finds no match: the verify step is a plain one-token step. The
@@ -164,7 +167,10 @@ def adapt_prompt_lookup(generator, budget: DraftBudget) -> None:
 
     def observed_strategy(input_ids, scores, num_matches):
         update_candidate_strategy(input_ids, scores, num_matches)
-        budget.observe(proposed[0], int(num_matches))
+        # transformers passes the verify step's logits, one position per draft plus one: the drafts the
+        # forward verified, also when a wrapper around this one cut what the lookup proposed.
+        verified = scores.shape[1] - 1 if isinstance(scores, torch.Tensor) and scores.dim() == 3 else proposed[0]
+        budget.observe(verified, int(num_matches))
 
     generator.get_candidates = budgeted_candidates
     generator.update_candidate_strategy = observed_strategy

@@ -459,6 +459,11 @@ def test_adapt_prompt_lookup_sets_the_count_and_skips_the_lookup_when_paused(mon
     assert round_(1) == [7]
     assert round_(1) == [7, 8, 9]  # fully accepted: +2
     assert lookups == [3, 1, 3] and generator.draft_budget.pause == 1
+    # What counts is what the forward verified (transformers' logits: one position per draft, plus one),
+    # also when a wrapper around this one cut the drafts: 1 verified and accepted is a fully accepted round.
+    generator.get_candidates(ids)
+    generator.update_candidate_strategy(ids, torch.zeros(1, 2, 16), 1)
+    assert generator.draft_budget.propose() == 3
 
 
 class ForceTokens(LogitsProcessor):
