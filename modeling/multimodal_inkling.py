@@ -10,7 +10,9 @@ only, as upstream does). That forward embeds the whole prompt once and runs the 
 embeddings, so a prompt longer than the prefill chunk is prefilled in chunks that may cut through an image or
 an audio clip; the placeholder ids are logged with the embeddings, so a later generate() continuing the cache is
 still checked against what it holds. Every other step is the text class's own (CUDA-graph decode, speculative
-decoding, continuous batching of text requests).
+decoding). Continuous batching takes each request's media with the request (``add_request(ids, pixel_values=...,
+audio_input_ids=..., audio_input_ids_mask=...)``), encodes them once, and runs the steps holding its prompt
+tokens from those embeddings.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ class InklingModel(InklingPagedPreTrainedModel):
 class InklingForConditionalGeneration(InklingForCausalLM):
     """Images, audio and text in, text out, on `QSAPagedCache` (``generate(past_key_values=QSAPagedCache(...))``
     or a cache generate() builds). Everything the text class runs (chunked prefill, CUDA-graph decode, prompt
-    lookup, assistant models and MTP drafts, continuous batching of text requests) runs here; media go into
-    the forward holding their placeholder tokens."""
+    lookup, assistant models and MTP drafts, continuous batching) runs here; media go into the forward holding
+    their placeholder tokens."""
 
     config_class = InklingConfig
     config: InklingConfig
@@ -150,6 +152,35 @@ class InklingForConditionalGeneration(InklingForCausalLM):
         if image_features is not None:
             out["image_hidden_states"] = image_features
         return out if return_dict is not False else out.to_tuple()
+
+    # Continuous batching: a request's media (`add_request(ids, pixel_values=..., audio_input_ids=..., ...)`) are
+    # encoded once, and steps holding its prompt tokens run from those embeddings.
+    media_inputs = ("pixel_values", "audio_input_ids", "audio_input_ids_mask", "mm_encoder_outputs")
+
+    @torch.no_grad()
+    def encode_prompt(self, input_ids: torch.Tensor, media: dict) -> dict:
+        """One prompt ``[1, n]`` with its media: its embeddings ``[n, hidden]``."""
+        embeds, _ = self.model.embed(input_ids, None, media.get("pixel_values"), media.get("audio_input_ids"),
+                                     media.get("audio_input_ids_mask"), media.get("mm_encoder_outputs"))
+        return {"embeds": embeds[0]}
+
+    def prompt_step_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                           rows: list[tuple[dict | None, int]], cache) -> dict:
+        """Forward inputs of a step ``[B, L]`` (left-padded) whose row ``b`` holds ``rows[b][1]`` tokens and has
+        the prompt encoding ``rows[b][0]`` (None: a text prompt): embeddings, and the ids they stand for."""
+        B, L = input_ids.shape
+        embeds = self.language_model.embed_tokens(input_ids)
+        counts = [L] * B if attention_mask is None else attention_mask[:, -L:].sum(dim=1).tolist()
+        for b, (encoded, held) in enumerate(rows):
+            if encoded is None:
+                continue
+            cols = slice(L - counts[b], L)
+            logical = held + torch.arange(counts[b], device=input_ids.device)
+            prompt = logical < encoded["embeds"].shape[0]
+            row_embeds = embeds[b, cols].clone()
+            row_embeds[prompt] = encoded["embeds"][logical[prompt]].to(embeds.dtype)
+            embeds[b, cols] = row_embeds
+        return {"inputs_embeds": embeds, "token_ids": input_ids}
 
     def _get_candidate_generator(self, generation_config, **kwargs):
         generator = super()._get_candidate_generator(generation_config=generation_config, **kwargs)

@@ -13,6 +13,8 @@ with its own media (upstream's log scaling counts pad positions, so its padded b
 model is small but every mechanism acts: sliding windows evict (window 6), the relative extent (12) and log
 scaling are active, both layer kinds and both MLP kinds appear, logits are divided by the muP multiplier and
 cut to the unpadded vocabulary (the placeholder ids lie past it, so the model never generates them).
+The same holds with chunked prefill cutting through images, prompt lookup and MTP drafts, and continuous
+batching of requests that carry their own media.
 """
 
 from __future__ import annotations
@@ -399,3 +401,30 @@ def test_right_padded_media_step_logs_each_rows_ids(models, batch):
     assert cache.token_log.complete
     for i, row in enumerate(batch.rows):
         assert cache.token_log.ids[i, :len(row)].tolist() == row, f"row {i}"
+
+
+def test_continuous_batching_with_media(models, batch):
+    """Requests carry their own media (`add_request(..., pixel_values=..., audio_input_ids=...)`); a tiny pool
+    forces preemption and a 5-token budget cuts prefill chunks inside images and clips; every request equals
+    upstream on its prompt alone."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    upstream, ours = models
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=19, max_batch_tokens=5, max_requests_per_batch=3)
+    manager = ours.init_continuous_batching(GenerationConfig(max_new_tokens=N, do_sample=False, eos_token_id=None,
+                                                             pad_token_id=0), config)
+    manager.start()
+    try:
+        for i, row in enumerate(batch.rows):
+            manager.add_request(row, request_id=f"r{i}", **batch.media(i))
+        results = {}
+        while len(results) < len(batch.rows):
+            result = manager.get_result(timeout=60)
+            assert result is not None
+            results[result.request_id] = result
+    finally:
+        manager.stop(block=True)
+    assert manager.stats["preemptions"] > 0
+    for i in range(len(batch.rows)):
+        assert results[f"r{i}"].error is None, results[f"r{i}"].error
+        assert results[f"r{i}"].generated_tokens == upstream_row(upstream, batch, i)[0].tolist(), f"request {i}"
