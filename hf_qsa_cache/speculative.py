@@ -98,9 +98,9 @@ class DraftBudget:
     * a round that proposed nothing (paused, or the lookup found no match) changes nothing.
 
     The budget starts at ``limit``: while drafts keep being accepted it stays there, as transformers' fixed
-    ``num_output_tokens``. When every draft is rejected, over ``n`` rounds only about ``log2(n)`` of them
-    verify a draft (one token each after the first). Greedy tokens never depend on it: drafting only
-    decides how many tokens one forward verifies.
+    ``num_output_tokens``. When every draft is rejected, only about ``log2(n)`` of ``n`` rounds verify a
+    draft (one token each after the first), and past the longest pause one round in ``max_pause + 1``.
+    Greedy tokens never depend on it: drafting only decides how many tokens one forward verifies.
 
     Call `propose` once at the start of every round and `observe` once at its end.
     """
