@@ -23,6 +23,7 @@ from transformers.models.inkling import modeling_inkling as upstream
 from transformers.models.inkling.configuration_inkling import InklingConfig
 
 from hf_qsa_cache.generation import check_token_ids, lands_whole
+from hf_qsa_cache.speculative import drafts_without_placeholders
 
 from .checkpoints import use_upstream_conversions
 from .modeling_inkling import InklingForCausalLM, InklingPagedPreTrainedModel, InklingTextModel
@@ -200,33 +201,6 @@ class InklingForConditionalGeneration(InklingForCausalLM):
             model_inputs["audio_input_ids"] = audio_input_ids
             model_inputs["audio_input_ids_mask"] = audio_input_ids_mask
         return model_inputs
-
-
-def drafts_without_placeholders(generator, placeholder_ids: tuple[int, ...]) -> None:
-    """Cut the first round's drafts before their first media placeholder id.
-
-    The first round's drafts are verified in the forward that carries the media (prompt lookup copies them from
-    the prompt, an assistant model may draft any id), where a placeholder among them would have no features:
-    upstream fails there ("Multimodal features and placeholder tokens do not match"). Later rounds carry no
-    media and embed a drafted placeholder id as a token, as upstream does. Drafts only decide how many tokens
-    one step verifies, never which tokens come out."""
-    get_candidates = generator.get_candidates
-    first = [True]
-
-    def without_placeholders(input_ids, *args, **kwargs):
-        candidates, logits = get_candidates(input_ids, *args, **kwargs)
-        if not first[0]:
-            return candidates, logits
-        first[0] = False
-        start = input_ids.shape[1]
-        hit = torch.isin(candidates[:, start:], torch.tensor(placeholder_ids, device=candidates.device)).any(dim=0)
-        if bool(hit.any()):
-            keep = int(hit.int().argmax())
-            candidates = candidates[:, : start + keep]
-            logits = None if logits is None else logits[:, :keep]
-        return candidates, logits
-
-    generator.get_candidates = without_placeholders
 
 
 # Checkpoints of the composite model type are converted as transformers converts them for its own class.

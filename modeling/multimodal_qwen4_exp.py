@@ -28,6 +28,7 @@ from transformers.utils import can_return_tuple
 
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.generation import lands_whole
+from hf_qsa_cache.speculative import drafts_without_placeholders
 
 from .checkpoints import use_upstream_conversions
 from .modeling_qwen4_exp import Qwen4ExpForCausalLM, Qwen4ExpPreTrainedModel, Qwen4ExpTextModel, step_position_ids
@@ -223,6 +224,11 @@ class Qwen4ExpForConditionalGeneration(Qwen4ExpForCausalLM):
             positions[:, b, cols] = row
         return {"inputs_embeds": embeds, "position_ids": positions, "ple_input_ids": input_ids,
                 "rope_deltas": deltas}
+
+    def _get_candidate_generator(self, generation_config, **kwargs):
+        generator = super()._get_candidate_generator(generation_config=generation_config, **kwargs)
+        drafts_without_placeholders(generator, (self.config.image_token_id, self.config.video_token_id))
+        return generator
 
     def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
         # generate() keeps [4, B, T] positions (a text row, then T/H/W) and extends each by one per step, so

@@ -75,7 +75,8 @@ def test_forced_continuations_set_the_acceptance(run, model):
     # Accepted drafts mean fewer forwards than tokens: 12 tokens in far fewer than 11 rounds.
     assert copy["rounds"] < _row(rows, model, "plain", "copy")["rounds"] / 2
     skip = _row(rows, model, "prompt_lookup", "skip")
-    assert skip["acceptance_rate"] == 0 and skip["proposed"] >= K * (skip["rounds"] - 1)
+    # Every draft rejected: the first round proposes K, then the adaptive budget backs off (DraftBudget).
+    assert skip["acceptance_rate"] == 0 and K <= skip["proposed"] < K * (skip["rounds"] - 1) / 2
     for kind in ("copy", "skip", "free"):  # fp32 on the CPU: even the model's own tokens agree
         row = _row(rows, model, "prompt_lookup", kind)
         assert row["tokens_equal_plain"] and row["greedy_tokens_agreeing"] == 12
