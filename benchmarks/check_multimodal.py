@@ -62,12 +62,23 @@ def main():
     ours = Qwen4ExpForConditionalGeneration(q.mm_config()).eval()
     ours.load_state_dict(ref.state_dict())
     results.append(check("qwen4_exp", ref, ours, q.ROWS, q.batch))
-    try:
-        import test_multimodal_inkling as k
-    except ImportError:
-        k = None
-    if k is not None and hasattr(k, "check_on_device"):
-        results.append(k.check_on_device(check))
+    import test_multimodal_inkling as k
+
+    from modeling import InklingForConditionalGeneration
+
+    ref = k.UpstreamInkling(k.make_config()).eval()
+    k.randomize_(ref, 0)
+    ours = InklingForConditionalGeneration(k.make_config()).eval()
+    ours.load_state_dict(ref.state_dict())
+    data = k.Batch()
+
+    def inkling_batch(rows):
+        if len(rows) == 1:
+            ids = data.row(rows[0])
+            return dict(input_ids=ids, attention_mask=torch.ones_like(ids), **data.media(rows[0]))
+        return dict(input_ids=data.ids, attention_mask=data.mask, **data.media())
+
+    results.append(check("inkling", ref, ours, list(range(len(data.rows))), inkling_batch))
     print("ALL MULTIMODAL CHECKS PASSED" if all(results) else "MULTIMODAL CHECKS FAILED")
     sys.exit(0 if all(results) else 1)
 
