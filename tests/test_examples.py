@@ -67,3 +67,13 @@ def test_tensor_parallel_example_on_two_cpu_processes():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "tokens identical to a one-process run: True" in proc.stdout, proc.stdout
     assert "experts' gate/up weights on this rank: (" in proc.stdout, proc.stdout
+
+
+def test_multimodal_example_runs_and_rows_equal_alone():
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "generate_multimodal.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("qwen4_exp", "inkling"):
+        assert f"{name}: rows equal generate() on each row alone: True" in proc.stdout, proc.stdout
