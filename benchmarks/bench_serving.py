@@ -97,6 +97,9 @@ def continuous(manager, prompts, outputs, gaps, prefix="r") -> dict:
             "latency_p50_s": pct(latency, 0.5), "latency_p99_s": pct(latency, 0.99),
             "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,  # beyond the cache, allocated at warm-up
             "cache_gib": sum(manager.cache.memory_stats()["bytes"].values()) / 2**30, "failed": len(failed),
+            # decode steps recorded as CUDA graphs (one per batch bucket), i.e. replayed by the loop
+            "graph_buckets": sum(b.graph is not None for r in manager.cache.graph_runners.values()
+                                 for b in r.buckets.values()),
             "first_error": failed[0] if failed else None, **stats}
 
 
