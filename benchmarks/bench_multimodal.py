@@ -3,10 +3,11 @@ weights, bf16, one GPU.
 
     python benchmarks/bench_multimodal.py --model qwen4_exp --layers 8 --batch 1 --images 4 --grid 48
     python benchmarks/bench_multimodal.py --model qwen4_exp --layers 40 --batch 4 --images 2 --grid 64
+    python benchmarks/bench_multimodal.py --model inkling --layers 6 --batch 1 --images 4 --grid 24
 
-Each row's prompt is text around ``--images`` images of ``--grid x --grid`` patches (the vision tower merges
-2 x 2 patches into one token, so an image is ``grid**2 / 4`` placeholder tokens). The vision tower is
-transformers' own, at the released Qwen4Exp vision config. Reported per implementation (JSON lines appended to
+Each row's prompt is text around ``--images`` images of ``--grid x --grid`` patches (Qwen4Exp's vision tower
+merges 2 x 2 patches into one token, so an image is ``grid**2 / 4`` placeholder tokens; Inkling has one token
+per patch). The towers are transformers' own (Qwen4Exp: the released vision config; Inkling: its patch size). Reported per implementation (JSON lines appended to
 ``benchmarks/results/h200.jsonl``, key ``bench: "multimodal"``): time to the first token (vision tower and
 prefill), decode ms/step (median), peak memory, and how long the greedy paths agree with upstream's (bf16
 rounding differs between two correct implementations).
@@ -22,7 +23,7 @@ import time
 
 import torch
 import transformers
-from bench_generate import RESULTS, StepTimer, commit, qwen4_exp_config
+from bench_generate import RESULTS, StepTimer, commit, inkling_config, qwen4_exp_config
 from transformers import StoppingCriteriaList
 
 from hf_qsa_cache import QSAPagedCache
@@ -40,7 +41,35 @@ def qwen4_exp_mm_config(layers: int):
                           video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
 
 
+def inkling_mm_config(layers: int):
+    from transformers import InklingConfig
+
+    # The released patch size (40) with a 4-layer patch MLP (44M parameters: the config's default depth would
+    # plan projections far wider than any released tower).
+    text = inkling_config(layers)
+    return InklingConfig(text_config=text.to_dict(), vision_config=dict(patch_size=40, num_hidden_layers=4),
+                         image_token_id=IMAGE, audio_token_id=VIDEO, image_bos_token_id=START,
+                         audio_bos_token_id=END)
+
+
+def inkling_prompt_batch(config, batch: int, images: int, grid: int, text: int, gen: torch.Generator) -> dict:
+    p, t = config.vision_config.patch_size, config.vision_config.temporal_patch_size
+    rows, pixels = [], []
+    for _ in range(batch):
+        ids = []
+        for _ in range(images):
+            ids += torch.randint(4, 30000, (text,), generator=gen).tolist()
+            ids += [START] + [IMAGE] * (grid * grid)
+            pixels.append(torch.randn(grid * grid, t, p, p, 3, generator=gen))
+        ids += torch.randint(4, 30000, (text,), generator=gen).tolist()
+        rows.append(ids)
+    ids = torch.tensor(rows)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=torch.cat(pixels))
+
+
 def prompt_batch(config, batch: int, images: int, grid: int, text: int, gen: torch.Generator) -> dict:
+    if not hasattr(config, "vision_config") or not hasattr(config.vision_config, "spatial_merge_size"):
+        return inkling_prompt_batch(config, batch, images, grid, text, gen)
     vision = config.vision_config
     features = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
     rows, pixels, grids = [], [], []
@@ -75,7 +104,7 @@ def run(model, inputs: dict, new_tokens: int, cache=None) -> dict:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=["qwen4_exp"], default="qwen4_exp")
+    parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--images", type=int, default=4)
@@ -86,19 +115,24 @@ def main():
     parser.add_argument("--jsonl", default=RESULTS)
     args = parser.parse_args()
 
-    from modeling import Qwen4ExpForConditionalGeneration as Ours
+    if args.model == "qwen4_exp":
+        from modeling import Qwen4ExpForConditionalGeneration as Ours
 
-    config = qwen4_exp_mm_config(args.layers)
+        config, Upstream = qwen4_exp_mm_config(args.layers), transformers.Qwen4ExpForConditionalGeneration
+    else:
+        from modeling import InklingForConditionalGeneration as Ours
+
+        config, Upstream = inkling_mm_config(args.layers), transformers.InklingForConditionalGeneration
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         ours = Ours(config).eval()
-        upstream = None if args.skip_upstream else transformers.Qwen4ExpForConditionalGeneration(config).eval()
+        upstream = None if args.skip_upstream else Upstream(config).eval()
     if upstream is not None:
         upstream.load_state_dict(ours.state_dict(), strict=True)
     torch.set_default_dtype(torch.float32)
     gen = torch.Generator().manual_seed(0)
-    warm = {k: v.cuda() for k, v in prompt_batch(config, 1, 1, 8, 8, gen).items()}
+    warm = {k: v.cuda() for k, v in prompt_batch(config, 1, 1, 4, 8, gen).items()}
     warm["pixel_values"] = warm["pixel_values"].bfloat16()
     run(ours, warm, 4)
     if upstream is not None:
@@ -107,7 +141,8 @@ def main():
     inputs["pixel_values"] = inputs["pixel_values"].bfloat16()
     length = inputs["input_ids"].shape[1]
     common = {"bench": "multimodal", "model": args.model, "layers": args.layers, "batch": args.batch,
-              "images_per_row": args.images, "image_tokens": args.grid ** 2 // 4, "prompt_len": length,
+              "images_per_row": args.images, "image_tokens": int((inputs["input_ids"][0] == IMAGE).sum()) // args.images,
+              "prompt_len": length,
               "new_tokens": args.new_tokens, "commit": commit()}
     # Warm the kernels at this shape once, then measure on a fresh cache.
     run(ours, inputs, 3, QSAPagedCache(config, args.batch, length + 3))
