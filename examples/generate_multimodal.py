@@ -15,10 +15,12 @@ import time
 
 import torch
 from transformers import InklingConfig, Qwen4ExpConfig
-from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig, Qwen4ExpVisionConfig
+from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpVisionConfig
 
 from hf_qsa_cache import QSAPagedCache
 from modeling import InklingForConditionalGeneration, Qwen4ExpForConditionalGeneration
+
+from generate_qwen4_exp import small_config  # this folder's text example
 
 NEW_TOKENS = 12
 
@@ -28,19 +30,7 @@ QWEN_IMAGE, QWEN_VIDEO, QWEN_START, QWEN_END = 500, 501, 502, 503
 
 
 def qwen_model() -> Qwen4ExpForConditionalGeneration:
-    text = Qwen4ExpTextConfig(
-        vocab_size=512, hidden_size=128, num_hidden_layers=4,
-        layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
-        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-        moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
-        hc_count=2, hc_lowrank=16, ple_layer_ids=[1], ple_embed_dim=32, ple_conv_kernel_size=4, ngram_size=3,
-        heads_per_ngram=2, ngram_vocab_size_base=1009, make_ngram_vocab_size_divisible_by=8,
-        indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=32, indexer_budget=16, indexer_compress_ratio=4,
-        eos_token_id=1, pad_token_id=0, output_gate_type="sigmoid",
-    )
+    text = small_config()  # examples/generate_qwen4_exp.py's text model
     vision = Qwen4ExpVisionConfig(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=4,
                                   spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128,
                                   num_position_embeddings=64)
