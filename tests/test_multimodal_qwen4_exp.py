@@ -318,3 +318,20 @@ def test_text_model_refuses_media_in_a_request():
     manager = text_only.init_continuous_batching()
     with pytest.raises(ValueError, match="takes no media"):
         manager.add_request([5, 6, 7], pixel_values=torch.zeros(4, PATCH_FEATURES))
+
+
+def test_training_loss_and_vision_gradients_equal_upstream(models):
+    """A forward with labels (no cache): the loss and the gradients reaching the vision tower equal upstream's."""
+    ref, ours, _ = models
+    inputs = batch(ROWS[:1])
+    losses, grads = [], []
+    for model in (ref, ours):
+        model.zero_grad()
+        out = model(**inputs, labels=inputs["input_ids"], use_cache=False)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+        grads.append(model.model.visual.merger.linear_fc2.weight.grad.clone())
+    ref.zero_grad()
+    ours.zero_grad()
+    assert (losses[0] - losses[1]).abs().item() < 1e-5
+    assert (grads[0] - grads[1]).abs().max().item() < 1e-5 * max(1.0, grads[0].abs().max().item())
