@@ -1,0 +1,215 @@
+"""Host time of the continuous-batching loop per iteration, with the model's layers taken out (CPU).
+
+    python benchmarks/profile_serving_host.py --model inkling --layers 6 --rows 64 --requests 256
+    python benchmarks/profile_serving_host.py --model qwen4_exp --layers 8 --rows 64 --requests 256
+
+The real manager loop runs (`init_continuous_batching`: admission, `_make_room`, row moves, prefill and decode
+steps, sampling, results) on a tiny model whose layers are replaced by the identity: every step still runs
+the model's forward around them (embedding, the padding reorder, ``cache.step``: validation, the step
+transaction, block reservation, the step's metadata and block tables, the token log, commit) and the LM
+head, so what is left is the host work of scheduling and of the cache's step bookkeeping, plus a few small
+CPU ops. The stores are allocated up front (tiny widths), so row moves and the transaction's copies run
+as they do on a device. The cache geometry (page size, window, layer schedule) follows bench_serving.py.
+
+Reported: host microseconds per loop iteration, split into decode-only iterations and iterations that run a
+prefill step (most of those run a decode step too), and per step (`ModelRunner.decode` / `prefill`: the
+forward with its cache step, and sampling); then a cProfile top-20 of a second, profiled run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import math
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def tiny_config(model: str, layers: int, window: int, max_len: int):
+    if model == "inkling":
+        from transformers.models.inkling.configuration_inkling import InklingTextConfig
+
+        return InklingTextConfig(
+            vocab_size=128, hidden_size=32, num_hidden_layers=layers,
+            layer_types=["hybrid" if (i + 1) % 6 == 0 else "hybrid_sliding" for i in range(layers)],
+            num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+            swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=8,
+            sliding_window_size=window, d_rel=4, rel_extent=16, conv_kernel_size=4,
+            intermediate_size=32, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=max_len, pad_token_id=0, eos_token_id=None,
+        )
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+
+    return Qwen4ExpTextConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=layers,
+        layer_types=["linear_attention" if (i + 1) % 4 else "indexed_attention" for i in range(layers)],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=1, linear_num_value_heads=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        hc_count=2, hc_lowrank=8, ple_layer_ids=[2], ple_embed_dim=16, ple_conv_kernel_size=2, ngram_size=3,
+        heads_per_ngram=2, ngram_vocab_size_base=31, make_ngram_vocab_size_divisible_by=8,
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=64, indexer_compress_ratio=4,
+        eos_token_id=1, pad_token_id=0, bos_token_id=None, output_gate_type="sigmoid",  # the loop runs without eos
+        max_position_embeddings=max_len,
+    )
+
+
+def stubbed_model(args):
+    from modeling import InklingForCausalLM, Qwen4ExpForCausalLM
+
+    config = tiny_config(args.model, args.layers, args.window, args.max_prompt + args.max_output)
+    model = (InklingForCausalLM if args.model == "inkling" else Qwen4ExpForCausalLM)(config).eval()
+
+    def identity_layers(inputs_embeds, *rest, **kwargs):  # every layer and the final norm: not run
+        return inputs_embeds
+
+    model.model.run_layers = identity_layers
+    model.use_cuda_graphs = False
+    return model
+
+
+def workload(args, vocab: int):
+    gen = torch.Generator().manual_seed(args.seed)
+    lo, hi = math.log(args.min_prompt), math.log(args.max_prompt)
+    lengths = [int(math.exp(lo + (hi - lo) * float(u))) for u in torch.rand(args.requests, generator=gen)]
+    outputs = torch.randint(args.min_output, args.max_output + 1, (args.requests,), generator=gen).tolist()
+    prompts = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
+    return prompts, outputs
+
+
+def make_manager(model, prompts, outputs, args):
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    config = ContinuousBatchingConfig(page_size=args.page_size, max_requests_per_batch=args.rows,
+                                      max_batch_tokens=args.batch_tokens, num_blocks=args.num_blocks)
+    gen_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(outputs))
+    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=max(outputs),
+                          num_requests=len(prompts))
+    manager = model.init_continuous_batching(gen_config, config, hints)
+    for layer in manager.cache.layers:  # the layers never run: allocate their state as their first step would
+        for store in layer.stores.values():
+            if not store.allocated:
+                store.allocate(torch.device("cpu"), torch.float32)
+    return manager
+
+
+class Timings:
+    """Wraps the manager's iteration and the runner's steps with timers."""
+
+    def __init__(self, manager):
+        self.iterations: list[tuple[float, bool, bool]] = []  # (seconds, ran a prefill step, ran a decode step)
+        self.steps = {"prefill": [], "decode": []}
+        iteration, runner = manager._iteration, manager.runner
+
+        def timed_iteration():
+            before = dict(manager.stats)
+            start = time.perf_counter()
+            iteration()
+            took = time.perf_counter() - start
+            self.iterations.append((took, manager.stats["prefill_steps"] > before["prefill_steps"],
+                                    manager.stats["decode_steps"] > before["decode_steps"]))
+
+        def timed(kind, step):
+            def run(*a, **k):
+                start = time.perf_counter()
+                try:
+                    return step(*a, **k)
+                finally:
+                    self.steps[kind].append(time.perf_counter() - start)
+            return run
+
+        manager._iteration = timed_iteration
+        runner.prefill = timed("prefill", runner.prefill)
+        runner.decode = timed("decode", runner.decode)
+
+
+def drive(manager, prompts, outputs, prefix: str) -> None:
+    """The manager's own loop, in this thread, until every request is done."""
+    ids = [manager.add_request(p, request_id=f"{prefix}{i}", max_new_tokens=n)
+           for i, (p, n) in enumerate(zip(prompts, outputs))]
+    manager._stop = "flush"
+    manager._loop()
+    results = {}
+    while not manager.output_queue.empty():
+        result = manager.output_queue.get_nowait()
+        results[result.request_id] = result
+    bad = [r.error for r in results.values() if r.error]
+    if len(results) != len(ids) or bad:
+        raise RuntimeError(f"{len(results)}/{len(ids)} results, {len(bad)} failed: {bad[:1]}")
+    if manager.fatal_error is not None:
+        raise manager.fatal_error
+
+
+def us(values) -> str:
+    if not values:
+        return "n/a"
+    return (f"mean {1e6 * statistics.fmean(values):7.0f} us  p50 {1e6 * statistics.median(values):7.0f} us  "
+            f"(n={len(values)})")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=["inkling", "qwen4_exp"], default="inkling")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--min-prompt", type=int, default=64)
+    parser.add_argument("--max-prompt", type=int, default=2048)
+    parser.add_argument("--min-output", type=int, default=32)
+    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--page-size", type=int, default=256)
+    parser.add_argument("--window", type=int, default=512, help="Inkling's sliding window")
+    parser.add_argument("--batch-tokens", type=int, default=2048)
+    parser.add_argument("--num-blocks", type=int, default=None, help="main pool (small: preemption)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--no-profile", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    model = stubbed_model(args)
+    prompts, outputs = workload(args, model.config.vocab_size)
+    manager = make_manager(model, prompts, outputs, args)
+    with torch.no_grad():
+        drive(manager, prompts[: args.rows], outputs[: args.rows], "warm")  # first-use costs out of the way
+        timings = Timings(manager)
+        before = dict(manager.stats)
+        start = time.perf_counter()
+        drive(manager, prompts, outputs, "r")
+        wall = time.perf_counter() - start
+    stats = {k: v - before[k] if k != "most_rows" else v for k, v in manager.stats.items()}
+    decode_only = [t for t, p, d in timings.iterations if not p]
+    with_prefill = [t for t, p, d in timings.iterations if p]
+    print(f"{args.model}, {args.layers} layers (identity), {args.rows} rows, {args.requests} requests, page "
+          f"{args.page_size}, prompts {args.min_prompt}..{args.max_prompt}, outputs {args.min_output}.."
+          f"{args.max_output}; {len(timings.iterations)} iterations in {wall:.2f} s, stats {stats}")
+    print(f"decode-only iteration : {us(decode_only)}")
+    print(f"iteration with prefill: {us(with_prefill)}")
+    print(f"decode step           : {us(timings.steps['decode'])}")
+    print(f"prefill step          : {us(timings.steps['prefill'])}")
+    if args.no_profile:
+        return
+    profile = cProfile.Profile()
+    with torch.no_grad():
+        profile.enable()
+        drive(manager, prompts, outputs, "p")
+        profile.disable()
+    print(f"\ncProfile of a second run (top {args.top} by own time, then by cumulative time):")
+    stats = pstats.Stats(profile).strip_dirs()
+    stats.sort_stats("tottime").print_stats(args.top)
+    stats.sort_stats("cumulative").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
