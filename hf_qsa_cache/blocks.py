@@ -54,6 +54,7 @@ class BlockTable:
         self.window = window
         self.work = 0
         self._device: torch.Tensor | None = None
+        self._view: tuple | None = None  # (device table, rows, its first rows): `device_table`'s last answer
         self.reset()
 
     def reset(self) -> None:
@@ -64,8 +65,9 @@ class BlockTable:
         self._changed: dict[tuple[int, int], int] = {}  # (row, column) -> block, not yet on the device
         if self._device is not None:
             self._device.zero_()
-        # Undo record of the step in flight: each row's table length before it, and the blocks it took.
-        self._step_marks: list[int] | None = None
+        # Undo record of the step in flight: the table length before it of each row it changed (None: no
+        # step in flight), and the blocks it took.
+        self._step_marks: dict[int, int] | None = None
         self._step_taken: list[int] = []
 
     def grow(self, num_blocks: int, max_len: int) -> None:
@@ -90,14 +92,19 @@ class BlockTable:
 
     # ------------------------------------------------------------------ one step: reserve, then commit or roll back
     def begin_step(self, num_rows: int) -> None:
-        """Start recording what `reserve` takes, so that `rollback_step` can return it exactly."""
-        self._step_marks = [len(t) for t in self.rows[:num_rows]]
+        """Start recording what `reserve` takes, so that `rollback_step` can return it exactly (a row's
+        length is recorded when the step first changes it)."""
+        self._step_marks = {}
         self._step_taken = []
 
     def commit_step(self, new_lengths: list[int]) -> None:
-        """The step landed: free what fell out of the window at the rows' new lengths."""
-        for row, length in enumerate(new_lengths):
-            self.release_out_of_window(row, length)
+        """The step landed: free what fell out of the window at the rows' new lengths (only rows whose
+        window passed a block boundary do any work)."""
+        if self.window is not None:
+            base, block_size, reach = self.base, self.block_size, self.window - 1
+            for row, length in enumerate(new_lengths):
+                if (length - reach) // block_size > base[row]:  # the first live block moved past base
+                    self.release_out_of_window(row, length)
         self._step_marks = None
         self._step_taken = []
 
@@ -105,7 +112,7 @@ class BlockTable:
         """Return the table and the free list to exactly what they were at `begin_step`."""
         if self._step_marks is None:
             return
-        for row, mark in enumerate(self._step_marks):
+        for row, mark in self._step_marks.items():
             self._drop_columns(row, mark, return_blocks=False)
         self.free.extend(reversed(self._step_taken))
         self._step_marks = None
@@ -117,6 +124,12 @@ class BlockTable:
         want = -(-new_len // self.block_size)
         start = max(len(self.rows[row]), self._first_live_block(new_len))  # blocks below the window cost nothing
         return max(0, want - start)
+
+    def blocks_needed_rows(self, new_lengths: list[int]) -> int:
+        """Free blocks reserving rows ``0, 1, ...`` to ``new_lengths`` would take (`reserve_rows`). A row that
+        stays within the blocks it has costs a comparison."""
+        rows, block_size = self.rows, self.block_size
+        return sum(self.blocks_needed(row, n) for row, n in enumerate(new_lengths) if n > len(rows[row]) * block_size)
 
     def _first_live_block(self, length: int) -> int:
         if self.window is None:
@@ -140,6 +153,8 @@ class BlockTable:
         if want > self.max_columns:
             raise ValueError(f"{self.name}: row {row} needs {want} blocks, the table holds {self.max_columns}")
         keep_from = self._first_live_block(new_len)
+        if self._step_marks is not None and row not in self._step_marks and len(table) < want:
+            self._step_marks[row] = len(table)
         if len(table) < keep_from:  # wholly below the window: null entries (already zero on the device)
             table.extend([NULL_BLOCK] * (keep_from - len(table)))
         while len(table) < want:
@@ -149,6 +164,14 @@ class BlockTable:
             self._set(row, len(table) - 1, table[-1])
             if self._step_marks is not None:
                 self._step_taken.append(table[-1])
+
+    def reserve_rows(self, new_lengths: list[int]) -> None:
+        """`reserve` rows ``0, 1, ...`` to ``new_lengths``; rows within the blocks they hold are not visited
+        further (nothing to reserve: the null entries below a window come only with new blocks)."""
+        rows, block_size = self.rows, self.block_size
+        for row, n in enumerate(new_lengths):
+            if n > len(rows[row]) * block_size:
+                self.reserve(row, n)
 
     def release_out_of_window(self, row: int, length: int) -> None:
         if self.window is None:
@@ -164,14 +187,19 @@ class BlockTable:
         self.base[row] = max(self.base[row], first_live)
 
     def _drop_columns(self, row: int, keep: int, return_blocks: bool) -> None:
+        """Shorten ``row`` to ``keep`` columns, last column first; only columns from ``base`` on can hold a
+        block (those below are null), so a windowed row's long null prefix is dropped without a visit."""
         table = self.rows[row]
-        while len(table) > keep:
-            b = table.pop()
+        if len(table) <= keep:
+            return
+        for column in range(len(table) - 1, max(keep, self.base[row]) - 1, -1):
+            b = table[column]
             if b != NULL_BLOCK:
-                self._set(row, len(table), NULL_BLOCK)
+                self._set(row, column, NULL_BLOCK)
                 if return_blocks:
                     self.free.append(b)
-        self.base[row] = min(self.base[row], len(table))
+        del table[keep:]
+        self.base[row] = min(self.base[row], keep)
 
     def truncate(self, row: int, new_len: int) -> None:
         """Return the blocks past ``new_len`` to the pool (crop)."""
@@ -183,18 +211,33 @@ class BlockTable:
 
     def move_rows(self, src: list[int], num_rows: int) -> None:
         """Row ``i`` takes over row ``src[i]``'s blocks (``-1``: a new, empty row); rows ``[0, num_rows)``
-        that no entry names give theirs back. Blocks change owner, not content: no data moves."""
-        taken = [(list(self.rows[s]), self.base[s]) if s >= 0 else ([], 0) for s in src]
-        for row in sorted(set(range(num_rows)) - {s for s in src if s >= 0}):
-            self.release_row(row)
+        that no entry names give theirs back. Blocks change owner, not content: no data moves.
+
+        Only rows that change are visited, each from its ``base`` on (a windowed row's null prefix is
+        not), and a row's block list changes hands without a copy."""
+        named = {s for s in src if s >= 0}
+        for row in range(num_rows):
+            if row not in named:
+                self.release_row(row)
+        rows, bases = self.rows, self.base
+        # Every row's list and base before any is replaced (a row's list may go to an earlier row).
+        taken = [(rows[s], bases[s]) if s >= 0 else ([], 0) for s in src]
         for i in range(max(num_rows, len(src))):
+            if i < len(src) and src[i] == i:
+                continue  # stays where it is
             blocks, base = taken[i] if i < len(src) else ([], 0)
-            old = self.rows[i]
-            for column in range(max(len(old), len(blocks))):
-                block = blocks[column] if column < len(blocks) else NULL_BLOCK
-                if column >= len(old) or old[column] != block:
+            old, old_base = rows[i], bases[i]
+            # Entries below a list's base are null, and the device holds null past a list's end: only the
+            # columns from a list's base to its end (each list's live span) can differ.
+            old_end, end = len(old), len(blocks)
+            for column in range(base, end):
+                block = blocks[column]
+                if block != (old[column] if old_base <= column < old_end else NULL_BLOCK):
                     self._set(i, column, block)
-            self.rows[i], self.base[i] = blocks, base
+            for column in range(old_base, old_end):
+                if old[column] != NULL_BLOCK and not base <= column < end:
+                    self._set(i, column, NULL_BLOCK)
+            rows[i], bases[i] = blocks, base
 
     def blocks_for_select(self, src: list[int], num_rows: int) -> int:
         """Free blocks `select_rows(src, num_rows)` takes beyond those it gives back."""
@@ -241,7 +284,8 @@ class BlockTable:
         Entries changed since the last call are written first (one small copy); a new device gets
         a whole copy.
         """
-        device = torch.device(device)
+        if not isinstance(device, torch.device):
+            device = torch.device(device)
         if self._device is None or self._device.device != device:
             host = torch.zeros(self.max_rows, self.max_columns, dtype=torch.int32)
             for r, blocks in enumerate(self.rows):
@@ -251,8 +295,12 @@ class BlockTable:
             self._device = host.to(device)
             self._changed.clear()
         elif self._changed:
-            changes = torch.tensor([(r, c, b) for (r, c), b in self._changed.items()], dtype=torch.int64)
-            changes = changes.to(device, non_blocking=True)
-            self._device[changes[:, 0], changes[:, 1]] = changes[:, 2].to(torch.int32)
+            width = self.max_columns
+            changes = torch.tensor([[r * width + c for r, c in self._changed], list(self._changed.values())],
+                                   dtype=torch.int64).to(device, non_blocking=True)
+            self._device.view(-1).index_copy_(0, changes[0], changes[1].to(torch.int32))
             self._changed.clear()
-        return self._device[:num_rows]
+        view = self._view
+        if view is None or view[0] is not self._device or view[1] != num_rows:
+            view = self._view = (self._device, num_rows, self._device[:num_rows])  # kept while both hold
+        return view[2]

@@ -22,6 +22,7 @@ a transaction (`hf_qsa_cache.transaction`): it lands whole or not at all.
 from __future__ import annotations
 
 import contextlib
+import operator
 import weakref
 from dataclasses import dataclass
 
@@ -268,7 +269,6 @@ class QSAPagedCache(Cache):
         mask to that layout first: `hf_qsa_cache.padding`); the columns before the step may hold pads
         anywhere (a right-padded prompt, then tokens generated after the pads). A row that holds tokens
         may have pads in a step: its state continues at its real length."""
-        starting = any(self.lengths[b] == 0 for b in range(batch_size))
         if attention_mask is None:
             return [query_len] * batch_size
         if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
@@ -279,7 +279,7 @@ class QSAPagedCache(Cache):
             raise ValueError(
                 f"attention_mask covers {attention_mask.shape[1]} columns, fewer than the {query_len} input tokens"
             )
-        if query_len == 1 and not starting:
+        if query_len == 1 and 0 not in self.lengths[:batch_size]:  # no row starts in this step
             # generate() appends a 1 for every row at every step; trusting it keeps decode free of host syncs.
             return [1] * batch_size
         mask = attention_mask[:, -query_len:].detach().to("cpu", torch.int64)
@@ -300,6 +300,10 @@ class QSAPagedCache(Cache):
         Returns the real-token count of each row. Models that split a long prompt into chunks call
         this first for the whole prompt, so a bad prompt is rejected before any chunk lands.
         """
+        return self._check_step(batch_size, query_len, attention_mask)[0]
+
+    def _check_step(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None):
+        """`check_step`'s checks; returns (real tokens per row, each row's length after the step)."""
         if self._unusable is not None:
             raise ValueError(self._unusable)
         if query_len < 1 or batch_size < 1:
@@ -314,8 +318,9 @@ class QSAPagedCache(Cache):
                 f"the cache holds a batch of {self.num_rows} rows in flight, got {batch_size}; call reset() first"
             )
         counts = self._row_counts(batch_size, query_len, attention_mask)
-        self._check_fits([self.lengths[b] + counts[b] for b in range(batch_size)])
-        return counts
+        new_lengths = list(map(operator.add, self.lengths[:batch_size], counts))
+        self._check_fits(new_lengths)
+        return counts, new_lengths
 
     def _check_fits(self, new_lengths: list[int], what: str = "this step") -> None:
         """Raise unless rows growing to ``new_lengths`` fit ``max_cache_len`` and every block pool."""
@@ -326,11 +331,11 @@ class QSAPagedCache(Cache):
     def why_not_fits(self, new_lengths: list[int], what: str = "this step") -> str | None:
         """None if rows ``0, 1, ...`` can grow to ``new_lengths`` (``max_cache_len``, every block pool), else
         what stands in the way."""
-        for b, need in enumerate(new_lengths):
-            if need > self.max_cache_len:
-                return f"row {b} needs {need} slots, cache holds max_cache_len={self.max_cache_len}"
+        if new_lengths and max(new_lengths) > self.max_cache_len:
+            b, need = next((b, n) for b, n in enumerate(new_lengths) if n > self.max_cache_len)
+            return f"row {b} needs {need} slots, cache holds max_cache_len={self.max_cache_len}"
         for name, table in self.tables.items():
-            need = sum(table.blocks_needed(b, n) for b, n in enumerate(new_lengths))
+            need = table.blocks_needed_rows(new_lengths)
             if need > len(table.free):
                 return (f"{name} block pool: {what} needs {need} free blocks of {table.block_size} tokens, "
                         f"{len(table.free)} are free (num_blocks={table.num_blocks})")
@@ -413,7 +418,7 @@ class QSAPagedCache(Cache):
         if self._scope is not None and self._scope.pending is not None:
             self._scope.pending.commit()  # the previous chunk of this forward lands first
             self._scope.pending = None
-        counts = self.check_step(batch_size, query_len, attention_mask)
+        counts, new_lengths = self._check_step(batch_size, query_len, attention_mask)
         prev = self.lengths[:batch_size]
         txn = self._open = StepTransaction(self, batch_size)
         self.steps_started += 1
@@ -423,12 +428,10 @@ class QSAPagedCache(Cache):
             if copy_rows:
                 txn.save_rows()
             for table in self.tables.values():
-                for b in range(batch_size):
-                    table.reserve(b, prev[b] + counts[b])
+                table.reserve_rows(new_lengths)
             self.num_rows = max(self.num_rows, batch_size) if self.rows_managed else batch_size
             self.columns_seen += query_len
-            for b in range(batch_size):
-                self.lengths[b] = prev[b] + counts[b]
+            self.lengths[:batch_size] = new_lengths
             for b, delta in enumerate(rope_deltas or []):
                 if delta is not None:
                     self.rope_deltas[b] = int(delta)
