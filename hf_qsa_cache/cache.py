@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache
 
 from .blocks import NULL_BLOCK, BlockTable, default_num_blocks
 from .metadata import QSAGeometry, StepMetadata, build_step_metadata_torch
+from .padding import host_step_columns
 from .rollback import check_linear_rollback, restore_linear_states
 from .transaction import StepTransaction
 from .stores.layer_state import LayerState
@@ -282,7 +283,7 @@ class QSAPagedCache(Cache):
         if query_len == 1 and 0 not in self.lengths[:batch_size]:  # no row starts in this step
             # generate() appends a 1 for every row at every step; trusting it keeps decode free of host syncs.
             return [1] * batch_size
-        mask = attention_mask[:, -query_len:].detach().to("cpu", torch.int64)
+        mask = host_step_columns(attention_mask, query_len).to(torch.int64)  # read once (step_order shares it)
         if not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError("attention_mask must hold only 0 and 1")
         steps = mask[:, 1:] - mask[:, :-1]

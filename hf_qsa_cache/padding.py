@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ class StepOrder:
     source: torch.Tensor  # [B, L] long: the caller's column c reads reordered column source[b, c]
     inverse: torch.Tensor  # [B, L] long: the caller's column c is reordered column inverse[b, c]
     mask: torch.Tensor  # [B, L] the step's mask columns, reordered (left-padded)
+    host_mask: torch.Tensor | None = None  # `mask` on the host (read once: `host_step_columns`)
 
     def inputs(self, x: torch.Tensor | None, dim: int, batch_dim: int = 0) -> torch.Tensor | None:
         """``x`` (the step's columns along ``dim``) in the layers' order."""
@@ -49,7 +51,34 @@ class StepOrder:
     def full_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
         """The whole mask (past columns as given) with the step's columns reordered."""
         L = self.mask.shape[1]
-        return torch.cat([attention_mask[:, : attention_mask.shape[1] - L], self.mask.to(attention_mask.dtype)], 1)
+        full = torch.cat([attention_mask[:, : attention_mask.shape[1] - L], self.mask.to(attention_mask.dtype)], 1)
+        if self.host_mask is not None:  # the cache's step reads these columns: no second device read
+            remember_host_step_columns(full, L, self.host_mask.to(attention_mask.dtype))
+        return full
+
+
+# The last mask whose step columns were read to the host: (a weak reference to it, its version counter, the
+# step length, the host copy). Matched by identity and version, so a mask changed in place is read again.
+_host_read: tuple | None = None
+
+
+def host_step_columns(attention_mask: torch.Tensor, query_len: int) -> torch.Tensor:
+    """The last ``query_len`` columns of ``attention_mask`` on the host, in its dtype: one device-to-host read
+    per mask and step length, shared by everything that checks a step's mask (`step_order`, then the cache's
+    `QSAPagedCache.check_step` on the same tensor, or on the reordered mask `StepOrder.full_mask` built)."""
+    memo = _host_read
+    if (memo is not None and memo[0]() is attention_mask and memo[1] == attention_mask._version
+            and memo[2] == query_len):
+        return memo[3]
+    host = attention_mask[:, -query_len:].detach().cpu()
+    remember_host_step_columns(attention_mask, query_len, host)
+    return host
+
+
+def remember_host_step_columns(attention_mask: torch.Tensor, query_len: int, host: torch.Tensor) -> None:
+    """``host`` holds ``attention_mask``'s last ``query_len`` columns (`host_step_columns` answers with it)."""
+    global _host_read
+    _host_read = (weakref.ref(attention_mask), attention_mask._version, query_len, host)
 
 
 def _take(x: torch.Tensor, index: torch.Tensor, dim: int, batch_dim: int) -> torch.Tensor:
@@ -64,20 +93,26 @@ def _take(x: torch.Tensor, index: torch.Tensor, dim: int, batch_dim: int) -> tor
 
 def step_order(attention_mask: torch.Tensor | None, query_len: int) -> StepOrder | None:
     """The reordering a step of ``query_len`` columns needs, or None when its mask columns are already
-    left-padded (no mask, single-token steps, left padding). One host sync for multi-token steps."""
+    left-padded (no mask, single-token steps, left padding). One host read for multi-token steps
+    (`host_step_columns`, which the cache's step then reuses)."""
     if attention_mask is None or query_len == 1 or attention_mask.dim() != 2:
+        return None
+    host = host_step_columns(attention_mask, query_len)
+    host_real = host != 0
+    if not bool((host_real[:, :-1] & ~host_real[:, 1:]).any()):  # no real token before a pad
         return None
     step = attention_mask[:, -query_len:]
     real = step != 0
-    if not bool((real[:, :-1] & ~real[:, 1:]).any()):  # no real token before a pad
-        return None
     order = torch.sort(real.to(torch.int8), dim=1, stable=True).indices  # pads first, each kept in order
     position_in_order = order.argsort(dim=1)
     col = torch.arange(query_len, device=step.device).expand_as(order)
     # A pad after a real token reads that token's output: the latest real column at or before it.
     latest_real = torch.where(real, col, -1).cummax(dim=1).values
     source = position_in_order.gather(1, torch.where(latest_real >= 0, latest_real, col))
-    return StepOrder(order=order, source=source, inverse=position_in_order, mask=step.gather(1, order))
+    # The same stable sort on the host copy: the reordered columns' host copy, for the cache's check.
+    host_order = torch.sort(host_real.to(torch.int8), dim=1, stable=True).indices
+    return StepOrder(order=order, source=source, inverse=position_in_order, mask=step.gather(1, order),
+                     host_mask=host.gather(1, host_order))
 
 
 def as_padding_mask(attention_mask, query_len: int):

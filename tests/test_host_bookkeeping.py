@@ -5,7 +5,9 @@
   every operation the device table equals the host rows, entries below a row's ``base`` are null, every block
   is held once or free, a move hands each row exactly its source's blocks, a rolled-back step leaves the
   table as it was, and a committed step has released what fell out of the window;
-* moving a row costs its live blocks, not its length (windowed tables keep a long null prefix).
+* moving a row costs its live blocks, not its length (windowed tables keep a long null prefix);
+* an eager multi-token step with a padding mask reads the mask to the host once (`padding.host_step_columns`
+  shared by `step_order` and the cache's check), and a mask changed in place is read again.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ import random
 
 import pytest
 import torch
+import test_inkling as inkling
+from qwen4_helpers import make_pair as qwen_pair
+from torch.utils._pytree import tree_flatten, tree_map
 
+from hf_qsa_cache import QSAPagedCache, padding
 from hf_qsa_cache.blocks import NULL_BLOCK, BlockTable
 
 
@@ -128,3 +134,75 @@ def test_moving_a_row_costs_its_live_blocks_not_its_length():
         t.move_rows([1], 3)  # the long row leaves, the short one moves up
         assert t.work <= 12, (length, t.work)
         _check_table(t, 4)
+
+
+# ----------------------------------------------------------------------------- one host read of the mask
+class DeviceMask(torch.Tensor):
+    """A mask that counts its reads to the host, as if it lived on an accelerator: what is computed from it
+    alone stays one (mixed with other tensors, e.g. token ids gathered by a mask-derived order, it does not:
+    reads of those are reads of the ids). Host reads: ``.cpu()``, ``.to("cpu")`` (a host copy by name; each
+    returns a plain tensor), and ``bool`` / ``item`` / ``tolist`` / ``numpy``. ``x.to(other.device)`` moves
+    an index beside the activations (CPU tensors here, beside the mask on an accelerator): not a host read."""
+
+    reads: list[str] = []
+    _READS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
+              torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        to_host = func is torch.Tensor.cpu or (func is torch.Tensor.to and any(
+            isinstance(a, str) and torch.device(a).type == "cpu" for a in [*args[1:], kwargs.get("device")]))
+        mixed = any(isinstance(x, torch.Tensor) and not isinstance(x, cls) for x in tree_flatten((args, kwargs))[0])
+        if to_host or func in cls._READS or mixed:
+            if not mixed:
+                cls.reads.append(func.__name__)
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+                if to_host:
+                    out = out.clone()  # a host copy, as from an accelerator (a CPU tensor's .cpu() is itself)
+            return tree_map(lambda x: x.as_subclass(torch.Tensor) if isinstance(x, torch.Tensor) else x, out)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _models():
+    return {"qwen4_exp": qwen_pair(seed=1)[1], "inkling": inkling.make_pair(inkling.make_config(), seed=2)[1]}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return _models()
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+@pytest.mark.parametrize("layout", ["left", "right"])
+def test_an_eager_masked_step_reads_its_mask_to_the_host_once(models, family, layout):
+    model = models[family]
+    ids = torch.randint(2, 60, (3, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 7, dtype=torch.long)
+    if layout == "left":
+        mask[0, :3] = 0
+    else:
+        mask[0, 4:] = 0
+        mask[2, 1] = 0  # a pad between real tokens
+    cache = QSAPagedCache(model.config, 3, 32)
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask, past_key_values=QSAPagedCache(model.config, 3, 32)).logits
+        DeviceMask.reads = []
+        logits = model(ids, attention_mask=mask.as_subclass(DeviceMask), past_key_values=cache).logits
+    assert len(DeviceMask.reads) == 1, DeviceMask.reads
+    torch.testing.assert_close(logits.as_subclass(torch.Tensor), plain)
+    assert cache.lengths[:3] == mask.sum(1).tolist()
+
+
+def test_a_mask_changed_in_place_is_read_again():
+    mask = torch.ones(2, 4, dtype=torch.long).as_subclass(DeviceMask)
+    DeviceMask.reads = []
+    first = padding.host_step_columns(mask, 4)
+    assert padding.host_step_columns(mask, 4) is first and len(DeviceMask.reads) == 1  # unchanged: no second read
+    mask[1, 0] = 0
+    assert padding.host_step_columns(mask, 4).tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
+    assert padding.host_step_columns(mask, 3).tolist() == [[1, 1, 1], [1, 1, 1]]
+    other = mask.clone()
+    assert padding.host_step_columns(other, 4).tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
+    assert len(DeviceMask.reads) == 4  # changed in place, another step length, another tensor: each read
