@@ -7,7 +7,9 @@
   table as it was, and a committed step has released what fell out of the window;
 * moving a row costs its live blocks, not its length (windowed tables keep a long null prefix);
 * an eager multi-token step with a padding mask reads the mask to the host once (`padding.host_step_columns`
-  shared by `step_order` and the cache's check), and a mask changed in place is read again.
+  shared by `step_order` and the cache's check), and a mask changed in place is read again;
+* the scheduler keeps decoding requests in their rows: one finishing or one starting to decode moves at
+  most one other.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import torch
 import test_inkling as inkling
 from qwen4_helpers import make_pair as qwen_pair
 from torch.utils._pytree import tree_flatten, tree_map
+from transformers.generation.continuous_batching.requests import RequestStatus
 
 from hf_qsa_cache import QSAPagedCache, padding
 from hf_qsa_cache.blocks import NULL_BLOCK, BlockTable
+from hf_qsa_cache.serving.requests import Request
+from hf_qsa_cache.serving.scheduler import Scheduler
 
 
 # ----------------------------------------------------------------------------- block tables
@@ -206,3 +211,49 @@ def test_a_mask_changed_in_place_is_read_again():
     other = mask.clone()
     assert padding.host_step_columns(other, 4).tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
     assert len(DeviceMask.reads) == 4  # changed in place, another step length, another tensor: each read
+
+
+# ----------------------------------------------------------------------------- scheduler
+def _request(i: int, prompt: int) -> Request:
+    return Request(f"r{i}", [5] * prompt, 10, frozenset())
+
+
+def _moves(before: list, after: list) -> int:
+    """Requests held before and after that changed row."""
+    where = {id(r): i for i, r in enumerate(before)}
+    return sum(1 for i, r in enumerate(after) if id(r) in where and where[id(r)] != i)
+
+
+def test_decoding_requests_keep_their_rows():
+    scheduler = Scheduler(max_rows=8, max_batch_tokens=64, prefill_first=False)
+    requests = [_request(i, 6) for i in range(8)]
+    for r in requests:
+        scheduler.submit(r)
+    scheduler.admit()
+    for r in requests[2:]:  # six decode, two still prefill
+        r.held, r.generated, r.status = 6, [1], RequestStatus.DECODING
+    scheduler.order()
+    assert scheduler.rows[:2] == requests[:2]
+    placed = list(scheduler.rows)
+    scheduler.order()
+    assert scheduler.rows == placed  # nothing changed: nothing moves
+
+    done = placed[3]  # a decoding request in the middle finishes
+    scheduler.release(done)
+    scheduler.order()
+    assert done not in scheduler.rows and _moves(placed, scheduler.rows) == 1
+    placed = list(scheduler.rows)
+
+    placed[0].held = 6  # the oldest prefilling request starts decoding
+    placed[0].generated = [1]
+    scheduler.order()
+    assert scheduler.rows[0] is placed[1] and scheduler.rows[1] is placed[0]  # it and the one behind it only
+    assert _moves(placed, scheduler.rows) == 2
+    placed = list(scheduler.rows)
+
+    late = _request(9, 6)  # a new request takes a row: prefilling rows stay first, one decoding row makes room
+    scheduler.submit(late)
+    scheduler.admit()
+    assert scheduler.rows[:2] == [placed[0], late] and _moves(placed, scheduler.rows) == 1
+    assert scheduler.prefilling() == 2
+    assert sorted(map(id, scheduler.rows)) == sorted(map(id, [*placed, late]))

@@ -267,6 +267,7 @@ class ContinuousBatchingManager:
             except Exception as error:
                 logger.error("encoding the media of request %s failed: %s", request.request_id, error, exc_info=True)
                 self._end(request, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
+        scheduler.order()  # requests that failed here leave their rows to others, not a shift
         runner.place(scheduler.rows)
         self._make_room()
         steps = ("prefill", "decode") if scheduler.prefill_first else ("decode", "prefill")

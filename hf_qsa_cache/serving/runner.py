@@ -94,13 +94,16 @@ class ModelRunner:
         ready = [i for i, r in enumerate(rows) if r.pending == 0]
         if not ready:
             return []
-        logits = logits[ready].float()
+        logits = (logits if len(ready) == len(rows) else logits[ready]).float()
         picked = []
         greedy = [j for j, i in enumerate(ready) if not rows[i].sampling.do_sample]
-        tokens = torch.empty(len(ready), dtype=torch.long, device=logits.device)
         scores = logits
-        if greedy:
-            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        if len(greedy) == len(ready):  # every row greedy: one argmax, no gathers
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(len(ready), dtype=torch.long, device=logits.device)
+            if greedy:
+                tokens[greedy] = logits[greedy].argmax(dim=-1)
         if len(greedy) < len(ready):
             scores = logits.clone()
             for j, i in enumerate(ready):

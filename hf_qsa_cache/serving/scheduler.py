@@ -29,6 +29,8 @@ class Scheduler:
         self.prefill_first = prefill_first
         self.waiting: deque[Request] = deque()
         self.rows: list[Request] = []  # the row order the cache must have (the runner makes it so)
+        self._slot: dict[Request, int] = {}  # each request's row at the last `order`
+        self._ordered: tuple[list[Request], int] | None = None  # (rows as `order` left them, how many prefill)
         self._admissions = 0
 
     def submit(self, request: Request) -> None:
@@ -49,23 +51,56 @@ class Scheduler:
                 request.status = RequestStatus.PREFILLING
             self.rows.append(request)
             admitted.append(request)
+        if admitted:
+            self._ordered = None
         self.order()
         return admitted
 
     def order(self) -> None:
-        """Prefilling rows first, then decoding ones, each kind in its current order."""
-        self.rows = [r for r in self.rows if r.in_prefill] + [r for r in self.rows if not r.in_prefill]
+        """Prefilling rows first, in their current order (a prefill step takes the oldest: a prefix of the rows),
+        then the decoding ones. A decoding request keeps the row it had at the last `order` while that row is
+        still a decoding row; the others take the free ones, in their current order. So a request that finishes
+        or starts decoding moves at most one decoding request, not every one after it (the cache rewrites the
+        block-table rows of the requests that change row: `QSAPagedCache.move_rows`).
+
+        When no request came or left since the last `order` and every prefilling request still is (a decoding
+        one never becomes one again but by preemption), nothing moves: only the prefilling rows are looked at."""
+        rows = self.rows
+        if self._ordered is not None and self._ordered[0] is rows \
+                and all(r.in_prefill for r in rows[: self._ordered[1]]):
+            return
+        prefilling = [r.in_prefill for r in rows]
+        layout = [r for r, p in zip(rows, prefilling) if p]
+        first, n = len(layout), len(rows)
+        layout += [None] * (n - first)
+        slot, moving = self._slot, []
+        for request, p in zip(rows, prefilling):
+            if not p:
+                i = slot.get(request, -1)
+                if first <= i < n and layout[i] is None:
+                    layout[i] = request
+                else:
+                    moving.append(request)
+        if moving:
+            free = [i for i in range(first, n) if layout[i] is None]
+            for i, request in zip(free, moving):
+                layout[i] = request
+        self.rows = layout
+        self._slot = {request: i for i, request in enumerate(layout)}
+        self._ordered = (layout, first)
 
     def release(self, request: Request) -> None:
         """The request leaves its row (finished, failed, cancelled) or the queue."""
         if request in self.rows:
             self.rows.remove(request)
+            self._ordered = None
         elif request in self.waiting:
             self.waiting.remove(request)
 
     def preempt(self, request: Request) -> None:
         """Back to the front of the queue, without a row: its tokens so far are fed again when readmitted."""
         self.rows.remove(request)
+        self._ordered = None
         request.held = 0
         request.status = RequestStatus.PENDING
         self.waiting.appendleft(request)
@@ -77,7 +112,14 @@ class Scheduler:
         return max(self.rows, key=lambda r: r.admitted)
 
     def prefilling(self) -> int:
-        return sum(1 for r in self.rows if r.in_prefill)
+        """Requests still prefilling: they hold rows ``[0, p)`` (`order` puts them first), so counting stops at
+        the first decoding row."""
+        p = 0
+        for request in self.rows:
+            if not request.in_prefill:
+                break
+            p += 1
+        return p
 
     def prefill_chunks(self) -> list[int]:
         """Tokens the first ``k`` prefilling rows get in a prefill step (rows ``[0, k)``, oldest first).
