@@ -308,6 +308,8 @@ class ContinuousBatchingManager:
             self.stats["failed_steps"] += 1
             for request in list(rows):
                 self._end(request, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
+            self.scheduler.order()  # their rows go back before the iteration's next step (it must not carry them)
+            self.runner.place(self.scheduler.rows)
             return
         for request, token, logprob in picked:
             request.add_token(token, logprob)
