@@ -291,7 +291,10 @@ def _selected_softmax(query: torch.Tensor, keys: torch.Tensor, block_table: torc
                       positions: torch.Tensor, block_size: int, scaling: float):
     """Per chunk of queries: ``(start, end, probs, slots)`` with the fp32 softmax ``probs [n, Hkv, G, W]``
     of each query over its selected positions (0 at unused ones; all 0 for a query with none) and
-    their store rows ``slots [n, W]``. What `sparse_paged_attention` and its probabilities share."""
+    their store rows ``slots [n, W]``. What `sparse_paged_attention` and its probabilities share.
+
+    The logits are fp32 from the first product on, as in the Triton kernel (fp32 accumulator) and in
+    upstream's default (sdpa) attention: a bf16 einsum would round each logit to bf16, then its scaling."""
     n, num_heads, head_dim = query.shape
     num_kv = keys.shape[2]
     group = num_heads // num_kv
@@ -305,7 +308,7 @@ def _selected_softmax(query: torch.Tensor, keys: torch.Tensor, block_table: torc
         slots = paged_rows(block_table, token_row[start:end, None].long(), pos.clamp_min(0), block_size)
         k = k_flat[slots]  # [n, W, Hkv, D]
         q = query[start:end].view(-1, num_kv, group, head_dim)
-        logits = torch.einsum("nkgd,nwkd->nkgw", q, k) * scaling
+        logits = torch.einsum("nkgd,nwkd->nkgw", q.float(), k.float()) * scaling
         logits = logits.masked_fill(~ok[:, None, None, :], float("-inf"))
-        probs = torch.softmax(logits.float(), dim=-1)
+        probs = torch.softmax(logits, dim=-1)
         yield start, end, torch.nan_to_num(probs, nan=0.0), slots  # rows with nothing to attend (pads)
