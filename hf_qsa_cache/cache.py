@@ -58,6 +58,20 @@ def _canonical(device) -> torch.device:
     return device
 
 
+class _IndicesByDevice:
+    """Row-index lists as long tensors, each made once per device (a row move touches every store's tensors)."""
+
+    def __init__(self):
+        self._made: dict[tuple[int, torch.device], tuple[list[int], torch.Tensor]] = {}
+
+    def __call__(self, rows: list[int], device: torch.device) -> torch.Tensor:
+        key = (id(rows), device)
+        made = self._made.get(key)
+        if made is None or made[0] is not rows:
+            made = self._made[key] = (rows, torch.tensor(rows, dtype=torch.long, device=device))
+        return made[1]
+
+
 def _text_config(config):
     if hasattr(config, "get_text_config"):
         return config.get_text_config(decoder=True)
@@ -745,10 +759,10 @@ class QSAPagedCache(Cache):
                 raise ValueError(f"{name} block pool: copying rows needs {need} more free blocks of "
                                  f"{table.block_size} tokens, {have} are free (num_blocks={table.num_blocks})")
         gathered = []  # (row tensor, its new rows): read everything before the first write
+        indices = _IndicesByDevice()
         for store in self._all_stores():
             for t in store.row_tensors():
-                idx = torch.tensor(src, dtype=torch.long, device=t.device)
-                gathered.append((t, t.index_select(0, idx)))
+                gathered.append((t, t.index_select(0, indices(src, t.device))))
         plans = {name: table.select_rows(src, held) for name, table in self.tables.items()}
         self.lengths = [self.lengths[s] for s in src] + [0] * (self.max_batch_size - n)
         self.rope_deltas = [self.rope_deltas[s] for s in src] + [0] * (self.max_batch_size - n)
@@ -762,8 +776,8 @@ class QSAPagedCache(Cache):
                     for store in layer.stores.values():
                         if store.table == name and store.allocated:
                             for t in store.paged_tensors():
-                                data = t.index_select(0, torch.tensor(old, dtype=torch.long, device=t.device))
-                                t.index_copy_(0, torch.tensor(new, dtype=torch.long, device=t.device), data)
+                                data = t.index_select(0, indices(old, t.device))
+                                t.index_copy_(0, indices(new, t.device), data)
             for t, data in gathered:
                 t[:n] = data
         except BaseException as error:
@@ -792,10 +806,10 @@ class QSAPagedCache(Cache):
         moved = [i for i, s in enumerate(src) if s not in (i, -1)]  # only rows that change place are copied
         gathered = []  # read every moved row before the first write
         if moved:
+            sources, indices = [src[i] for i in moved], _IndicesByDevice()
             for store in self._all_stores():
                 for t in store.row_tensors():
-                    sources = torch.tensor([src[i] for i in moved], dtype=torch.long, device=t.device)
-                    gathered.append((t, torch.tensor(moved, dtype=torch.long, device=t.device), t.index_select(0, sources)))
+                    gathered.append((t, indices(moved, t.device), t.index_select(0, indices(sources, t.device))))
         try:  # from the first change on, a failure refuses further steps (naming reset())
             for table in self.tables.values():
                 table.move_rows(src, held)
