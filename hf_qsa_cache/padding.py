@@ -159,9 +159,12 @@ def runs_any_padding(per_token: dict[str, int], outputs: dict[str, tuple[int, ..
 
     def decorate(forward):
         signature = inspect.signature(forward)
+        mask_position = list(signature.parameters).index("attention_mask")
 
         @functools.wraps(forward)
         def wrapper(*args, **kwargs):
+            if len(args) <= mask_position and kwargs.get("attention_mask") is None:
+                return forward(*args, **kwargs)  # no mask: nothing to reorder (decode steps of the serving loop)
             call = dict(signature.bind(*args, **kwargs).arguments)
             extra = call.pop("kwargs", {}) if "kwargs" in signature.parameters else {}
             tokens = call.get("input_ids")
