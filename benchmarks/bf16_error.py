@@ -136,7 +136,8 @@ def main():
                       f"ours {f_ours.nonzero().flatten().tolist()}", flush=True)
     m = {k: torch.cat(v).mean().item() for k, v in errs.items()}
     print(f"{args.family} on {dev} (attention {args.ops}), rows {lens}, std {args.std}, overrides {args.kw}: "
-          f"{sum(len(e) for e in errs['up'])} tokens, routing flipped upstream bf16 {flips['up']}, ours {flips['ours']}")
+          f"{sum(len(e) for e in errs['up'])} tokens, routing flipped upstream bf16 {flips['up']}, "
+          f"ours {flips['ours']}")
     for label, u, o in (("all tokens", "up", "ours"), ("each without its flipped tokens", "up_kept", "ours_kept"),
                         ("tokens neither flipped", "both_up", "both_ours")):
         print(f"  {label}: mean |logit - upstream fp32| upstream bf16 {m[u]:.4e}, ours {m[o]:.4e}: "
