@@ -131,6 +131,40 @@ def _check(name: str, case: dict, overrides: dict) -> str | None:
     return None
 
 
+def _check_out_of_shared_memory() -> str | None:
+    """A launch whose tiles do not fit the device's shared memory retries with smaller tiles (same result), and
+    later launches of that kind start at the tiles that fit. The interpreter has no shared-memory limit: here
+    a launch with more than 16 keys or 2 tokens per tile is made to run out, as the GPU would."""
+    from triton.runtime.errors import OutOfResources
+
+    from hf_qsa_cache.ops import inkling_attention_triton as kernel
+
+    launch, tried = kernel._launch, []
+
+    def small_device(*args):
+        block_m, block_n = args[15], args[16]
+        tried.append((block_m, block_n))
+        if block_n > 16 or block_m > 2:
+            raise OutOfResources(300_000, 232_448, "shared memory")
+        return launch(*args)
+
+    kernel._launch = small_device
+    try:
+        case = dict(rows=WIDE_ROWS, L=40, heads=6, kv_heads=2, head_dim=16, extent=10, window=12)
+        for attempt in range(2):
+            tried.clear()
+            if err := _check("out of shared memory", case, {}):
+                return err
+            if attempt == 0 and not (len(tried) > 1 and tried[-1][1] == 16 and tried[-1][0] <= 2):
+                return f"out of shared memory: tiles tried {tried}"
+            if attempt == 1 and len(tried) != 1:
+                return f"out of shared memory: the tiles that fit were not remembered, tried {tried}"
+    finally:
+        kernel._launch = launch
+        kernel._TILES_THAT_FIT.clear()
+    return None
+
+
 def _main() -> int:
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -140,6 +174,8 @@ def _main() -> int:
         print("TRITON_INTERPRET was not honoured")
         return 1
     failures = [err for name, case, over in CASES if (err := _check(name, case, over))]
+    if err := _check_out_of_shared_memory():
+        failures.append(err)
     for err in failures:
         print(err)
     if failures:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .triton_common import INTERPRET, LOG2E, dot, on_device_of_first_tensor, pow2
 
@@ -44,6 +45,13 @@ from .triton_common import INTERPRET, LOG2E, dot, on_device_of_first_tensor, pow
 PREFILL_ROWS = 128  # query rows (tokens x padded GQA group) per prefill tile
 PREFILL_BLOCK_N = 64  # keys per key tile
 DECODE_BLOCK_N = 64
+# fp32 tiles take twice the shared memory: half the rows and keys per tile (at head_dim 128 the bf16 prefill
+# tiles in fp32 need 295 KB of the H200's 227 KB).
+WIDE_PREFILL_ROWS = 64
+WIDE_BLOCK_N = 32
+# Tile sizes that did not fit the device's shared memory, by (device, dtype, head_dim, group, decode): a launch
+# that runs out falls back to smaller tiles (`_smaller_tiles`), and later launches start there.
+_TILES_THAT_FIT: dict[tuple, tuple[int, int]] = {}
 TARGET_PROGRAMS = 512  # split the keys until a launch has about this many programs ...
 MIN_SPLIT_KEYS = 1024  # ... but give every split at least this many keys
 MAX_SPLITS = 128
@@ -298,12 +306,9 @@ def paged_rel_attention_triton(
 ) -> torch.Tensor:
     """`paged_rel_attention_torch` in one launch (two when the keys are split); see the module doc."""
     B, L, Hq, hd = q.shape
-    Hkv = k.shape[2]
-    G = Hq // Hkv
-    E = proj.shape[1]
-    out = torch.empty(B, L, Hq * hd, dtype=q.dtype, device=q.device)
+    G = Hq // k.shape[2]
     if B * L == 0:
-        return out
+        return torch.empty(B, L, Hq * hd, dtype=q.dtype, device=q.device)
     table = table.contiguous()
     if table.shape[1] == 0:  # nothing cached anywhere: any single null column will do
         table = torch.zeros(B, 1, dtype=torch.int32, device=q.device)
@@ -311,12 +316,46 @@ def paged_rel_attention_triton(
     rel = (r @ proj).contiguous()
 
     decode = L == 1
-    g_pow = triton.next_power_of_2(G)
+    wide = q.element_size() >= 4 or key_store.element_size() >= 4
+    key = (q.device, q.dtype, key_store.dtype, hd, G, decode)
+    if block_m is None and block_n is None and key in _TILES_THAT_FIT:
+        block_m, block_n = _TILES_THAT_FIT[key]
     if block_m is None:
-        block_m = 1 if decode else max(1, PREFILL_ROWS // g_pow)
-    g_pad = max(g_pow, triton.next_power_of_2(_cdiv(16, block_m)))  # tl.dot needs >= 16 rows
+        block_m = 1 if decode else max(1, (WIDE_PREFILL_ROWS if wide else PREFILL_ROWS) // triton.next_power_of_2(G))
     if block_n is None:
-        block_n = DECODE_BLOCK_N if decode else PREFILL_BLOCK_N
+        block_n = WIDE_BLOCK_N if wide else DECODE_BLOCK_N if decode else PREFILL_BLOCK_N
+    block_n = pow2(block_n)
+    while True:
+        try:
+            return _launch(q, k, v, rel, key_store, value_store, table, block_size, slots, position, prev_len,
+                           host_prev_len, scaling, window, log_scaling, block_m, block_n, num_splits, num_warps)
+        except OutOfResources:
+            smaller = _smaller_tiles(block_m, block_n)
+            if smaller is None:
+                raise
+            block_m, block_n = _TILES_THAT_FIT[key] = smaller
+
+
+def _smaller_tiles(block_m: int, block_n: int) -> tuple[int, int] | None:
+    """The next tile sizes to try after a launch ran out of shared memory: fewer keys per tile down to 16,
+    then fewer query tokens; None when both are at their least."""
+    if block_n > 16:
+        return block_m, block_n // 2
+    if block_m > 1:
+        return block_m // 2, block_n
+    return None
+
+
+def _launch(q, k, v, rel, key_store, value_store, table, block_size, slots, position, prev_len, host_prev_len,
+            scaling, window, log_scaling, block_m, block_n, num_splits, num_warps) -> torch.Tensor:
+    """One launch (two with key splits) at these tile sizes; see `paged_rel_attention_triton`."""
+    B, L, Hq, hd = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    E = rel.shape[-1]
+    out = torch.empty(B, L, Hq * hd, dtype=q.dtype, device=q.device)
+    g_pow = triton.next_power_of_2(G)
+    g_pad = max(g_pow, triton.next_power_of_2(_cdiv(16, block_m)))  # tl.dot needs >= 16 rows
     block_n = pow2(block_n)
     d_pad = pow2(hd)
     num_q_tiles = _cdiv(L, block_m)
