@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import math
 import pstats
 import statistics
 import sys
@@ -30,6 +29,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_serving  # noqa: E402  (its workload and manager settings)
 
 
 def tiny_config(model: str, layers: int, window: int, max_len: int):
@@ -79,24 +81,13 @@ def stubbed_model(args):
 
 
 def workload(args, vocab: int):
-    gen = torch.Generator().manual_seed(args.seed)
-    lo, hi = math.log(args.min_prompt), math.log(args.max_prompt)
-    lengths = [int(math.exp(lo + (hi - lo) * float(u))) for u in torch.rand(args.requests, generator=gen)]
-    outputs = torch.randint(args.min_output, args.max_output + 1, (args.requests,), generator=gen).tolist()
-    prompts = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
+    """bench_serving.py's seeded workload, all requests at once."""
+    prompts, outputs, _ = bench_serving.workload(argparse.Namespace(**vars(args), arrival="all", rate=0.0), vocab)
     return prompts, outputs
 
 
 def make_manager(model, prompts, outputs, args):
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-
-    config = ContinuousBatchingConfig(page_size=args.page_size, max_requests_per_batch=args.rows,
-                                      max_batch_tokens=args.batch_tokens, num_blocks=args.num_blocks)
-    gen_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(outputs))
-    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=max(outputs),
-                          num_requests=len(prompts))
-    manager = model.init_continuous_batching(gen_config, config, hints)
+    manager = bench_serving.serving_manager(model, prompts, outputs, args)
     for layer in manager.cache.layers:  # the layers never run: allocate their state as their first step would
         for store in layer.stores.values():
             if not store.allocated:
