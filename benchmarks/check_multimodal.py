@@ -50,6 +50,8 @@ def check(name, ref, ours, rows, batch, tol=1e-3) -> bool:
 
 
 def main():
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (the vision towers' matmuls and convolutions)
+    torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
     results = []
     import test_multimodal_qwen4_exp as q
