@@ -77,9 +77,20 @@ def grow_for_request(cache: QSAPagedCache, need: int) -> None:
     cache.grow(block * -(-need // block))
 
 
+# What `torch.compile` of a forward does here (transformers' own compile paths never reach these forwards).
+COMPILE_SKIPPED = (
+    "the paged cache's steps run host bookkeeping (validation, block tables, the step transaction) that "
+    "torch.compile cannot trace without a graph break per call; the forward runs eagerly, and decode steps "
+    "already replay CUDA graphs of the whole model (model.use_cuda_graphs)"
+)
+
+
 def lands_whole(forward):
     """Decorator for a model's ``forward``: the cache steps it runs land only if the whole call returns
-    (head, loss and outputs included), and are taken back if it raises (`QSAPagedCache.forward_scope`)."""
+    (head, loss and outputs included), and are taken back if it raises (`QSAPagedCache.forward_scope`).
+
+    `torch.compile` does not trace into it (`COMPILE_SKIPPED`): a user's ``torch.compile(model.forward)``
+    runs the forward eagerly, with the same results, instead of tracing it call after call."""
     position = list(inspect.signature(forward).parameters).index("past_key_values")
 
     @functools.wraps(forward)
@@ -90,7 +101,7 @@ def lands_whole(forward):
         with cache.forward_scope():
             return forward(*args, **kwargs)
 
-    return wrapper
+    return torch.compiler.disable(wrapper, reason=COMPILE_SKIPPED)
 
 
 class PagedCacheGenerationMixin:
