@@ -8,8 +8,8 @@
 3. Training (autograd on CUDA runs the torch reference ops) equals upstream fp32 on the CPU, with and
    without activation checkpointing; right-padded generate() gives each row's tokens alone.
 4. bf16 accuracy judged on logits: the same tokens are teacher-forced for 32 steps through upstream
-   fp32, upstream bf16 and ours bf16 (graphs on); our mean logit error against upstream fp32 must not
-   exceed 1.5x upstream bf16's own.
+   fp32, upstream bf16 and ours bf16 (graphs on), every expert routed (no router flips); our mean logit
+   error against upstream fp32 must not exceed 1.5x upstream bf16's own.
 
     python benchmarks/gpu_checks.py
 """
@@ -230,13 +230,18 @@ def main():
     upstream, ours = q.make_pair(seed=0)
     prompts = q.random_prompts([29, 7, 18, 33, 25], seed=1)
     results.append(check_rows("qwen4_exp", upstream, copy.deepcopy(ours).cuda(), prompts, block_size=4))
-    results.append(check_bf16("qwen4_exp", upstream, ours, prompts, block_size=4))
+    # bf16 with every expert routed: with top-2 routing a token whose router picks other experts in bf16 than in
+    # fp32 has tens of times the others' error, so over a few tokens the ratio would count such flips
+    # (benchmarks/bf16_error.py counts them), not rounding.
+    results.append(check_bf16("qwen4_exp", *q.make_pair(q.tiny_config(num_experts_per_tok=4), seed=0), prompts,
+                              block_size=4))
 
 
     upstream, ours = ink.make_pair(ink.make_config())
     prompts = [p.tolist() for p in ink.make_prompts([9, 3, 14, 6, 21])]
     results.append(check_rows("inkling", upstream, copy.deepcopy(ours).cuda(), prompts, block_size=4))
-    results.append(check_bf16("inkling", upstream, ours, prompts, block_size=4))
+    results.append(check_bf16("inkling", *ink.make_pair(ink.make_config(num_experts_per_tok=4)), prompts,
+                              block_size=4))
     results.append(check_long_rows())
     results.append(check_pads_on_held_rows("qwen4_exp", *q.make_pair(seed=0)))
     results.append(check_pads_on_held_rows("inkling", *ink.make_pair(ink.make_config())))
