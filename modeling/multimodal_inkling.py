@@ -23,6 +23,7 @@ from transformers.models.inkling import modeling_inkling as upstream
 from transformers.models.inkling.configuration_inkling import InklingConfig
 
 from hf_qsa_cache.generation import check_token_ids, lands_whole
+from hf_qsa_cache.serving.runner import splice_prompt_embeddings
 from hf_qsa_cache.speculative import drafts_without_placeholders
 
 from .checkpoints import use_upstream_conversions
@@ -169,18 +170,8 @@ class InklingForConditionalGeneration(InklingForCausalLM):
                            rows: list[tuple[dict | None, int]], cache) -> dict:
         """Forward inputs of a step ``[B, L]`` (left-padded) whose row ``b`` holds ``rows[b][1]`` tokens and has
         the prompt encoding ``rows[b][0]`` (None: a text prompt): embeddings, and the ids they stand for."""
-        B, L = input_ids.shape
         embeds = self.language_model.embed_tokens(input_ids)
-        counts = [L] * B if attention_mask is None else attention_mask[:, -L:].sum(dim=1).tolist()
-        for b, (encoded, held) in enumerate(rows):
-            if encoded is None:
-                continue
-            cols = slice(L - counts[b], L)
-            logical = held + torch.arange(counts[b], device=input_ids.device)
-            prompt = logical < encoded["embeds"].shape[0]
-            row_embeds = embeds[b, cols].clone()
-            row_embeds[prompt] = encoded["embeds"][logical[prompt]].to(embeds.dtype)
-            embeds[b, cols] = row_embeds
+        splice_prompt_embeddings(embeds, attention_mask, rows)
         return {"inputs_embeds": embeds, "token_ids": input_ids}
 
     def _get_candidate_generator(self, generation_config, **kwargs):

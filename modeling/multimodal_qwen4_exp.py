@@ -28,6 +28,7 @@ from transformers.utils import can_return_tuple
 
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.generation import lands_whole
+from hf_qsa_cache.serving.runner import splice_prompt_embeddings
 from hf_qsa_cache.speculative import drafts_without_placeholders
 
 from .checkpoints import use_upstream_conversions
@@ -205,22 +206,16 @@ class Qwen4ExpForConditionalGeneration(Qwen4ExpForCausalLM):
         the prompt encoding ``rows[b][0]`` (None: a text prompt): embeddings, 3-D positions, PLE ids, deltas."""
         B, L = input_ids.shape
         embeds = self.language_model.embed_tokens(input_ids)
+        spans = splice_prompt_embeddings(embeds, attention_mask, rows)
         positions = torch.zeros(3, B, L, dtype=torch.long, device=input_ids.device)
-        counts = [L] * B if attention_mask is None else attention_mask[:, -L:].sum(dim=1).tolist()
         deltas: list[int | None] = [None] * B
-        for b, (encoded, held) in enumerate(rows):
-            cols = slice(L - counts[b], L)
-            logical = held + torch.arange(counts[b], device=input_ids.device)
+        for b, ((encoded, _), (cols, logical)) in enumerate(zip(rows, spans)):
             delta = encoded["delta"] if encoded is not None else cache.rope_deltas[b]
             row = (logical + delta).expand(3, -1).clone()
-            if encoded is not None:
+            if encoded is not None:  # prompt tokens at their 3-D positions, the rest after them
                 deltas[b] = delta
-                prompt = logical < encoded["embeds"].shape[0]
-                index = logical[prompt]
-                row[:, prompt] = encoded["positions"][:, index]
-                row_embeds = embeds[b, cols].clone()
-                row_embeds[prompt] = encoded["embeds"][index].to(embeds.dtype)
-                embeds[b, cols] = row_embeds
+                prompt = logical < encoded["positions"].shape[1]
+                row[:, prompt] = encoded["positions"][:, logical[prompt]]
             positions[:, b, cols] = row
         return {"inputs_embeds": embeds, "position_ids": positions, "ple_input_ids": input_ids,
                 "rope_deltas": deltas}

@@ -81,7 +81,7 @@ class ModelRunner:
     def _forward(self, rows: list[Request], ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         ids = ids.to(self.device)
         mask = None if mask is None else mask.to(self.device)
-        if any(id(r) in self.encoded and r.held < len(r.prompt) for r in rows):
+        if self.encoded and any(id(r) in self.encoded and r.held < len(r.prompt) for r in rows):
             # Prompt tokens of a multimodal request: the model's encoding gives their embeddings (and positions).
             inputs = self.model.prompt_step_inputs(ids, mask, [(self.encoded.get(id(r)), r.held) for r in rows],
                                                    self.cache)
@@ -117,6 +117,27 @@ class ModelRunner:
         for j, (i, token) in enumerate(zip(ready, tokens.tolist())):
             picked.append((rows[i], token, None if logprobs is None else logprobs[j]))
         return picked
+
+
+def splice_prompt_embeddings(embeds: torch.Tensor, attention_mask: torch.Tensor | None,
+                             rows: list[tuple[dict | None, int]]) -> list[tuple[slice, torch.Tensor]]:
+    """For a multimodal model's `prompt_step_inputs`: in a left-padded step ``embeds [B, L, hidden]`` (the
+    token embeddings), the columns of row ``b`` that are prompt tokens of an encoded request (``rows[b] =
+    (encoding, tokens the row holds)``, the encoding's ``"embeds" [n, hidden]``) take the encoding's
+    embeddings, in place. Returns each row's ``(real columns, their logical positions)``."""
+    B, L = embeds.shape[:2]
+    counts = [L] * B if attention_mask is None else attention_mask[:, -L:].sum(dim=1).tolist()
+    spans = []
+    for b, (encoded, held) in enumerate(rows):
+        cols = slice(L - counts[b], L)
+        logical = held + torch.arange(counts[b], device=embeds.device)
+        if encoded is not None:
+            prompt = logical < encoded["embeds"].shape[0]
+            row = embeds[b, cols].clone()
+            row[prompt] = encoded["embeds"][logical[prompt]].to(embeds.dtype)
+            embeds[b, cols] = row
+        spans.append((cols, logical))
+    return spans
 
 
 def warp(logits: torch.Tensor, sampling) -> torch.Tensor:
