@@ -38,7 +38,9 @@ _alone_cache: dict = {}
 
 
 def _alone(ref, prompt, new=NEW, eos=None):
-    key = (id(ref), tuple(prompt), new, eos)
+    # The key holds the model itself, not its id: a module-scoped model freed after its tests could hand its id
+    # to the next family's model, which would then read the first family's tokens.
+    key = (ref, tuple(prompt), new, eos)
     if key not in _alone_cache:
         with torch.no_grad():
             out = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

@@ -83,7 +83,7 @@ _reference_cache: dict = {}
 
 def upstream_row(upstream, row, n):
     """Upstream greedy generation on one unpadded row (memoized across tests)."""
-    key = (id(upstream), tuple(row.tolist()), n)
+    key = (upstream, tuple(row.tolist()), n)  # the object, not its id (ids of freed models are reused)
     if key not in _reference_cache:
         out = greedy(upstream, row[None], n=n)
         _reference_cache[key] = (out.sequences[0, len(row):], torch.stack([s[0] for s in out.logits]))

@@ -195,7 +195,7 @@ _reference: dict = {}
 
 def upstream_row(upstream, batch, i, n=N):
     """Upstream greedy generation on row ``i`` alone, unpadded, with its media (memoized)."""
-    key = (id(upstream), id(batch), i, n)
+    key = (upstream, batch, i, n)  # the objects, not their ids (ids of freed objects are reused)
     if key not in _reference:
         out = greedy(upstream, batch.row(i), n=n, **batch.media(i))
         _reference[key] = (out.sequences[0, len(batch.rows[i]):], torch.stack([s[0] for s in out.logits]))
