@@ -484,17 +484,20 @@ class QSAPagedCache(Cache):
                 self.clear_step_metadata()
 
     def graph_step_metadata(self, lengths: torch.Tensor, query_len: int,
-                            block_tables: dict[str, torch.Tensor] | None = None) -> StepMetadata:
+                            block_tables: dict[str, torch.Tensor] | None = None,
+                            reach: int | None = None) -> StepMetadata:
         """Metadata of a step whose lengths (``[2, rows]``: before the step, real tokens) sit in a device
         buffer, so that the same launches serve every replay of a CUDA graph: no host copies of the
-        lengths, shapes sized for the cache's capacity. ``block_tables``: the device tables to read
+        lengths, shapes sized for ``reach`` tokens per row (default: the cache's capacity; the caller
+        guarantees no row holds more after the step). ``block_tables``: the device tables to read
         (default: the persistent ones, brought up to date)."""
+        reach = self.max_cache_len if reach is None else reach
         rows = lengths.shape[1]
         if block_tables is None:
             block_tables = {name: t.device_table(rows, lengths.device) for name, t in self.tables.items()}
         block_sizes = {name: t.block_size for name, t in self.tables.items()}
         meta = build_step_metadata(lengths[0], lengths[1], query_len, block_tables, block_sizes, self.qsa, None,
-                                   None, max_seq_len=self.max_cache_len)
+                                   None, max_seq_len=reach)
         self.set_step_metadata(meta, lengths.device)
         return meta
 

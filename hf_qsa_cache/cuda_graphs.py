@@ -14,7 +14,10 @@ Everything the step reads lives in static device buffers updated in place before
 
 The host part of a step is the cache's usual validation and block reservation (``transaction``):
 work per row, no device sync for decode (a verify step reads its mask once). Shapes that would grow with context are sized for the cache's
-capacity (`QSAPagedCache.graph_step_metadata`), so one graph serves a whole generation.
+the step's reach (`reach_bucket`: the longest row after the step, rounded up to a power of two, at
+least ``MIN_GRAPH_REACH`` and at most the cache's capacity), so a graph serves until a row crosses a
+power of two, and a cache sized for 1M tokens decodes a short prompt at the cost of a cache sized for
+it (the QSA scores and top-k, and Inkling's full-attention splits, span the reach, not the capacity).
 
 A bucket's first step runs eagerly (which also compiles and tunes kernels) on exactly the path the
 graph records, then the graph is captured; later steps replay it. If a capture fails (a module that
@@ -47,6 +50,9 @@ from .cache import QSAPagedCache
 
 # Longest verify step that gets graphs (one per length and bucket); longer ones run eagerly.
 MAX_STEP_LEN = 8
+# Shortest reach a graph step is sized for (`reach_bucket`): below it, widths cost about the same, and
+# fewer reaches mean fewer captures.
+MIN_GRAPH_REACH = 4096
 # Most bytes of expert weights a graph step may gather for ``batched_mm`` (`graph_experts`); a bigger
 # step keeps the model's own experts implementation (and runs eagerly if that cannot be captured).
 BATCHED_EXPERTS_MAX_BYTES = 1 << 30
@@ -59,6 +65,7 @@ def enabled_by_default() -> bool:
 @dataclass
 class _Bucket:
     ids: torch.Tensor  # [bucket, L] int64
+    reach: int  # tokens any row may hold after the step: the width of the step's length-sized shapes
     lengths: torch.Tensor  # [2, bucket] int32
     positions: torch.Tensor | None  # [3, bucket, L] int64 (models with position ids)
     table_ptrs: dict[str, int]  # device-table addresses the step reads
@@ -83,7 +90,7 @@ class DecodeGraphs:
         self.device = torch.device(device)
         self.record = record
         self.pool = torch.cuda.graph_pool_handle() if record and self.device.type == "cuda" else None
-        self.buckets: dict[tuple[int, int], _Bucket] = {}  # (rows bucket, step length) -> buffers, graph
+        self.buckets: dict[tuple[int, int, int], _Bucket] = {}  # (rows bucket, step length, reach) -> buffers, graph
         self.model_state = model_fingerprint(model)  # what the recorded graphs read (checked at replay)
         self.probe = _probe(model)  # the cheap part of that check, done every step
         self.steps_seen = -1  # cache.steps_started when this runner last opened a step
@@ -99,6 +106,11 @@ class DecodeGraphs:
     def bucket(self, rows: int) -> int:
         """Powers of two up to the cache's row count: few graphs, little padding."""
         return min(1 << max(0, rows - 1).bit_length(), self.cache.max_batch_size)
+
+    def reach_bucket(self, longest: int) -> int:
+        """The reach a step whose longest row holds ``longest`` tokens after it is sized for: a power of two
+        from ``MIN_GRAPH_REACH`` on, capped by the cache's capacity."""
+        return min(max(MIN_GRAPH_REACH, 1 << max(0, longest - 1).bit_length()), self.cache.max_cache_len)
 
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
              attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -116,12 +128,13 @@ class DecodeGraphs:
             # Changed table entries land before the step reads them; a table that moved (another
             # device) invalidates the graphs recorded against its old address.
             ptrs = {n: t.device_table(size, self.device).data_ptr() for n, t in cache.tables.items()}
-            entry = self.buckets.get((size, length))
+            shape = (size, length, self.reach_bucket(max(p + c for p, c in zip(prev, counts))))
+            entry = self.buckets.get(shape)
             if entry is not None and entry.table_ptrs != ptrs:
                 self.buckets.clear()
                 entry = None
             if entry is None:
-                entry = self.buckets[(size, length)] = self._new_bucket(size, length, ptrs)
+                entry = self.buckets[shape] = self._new_bucket(*shape, ptrs)
             self._fill(entry, prev, counts, input_ids, position_ids)
             try:
                 if entry.graph is not None:
@@ -154,13 +167,13 @@ class DecodeGraphs:
         self.probe, self.model_state = probe, state
 
     # ------------------------------------------------------------------ internals
-    def _new_bucket(self, size: int, length: int, ptrs: dict[str, int]) -> _Bucket:
+    def _new_bucket(self, size: int, length: int, reach: int, ptrs: dict[str, int]) -> _Bucket:
         model = self.model
         uses_positions = getattr(model, "_decode_uses_position_ids", False)
         experts = graph_experts(model, self.experts, self.device, size * length)
         key = capture_key(model, self.experts, self.device, experts, size, length)
         return _Bucket(
-            ids=torch.zeros(size, length, dtype=torch.int64, device=self.device),
+            ids=torch.zeros(size, length, dtype=torch.int64, device=self.device), reach=reach,
             lengths=torch.zeros(2, size, dtype=torch.int32, device=self.device),
             positions=torch.zeros(3, size, length, dtype=torch.int64, device=self.device) if uses_positions else None,
             table_ptrs=ptrs, experts=experts, key=key, eager=key in capture_failures(model),
@@ -193,7 +206,7 @@ class DecodeGraphs:
     def _body(self, entry: _Bucket, tables: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The step proper: metadata from the static buffers, then every layer (experts as `graph_experts`
         chose for this bucket)."""
-        meta = self.cache.graph_step_metadata(entry.lengths, entry.ids.shape[1], tables)
+        meta = self.cache.graph_step_metadata(entry.lengths, entry.ids.shape[1], tables, reach=entry.reach)
         self.cache.log_tokens(meta, entry.ids)
         with experts_running(self.experts, entry.experts):
             return self.model._decode_logits(entry.ids, entry.positions, meta, self.cache)

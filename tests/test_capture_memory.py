@@ -111,15 +111,15 @@ def test_failed_capture_is_paid_once_per_model(ink, capture):
     assert CAPTURE_ERROR in str(warned[0].message) and "from now on" in str(warned[0].message)
     key = capture[0]
     assert key == ("cpu", torch.float32, "batched_mm", 4, 1) and CAPTURE_ERROR in capture_failures(model)[key]
-    assert runner.buckets[4, 1].eager and runner.buckets[4, 1].graph is None
+    assert runner.buckets[4, 1, 96].eager and runner.buckets[4, 1, 96].graph is None
     # Each generate() builds a new cache, hence a new runner: it runs eagerly at once, quietly.
     for _ in range(2):
         runner, warned = _decode(model, ids, mask, 3)
-        assert len(capture) == 1 and not warned and runner.buckets[4, 1].eager
+        assert len(capture) == 1 and not warned and runner.buckets[4, 1, 96].eager
     # A new shape (a verify step) gets its try; failing the same way as the first, it fails quietly.
     runner, warned = _decode(model, ids, mask, 3, num_speculative_tokens=3, verify=(1,))
     assert capture[1:] == [("cpu", torch.float32, "batched_mm", 4, 4)] and not warned
-    assert runner.buckets[4, 1].eager and runner.buckets[4, 4].eager
+    assert runner.buckets[4, 1, 96].eager and runner.buckets[4, 4, 96].eager
     # Another experts implementation is another path: it gets its own try (and its own warning).
     model.set_experts_implementation("eager")
     try:
@@ -141,11 +141,11 @@ def test_a_failing_shape_does_not_cost_shapes_that_capture(ink, capture):
     capture.fails = lambda entry: entry.ids.shape[1] > 1
     runner, warned = _decode(model, ids, mask, 6, num_speculative_tokens=3, verify=(1, 4))
     assert [key[3:] for key in capture] == [(4, 1), (4, 4)] and len(warned) == 1
-    assert runner.buckets[4, 1].graph is not None and not runner.buckets[4, 1].eager
-    assert runner.buckets[4, 4].eager and runner.buckets[4, 4].graph is None
+    assert runner.buckets[4, 1, 96].graph is not None and not runner.buckets[4, 1, 96].eager
+    assert runner.buckets[4, 4, 96].eager and runner.buckets[4, 4, 96].graph is None
     runner, warned = _decode(model, ids, mask, 6, num_speculative_tokens=3, verify=(2, 3))
     assert [key[3:] for key in capture] == [(4, 1), (4, 4), (4, 1)] and not warned
-    assert runner.buckets[4, 1].graph is not None and runner.buckets[4, 4].eager
+    assert runner.buckets[4, 1, 96].graph is not None and runner.buckets[4, 4, 96].eager
     assert list(capture_failures(model)) == [("cpu", torch.float32, "batched_mm", 4, 4)]
 
 
@@ -205,7 +205,7 @@ def test_graph_steps_run_batched_mm_and_restore_the_models_experts(family, monke
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
         runner.step(nxt, None, mask)
-        assert set(calls) == {"batched_mm"} and runner.buckets[4, 1].experts == "batched_mm"
+        assert set(calls) == {"batched_mm"} and runner.buckets[4, 1, 64].experts == "batched_mm"
         assert model.config._experts_implementation == "grouped_mm"
         # A step that fails inside the layers still gives the model its own experts back.
         monkeypatch.setattr(model, "_decode_logits", lambda *a: 1 / 0)

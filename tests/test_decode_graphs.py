@@ -16,6 +16,7 @@ import torch
 from qwen4_helpers import left_pad, make_pair, random_prompts
 
 from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache import cuda_graphs
 from hf_qsa_cache.cuda_graphs import graphs_of
 
 STEPS = 9
@@ -52,7 +53,7 @@ def test_static_buffer_step_equals_the_forward(family, positions):
             # order than the forward (Inkling differed by up to 1.6e-5 on one CPU).
             torch.testing.assert_close(got, logits, atol=5e-5, rtol=0, msg=lambda m: f"step {step}: {m}")
     assert static.lengths == eager.lengths and static.columns_seen == eager.columns_seen
-    assert list(runner.buckets) == [(4, 1)] and runner.buckets[4, 1].experts == "batched_mm"
+    assert list(runner.buckets) == [(4, 1, 64)] and runner.buckets[4, 1, 64].experts == "batched_mm"
 
 
 @pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
@@ -80,10 +81,47 @@ def test_static_buffer_verify_steps_equal_the_forward(family):
                 static.crop(-drop)
                 mask = mask[:, :-drop]
     assert static.lengths == eager.lengths
-    assert list(runner.buckets) == [(4, k + 1)]
+    assert list(runner.buckets) == [(4, k + 1, 96)]
 
 
 def test_buckets_are_powers_of_two_up_to_the_cache_rows():
     model, _ = _pair("inkling")
     runner = graphs_of(model, QSAPagedCache(model.config, 6, 32), "cpu", record=False)
     assert [runner.bucket(n) for n in (1, 2, 3, 4, 5, 6)] == [1, 2, 4, 4, 6, 6]
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_a_step_is_sized_for_its_reach_not_the_cache_capacity(family, monkeypatch):
+    """On a cache sized for far more than its rows hold, the recorded step's length-sized shapes (QSA
+    scores and top-k, Inkling's key span) cover the longest row after the step rounded up to a power of
+    two, so a long-capacity cache decodes a short prompt at a short prompt's cost. Decode and verify steps
+    cross reaches (a new bucket each) and equal the forward on a cache sized for the prompt."""
+    monkeypatch.setattr(cuda_graphs, "MIN_GRAPH_REACH", 16)
+    model, (ids, mask) = _pair(family)
+    k = 3
+    eager = QSAPagedCache(model.config, 4, 96, block_size=4, num_speculative_tokens=k)
+    static = QSAPagedCache(model.config, 4, 4096, block_size=4, num_speculative_tokens=k)
+    runner = graphs_of(model, static, "cpu", record=False)
+    sized = []  # (reach the step's metadata was sized for, longest row after the step)
+    build = static.graph_step_metadata
+    monkeypatch.setattr(static, "graph_step_metadata", lambda lengths, *a, **kw: (
+        sized.append((kw["reach"], int((lengths[0] + lengths[1]).max()))), build(lengths, *a, **kw))[1])
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=eager)
+        model(ids, attention_mask=mask, past_key_values=static)
+        for step in range(12):
+            length = k + 1 if step % 2 else 1
+            drafts = torch.randint(2, model.config.vocab_size, (ids.shape[0], length), generator=gen)
+            mask = torch.cat([mask, torch.ones_like(drafts)], dim=1)
+            want = model(drafts, attention_mask=mask, past_key_values=eager).logits
+            got = runner.step(drafts, None, mask)
+            torch.testing.assert_close(got, want, atol=5e-5, rtol=0, msg=lambda m: f"step {step}: {m}")
+            if length > 1:  # a verify step keeps one or two of its tokens
+                drop = 3 if step % 4 == 1 else 2
+                eager.crop(-drop)
+                static.crop(-drop)
+                mask = mask[:, :-drop]
+    assert all(longest <= reach < max(2 * longest, 17) for reach, longest in sized), sized
+    assert len({reach for reach, _ in sized}) >= 2  # the rows crossed a power of two
+    assert {key[2] for key in runner.buckets} == {reach for reach, _ in sized}
