@@ -12,7 +12,8 @@ on `QSAPagedCache`) with CUDA-graph decode on and off. Every measurement is appe
 line to ``benchmarks/results/h200.jsonl`` (keys: model, layers, impl, graphs, batch, prompt_len,
 new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, plus status / floor_ms where known;
 ours adds cache_gib, store_gib (bytes per cache store) and prefill_peak_share: model FLOPs of the
-prefill per second over the H200's dense bf16 peak). Upstream under ``--upstream-limit`` is stopped
+prefill per second over the H200's dense bf16 peak; with graphs, graph_kernels / graph_copies launched by one
+replayed decode step and gpu_busy_share, the share of a step's wall time the GPU is busy). Upstream under ``--upstream-limit`` is stopped
 during its prefill too and reported as "did not finish in N s" (or "out of memory").
 
 The floor of a decode step is the bytes it must read (the weights a step touches: everything but
@@ -135,6 +136,50 @@ def run(model, ids, mask, new_tokens, cache=None, limit_s=None) -> dict:
     if len(timer.times) < new_tokens:
         row["status"] = f"stopped after {len(timer.times)} of {new_tokens} tokens: time limit {limit_s} s"
     return row
+
+
+def graphed_step_stats(model, cache: QSAPagedCache, steps: int = 3) -> dict:
+    """Kernels (and copies) one replayed decode graph launches, and the share of a step's wall time the
+    GPU is busy (the union of its kernels' intervals under the profiler over the median step timed without
+    it). Runs ``steps + 3`` decode steps on ``cache`` (same length every row, room left for them)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    batch, device = cache.num_rows, next(model.parameters()).device
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+
+    def step():
+        ids = torch.randint(2, vocab, (batch, 1), device=device)
+        mask = torch.ones(batch, cache.lengths[0] + 1, dtype=torch.long, device=device)
+        model(ids, attention_mask=mask, past_key_values=cache)
+
+    graphs, model.use_cuda_graphs = model.use_cuda_graphs, True
+    try:
+        with torch.no_grad():
+            step()  # captured here if this bucket has no graph yet
+            step()
+            torch.cuda.synchronize()
+            walls = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                walls.append(time.perf_counter() - start)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+    finally:
+        model.use_cuda_graphs = graphs
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    copies = sum("memcpy" in e.name.lower() or "memset" in e.name.lower() for e in events)
+    busy, end = 0.0, float("-inf")
+    for s, e in sorted((e.time_range.start, e.time_range.end) for e in events):  # overlaps count once
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    wall_us = statistics.median(walls) * 1e6
+    return {"graph_kernels": len(events) - copies, "graph_copies": copies, "graph_busy_us": round(busy, 1),
+            "step_wall_us": round(wall_us, 1), "gpu_busy_share": round(busy / wall_us, 3) if events else None}
 
 
 def copy_bandwidth() -> float:
@@ -298,8 +343,11 @@ def main():
             warm = min(length, 2 * max(1, ours.prefill_chunk_tokens // batch))
             run(ours, ids[:, :warm], mask[:, :warm], 3,
                 QSAPagedCache(config, max_batch_size=batch, max_cache_len=warm + args.new_tokens))
-            cache = QSAPagedCache(config, max_batch_size=batch, max_cache_len=length + args.new_tokens)
+            # Room for `graphed_step_stats`'s steps after the timed generation.
+            cache = QSAPagedCache(config, max_batch_size=batch, max_cache_len=length + args.new_tokens + 8)
             result = run(ours, ids, mask, args.new_tokens, cache)
+            if graphs and "status" not in result:
+                result.update(graphed_step_stats(ours, cache))
             stats = cache.memory_stats()
             result["cache_gib"] = stats["total_bytes"] / 2**30
             result["store_gib"] = {name: round(size / 2**30, 4) for name, size in stats["bytes"].items()}
@@ -327,7 +375,9 @@ def main():
             if row["impl"] == "paged" and up and up.get("decode_ms_per_step") and row.get("decode_ms_per_step"):
                 print(f"  {case} graphs={row['graphs']}: decode {row['decode_ms_per_step']:.2f} ms/step "
                       f"({up['decode_ms_per_step'] / row['decode_ms_per_step']:.1f}x upstream), floor "
-                      f"{floor_ms:.2f} ms ({row['decode_ms_per_step'] / floor_ms:.1f}x floor); prefill "
+                      f"{floor_ms:.2f} ms ({row['decode_ms_per_step'] / floor_ms:.1f}x floor"
+                      + (f", {row['graph_kernels']} kernels, GPU busy {row['gpu_busy_share']:.0%}"
+                         if row.get("gpu_busy_share") is not None else "") + "); prefill "
                       f"{row['prefill_s']:.2f} s ({up['prefill_s'] / row['prefill_s']:.1f}x upstream)", flush=True)
 
 

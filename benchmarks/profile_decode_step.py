@@ -1,0 +1,205 @@
+"""Where a decode step's GPU time goes, per layer kind, and how many kernels a graphed step launches.
+
+    python benchmarks/profile_decode_step.py --model qwen4_exp --layers 40 --batch 1 --prompt 4096
+    python benchmarks/profile_decode_step.py --model inkling --layers 6 --batch 32 --prompt 2048
+    python benchmarks/profile_decode_step.py --model inkling --device cpu --tiny   # logic check (CI)
+
+Two measurements on one prompt (bf16 on CUDA, the benchmark shapes of `bench_generate.py`):
+
+* **By layer kind**: the decode step a CUDA graph records (`DecodeGraphs(record=False)`: static buffers,
+  shapes sized for the step's reach, the experts implementation of graph steps), run eagerly under the
+  torch profiler with a range around every decoder layer and each of its direct children (and the MoE
+  block's router, experts and shared expert). Each kind's kernel count and GPU time per step; a layer's
+  "own work" is its time outside its children (residual adds, hyper-connection mixing); "outside the
+  layers" is the rest of the step (step metadata, the copy-aside of in-place rows, embedding, final
+  norm, LM head). Kernel times are the graph's; launch gaps are not (a graph has none to speak of).
+* **Graphed step**: one replay of the captured step under the profiler: kernels (and copies) per step and
+  the share of the step's wall time (timed apart, without the profiler) the GPU is busy.
+
+On the CPU (``--device cpu``) the same ranges report CPU time and the graphed part is skipped: a check
+that the script runs, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_generate import graphed_step_stats  # noqa: E402
+from bench_speculative import build  # noqa: E402
+
+from hf_qsa_cache import QSAPagedCache  # noqa: E402
+from hf_qsa_cache.cuda_graphs import graphs_of  # noqa: E402
+
+PREFIX = "kind:"
+
+
+def label_modules(model) -> list:
+    """Profiler ranges around each decoder layer (``layer <type>``), its direct children (``<type>.<name>``)
+    and the MoE block's children (``<type>.mlp.<name>``). Returns the hook handles."""
+    handles = []
+    layers = model.model.layers if hasattr(model.model, "layers") else model.model.language_model.layers
+    config = model.config.get_text_config(decoder=True)
+
+    def wrap(module, label):
+        open_ranges = []
+
+        def enter(*_):
+            r = record_function(PREFIX + label)
+            r.__enter__()
+            open_ranges.append(r)
+
+        def leave(*_):
+            open_ranges.pop().__exit__(None, None, None)
+
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave))
+
+    for i, layer in enumerate(layers):
+        kind = config.layer_types[i]
+        wrap(layer, f"layer {kind}")
+        for name, child in layer.named_children():
+            wrap(child, f"{kind}.{name}")
+            if name == "mlp":
+                for sub, grandchild in child.named_children():
+                    wrap(grandchild, f"{kind}.mlp.{sub}")
+    return handles
+
+
+def _kernels(event) -> list:
+    """Device events launched inside ``event`` (a CPU range), its descendants included."""
+    found = list(getattr(event, "kernels", []))
+    for child in event.cpu_children:
+        found.extend(_kernels(child))
+    return found
+
+
+def by_kind(prof, steps: int, on_gpu: bool) -> dict[str, dict]:
+    """``{label: {"kernels": per step, "us": per step}}`` over the labelled ranges (GPU time on CUDA, CPU
+    time on the CPU)."""
+    totals: dict[str, dict] = defaultdict(lambda: {"kernels": 0, "us": 0.0})
+    for event in prof.events():
+        if not event.name.startswith(PREFIX) or event.device_type != DeviceType.CPU:
+            continue
+        row = totals[event.name[len(PREFIX):]]
+        kernels = _kernels(event)
+        row["kernels"] += len(kernels) / steps
+        row["us"] += (sum(k.duration for k in kernels) if on_gpu else event.cpu_time_total) / steps
+    return dict(totals)
+
+
+def _step_inputs(model, cache: QSAPagedCache, batch: int, gen: torch.Generator, device):
+    ids = torch.randint(2, model.config.get_text_config(decoder=True).vocab_size, (batch, 1), generator=gen)
+    mask = torch.ones(batch, cache.lengths[0] + 1, dtype=torch.long, device=device)
+    return ids.to(device), mask
+
+
+def prefilled_cache(model, batch: int, prompt: int, steps: int, device) -> QSAPagedCache:
+    config = model.config.get_text_config(decoder=True)
+    cache = QSAPagedCache(config, max_batch_size=batch, max_cache_len=prompt + steps + 4)
+    ids = torch.randint(2, config.vocab_size, (batch, prompt), device=device)
+    with torch.no_grad():
+        model(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, logits_to_keep=1)
+    return cache
+
+
+def profile_by_kind(model, batch: int, prompt: int, steps: int, device) -> tuple[dict, float]:
+    """Per-kind kernels and time of the recorded step run eagerly; also the step's total."""
+    cache = prefilled_cache(model, batch, prompt, steps + 1, device)
+    runner = graphs_of(model, cache, device, record=False)
+    gen = torch.Generator().manual_seed(0)
+    on_gpu = torch.device(device).type == "cuda"
+    with torch.no_grad():
+        ids, mask = _step_inputs(model, cache, batch, gen, device)
+        runner.step(ids, None, mask)  # warm-up: kernels compiled, tuned
+        handles = label_modules(model)
+        try:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+            with profile(activities=activities) as prof:
+                for _ in range(steps):
+                    ids, mask = _step_inputs(model, cache, batch, gen, device)
+                    with record_function(PREFIX + "step"):
+                        runner.step(ids, None, mask)
+                if on_gpu:
+                    torch.cuda.synchronize()
+        finally:
+            for h in handles:
+                h.remove()
+    return by_kind(prof, steps, on_gpu)
+
+
+def profile_graphed_step(model, batch: int, prompt: int, device) -> dict:
+    """Kernels of one replayed graph step, and the GPU's busy share of a step (CUDA only)."""
+    return graphed_step_stats(model, prefilled_cache(model, batch, prompt, 8, device))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
+    parser.add_argument("--layers", type=int, default=None, help="default: 8 (Qwen4Exp), 6 (Inkling)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=5, help="profiled steps (averaged)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="the test suite's small fp32 configs")
+    parser.add_argument("--jsonl", default=None, help="append the result as one JSON line here")
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(0)
+    if torch.device(args.device).type == "cuda" and not args.tiny:
+        torch.set_default_dtype(torch.bfloat16)  # build in bf16 on the GPU: no fp32 copy of the model
+    model, layers = build(args.model, args.layers, args.device, args.tiny)
+    torch.set_default_dtype(torch.float32)
+    kinds = profile_by_kind(model, args.batch, args.prompt, args.steps, args.device)
+    result = {"model": args.model, "layers": layers, "batch": args.batch, "prompt_len": args.prompt,
+              "device": args.device, "kinds": {k: {"kernels": round(v["kernels"], 1), "us": round(v["us"], 1)}
+                                               for k, v in sorted(kinds.items())}}
+    if torch.device(args.device).type == "cuda":
+        result.update(profile_graphed_step(model, args.batch, args.prompt, args.device))
+
+    step = kinds.get("step", {"us": 0.0, "kernels": 0})
+    unit = "GPU" if torch.device(args.device).type == "cuda" else "CPU"
+    print(f"{args.model} {layers} layers, {args.batch} x {args.prompt}: recorded step run eagerly, {unit} "
+          f"time per step {step['us']:.0f} us, {step['kernels']:.0f} kernels")
+    layers_us = sum(v["us"] for k, v in kinds.items() if k.startswith("layer "))
+    rows = [("outside the layers", step["kernels"] - sum(v["kernels"] for k, v in kinds.items()
+                                                          if k.startswith("layer ")), step["us"] - layers_us)]
+    for kind in sorted({k.split(" ", 1)[1] for k in kinds if k.startswith("layer ")}):
+        layer = kinds[f"layer {kind}"]
+        children = {k: v for k, v in kinds.items() if k.startswith(kind + ".") and k.count(".") == 1}
+        rows.append((f"layer {kind}", layer["kernels"], layer["us"]))
+        rows.append((f"  {kind}: own work", layer["kernels"] - sum(v["kernels"] for v in children.values()),
+                     layer["us"] - sum(v["us"] for v in children.values())))
+        for name, v in sorted(children.items(), key=lambda kv: -kv[1]["us"]):
+            rows.append((f"  {name}", v["kernels"], v["us"]))
+            for sub, w in sorted(((k, w) for k, w in kinds.items() if k.startswith(name + ".")),
+                                 key=lambda kv: -kv[1]["us"]):
+                rows.append((f"    {sub}", w["kernels"], w["us"]))
+    print(f"| kind | kernels / step | {unit} us / step | share |")
+    print("|---|---|---|---|")
+    for name, kernels, us in rows:
+        print(f"| {name} | {kernels:.0f} | {us:.1f} | {us / step['us']:.1%} |" if step["us"] else
+              f"| {name} | {kernels:.0f} | {us:.1f} | - |")
+    if "graph_kernels" in result:
+        print(f"graphed step: {result['graph_kernels']} kernels + {result['graph_copies']} copies, GPU busy "
+              f"{result['graph_busy_us']:.0f} of {result['step_wall_us']:.0f} us ({result['gpu_busy_share']:.0%})")
+    print(json.dumps(result), flush=True)
+    if args.jsonl:
+        with open(args.jsonl, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""benchmarks/profile_decode_step.py attributes a decode step's time to layer kinds (CPU, tiny models).
+
+On the CPU the script reports CPU time (its GPU columns need CUDA); this checks its bookkeeping: every
+layer kind of the model and each layer's children get a range, children fit inside their layer, the
+layers inside the step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("model", ["qwen4_exp", "inkling"])
+def test_every_layer_kind_and_child_is_timed_inside_the_step(model):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import profile_decode_step as script
+    finally:
+        sys.path.pop(0)
+    result = script.main(["--model", model, "--device", "cpu", "--tiny", "--prompt", "21", "--steps", "1"])
+    kinds = result["kinds"]
+    from bench_speculative import build
+
+    built, _ = build(model, None, "cpu", True)
+    layer_types = set(built.config.layer_types)
+    assert {k.split(" ", 1)[1] for k in kinds if k.startswith("layer ")} == layer_types
+    for kind in layer_types:
+        layer = kinds[f"layer {kind}"]["us"]
+        children = [v["us"] for k, v in kinds.items() if k.startswith(kind + ".") and k.count(".") == 1]
+        assert children and 0 < sum(children) <= layer
+        assert f"{kind}.mlp" in kinds
+    assert sum(v["us"] for k, v in kinds.items() if k.startswith("layer ")) <= kinds["step"]["us"]
