@@ -38,6 +38,7 @@ from hf_qsa_cache.generation import (
 from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops import records_grad
+from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention, sparse_paged_attention_probs
 from hf_qsa_cache.rollback import gated_delta_keeping_states, step_history
 
@@ -232,15 +233,15 @@ class Qwen4ExpTextDecoderLayer(upstream.Qwen4ExpTextDecoderLayer):
     def _forward(self, hidden_states, cos, sin, positions3, valid, ple_input_ids, cache, attentions):
         if self.ple is not None:
             hidden_states = hidden_states + self.ple(hidden_states, ple_input_ids, valid, cache)
-        block_input, hyper_input, inject = self.attn_hyper_connection(hidden_states)
+        block_input, hyper_input, inject = gated_residual(self.attn_hyper_connection, hidden_states)
         if self.layer_type == "linear_attention":
             out = self.linear_attn(block_input, valid, cache)
         else:
             out = self.self_attn(block_input, cos, sin, positions3, cache, attentions)
-        hidden_states = hyper_input + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
-        block_input, hyper_input, inject = self.mlp_hyper_connection(hidden_states)
+        # The attention block's residual add and the MoE block's mixing in one pass where fused.
+        block_input, hyper_input, inject = gated_residual(self.mlp_hyper_connection, hyper_input, (out, inject))
         out = self.mlp(block_input)
-        return hyper_input + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
+        return add_injection(hyper_input, out, inject)
 
 
 class Qwen4ExpPreTrainedModel(StrictLoadingMixin, upstream.Qwen4ExpPreTrainedModel):

@@ -1,0 +1,109 @@
+"""Qwen4Exp's gated hyper-connections with their elementwise work fused (opt-in: ``HF_QSA_FUSED_HC=1``).
+
+Each decoder layer mixes its ``hc`` residual streams twice (before the attention or GatedDeltaNet block,
+before the MoE block) with transformers' ``Qwen4ExpTextGatedResidual``, and adds each block's output
+back into the streams. Upstream that is about twenty small kernels per mixing (a grouped RMS norm in
+ten elementwise ops, three projections, scalings and activations one op each), which dominate a
+decode step's launch count. Here one mixing is three elementwise launches around the same three
+projections (transformers' ``nn.Linear`` weights, read as they are):
+
+* `hc_norm`: the grouped RMS norm of the streams; with ``residual=(out, inject)`` it first adds the
+  previous block's output into the streams (``streams + out * inject`` per stream), so the residual
+  add and the next norm are one pass;
+* `scaled_silu`: ``silu(x / hc)`` on the low-rank projection;
+* `mix_streams`: ``mean_c(sigmoid(up_c) * normed_c)`` and the injection weights ``2 sigmoid(w / hc)``.
+
+Each computes in fp32 and rounds its outputs once (upstream rounds after every op in bf16: the results
+differ by bf16 rounding and are judged against fp32). The torch functions here are the specification
+(and what the CPU runs); `hyper_connection_triton` holds the kernels, tested against them.
+
+Until measured on a GPU the fused path is off by default; it applies when the environment variable is
+set, autograd records nothing, the module's weights sit on the activations' device (offloading hooks
+keep them elsewhere until their forward) and the module has no forward hooks; otherwise the module runs
+upstream's forward.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from . import records_grad
+
+FUSED_HC = os.environ.get("HF_QSA_FUSED_HC", "0") == "1"
+
+
+def use_fused(module, x: torch.Tensor) -> bool:
+    # A hook on the module (a user's, an output recorder's) must see its forward run.
+    return (FUSED_HC and not records_grad(x) and module.hc_norm.weight.device == x.device
+            and not (module._forward_hooks or module._forward_pre_hooks))
+
+
+def add_injection(streams: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
+    """Upstream's residual: each of the ``hc`` streams ``[..., hc * H]`` plus ``out [..., H]`` times its
+    injection weight ``inject [..., hc]``."""
+    return streams + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
+
+
+def gated_residual(module, streams: torch.Tensor, residual: tuple | None = None):
+    """``(block_input, streams, inject)`` as ``module(streams)`` returns them (transformers'
+    ``Qwen4ExpTextGatedResidual`` with its injection), after adding ``residual = (out, inject)`` of the
+    previous block into ``streams`` when given. Fused when `use_fused`, else upstream's own ops."""
+    if not use_fused(module, streams):
+        if residual is not None:
+            streams = add_injection(streams, *residual)
+        return module(streams)
+    hc = module.hc_count
+    streams, normed = hc_norm(streams, module.hc_norm.weight, hc, module.hc_norm.eps, residual)
+    low = scaled_silu(F.linear(normed, module.input_mix_weight_down.weight), 1.0 / hc)
+    block_input, inject = mix_streams(F.linear(low, module.input_mix_weight_up.weight), normed,
+                                      F.linear(normed, module.block_inject_weight.weight), hc)
+    return block_input, streams, inject
+
+
+def _triton(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+# ----------------------------------------------------------------------------- the three fused ops
+def hc_norm(streams: torch.Tensor, weight: torch.Tensor, hc: int, eps: float,
+            residual: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(streams, normed)``: ``streams [..., hc * H]`` (plus ``out [..., H] * inject [..., hc]`` per stream
+    when ``residual = (out, inject)``, rounded to the streams' dtype), and its RMS norm over each stream's
+    ``H`` features times ``1 + weight``, rounded to the streams' dtype."""
+    if _triton(streams):
+        from .hyper_connection_triton import hc_norm_triton
+
+        return hc_norm_triton(streams, weight, hc, eps, residual)
+    if residual is not None:
+        out, inject = residual
+        grouped = streams.float().unflatten(-1, (hc, -1)) + out.float().unsqueeze(-2) * inject.float().unsqueeze(-1)
+        streams = grouped.flatten(-2).to(streams.dtype)
+    x = streams.float().unflatten(-1, (hc, -1))
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return streams, (normed.flatten(-2) * (1.0 + weight.float())).to(streams.dtype)
+
+
+def scaled_silu(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``silu(x * scale)`` in fp32, rounded to ``x``'s dtype."""
+    if _triton(x):
+        from .hyper_connection_triton import scaled_silu_triton
+
+        return scaled_silu_triton(x, scale)
+    return F.silu(x.float() * scale).to(x.dtype)
+
+
+def mix_streams(up: torch.Tensor, normed: torch.Tensor, inject_logits: torch.Tensor,
+                hc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mixed [..., H], inject [..., hc])``: the mean over streams of ``sigmoid(up) * normed`` (both
+    ``[..., hc * H]``) and ``2 sigmoid(inject_logits / hc)``, each rounded to ``normed``'s dtype."""
+    if _triton(normed):
+        from .hyper_connection_triton import mix_streams_triton
+
+        return mix_streams_triton(up, normed, inject_logits, hc)
+    gates = torch.sigmoid(up.float()).unflatten(-1, (hc, -1))
+    mixed = (gates * normed.float().unflatten(-1, (hc, -1))).mean(-2)
+    inject = 2 * torch.sigmoid(inject_logits.float() / hc)
+    return mixed.to(normed.dtype), inject.to(normed.dtype)

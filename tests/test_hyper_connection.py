@@ -1,0 +1,149 @@
+"""Qwen4Exp's fused hyper-connection mixing (`hf_qsa_cache.ops.hyper_connection`, opt-in) against
+transformers' ``Qwen4ExpTextGatedResidual``, and its Triton kernels against the torch functions.
+
+The kernel comparison runs this file as a script under the Triton interpreter (`interpreter.py`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from interpreter import run_under_interpreter
+from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
+
+from hf_qsa_cache.ops import hyper_connection as hc_ops
+
+
+def _mixing(config, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    module = upstream.Qwen4ExpTextGatedResidual(config).eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.5)
+    return module.to(dtype)
+
+
+def _streams(config, tokens=(2, 3), seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    H, hc = config.hidden_size, config.hc_count
+    streams = torch.randn(*tokens, hc * H, generator=g) * 2
+    out = torch.randn(*tokens, H, generator=g)
+    inject = torch.rand(*tokens, hc, generator=g) * 2
+    return streams.to(dtype), out.to(dtype), inject.to(dtype)
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    monkeypatch.setattr(hc_ops, "FUSED_HC", True)
+
+
+def test_fused_mixing_equals_upstream_in_fp32(fused):
+    from qwen4_helpers import tiny_config
+
+    config = tiny_config()
+    module = _mixing(config)
+    streams, out, inject = _streams(config)
+    with torch.no_grad():
+        for got, want in [(hc_ops.gated_residual(module, streams), module(streams)),
+                          (hc_ops.gated_residual(module, streams, (out, inject)),
+                           module(streams + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)))]:
+            assert len(got) == len(want) == 3
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, atol=2e-6, rtol=2e-6)
+
+
+def test_fused_mixing_in_bf16_is_no_further_from_fp32_than_upstream(fused):
+    """Both round to bf16; the fused ops round once per output instead of after every op."""
+    from qwen4_helpers import tiny_config
+
+    config = tiny_config(hidden_size=64)
+    exact = _mixing(config)
+    low = _mixing(config, dtype=torch.bfloat16)
+    streams, out, inject = _streams(config, tokens=(4, 8))
+    with torch.no_grad():
+        want = exact(streams + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2))
+        args = [t.bfloat16() for t in (streams, out, inject)]
+        ours = hc_ops.gated_residual(low, args[0], (args[1], args[2]))
+        theirs = low(args[0] + (args[1].unsqueeze(-2) * args[2].unsqueeze(-1)).flatten(-2))
+    for o, t, w in zip(ours, theirs, want):
+        err_ours, err_theirs = (o.float() - w).abs().mean(), (t.float() - w).abs().mean()
+        assert err_ours <= 1.1 * err_theirs + 1e-6, (err_ours, err_theirs)
+
+
+def test_hooks_and_autograd_get_upstreams_forward(fused, monkeypatch):
+    from qwen4_helpers import tiny_config
+
+    config = tiny_config()
+    module = _mixing(config)
+    streams, _, _ = _streams(config)
+    calls = []
+    monkeypatch.setattr(hc_ops, "hc_norm", lambda *a, **k: calls.append(1) or (_ for _ in ()).throw(AssertionError))
+    seen = []
+    handle = module.register_forward_hook(lambda *a: seen.append(1))
+    with torch.no_grad():
+        hc_ops.gated_residual(module, streams)
+    handle.remove()
+    hc_ops.gated_residual(module, streams.requires_grad_())  # training records the upstream ops
+    assert seen == [1] and calls == []
+
+
+def test_generate_with_fused_mixing_equals_the_default(monkeypatch):
+    from qwen4_helpers import left_pad, make_pair, random_prompts
+
+    _, model = make_pair(seed=3)
+    ids, mask = left_pad(random_prompts([23, 9, 17], seed=4))
+    runs = {}
+    for flag in (False, True):
+        monkeypatch.setattr(hc_ops, "FUSED_HC", flag)
+        calls = []
+        real = hc_ops.mix_streams
+        monkeypatch.setattr(hc_ops, "mix_streams", lambda *a, real=real: calls.append(1) or real(*a))
+        with torch.no_grad():
+            runs[flag] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                        output_scores=True, return_dict_in_generate=True)
+        assert bool(calls) == flag  # the fused ops ran only when asked
+    assert torch.equal(runs[True].sequences, runs[False].sequences)
+    torch.testing.assert_close(torch.stack(runs[True].scores), torch.stack(runs[False].scores), atol=2e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------- triton vs torch
+def test_triton_kernels_match_torch():
+    run_under_interpreter(__file__, "all hyper-connection kernel cases ok")
+
+
+def _main() -> int:
+    from hf_qsa_cache.ops.hyper_connection_triton import hc_norm_triton, mix_streams_triton, scaled_silu_triton
+
+    cases = 0
+    for hc, H in ((4, 24), (3, 20), (2, 16)):  # padded streams (3) and features (24, 20)
+        for tokens in ((1,), (5,), (2, 3)):
+            for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1.6e-2)):  # bf16: two units in the last place
+                g = torch.Generator().manual_seed(hc * 100 + H + len(tokens))
+                streams = (torch.randn(*tokens, hc * H, generator=g) * 2).to(dtype)
+                out = torch.randn(*tokens, H, generator=g).to(dtype)
+                inject = (torch.rand(*tokens, hc, generator=g) * 2).to(dtype)
+                weight = torch.randn(hc * H, generator=g).to(dtype)
+                for residual in (None, (out, inject)):
+                    got = hc_norm_triton(streams, weight, hc, 1e-6, residual)
+                    want = hc_ops.hc_norm(streams, weight, hc, 1e-6, residual)
+                    for a, b in zip(got, want):
+                        assert a.dtype == b.dtype and a.shape == b.shape
+                        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+                    cases += 1
+                low = torch.randn(*tokens, 7, generator=g).to(dtype)
+                torch.testing.assert_close(scaled_silu_triton(low, 1 / hc).float(),
+                                           hc_ops.scaled_silu(low, 1 / hc).float(), atol=tol, rtol=tol)
+                up = torch.randn(*tokens, hc * H, generator=g).to(dtype)
+                logits = torch.randn(*tokens, hc, generator=g).to(dtype)
+                for a, b in zip(mix_streams_triton(up, streams, logits, hc), hc_ops.mix_streams(up, streams, logits, hc)):
+                    assert a.dtype == b.dtype and a.shape == b.shape
+                    torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+                cases += 2
+    print(f"all hyper-connection kernel cases ok ({cases})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
