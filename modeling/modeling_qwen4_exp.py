@@ -38,6 +38,7 @@ from hf_qsa_cache.generation import (
 from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops import records_grad
+from hf_qsa_cache.ops.gated_delta import delta_gates, gated_rms_norm
 from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention, sparse_paged_attention_probs
 from hf_qsa_cache.rollback import gated_delta_keeping_states, step_history
@@ -139,10 +140,7 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
         query = query.reshape(B, L, -1, self.head_k_dim)
         key = key.reshape(B, L, -1, self.head_k_dim)
         value = value.reshape(B, L, -1, self.head_v_dim)
-        # Pads neither decay nor update the recurrent state.
-        beta = torch.where(valid[..., None], b.sigmoid(), 0)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        g = torch.where(valid[..., None], g, 0)
+        beta, g = delta_gates(b, a, self.A_log, self.dt_bias, valid)  # zero on pads: no decay, no update
 
         states = None
         initial_state = state.initial_recurrent(B, meta.starts_fresh)
@@ -159,7 +157,7 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
             )
         state.write_recurrent(last_state, kept, states)
 
-        core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        core = gated_rms_norm(self.norm, core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.reshape(B, L, -1))
 
 

@@ -1,5 +1,7 @@
 """Triton kernels used by the cache (each tested against a torch specification)."""
 
+import os
+
 import torch
 
 
@@ -7,3 +9,12 @@ def records_grad(*tensors) -> bool:
     """Whether autograd records an op on these tensors. The Triton kernels have no backward, so such calls
     (training, fine-tuning) run the torch specification, which autograd differentiates."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# Fusions not yet measured on a GPU are off unless named in HF_QSA_FUSED (comma-separated, or "all"):
+# "hc" (Qwen4Exp hyper-connection mixing), "gdn" (GatedDeltaNet gates and output norm). Read at import.
+_FUSED = {name.strip() for name in os.environ.get("HF_QSA_FUSED", "").split(",") if name.strip()}
+
+
+def fusion_enabled(name: str) -> bool:
+    return name in _FUSED or "all" in _FUSED

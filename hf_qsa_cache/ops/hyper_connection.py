@@ -1,4 +1,4 @@
-"""Qwen4Exp's gated hyper-connections with their elementwise work fused (opt-in: ``HF_QSA_FUSED_HC=1``).
+"""Qwen4Exp's gated hyper-connections with their elementwise work fused (opt-in: ``HF_QSA_FUSED=hc``).
 
 Each decoder layer mixes its ``hc`` residual streams twice (before the attention or GatedDeltaNet block,
 before the MoE block) with transformers' ``Qwen4ExpTextGatedResidual``, and adds each block's output
@@ -25,14 +25,12 @@ upstream's forward.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from . import records_grad
+from . import fusion_enabled, records_grad
 
-FUSED_HC = os.environ.get("HF_QSA_FUSED_HC", "0") == "1"
+FUSED_HC = fusion_enabled("hc")
 
 
 def use_fused(module, x: torch.Tensor) -> bool:

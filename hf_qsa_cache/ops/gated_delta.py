@@ -1,0 +1,60 @@
+"""GatedDeltaNet's elementwise work around the recurrence, one launch each where fused (opt-in:
+``HF_QSA_FUSED=gdn``, until measured on a GPU).
+
+* `delta_gates`: the write strength ``beta = sigmoid(b)`` and the log decay
+  ``g = -exp(A_log) * softplus(a + dt_bias)`` of every head, both zero on pad tokens (pads neither decay
+  nor update the state). Upstream's ops are about ten launches.
+* `gated_rms_norm`: the output norm with its gate (transformers' ``Qwen4ExpTextRMSNormGated``: RMS norm
+  in fp32, rounded, times the weight, times ``act(gate)``), about ten launches upstream.
+
+The torch functions are the specification (what the CPU runs, and CUDA unless fused); the Triton kernels
+(`gated_delta_triton`) repeat their arithmetic and rounding points.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from . import fusion_enabled, records_grad
+
+FUSED_GDN = fusion_enabled("gdn")
+GATE_ACTIVATIONS = ("sigmoid", "silu")  # what the fused norm knows
+
+
+def _fused(*tensors) -> bool:
+    return FUSED_GDN and tensors[0].is_cuda and not records_grad(*tensors)
+
+
+def delta_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(beta, g)`` of ``b``, ``a`` ``[B, L, H]`` with the per-head ``A_log``, ``dt_bias`` ``[H]`` and the real
+    tokens ``valid`` ``[B, L]``: ``beta`` in ``b``'s dtype, ``g`` in fp32."""
+    if _fused(b, a, A_log, dt_bias):
+        from .gated_delta_triton import delta_gates_triton
+
+        return delta_gates_triton(b, a, A_log, dt_bias, valid)
+    beta = torch.where(valid[..., None], b.sigmoid(), 0)
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return beta, torch.where(valid[..., None], g, 0)
+
+
+def gated_rms_norm(norm, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``norm(x, gate)`` for transformers' ``Qwen4ExpTextRMSNormGated`` ``norm`` over rows ``[N, D]``."""
+    if (not FUSED_GDN or records_grad(x, gate, norm.weight) or norm.activation not in GATE_ACTIVATIONS
+            or norm._forward_hooks or norm._forward_pre_hooks):
+        return norm(x, gate)
+    if x.is_cuda:
+        from .gated_delta_triton import gated_rms_norm_triton
+
+        return gated_rms_norm_triton(x, gate, norm.weight, norm.variance_epsilon, norm.activation)
+    return gated_rms_norm_torch(x, gate, norm.weight, norm.variance_epsilon, norm.activation)
+
+
+def gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                         activation: str) -> torch.Tensor:
+    """The arithmetic of ``Qwen4ExpTextRMSNormGated.forward``, written out (the kernels' specification)."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    normed = weight * normed.to(x.dtype)
+    return (normed * ACT2FN[activation](gate.float())).to(x.dtype)

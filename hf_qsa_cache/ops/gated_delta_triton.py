@@ -1,0 +1,84 @@
+"""Triton versions of `hf_qsa_cache.ops.gated_delta`'s fused ops (same arithmetic and rounding points)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import on_device_of_first_tensor
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _softplus(x):
+    # torch's softplus (beta 1, threshold 20): the identity above 20.
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _delta_gates_kernel(b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, valid_ptr, beta_ptr, g_ptr, num_tokens,
+                        H: tl.constexpr, H_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, H_PAD)
+    ok = h < H
+    real = tl.load(valid_ptr + t) != 0
+    b = tl.load(b_ptr + t * H + h, mask=ok, other=0.0).to(tl.float32)
+    beta = tl.where(real, tl.sigmoid(b), 0.0)
+    # dt_bias in its own dtype, added to the fp32 `a` (as torch promotes); A_log widened before exp.
+    a = tl.load(a_ptr + t * H + h, mask=ok, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h, mask=ok, other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(a_log_ptr + h, mask=ok, other=0.0).to(tl.float32))
+    g = tl.where(real, -decay * _softplus(a + dt_bias), 0.0)
+    tl.store(beta_ptr + t * H + h, beta.to(beta_ptr.dtype.element_ty), mask=ok)
+    tl.store(g_ptr + t * H + h, g, mask=ok)
+
+
+@on_device_of_first_tensor
+def delta_gates_triton(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                       valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_delta.delta_gates` in one launch."""
+    b, a = b.contiguous(), a.contiguous()
+    H = b.shape[-1]
+    tokens = b.numel() // max(H, 1)
+    beta = torch.empty_like(b)
+    g = torch.empty(b.shape, dtype=torch.float32, device=b.device)
+    if tokens:
+        _delta_gates_kernel[(tokens,)](b, a, A_log, dt_bias, valid.contiguous().view(-1), beta, g, tokens,
+                                       H=H, H_PAD=triton.next_power_of_2(H), num_warps=1)
+    return beta, g
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _gated_rms_norm_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, num_rows, eps,
+                           D: tl.constexpr, D_PAD: tl.constexpr, SIGMOID: tl.constexpr, PRODUCT: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    ok = d < D
+    x = tl.load(x_ptr + r * D + d, mask=ok, other=0.0).to(tl.float32)
+    normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)).to(out_ptr.dtype.element_ty)
+    w = tl.load(weight_ptr + d, mask=ok, other=0.0)
+    normed = (w.to(tl.float32) * normed.to(tl.float32)).to(PRODUCT)  # weight * x in torch's promoted dtype
+    gate = tl.load(gate_ptr + r * D + d, mask=ok, other=0.0).to(tl.float32)
+    act = tl.sigmoid(gate) if SIGMOID else gate * tl.sigmoid(gate)
+    tl.store(out_ptr + r * D + d, (normed.to(tl.float32) * act).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@on_device_of_first_tensor
+def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                          activation: str) -> torch.Tensor:
+    """`gated_delta.gated_rms_norm_torch` in one launch, one program per row."""
+    assert activation in ("sigmoid", "silu"), activation
+    x, gate = x.contiguous(), gate.contiguous()
+    D = x.shape[-1]
+    rows = x.numel() // max(D, 1)
+    out = torch.empty_like(x)
+    # The product with the weight is rounded to the dtype torch promotes it to (fp32 rows stay fp32).
+    product = _TL_DTYPES[torch.promote_types(x.dtype, weight.dtype)]
+    if rows:
+        _gated_rms_norm_kernel[(rows,)](x, gate, weight, out, rows, float(eps), D=D,
+                                        D_PAD=triton.next_power_of_2(D), SIGMOID=activation == "sigmoid",
+                                        PRODUCT=product, num_warps=4 if D >= 512 else 1)
+    return out

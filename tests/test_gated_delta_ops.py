@@ -1,0 +1,95 @@
+"""GatedDeltaNet's fused gates and gated output norm (`hf_qsa_cache.ops.gated_delta`, opt-in): the written-out
+norm against transformers' module, the model with the fused path on against the default, and the Triton
+kernels against the torch functions (as a script under the Triton interpreter, `interpreter.py`)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from interpreter import run_under_interpreter
+from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextRMSNormGated
+
+from hf_qsa_cache.ops import gated_delta
+
+
+def _norm(D, activation, dtype, seed=0):
+    torch.manual_seed(seed)
+    norm = Qwen4ExpTextRMSNormGated(D, eps=1e-6, activation=activation)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.5)
+    return norm.to(dtype)
+
+
+@pytest.mark.parametrize("activation", ["sigmoid", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_written_out_norm_is_transformers_module(activation, dtype):
+    norm = _norm(24, activation, dtype)
+    g = torch.Generator().manual_seed(1)
+    x, gate = (torch.randn(7, 24, generator=g).to(dtype) * 3 for _ in range(2))
+    with torch.no_grad():
+        assert torch.equal(gated_delta.gated_rms_norm_torch(x, gate, norm.weight, 1e-6, activation), norm(x, gate))
+
+
+def test_generate_with_the_fused_path_equals_the_default(monkeypatch):
+    from qwen4_helpers import left_pad, make_pair, random_prompts
+
+    _, model = make_pair(seed=5)
+    ids, mask = left_pad(random_prompts([19, 7, 26], seed=6))
+    runs = {}
+    for flag in (False, True):
+        monkeypatch.setattr(gated_delta, "FUSED_GDN", flag)
+        calls = []
+        real = gated_delta.gated_rms_norm_torch
+        monkeypatch.setattr(gated_delta, "gated_rms_norm_torch", lambda *a, real=real: calls.append(1) or real(*a))
+        with torch.no_grad():
+            runs[flag] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                        output_scores=True, return_dict_in_generate=True)
+        assert bool(calls) == flag
+    assert torch.equal(runs[True].sequences, runs[False].sequences)
+    torch.testing.assert_close(torch.stack(runs[True].scores), torch.stack(runs[False].scores), atol=1e-5, rtol=0)
+
+
+def test_triton_kernels_match_torch():
+    run_under_interpreter(__file__, "all gated delta kernel cases ok")
+
+
+def _main() -> int:
+    from hf_qsa_cache.ops.gated_delta_triton import delta_gates_triton, gated_rms_norm_triton
+
+    cases = 0
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1.6e-2)):  # bf16: two units in the last place
+        for B, L, H in ((1, 1, 5), (3, 4, 8)):
+            g = torch.Generator().manual_seed(B * 10 + H)
+            b = (torch.randn(B, L, H, generator=g) * 4).to(dtype)
+            a = (torch.rand(B, L, H, generator=g) * 60 - 30).to(dtype)  # both sides of softplus's threshold
+            A_log = torch.randn(H, generator=g).to(dtype)
+            dt_bias = torch.randn(H, generator=g).to(dtype)
+            valid = torch.rand(B, L, generator=g) > 0.3
+            valid[-1, 0] = False  # at least one pad
+            got, want = delta_gates_triton(b, a, A_log, dt_bias, valid), gated_delta.delta_gates(b, a, A_log, dt_bias, valid)
+            for x, y in zip(got, want):
+                assert x.dtype == y.dtype and x.shape == y.shape
+                torch.testing.assert_close(x.float(), y.float(), atol=tol, rtol=tol)
+            assert (got[1][~valid] == 0).all() and (got[0][~valid] == 0).all()
+            cases += 1
+        for D in (24, 16):
+            for activation in ("sigmoid", "silu"):
+                norm = _norm(D, activation, dtype, seed=D)
+                g = torch.Generator().manual_seed(D)
+                x, gate = (torch.randn(9, D, generator=g).to(dtype) * 3 for _ in range(2))
+                got = gated_rms_norm_triton(x, gate, norm.weight.detach(), 1e-6, activation)
+                with torch.no_grad():
+                    want = norm(x, gate)
+                assert got.dtype == want.dtype
+                # Three rounding points in bf16 (normed, times the weight, times the gate): up to three units.
+                rounding = 1.5 * tol if dtype == torch.bfloat16 else tol
+                torch.testing.assert_close(got.float(), want.float(), atol=rounding, rtol=rounding)
+                cases += 1
+    print(f"all gated delta kernel cases ok ({cases})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
