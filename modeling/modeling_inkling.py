@@ -47,6 +47,7 @@ from hf_qsa_cache.metadata import StepMetadata
 from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention, paged_rel_attention_probs
+from hf_qsa_cache.ops.rms_norm import add_rms_norm
 from hf_qsa_cache.ops.sconv import short_conv
 from hf_qsa_cache.stores.inkling import STREAM_ATTN, STREAM_K, STREAM_MLP, STREAM_V
 
@@ -173,11 +174,11 @@ class InklingPagedDecoderLayer(GradientCheckpointingLayer):
     def _forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, attentions: list | None) -> torch.Tensor:
         meta = cache.step_metadata(hidden_states.device)
         cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype)
-        residual = hidden_states
-        attn = self.self_attn(self.input_layernorm(hidden_states), cache, meta, attentions)
-        hidden_states = residual + self.attn_sconv(attn, cache, meta)
-        residual = hidden_states
-        mlp = self.mlp(self.post_attention_layernorm(hidden_states))
+        residual, normed = add_rms_norm(self.input_layernorm, hidden_states)
+        attn = self.self_attn(normed, cache, meta, attentions)
+        # The residual add and the next norm in one pass where fused.
+        residual, normed = add_rms_norm(self.post_attention_layernorm, self.attn_sconv(attn, cache, meta), residual)
+        mlp = self.mlp(normed)
         return residual + self.mlp_sconv(mlp, cache, meta)
 
 

@@ -1,0 +1,39 @@
+"""Inkling's residual add and RMS norm in one launch where fused (opt-in: ``HF_QSA_FUSED=norm``, until measured
+on a GPU).
+
+transformers' ``InklingRMSNorm`` is six elementwise launches (widen, square, mean, rsqrt, scale, round and
+weight); with the residual add before it, seven. `add_rms_norm` does both in one pass over each token's
+features, with the same rounding points: the sum rounded to the activations' dtype (the residual stream
+as stored), the normed value rounded before the weight multiplies it, as upstream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import fusion_enabled, records_grad
+
+FUSED_NORM = fusion_enabled("norm")
+
+
+def add_rms_norm(norm, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, norm(h))`` with ``h = residual + x`` (``h = x`` without a residual) for transformers'
+    ``InklingRMSNorm`` ``norm``."""
+    if (not FUSED_NORM or records_grad(x, residual, norm.weight) or norm._forward_hooks
+            or norm._forward_pre_hooks or (residual is not None and residual.dtype != x.dtype)):
+        h = x if residual is None else residual + x
+        return h, norm(h)
+    if x.is_cuda:
+        from .rms_norm_triton import add_rms_norm_triton
+
+        return add_rms_norm_triton(x, residual, norm.weight, norm.variance_epsilon)
+    return add_rms_norm_torch(x, residual, norm.weight, norm.variance_epsilon)
+
+
+def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The arithmetic of ``residual + x`` and ``InklingRMSNorm.forward``, written out (the kernel's spec)."""
+    h = x if residual is None else residual + x
+    widened = h.float()
+    normed = widened * torch.rsqrt(widened.pow(2).mean(-1, keepdim=True) + eps)
+    return h, weight * normed.to(h.dtype)

@@ -1,0 +1,82 @@
+"""Inkling's fused residual add and RMS norm (`hf_qsa_cache.ops.rms_norm`, opt-in): the written-out norm
+against transformers' module, the model with the fused path on against the default, and the Triton kernel
+against the torch function (as a script under the Triton interpreter, `interpreter.py`)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from interpreter import run_under_interpreter
+from transformers.models.inkling.modeling_inkling import InklingRMSNorm
+
+from hf_qsa_cache.ops import rms_norm
+
+
+def _norm(D, dtype, seed=0):
+    torch.manual_seed(seed)
+    norm = InklingRMSNorm(D, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.5)
+    return norm.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_written_out_norm_is_transformers_module(dtype):
+    norm = _norm(24, dtype)
+    g = torch.Generator().manual_seed(1)
+    x, residual = (torch.randn(2, 7, 24, generator=g).to(dtype) * 3 for _ in range(2))
+    with torch.no_grad():
+        h, normed = rms_norm.add_rms_norm_torch(x, residual, norm.weight, 1e-6)
+        assert torch.equal(h, residual + x) and torch.equal(normed, norm(residual + x))
+        h, normed = rms_norm.add_rms_norm_torch(x, None, norm.weight, 1e-6)
+        assert h is x and torch.equal(normed, norm(x))
+
+
+def test_generate_with_the_fused_path_equals_the_default(monkeypatch):
+    import test_inkling as inkling
+
+    _, model = inkling.make_pair(inkling.make_config(), seed=4)
+    ids, mask = inkling.left_pad(inkling.make_prompts([15, 6, 11], seed=5))
+    runs = {}
+    for flag in (False, True):
+        monkeypatch.setattr(rms_norm, "FUSED_NORM", flag)
+        calls = []
+        real = rms_norm.add_rms_norm_torch
+        monkeypatch.setattr(rms_norm, "add_rms_norm_torch", lambda *a, real=real: calls.append(1) or real(*a))
+        with torch.no_grad():
+            runs[flag] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                        output_scores=True, return_dict_in_generate=True)
+        assert bool(calls) == flag
+    assert torch.equal(runs[True].sequences, runs[False].sequences)
+    torch.testing.assert_close(torch.stack(runs[True].scores), torch.stack(runs[False].scores), atol=1e-5, rtol=0)
+
+
+def test_triton_kernel_matches_torch():
+    run_under_interpreter(__file__, "all rms norm kernel cases ok")
+
+
+def _main() -> int:
+    from hf_qsa_cache.ops.rms_norm_triton import add_rms_norm_triton
+
+    cases = 0
+    # bf16: the sum, the normed value and its product with the weight each round once: up to three units.
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2.4e-2)):
+        for shape in ((1, 24), (3, 2, 16), (5, 20)):
+            norm = _norm(shape[-1], dtype, seed=shape[-1])
+            g = torch.Generator().manual_seed(len(shape) * 10 + shape[-1])
+            x, residual = (torch.randn(*shape, generator=g).to(dtype) * 3 for _ in range(2))
+            for res in (None, residual):
+                got = add_rms_norm_triton(x, res, norm.weight.detach(), 1e-6)
+                want = rms_norm.add_rms_norm_torch(x, res, norm.weight.detach(), 1e-6)
+                for a, b in zip(got, want):
+                    assert a.dtype == b.dtype and a.shape == b.shape
+                    torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+                cases += 1
+    print(f"all rms norm kernel cases ok ({cases})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
