@@ -29,7 +29,7 @@ belong to one (cache, model) pair and stay valid across `QSAPagedCache.reset()`.
 Mixture-of-experts layers run transformers' experts implementation; its default, ``grouped_mm``,
 captures only where torch has a device kernel for it (bf16 on compute capability 9.x/10.x). Elsewhere
 (fp32 or fp16 weights, other GPUs) graph steps run ``batched_mm`` instead (`graph_experts`). With
-``HF_QSA_FUSED_EXPERTS=1`` in the environment, graph steps of at most ``FUSED_EXPERTS_MAX_TOKENS``
+``HF_QSA_FUSED=experts`` in the environment, graph steps of at most ``FUSED_EXPERTS_MAX_TOKENS``
 tokens run ``hf_qsa_selected`` (`hf_qsa_cache.ops.experts`: Triton kernels reading only the selected
 experts' weights) in place of either; opt-in until measured on a GPU.
 
@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from .cache import QSAPagedCache
+from .ops import fusion_enabled
 
 
 # Longest verify step that gets graphs (one per length and bucket); longer ones run eagerly.
@@ -59,10 +60,12 @@ MIN_GRAPH_REACH = 4096
 # Most bytes of expert weights a graph step may gather for ``batched_mm`` (`graph_experts`); a bigger
 # step keeps the model's own experts implementation (and runs eagerly if that cannot be captured).
 BATCHED_EXPERTS_MAX_BYTES = 1 << 30
-# Most tokens of a graph step that runs ``hf_qsa_selected`` experts (with ``HF_QSA_FUSED_EXPERTS=1``,
-# `graph_experts`): its kernels run one GEMV per (token, selected expert), which suits decode and verify
-# steps, not batches that reuse each expert's weights across many tokens.
-FUSED_EXPERTS_MAX_TOKENS = 64
+# Most tokens of a graph step that runs ``hf_qsa_selected`` experts (with ``HF_QSA_FUSED=experts``,
+# `graph_experts`): its kernels read an expert's weights once per (token, selected expert) pair. At one
+# token that is the bytes floor; at 8 tokens routed to 10 of 64 experts about 1.7x it (pairs over distinct
+# experts); at 32 tokens 4-5x, where the grouped GEMM reading each expert once wins.
+FUSED_EXPERTS_MAX_TOKENS = 8
+FUSED_EXPERTS = fusion_enabled("experts")
 
 
 def enabled_by_default() -> bool:
@@ -318,14 +321,14 @@ def graph_experts(model, experts: list, device: torch.device, tokens: int) -> st
     eager runs (the first one, and every one of a bucket that did not capture), so a graph and its
     eager run compute alike. Other implementations chosen by the user (``eager``, ...) are kept.
 
-    With ``HF_QSA_FUSED_EXPERTS=1`` in the environment, a step of at most `FUSED_EXPERTS_MAX_TOKENS`
+    With ``HF_QSA_FUSED=experts`` in the environment, a step of at most `FUSED_EXPERTS_MAX_TOKENS`
     tokens on CUDA whose experts modules it covers (`hf_qsa_cache.ops.experts.supports`) runs
     ``hf_qsa_selected`` instead, captured like ``batched_mm`` (fixed shapes, no host copy) but without
     the gather; the choice above applies to every other step.
     """
     if not experts or any(config._experts_implementation != "grouped_mm" for _, config in experts):
         return None
-    if (os.environ.get("HF_QSA_FUSED_EXPERTS", "0") == "1" and device.type == "cuda"
+    if (FUSED_EXPERTS and device.type == "cuda"
             and tokens <= FUSED_EXPERTS_MAX_TOKENS):
         from .ops import experts as selected  # registers the implementation with transformers
 

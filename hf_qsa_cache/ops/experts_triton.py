@@ -1,0 +1,159 @@
+"""Triton version of `hf_qsa_cache.ops.experts.selected_experts_torch` (same arguments, same output).
+
+Two launches, neither of which sorts, counts or gathers anything; each program reads the rows of the
+one expert it works for, in place:
+
+* `_gate_up_kernel`: one program per (token-expert pair ``s = t * top_k + j``, tile of ``BLOCK_N``
+  intermediate columns) computes the gate and up rows of the tile against the token's hidden state
+  (GEMVs: elementwise products accumulated over ``BLOCK_K`` chunks of the hidden size, summed along the
+  chunk once at the end; ``tl.dot`` needs 16 rows and a pair has one token) and writes
+  ``silu(gate) * up`` to an fp32 scratch ``[S, I]``.
+* `_down_kernel`: one program per (token, tile of ``BLOCK_N`` hidden columns) runs the token's
+  ``top_k`` experts one after the other, each the down rows of the tile against the pair's scratch row,
+  scaled by its routing weight, and writes the fp32 sum cast to the input dtype. The sum over experts
+  happens in registers: no atomics, a fixed order, the same result on every run.
+
+A sentinel expert id (outside ``[0, num_experts)``: expert parallelism) runs no loop iterations in
+either kernel and reads no expert weights: its scratch row is zeros and it adds nothing to its token's
+output. Both weight layouts are the same kernels with other strides. The token count enters only the
+grids (and per-token strides, not specialised), so a new batch size does not recompile. Tile sizes are
+constants for now (not yet measured on a GPU); ``block_n`` / ``block_k`` override them per call.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import on_device_of_first_tensor
+
+# Launch policy (shapes only). Decode has few pairs, so narrow column tiles give the GPU enough programs.
+GATE_UP_BLOCK_N = 16  # intermediate columns per program
+DOWN_BLOCK_N = 16  # hidden columns per program
+BLOCK_K = 128  # reduction chunk (hidden size in the first kernel, intermediate size in the second)
+NUM_WARPS = 4
+
+
+@triton.jit(do_not_specialize=["stride_xt", "stride_it", "stride_ht"])
+def _gate_up_kernel(
+    x_ptr, idx_ptr, w_ptr, h_ptr,
+    stride_xt, stride_xh, stride_it, stride_ij,
+    stride_we, stride_wn, stride_wk, stride_ht,
+    num_experts,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    t = s // TOP_K
+    j = s % TOP_K
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < INTER
+    e = tl.load(idx_ptr + t * stride_it + j * stride_ij).to(tl.int64)
+    valid = (e >= 0) & (e < num_experts)
+    # A sentinel reads no weights: no iterations, the accumulators stay 0, and silu(0) * 0 = 0.
+    hi = tl.where(valid, HIDDEN, 0)
+    e = tl.where(valid, e, 0)
+    gate_rows = w_ptr + e * stride_we + n[:, None] * stride_wn  # [BLOCK_N, 1]: the gate half's rows
+    up_rows = gate_rows + INTER * stride_wn  # the up half starts INTER rows further
+    # Products accumulate elementwise over the chunks and are summed along the chunk once, at the end.
+    gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, hi, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < HIDDEN
+        x = tl.load(x_ptr + t * stride_xt + k * stride_xh, mask=k_ok, other=0.0).to(tl.float32)
+        mask = n_ok[:, None] & k_ok[None, :]
+        w_gate = tl.load(gate_rows + k[None, :] * stride_wk, mask=mask, other=0.0).to(tl.float32)
+        w_up = tl.load(up_rows + k[None, :] * stride_wk, mask=mask, other=0.0).to(tl.float32)
+        gate += w_gate * x[None, :]
+        up += w_up * x[None, :]
+    g = tl.sum(gate, axis=1)
+    h = g * tl.sigmoid(g) * tl.sum(up, axis=1)
+    # fp32 scratch: the down projection reads exactly what was computed (the only rounding of the whole op
+    # is the output's), and the scratch is small (pairs x intermediate size, next to megabytes of weights).
+    tl.store(h_ptr + s * stride_ht + n, h, mask=n_ok)
+
+
+@triton.jit(do_not_specialize=["stride_it", "stride_pt", "stride_ht", "stride_ot"])
+def _down_kernel(
+    h_ptr, idx_ptr, wt_ptr, d_ptr, out_ptr,
+    stride_it, stride_ij, stride_pt, stride_pj, stride_ht,
+    stride_de, stride_dn, stride_dk, stride_ot, stride_oh,
+    num_experts,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < HIDDEN
+    # As in the first kernel, one sum along the chunk at the end, over all the token's experts: each
+    # expert's scratch row is scaled by its routing weight as it is loaded.
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for j in range(TOP_K):
+        e = tl.load(idx_ptr + t * stride_it + j * stride_ij).to(tl.int64)
+        valid = (e >= 0) & (e < num_experts)
+        w = tl.load(wt_ptr + t * stride_pt + j * stride_pj).to(tl.float32)
+        hi = tl.where(valid, INTER, 0)  # a sentinel runs no iterations (its routing weight goes unused)
+        e = tl.where(valid, e, 0)
+        rows = d_ptr + e * stride_de + n[:, None] * stride_dn  # [BLOCK_N, 1]
+        h_row = h_ptr + (t * TOP_K + j) * stride_ht
+        for k0 in range(0, hi, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < INTER
+            h = tl.load(h_row + k, mask=k_ok, other=0.0) * w
+            mask = n_ok[:, None] & k_ok[None, :]
+            d = tl.load(rows + k[None, :] * stride_dk, mask=mask, other=0.0).to(tl.float32)
+            acc += d * h[None, :]
+    out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + t * stride_ot + n * stride_oh, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _block(value: int | None, default: int, name: str) -> int:
+    value = default if value is None else value
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, got {value}")
+    return value
+
+
+@on_device_of_first_tensor
+def selected_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                            gate_up_proj: torch.Tensor, down_proj: torch.Tensor, transposed: bool = False, *,
+                            block_n: int | None = None, block_k: int | None = None) -> torch.Tensor:
+    """`hf_qsa_cache.ops.experts.selected_experts_torch` in two launches (see there for shapes).
+    ``block_n`` / ``block_k`` (powers of two) override both kernels' column tile and reduction chunk."""
+    num_tokens, hidden = hidden_states.shape
+    top_k = top_k_index.shape[-1]
+    num_experts = gate_up_proj.shape[0]
+    inter = down_proj.shape[1] if transposed else down_proj.shape[2]
+    out = torch.empty_like(hidden_states)
+    if num_tokens == 0 or hidden == 0:
+        return out
+    if top_k == 0 or inter == 0:
+        return out.zero_()
+    assert top_k_index.shape == top_k_weights.shape == (num_tokens, top_k)
+    # (expert, output row, reduction) strides of both layouts: the transposed one swaps the last two.
+    w_e, w_n, w_k = gate_up_proj.stride()
+    d_e, d_n, d_k = down_proj.stride()
+    if transposed:
+        w_n, w_k, d_n, d_k = w_k, w_n, d_k, d_n
+    gate_up_n = _block(block_n, GATE_UP_BLOCK_N, "block_n")
+    down_n = _block(block_n, DOWN_BLOCK_N, "block_n")
+    chunk = _block(block_k, BLOCK_K, "block_k")
+    pairs = num_tokens * top_k
+    scratch = torch.empty(pairs, inter, dtype=torch.float32, device=hidden_states.device)
+    _gate_up_kernel[(pairs, triton.cdiv(inter, gate_up_n))](
+        hidden_states, top_k_index, gate_up_proj, scratch,
+        hidden_states.stride(0), hidden_states.stride(1), top_k_index.stride(0), top_k_index.stride(1),
+        w_e, w_n, w_k, scratch.stride(0),
+        num_experts,
+        HIDDEN=hidden, INTER=inter, TOP_K=top_k, BLOCK_N=gate_up_n, BLOCK_K=chunk, num_warps=NUM_WARPS,
+    )
+    _down_kernel[(num_tokens, triton.cdiv(hidden, down_n))](
+        scratch, top_k_index, top_k_weights, down_proj, out,
+        top_k_index.stride(0), top_k_index.stride(1), top_k_weights.stride(0), top_k_weights.stride(1),
+        scratch.stride(0), d_e, d_n, d_k, out.stride(0), out.stride(1),
+        num_experts,
+        HIDDEN=hidden, INTER=inter, TOP_K=top_k, BLOCK_N=down_n, BLOCK_K=chunk, num_warps=NUM_WARPS,
+    )
+    return out
