@@ -47,7 +47,7 @@ from hf_qsa_cache.metadata import StepMetadata
 from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention, paged_rel_attention_probs
-from hf_qsa_cache.ops.rms_norm import add_rms_norm
+from hf_qsa_cache.ops.rms_norm import add_rms_norm, rms_norm
 from hf_qsa_cache.ops.sconv import short_conv
 from hf_qsa_cache.stores.inkling import STREAM_ATTN, STREAM_K, STREAM_MLP, STREAM_V
 
@@ -126,8 +126,8 @@ class InklingPagedAttention(nn.Module):
         by key position (`paged_rel_attention_probs`)."""
         B, L, _ = hidden_states.shape
         heads = (B, L, -1, self.head_dim)
-        query = self.q_norm(self.q_proj(hidden_states).view(heads))
-        key = self.k_norm(self.k_sconv(self.k_proj(hidden_states), cache, meta).view(heads))
+        query = rms_norm(self.q_norm, self.q_proj(hidden_states).view(heads))
+        key = rms_norm(self.k_norm, self.k_sconv(self.k_proj(hidden_states), cache, meta).view(heads))
         value = self.v_sconv(self.v_proj(hidden_states), cache, meta).view(heads)
         relative = self.r_proj(hidden_states).view(B, L, self.num_heads, -1)
 

@@ -3,8 +3,9 @@ on a GPU).
 
 transformers' ``InklingRMSNorm`` is six elementwise launches (widen, square, mean, rsqrt, scale, round and
 weight); with the residual add before it, seven. `add_rms_norm` does both in one pass over each token's
-features, with the same rounding points: the sum rounded to the activations' dtype (the residual stream
-as stored), the normed value rounded before the weight multiplies it, as upstream.
+features, and `rms_norm` the norm alone (the layer norms and the per-head query and key norms), with the
+same rounding points: the sum rounded to the activations' dtype (the residual stream as stored), the
+normed value rounded before the weight multiplies it, as upstream.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ def add_rms_norm(norm, x: torch.Tensor, residual: torch.Tensor | None = None) ->
 
         return add_rms_norm_triton(x, residual, norm.weight, norm.variance_epsilon)
     return add_rms_norm_torch(x, residual, norm.weight, norm.variance_epsilon)
+
+
+def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` (transformers' ``InklingRMSNorm`` over the last dim), one launch where fused."""
+    return add_rms_norm(norm, x)[1]
 
 
 def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
