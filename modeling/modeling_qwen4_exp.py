@@ -40,6 +40,7 @@ from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops import records_grad
 from hf_qsa_cache.ops.gated_delta import delta_gates, gated_rms_norm
 from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual
+from hf_qsa_cache.ops.norm_rope import norm_rope
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention, sparse_paged_attention_probs
 from hf_qsa_cache.rollback import gated_delta_keeping_states, step_history
 
@@ -67,10 +68,9 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
 
         query, gate = torch.chunk(self.q_proj(x).view(n, -1, self.head_dim * 2), 2, dim=-1)
         gate = gate.reshape(n, -1)
-        query = self.q_norm(query)
-        key = self.k_norm(self.k_proj(x).view(n, -1, self.head_dim))
+        query = norm_rope(self.q_norm, query, cos, sin)
+        key = norm_rope(self.k_norm, self.k_proj(x).view(n, -1, self.head_dim), cos, sin)
         value = self.v_proj(x).view(n, -1, self.head_dim)
-        query, key = upstream.apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=1)
         layer.kv.write(meta.slots["main"], key, value)
 
         # ---- indexer: queries, raw keys, compress closed groups, commit the ring, select
@@ -78,8 +78,7 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
         q_index, raw_keys = torch.split(
             idx.index_qk_proj(x), [idx.index_n_heads * idx.index_head_dim, idx.index_head_dim], dim=-1
         )
-        q_index = idx.q_layernorm(q_index.view(n, idx.index_n_heads, idx.index_head_dim))
-        q_index = upstream.apply_rotary_pos_emb(q_index, cos=cos, sin=sin, unsqueeze_dim=1)
+        q_index = norm_rope(idx.q_layernorm, q_index.view(n, idx.index_n_heads, idx.index_head_dim), cos, sin)
 
         selected = qsa_index_step(
             q_index, raw_keys, positions3, meta, layer.index, main.block_size, idx.block_topk,
@@ -101,9 +100,8 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
 
     def _finish_group(self, pooled: torch.Tensor, first_pos: torch.Tensor) -> torch.Tensor:
         """A closed group's compressed key: its mean raw key, normed, rotated at its first position."""
-        pooled = self.indexer.k_layernorm(pooled)
         g_cos, g_sin = self._rotary(pooled, first_pos)
-        return upstream.apply_rotary_pos_emb(pooled[:, None], cos=g_cos, sin=g_sin, unsqueeze_dim=1)[:, 0]
+        return norm_rope(self.indexer.k_layernorm, pooled[:, None], g_cos, g_sin)[:, 0]
 
     def _rotary(self, like: torch.Tensor, positions3: torch.Tensor):
         """cos/sin ``[W, rot]`` at explicit 3-axis positions ``[W, 3]``."""

@@ -1,0 +1,80 @@
+"""Qwen4Exp's fused per-head RMS norm and rotary embedding (`hf_qsa_cache.ops.norm_rope`, opt-in): the
+written-out arithmetic against upstream's own functions, the model with the fused path on against the
+default, and the Triton kernel against the torch function (as a script under the Triton interpreter)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from interpreter import run_under_interpreter
+from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextRMSNorm
+
+from hf_qsa_cache.ops import norm_rope as ops
+
+
+def _case(n, H, D, rot, dtype, seed=0):
+    torch.manual_seed(seed)
+    norm = Qwen4ExpTextRMSNorm(D, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(0.0, 0.5)
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, H, D, generator=g) * 3).to(dtype)
+    angle = torch.rand(n, rot // 2, generator=g) * 50
+    angle = torch.cat([angle, angle], dim=-1)  # as a rotary module lays them out
+    return norm.to(dtype), x, angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot", [8, 16])  # partial (half the head) and whole-head rotation
+def test_written_out_arithmetic_is_upstreams(dtype, rot):
+    norm, x, cos, sin = _case(5, 3, 16, rot, dtype)
+    with torch.no_grad():
+        want = ops.norm_rope_torch(norm, x, cos, sin)
+        got = ops.norm_rope_written_out(x, norm.weight, norm.eps, cos, sin)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_generate_with_the_fused_path_equals_the_default(monkeypatch):
+    from qwen4_helpers import left_pad, make_pair, random_prompts
+
+    _, model = make_pair(seed=8)
+    ids, mask = left_pad(random_prompts([24, 10, 17], seed=9))
+    runs = {}
+    for flag in (False, True):
+        monkeypatch.setattr(ops, "FUSED_NORM_ROPE", flag)
+        calls = []
+        real = ops.norm_rope_written_out
+        monkeypatch.setattr(ops, "norm_rope_written_out", lambda *a, real=real: calls.append(1) or real(*a))
+        with torch.no_grad():
+            runs[flag] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                        output_scores=True, return_dict_in_generate=True)
+        assert bool(calls) == flag
+    assert torch.equal(runs[True].sequences, runs[False].sequences)
+    torch.testing.assert_close(torch.stack(runs[True].scores), torch.stack(runs[False].scores), atol=1e-5, rtol=0)
+
+
+def test_triton_kernel_matches_torch():
+    run_under_interpreter(__file__, "all norm rope kernel cases ok")
+
+
+def _main() -> int:
+    from hf_qsa_cache.ops.norm_rope_triton import norm_rope_triton
+
+    cases = 0
+    # bf16: the normed value, both products and their sum each round once.
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 3.2e-2)):
+        for n, H, D, rot in ((1, 3, 24, 12), (4, 2, 16, 16), (3, 1, 20, 8)):
+            norm, x, cos, sin = _case(n, H, D, rot, dtype, seed=n + D)
+            got = norm_rope_triton(x, norm.weight.detach(), norm.eps, cos, sin)
+            want = ops.norm_rope_written_out(x, norm.weight.detach(), norm.eps, cos, sin)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+            cases += 1
+    print(f"all norm rope kernel cases ok ({cases})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
