@@ -10,7 +10,8 @@ For each (batch x prompt length): prefill seconds, decode ms/step (median step) 
 of upstream (`transformers.<Model>ForCausalLM`, its DynamicCache) and of ours (`modeling.<Model>`
 on `QSAPagedCache`) with CUDA-graph decode on and off. Every measurement is appended as one JSON
 line to ``benchmarks/results/h200.jsonl`` (keys: model, layers, impl, graphs, batch, prompt_len,
-new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, plus status / floor_ms where known;
+new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, fused (the opt-in fusions named in
+HF_QSA_FUSED), plus status / floor_ms where known;
 ours adds cache_gib, store_gib (bytes per cache store) and prefill_peak_share: model FLOPs of the
 prefill per second over the H200's dense bf16 peak; with graphs, graph_kernels / graph_copies launched by one
 replayed decode step and gpu_busy_share, the share of a step's wall time the GPU is busy). Upstream under ``--upstream-limit`` is stopped
@@ -332,7 +333,8 @@ def main():
         ids = torch.randint(2, config.vocab_size, (batch, length), device="cuda")
         mask = torch.ones_like(ids)
         common = {"model": args.model, "layers": args.layers, "batch": batch, "prompt_len": length,
-                  "new_tokens": args.new_tokens, "commit": sha, "prefill_chunk_tokens": ours.prefill_chunk_tokens}
+                  "new_tokens": args.new_tokens, "commit": sha, "prefill_chunk_tokens": ours.prefill_chunk_tokens,
+                  "fused": os.environ.get("HF_QSA_FUSED", "")}
         floor_ms = decode_bytes(ours, config, batch, length) / bandwidth * 1e3
         flops = prefill_flops(ours, config, batch, length)
         rows = []
