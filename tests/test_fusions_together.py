@@ -1,0 +1,60 @@
+"""Every opt-in fusion on at once (`HF_QSA_FUSED=all`, and the selected-experts implementation): each row of
+a ragged batch still gives upstream's greedy tokens on that row alone (fp32, CPU: the fusions' written-out
+torch arithmetic), through generate() and through the step a CUDA graph records."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import test_inkling as inkling
+from qwen4_helpers import left_pad, make_pair, random_prompts
+
+from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache.cuda_graphs import graphs_of
+from hf_qsa_cache.ops import experts, gated_delta, hyper_connection, norm_rope, rms_norm
+
+
+@pytest.fixture
+def all_fused(monkeypatch):
+    for module, flag in ((hyper_connection, "FUSED_HC"), (gated_delta, "FUSED_GDN"), (rms_norm, "FUSED_NORM"),
+                         (norm_rope, "FUSED_NORM_ROPE")):
+        monkeypatch.setattr(module, flag, True)
+
+
+def _family(name):
+    if name == "qwen4_exp":
+        upstream, ours = make_pair(seed=11)
+        rows = random_prompts([26, 8, 19], seed=12)
+        return upstream, ours, rows, left_pad(rows)
+    upstream, ours = inkling.make_pair(inkling.make_config(), seed=13)
+    rows = [r.tolist() for r in inkling.make_prompts([14, 5, 22], seed=14)]
+    return upstream, ours, rows, inkling.left_pad([torch.tensor(r) for r in rows])
+
+
+@pytest.mark.parametrize("name", ["qwen4_exp", "inkling"])
+def test_all_fusions_give_upstreams_tokens_per_row(all_fused, name):
+    upstream, ours, rows, (ids, mask) = _family(name)
+    ours.set_experts_implementation(experts.SELECTED_EXPERTS)
+    n = 6
+    with torch.no_grad():
+        out = ours.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                            output_logits=True, return_dict_in_generate=True)
+        for i, row in enumerate(rows):
+            ref = upstream.generate(torch.tensor([row]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                                    output_logits=True, return_dict_in_generate=True)
+            assert out.sequences[i, -n:].tolist() == ref.sequences[0, -n:].tolist(), f"row {i}"
+            torch.testing.assert_close(torch.stack([s[i] for s in out.logits]), torch.stack([s[0] for s in ref.logits]),
+                                       atol=1e-4, rtol=0)
+
+    # The recorded step (static buffers, reach-sized shapes) with the fusions equals the forward with them.
+    eager = QSAPagedCache(ours.config, 4, 64, block_size=4)
+    static = QSAPagedCache(ours.config, 4, 64, block_size=4)
+    runner = graphs_of(ours, static, "cpu", record=False)
+    with torch.no_grad():
+        logits = ours(ids, attention_mask=mask, past_key_values=eager).logits[:, -1:]
+        ours(ids, attention_mask=mask, past_key_values=static)
+        for step in range(4):
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            logits = ours(nxt, attention_mask=mask, past_key_values=eager).logits
+            torch.testing.assert_close(runner.step(nxt, None, mask), logits, atol=5e-5, rtol=0)
