@@ -358,6 +358,20 @@ def _main() -> int:
         except AssertionError as err:
             print(f"{label}: {err}")
             return 1
+    # The selection's index arithmetic: groups at and past the visible count, fewer groups than block_topk,
+    # none at all, pads (position -1), positions at and around group boundaries, and ratios 1, 2 and 4.
+    for i, (ratio, block_topk, k) in enumerate([(4, 5, 5), (2, 6, 3), (4, 3, 0), (1, 4, 4), (2, 2, 1)]):
+        g = torch.Generator().manual_seed(500 + i)
+        n = 9
+        groups = torch.stack([torch.randperm(12, generator=g)[:k] for _ in range(n)])
+        visible = torch.randint(0, 13, (n,), generator=g)
+        position = torch.randint(-1, 50, (n,), generator=g)
+        position[:3] = torch.tensor([-1, 4 * ratio - 1, 4 * ratio])
+        want = qsa.selected_positions(groups, visible, position, ratio, block_topk)
+        have = qsa_triton.selected_positions_triton(groups, visible, position, ratio, block_topk)
+        if not torch.equal(have, want):
+            print(f"selected positions case {i} (ratio {ratio}, block_topk {block_topk}, k {k}):\n{have}\n{want}")
+            return 1
     print("all qsa kernel cases ok")
     return 0
 

@@ -19,7 +19,7 @@ import os
 import torch
 
 from ..metadata import StepMetadata
-from . import records_grad
+from . import fusion_enabled, records_grad
 
 # Upper bound on the elements one chunk of scores / gathered K/V may take (selection at long context
 # holds about 16 bytes per (token, group) in a chunk: 2 GiB at this bound).
@@ -27,6 +27,8 @@ _CHUNK_ELEMENTS = 1 << 27
 
 # Triton kernels for CUDA tensors (read once, at import).
 USE_TRITON = os.environ.get("HF_QSA_TRITON_QSA", "1") == "1"
+# The selection's index arithmetic in one launch: opt-in until measured on a GPU.
+FUSED_SELECT = fusion_enabled("select")
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -97,15 +99,9 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
     rows_per_block = block_size // ratio
     max_groups = meta.max_seq_len // ratio
     pos = meta.position
-    safe_pos = pos.clamp_min(0)
-
-    # Open-group tail: ((p+1)//r)*r .. p, at most r-1 tokens.
-    tail_start = ((safe_pos + 1) // ratio) * ratio
-    tail = tail_start[:, None] + torch.arange(ratio - 1, device=device)
-    tail = torch.where((tail <= pos[:, None]) & (pos[:, None] >= 0), tail, -1)
+    visible = meta.visible_blocks
     if max_groups == 0:
-        selected = torch.full((n, block_topk * ratio), -1, dtype=torch.long, device=device)
-        return torch.cat([selected, tail], dim=1)
+        return selected_positions(torch.empty(n, 0, dtype=torch.long, device=device), visible, pos, ratio, block_topk)
 
     table_t = meta.block_tables[table]
     scores_fn = index_scores_torch
@@ -113,19 +109,35 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
         from .qsa_triton import index_scores_triton as scores_fn
 
     k = min(block_topk, max_groups)
-    visible = meta.visible_blocks.long()
     chosen = []
     step = max(1, _CHUNK_ELEMENTS // max_groups)
     for start in range(0, n, step):
         end = start + step
         scores = scores_fn(q_index[start:end], compressed, table_t, meta.token_row[start:end],
-                           meta.visible_blocks[start:end], rows_per_block, max_groups)
-        idx = top_groups(scores, k)
-        chosen.append(torch.where(idx < visible[start:end, None], idx, -1))
-    blocks = torch.cat(chosen, dim=0)
+                           visible[start:end], rows_per_block, max_groups)
+        chosen.append(selected_positions(top_groups(scores, k), visible[start:end], pos[start:end], ratio, block_topk))
+    return chosen[0] if len(chosen) == 1 else torch.cat(chosen, dim=0)
+
+
+def selected_positions(groups: torch.Tensor, visible: torch.Tensor, position: torch.Tensor, ratio: int,
+                       block_topk: int) -> torch.Tensor:
+    """A token's selected positions ``[N, block_topk*r + r - 1]`` from its best groups ``groups`` ``[N, k]``
+    (``k <= block_topk``, best first): each group's ``r`` tokens (-1 for a group at or past the token's
+    ``visible`` count), -1 up to ``block_topk`` groups, then the open-group tail ``((p+1)//r)*r .. p`` of its
+    ``position`` ``p`` (-1 where shorter, and everywhere for a pad, ``p = -1``). One launch where fused
+    (``HF_QSA_FUSED=select``, `qsa_triton.selected_positions_triton`)."""
+    if FUSED_SELECT and groups.is_cuda:
+        from .qsa_triton import selected_positions_triton
+
+        return selected_positions_triton(groups, visible, position, ratio, block_topk)
+    n, k = groups.shape
+    device = groups.device
+    blocks = torch.where(groups < visible.long()[:, None], groups, -1)
     tokens = blocks[:, :, None] * ratio + torch.arange(ratio, device=device)
     tokens = torch.where(blocks[:, :, None] >= 0, tokens, -1).reshape(n, k * ratio)
     pad = torch.full((n, (block_topk - k) * ratio), -1, dtype=torch.long, device=device)
+    tail = ((position.clamp_min(0) + 1) // ratio * ratio)[:, None] + torch.arange(ratio - 1, device=device)
+    tail = torch.where((tail <= position[:, None]) & (position[:, None] >= 0), tail, -1)
     return torch.cat([tokens, pad, tail], dim=1)
 
 
