@@ -175,6 +175,11 @@ def tensor_parallel(args) -> None:
     tokens = generate(model, batch, args.new_tokens, device)
     elapsed = time.perf_counter() - start
     experts = next((p for n, p in model.named_parameters() if n.endswith("experts.gate_up_proj")), None)
+    if dist.is_initialized():
+        # As in data_parallel: every rank leaves the group (transformers made it) before rank 0's reference run,
+        # or a rank that exits first can abort the group under its peer.
+        dist.barrier()
+        dist.destroy_process_group()
     same = True
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"{args.mode} over {world} process(es) on {device.type}: {len(batch) * args.new_tokens / elapsed:.1f} tokens/s")
