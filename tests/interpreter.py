@@ -22,3 +22,16 @@ def run_under_interpreter(script: str, expect: str, timeout: int = 600) -> None:
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{Path(script).name} under the interpreter failed:\n{proc.stdout}\n{proc.stderr}"
     assert expect in proc.stdout, proc.stdout
+
+
+def count_launches(module, name: str, launches: list) -> None:
+    """Replace the Triton kernel ``module.name`` with a wrapper that appends each launch's grid to ``launches``
+    (for a script running under the interpreter: how many launches an op makes)."""
+    kernel = getattr(module, name)
+
+    class _Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    setattr(module, name, _Counting())

@@ -27,7 +27,7 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextExperts
 from hf_qsa_cache import cuda_graphs
 from hf_qsa_cache.cuda_graphs import capture_key, experts_modules, graph_experts
 from hf_qsa_cache.ops import experts as selected
-from interpreter import run_under_interpreter
+from interpreter import count_launches, run_under_interpreter
 
 NEW_TOKENS = 5
 
@@ -86,17 +86,6 @@ def fp32_reference(module: nn.Module, x, index, weights) -> torch.Tensor:
 # ----------------------------------------------------------------------------- triton vs torch
 def test_triton_kernels_match_reference_and_batched_mm():
     run_under_interpreter(__file__, "all experts kernel cases ok")
-
-
-def _counting(module, name, launches):
-    kernel = getattr(module, name)
-
-    class _Counting:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-
-    setattr(module, name, _Counting())
 
 
 def _kernel_cases(experts_triton, launches) -> str | None:
@@ -212,8 +201,8 @@ def _main() -> int:
         print("TRITON_INTERPRET was not honoured")
         return 1
     launches: list = []
-    _counting(experts_triton, "_gate_up_kernel", launches)
-    _counting(experts_triton, "_down_kernel", launches)
+    count_launches(experts_triton, "_gate_up_kernel", launches)
+    count_launches(experts_triton, "_down_kernel", launches)
     selected._use_triton = lambda x: True  # the CUDA dispatch, on CPU tensors
     error = _kernel_cases(experts_triton, launches)
     if error:

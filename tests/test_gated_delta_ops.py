@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from fusion_helpers import assert_fused_generate_equals_default
 from interpreter import run_under_interpreter
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextRMSNormGated
 
@@ -37,18 +38,8 @@ def test_generate_with_the_fused_path_equals_the_default(monkeypatch):
 
     _, model = make_pair(seed=5)
     ids, mask = left_pad(random_prompts([19, 7, 26], seed=6))
-    runs = {}
-    for flag in (False, True):
-        monkeypatch.setattr(gated_delta, "FUSED_GDN", flag)
-        calls = []
-        real = gated_delta.gated_rms_norm_torch
-        monkeypatch.setattr(gated_delta, "gated_rms_norm_torch", lambda *a, real=real: calls.append(1) or real(*a))
-        with torch.no_grad():
-            runs[flag] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
-                                        output_scores=True, return_dict_in_generate=True)
-        assert bool(calls) == flag
-    assert torch.equal(runs[True].sequences, runs[False].sequences)
-    torch.testing.assert_close(torch.stack(runs[True].scores), torch.stack(runs[False].scores), atol=1e-5, rtol=0)
+    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, gated_delta, "FUSED_GDN",
+                                         "gated_rms_norm_torch", atol=1e-5)
 
 
 def test_triton_kernels_match_torch():

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from fusion_helpers import assert_fused_generate_equals_default
 from interpreter import run_under_interpreter
 from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
 
@@ -94,18 +95,7 @@ def test_generate_with_fused_mixing_equals_the_default(monkeypatch):
 
     _, model = make_pair(seed=3)
     ids, mask = left_pad(random_prompts([23, 9, 17], seed=4))
-    runs = {}
-    for flag in (False, True):
-        monkeypatch.setattr(hc_ops, "FUSED_HC", flag)
-        calls = []
-        real = hc_ops.mix_streams
-        monkeypatch.setattr(hc_ops, "mix_streams", lambda *a, real=real: calls.append(1) or real(*a))
-        with torch.no_grad():
-            runs[flag] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
-                                        output_scores=True, return_dict_in_generate=True)
-        assert bool(calls) == flag  # the fused ops ran only when asked
-    assert torch.equal(runs[True].sequences, runs[False].sequences)
-    torch.testing.assert_close(torch.stack(runs[True].scores), torch.stack(runs[False].scores), atol=2e-5, rtol=0)
+    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, hc_ops, "FUSED_HC", "mix_streams", atol=2e-5)
 
 
 # ----------------------------------------------------------------------------- triton vs torch

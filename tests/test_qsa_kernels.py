@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_qsa_cache.ops import qsa
-from interpreter import run_under_interpreter
+from interpreter import count_launches, run_under_interpreter
 
 
 
@@ -184,17 +184,6 @@ def test_triton_kernels_match_torch():
     run_under_interpreter(__file__, "all qsa kernel cases ok")
 
 
-def _counting(module, name, launches):
-    kernel = getattr(module, name)
-
-    class _Counting:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-
-    setattr(module, name, _Counting())
-
-
 def _min_gap(scores: torch.Tensor) -> float:
     """Smallest relative gap between distinct non-zero finite scores of one token (near-tie guard)."""
     gap = float("inf")
@@ -247,9 +236,9 @@ def _main() -> int:
         print("TRITON_INTERPRET was not honoured")
         return 1
     launches: list = []
-    _counting(qsa_triton, "_index_scores_kernel", launches)
-    _counting(qsa_triton, "_sparse_paged_attention_kernel", launches)
-    _counting(qsa_triton, "_merge_splits_kernel", launches)
+    count_launches(qsa_triton, "_index_scores_kernel", launches)
+    count_launches(qsa_triton, "_sparse_paged_attention_kernel", launches)
+    count_launches(qsa_triton, "_merge_splits_kernel", launches)
 
     for i, (num_heads, head_dim, ratio, dtype) in enumerate(SCORE_SHAPES):
         case = scores_case(100 + i, num_heads, head_dim, ratio, dtype)

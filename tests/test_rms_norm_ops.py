@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from fusion_helpers import assert_fused_generate_equals_default
 from interpreter import run_under_interpreter
 from transformers.models.inkling.modeling_inkling import InklingRMSNorm
 
@@ -39,18 +40,8 @@ def test_generate_with_the_fused_path_equals_the_default(monkeypatch):
 
     _, model = inkling.make_pair(inkling.make_config(), seed=4)
     ids, mask = inkling.left_pad(inkling.make_prompts([15, 6, 11], seed=5))
-    runs = {}
-    for flag in (False, True):
-        monkeypatch.setattr(rms_norm, "FUSED_NORM", flag)
-        calls = []
-        real = rms_norm.add_rms_norm_torch
-        monkeypatch.setattr(rms_norm, "add_rms_norm_torch", lambda *a, real=real: calls.append(1) or real(*a))
-        with torch.no_grad():
-            runs[flag] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
-                                        output_scores=True, return_dict_in_generate=True)
-        assert bool(calls) == flag
-    assert torch.equal(runs[True].sequences, runs[False].sequences)
-    torch.testing.assert_close(torch.stack(runs[True].scores), torch.stack(runs[False].scores), atol=1e-5, rtol=0)
+    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, rms_norm, "FUSED_NORM", "add_rms_norm_torch",
+                                         atol=1e-5)
 
 
 def test_triton_kernel_matches_torch():
