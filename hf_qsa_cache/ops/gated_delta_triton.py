@@ -6,10 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import on_device_of_first_tensor
-
-
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+from .triton_common import TL_DTYPES, on_device_of_first_tensor
 
 
 @triton.jit
@@ -76,7 +73,7 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     rows = x.numel() // max(D, 1)
     out = torch.empty_like(x)
     # The product with the weight is rounded to the dtype torch promotes it to (fp32 rows stay fp32).
-    product = _TL_DTYPES[torch.promote_types(x.dtype, weight.dtype)]
+    product = TL_DTYPES[torch.promote_types(x.dtype, weight.dtype)]
     if rows:
         _gated_rms_norm_kernel[(rows,)](x, gate, weight, out, rows, float(eps), D=D,
                                         D_PAD=triton.next_power_of_2(D), SIGMOID=activation == "sigmoid",

@@ -6,10 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import on_device_of_first_tensor
-
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
+from .triton_common import TL_DTYPES, on_device_of_first_tensor
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, h_ptr, out_ptr, num_rows, eps,
@@ -42,7 +39,7 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     if rows:
         _add_rms_norm_kernel[(rows,)](
             x, residual.contiguous() if residual is not None else x, weight, h, out, rows, float(eps),
-            D=D, D_PAD=triton.next_power_of_2(D), RESIDUAL=residual is not None, PRODUCT=_TL_DTYPES[product],
+            D=D, D_PAD=triton.next_power_of_2(D), RESIDUAL=residual is not None, PRODUCT=TL_DTYPES[product],
             num_warps=4 if D >= 1024 else 1,
         )
     return h, out

@@ -13,6 +13,8 @@ LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * LOG2E)
 # The Triton interpreter multiplies bf16 dot operands as their raw 16-bit patterns; under it the
 # operands are widened to fp32 first (bf16 products are exact in fp32, so the math is the same).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton's name for each float dtype (a kernel told which dtype to round an intermediate to).
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def on_device_of_first_tensor(launch):
