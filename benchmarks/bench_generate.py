@@ -11,11 +11,11 @@ of upstream (`transformers.<Model>ForCausalLM`, its DynamicCache) and of ours (`
 on `QSAPagedCache`) with CUDA-graph decode on and off. Every measurement is appended as one JSON
 line to ``benchmarks/results/h200.jsonl`` (keys: model, layers, impl, graphs, batch, prompt_len,
 new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, fused (the opt-in fusions named in
-HF_QSA_FUSED), plus status / floor_ms where known;
-ours adds cache_gib, store_gib (bytes per cache store) and prefill_peak_share: model FLOPs of the
-prefill per second over the H200's dense bf16 peak; with graphs, graph_kernels / graph_copies launched by one
-replayed decode step and gpu_busy_share, the share of a step's wall time the GPU is busy). Upstream under ``--upstream-limit`` is stopped
-during its prefill too and reported as "did not finish in N s" (or "out of memory").
+HF_QSA_FUSED), plus status / floor_ms where known; ours adds cache_gib, store_gib (bytes per cache
+store) and prefill_peak_share: model FLOPs of the prefill per second over the H200's dense bf16 peak;
+with graphs, graph_kernels / graph_copies launched by one replayed decode step and gpu_busy_share, the
+share of a step's wall time the GPU is busy). Upstream under ``--upstream-limit`` is stopped during its
+prefill too and reported as "did not finish in N s" (or "out of memory").
 
 The floor of a decode step is the bytes it must read (the weights a step touches: everything but
 the experts, plus the experts the batch is expected to route to; and the cached state the step

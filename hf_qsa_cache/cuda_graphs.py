@@ -13,11 +13,12 @@ Everything the step reads lives in static device buffers updated in place before
 * the stores themselves (paged K/V, rings, per-row state), whose addresses never change.
 
 The host part of a step is the cache's usual validation and block reservation (``transaction``):
-work per row, no device sync for decode (a verify step reads its mask once). Shapes that would grow with context are sized for the cache's
-the step's reach (`reach_bucket`: the longest row after the step, rounded up to a power of two, at
-least ``MIN_GRAPH_REACH`` and at most the cache's capacity), so a graph serves until a row crosses a
-power of two, and a cache sized for 1M tokens decodes a short prompt at the cost of a cache sized for
-it (the QSA scores and top-k, and Inkling's full-attention splits, span the reach, not the capacity).
+work per row, no device sync for decode (a verify step reads its mask once). Shapes that would grow
+with context are sized for the step's reach (`reach_bucket`: the longest row after the step, rounded
+up to a power of two, at least ``MIN_GRAPH_REACH`` and at most the cache's capacity), so a graph serves
+until a row crosses a power of two, and a cache sized for 1M tokens decodes a short prompt at the cost
+of a cache sized for it (the QSA scores and top-k, and Inkling's full-attention splits, span the
+reach, not the capacity).
 
 A bucket's first step runs eagerly (which also compiles and tunes kernels) on exactly the path the
 graph records, then the graph is captured; later steps replay it. If a capture fails (a module that
@@ -328,8 +329,7 @@ def graph_experts(model, experts: list, device: torch.device, tokens: int) -> st
     """
     if not experts or any(config._experts_implementation != "grouped_mm" for _, config in experts):
         return None
-    if (FUSED_EXPERTS and device.type == "cuda"
-            and tokens <= FUSED_EXPERTS_MAX_TOKENS):
+    if FUSED_EXPERTS and device.type == "cuda" and tokens <= FUSED_EXPERTS_MAX_TOKENS:
         from .ops import experts as selected  # registers the implementation with transformers
 
         if all(selected.supports(module) for module, _ in experts):
