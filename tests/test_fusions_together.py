@@ -58,3 +58,40 @@ def test_all_fusions_give_upstreams_tokens_per_row(all_fused, name):
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
             logits = ours(nxt, attention_mask=mask, past_key_values=eager).logits
             torch.testing.assert_close(runner.step(nxt, None, mask), logits, atol=5e-5, rtol=0)
+
+
+def test_modules_with_hooks_run_their_own_forward(all_fused, monkeypatch):
+    """A hooked module (accelerate's offloading wrapper sets ``_hf_hook``; a user's forward hook) keeps its own
+    forward: the fused ops would read weights that only its forward loads, or skip what the hook expects."""
+    from qwen4_helpers import tiny_config
+    from transformers.models.inkling.modeling_inkling import InklingRMSNorm
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
+
+    config = tiny_config()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 16, generator=g)
+    cases = [
+        (InklingRMSNorm(16), lambda m: rms_norm.add_rms_norm(m, x), rms_norm, "add_rms_norm_torch"),
+        (upstream.Qwen4ExpTextRMSNorm(16), lambda m: norm_rope.norm_rope(m, x, x[:, 0, :8], x[:, 1, :8]), norm_rope,
+         "norm_rope_written_out"),
+        (upstream.Qwen4ExpTextRMSNormGated(16), lambda m: gated_delta.gated_rms_norm(m, x[0], x[1]), gated_delta,
+         "gated_rms_norm_torch"),
+        (upstream.Qwen4ExpTextGatedResidual(config),
+         lambda m: hyper_connection.gated_residual(m, torch.randn(2, config.hc_count * config.hidden_size, generator=g)),
+         hyper_connection, "hc_norm"),
+    ]
+    for module, run, ops, fused_function in cases:
+        calls = []
+        real = getattr(ops, fused_function)
+        monkeypatch.setattr(ops, fused_function, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+        with torch.no_grad():
+            run(module)
+            assert calls, f"{type(module).__name__}: the fused path did not run without hooks"
+            calls.clear()
+            module._hf_hook = object()  # as accelerate's add_hook_to_module leaves it
+            run(module)
+            del module._hf_hook
+            handle = module.register_forward_pre_hook(lambda *a: None)
+            run(module)
+            handle.remove()
+        assert calls == [], f"{type(module).__name__}: the fused path ran on a hooked module"

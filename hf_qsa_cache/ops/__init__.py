@@ -21,3 +21,11 @@ _FUSED = {name.strip() for name in os.environ.get("HF_QSA_FUSED", "").split(",")
 
 def fusion_enabled(name: str) -> bool:
     return name in _FUSED or "all" in _FUSED
+
+
+def keeps_own_forward(module, *weights: torch.Tensor) -> bool:
+    """Whether a fused op must leave ``module`` to its own forward rather than read ``weights`` directly: a
+    hook on it (a user's, an output recorder's), accelerate's offloading wrapper (the weights are loaded only
+    inside its forward), or weights that are not plain tensors (tensor parallel's DTensors)."""
+    return (bool(module._forward_hooks or module._forward_pre_hooks) or hasattr(module, "_hf_hook")
+            or any(type(w.data) is not torch.Tensor for w in weights))

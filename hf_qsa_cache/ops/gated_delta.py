@@ -17,14 +17,15 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from . import fusion_enabled, records_grad
+from . import fusion_enabled, keeps_own_forward, records_grad
 
 FUSED_GDN = fusion_enabled("gdn")
 GATE_ACTIVATIONS = ("sigmoid", "silu")  # what the fused norm knows
 
 
 def _fused(*tensors) -> bool:
-    return FUSED_GDN and tensors[0].is_cuda and not records_grad(*tensors)
+    return FUSED_GDN and tensors[0].is_cuda and not records_grad(*tensors) and all(
+        type(t.data) is torch.Tensor for t in tensors)
 
 
 def delta_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -43,7 +44,7 @@ def delta_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: 
 def gated_rms_norm(norm, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """``norm(x, gate)`` for transformers' ``Qwen4ExpTextRMSNormGated`` ``norm`` over rows ``[N, D]``."""
     if (not FUSED_GDN or records_grad(x, gate, norm.weight) or norm.activation not in GATE_ACTIVATIONS
-            or norm._forward_hooks or norm._forward_pre_hooks):
+            or keeps_own_forward(norm, norm.weight)):
         return norm(x, gate)
     if x.is_cuda:
         from .gated_delta_triton import gated_rms_norm_triton

@@ -18,9 +18,9 @@ differ by bf16 rounding and are judged against fp32). The torch functions here a
 (and what the CPU runs); `hyper_connection_triton` holds the kernels, tested against them.
 
 Until measured on a GPU the fused path is off by default; it applies when the environment variable is
-set, autograd records nothing, the module's weights sit on the activations' device (offloading hooks
-keep them elsewhere until their forward) and the module has no forward hooks; otherwise the module runs
-upstream's forward.
+set, autograd records nothing, the module's weights sit on the activations' device as plain tensors, and
+neither the module nor its parts has hooks (a user's, accelerate's offloading: `keeps_own_forward`);
+otherwise the module runs upstream's forward.
 """
 
 from __future__ import annotations
@@ -28,15 +28,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import fusion_enabled, records_grad
+from . import fusion_enabled, keeps_own_forward, records_grad
 
 FUSED_HC = fusion_enabled("hc")
 
 
 def use_fused(module, x: torch.Tensor) -> bool:
-    # A hook on the module (a user's, an output recorder's) must see its forward run.
+    submodules = (module, module.hc_norm, module.input_mix_weight_down, module.input_mix_weight_up,
+                  module.block_inject_weight)
     return (FUSED_HC and not records_grad(x) and module.hc_norm.weight.device == x.device
-            and not (module._forward_hooks or module._forward_pre_hooks))
+            and not any(keeps_own_forward(m, *m.parameters(recurse=False)) for m in submodules))
 
 
 def add_injection(streams: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
 
-from . import fusion_enabled, records_grad
+from . import fusion_enabled, keeps_own_forward, records_grad
 
 FUSED_NORM_ROPE = fusion_enabled("norm")
 
@@ -24,7 +24,7 @@ FUSED_NORM_ROPE = fusion_enabled("norm")
 def norm_rope(norm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``apply_rotary_pos_emb(norm(x), cos=cos, sin=sin, unsqueeze_dim=1)`` for ``x`` ``[N, H, D]`` and
     ``cos``, ``sin`` ``[N, rot]`` (``rot`` even, at most ``D``), ``norm`` transformers' ``Qwen4ExpTextRMSNorm``."""
-    if (not FUSED_NORM_ROPE or records_grad(x, norm.weight) or norm._forward_hooks or norm._forward_pre_hooks
+    if (not FUSED_NORM_ROPE or records_grad(x, norm.weight) or keeps_own_forward(norm, norm.weight)
             or norm.group_size is not None or not (x.dtype == cos.dtype == sin.dtype)):
         return norm_rope_torch(norm, x, cos, sin)
     if x.is_cuda:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fusion_enabled, records_grad
+from . import fusion_enabled, keeps_own_forward, records_grad
 
 FUSED_NORM = fusion_enabled("norm")
 
@@ -20,8 +20,8 @@ FUSED_NORM = fusion_enabled("norm")
 def add_rms_norm(norm, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, norm(h))`` with ``h = residual + x`` (``h = x`` without a residual) for transformers'
     ``InklingRMSNorm`` ``norm``."""
-    if (not FUSED_NORM or records_grad(x, residual, norm.weight) or norm._forward_hooks
-            or norm._forward_pre_hooks or (residual is not None and residual.dtype != x.dtype)):
+    if (not FUSED_NORM or records_grad(x, residual, norm.weight) or keeps_own_forward(norm, norm.weight)
+            or (residual is not None and residual.dtype != x.dtype)):
         h = x if residual is None else residual + x
         return h, norm(h)
     if x.is_cuda:
