@@ -361,6 +361,29 @@ def _main() -> int:
         if not torch.equal(have, want):
             print(f"selected positions case {i} (ratio {ratio}, block_topk {block_topk}, k {k}):\n{have}\n{want}")
             return 1
+    # Group pooling: groups closed wholly inside the step, across the ring and the step, and unused items.
+    from types import SimpleNamespace
+
+    for ratio, dtype in ((4, torch.float32), (2, torch.bfloat16), (4, torch.bfloat16)):
+        g = torch.Generator().manual_seed(600 + ratio)
+        rows, L, cap, head_dim = 3, 6, 8, 20
+        prev, count = [3, 9, 0], [5, 2, 6]
+        work = [(b, grp) for b in range(rows) for grp in range(prev[b] // ratio, (prev[b] + count[b]) // ratio)]
+        work += [(-1, -1)] * 2
+        meta = SimpleNamespace(prev_len=torch.tensor(prev, dtype=torch.int32), count=torch.tensor(count, dtype=torch.int32),
+                               query_len=L)
+        args = (torch.tensor(work, dtype=torch.int32), ratio, torch.randn((rows + 1) * cap, head_dim, generator=g),
+                torch.randint(0, 99, ((rows + 1) * cap, 3), generator=g), cap,
+                torch.randn(rows * L, head_dim, generator=g).to(dtype), torch.randint(0, 99, (rows * L, 3), generator=g))
+        want = qsa.pool_groups(meta, *args)
+        have = qsa_triton.pool_groups_triton(args[0], meta.prev_len, meta.count, L, *args[1:])
+        tol = 1e-6 if dtype == torch.float32 else 8e-3
+        try:
+            assert have[0].dtype == want[0].dtype and torch.equal(have[1][:-2], want[1][:-2])
+            torch.testing.assert_close(have[0][:-2].float(), want[0][:-2].float(), atol=tol, rtol=tol)
+        except AssertionError as err:
+            print(f"pool groups (ratio {ratio}, {dtype}): {err}")
+            return 1
     print("all qsa kernel cases ok")
     return 0
 

@@ -27,8 +27,8 @@ _CHUNK_ELEMENTS = 1 << 27
 
 # Triton kernels for CUDA tensors (read once, at import).
 USE_TRITON = os.environ.get("HF_QSA_TRITON_QSA", "1") == "1"
-# The selection's index arithmetic in one launch: opt-in until measured on a GPU.
-FUSED_SELECT = fusion_enabled("select")
+# The QSA index arithmetic (group pooling, selected positions) in one launch each: opt-in until measured.
+FUSED_QSA = fusion_enabled("qsa")
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -54,13 +54,28 @@ def qsa_index_step(q_index: torch.Tensor, raw_keys: torch.Tensor, positions: tor
     r = store.ratio
     # Most decode steps close no group (one step in r does); when the host knows, skip the work.
     if meta.closes_groups(r):
-        group_keys, first_pos = gather_group_raw_keys(meta, meta.compress_work, r, store.ring_keys,
-                                                      store.ring_positions, store.capacity, raw_keys, positions)
-        pooled = finish_group(group_keys.float().mean(dim=1).to(raw_keys.dtype), first_pos)
-        store.write_groups(meta.compress_work, meta.block_tables[store.table], pooled)
+        pooled, first_pos = pool_groups(meta, meta.compress_work, r, store.ring_keys, store.ring_positions,
+                                        store.capacity, raw_keys, positions)
+        store.write_groups(meta.compress_work, meta.block_tables[store.table], finish_group(pooled, first_pos))
     # Only after the groups above read it: the ring keeps the newest raw keys of each row.
     store.write_ring(meta.ring_slot, raw_keys, positions)
     return score_and_select(q_index, store.compressed, meta, store.table, block_size, r, block_topk)
+
+
+def pool_groups(meta: StepMetadata, work: torch.Tensor, ratio: int, ring_keys: torch.Tensor,
+                ring_positions: torch.Tensor, capacity: int, raw_keys: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean raw key ``[W, Di]`` (fp32 mean, in ``raw_keys``' dtype) of each work group and the 3-axis
+    position ``[W, 3]`` of its first token (`gather_group_raw_keys`). One launch where fused
+    (``HF_QSA_FUSED=qsa``, `qsa_triton.pool_groups_triton`)."""
+    if FUSED_QSA and raw_keys.is_cuda and not records_grad(raw_keys):
+        from .qsa_triton import pool_groups_triton
+
+        return pool_groups_triton(work, meta.prev_len, meta.count, meta.query_len, ratio, ring_keys, ring_positions,
+                                  capacity, raw_keys, positions)
+    keys, first_pos = gather_group_raw_keys(meta, work, ratio, ring_keys, ring_positions, capacity, raw_keys,
+                                            positions)
+    return keys.float().mean(dim=1).to(raw_keys.dtype), first_pos
 
 
 def gather_group_raw_keys(meta: StepMetadata, work: torch.Tensor, ratio: int, ring_keys: torch.Tensor,
@@ -125,8 +140,8 @@ def selected_positions(groups: torch.Tensor, visible: torch.Tensor, position: to
     (``k <= block_topk``, best first): each group's ``r`` tokens (-1 for a group at or past the token's
     ``visible`` count), -1 up to ``block_topk`` groups, then the open-group tail ``((p+1)//r)*r .. p`` of its
     ``position`` ``p`` (-1 where shorter, and everywhere for a pad, ``p = -1``). One launch where fused
-    (``HF_QSA_FUSED=select``, `qsa_triton.selected_positions_triton`)."""
-    if FUSED_SELECT and groups.is_cuda:
+    (``HF_QSA_FUSED=qsa``, `qsa_triton.selected_positions_triton`)."""
+    if FUSED_QSA and groups.is_cuda:
         from .qsa_triton import selected_positions_triton
 
         return selected_positions_triton(groups, visible, position, ratio, block_topk)

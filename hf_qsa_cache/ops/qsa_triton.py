@@ -360,3 +360,60 @@ def selected_positions_triton(groups: torch.Tensor, visible: torch.Tensor, posit
             num_warps=4,
         )
     return out
+
+
+@triton.jit(do_not_specialize=["num_tokens", "query_len", "capacity"])
+def _pool_groups_kernel(work_ptr, prev_ptr, count_ptr, ring_keys_ptr, ring_pos_ptr, keys_ptr, pos_ptr,
+                        pooled_ptr, first_ptr, num_tokens, query_len, capacity,
+                        RATIO: tl.constexpr, R_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """One program per work item (row, group): the mean of the group's raw keys (this step's where the
+    step holds them, the row's ring for earlier ones) and its first token's 3-axis position."""
+    w = tl.program_id(0).to(tl.int64)
+    row = tl.maximum(tl.load(work_ptr + 2 * w).to(tl.int64), 0)
+    group = tl.maximum(tl.load(work_ptr + 2 * w + 1).to(tl.int64), 0)
+    prev = tl.load(prev_ptr + row).to(tl.int64)
+    count = tl.load(count_ptr + row).to(tl.int64)
+    j = tl.arange(0, R_PAD)
+    d = tl.arange(0, D_PAD)
+    pos = group * RATIO + j  # [R_PAD]
+    in_step = pos >= prev
+    token = row * query_len + (query_len - count) + (pos - prev)
+    token = tl.minimum(tl.maximum(token, 0), num_tokens - 1)
+    ring_row = row * capacity + pos % capacity
+    ok = (j < RATIO)[:, None] & (d < HEAD_DIM)[None, :]
+    dtype = pooled_ptr.dtype.element_ty
+    from_step = tl.load(keys_ptr + token[:, None] * HEAD_DIM + d[None, :], mask=ok & in_step[:, None], other=0.0)
+    from_ring = tl.load(ring_keys_ptr + ring_row[:, None] * HEAD_DIM + d[None, :], mask=ok & ~in_step[:, None],
+                        other=0.0)
+    keys = tl.where(in_step[:, None], from_step.to(dtype).to(tl.float32), from_ring.to(dtype).to(tl.float32))
+    pooled = tl.sum(keys, axis=0) / RATIO
+    tl.store(pooled_ptr + w * HEAD_DIM + d, pooled.to(dtype), mask=d < HEAD_DIM)
+    # The first token's position: three axes, from this step's positions or the ring's.
+    axis = tl.arange(0, 4)
+    first_in_step = (group * RATIO + axis * 0) >= prev  # the same for every axis: a vector, as masks want
+    first_token = tl.minimum(tl.maximum(row * query_len + (query_len - count) + (group * RATIO - prev), 0),
+                             num_tokens - 1)
+    step_pos = tl.load(pos_ptr + first_token * 3 + axis, mask=(axis < 3) & first_in_step, other=0)
+    ring_pos = tl.load(ring_pos_ptr + (row * capacity + (group * RATIO) % capacity) * 3 + axis,
+                       mask=(axis < 3) & ~first_in_step, other=0)
+    tl.store(first_ptr + w * 3 + axis, tl.where(first_in_step, step_pos, ring_pos).to(tl.int64), mask=axis < 3)
+
+
+@on_device_of_first_tensor
+def pool_groups_triton(work: torch.Tensor, prev_len: torch.Tensor, count: torch.Tensor, query_len: int, ratio: int,
+                       ring_keys: torch.Tensor, ring_positions: torch.Tensor, capacity: int, raw_keys: torch.Tensor,
+                       positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`hf_qsa_cache.ops.qsa.pool_groups` in one launch."""
+    num_work = work.shape[0]
+    head_dim = raw_keys.shape[-1]
+    pooled = torch.empty(num_work, head_dim, dtype=raw_keys.dtype, device=raw_keys.device)
+    first = torch.empty(num_work, 3, dtype=torch.int64, device=raw_keys.device)
+    if num_work:
+        _pool_groups_kernel[(num_work,)](
+            work.contiguous(), prev_len.contiguous(), count.contiguous(), ring_keys.contiguous(),
+            ring_positions.contiguous(), raw_keys.contiguous(), positions.contiguous(), pooled, first,
+            max(raw_keys.shape[0], 1), query_len, capacity,
+            RATIO=ratio, R_PAD=triton.next_power_of_2(ratio), HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+            num_warps=4,
+        )
+    return pooled, first
