@@ -38,7 +38,7 @@ from hf_qsa_cache.generation import (
 from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops import records_grad
-from hf_qsa_cache.ops.gated_delta import delta_gates, gated_rms_norm
+from hf_qsa_cache.ops.gated_delta import delta_gates, fuses_conv_step, gated_rms_norm
 from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual
 from hf_qsa_cache.ops.norm_rope import norm_rope
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention, sparse_paged_attention_probs
@@ -128,11 +128,15 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
         # in front of the kept inputs).
         meta = cache.step_metadata(hidden_states.device)
         weight = self.conv1d.weight.squeeze(1)
-        window = state.window("conv", mixed_qkv, meta.leading_pads(), meta.starts_fresh)
         kept = step_history(cache, state, hidden_states.device, B, L)  # rollback ring (speculative decoding)
-        state.write_window("conv", window, kept)
-        mixed_qkv = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), None, groups=window.shape[1])
-        mixed_qkv = ACT2FN[self.activation](mixed_qkv).to(hidden_states.dtype).transpose(1, 2)
+        pads = meta.leading_pads()
+        if fuses_conv_step(mixed_qkv, self.activation, pads, meta.starts_fresh, kept):
+            mixed_qkv = state.conv_step_in_place(mixed_qkv, weight, hidden_states.dtype)
+        else:
+            window = state.window("conv", mixed_qkv, pads, meta.starts_fresh)
+            state.write_window("conv", window, kept)
+            mixed_qkv = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), None, groups=window.shape[1])
+            mixed_qkv = ACT2FN[self.activation](mixed_qkv).to(hidden_states.dtype).transpose(1, 2)
 
         query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         query = query.reshape(B, L, -1, self.head_k_dim)

@@ -1,6 +1,6 @@
 """Every opt-in fusion on at once (`HF_QSA_FUSED=all`, and the selected-experts implementation): each row of
 a ragged batch still gives upstream's greedy tokens on that row alone (fp32, CPU: the fusions' written-out
-torch arithmetic), through generate() and through the step a CUDA graph records."""
+torch arithmetic), through generate() with a chunked prefill and through the step a CUDA graph records."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def _family(name):
 def test_all_fusions_give_upstreams_tokens_per_row(all_fused, name):
     upstream, ours, rows, (ids, mask) = _family(name)
     ours.set_experts_implementation(experts.SELECTED_EXPERTS)
+    ours.prefill_chunk_tokens = 9  # prefill in chunks of 3 tokens per row: multi-token steps on held rows
     n = 6
     with torch.no_grad():
         out = ours.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0,

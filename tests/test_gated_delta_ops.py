@@ -42,6 +42,35 @@ def test_generate_with_the_fused_path_equals_the_default(monkeypatch):
                                          "gated_rms_norm_torch", atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_decode_step_is_the_window_path(dtype):
+    """`conv_decode_step` (what one-token steps run when fused) against the store's window path: the same
+    output and the same kept inputs afterwards, over steps that shift every tap out."""
+    import torch.nn.functional as F
+
+    from hf_qsa_cache.stores.linear_state import LinearAttentionState
+
+    B, C, K = 3, 10, 4
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(C, K, generator=g).to(dtype)
+    stores = []
+    for _ in range(2):
+        store = LinearAttentionState(4, C, K, 2, 4, 4)
+        store.allocate("cpu", dtype)
+        store.conv[:B] = torch.randn(B, C, K - 1, generator=torch.Generator().manual_seed(3)).to(dtype)
+        stores.append(store)
+    windowed, fused = stores
+    for step in range(K + 1):
+        x = torch.randn(B, C, 1, generator=g).to(dtype)
+        window = windowed.window("conv", x, None)
+        windowed.write_window("conv", window, None)
+        want = F.silu(F.conv1d(window.to(dtype), weight.unsqueeze(1), None, groups=C)).to(dtype).transpose(1, 2)
+        got = fused.conv_step_in_place(x, weight, dtype)
+        tol = 1e-6 if dtype == torch.float32 else 1.6e-2  # bf16: the conv sum's order, then one rounding
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m: f"step {step}: {m}")
+        assert torch.equal(fused.conv[:B], windowed.conv[:B]), f"step {step}: kept inputs differ"
+
+
 def test_triton_kernels_match_torch():
     run_under_interpreter(__file__, "all gated delta kernel cases ok")
 
@@ -78,6 +107,23 @@ def _main() -> int:
                 rounding = 1.5 * tol if dtype == torch.bfloat16 else tol
                 torch.testing.assert_close(got.float(), want.float(), atol=rounding, rtol=rounding)
                 cases += 1
+    from hf_qsa_cache.ops.gated_delta_triton import conv_decode_step_triton
+
+    for x_dtype, state_dtype, tol in ((torch.float32, torch.float32, 1e-6), (torch.bfloat16, torch.bfloat16, 1.6e-2),
+                                      (torch.bfloat16, torch.float32, 1.6e-2)):
+        for B, C, K in ((1, 300, 4), (3, 24, 2), (2, 40, 3)):  # 300 channels: two blocks, the second partial
+            g = torch.Generator().manual_seed(B * 100 + C + K)
+            state = torch.randn(B, C, K - 1, generator=g).to(state_dtype)
+            x = torch.randn(B, 1, C, generator=g).to(x_dtype).transpose(1, 2)  # [B, C, 1], strided as in the model
+            weight = torch.randn(C, K, generator=g).to(x_dtype)
+            mine, theirs = state.clone(), state.clone()
+            got = conv_decode_step_triton(mine, x, weight, x_dtype)
+            want = gated_delta.conv_decode_step(theirs, x, weight, x_dtype)
+            assert got.shape == want.shape == (B, 1, C) and got.dtype == want.dtype
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+            # The interpreter truncates its fp32 -> bf16 casts where a GPU rounds: one unit apart at most.
+            torch.testing.assert_close(mine.float(), theirs.float(), atol=tol, rtol=tol)
+            cases += 1
     print(f"all gated delta kernel cases ok ({cases})")
     return 0
 

@@ -4,6 +4,9 @@
 * `delta_gates`: the write strength ``beta = sigmoid(b)`` and the log decay
   ``g = -exp(A_log) * softplus(a + dt_bias)`` of every head, both zero on pad tokens (pads neither decay
   nor update the state). Upstream's ops are about ten launches.
+* `conv_decode_step`: a one-token step's causal depthwise conv over ``[kept K-1 inputs | the new one]``,
+  its activation, and the kept window shifted by one, in place (about five launches upstream of ours:
+  concatenation, state write, conv, activation, cast).
 * `gated_rms_norm`: the output norm with its gate (transformers' ``Qwen4ExpTextRMSNormGated``: RMS norm
   in fp32, rounded, times the weight, times ``act(gate)``), about ten launches upstream.
 
@@ -59,3 +62,26 @@ def gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     normed = weight * normed.to(x.dtype)
     return (normed * ACT2FN[activation](gate.float())).to(x.dtype)
+
+
+def conv_decode_step(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
+                     ) -> torch.Tensor:
+    """One token per row: ``x`` ``[B, C, 1]``, the rows' kept inputs ``conv_state`` ``[B, C, K-1]`` (updated in
+    place to the last ``K-1`` inputs), depthwise ``weight`` ``[C, K]``; returns ``silu(conv)`` ``[B, 1, C]`` in
+    ``out_dtype``. Rounding as the unfused path: the window in ``x``'s dtype, the conv output in the weight's,
+    the activation in ``out_dtype``."""
+    if x.is_cuda:
+        from .gated_delta_triton import conv_decode_step_triton
+
+        return conv_decode_step_triton(conv_state, x, weight, out_dtype)
+    window = torch.cat([conv_state.to(x.dtype), x], dim=-1)
+    conv_state.copy_(window[..., 1:].to(conv_state.dtype))
+    conv = (window.to(weight.dtype).float() * weight.float()).sum(-1).to(weight.dtype)  # [B, C]
+    return F.silu(conv.float()).to(out_dtype)[:, None, :]
+
+
+def fuses_conv_step(x: torch.Tensor, activation: str, leading_pads, fresh: bool, kept) -> bool:
+    """Whether a GatedDeltaNet step takes `conv_decode_step`: one token per row, no pads, rows that hold
+    state, no rollback history to record, SiLU, autograd not recording."""
+    return (FUSED_GDN and x.shape[-1] == 1 and leading_pads is None and not fresh and kept is None
+            and activation == "silu" and not records_grad(x))

@@ -79,3 +79,46 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
                                         D_PAD=triton.next_power_of_2(D), SIGMOID=activation == "sigmoid",
                                         PRODUCT=product, num_warps=4 if D >= 512 else 1)
     return out
+
+
+@triton.jit
+def _conv_decode_step_kernel(state_ptr, x_ptr, weight_ptr, out_ptr, stride_sb, stride_sc, stride_sk, stride_xb,
+                             stride_xc, stride_wc, stride_wk, channels,
+                             K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_C: tl.constexpr, W_DTYPE: tl.constexpr):
+    """One program per (row, block of channels): the window [kept K-1 inputs | x] in x's dtype, the conv in
+    fp32 rounded to the weight's dtype, silu rounded to the output's; the kept inputs shift by one."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    k = tl.arange(0, K_PAD)
+    ok = c < channels
+    x_dtype = x_ptr.dtype.element_ty
+    xv = tl.load(x_ptr + b * stride_xb + c * stride_xc, mask=ok, other=0.0)
+    rows = state_ptr + b * stride_sb + c[:, None] * stride_sc
+    kept = tl.load(rows + k[None, :] * stride_sk, mask=ok[:, None] & (k < K - 1)[None, :], other=0.0).to(x_dtype)
+    window = tl.where((k == K - 1)[None, :], xv[:, None], kept)  # [BLOCK_C, K_PAD], taps past K are zero weights
+    w = tl.load(weight_ptr + c[:, None] * stride_wc + k[None, :] * stride_wk, mask=ok[:, None] & (k < K)[None, :],
+                other=0.0).to(tl.float32)
+    conv = tl.sum(window.to(W_DTYPE).to(tl.float32) * w, axis=1).to(W_DTYPE).to(tl.float32)
+    tl.store(out_ptr + b * channels + c, (conv * tl.sigmoid(conv)).to(out_ptr.dtype.element_ty), mask=ok)
+    # The kept inputs become the window's last K-1 (read above, before this overwrites them).
+    later = tl.load(rows + (k + 1)[None, :] * stride_sk, mask=ok[:, None] & (k + 1 < K - 1)[None, :],
+                    other=0.0).to(x_dtype)
+    shifted = tl.where((k + 1 == K - 1)[None, :], xv[:, None], later)
+    tl.store(rows + k[None, :] * stride_sk, shifted.to(state_ptr.dtype.element_ty),
+             mask=ok[:, None] & (k < K - 1)[None, :])
+
+
+@on_device_of_first_tensor
+def conv_decode_step_triton(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                            out_dtype: torch.dtype) -> torch.Tensor:
+    """`gated_delta.conv_decode_step` in one launch (``conv_state`` is updated in place)."""
+    B, C, _ = x.shape
+    K = weight.shape[-1]
+    out = torch.empty(B, 1, C, dtype=out_dtype, device=x.device)
+    if B and C:
+        block_c = 256
+        _conv_decode_step_kernel[(B, triton.cdiv(C, block_c))](
+            conv_state, x, weight, out, *conv_state.stride(), x.stride(0), x.stride(1), *weight.stride(), C,
+            K=K, K_PAD=triton.next_power_of_2(K), BLOCK_C=block_c, W_DTYPE=TL_DTYPES[weight.dtype], num_warps=4,
+        )
+    return out

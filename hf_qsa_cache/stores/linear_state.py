@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.gated_delta import conv_decode_step
+
 
 class LinearAttentionState:
     table = None  # dense per row, not paged
@@ -92,6 +94,11 @@ class LinearAttentionState:
         shape = [x.shape[0]] + [1] * (x.dim() - 2) + [width]
         src = src.view(shape).expand(window.shape)
         return torch.where((col < pads).view(shape), fill, window.gather(-1, src))
+
+    def conv_step_in_place(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """A one-token step's conv over rows ``[0, B)`` of the conv window, which shifts in place to take
+        ``x`` ``[B, C, 1]`` (`hf_qsa_cache.ops.gated_delta.conv_decode_step`); returns ``[B, 1, C]``."""
+        return conv_decode_step(self.conv[: x.shape[0]], x, weight, out_dtype)
 
     def initial_recurrent(self, num_rows: int, fresh: bool) -> torch.Tensor | None:
         """The recurrent state rows ``[0, num_rows)`` start this step from: None (zeros) for fresh rows; a
