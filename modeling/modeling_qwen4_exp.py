@@ -42,6 +42,7 @@ from hf_qsa_cache.ops.gated_delta import delta_gates, fuses_conv_step, gated_rms
 from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual
 from hf_qsa_cache.ops.norm_rope import norm_rope
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention, sparse_paged_attention_probs
+from hf_qsa_cache.ops.router import fuses_routing, route_topk
 from hf_qsa_cache.rollback import gated_delta_keeping_states, step_history
 
 from .checkpoints import StrictLoadingMixin, use_upstream_conversions
@@ -208,6 +209,20 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
         return emb.ngram_embedding(ngram_ids.to(device)).to(ids.device).flatten(-2)
 
 
+class Qwen4ExpTextSparseMoeBlock(upstream.Qwen4ExpTextSparseMoeBlock):
+    """transformers' MoE block (same modules and parameters); its routing after the router's projection runs
+    as one launch where fused (`hf_qsa_cache.ops.router`). The steps are upstream's forward, in its order."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not fuses_routing(self.gate, hidden_states):
+            return super().forward(hidden_states)
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        shared = self.shared_expert(x)
+        weights, experts = route_topk(F.linear(x, self.gate.weight), self.gate.top_k, self.gate.norm_topk_prob)
+        out = self.experts(x, experts, weights) + F.sigmoid(self.shared_expert_gate(x)) * shared
+        return out.reshape(hidden_states.shape)
+
+
 class Qwen4ExpTextDecoderLayer(upstream.Qwen4ExpTextDecoderLayer):
     def __init__(self, config: Qwen4ExpTextConfig, layer_idx: int):
         nn.Module.__init__(self)
@@ -218,7 +233,7 @@ class Qwen4ExpTextDecoderLayer(upstream.Qwen4ExpTextDecoderLayer):
         else:
             self.self_attn = PagedQSAAttention(config, layer_idx)
             self.self_attn.rotary_emb = None  # set by the text model (shared module, not a parameter)
-        self.mlp = upstream.Qwen4ExpTextSparseMoeBlock(config)
+        self.mlp = Qwen4ExpTextSparseMoeBlock(config)
         ple_ids = config.ple_layer_ids or []
         self.ple = (
             PagedPLELayer(config, layer_idx, ple_ids.index(layer_idx + 1)) if layer_idx + 1 in ple_ids else None

@@ -11,13 +11,13 @@ from qwen4_helpers import left_pad, make_pair, random_prompts
 
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.cuda_graphs import graphs_of
-from hf_qsa_cache.ops import experts, gated_delta, hyper_connection, norm_rope, qsa, rms_norm
+from hf_qsa_cache.ops import experts, gated_delta, hyper_connection, norm_rope, qsa, rms_norm, router
 
 
 @pytest.fixture
 def all_fused(monkeypatch):
     for module, flag in ((hyper_connection, "FUSED_HC"), (gated_delta, "FUSED_GDN"), (rms_norm, "FUSED_NORM"),
-                         (norm_rope, "FUSED_NORM_ROPE"), (qsa, "FUSED_QSA")):
+                         (norm_rope, "FUSED_NORM_ROPE"), (qsa, "FUSED_QSA"), (router, "FUSED_ROUTER")):
         monkeypatch.setattr(module, flag, True)
 
 

@@ -14,8 +14,8 @@ def records_grad(*tensors) -> bool:
 # Fusions not yet measured on a GPU are off unless named in HF_QSA_FUSED (comma-separated, or "all"):
 # "hc" (Qwen4Exp hyper-connection mixing), "gdn" (GatedDeltaNet gates, output norm, one-token conv),
 # "norm" (RMS norms with their neighbours: Inkling's residual add, Qwen4Exp's rotary embedding),
-# "experts" (graph steps' experts read only the selected experts' weights), "qsa" (QSA's group pooling
-# and selected positions). Read at import.
+# "experts" (graph steps' experts read only the selected experts' weights), "router" (Qwen4Exp's MoE
+# routing), "qsa" (QSA's group pooling and selected positions). Read at import.
 _FUSED = {name.strip() for name in os.environ.get("HF_QSA_FUSED", "").split(",") if name.strip()}
 
 
