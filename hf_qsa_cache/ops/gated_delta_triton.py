@@ -43,7 +43,9 @@ def delta_gates_triton(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt
     beta = torch.empty_like(b)
     g = torch.empty(b.shape, dtype=torch.float32, device=b.device)
     if tokens:
-        _delta_gates_kernel[(tokens,)](b, a, A_log, dt_bias, valid.contiguous().view(-1), beta, g, tokens,
+        real = valid.reshape(-1) if valid.dtype == torch.bool else valid.reshape(-1) != 0
+        # The mask as bytes (a bool tensor reinterpreted, no copy): one byte per token, no bool pointers.
+        _delta_gates_kernel[(tokens,)](b, a, A_log, dt_bias, real.contiguous().view(torch.uint8), beta, g, tokens,
                                        H=H, H_PAD=triton.next_power_of_2(H), num_warps=1)
     return beta, g
 

@@ -25,7 +25,7 @@ def _norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, num_tokens, 
     dtype = out_ptr.dtype.element_ty
     normed = (x * rstd * (1.0 + w[None, :])).to(dtype)
     # rotate_half on the first ROT features: feature d takes -x[d + ROT/2] below ROT/2, x[d - ROT/2] above.
-    half: tl.constexpr = ROT // 2
+    half = ROT // 2
     in_rot = d < ROT
     partner = tl.where(d < half, d + half, d - half)
     partner = tl.where(in_rot, partner, d)
