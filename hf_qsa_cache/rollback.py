@@ -52,6 +52,8 @@ def gated_delta_keeping_states(chunk_rule, recurrent_rule, query, key, value, g,
                                     initial_state=state, **kwargs)
         outs.append(out)
         states.append(state)
+    if head == 0 and keep == 1:  # a one-token step (every decode step of a cache with headroom): no copies
+        return outs[0], state, state.unsqueeze(1)
     return torch.cat(outs, dim=1), state, torch.stack(states, dim=1)
 
 
