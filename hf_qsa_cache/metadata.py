@@ -46,8 +46,17 @@ class StepMetadata:
     host_prev_len: list[int] | None
     host_count: list[int] | None
     # Bound on every row's length after this step: the exact maximum when the host values are known,
-    # the cache's capacity in a CUDA graph. Shapes that grow with context are sized from it.
+    # the step's reach in a CUDA graph (`cuda_graphs.reach_bucket`). Shapes that grow with context are
+    # sized from it.
     max_seq_len: int
+
+    def derived(self, key, make):
+        """``make()``, computed once per step for ``key`` and shared by every layer that asks (index tensors
+        all layers of a kind compute alike). Kept off the dataclass fields, so `to` starts without them."""
+        memo = self.__dict__.setdefault("_derived", {})
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
 
     @property
     def valid(self) -> torch.Tensor:

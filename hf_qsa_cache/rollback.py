@@ -23,10 +23,13 @@ import torch
 
 
 def step_history(cache, state, device, num_rows: int, query_len: int):
-    """``(m, slots)`` for a linear-state store that keeps rollback history, else None."""
+    """``(m, slots)`` for a linear-state store that keeps rollback history, else None. The same for every
+    layer of the step (the stores share their ring layout), so computed once per step."""
     if not state.history:
         return None
-    return state.history_slots(cache.step_metadata(device).position, num_rows, query_len)
+    meta = cache.step_metadata(device)
+    return meta.derived(("history_slots", state.history, state.max_rows, num_rows, query_len),
+                        lambda: state.history_slots(meta.position, num_rows, query_len))
 
 
 def gated_delta_keeping_states(chunk_rule, recurrent_rule, query, key, value, g, beta, initial_state, keep: int):

@@ -268,6 +268,22 @@ def test_crop_restores_the_state_plain_decoding_reaches(family, steps, drop, qwe
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+def test_history_slots_are_computed_once_per_step(qwen, monkeypatch):
+    """Every GatedDeltaNet / PLE layer records its rollback history at the same ring slots: one computation
+    per step, whatever the depth (and per step, not once for all: a later step has other positions)."""
+    from hf_qsa_cache.stores.linear_state import LinearAttentionState
+
+    model, ids, mask, vocab = _family("qwen4_exp", qwen, None)
+    calls = []
+    real = LinearAttentionState.history_slots
+    monkeypatch.setattr(LinearAttentionState, "history_slots", lambda self, *a: calls.append(1) or real(self, *a))
+    cache = QSAPagedCache(model.config, max_batch_size=2, max_cache_len=64, block_size=4, num_speculative_tokens=K)
+    tokens = torch.randint(2, vocab, (2, 3), generator=torch.Generator().manual_seed(6))
+    _run(model, cache, ids, mask, [tokens[:, :1], tokens[:, 1:]])
+    assert sum(t == "linear_attention" for t in model.config.layer_types) > 1
+    assert len(calls) == 3  # the prefill and two steps
+
+
 def test_crop_deeper_than_kept_is_refused(qwen):
     model = qwen[0]
     ids, mask = left_pad(random_prompts([22, 17], seed=3))
