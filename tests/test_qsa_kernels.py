@@ -371,7 +371,7 @@ def _main() -> int:
         work = [(b, grp) for b in range(rows) for grp in range(prev[b] // ratio, (prev[b] + count[b]) // ratio)]
         work += [(-1, -1)] * 2
         meta = SimpleNamespace(prev_len=torch.tensor(prev, dtype=torch.int32), count=torch.tensor(count, dtype=torch.int32),
-                               query_len=L)
+                               query_len=L, derived=lambda key, make: make())
         args = (torch.tensor(work, dtype=torch.int32), ratio, torch.randn((rows + 1) * cap, head_dim, generator=g),
                 torch.randint(0, 99, ((rows + 1) * cap, 3), generator=g), cap,
                 torch.randn(rows * L, head_dim, generator=g).to(dtype), torch.randint(0, 99, (rows * L, 3), generator=g))

@@ -346,3 +346,30 @@ def test_generate_with_prefill_chunk_size(pair):
     ids, mask = left_pad(prompts)
     out = _generate(ours, ids, mask, QSAPagedCache(ours.config, 3, 64, block_size=4), prefill_chunk_size=7)
     _assert_rows_match(ref, out, ids, prompts)
+
+
+def test_index_rows_are_computed_once_per_step(pair, monkeypatch):
+    """Where a step's group tokens live, the store rows its closed groups and ring writes go to: the same in
+    every QSA layer, computed once per forward (and afresh for the next, whose positions differ)."""
+    from hf_qsa_cache.ops import qsa
+    from hf_qsa_cache.stores.qsa_index import QSAIndexStore
+
+    _, ours = pair
+    calls = {"sources": 0, "group_rows": 0, "ring_rows": 0}
+
+    def counting(name, real):
+        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or real(*a, **k)
+
+    monkeypatch.setattr(qsa, "group_token_sources", counting("sources", qsa.group_token_sources))
+    monkeypatch.setattr(QSAIndexStore, "group_rows", counting("group_rows", QSAIndexStore.group_rows))
+    monkeypatch.setattr(QSAIndexStore, "ring_rows", counting("ring_rows", QSAIndexStore.ring_rows))
+    ids, mask = left_pad(random_prompts([13, 9], seed=4))
+    cache = QSAPagedCache(ours.config, 2, 40, block_size=4)
+    with torch.no_grad():
+        logits = ours(ids, attention_mask=mask, past_key_values=cache).logits
+        for _ in range(2):
+            nxt = logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            logits = ours(nxt, attention_mask=mask, past_key_values=cache).logits
+    assert sum(t == "indexed_attention" for t in ours.config.layer_types) > 1
+    assert calls["ring_rows"] == 3 and 1 <= calls["group_rows"] == calls["sources"] <= 3, calls

@@ -53,12 +53,16 @@ def qsa_index_step(q_index: torch.Tensor, raw_keys: torch.Tensor, positions: tor
     """
     r = store.ratio
     # Most decode steps close no group (one step in r does); when the host knows, skip the work.
+    # The rows written below are the same in every QSA layer of the step: computed once per step.
     if meta.closes_groups(r):
         pooled, first_pos = pool_groups(meta, meta.compress_work, r, store.ring_keys, store.ring_positions,
                                         store.capacity, raw_keys, positions)
-        store.write_groups(meta.compress_work, meta.block_tables[store.table], finish_group(pooled, first_pos))
+        rows = meta.derived(("group_rows", store.table, store.rows_per_block),
+                            lambda: store.group_rows(meta.compress_work, meta.block_tables[store.table]))
+        store.write_groups(rows, finish_group(pooled, first_pos))
     # Only after the groups above read it: the ring keeps the newest raw keys of each row.
-    store.write_ring(meta.ring_slot, raw_keys, positions)
+    rows = meta.derived(("ring_rows", store.max_rows, store.capacity), lambda: store.ring_rows(meta.ring_slot))
+    store.write_ring(rows, raw_keys, positions)
     return score_and_select(q_index, store.compressed, meta, store.table, block_size, r, block_topk)
 
 
@@ -86,19 +90,27 @@ def gather_group_raw_keys(meta: StepMetadata, work: torch.Tensor, ratio: int, ri
     A group's tokens from this forward come from ``raw_keys``/``positions`` (``[B*L, ...]``); earlier
     ones from the row's ring, which still holds them because the group was open.
     """
+    # Where each group token lives is the same in every QSA layer of the step: computed once.
+    in_chunk, chunk_token, ring_row = meta.derived(
+        ("group_sources", ratio, capacity, raw_keys.shape[0]),
+        lambda: group_token_sources(meta, work, ratio, capacity, raw_keys.shape[0]))
+    keys = torch.where(in_chunk[..., None], raw_keys[chunk_token], ring_keys[ring_row].to(raw_keys.dtype))
+    first_pos = torch.where(in_chunk[:, :1], positions[chunk_token[:, 0]], ring_positions[ring_row[:, 0]])
+    return keys, first_pos
+
+
+def group_token_sources(meta: StepMetadata, work: torch.Tensor, ratio: int, capacity: int,
+                        num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(in_step, step_token, ring_row)``, each ``[W, r]``: whether each work group's token is among this
+    forward's ``num_tokens`` tokens, its index there (clamped) and its row in the ring."""
     row = work[:, 0].long().clamp_min(0)
     group = work[:, 1].long().clamp_min(0)
     pos = group[:, None] * ratio + torch.arange(ratio, device=work.device)  # [W, r]
     prev = meta.prev_len.long()[row][:, None]
     count = meta.count.long()[row][:, None]
     L = meta.query_len
-    in_chunk = pos >= prev
-    chunk_token = row[:, None] * L + (L - count) + (pos - prev)
-    ring_row = row[:, None] * capacity + pos % capacity
-    chunk_token = chunk_token.clamp(0, raw_keys.shape[0] - 1)
-    keys = torch.where(in_chunk[..., None], raw_keys[chunk_token], ring_keys[ring_row].to(raw_keys.dtype))
-    first_pos = torch.where(in_chunk[:, :1], positions[chunk_token[:, 0]], ring_positions[ring_row[:, 0]])
-    return keys, first_pos
+    step_token = (row[:, None] * L + (L - count) + (pos - prev)).clamp(0, num_tokens - 1)
+    return pos >= prev, step_token, row[:, None] * capacity + pos % capacity
 
 
 def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: StepMetadata, table: str,

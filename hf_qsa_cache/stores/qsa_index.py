@@ -69,22 +69,26 @@ class QSAIndexStore:
             self.compressed = grown_pool(self.compressed, num_blocks)
         self.num_blocks = max(num_blocks, self.num_blocks)
 
-    def _ring_slots(self, slots: torch.Tensor) -> torch.Tensor:
+    def ring_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Ring rows of a step's tokens from their ring slots (`StepMetadata.ring_slot`; -1: the trash row)."""
         trash = self.max_rows * self.capacity
         return torch.where(slots < 0, trash, slots)
 
-    def write_ring(self, slots: torch.Tensor, raw_keys: torch.Tensor, positions: torch.Tensor) -> None:
-        """raw_keys ``[tokens, Di]``, positions ``[tokens, 3]``; slot -1 goes to the trash ring."""
-        idx = self._ring_slots(slots)
-        self.ring_keys.index_copy_(0, idx, raw_keys.detach().to(self.ring_keys.dtype))
-        self.ring_positions.index_copy_(0, idx, positions.to(torch.int64))
+    def write_ring(self, rows: torch.Tensor, raw_keys: torch.Tensor, positions: torch.Tensor) -> None:
+        """raw_keys ``[tokens, Di]``, positions ``[tokens, 3]`` at ring ``rows`` (`ring_rows`)."""
+        self.ring_keys.index_copy_(0, rows, raw_keys.detach().to(self.ring_keys.dtype))
+        self.ring_positions.index_copy_(0, rows, positions.to(torch.int64))
 
-    def write_groups(self, work: torch.Tensor, block_table: torch.Tensor, keys: torch.Tensor) -> None:
-        """Compressed key ``keys[w]`` of group ``work[w] = (row, group)``; unused items ``(-1, -1)`` go to
-        the null block. Group ``g`` sits in the block of its tokens, at row ``g % rows_per_block``."""
+    def group_rows(self, work: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+        """Compressed-store row of group ``work[w] = (row, group)``: group ``g`` sits in the block of its tokens,
+        at row ``g % rows_per_block``; unused items ``(-1, -1)`` get -1 (the null block)."""
         row, group = work[:, 0].long(), work[:, 1].long().clamp_min(0)
-        slots = paged_rows(block_table, row.clamp_min(0), group, self.rows_per_block)
-        write_slots(self.compressed.view(-1, self.index_head_dim), torch.where(row >= 0, slots, -1), keys)
+        rows = paged_rows(block_table, row.clamp_min(0), group, self.rows_per_block)
+        return torch.where(row >= 0, rows, -1)
+
+    def write_groups(self, rows: torch.Tensor, keys: torch.Tensor) -> None:
+        """Compressed key ``keys[w]`` at store row ``rows[w]`` (`group_rows`)."""
+        write_slots(self.compressed.view(-1, self.index_head_dim), rows, keys)
 
     def inplace_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(live, saved)`` pairs, one row per cache row: the ring is overwritten in place by position
