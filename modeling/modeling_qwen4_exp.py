@@ -131,7 +131,7 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
         weight = self.conv1d.weight.squeeze(1)
         kept = step_history(cache, state, hidden_states.device, B, L)  # rollback ring (speculative decoding)
         pads = meta.leading_pads()
-        if fuses_conv_step(mixed_qkv, self.activation, pads, meta.starts_fresh, kept):
+        if fuses_conv_step(mixed_qkv, weight, self.activation, pads, meta.starts_fresh, kept):
             mixed_qkv = state.conv_step_in_place(mixed_qkv, weight, hidden_states.dtype)
         else:
             window = state.window("conv", mixed_qkv, pads, meta.starts_fresh)

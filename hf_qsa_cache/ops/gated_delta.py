@@ -5,7 +5,7 @@
   ``g = -exp(A_log) * softplus(a + dt_bias)`` of every head, both zero on pad tokens (pads neither decay
   nor update the state). Upstream's ops are about ten launches.
 * `conv_decode_step`: a one-token step's causal depthwise conv over ``[kept K-1 inputs | the new one]``,
-  its activation, and the kept window shifted by one, in place (about five launches upstream of ours:
+  its activation, and the kept window shifted by one, in place (about five launches unfused:
   concatenation, state write, conv, activation, cast).
 * `gated_rms_norm`: the output norm with its gate (transformers' ``Qwen4ExpTextRMSNormGated``: RMS norm
   in fp32, rounded, times the weight, times ``act(gate)``), about ten launches upstream.
@@ -80,8 +80,9 @@ def conv_decode_step(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Te
     return F.silu(conv.float()).to(out_dtype)[:, None, :]
 
 
-def fuses_conv_step(x: torch.Tensor, activation: str, leading_pads, fresh: bool, kept) -> bool:
+def fuses_conv_step(x: torch.Tensor, weight: torch.Tensor, activation: str, leading_pads, fresh: bool,
+                    kept) -> bool:
     """Whether a GatedDeltaNet step takes `conv_decode_step`: one token per row, no pads, rows that hold
-    state, no rollback history to record, SiLU, autograd not recording."""
+    state, no rollback history to record, SiLU, autograd not recording, a plain (not sharded) weight."""
     return (FUSED_GDN and x.shape[-1] == 1 and leading_pads is None and not fresh and kept is None
-            and activation == "silu" and not records_grad(x))
+            and activation == "silu" and not records_grad(x, weight) and type(weight) is torch.Tensor)
