@@ -11,14 +11,14 @@ from qwen4_helpers import left_pad, make_pair, random_prompts
 
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.cuda_graphs import graphs_of
-from hf_qsa_cache.ops import experts, gated_delta, hyper_connection, norm_rope, qsa, rms_norm, router
+from hf_qsa_cache.fusions import FLAGS, fused
+from hf_qsa_cache.ops import experts, gated_delta, hyper_connection, norm_rope, rms_norm
 
 
 @pytest.fixture
-def all_fused(monkeypatch):
-    for module, flag in ((hyper_connection, "FUSED_HC"), (gated_delta, "FUSED_GDN"), (rms_norm, "FUSED_NORM"),
-                         (norm_rope, "FUSED_NORM_ROPE"), (qsa, "FUSED_QSA"), (router, "FUSED_ROUTER")):
-        monkeypatch.setattr(module, flag, True)
+def all_fused():
+    with fused(("all",)):
+        yield
 
 
 def _family(name):
@@ -96,3 +96,37 @@ def test_modules_with_hooks_run_their_own_forward(all_fused, monkeypatch):
             run(module)
             handle.remove()
         assert calls == [], f"{type(module).__name__}: the fused path ran on a hooked module"
+
+
+def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
+    """The names HF_QSA_FUSED accepts all switch a flag; `fused` sets and restores them, and refuses unknown ones."""
+    from hf_qsa_cache import cuda_graphs
+    from hf_qsa_cache.ops import qsa, router
+
+    flags = [(hyper_connection, "FUSED_HC"), (gated_delta, "FUSED_GDN"), (rms_norm, "FUSED_NORM"),
+             (norm_rope, "FUSED_NORM_ROPE"), (cuda_graphs, "FUSED_EXPERTS"), (router, "FUSED_ROUTER"),
+             (qsa, "FUSED_QSA")]
+    before = [getattr(m, f) for m, f in flags]
+    with fused(("all",)):
+        assert all(getattr(m, f) for m, f in flags)
+        with fused(("hc", "norm"), on=False):
+            assert not hyper_connection.FUSED_HC and not rms_norm.FUSED_NORM and not norm_rope.FUSED_NORM_ROPE
+            assert gated_delta.FUSED_GDN
+        assert all(getattr(m, f) for m, f in flags)
+    assert [getattr(m, f) for m, f in flags] == before
+    from hf_qsa_cache.ops import FUSION_NAMES
+
+    assert set(FLAGS) == set(FUSION_NAMES) == {"hc", "gdn", "norm", "experts", "router", "qsa"}
+    with pytest.raises(ValueError, match="unknown fusion"):
+        with fused(("nope",)):
+            pass
+
+
+def test_an_unknown_name_in_the_environment_is_refused_at_import():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HF_QSA_FUSED="hc,nrom")
+    proc = subprocess.run([sys.executable, "-c", "import hf_qsa_cache"], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "unknown fusion(s) ['nrom']" in proc.stderr and "known: hc, gdn" in proc.stderr

@@ -1,0 +1,48 @@
+"""The opt-in fusions by name, and a way to switch them at runtime.
+
+``HF_QSA_FUSED`` (read at import, `hf_qsa_cache.ops.fusion_enabled`) sets each fusion's flag for the
+process; `fused` switches them for a block of code (a benchmark comparing both paths in one process, a
+test). A flag is read when a forward runs, and a CUDA graph records the path its capture took: switch
+before building the cache whose graphs should use the new setting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+# name -> (module, flag): what ``HF_QSA_FUSED=<name>`` turns on.
+FLAGS = {
+    "hc": ("hf_qsa_cache.ops.hyper_connection", "FUSED_HC"),
+    "gdn": ("hf_qsa_cache.ops.gated_delta", "FUSED_GDN"),
+    "norm": [("hf_qsa_cache.ops.rms_norm", "FUSED_NORM"), ("hf_qsa_cache.ops.norm_rope", "FUSED_NORM_ROPE")],
+    "experts": ("hf_qsa_cache.cuda_graphs", "FUSED_EXPERTS"),
+    "router": ("hf_qsa_cache.ops.router", "FUSED_ROUTER"),
+    "qsa": ("hf_qsa_cache.ops.qsa", "FUSED_QSA"),
+}
+
+
+def _places(names) -> list[tuple[object, str]]:
+    names = list(FLAGS) if "all" in names else list(names)
+    unknown = [n for n in names if n not in FLAGS]
+    if unknown:
+        raise ValueError(f"unknown fusion(s) {unknown}; known: {sorted(FLAGS)} or 'all'")
+    places = []
+    for name in names:
+        entries = FLAGS[name] if isinstance(FLAGS[name], list) else [FLAGS[name]]
+        places += [(importlib.import_module(module), flag) for module, flag in entries]
+    return places
+
+
+@contextlib.contextmanager
+def fused(names=("all",), on: bool = True):
+    """Within the block, the fusions ``names`` (or ``"all"``) are on (``on=False``: off); restored after."""
+    places = _places(names)
+    saved = [getattr(module, flag) for module, flag in places]
+    try:
+        for module, flag in places:
+            setattr(module, flag, on)
+        yield
+    finally:
+        for (module, flag), value in zip(places, saved):
+            setattr(module, flag, value)
