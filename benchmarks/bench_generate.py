@@ -183,6 +183,14 @@ def graphed_step_stats(model, cache: QSAPagedCache, steps: int = 3) -> dict:
             "step_wall_us": round(wall_us, 1), "gpu_busy_share": round(busy / wall_us, 3) if events else None}
 
 
+def emit(result: dict, jsonl: str | None) -> None:
+    """Print ``result`` as one JSON line, and append it to ``jsonl`` when given."""
+    print(json.dumps(result), flush=True)
+    if jsonl:
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second."""
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_generate import emit  # noqa: E402
 from bench_speculative import build  # noqa: E402
 
 from hf_qsa_cache import QSAPagedCache  # noqa: E402
@@ -90,10 +90,7 @@ def main(argv=None) -> dict:
     print(f"{args.model} {layers} layers, {args.batch} x {args.prompt}, {args.steps} forced steps: mean |logit - fp32| "
           f"unfused {err_plain:.3e}, fused {err_fused:.3e} (limit 1.1x) -> {'ok' if ok else 'FAILED'}; decode "
           f"{plain_ms:.2f} ms/step unfused, {fused_ms:.2f} fused")
-    print(json.dumps(result), flush=True)
-    if args.jsonl:
-        with open(args.jsonl, "a") as f:
-            f.write(json.dumps(result) + "\n")
+    emit(result, args.jsonl)
     return result
 
 

@@ -73,6 +73,9 @@ def main(argv=None) -> list[dict]:
     if args.child:
         print(json.dumps(child(args)), flush=True)
         return []
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_generate import emit
+
     forwarded = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--child"]
     rows = []
     for i in range(args.processes):
@@ -82,10 +85,7 @@ def main(argv=None) -> list[dict]:
             raise RuntimeError(f"child {i} failed:\n{proc.stdout}\n{proc.stderr}")
         row = {**json.loads(proc.stdout.strip().splitlines()[-1]), "process": i}
         rows.append(row)
-        print(json.dumps(row), flush=True)
-        if args.jsonl:
-            with open(args.jsonl, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, args.jsonl)
     return rows
 
 

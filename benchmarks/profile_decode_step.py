@@ -24,7 +24,6 @@ that the script runs, not a measurement.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections import defaultdict
@@ -37,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_generate import graphed_step_stats  # noqa: E402
+from bench_generate import emit, graphed_step_stats  # noqa: E402
 from bench_speculative import build  # noqa: E402
 
 from hf_qsa_cache import QSAPagedCache  # noqa: E402
@@ -195,10 +194,7 @@ def main(argv=None):
     if "graph_kernels" in result:
         print(f"graphed step: {result['graph_kernels']} kernels + {result['graph_copies']} copies, GPU busy "
               f"{result['graph_busy_us']:.0f} of {result['step_wall_us']:.0f} us ({result['gpu_busy_share']:.0%})")
-    print(json.dumps(result), flush=True)
-    if args.jsonl:
-        with open(args.jsonl, "a") as f:
-            f.write(json.dumps(result) + "\n")
+    emit(result, args.jsonl)
     return result
 
 
