@@ -14,11 +14,11 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_under_interpreter(script: str, expect: str, timeout: int = 600) -> None:
-    """Run ``script`` with TRITON_INTERPRET=1; fail unless it exits 0 and prints ``expect``."""
+def run_under_interpreter(script: str, expect: str, timeout: int = 600, args: tuple[str, ...] = ()) -> None:
+    """Run ``script`` (with ``args``) with TRITON_INTERPRET=1; fail unless it exits 0 and prints ``expect``."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run([sys.executable, str(Path(script).resolve())], env=env, cwd=str(REPO_ROOT),
+    proc = subprocess.run([sys.executable, str(Path(script).resolve()), *args], env=env, cwd=str(REPO_ROOT),
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{Path(script).name} under the interpreter failed:\n{proc.stdout}\n{proc.stderr}"
     assert expect in proc.stdout, proc.stdout

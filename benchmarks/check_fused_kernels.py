@@ -1,0 +1,140 @@
+"""Each opt-in fusion's Triton kernel against its torch specification at the benchmark shapes (bf16, CUDA):
+the largest difference and the time of both, one line per kernel.
+
+    python benchmarks/check_fused_kernels.py
+    TRITON_INTERPRET=1 python benchmarks/check_fused_kernels.py --device cpu --small   # logic check (CI)
+
+Shapes are those of `bench_generate.py`'s configs at a decode step of ``--tokens`` tokens (hidden 2048, 4
+hyper-connection streams, 32 GatedDeltaNet value heads of 128, QSA heads of 256 and index heads of 128 with a
+quarter rotated, 64 experts of 512 routed 10 per token). ``--small`` shrinks them for the interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_generate import emit  # noqa: E402
+
+from hf_qsa_cache.ops import experts, gated_delta, hyper_connection, norm_rope, qsa, rms_norm, router  # noqa: E402
+from hf_qsa_cache.ops import experts_triton, gated_delta_triton, hyper_connection_triton  # noqa: E402
+from hf_qsa_cache.ops import norm_rope_triton, qsa_triton, rms_norm_triton, router_triton  # noqa: E402
+
+
+def _time(fn, device, repeat: int) -> float:
+    """Median microseconds of ``fn()`` (on CUDA, with a synchronisation around each call)."""
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e6
+
+
+def _diff(a, b) -> float:
+    """Largest difference, relative to the value where it exceeds 1 (a bf16 unit in the last place is 2^-8
+    of the value; integer outputs must be equal)."""
+    pairs = zip(a, b) if isinstance(a, tuple) else [(a, b)]
+    return max(((x.float() - y.float()).abs() / y.float().abs().clamp_min(1)).max().item() if x.numel() else 0.0
+               for x, y in pairs)
+
+
+def cases(device, dtype, tokens: int, small: bool):
+    """``(name, kernel call, spec call, tolerance)`` per fused kernel."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dt)
+
+    H, hc, Hv, Dv, heads, head_dim, index_heads, index_dim, E, k, inter, C = (
+        (40, 3, 3, 8, 4, 16, 4, 16, 8, 3, 24, 44) if small else (2048, 4, 32, 128, 16, 256, 32, 128, 64, 10, 512, 8192))
+    streams, out, inject = rand(tokens, hc * H, scale=2), rand(tokens, H), rand(tokens, hc).abs()
+    weight = rand(hc * H, scale=0.5)
+    yield ("hc_norm (+ residual)", lambda: hyper_connection_triton.hc_norm_triton(streams, weight, hc, 1e-6, (out, inject)),
+           lambda: _cpu(hyper_connection.hc_norm, streams, weight, hc, 1e-6, (out, inject)), 0.02)
+    up = rand(tokens, hc * H)
+    logits = rand(tokens, hc)
+    yield ("mix_streams", lambda: hyper_connection_triton.mix_streams_triton(up, streams, logits, hc),
+           lambda: _cpu(hyper_connection.mix_streams, up, streams, logits, hc), 0.02)
+    b, a = rand(1, tokens, Hv, scale=3), rand(1, tokens, Hv, scale=3)
+    A_log, dt_bias = rand(Hv), rand(Hv)
+    valid = torch.ones(1, tokens, dtype=torch.bool, device=device)
+    yield ("delta_gates", lambda: gated_delta_triton.delta_gates_triton(b, a, A_log, dt_bias, valid),
+           lambda: _cpu(gated_delta.delta_gates, b, a, A_log, dt_bias, valid), 0.02)
+    core, gate, norm_w = rand(tokens * Hv, Dv), rand(tokens * Hv, Dv), rand(Dv)
+    yield ("gated_rms_norm", lambda: gated_delta_triton.gated_rms_norm_triton(core, gate, norm_w, 1e-6, "sigmoid"),
+           lambda: _cpu(gated_delta.gated_rms_norm_torch, core, gate, norm_w, 1e-6, "sigmoid"), 0.02)
+    state, x, conv_w = rand(tokens, C, 3), rand(tokens, 1, C).transpose(1, 2), rand(C, 4)
+    yield ("conv_decode_step", lambda: gated_delta_triton.conv_decode_step_triton(state.clone(), x, conv_w, dtype),
+           lambda: _cpu(gated_delta.conv_decode_step, state.clone(), x, conv_w, dtype), 0.02)
+    hidden, res, rms_w = rand(tokens, H), rand(tokens, H), rand(H)
+    yield ("add_rms_norm", lambda: rms_norm_triton.add_rms_norm_triton(hidden, res, rms_w, 1e-6),
+           lambda: _cpu(rms_norm.add_rms_norm_torch, hidden, res, rms_w, 1e-6), 0.02)
+    for n_heads, dim in ((heads, head_dim), (index_heads, index_dim)):
+        q, nw = rand(tokens, n_heads, dim, scale=3), rand(dim, scale=0.5)
+        angle = torch.rand(tokens, dim // 8, generator=g).to(device) * 50
+        cos, sin = (torch.cat([f(angle), f(angle)], dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+        yield (f"norm_rope {n_heads}x{dim}", lambda q=q, nw=nw, cos=cos, sin=sin: norm_rope_triton.norm_rope_triton(
+            q, nw, 1e-6, cos, sin), lambda q=q, nw=nw, cos=cos, sin=sin: _cpu(
+            norm_rope.norm_rope_written_out, q, nw, 1e-6, cos, sin), 0.03)
+    route_logits = rand(tokens, E, scale=2)
+    yield ("route_topk", lambda: router_triton.route_topk_triton(route_logits, k, True),
+           lambda: _cpu(router.route_topk_torch, route_logits, k, True), 0.02)
+    x_e = rand(tokens, H)
+    gate_up, down = rand(E, 2 * inter, H, scale=0.02), rand(E, H, inter, scale=0.02)
+    index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).to(device)
+    route_w = torch.rand(tokens, k, generator=g).to(device=device, dtype=dtype)
+    yield ("selected_experts", lambda: experts_triton.selected_experts_triton(x_e, index, route_w, gate_up, down),
+           lambda: _cpu(experts.selected_experts_torch, x_e, index, route_w, gate_up, down), 0.02)
+    groups = torch.stack([torch.randperm(64, generator=g)[:16] for _ in range(tokens)]).to(device)
+    visible = torch.full((tokens,), 40, device=device)
+    position = torch.full((tokens,), 163, device=device)
+    yield ("selected_positions", lambda: qsa_triton.selected_positions_triton(groups, visible, position, 4, 16),
+           lambda: _cpu(qsa.selected_positions, groups, visible, position, 4, 16), 0)
+
+
+def _cpu(fn, *args):
+    """The torch specification on the CPU (what a fused op replaces), back on the inputs' device."""
+    moved = [a.cpu() if isinstance(a, torch.Tensor) else (tuple(t.cpu() for t in a) if isinstance(a, tuple) else a)
+             for a in args]
+    result = fn(*moved)
+    device = next(a for a in args if isinstance(a, torch.Tensor)).device
+    return tuple(r.to(device) for r in result) if isinstance(result, tuple) else result.to(device)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tokens", type=int, default=1, help="tokens of the decode step (rows x step length)")
+    parser.add_argument("--small", action="store_true", help="small shapes (the Triton interpreter on the CPU)")
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--jsonl", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16
+    rows = []
+    for name, kernel, spec, tol in cases(device, dtype, args.tokens, args.small):
+        got, want = kernel(), spec()
+        diff = _diff(got, want)
+        row = {"kernel": name, "tokens": args.tokens, "max_diff": diff, "ok": diff <= tol,
+               "kernel_us": round(_time(kernel, device, args.repeat), 1)}
+        rows.append(row)
+        emit(row, args.jsonl)
+    print("ALL FUSED KERNELS MATCH" if all(r["ok"] for r in rows) else "FUSED KERNEL MISMATCH")
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if all(r["ok"] for r in main()) else 1)
