@@ -17,8 +17,9 @@ Two measurements on one prompt (bf16 on CUDA, the benchmark shapes of `bench_gen
 * **Graphed step**: one replay of the captured step under the profiler: kernels (and copies) per step and
   the share of the step's wall time (timed apart, without the profiler) the GPU is busy.
 
-On the CPU (``--device cpu``) the same ranges report CPU time and the graphed part is skipped: a check
-that the script runs, not a measurement.
+On the CPU (``--device cpu``) the same ranges report CPU time, kernels are estimated as the leaf aten ops
+that compute (views and shape ops excluded; a Triton kernel is not counted, since the CPU runs the torch
+specification instead), and the graphed part is skipped.
 """
 
 from __future__ import annotations
@@ -77,6 +78,36 @@ def label_modules(model) -> list:
     return handles
 
 
+# Functions whose launches the table also lists per call (each fusion's unit of work), where the model calls them.
+OPS = {"modeling.modeling_qwen4_exp": ("gated_residual", "delta_gates", "gated_rms_norm", "norm_rope"),
+       "modeling.modeling_inkling": ("add_rms_norm", "rms_norm"),
+       "hf_qsa_cache.ops.qsa": ("selected_positions", "pool_groups")}
+
+
+def label_functions() -> list:
+    """Profiler ranges ``op <name>`` around the functions of `OPS`; returns what `unlabel_functions` restores."""
+    import importlib
+
+    saved = []
+    for module_name, names in OPS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            real = getattr(module, name)
+
+            def labelled(*args, real=real, name=name, **kwargs):
+                with record_function(f"{PREFIX}op {name}"):
+                    return real(*args, **kwargs)
+
+            saved.append((module, name, real))
+            setattr(module, name, labelled)
+    return saved
+
+
+def unlabel_functions(saved: list) -> None:
+    for module, name, real in saved:
+        setattr(module, name, real)
+
+
 def _kernels(event) -> list:
     """Device events launched inside ``event`` (a CPU range), its descendants included."""
     found = list(getattr(event, "kernels", []))
@@ -85,16 +116,34 @@ def _kernels(event) -> list:
     return found
 
 
+# aten ops that only describe a tensor (views, shapes, dtype no-ops, allocation): no kernel on a GPU.
+_NO_KERNEL = {"view", "reshape", "unsqueeze", "squeeze", "slice", "select", "expand", "as_strided", "t", "transpose",
+              "permute", "flatten", "unflatten", "split", "chunk", "empty", "empty_like", "empty_strided", "detach",
+              "alias", "contiguous", "_unsafe_view", "split_with_sizes", "narrow", "unbind", "lift_fresh", "view_as",
+              "expand_as", "to", "_to_copy", "type_as", "resolve_conj", "resolve_neg", "result_type", "dim", "size",
+              "stride", "movedim", "_reshape_alias", "set_", "resize_", "item", "_local_scalar_dense", "is_nonzero"}
+
+
+def _launches(event) -> int:
+    """On the CPU: the leaf aten ops inside ``event`` that would launch a kernel on a GPU (an estimate of the
+    launches the range makes: one per op that computes; a Triton op counts as its launches)."""
+    children = [c for c in event.cpu_children if c.name.startswith("aten::") or c.cpu_children]
+    if event.name.startswith("aten::") and not any(c.name.startswith("aten::") for c in event.cpu_children):
+        return int(event.name[len("aten::"):] not in _NO_KERNEL)
+    return sum(_launches(c) for c in children)
+
+
 def by_kind(prof, steps: int, on_gpu: bool) -> dict[str, dict]:
     """``{label: {"kernels": per step, "us": per step}}`` over the labelled ranges (GPU time on CUDA, CPU
     time on the CPU)."""
-    totals: dict[str, dict] = defaultdict(lambda: {"kernels": 0, "us": 0.0})
+    totals: dict[str, dict] = defaultdict(lambda: {"kernels": 0, "us": 0.0, "calls": 0})
     for event in prof.events():
         if not event.name.startswith(PREFIX) or event.device_type != DeviceType.CPU:
             continue
         row = totals[event.name[len(PREFIX):]]
+        row["calls"] += 1 / steps
         kernels = _kernels(event)
-        row["kernels"] += len(kernels) / steps
+        row["kernels"] += (len(kernels) if on_gpu else _launches(event)) / steps
         row["us"] += (sum(k.duration for k in kernels) if on_gpu else event.cpu_time_total) / steps
     return dict(totals)
 
@@ -124,6 +173,7 @@ def profile_by_kind(model, batch: int, prompt: int, steps: int, device) -> tuple
         ids, mask = _step_inputs(model, cache, batch, gen, device)
         runner.step(ids, None, mask)  # warm-up: kernels compiled, tuned
         handles = label_modules(model)
+        functions = label_functions()
         try:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
             with profile(activities=activities) as prof:
@@ -134,6 +184,7 @@ def profile_by_kind(model, batch: int, prompt: int, steps: int, device) -> tuple
                 if on_gpu:
                     torch.cuda.synchronize()
         finally:
+            unlabel_functions(functions)
             for h in handles:
                 h.remove()
     return by_kind(prof, steps, on_gpu)
@@ -186,6 +237,12 @@ def main(argv=None):
             for sub, w in sorted(((k, w) for k, w in kinds.items() if k.startswith(name + ".")),
                                  key=lambda kv: -kv[1]["us"]):
                 rows.append((f"    {sub}", w["kernels"], w["us"]))
+    ops = {k: v for k, v in kinds.items() if k.startswith("op ")}
+    if ops:
+        print("| function (where the fusions apply) | calls / step | kernels / call | " + unit + " us / call |")
+        print("|---|---|---|---|")
+        for name, v in sorted(ops.items()):
+            print(f"| {name[3:]} | {v['calls']:.0f} | {v['kernels'] / v['calls']:.1f} | {v['us'] / v['calls']:.1f} |")
     print(f"| kind | kernels / step | {unit} us / step | share |")
     print("|---|---|---|---|")
     for name, kernels, us in rows:

@@ -16,8 +16,8 @@ The host part of a step is the cache's usual validation and block reservation (`
 work per row, no device sync for decode (a verify step reads its mask once). Shapes that would grow
 with context are sized for the step's reach (`reach_bucket`: the longest row after the step, rounded
 up to a power of two, at least ``MIN_GRAPH_REACH`` and at most the cache's capacity), so a graph serves
-until a row crosses a power of two, and a cache sized for 1M tokens decodes a short prompt at the cost
-of a cache sized for it (the QSA scores and top-k, and Inkling's full-attention splits, span the
+until a row crosses a power of two, and a cache sized for 1M tokens decodes a short prompt with the
+shapes of a cache sized for it (the QSA scores and top-k, and Inkling's full-attention splits, span the
 reach, not the capacity).
 
 A bucket's first step runs eagerly (which also compiles and tunes kernels) on exactly the path the

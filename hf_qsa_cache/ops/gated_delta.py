@@ -3,12 +3,12 @@
 
 * `delta_gates`: the write strength ``beta = sigmoid(b)`` and the log decay
   ``g = -exp(A_log) * softplus(a + dt_bias)`` of every head, both zero on pad tokens (pads neither decay
-  nor update the state). Upstream's ops are about ten launches.
+  nor update the state). Upstream's ops are 8 launches.
 * `conv_decode_step`: a one-token step's causal depthwise conv over ``[kept K-1 inputs | the new one]``,
   its activation, and the kept window shifted by one, in place (about five launches unfused:
   concatenation, state write, conv, activation, cast).
 * `gated_rms_norm`: the output norm with its gate (transformers' ``Qwen4ExpTextRMSNormGated``: RMS norm
-  in fp32, rounded, times the weight, times ``act(gate)``), about ten launches upstream.
+  in fp32, rounded, times the weight, times ``act(gate)``), 8 launches upstream.
 
 The torch functions are the specification (what the CPU runs, and CUDA unless fused); the Triton kernels
 (`gated_delta_triton`) repeat their arithmetic and rounding points.

@@ -2,9 +2,9 @@
 
 Each decoder layer mixes its ``hc`` residual streams twice (before the attention or GatedDeltaNet block,
 before the MoE block) with transformers' ``Qwen4ExpTextGatedResidual``, and adds each block's output
-back into the streams. Upstream that is about twenty small kernels per mixing (a grouped RMS norm in
-ten elementwise ops, three projections, scalings and activations one op each), which dominate a
-decode step's launch count. Here one mixing is three elementwise launches around the same three
+back into the streams. Upstream that is 16 small kernels per mixing besides its three projections (a
+grouped RMS norm, scalings and activations; counted with `benchmarks/profile_decode_step.py`), among the
+most of a decode step's launches. Here one mixing is three elementwise launches around the same three
 projections (transformers' ``nn.Linear`` weights, read as they are):
 
 * `hc_norm`: the grouped RMS norm of the streams; with ``residual=(out, inject)`` it first adds the

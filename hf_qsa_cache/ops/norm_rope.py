@@ -2,9 +2,9 @@
 ``HF_QSA_FUSED=norm``, until measured on a GPU).
 
 A QSA layer norms and rotates its queries, keys and index queries, and each closed group's compressed key:
-upstream that is a ``Qwen4ExpTextRMSNorm`` (about ten elementwise launches) and ``apply_rotary_pos_emb``
-on the first ``rot`` features (slices, ``rotate_half``'s negation and concatenation, two products, a sum,
-a concatenation: about eight more) per tensor. `norm_rope` does both per token in one pass, with upstream's
+upstream that is a ``Qwen4ExpTextRMSNorm`` and ``apply_rotary_pos_emb`` on the first ``rot`` features
+(``rotate_half``'s negation and concatenation, two products, a sum, a concatenation): 11-12 launches per
+tensor (`benchmarks/profile_decode_step.py`). `norm_rope` does both per token in one pass, with upstream's
 rounding points: the normed value rounded to the input's dtype, then ``x * cos`` and
 ``rotate_half(x) * sin`` each rounded, then their sum.
 

@@ -17,25 +17,26 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.rows: list[Request] = []  # the cache's rows, in order
         # A multimodal prompt's encoding (`model.encode_prompt`: its embeddings, positions), by request, kept
-        # until the request ends (a preempted request feeds its prompt again).
-        self.encoded: dict[int, dict] = {}
+        # until the request ends (a preempted request feeds its prompt again). Keyed by the request itself (it
+        # hashes by identity), never by id(): an ended request's id can be a new request's.
+        self.encoded: dict[Request, dict] = {}
 
     def encode(self, request: Request) -> None:
-        if request.media is not None and id(request) not in self.encoded:
+        if request.media is not None and request not in self.encoded:
             ids = torch.tensor([request.prompt], dtype=torch.long, device=self.device)
             media = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in request.media.items()}
-            self.encoded[id(request)] = self.model.encode_prompt(ids, media)
+            self.encoded[request] = self.model.encode_prompt(ids, media)
 
     def forget(self, request: Request) -> None:
-        self.encoded.pop(id(request), None)
+        self.encoded.pop(request, None)
 
     def place(self, order: list[Request]) -> None:
         """Make the cache's rows ``order``: rows of requests that left are released, new requests get fresh
         rows (`QSAPagedCache.move_rows`: blocks change owner, nothing is recomputed)."""
-        if [id(r) for r in order] == [id(r) for r in self.rows]:
+        if order == self.rows:  # requests compare by identity
             return
-        index = {id(r): i for i, r in enumerate(self.rows)}
-        src = [index.get(id(r), -1) for r in order]
+        index = {r: i for i, r in enumerate(self.rows)}
+        src = [index.get(r, -1) for r in order]
         if order:
             self.cache.move_rows(src)
         else:
@@ -81,9 +82,9 @@ class ModelRunner:
     def _forward(self, rows: list[Request], ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         ids = ids.to(self.device)
         mask = None if mask is None else mask.to(self.device)
-        if self.encoded and any(id(r) in self.encoded and r.held < len(r.prompt) for r in rows):
+        if self.encoded and any(r in self.encoded and r.held < len(r.prompt) for r in rows):
             # Prompt tokens of a multimodal request: the model's encoding gives their embeddings (and positions).
-            inputs = self.model.prompt_step_inputs(ids, mask, [(self.encoded.get(id(r)), r.held) for r in rows],
+            inputs = self.model.prompt_step_inputs(ids, mask, [(self.encoded.get(r), r.held) for r in rows],
                                                    self.cache)
         else:
             inputs = {"input_ids": ids}
