@@ -91,3 +91,14 @@ def upstream_generate(ref, prompt: list[int], max_new_tokens: int, **kwargs):
         pad_token_id=0, eos_token_id=None, **kwargs,
     )
     return out.sequences[0, len(prompt):], torch.stack([l[0] for l in out.logits])
+
+
+def collect_results(manager, count: int, timeout: float = 60) -> dict:
+    """The first ``count`` finished results a continuous-batching manager returns, by request id (fails if
+    one does not come within ``timeout`` seconds)."""
+    results = {}
+    while len(results) < count:
+        result = manager.get_result(timeout=timeout)
+        assert result is not None, f"{len(results)} of {count} results came within {timeout} s"
+        results[result.request_id] = result
+    return results

@@ -13,7 +13,7 @@ import pytest
 import torch
 from qwen4_helpers import make_pair as qwen_pair
 from qwen4_helpers import tiny_config as qwen_config
-from qwen4_helpers import random_prompts
+from qwen4_helpers import collect_results, random_prompts
 from test_inkling import make_config as inkling_config
 from test_inkling import make_pair as inkling_pair
 from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -65,11 +65,7 @@ def test_generate_batch_equals_each_prompt_alone_with_preemption_and_small_chunk
     config = ContinuousBatchingConfig(page_size=4, num_blocks=12, max_batch_tokens=5, max_requests_per_batch=3)
     with ours.continuous_batching_context_manager(_greedy(), continuous_batching_config=config) as manager:
         ids = manager.add_requests(prompts)
-        results = {}
-        while len(results) < len(prompts):
-            result = manager.get_result(timeout=5)
-            assert result is not None
-            results[result.request_id] = result
+        results = collect_results(manager, len(prompts), timeout=5)
         stats = dict(manager.stats)
         cache = manager.cache
     for request_id, prompt in zip(ids, prompts):

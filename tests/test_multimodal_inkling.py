@@ -23,7 +23,7 @@ import types
 
 import pytest
 import torch
-from qwen4_helpers import randomize_
+from qwen4_helpers import collect_results, randomize_
 from safetensors.torch import load_file, save_file
 from transformers import InklingConfig
 from transformers import InklingForConditionalGeneration as UpstreamInkling
@@ -417,11 +417,7 @@ def test_continuous_batching_with_media(models, batch):
     try:
         for i, row in enumerate(batch.rows):
             manager.add_request(row, request_id=f"r{i}", **batch.media(i))
-        results = {}
-        while len(results) < len(batch.rows):
-            result = manager.get_result(timeout=60)
-            assert result is not None
-            results[result.request_id] = result
+        results = collect_results(manager, len(batch.rows))
     finally:
         manager.stop(block=True)
     assert manager.stats["preemptions"] > 0

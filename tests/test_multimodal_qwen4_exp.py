@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from qwen4_helpers import randomize_, tiny_config
+from qwen4_helpers import collect_results, randomize_, tiny_config
 from transformers import Qwen4ExpConfig
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpVisionConfig
 
@@ -298,11 +298,7 @@ def test_continuous_batching_with_media(models, upstream_alone):
             ids = inputs.pop("input_ids")[0].tolist()
             inputs.pop("attention_mask")
             manager.add_request(ids, request_id=f"r{i}", **inputs)
-        results = {}
-        while len(results) < len(ROWS):
-            result = manager.get_result(timeout=60)
-            assert result is not None
-            results[result.request_id] = result
+        results = collect_results(manager, len(ROWS))
     finally:
         manager.stop(block=True)
     assert manager.stats["preemptions"] > 0
