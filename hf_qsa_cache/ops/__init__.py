@@ -4,6 +4,8 @@ import os
 
 import torch
 
+from ..fusions import FLAGS
+
 
 def records_grad(*tensors) -> bool:
     """Whether autograd records an op on these tensors. The Triton kernels have no backward, so such calls
@@ -16,7 +18,7 @@ def records_grad(*tensors) -> bool:
 # "norm" (RMS norms with their neighbours: Inkling's residual add, Qwen4Exp's rotary embedding),
 # "experts" (graph steps' experts read only the selected experts' weights), "router" (Qwen4Exp's MoE
 # routing), "qsa" (QSA's group pooling and selected positions). Read at import.
-FUSION_NAMES = ("hc", "gdn", "norm", "experts", "router", "qsa")
+FUSION_NAMES = tuple(FLAGS)  # `hf_qsa_cache.fusions` says which flag each name sets
 _FUSED = {name.strip() for name in os.environ.get("HF_QSA_FUSED", "").split(",") if name.strip()}
 if _FUSED - {*FUSION_NAMES, "all"}:
     raise ValueError(f"HF_QSA_FUSED names unknown fusion(s) {sorted(_FUSED - {*FUSION_NAMES, 'all'})}; "
