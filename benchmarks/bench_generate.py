@@ -5,6 +5,8 @@
     python benchmarks/bench_generate.py --model inkling --layers 6 --cases 1x16384 8x4096 32x2048
     python benchmarks/bench_generate.py --model qwen4_exp --layers 40 --cases 1x131072 1x1048576 \
         --graphs on --upstream-limit 60        # long context
+    python benchmarks/bench_generate.py --model qwen4_exp --layers 40 --cases 1x4096 --graphs on \
+        --skip-upstream --cache-len 1048576    # a short prompt on a cache sized for 1M tokens
 
 For each (batch x prompt length): prefill seconds, decode ms/step (median step) and peak GPU memory
 of upstream (`transformers.<Model>ForCausalLM`, its DynamicCache) and of ours (`modeling.<Model>`
@@ -294,6 +296,8 @@ def main():
                         help="stop upstream's generation after this many seconds")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
                         help="tokens per prefill chunk, summed over the batch (default: the model's)")
+    parser.add_argument("--cache-len", type=int, default=0,
+                        help="size our timed cache for this many tokens (default: the prompt and new tokens)")
     parser.add_argument("--jsonl", default=RESULTS)
     args = parser.parse_args()
 
@@ -343,6 +347,8 @@ def main():
         common = {"model": args.model, "layers": args.layers, "batch": batch, "prompt_len": length,
                   "new_tokens": args.new_tokens, "commit": sha, "prefill_chunk_tokens": ours.prefill_chunk_tokens,
                   "fused": os.environ.get("HF_QSA_FUSED", "")}
+        if args.cache_len:
+            common["cache_len"] = args.cache_len
         floor_ms = decode_bytes(ours, config, batch, length) / bandwidth * 1e3
         flops = prefill_flops(ours, config, batch, length)
         rows = []
@@ -354,7 +360,8 @@ def main():
             run(ours, ids[:, :warm], mask[:, :warm], 3,
                 QSAPagedCache(config, max_batch_size=batch, max_cache_len=warm + args.new_tokens))
             # Room for `graphed_step_stats`'s steps after the timed generation.
-            cache = QSAPagedCache(config, max_batch_size=batch, max_cache_len=length + args.new_tokens + 8)
+            cache = QSAPagedCache(config, max_batch_size=batch,
+                                  max_cache_len=max(args.cache_len, length + args.new_tokens + 8))
             result = run(ours, ids, mask, args.new_tokens, cache)
             if graphs and "status" not in result:
                 result.update(graphed_step_stats(ours, cache))

@@ -83,25 +83,23 @@ LOOKUPS = ("adaptive", "fixed")  # prompt lookup's draft count: DraftBudget, or 
 
 
 # ----------------------------------------------------------------------------- models
-def build(name: str, layers: int | None, device: str, tiny: bool):
-    """(model, layers). Tiny: the test suite's small configs with its randomised fp32 weights."""
+def build(name: str, layers: int | None, device: str, tiny: bool, all_experts: bool = False):
+    """(model, layers). Tiny: the test suite's small configs with its randomised fp32 weights. ``all_experts``
+    routes every token to every expert (no routing decision a rounding difference could flip)."""
     if tiny:
         tests = os.path.join(ROOT, "tests")
         if tests not in sys.path:
             sys.path.insert(0, tests)
         if name == "qwen4_exp":
-            from qwen4_helpers import make_pair, tiny_config
-
-            config = tiny_config(**({"num_hidden_layers": layers,
-                                     "layer_types": tiny_config().layer_types[:layers]} if layers else {}))
-            model = make_pair(config)[1]
+            from qwen4_helpers import make_pair, tiny_config as make_config
         else:
-            import test_inkling
-
-            config = test_inkling.make_config(**({"num_hidden_layers": layers,
-                                                  "layer_types": test_inkling.make_config().layer_types[:layers]}
-                                                 if layers else {}))
-            model = test_inkling.make_pair(config)[1]
+            from test_inkling import make_config, make_pair
+        base = make_config()
+        overrides = {"num_hidden_layers": layers, "layer_types": base.layer_types[:layers]} if layers else {}
+        if all_experts:
+            overrides["num_experts_per_tok"] = getattr(base, "num_experts", None) or base.n_routed_experts
+        config = make_config(**overrides)
+        model = make_pair(config)[1]
         return model.to(device).eval(), config.num_hidden_layers
     layers = layers or DEFAULT_LAYERS[name]
     if name == "qwen4_exp":
@@ -112,6 +110,8 @@ def build(name: str, layers: int | None, device: str, tiny: bool):
         from modeling import InklingForCausalLM as cls
 
         config = inkling_config(layers)
+    if all_experts:
+        config.num_experts_per_tok = getattr(config, "num_experts", None) or config.n_routed_experts
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)  # built in bf16 where it runs: no fp32 copy
     try:

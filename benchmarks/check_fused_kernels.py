@@ -90,8 +90,16 @@ def cases(device, dtype, tokens: int, small: bool):
             q, nw, 1e-6, cos, sin), lambda q=q, nw=nw, cos=cos, sin=sin: _cpu(
             norm_rope.norm_rope_written_out, q, nw, 1e-6, cos, sin), 0.03)
     route_logits = rand(tokens, E, scale=2)
-    yield ("route_topk", lambda: router_triton.route_topk_triton(route_logits, k, True),
-           lambda: _cpu(router.route_topk_torch, route_logits, k, True), 0.02)
+    # Experts are compared by the probability they carry: bf16 logits tie often, and among equal
+    # probabilities torch's top-k order is open (the kernel takes the lower expert first).
+    probs = torch.softmax(route_logits.float(), dim=-1)
+
+    def carried(result):
+        weights, picked = result
+        return weights, probs.gather(1, picked)
+
+    yield ("route_topk", lambda: carried(router_triton.route_topk_triton(route_logits, k, True)),
+           lambda: carried(_cpu(router.route_topk_torch, route_logits, k, True)), 0.02)
     x_e = rand(tokens, H)
     gate_up, down = rand(E, 2 * inter, H, scale=0.02), rand(E, H, inter, scale=0.02)
     index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).to(device)

@@ -11,13 +11,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("model", ["qwen4_exp", "inkling"])
-def test_both_paths_match_the_reference(model):
+@pytest.mark.parametrize("model, extra", [("qwen4_exp", []), ("inkling", []),
+                                          ("inkling", ["--all-experts", "--fusions", "norm,experts"])])
+def test_both_paths_match_the_reference(model, extra):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import check_fusions
     finally:
         sys.path.pop(0)
     result = check_fusions.main(["--model", model, "--device", "cpu", "--tiny", "--batch", "2", "--prompt", "18",
-                                 "--steps", "3"])
+                                 "--steps", "3", *extra])
     assert result["ok"] and result["err_fused"] < 1e-5 and result["err_unfused"] < 1e-5
