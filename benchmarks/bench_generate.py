@@ -156,7 +156,7 @@ def graphed_step_stats(model, cache: QSAPagedCache, steps: int = 3) -> dict:
         mask = torch.ones(batch, cache.lengths[0] + 1, dtype=torch.long, device=device)
         model(ids, attention_mask=mask, past_key_values=cache)
 
-    graphs, model.use_cuda_graphs = model.use_cuda_graphs, True
+    graphs, model.use_cuda_graphs = getattr(model, "use_cuda_graphs", True), True  # unset means on
     try:
         with torch.no_grad():
             step()  # captured here if this bucket has no graph yet

@@ -48,34 +48,36 @@ PREFIX = "kind:"
 
 def label_modules(model) -> list:
     """Profiler ranges around each decoder layer (``layer <type>``), its direct children (``<type>.<name>``)
-    and the MoE block's children (``<type>.mlp.<name>``). Returns the hook handles."""
-    handles = []
+    and the MoE block's children (``<type>.mlp.<name>``). Returns the hook handles.
+
+    The hooks are global ones (`register_module_forward_pre_hook`), not hooks on the modules: a module with
+    hooks of its own keeps its own forward (`hf_qsa_cache.ops.keeps_own_forward`), so per-module hooks would
+    turn the fusions off in the very step being profiled. A child a fusion replaces is then not called, and
+    its time counts as its layer's own work."""
     layers = model.model.layers if hasattr(model.model, "layers") else model.model.language_model.layers
     config = model.config.get_text_config(decoder=True)
+    labels, open_ranges = {}, []
+    for i, layer in enumerate(layers):
+        kind = config.layer_types[i]
+        labels[layer] = f"layer {kind}"
+        for name, child in layer.named_children():
+            labels[child] = f"{kind}.{name}"
+            if name == "mlp":
+                for sub, grandchild in child.named_children():
+                    labels[grandchild] = f"{kind}.mlp.{sub}"
 
-    def wrap(module, label):
-        open_ranges = []
-
-        def enter(*_):
-            r = record_function(PREFIX + label)
+    def enter(module, *_):
+        if module in labels:
+            r = record_function(PREFIX + labels[module])
             r.__enter__()
             open_ranges.append(r)
 
-        def leave(*_):
+    def leave(module, *_):
+        if module in labels:
             open_ranges.pop().__exit__(None, None, None)
 
-        handles.append(module.register_forward_pre_hook(enter))
-        handles.append(module.register_forward_hook(leave))
-
-    for i, layer in enumerate(layers):
-        kind = config.layer_types[i]
-        wrap(layer, f"layer {kind}")
-        for name, child in layer.named_children():
-            wrap(child, f"{kind}.{name}")
-            if name == "mlp":
-                for sub, grandchild in child.named_children():
-                    wrap(grandchild, f"{kind}.mlp.{sub}")
-    return handles
+    return [torch.nn.modules.module.register_module_forward_pre_hook(enter),
+            torch.nn.modules.module.register_module_forward_hook(leave)]
 
 
 # Functions whose launches the table also lists per call (each fusion's unit of work), where the model calls them.

@@ -35,3 +35,25 @@ def test_every_layer_kind_and_child_is_timed_inside_the_step(model):
         assert children and 0 < sum(children) <= layer
         assert f"{kind}.mlp" in kinds
     assert sum(v["us"] for k, v in kinds.items() if k.startswith("layer ")) <= kinds["step"]["us"]
+
+
+def test_the_ranges_leave_the_fusions_on():
+    # A module with hooks of its own keeps its own forward (no fusion): the profile's ranges must not be such
+    # hooks, or a profile with HF_QSA_FUSED set would time the unfused step.
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import profile_decode_step as script
+        from bench_speculative import build
+    finally:
+        sys.path.pop(0)
+    from hf_qsa_cache.ops import keeps_own_forward
+
+    model, _ = build("qwen4_exp", None, "cpu", True)
+    handles = script.label_modules(model)
+    try:
+        layer = model.model.layers[0]
+        for module in (layer, *layer.children(), *layer.mlp.children()):
+            assert not keeps_own_forward(module)
+    finally:
+        for handle in handles:
+            handle.remove()
