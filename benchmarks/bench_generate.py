@@ -12,8 +12,8 @@ For each (batch x prompt length): prefill seconds, decode ms/step (median step) 
 of upstream (`transformers.<Model>ForCausalLM`, its DynamicCache) and of ours (`modeling.<Model>`
 on `QSAPagedCache`) with CUDA-graph decode on and off. Every measurement is appended as one JSON
 line to ``benchmarks/results/h200.jsonl`` (keys: model, layers, impl, graphs, batch, prompt_len,
-new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, fused (the opt-in fusions named in
-HF_QSA_FUSED), plus status / floor_ms where known; ours adds cache_gib, store_gib (bytes per cache
+new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, fused (the fusions on:
+`hf_qsa_cache.fusions.active`; before this key's values were named so, "" meant none), plus status / floor_ms where known; ours adds cache_gib, store_gib (bytes per cache
 store) and prefill_peak_share: model FLOPs of the prefill per second over the H200's dense bf16 peak;
 with graphs, graph_kernels / graph_copies launched by one replayed decode step and gpu_busy_share, the
 share of a step's wall time the GPU is busy). Upstream under ``--upstream-limit`` is stopped during its
@@ -41,7 +41,7 @@ import torch
 import transformers
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache import QSAPagedCache, fusions
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "h200.jsonl")
 
@@ -346,7 +346,7 @@ def main():
         mask = torch.ones_like(ids)
         common = {"model": args.model, "layers": args.layers, "batch": batch, "prompt_len": length,
                   "new_tokens": args.new_tokens, "commit": sha, "prefill_chunk_tokens": ours.prefill_chunk_tokens,
-                  "fused": os.environ.get("HF_QSA_FUSED", "")}
+                  "fused": fusions.active()}
         if args.cache_len:
             common["cache_len"] = args.cache_len
         floor_ms = decode_bytes(ours, config, batch, length) / bandwidth * 1e3

@@ -1,4 +1,4 @@
-"""Each opt-in fusion's Triton kernel against its torch specification at the benchmark shapes (bf16, CUDA):
+"""Each fusion's Triton kernel against its torch specification at the benchmark shapes (bf16, CUDA):
 the largest difference and the time of both, one line per kernel.
 
     python benchmarks/check_fused_kernels.py

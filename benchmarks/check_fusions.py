@@ -1,4 +1,4 @@
-"""The opt-in fusions (`hf_qsa_cache.fusions`) at the benchmark shapes, on and off in one process.
+"""The fused decode kernels (`hf_qsa_cache.fusions`) at the benchmark shapes, on and off in one process.
 
     python benchmarks/check_fusions.py --model qwen4_exp --layers 4 --batch 4 --prompt 2048
     python benchmarks/check_fusions.py --model inkling --layers 6 --batch 4 --prompt 2048

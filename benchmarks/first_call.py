@@ -32,6 +32,8 @@ def child(args) -> dict:
 
     from bench_speculative import build
 
+    from hf_qsa_cache import fusions
+
     imported = time.perf_counter() - start
     on_gpu = torch.device(args.device).type == "cuda"
     if on_gpu and not args.tiny:
@@ -53,7 +55,7 @@ def child(args) -> dict:
             torch.cuda.synchronize()
         calls.append(time.perf_counter() - t)
     return {"model": args.model, "layers": layers, "batch": args.batch, "prompt_len": args.prompt,
-            "new_tokens": args.new_tokens, "device": args.device, "fused": os.environ.get("HF_QSA_FUSED", ""),
+            "new_tokens": args.new_tokens, "device": args.device, "fused": fusions.active(),
             "import_s": round(imported, 3), "first_call_s": round(calls[0], 3), "second_call_s": round(calls[1], 3)}
 
 

@@ -12,7 +12,7 @@
    error against upstream fp32 must not exceed 1.5x upstream bf16's own.
 
     python benchmarks/gpu_checks.py
-    HF_QSA_FUSED=all python benchmarks/gpu_checks.py    # the same checks with the opt-in fusions on
+    HF_QSA_FUSED=none python benchmarks/gpu_checks.py   # the same checks with the fused kernels off
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     python benchmarks/profile_decode_step.py --model qwen4_exp --layers 40 --batch 1 --prompt 4096
     python benchmarks/profile_decode_step.py --model inkling --layers 6 --batch 32 --prompt 2048
     python benchmarks/profile_decode_step.py --model inkling --device cpu --tiny   # logic check (CI)
-    HF_QSA_FUSED=all python benchmarks/profile_decode_step.py ...                 # with the opt-in fusions
+    HF_QSA_FUSED=none python benchmarks/profile_decode_step.py ...                # without the fused kernels
 
 Two measurements on one prompt (bf16 on CUDA, the benchmark shapes of `bench_generate.py`):
 
@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_generate import emit, graphed_step_stats  # noqa: E402
 from bench_speculative import build  # noqa: E402
 
-from hf_qsa_cache import QSAPagedCache  # noqa: E402
+from hf_qsa_cache import QSAPagedCache, fusions  # noqa: E402
 from hf_qsa_cache.cuda_graphs import graphs_of  # noqa: E402
 
 PREFIX = "kind:"
@@ -216,7 +216,7 @@ def main(argv=None):
     torch.set_default_dtype(torch.float32)
     kinds = profile_by_kind(model, args.batch, args.prompt, args.steps, args.device)
     result = {"model": args.model, "layers": layers, "batch": args.batch, "prompt_len": args.prompt,
-              "device": args.device, "fused": os.environ.get("HF_QSA_FUSED", ""), "kinds": {k: {"kernels": round(v["kernels"], 1), "us": round(v["us"], 1)}
+              "device": args.device, "fused": fusions.active(), "kinds": {k: {"kernels": round(v["kernels"], 1), "us": round(v["us"], 1)}
                                                for k, v in sorted(kinds.items())}}
     if torch.device(args.device).type == "cuda":
         result.update(profile_graphed_step(model, args.batch, args.prompt, args.device))

@@ -29,10 +29,10 @@ belong to one (cache, model) pair and stay valid across `QSAPagedCache.reset()`.
 
 Mixture-of-experts layers run transformers' experts implementation; its default, ``grouped_mm``,
 captures only where torch has a device kernel for it (bf16 on compute capability 9.x/10.x). Elsewhere
-(fp32 or fp16 weights, other GPUs) graph steps run ``batched_mm`` instead (`graph_experts`). With
-``HF_QSA_FUSED=experts`` in the environment, graph steps of at most ``FUSED_EXPERTS_MAX_TOKENS``
-tokens run ``hf_qsa_selected`` (`hf_qsa_cache.ops.experts`: Triton kernels reading only the selected
-experts' weights) in place of either; opt-in until measured on a GPU.
+(fp32 or fp16 weights, other GPUs) graph steps run ``batched_mm`` instead (`graph_experts`). Graph
+steps of at most ``FUSED_EXPERTS_MAX_TOKENS`` tokens run ``hf_qsa_selected`` (`hf_qsa_cache.ops.experts`:
+Triton kernels reading only the selected experts' weights) in place of either, unless ``HF_QSA_FUSED``
+leaves ``experts`` out.
 
 Off with ``HF_QSA_CUDA_GRAPHS=0`` in the environment or ``model.use_cuda_graphs = False``.
 """
@@ -322,7 +322,7 @@ def graph_experts(model, experts: list, device: torch.device, tokens: int) -> st
     eager runs (the first one, and every one of a bucket that did not capture), so a graph and its
     eager run compute alike. Other implementations chosen by the user (``eager``, ...) are kept.
 
-    With ``HF_QSA_FUSED=experts`` in the environment, a step of at most `FUSED_EXPERTS_MAX_TOKENS`
+    Unless ``HF_QSA_FUSED`` leaves ``experts`` out, a step of at most `FUSED_EXPERTS_MAX_TOKENS`
     tokens on CUDA whose experts modules it covers (`hf_qsa_cache.ops.experts.supports`) runs
     ``hf_qsa_selected`` instead, captured like ``batched_mm`` (fixed shapes, no host copy) but without
     the gather; the choice above applies to every other step.

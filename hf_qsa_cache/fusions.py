@@ -1,4 +1,4 @@
-"""The opt-in fusions by name, and a way to switch them at runtime.
+"""The fused decode kernels by name, and a way to switch them at runtime.
 
 ``HF_QSA_FUSED`` (read at import, `hf_qsa_cache.ops.fusion_enabled`) sets each fusion's flag for the
 process; `fused` switches them for a block of code (a benchmark comparing both paths in one process, a
@@ -46,3 +46,10 @@ def fused(names=("all",), on: bool = True):
     finally:
         for (module, flag), value in zip(places, saved):
             setattr(module, flag, value)
+
+
+def active() -> str:
+    """The fusions on now, comma-separated in `FLAGS` order ("all" when every one is; "none" when none is):
+    what a benchmark records beside its figures."""
+    names = [name for name in FLAGS if all(getattr(module, flag) for module, flag in _places([name]))]
+    return "all" if len(names) == len(FLAGS) else ",".join(names) or "none"

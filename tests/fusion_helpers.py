@@ -1,4 +1,4 @@
-"""Shared check of the opt-in fusions (`hf_qsa_cache.ops`): generate() with one fusion off and on."""
+"""Shared check of the fusions (`hf_qsa_cache.ops`): generate() with one fusion off and on."""
 
 from __future__ import annotations
 

@@ -160,6 +160,9 @@ def test_grouped_mm_captures_only_where_torch_has_its_kernel(monkeypatch):
 
 
 def test_graph_experts_choice(monkeypatch):
+    from hf_qsa_cache import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "FUSED_EXPERTS", False)  # the choice without the fused experts
     _, model = make_pair(seed=7)
     experts = experts_modules(model)
     assert len(experts) == 4 and model.config._experts_implementation == "grouped_mm"

@@ -320,7 +320,7 @@ def test_graph_steps_run_selected_experts_only_when_asked(monkeypatch):
     assert graph_experts(model, experts, cpu, 1) == "batched_mm"  # not on CUDA: as before
     key = capture_key(model, experts, cuda, graph_experts(model, experts, cuda, 1), 4, 1)
     assert key[2] == "hf_qsa_selected" and key != capture_key(model, experts, cuda, "batched_mm", 4, 1)
-    model.to(torch.bfloat16)  # bf16 on Hopper: grouped_mm captures, but the opt-in still wins for small steps
+    model.to(torch.bfloat16)  # bf16 on Hopper: grouped_mm captures, but the fused experts still win for small steps
     assert graph_experts(model, experts, cuda, 1) == "hf_qsa_selected"
     assert graph_experts(model, experts, cuda, most + 1) is None
     monkeypatch.setattr(cuda_graphs, "FUSED_EXPERTS", False)

@@ -1,4 +1,4 @@
-"""Every opt-in fusion on at once (`HF_QSA_FUSED=all`, and the selected-experts implementation): each row of
+"""Every fusion on at once (`HF_QSA_FUSED=all`, and the selected-experts implementation): each row of
 a ragged batch still gives upstream's greedy tokens on that row alone (fp32, CPU: the fusions' written-out
 torch arithmetic), through generate() with a chunked prefill and through the step a CUDA graph records."""
 
@@ -128,3 +128,19 @@ def test_an_unknown_name_in_the_environment_is_refused_at_import():
     env = dict(os.environ, HF_QSA_FUSED="hc,nrom")
     proc = subprocess.run([sys.executable, "-c", "import hf_qsa_cache"], env=env, capture_output=True, text=True)
     assert proc.returncode != 0 and "unknown fusion(s) ['nrom']" in proc.stderr and "known: hc, gdn" in proc.stderr
+
+
+@pytest.mark.parametrize("setting, expected", [(None, {"hc", "gdn", "norm", "experts", "router", "qsa"}),
+                                               ("none", set()), ("", set()), ("gdn,router", {"gdn", "router"})])
+def test_the_environment_picks_the_fusions_all_by_default(setting, expected):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "HF_QSA_FUSED"}
+    if setting is not None:
+        env["HF_QSA_FUSED"] = setting
+    script = ("from hf_qsa_cache.fusions import FLAGS, _places\n"
+              "print(sorted(n for n in FLAGS if all(getattr(m, f) for m, f in _places([n]))))")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == str(sorted(expected))

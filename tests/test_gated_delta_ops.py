@@ -1,4 +1,4 @@
-"""GatedDeltaNet's fused gates and gated output norm (`hf_qsa_cache.ops.gated_delta`, opt-in): the written-out
+"""GatedDeltaNet's fused gates and gated output norm (`hf_qsa_cache.ops.gated_delta`): the written-out
 norm against transformers' module, the model with the fused path on against the default, and the Triton
 kernels against the torch functions (as a script under the Triton interpreter, `interpreter.py`)."""
 

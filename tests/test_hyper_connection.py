@@ -1,4 +1,4 @@
-"""Qwen4Exp's fused hyper-connection mixing (`hf_qsa_cache.ops.hyper_connection`, opt-in) against
+"""Qwen4Exp's fused hyper-connection mixing (`hf_qsa_cache.ops.hyper_connection`) against
 transformers' ``Qwen4ExpTextGatedResidual``, and its Triton kernels against the torch functions.
 
 The kernel comparison runs this file as a script under the Triton interpreter (`interpreter.py`).

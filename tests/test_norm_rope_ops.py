@@ -1,4 +1,4 @@
-"""Qwen4Exp's fused per-head RMS norm and rotary embedding (`hf_qsa_cache.ops.norm_rope`, opt-in): the
+"""Qwen4Exp's fused per-head RMS norm and rotary embedding (`hf_qsa_cache.ops.norm_rope`): the
 written-out arithmetic against upstream's own functions, the model with the fused path on against the
 default, and the Triton kernel against the torch function (as a script under the Triton interpreter)."""
 

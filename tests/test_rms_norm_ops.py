@@ -1,4 +1,4 @@
-"""Inkling's fused residual add and RMS norm (`hf_qsa_cache.ops.rms_norm`, opt-in): the written-out norm
+"""Inkling's fused residual add and RMS norm (`hf_qsa_cache.ops.rms_norm`): the written-out norm
 against transformers' module, the model with the fused path on against the default, and the Triton kernel
 against the torch function (as a script under the Triton interpreter, `interpreter.py`)."""
 

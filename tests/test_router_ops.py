@@ -1,4 +1,4 @@
-"""Qwen4Exp's fused MoE routing (`hf_qsa_cache.ops.router`, opt-in): the spec against transformers' router, the
+"""Qwen4Exp's fused MoE routing (`hf_qsa_cache.ops.router`): the spec against transformers' router, the
 model with the fused path on against the default (and off again once router logits are recorded), and the
 Triton kernel against the torch function (as a script under the Triton interpreter, `interpreter.py`)."""
 

@@ -1,5 +1,5 @@
-"""GatedDeltaNet's elementwise work around the recurrence, one launch each where fused (opt-in:
-``HF_QSA_FUSED=gdn``, until measured on a GPU).
+"""GatedDeltaNet's elementwise work around the recurrence, one launch each where fused (``gdn`` in
+`hf_qsa_cache.fusions`; on unless ``HF_QSA_FUSED`` leaves it out).
 
 * `delta_gates`: the write strength ``beta = sigmoid(b)`` and the log decay
   ``g = -exp(A_log) * softplus(a + dt_bias)`` of every head, both zero on pad tokens (pads neither decay

@@ -1,4 +1,4 @@
-"""Qwen4Exp's gated hyper-connections with their elementwise work fused (opt-in: ``HF_QSA_FUSED=hc``).
+"""Qwen4Exp's gated hyper-connections with their elementwise work fused (``hc`` in `hf_qsa_cache.fusions`).
 
 Each decoder layer mixes its ``hc`` residual streams twice (before the attention or GatedDeltaNet block,
 before the MoE block) with transformers' ``Qwen4ExpTextGatedResidual``, and adds each block's output

@@ -1,5 +1,5 @@
-"""Qwen4Exp's per-head RMS norm followed by the rotary embedding, in one launch where fused (opt-in:
-``HF_QSA_FUSED=norm``, until measured on a GPU).
+"""Qwen4Exp's per-head RMS norm followed by the rotary embedding, in one launch where fused (``norm`` in
+`hf_qsa_cache.fusions`; on unless ``HF_QSA_FUSED`` leaves it out).
 
 A QSA layer norms and rotates its queries, keys and index queries, and each closed group's compressed key:
 upstream that is a ``Qwen4ExpTextRMSNorm`` and ``apply_rotary_pos_emb`` on the first ``rot`` features

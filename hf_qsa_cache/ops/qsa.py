@@ -27,7 +27,7 @@ _CHUNK_ELEMENTS = 1 << 27
 
 # Triton kernels for CUDA tensors (read once, at import).
 USE_TRITON = os.environ.get("HF_QSA_TRITON_QSA", "1") == "1"
-# The QSA index arithmetic (group pooling, selected positions) in one launch each: opt-in until measured.
+# The QSA index arithmetic (group pooling, selected positions) in one launch each: ``qsa`` in `hf_qsa_cache.fusions`.
 FUSED_QSA = fusion_enabled("qsa")
 
 

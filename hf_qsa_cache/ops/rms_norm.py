@@ -1,5 +1,5 @@
-"""Inkling's residual add and RMS norm in one launch where fused (opt-in: ``HF_QSA_FUSED=norm``, until measured
-on a GPU).
+"""Inkling's residual add and RMS norm in one launch where fused (``norm`` in `hf_qsa_cache.fusions`; on unless
+``HF_QSA_FUSED`` leaves it out).
 
 transformers' ``InklingRMSNorm`` is six elementwise launches (widen, square, mean, rsqrt, scale, round and
 weight); with the residual add before it, seven. `add_rms_norm` does both in one pass over each token's

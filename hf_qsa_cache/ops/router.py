@@ -1,5 +1,5 @@
-"""Qwen4Exp's MoE routing after the router's projection in one launch where fused (opt-in:
-``HF_QSA_FUSED=router``, until measured on a GPU).
+"""Qwen4Exp's MoE routing after the router's projection in one launch where fused (``router`` in
+`hf_qsa_cache.fusions`; on unless ``HF_QSA_FUSED`` leaves it out).
 
 transformers' ``Qwen4ExpTextTopKRouter`` turns the router logits into routing weights with a softmax in
 fp32, a top-k, a renormalisation over the k picked and a cast: five launches per MoE block. `route_topk`
