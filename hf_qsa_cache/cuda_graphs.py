@@ -61,7 +61,7 @@ MIN_GRAPH_REACH = 4096
 # Most bytes of expert weights a graph step may gather for ``batched_mm`` (`graph_experts`); a bigger
 # step keeps the model's own experts implementation (and runs eagerly if that cannot be captured).
 BATCHED_EXPERTS_MAX_BYTES = 1 << 30
-# Most tokens of a graph step that runs ``hf_qsa_selected`` experts (with ``HF_QSA_FUSED=experts``,
+# Most tokens of a graph step that runs ``hf_qsa_selected`` experts (the ``experts`` fusion,
 # `graph_experts`): its kernels read an expert's weights once per (token, selected expert) pair. At one
 # token that is the bytes floor; at 8 tokens routed to 10 of 64 experts about 1.7x it (pairs over distinct
 # experts); at 32 tokens 4-5x, where the grouped GEMM reading each expert once wins.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 
-# name -> (module, flag): what ``HF_QSA_FUSED=<name>`` turns on.
+# name -> (module, flag): the flag(s) a fusion's name sets (``HF_QSA_FUSED`` picks among them).
 FLAGS = {
     "hc": ("hf_qsa_cache.ops.hyper_connection", "FUSED_HC"),
     "gdn": ("hf_qsa_cache.ops.gated_delta", "FUSED_GDN"),

@@ -23,7 +23,7 @@ after ``import hf_qsa_cache.ops.experts``. It runs the Triton kernels on CUDA te
 `selected_experts_torch` elsewhere (and when autograd records: the kernels have no backward). Experts it
 does not cover (biases, a post-expert norm, interleaved gate/up columns, an activation other than SiLU,
 a custom ``_apply_gate``, non-float weights) run transformers' ``batched_mm`` instead, so it is
-correct for any experts module. CUDA-graph steps of few tokens run it with ``HF_QSA_FUSED=experts``
+correct for any experts module. CUDA-graph steps of few tokens run it (the ``experts`` fusion)
 (`hf_qsa_cache.cuda_graphs.graph_experts`). Chosen for a whole model it also runs prompts: correctly,
 but each (token, expert) pair reads its expert's rows again, where ``grouped_mm`` reads each expert once.
 """

@@ -17,9 +17,9 @@ Each computes in fp32 and rounds its outputs once (upstream rounds after every o
 differ by bf16 rounding and are judged against fp32). The torch functions here are the specification
 (and what the CPU runs); `hyper_connection_triton` holds the kernels, tested against them.
 
-Until measured on a GPU the fused path is off by default; it applies when the environment variable is
-set, autograd records nothing, the module's weights sit on the activations' device as plain tensors, and
-neither the module nor its parts has hooks (a user's, accelerate's offloading: `keeps_own_forward`);
+The fused path applies when the ``hc`` fusion is on (the default), autograd records nothing, the
+module's weights sit on the activations' device as plain tensors, and neither the module nor its parts
+has hooks (a user's, accelerate's offloading: `keeps_own_forward`);
 otherwise the module runs upstream's forward.
 """
 

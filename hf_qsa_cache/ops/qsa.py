@@ -71,7 +71,7 @@ def pool_groups(meta: StepMetadata, work: torch.Tensor, ratio: int, ring_keys: t
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean raw key ``[W, Di]`` (fp32 mean, in ``raw_keys``' dtype) of each work group and the 3-axis
     position ``[W, 3]`` of its first token (`gather_group_raw_keys`). One launch where fused
-    (``HF_QSA_FUSED=qsa``, `qsa_triton.pool_groups_triton`)."""
+    (the ``qsa`` fusion, `qsa_triton.pool_groups_triton`)."""
     if FUSED_QSA and raw_keys.is_cuda and not records_grad(raw_keys):
         from .qsa_triton import pool_groups_triton
 
@@ -152,7 +152,7 @@ def selected_positions(groups: torch.Tensor, visible: torch.Tensor, position: to
     (``k <= block_topk``, best first): each group's ``r`` tokens (-1 for a group at or past the token's
     ``visible`` count), -1 up to ``block_topk`` groups, then the open-group tail ``((p+1)//r)*r .. p`` of its
     ``position`` ``p`` (-1 where shorter, and everywhere for a pad, ``p = -1``). One launch where fused
-    (``HF_QSA_FUSED=qsa``, `qsa_triton.selected_positions_triton`)."""
+    (the ``qsa`` fusion, `qsa_triton.selected_positions_triton`)."""
     if FUSED_QSA and groups.is_cuda:
         from .qsa_triton import selected_positions_triton
 

@@ -19,8 +19,8 @@ FUSED_ROUTER = fusion_enabled("router")
 
 
 def fuses_routing(router, x: torch.Tensor) -> bool:
-    """Whether the MoE block routes ``x`` with `route_topk` instead of calling ``router``: asked for, autograd
-    not recording, and no hook on the router (``output_router_logits`` records its outputs through one)."""
+    """Whether the MoE block routes ``x`` with `route_topk` instead of calling ``router``: the fusion on,
+    autograd not recording, and no hook on the router (``output_router_logits`` records its outputs through one)."""
     return FUSED_ROUTER and not records_grad(x, router.weight) and not keeps_own_forward(router, router.weight)
 
 
