@@ -106,6 +106,11 @@ def cases(device, dtype, tokens: int, small: bool):
     route_w = torch.rand(tokens, k, generator=g).to(device=device, dtype=dtype)
     yield ("selected_experts", lambda: experts_triton.selected_experts_triton(x_e, index, route_w, gate_up, down),
            lambda: _cpu(experts.selected_experts_torch, x_e, index, route_w, gate_up, down), 0.02)
+    shared = experts.SharedExpert(rand(inter, H, scale=0.02), rand(inter, H, scale=0.02), rand(H, inter, scale=0.02),
+                                  rand(1, H, scale=0.02))
+    yield ("selected_experts + shared", lambda: experts_triton.selected_experts_triton(
+        x_e, index, route_w, gate_up, down, False, shared), lambda: _cpu(
+        experts.selected_experts_torch, x_e, index, route_w, gate_up, down, False, shared), 0.02)
     groups = torch.stack([torch.randperm(64, generator=g)[:16] for _ in range(tokens)]).to(device)
     visible = torch.full((tokens,), 40, device=device)
     position = torch.full((tokens,), 163, device=device)
@@ -115,8 +120,13 @@ def cases(device, dtype, tokens: int, small: bool):
 
 def _cpu(fn, *args):
     """The torch specification on the CPU (what a fused op replaces), back on the inputs' device."""
-    moved = [a.cpu() if isinstance(a, torch.Tensor) else (tuple(t.cpu() for t in a) if isinstance(a, tuple) else a)
-             for a in args]
+    def cpu(a):
+        if isinstance(a, tuple):  # a named tuple keeps its type (`experts.SharedExpert`)
+            items = [t.cpu() for t in a]
+            return type(a)(*items) if hasattr(a, "_fields") else tuple(items)
+        return a.cpu() if isinstance(a, torch.Tensor) else a
+
+    moved = [cpu(a) for a in args]
     result = fn(*moved)
     device = next(a for a in args if isinstance(a, torch.Tensor)).device
     return tuple(r.to(device) for r in result) if isinstance(result, tuple) else result.to(device)

@@ -38,6 +38,7 @@ from hf_qsa_cache.generation import (
 from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops import records_grad
+from hf_qsa_cache.ops.experts import run_selected_experts, shared_expert_to_fold
 from hf_qsa_cache.ops.gated_delta import delta_gates, fuses_conv_step, gated_rms_norm
 from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual
 from hf_qsa_cache.ops.norm_rope import norm_rope
@@ -211,15 +212,23 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
 
 class Qwen4ExpTextSparseMoeBlock(upstream.Qwen4ExpTextSparseMoeBlock):
     """transformers' MoE block (same modules and parameters); its routing after the router's projection runs
-    as one launch where fused (`hf_qsa_cache.ops.router`). The steps are upstream's forward, in its order."""
+    as one launch where fused (`hf_qsa_cache.ops.router`), and its shared expert inside the selected experts'
+    kernels where folded (`hf_qsa_cache.ops.experts.shared_expert_to_fold`). Otherwise upstream's forward."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not fuses_routing(self.gate, hidden_states):
+        fused_routing = fuses_routing(self.gate, hidden_states)
+        folded = shared_expert_to_fold(self, hidden_states)
+        if not fused_routing and folded is None:
             return super().forward(hidden_states)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        shared = self.shared_expert(x)
-        weights, experts = route_topk(F.linear(x, self.gate.weight), self.gate.top_k, self.gate.norm_topk_prob)
-        out = self.experts(x, experts, weights) + F.sigmoid(self.shared_expert_gate(x)) * shared
+        if fused_routing:
+            weights, experts = route_topk(F.linear(x, self.gate.weight), self.gate.top_k, self.gate.norm_topk_prob)
+        else:
+            _, weights, experts = self.gate(x)
+        if folded is not None:
+            out = run_selected_experts(self.experts, x, experts, weights, folded)
+        else:
+            out = self.experts(x, experts, weights) + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(hidden_states.shape)
 
 

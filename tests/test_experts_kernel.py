@@ -157,6 +157,48 @@ def _kernel_cases(experts_triton, launches) -> str | None:
     return None
 
 
+def shared_expert(hidden: int, inter: int, seed: int):
+    """Qwen4Exp's shared expert (transformers' MLP) and its one-output gate, random weights."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextMLP
+
+    mlp = Qwen4ExpTextMLP(tiny_config(hidden_size=hidden), intermediate_size=inter)
+    gate = nn.Linear(hidden, 1, bias=False)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in (*mlp.parameters(), gate.weight):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.25)
+    return mlp.eval(), gate
+
+
+def _shared_cases(experts_triton, launches) -> str | None:
+    """The shared expert folded into both kernels: against the torch specification and against upstream's
+    modules (routed experts by batched_mm, plus sigmoid(gate(x)) * mlp(x)), with a shared intermediate size
+    below and above the routed one (the scratch is as wide as the wider), tiles forced small, and a sentinel."""
+    module = experts_module("qwen4_exp", seed=3)  # hidden 40, intermediate 24
+    for shared_inter in (20, 40):
+        mlp, gate = shared_expert(40, shared_inter, seed=shared_inter)
+        shared = selected.SharedExpert(mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach(),
+                                       mlp.down_proj.weight.detach(), gate.weight.detach())
+        for num_tokens in (1, 3):
+            x, index, weights = routing(module, num_tokens, seed=5 + num_tokens, sentinel=num_tokens == 3)
+            args = (x, index, weights, module.gate_up_proj.detach(), module.down_proj.detach(), False, shared)
+            want = selected.selected_experts_torch(*args)
+            with torch.no_grad():
+                upstream = moe.batched_mm_experts_forward(module, x, index, weights) + torch.sigmoid(gate(x)) * mlp(x)
+            for block_n, block_k in ((16, 16), (8, 32), (None, None)):
+                label = f"shared {shared_inter} T={num_tokens} block_n={block_n} block_k={block_k}"
+                launches.clear()
+                have = experts_triton.selected_experts_triton(*args, block_n=block_n, block_k=block_k)
+                if len(launches) != 2 or launches[0][0] != num_tokens * 4 or launches[1][0] != num_tokens:
+                    return f"{label}: launches {launches}"
+                try:
+                    torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
+                    torch.testing.assert_close(have, upstream, atol=1e-5, rtol=1e-5)
+                except AssertionError as err:
+                    return f"{label}: {err}"
+    return None
+
+
 def _generate(model, ids, mask):
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
@@ -204,16 +246,32 @@ def _main() -> int:
     count_launches(experts_triton, "_gate_up_kernel", launches)
     count_launches(experts_triton, "_down_kernel", launches)
     selected._use_triton = lambda x: True  # the CUDA dispatch, on CPU tensors
-    error = _kernel_cases(experts_triton, launches)
+    error = _kernel_cases(experts_triton, launches) or _shared_cases(experts_triton, launches)
     if error:
         print(error)
         return 1
-    # Every MoE layer of both tiny models through the kernels, prompts and decode steps.
-    for family in ("qwen4_exp", "inkling"):
+    # Every MoE layer of both tiny models through the kernels, prompts and decode steps; Qwen4Exp also with
+    # its shared expert folded in, where the shared expert's modules must then never run.
+    from hf_qsa_cache.fusions import fused
+
+    for family, fold in (("qwen4_exp", False), ("qwen4_exp", True), ("inkling", False)):
         launches.clear()
-        error = _compare_generate(*_family(family), atol=1e-4)
+        model, ids, mask = _family(family)
+        with fused(("shared_expert",), on=fold):
+            error = _compare_generate(model, ids, mask, atol=1e-4)
+            if fold and not error:
+                mlp_type = type(model.model.layers[0].mlp.shared_expert)
+                real, calls = mlp_type.forward, []
+                mlp_type.forward = lambda self, x: calls.append(1) or real(self, x)
+                model.set_experts_implementation(selected.SELECTED_EXPERTS)
+                try:
+                    _generate(model, ids, mask)
+                finally:
+                    mlp_type.forward = real
+                    model.set_experts_implementation("grouped_mm")
+                error = f"the shared expert module ran {len(calls)} times" if calls else None
         if error or not launches:
-            print(f"{family} generate with the kernels: {error or 'no launches'}")
+            print(f"{family} generate with the kernels (shared expert folded: {fold}): {error or 'no launches'}")
             return 1
     print("all experts kernel cases ok")
     return 0
@@ -338,3 +396,47 @@ def test_graph_steps_run_selected_experts_only_when_asked(monkeypatch):
 
 if __name__ == "__main__":
     sys.exit(_main())
+
+
+def test_the_shared_expert_is_folded_only_where_it_may_be(monkeypatch):
+    # The fusion on and hf_qsa_selected running: folded. A hook on any of the modules it would skip, autograd
+    # recording, the fusion off, or another experts implementation: upstream's modules run.
+    monkeypatch.setattr(selected, "FUSED_SHARED_EXPERT", True)
+    model = make_pair(seed=7)[1]
+    model.set_experts_implementation(selected.SELECTED_EXPERTS)
+    block = model.model.layers[0].mlp
+    x = torch.randn(2, model.config.hidden_size)
+    assert selected.shared_expert_to_fold(block, x) is None  # the weights require grad: autograd records
+    with torch.no_grad():
+        folded = selected.shared_expert_to_fold(block, x)
+        assert folded is not None and folded.gate is block.shared_expert.gate_proj.weight
+        assert folded.gate_vector is block.shared_expert_gate.weight
+        for module in (block.experts, block.shared_expert, block.shared_expert.down_proj, block.shared_expert_gate):
+            handle = module.register_forward_hook(lambda *a: None)
+            assert selected.shared_expert_to_fold(block, x) is None, type(module).__name__
+            handle.remove()
+        model.set_experts_implementation("grouped_mm")
+        assert selected.shared_expert_to_fold(block, x) is None
+        model.set_experts_implementation(selected.SELECTED_EXPERTS)
+        monkeypatch.setattr(selected, "FUSED_SHARED_EXPERT", False)
+        assert selected.shared_expert_to_fold(block, x) is None
+
+
+@pytest.mark.parametrize("route_fused", [False, True])
+def test_a_block_with_its_shared_expert_folded_equals_upstreams_block(monkeypatch, route_fused):
+    from hf_qsa_cache.ops import router
+
+    model = make_pair(seed=7)[1]
+    block = model.model.layers[1].mlp
+    x = torch.randn(2, 3, model.config.hidden_size)
+    with torch.no_grad():
+        want = type(block).__mro__[1].forward(block, x)  # transformers' own block forward
+        monkeypatch.setattr(router, "FUSED_ROUTER", route_fused)
+        monkeypatch.setattr(selected, "FUSED_SHARED_EXPERT", True)
+        model.set_experts_implementation(selected.SELECTED_EXPERTS)
+        calls = []
+        real = type(block.shared_expert).forward
+        monkeypatch.setattr(type(block.shared_expert), "forward", lambda self, h: calls.append(1) or real(self, h))
+        have = block(x)
+    assert not calls
+    torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)

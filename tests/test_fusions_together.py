@@ -105,7 +105,7 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
 
     flags = [(hyper_connection, "FUSED_HC"), (gated_delta, "FUSED_GDN"), (rms_norm, "FUSED_NORM"),
              (norm_rope, "FUSED_NORM_ROPE"), (cuda_graphs, "FUSED_EXPERTS"), (router, "FUSED_ROUTER"),
-             (qsa, "FUSED_QSA")]
+             (qsa, "FUSED_QSA"), (experts, "FUSED_SHARED_EXPERT")]
     before = [getattr(m, f) for m, f in flags]
     with fused(("all",)):
         assert all(getattr(m, f) for m, f in flags)
@@ -114,7 +114,7 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
             assert gated_delta.FUSED_GDN
         assert all(getattr(m, f) for m, f in flags)
     assert [getattr(m, f) for m, f in flags] == before
-    assert set(FLAGS) == {"hc", "gdn", "norm", "experts", "router", "qsa"}
+    assert set(FLAGS) == {"hc", "gdn", "norm", "experts", "router", "qsa", "shared_expert"}
     with pytest.raises(ValueError, match="unknown fusion"):
         with fused(("nope",)):
             pass
@@ -130,9 +130,12 @@ def test_an_unknown_name_in_the_environment_is_refused_at_import():
     assert proc.returncode != 0 and "unknown fusion(s) ['nrom']" in proc.stderr and "known: hc, gdn" in proc.stderr
 
 
-@pytest.mark.parametrize("setting, expected", [(None, {"hc", "gdn", "norm", "experts", "router", "qsa"}),
+MEASURED = {"hc", "gdn", "norm", "experts", "router", "qsa"}
+
+
+@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED | {"shared_expert"}),
                                                ("none", set()), ("", set()), ("gdn,router", {"gdn", "router"})])
-def test_the_environment_picks_the_fusions_all_by_default(setting, expected):
+def test_the_environment_picks_the_measured_fusions_by_default(setting, expected):
     import os
     import subprocess
     import sys

@@ -30,25 +30,42 @@ but each (token, expert) pair reads its expert's rows again, where ``grouped_mm`
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.integrations import moe
 
-from . import records_grad
+from . import fusion_enabled, keeps_own_forward, records_grad
 
 SELECTED_EXPERTS = "hf_qsa_selected"
+# The MoE block adds its shared expert inside the selected-experts kernels (`shared_expert_to_fold`).
+FUSED_SHARED_EXPERT = fusion_enabled("shared_expert")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class SharedExpert(NamedTuple):
+    """An always-on SiLU-gated expert beside the routed ones, weighted per token by ``sigmoid(x . gate_vector)``
+    (Qwen4Exp's ``shared_expert`` and ``shared_expert_gate``): ``nn.Linear`` weights as they are stored."""
+
+    gate: torch.Tensor  # [Is, H]
+    up: torch.Tensor  # [Is, H]
+    down: torch.Tensor  # [H, Is]
+    gate_vector: torch.Tensor  # [1, H]
 
 
 def selected_experts_torch(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                            gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                           transposed: bool = False) -> torch.Tensor:
+                           transposed: bool = False, shared: SharedExpert | None = None) -> torch.Tensor:
     """``[T, H]`` output of the SiLU-gated experts ``top_k_index`` ``[T, k]`` weighted by ``top_k_weights``
-    ``[T, k]``, for ``hidden_states`` ``[T, H]``.
+    ``[T, k]``, for ``hidden_states`` ``[T, H]``, plus the ``shared`` expert where given.
 
     ``gate_up_proj`` is ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]`` (``transposed``: ``[E, H, 2I]`` and
-    ``[E, I, H]``), gate rows before up rows. Ids outside ``[0, E)`` contribute zero. fp32 math.
+    ``[E, I, H]``), gate rows before up rows. Ids outside ``[0, E)`` contribute zero. fp32 math, one
+    rounding at the end::
+
+        out_t = sum_j w_j * expert_{e_j}(x_t) + sigmoid(gate_vector . x_t) * shared(x_t)
     """
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[-1]
@@ -66,7 +83,12 @@ def selected_experts_torch(hidden_states: torch.Tensor, top_k_index: torch.Tenso
     y = torch.bmm(down, h.unsqueeze(-1)).squeeze(-1)  # [S, H]
     weights = torch.where(valid, top_k_weights.reshape(-1).float(), 0.0)
     y = torch.where(valid[:, None], y * weights[:, None], 0.0)
-    return y.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+    out = y.view(num_tokens, top_k, hidden).sum(dim=1)
+    if shared is not None:
+        xs = hidden_states.float()
+        h = nn.functional.silu(xs @ shared.gate.float().T) * (xs @ shared.up.float().T)
+        out = out + torch.sigmoid(xs @ shared.gate_vector.float().T) * (h @ shared.down.float().T)
+    return out.to(hidden_states.dtype)
 
 
 def supports(module: nn.Module) -> bool:
@@ -105,12 +127,44 @@ def selected_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
     if (not supports(self) or hidden_states.dim() != 2 or not hidden_states.dtype.is_floating_point
             or hidden_states.shape[-1] != (gate_up.shape[1] if self.is_transposed else gate_up.shape[2])):
         return moe.batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    args = (hidden_states, top_k_index, top_k_weights, gate_up, down, self.is_transposed)
-    if _use_triton(hidden_states) and not records_grad(hidden_states, top_k_weights, gate_up, down):
+    return run_selected_experts(self, hidden_states, top_k_index, top_k_weights)
+
+
+def run_selected_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor, shared: SharedExpert | None = None) -> torch.Tensor:
+    """The math above for a `supports`-ed experts ``module``: the Triton kernels on CUDA when autograd records
+    nothing, else the torch specification."""
+    args = (hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj, module.is_transposed,
+            shared)
+    if _use_triton(hidden_states) and not records_grad(hidden_states, top_k_weights, *args[3:5], *(shared or ())):
         from .experts_triton import selected_experts_triton
 
         return selected_experts_triton(*args)
     return selected_experts_torch(*args)
+
+
+def shared_expert_to_fold(block: nn.Module, x: torch.Tensor) -> SharedExpert | None:
+    """The weights of a Qwen4Exp MoE block's shared expert when the block may add it inside its routed
+    experts' kernels (`run_selected_experts` with ``shared``) instead of running ``shared_expert`` and
+    ``shared_expert_gate`` as modules: the ``shared_expert`` fusion on, the experts running
+    ``hf_qsa_selected`` (graph steps of few tokens, or a model set to it) on a module it `supports`, a
+    bias-free SiLU MLP and a one-output gate in the experts' dtype on ``x``'s device, no hooks on any of
+    them, and autograd not recording. Else None: the block runs upstream's modules."""
+    experts = block.experts
+    if not (FUSED_SHARED_EXPERT and experts.config._experts_implementation == SELECTED_EXPERTS and supports(experts)):
+        return None
+    mlp, gate = block.shared_expert, block.shared_expert_gate
+    linears = (getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None), getattr(mlp, "down_proj", None), gate)
+    if not all(isinstance(m, nn.Linear) and m.bias is None for m in linears):
+        return None
+    if type(getattr(mlp, "act_fn", None)) not in (SiLUActivation, nn.SiLU) or gate.out_features != 1:
+        return None
+    weights = SharedExpert(*(m.weight for m in linears))
+    if any(w.dtype != experts.gate_up_proj.dtype or w.device != x.device for w in weights) or records_grad(x, *weights):
+        return None
+    if any(keeps_own_forward(m, *m.parameters(recurse=False)) for m in (experts, mlp, *linears)):
+        return None
+    return weights
 
 
 moe.ALL_EXPERTS_FUNCTIONS.register(SELECTED_EXPERTS, selected_experts_forward)

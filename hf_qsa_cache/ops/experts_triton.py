@@ -13,6 +13,13 @@ one expert it works for, in place:
   scaled by its routing weight, and writes the fp32 sum cast to the input dtype. The sum over experts
   happens in registers: no atomics, a fixed order, the same result on every run.
 
+With ``shared`` (Qwen4Exp's shared expert, `hf_qsa_cache.ops.experts.SharedExpert`) the first kernel has
+one more pair per token after the routed ones, reading the shared expert's gate and up rows, and the
+second adds that pair's down projection to each token's sum, weighted by ``sigmoid(x . gate_vector)``
+(which every program of the token computes: ``HIDDEN`` values, a third launch saved). Upstream's block
+runs the shared expert and its gate as seven launches of their own (the H200 profile), then weights and
+adds the result.
+
 A sentinel expert id (outside ``[0, num_experts)``: expert parallelism) runs no loop iterations in
 either kernel and reads no expert weights: its scratch row is zeros and it adds nothing to its token's
 output. Both weight layouts are the same kernels with other strides. The token count enters only the
@@ -35,53 +42,69 @@ BLOCK_K = 128  # reduction chunk (hidden size in the first kernel, intermediate 
 NUM_WARPS = 4
 
 
-@triton.jit(do_not_specialize=["stride_xt", "stride_it", "stride_ht"])
-def _gate_up_kernel(
-    x_ptr, idx_ptr, w_ptr, h_ptr,
-    stride_xt, stride_xh, stride_it, stride_ij,
-    stride_we, stride_wn, stride_wk, stride_ht,
-    num_experts,
-    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    s = tl.program_id(0).to(tl.int64)
-    t = s // TOP_K
-    j = s % TOP_K
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < INTER
-    e = tl.load(idx_ptr + t * stride_it + j * stride_ij).to(tl.int64)
-    valid = (e >= 0) & (e < num_experts)
-    # A sentinel reads no weights: no iterations, the accumulators stay 0, and silu(0) * 0 = 0.
-    hi = tl.where(valid, HIDDEN, 0)
-    e = tl.where(valid, e, 0)
-    gate_rows = w_ptr + e * stride_we + n[:, None] * stride_wn  # [BLOCK_N, 1]: the gate half's rows
-    up_rows = gate_rows + INTER * stride_wn  # the up half starts INTER rows further
-    # Products accumulate elementwise over the chunks and are summed along the chunk once, at the end.
+@triton.jit
+def _silu_gate_up(x_row, stride_xh, gate_rows, up_rows, stride_wk, n_ok, hi,
+                  HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``silu(gate rows . x) * (up rows . x)`` for one tile of rows, reading ``hi`` (HIDDEN or 0) columns.
+    Products accumulate elementwise over the chunks and are summed along the chunk once, at the end."""
     gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < HIDDEN
-        x = tl.load(x_ptr + t * stride_xt + k * stride_xh, mask=k_ok, other=0.0).to(tl.float32)
+        x = tl.load(x_row + k * stride_xh, mask=k_ok, other=0.0).to(tl.float32)
         mask = n_ok[:, None] & k_ok[None, :]
         w_gate = tl.load(gate_rows + k[None, :] * stride_wk, mask=mask, other=0.0).to(tl.float32)
         w_up = tl.load(up_rows + k[None, :] * stride_wk, mask=mask, other=0.0).to(tl.float32)
         gate += w_gate * x[None, :]
         up += w_up * x[None, :]
     g = tl.sum(gate, axis=1)
-    h = g * tl.sigmoid(g) * tl.sum(up, axis=1)
+    return g * tl.sigmoid(g) * tl.sum(up, axis=1)
+
+
+@triton.jit(do_not_specialize=["stride_xt", "stride_it", "stride_ht", "num_pairs"])
+def _gate_up_kernel(
+    x_ptr, idx_ptr, w_ptr, h_ptr, sg_ptr, su_ptr,
+    stride_xt, stride_xh, stride_it, stride_ij,
+    stride_we, stride_wn, stride_wk, stride_ht, stride_sn, stride_sk,
+    num_experts, num_pairs,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, SHARED_INTER: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    if s < num_pairs:  # a routed (token, expert) pair
+        t = s // TOP_K
+        j = s % TOP_K
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < INTER
+        e = tl.load(idx_ptr + t * stride_it + j * stride_ij).to(tl.int64)
+        valid = (e >= 0) & (e < num_experts)
+        # A sentinel reads no weights: no iterations, the accumulators stay 0, and silu(0) * 0 = 0.
+        hi = tl.where(valid, HIDDEN, 0)
+        e = tl.where(valid, e, 0)
+        gate_rows = w_ptr + e * stride_we + n[:, None] * stride_wn  # [BLOCK_N, 1]: the gate half's rows
+        up_rows = gate_rows + INTER * stride_wn  # the up half starts INTER rows further
+        h = _silu_gate_up(x_ptr + t * stride_xt, stride_xh, gate_rows, up_rows, stride_wk, n_ok, hi,
+                          HIDDEN, BLOCK_N, BLOCK_K)
+    else:  # the shared expert of token s - num_pairs (only launched with SHARED_INTER > 0)
+        t = s - num_pairs
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < SHARED_INTER
+        h = _silu_gate_up(x_ptr + t * stride_xt, stride_xh, sg_ptr + n[:, None] * stride_sn,
+                          su_ptr + n[:, None] * stride_sn, stride_sk, n_ok, HIDDEN, HIDDEN, BLOCK_N, BLOCK_K)
     # fp32 scratch: the down projection reads exactly what was computed (the only rounding of the whole op
     # is the output's), and the scratch is small (pairs x intermediate size, next to megabytes of weights).
     tl.store(h_ptr + s * stride_ht + n, h, mask=n_ok)
 
 
-@triton.jit(do_not_specialize=["stride_it", "stride_pt", "stride_ht", "stride_ot"])
+@triton.jit(do_not_specialize=["stride_it", "stride_pt", "stride_ht", "stride_ot", "stride_xt", "num_pairs"])
 def _down_kernel(
-    h_ptr, idx_ptr, wt_ptr, d_ptr, out_ptr,
+    h_ptr, idx_ptr, wt_ptr, d_ptr, out_ptr, x_ptr, sgate_ptr, sd_ptr,
     stride_it, stride_ij, stride_pt, stride_pj, stride_ht,
     stride_de, stride_dn, stride_dk, stride_ot, stride_oh,
-    num_experts,
-    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
+    stride_xt, stride_xh, stride_sdn, stride_sdk,
+    num_experts, num_pairs,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, SHARED_INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -105,6 +128,25 @@ def _down_kernel(
             mask = n_ok[:, None] & k_ok[None, :]
             d = tl.load(rows + k[None, :] * stride_dk, mask=mask, other=0.0).to(tl.float32)
             acc += d * h[None, :]
+    if SHARED_INTER > 0:
+        # The shared expert, weighted by sigmoid(x_t . gate): every program of the token computes that dot
+        # product (HIDDEN values, read from L2 after the first) rather than a third launch.
+        dot = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < HIDDEN
+            x = tl.load(x_ptr + t * stride_xt + k * stride_xh, mask=k_ok, other=0.0).to(tl.float32)
+            dot += x * tl.load(sgate_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.sigmoid(tl.sum(dot, axis=0))
+        rows = sd_ptr + n[:, None] * stride_sdn
+        h_row = h_ptr + (num_pairs + t) * stride_ht
+        for k0 in range(0, SHARED_INTER, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < SHARED_INTER
+            h = tl.load(h_row + k, mask=k_ok, other=0.0) * w
+            mask = n_ok[:, None] & k_ok[None, :]
+            d = tl.load(rows + k[None, :] * stride_sdk, mask=mask, other=0.0).to(tl.float32)
+            acc += d * h[None, :]
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + t * stride_ot + n * stride_oh, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -118,18 +160,21 @@ def _block(value: int | None, default: int, name: str) -> int:
 
 @on_device_of_first_tensor
 def selected_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                            gate_up_proj: torch.Tensor, down_proj: torch.Tensor, transposed: bool = False, *,
-                            block_n: int | None = None, block_k: int | None = None) -> torch.Tensor:
-    """`hf_qsa_cache.ops.experts.selected_experts_torch` in two launches (see there for shapes).
-    ``block_n`` / ``block_k`` (powers of two) override both kernels' column tile and reduction chunk."""
+                            gate_up_proj: torch.Tensor, down_proj: torch.Tensor, transposed: bool = False,
+                            shared=None, *, block_n: int | None = None, block_k: int | None = None) -> torch.Tensor:
+    """`hf_qsa_cache.ops.experts.selected_experts_torch` in two launches (see there for shapes, and for
+    ``shared``: the shared expert's pairs follow the routed ones in the first kernel, and the second adds
+    them to each token's sum). ``block_n`` / ``block_k`` (powers of two) override both kernels' column
+    tile and reduction chunk."""
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[-1]
     num_experts = gate_up_proj.shape[0]
     inter = down_proj.shape[1] if transposed else down_proj.shape[2]
+    shared_inter = shared.gate.shape[0] if shared is not None else 0
     out = torch.empty_like(hidden_states)
     if num_tokens == 0 or hidden == 0:
         return out
-    if top_k == 0 or inter == 0:
+    if (top_k == 0 or inter == 0) and not shared_inter:
         return out.zero_()
     assert top_k_index.shape == top_k_weights.shape == (num_tokens, top_k)
     # (expert, output row, reduction) strides of both layouts: the transposed one swaps the last two.
@@ -137,23 +182,33 @@ def selected_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tens
     d_e, d_n, d_k = down_proj.stride()
     if transposed:
         w_n, w_k, d_n, d_k = w_k, w_n, d_k, d_n
+    if shared_inter:
+        # One stride pair serves the gate and up rows; the gate vector is read with unit stride.
+        shared_gate, shared_up = shared.gate.contiguous(), shared.up.contiguous()
+        shared_down, shared_vec = shared.down, shared.gate_vector.reshape(-1).contiguous()
+    else:  # unused pointers (never dereferenced: SHARED_INTER = 0 leaves their code out)
+        shared_gate = shared_up = shared_down = shared_vec = gate_up_proj
     gate_up_n = _block(block_n, GATE_UP_BLOCK_N, "block_n")
     down_n = _block(block_n, DOWN_BLOCK_N, "block_n")
     chunk = _block(block_k, BLOCK_K, "block_k")
     pairs = num_tokens * top_k
-    scratch = torch.empty(pairs, inter, dtype=torch.float32, device=hidden_states.device)
-    _gate_up_kernel[(pairs, triton.cdiv(inter, gate_up_n))](
-        hidden_states, top_k_index, gate_up_proj, scratch,
+    rows = pairs + (num_tokens if shared_inter else 0)
+    scratch = torch.empty(rows, max(inter, shared_inter), dtype=torch.float32, device=hidden_states.device)
+    _gate_up_kernel[(rows, triton.cdiv(max(inter, shared_inter), gate_up_n))](
+        hidden_states, top_k_index, gate_up_proj, scratch, shared_gate, shared_up,
         hidden_states.stride(0), hidden_states.stride(1), top_k_index.stride(0), top_k_index.stride(1),
-        w_e, w_n, w_k, scratch.stride(0),
-        num_experts,
-        HIDDEN=hidden, INTER=inter, TOP_K=top_k, BLOCK_N=gate_up_n, BLOCK_K=chunk, num_warps=NUM_WARPS,
+        w_e, w_n, w_k, scratch.stride(0), shared_gate.stride(0), shared_gate.stride(-1),
+        num_experts, pairs,
+        HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED_INTER=shared_inter, BLOCK_N=gate_up_n, BLOCK_K=chunk,
+        num_warps=NUM_WARPS,
     )
     _down_kernel[(num_tokens, triton.cdiv(hidden, down_n))](
-        scratch, top_k_index, top_k_weights, down_proj, out,
+        scratch, top_k_index, top_k_weights, down_proj, out, hidden_states, shared_vec, shared_down,
         top_k_index.stride(0), top_k_index.stride(1), top_k_weights.stride(0), top_k_weights.stride(1),
         scratch.stride(0), d_e, d_n, d_k, out.stride(0), out.stride(1),
-        num_experts,
-        HIDDEN=hidden, INTER=inter, TOP_K=top_k, BLOCK_N=down_n, BLOCK_K=chunk, num_warps=NUM_WARPS,
+        hidden_states.stride(0), hidden_states.stride(1), shared_down.stride(0), shared_down.stride(-1),
+        num_experts, pairs,
+        HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED_INTER=shared_inter, BLOCK_N=down_n, BLOCK_K=chunk,
+        num_warps=NUM_WARPS,
     )
     return out
