@@ -97,6 +97,20 @@ def _gate_up_kernel(
     tl.store(h_ptr + s * stride_ht + n, h, mask=n_ok)
 
 
+@triton.jit
+def _add_down(acc, h_row, weight, rows, stride_dk, n_ok, hi, INTER: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc`` plus one expert's down rows (a tile) times its scratch row scaled by ``weight``, over ``hi``
+    (INTER or 0) columns; elementwise per chunk, summed by the caller once at the end."""
+    for k0 in range(0, hi, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < INTER
+        h = tl.load(h_row + k, mask=k_ok, other=0.0) * weight
+        mask = n_ok[:, None] & k_ok[None, :]
+        d = tl.load(rows + k[None, :] * stride_dk, mask=mask, other=0.0).to(tl.float32)
+        acc += d * h[None, :]
+    return acc
+
+
 @triton.jit(do_not_specialize=["stride_it", "stride_pt", "stride_ht", "stride_ot", "stride_xt", "num_pairs"])
 def _down_kernel(
     h_ptr, idx_ptr, wt_ptr, d_ptr, out_ptr, x_ptr, sgate_ptr, sd_ptr,
@@ -120,14 +134,7 @@ def _down_kernel(
         hi = tl.where(valid, INTER, 0)  # a sentinel runs no iterations (its routing weight goes unused)
         e = tl.where(valid, e, 0)
         rows = d_ptr + e * stride_de + n[:, None] * stride_dn  # [BLOCK_N, 1]
-        h_row = h_ptr + (t * TOP_K + j) * stride_ht
-        for k0 in range(0, hi, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < INTER
-            h = tl.load(h_row + k, mask=k_ok, other=0.0) * w
-            mask = n_ok[:, None] & k_ok[None, :]
-            d = tl.load(rows + k[None, :] * stride_dk, mask=mask, other=0.0).to(tl.float32)
-            acc += d * h[None, :]
+        acc = _add_down(acc, h_ptr + (t * TOP_K + j) * stride_ht, w, rows, stride_dk, n_ok, hi, INTER, BLOCK_K)
     if SHARED_INTER > 0:
         # The shared expert, weighted by sigmoid(x_t . gate): every program of the token computes that dot
         # product (HIDDEN values, read from L2 after the first) rather than a third launch.
@@ -138,15 +145,8 @@ def _down_kernel(
             x = tl.load(x_ptr + t * stride_xt + k * stride_xh, mask=k_ok, other=0.0).to(tl.float32)
             dot += x * tl.load(sgate_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.sigmoid(tl.sum(dot, axis=0))
-        rows = sd_ptr + n[:, None] * stride_sdn
-        h_row = h_ptr + (num_pairs + t) * stride_ht
-        for k0 in range(0, SHARED_INTER, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < SHARED_INTER
-            h = tl.load(h_row + k, mask=k_ok, other=0.0) * w
-            mask = n_ok[:, None] & k_ok[None, :]
-            d = tl.load(rows + k[None, :] * stride_sdk, mask=mask, other=0.0).to(tl.float32)
-            acc += d * h[None, :]
+        acc = _add_down(acc, h_ptr + (num_pairs + t) * stride_ht, w, sd_ptr + n[:, None] * stride_sdn, stride_sdk,
+                        n_ok, SHARED_INTER, SHARED_INTER, BLOCK_K)
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + t * stride_ot + n * stride_oh, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
