@@ -24,8 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_generate import emit  # noqa: E402
 
-from hf_qsa_cache.ops import experts, gated_delta, hyper_connection, norm_rope, qsa, rms_norm, router  # noqa: E402
-from hf_qsa_cache.ops import experts_triton, gated_delta_triton, hyper_connection_triton  # noqa: E402
+from hf_qsa_cache.ops import experts, gated_delta, hyper_connection, inkling_router, norm_rope, qsa, rms_norm  # noqa: E402
+from hf_qsa_cache.ops import router  # noqa: E402
+from hf_qsa_cache.ops import experts_triton, gated_delta_triton, hyper_connection_triton, inkling_router_triton  # noqa: E402
 from hf_qsa_cache.ops import norm_rope_triton, qsa_triton, rms_norm_triton, router_triton  # noqa: E402
 
 
@@ -111,6 +112,17 @@ def cases(device, dtype, tokens: int, small: bool):
     yield ("selected_experts + shared", lambda: experts_triton.selected_experts_triton(
         x_e, index, route_w, gate_up, down, False, shared), lambda: _cpu(
         experts.selected_experts_torch, x_e, index, route_w, gate_up, down, False, shared), 0.02)
+    # Inkling's router at its benchmark shapes: 64 routed experts and 2 shared, top 6.
+    router_w, corr, g_scale = rand(E + 2, H, scale=0.02), torch.rand(E, generator=g).to(device) * 0.1, rand(1).abs()
+    choice = (torch.sigmoid(x_e.float() @ router_w.float().T[:, :E]) + corr).cpu()
+
+    def chosen(result):  # experts compared by their choice score, as route_topk's above
+        weights, picked, gammas = result
+        return weights, choice.gather(1, picked.cpu()).to(device), gammas
+
+    yield ("inkling_router", lambda: chosen(inkling_router_triton.inkling_router_triton(
+        x_e, router_w, corr, g_scale, 6, 2, 8.0)), lambda: chosen(_cpu(
+        inkling_router.route_inkling_torch, x_e, router_w, corr, g_scale, 6, 2, 8.0)), 0.02)
     groups = torch.stack([torch.randperm(64, generator=g)[:16] for _ in range(tokens)]).to(device)
     visible = torch.full((tokens,), 40, device=device)
     position = torch.full((tokens,), 163, device=device)

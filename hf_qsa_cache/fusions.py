@@ -20,10 +20,11 @@ FLAGS = {
     "router": ("hf_qsa_cache.ops.router", "FUSED_ROUTER"),
     "qsa": ("hf_qsa_cache.ops.qsa", "FUSED_QSA"),
     "shared_expert": ("hf_qsa_cache.ops.experts", "FUSED_SHARED_EXPERT"),
+    "inkling_router": ("hf_qsa_cache.ops.inkling_router", "FUSED_INKLING_ROUTER"),
 }
 # Built and tested on the CPU (the kernels under the Triton interpreter) but not yet timed on a GPU: on
 # only when named in HF_QSA_FUSED (or with "all"), not by default.
-UNMEASURED = ("shared_expert",)
+UNMEASURED = ("shared_expert", "inkling_router")
 
 
 def _places(names) -> list[tuple[object, str]]:

@@ -29,12 +29,12 @@ from transformers.models.inkling.configuration_inkling import InklingTextConfig
 from transformers.models.inkling.modeling_inkling import (
     InklingCausalLMOutputWithPast,
     InklingMLP,
-    InklingMoE,
     InklingNormedEmbedding,
     InklingPreTrainedModel,
     InklingRelativeLogits,
     InklingRMSNorm,
 )
+from transformers.models.inkling import modeling_inkling as upstream
 from transformers.utils import can_return_tuple
 
 from hf_qsa_cache import QSAPagedCache
@@ -47,12 +47,25 @@ from hf_qsa_cache.metadata import StepMetadata
 from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention, paged_rel_attention_probs
+from hf_qsa_cache.ops.inkling_router import fuses_inkling_routing, route_inkling
 from hf_qsa_cache.ops.rms_norm import add_rms_norm, rms_norm
 from hf_qsa_cache.ops.sconv import short_conv
 from hf_qsa_cache.stores.inkling import STREAM_ATTN, STREAM_K, STREAM_MLP, STREAM_V
 
 from .checkpoints import StrictLoadingMixin, use_upstream_conversions
 
+
+
+class InklingMoE(upstream.InklingMoE):
+    """transformers' MoE block (same modules and parameters); its router, projection included, runs as one
+    launch where fused (`hf_qsa_cache.ops.inkling_router`). Otherwise upstream's forward."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not fuses_inkling_routing(self.gate, hidden_states):
+            return super().forward(hidden_states)
+        weights, indices, gammas = route_inkling(self.gate, hidden_states)
+        routed = self.experts(hidden_states.reshape(-1, hidden_states.shape[-1]), indices, weights)
+        return routed.view(hidden_states.shape) + self.shared_experts(hidden_states, gammas=gammas)
 
 
 class InklingPagedShortConvolution(nn.Module):

@@ -101,11 +101,11 @@ def test_modules_with_hooks_run_their_own_forward(all_fused, monkeypatch):
 def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
     """The names HF_QSA_FUSED accepts all switch a flag; `fused` sets and restores them, and refuses unknown ones."""
     from hf_qsa_cache import cuda_graphs
-    from hf_qsa_cache.ops import qsa, router
+    from hf_qsa_cache.ops import inkling_router, qsa, router
 
     flags = [(hyper_connection, "FUSED_HC"), (gated_delta, "FUSED_GDN"), (rms_norm, "FUSED_NORM"),
              (norm_rope, "FUSED_NORM_ROPE"), (cuda_graphs, "FUSED_EXPERTS"), (router, "FUSED_ROUTER"),
-             (qsa, "FUSED_QSA"), (experts, "FUSED_SHARED_EXPERT")]
+             (qsa, "FUSED_QSA"), (experts, "FUSED_SHARED_EXPERT"), (inkling_router, "FUSED_INKLING_ROUTER")]
     before = [getattr(m, f) for m, f in flags]
     with fused(("all",)):
         assert all(getattr(m, f) for m, f in flags)
@@ -114,7 +114,7 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
             assert gated_delta.FUSED_GDN
         assert all(getattr(m, f) for m, f in flags)
     assert [getattr(m, f) for m, f in flags] == before
-    assert set(FLAGS) == {"hc", "gdn", "norm", "experts", "router", "qsa", "shared_expert"}
+    assert set(FLAGS) == {"hc", "gdn", "norm", "experts", "router", "qsa", "shared_expert", "inkling_router"}
     with pytest.raises(ValueError, match="unknown fusion"):
         with fused(("nope",)):
             pass
@@ -133,7 +133,7 @@ def test_an_unknown_name_in_the_environment_is_refused_at_import():
 MEASURED = {"hc", "gdn", "norm", "experts", "router", "qsa"}
 
 
-@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED | {"shared_expert"}),
+@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED | {"shared_expert", "inkling_router"}),
                                                ("none", set()), ("", set()), ("gdn,router", {"gdn", "router"})])
 def test_the_environment_picks_the_measured_fusions_by_default(setting, expected):
     import os

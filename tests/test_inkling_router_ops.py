@@ -1,0 +1,97 @@
+"""Inkling's fused MoE routing (`hf_qsa_cache.ops.inkling_router`): the spec against transformers' router, the
+block and generate() with the fused path on against upstream's, and the Triton kernel against the torch
+function (as a script under the Triton interpreter, `interpreter.py`)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import test_inkling as inkling
+import torch
+from fusion_helpers import assert_fused_generate_equals_default
+from interpreter import run_under_interpreter
+from transformers.models.inkling.modeling_inkling import InklingTopkRouter
+
+from hf_qsa_cache.ops import inkling_router
+
+
+def router_module(seed: int, dtype=torch.float32, **overrides) -> InklingTopkRouter:
+    """A router with random weights, a non-zero correction bias and global scale."""
+    module = InklingTopkRouter(inkling.make_config(**overrides)).to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(module.weight.shape, generator=g))
+        module.e_score_correction_bias.copy_(torch.rand(module.num_experts, generator=g) * 0.2)
+        module.global_scale.fill_(1.3)
+    return module
+
+
+def as_sets(weights, indices, gammas):
+    """Chosen experts best first here, unsorted upstream: compare (expert, weight) pairs sorted by expert."""
+    order = indices.argsort(dim=-1)
+    return indices.gather(-1, order), weights.gather(-1, order), gammas
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_spec_is_transformers_router(dtype):
+    module = router_module(0, dtype)
+    x = torch.randn(7, module.hidden_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad():
+        _, want_weights, want_indices, want_gammas = module(x)
+        have = inkling_router.route_inkling_torch(x, module.weight, module.e_score_correction_bias, module.global_scale,
+                                                  module.top_k, module.n_shared_experts, module.route_scale)
+    for a, b in zip(as_sets(*have), as_sets(want_weights, want_indices, want_gammas)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_block_and_generate_with_the_fused_path_equal_upstreams(monkeypatch):
+    _, model = inkling.make_pair(inkling.make_config(), seed=5)
+    ids, mask = inkling.left_pad(inkling.make_prompts([11, 4, 8], seed=6))
+    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, inkling_router, "FUSED_INKLING_ROUTER",
+                                         "route_inkling_torch", atol=1e-5)
+    # Recording router logits hooks the routers: from then on they run their own forward.
+    monkeypatch.setattr(inkling_router, "FUSED_INKLING_ROUTER", True)
+    block = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate"))
+    x = torch.randn(2, 3, model.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), type(block).__mro__[1].forward(block, x), atol=1e-5, rtol=1e-5)
+        model(ids, attention_mask=mask, output_router_logits=True)
+    assert not inkling_router.fuses_inkling_routing(block.gate, x)
+
+
+def test_triton_kernel_matches_torch():
+    run_under_interpreter(__file__, "all inkling router kernel cases ok")
+
+
+def _main() -> int:
+    from hf_qsa_cache.ops.inkling_router_triton import inkling_router_triton
+
+    cases = 0
+    # (tokens, hidden, routed experts, shared, top k): hidden not a multiple of the chunk; experts + shared
+    # padded to a power of two; k = routed experts (all chosen); two shared.
+    for T, H, E, S, k in ((1, 40, 6, 1, 2), (5, 72, 13, 2, 4), (3, 16, 4, 2, 4)):
+        for dtype in (torch.float32, torch.bfloat16):
+            module = router_module(T + H, dtype, hidden_size=H, n_routed_experts=E, n_shared_experts=S,
+                                   num_experts_per_tok=k)
+            x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dtype)
+            args = (x, module.weight.detach(), module.e_score_correction_bias, module.global_scale.detach(), k, S,
+                    module.route_scale)
+            want = inkling_router.route_inkling_torch(*args)
+            have = inkling_router_triton(*args)
+            cases += 1
+            try:
+                assert torch.equal(have[1], want[1]), f"experts {have[1].tolist()} != {want[1].tolist()}"
+                tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+                torch.testing.assert_close(have[0], want[0], atol=tol, rtol=tol)
+                torch.testing.assert_close(have[2], want[2], atol=tol, rtol=tol)
+            except AssertionError as err:
+                print(f"T={T} H={H} E={E} S={S} k={k} {dtype}: {err}")
+                return 1
+    print(f"{cases} cases\nall inkling router kernel cases ok")
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    sys.exit(_main())
