@@ -2,8 +2,8 @@
 
 The program computes the token's logits against every routed and shared expert (fp32 accumulation over
 ``BLOCK_H`` chunks of the hidden size, the weight read as stored), then the choice scores, the top ``k``
-(the lower expert first among equals, as `router_triton`), and the log-sigmoid softmax over the chosen and
-shared experts, all in registers.
+(`triton_common.top_k_picks`), and the log-sigmoid softmax over the chosen and shared experts, all in
+registers.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import on_device_of_first_tensor
+from .triton_common import on_device_of_first_tensor, top_k_picks
 
 BLOCK_H = 32  # hidden columns per chunk of the projection (experts padded to 128 rows: registers)
 
@@ -39,14 +39,7 @@ def _inkling_router_kernel(
     bias = tl.load(bias_ptr + e, mask=routed, other=0.0).to(tl.float32)
     choice = tl.where(routed, tl.sigmoid(logits) + bias, float("-inf"))
     j = tl.arange(0, K_PAD)
-    picked_logit = tl.zeros([K_PAD], tl.float32)
-    picked = tl.zeros([K_PAD], tl.int64)
-    for i in tl.static_range(K):
-        best = tl.max(choice, axis=0)
-        index = tl.min(tl.where(choice == best, e, E_PAD), axis=0)  # the lower expert among equals
-        picked_logit = tl.where(j == i, tl.sum(tl.where(e == index, logits, 0.0), axis=0), picked_logit)
-        picked = tl.where(j == i, index.to(tl.int64), picked)
-        choice = tl.where(e == index, float("-inf"), choice)
+    picked_logit, picked = top_k_picks(choice, logits, e, E_PAD, K, K_PAD)
     sj = tl.arange(0, S_PAD)
     shared_logit = tl.zeros([S_PAD], tl.float32)
     for i in tl.static_range(S):

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import on_device_of_first_tensor
+from .triton_common import on_device_of_first_tensor, top_k_picks
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -19,14 +19,7 @@ def _route_topk_kernel(logits_ptr, weights_ptr, experts_ptr, num_tokens, stride_
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)  # padded experts: exp(-inf) = 0, after every real one (lower index first)
     j = tl.arange(0, K_PAD)
-    values = tl.zeros([K_PAD], tl.float32)
-    picked = tl.zeros([K_PAD], tl.int64)
-    for i in tl.static_range(K):
-        best = tl.max(p, axis=0)
-        index = tl.min(tl.where(p == best, e, E_PAD), axis=0)  # the lower expert among equals
-        values = tl.where(j == i, best, values)
-        picked = tl.where(j == i, index.to(tl.int64), picked)
-        p = tl.where(e == index, -1.0, p)
+    values, picked = top_k_picks(p, p, e, E_PAD, K, K_PAD)
     if NORMALIZE:
         values = values / tl.sum(tl.where(j < K, values, 0.0), axis=0)
     tl.store(weights_ptr + t * K + j, values.to(weights_ptr.dtype.element_ty), mask=j < K)

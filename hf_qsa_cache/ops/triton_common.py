@@ -47,3 +47,20 @@ def dot(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def top_k_picks(scores, carry, e, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr):
+    """The ``K`` best of ``scores [E_PAD]`` (indices ``e``), best first, the lower index first among equals:
+    ``(carry [E_PAD] at each pick, the picks)``, both ``[K_PAD]`` with slots from ``K`` on zero. A padded slot
+    must score below every real one (or equal it with a higher index)."""
+    j = tl.arange(0, K_PAD)
+    carried = tl.zeros([K_PAD], tl.float32)
+    picked = tl.zeros([K_PAD], tl.int64)
+    for i in tl.static_range(K):
+        best = tl.max(scores, axis=0)
+        index = tl.min(tl.where(scores == best, e, E_PAD), axis=0)
+        carried = tl.where(j == i, tl.sum(tl.where(e == index, carry, 0.0), axis=0), carried)
+        picked = tl.where(j == i, index.to(tl.int64), picked)
+        scores = tl.where(e == index, float("-inf"), scores)
+    return carried, picked
