@@ -107,11 +107,18 @@ def cases(device, dtype, tokens: int, small: bool):
     route_w = torch.rand(tokens, k, generator=g).to(device=device, dtype=dtype)
     yield ("selected_experts", lambda: experts_triton.selected_experts_triton(x_e, index, route_w, gate_up, down),
            lambda: _cpu(experts.selected_experts_torch, x_e, index, route_w, gate_up, down), 0.02)
-    shared = experts.SharedExpert(rand(inter, H, scale=0.02), rand(inter, H, scale=0.02), rand(H, inter, scale=0.02),
-                                  rand(1, H, scale=0.02))
+    shared = experts.SharedExpert(rand(1, inter, H, scale=0.02), rand(1, inter, H, scale=0.02),
+                                  rand(1, H, inter, scale=0.02), gate_vector=rand(1, H, scale=0.02))
     yield ("selected_experts + shared", lambda: experts_triton.selected_experts_triton(
         x_e, index, route_w, gate_up, down, False, shared), lambda: _cpu(
         experts.selected_experts_torch, x_e, index, route_w, gate_up, down, False, shared), 0.02)
+    # Inkling's two shared experts, weighted per token by the router.
+    two = experts.SharedExpert(rand(2, inter, H, scale=0.02), rand(2, inter, H, scale=0.02),
+                               rand(2, H, inter, scale=0.02), token_weights=torch.rand(tokens, 2, generator=g).to(
+                                   device=device, dtype=dtype))
+    yield ("selected_experts + 2 shared", lambda: experts_triton.selected_experts_triton(
+        x_e, index, route_w, gate_up, down, False, two), lambda: _cpu(
+        experts.selected_experts_torch, x_e, index, route_w, gate_up, down, False, two), 0.02)
     # Inkling's router at its benchmark shapes: 64 routed experts and 2 shared, top 6.
     router_w, corr, g_scale = rand(E + 2, H, scale=0.02), torch.rand(E, generator=g).to(device) * 0.1, rand(1).abs()
     choice = (torch.sigmoid(x_e.float() @ router_w.float().T[:, :E]) + corr).cpu()
@@ -134,7 +141,7 @@ def _cpu(fn, *args):
     """The torch specification on the CPU (what a fused op replaces), back on the inputs' device."""
     def cpu(a):
         if isinstance(a, tuple):  # a named tuple keeps its type (`experts.SharedExpert`)
-            items = [t.cpu() for t in a]
+            items = [t.cpu() if t is not None else None for t in a]
             return type(a)(*items) if hasattr(a, "_fields") else tuple(items)
         return a.cpu() if isinstance(a, torch.Tensor) else a
 

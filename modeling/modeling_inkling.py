@@ -46,6 +46,7 @@ from hf_qsa_cache.generation import (
 from hf_qsa_cache.metadata import StepMetadata
 from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
+from hf_qsa_cache.ops.experts import inkling_shared_experts_to_fold, run_selected_experts
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention, paged_rel_attention_probs
 from hf_qsa_cache.ops.inkling_router import fuses_inkling_routing, route_inkling
 from hf_qsa_cache.ops.rms_norm import add_rms_norm, rms_norm
@@ -58,13 +59,24 @@ from .checkpoints import StrictLoadingMixin, use_upstream_conversions
 
 class InklingMoE(upstream.InklingMoE):
     """transformers' MoE block (same modules and parameters); its router, projection included, runs as one
-    launch where fused (`hf_qsa_cache.ops.inkling_router`). Otherwise upstream's forward."""
+    launch where fused (`hf_qsa_cache.ops.inkling_router`), and its shared experts inside the selected
+    experts' kernels where folded (`hf_qsa_cache.ops.experts.inkling_shared_experts_to_fold`). Otherwise
+    upstream's forward."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not fuses_inkling_routing(self.gate, hidden_states):
+        fused_routing = fuses_inkling_routing(self.gate, hidden_states)
+        folded = inkling_shared_experts_to_fold(self, hidden_states)
+        if not fused_routing and folded is None:
             return super().forward(hidden_states)
-        weights, indices, gammas = route_inkling(self.gate, hidden_states)
-        routed = self.experts(hidden_states.reshape(-1, hidden_states.shape[-1]), indices, weights)
+        if fused_routing:
+            weights, indices, gammas = route_inkling(self.gate, hidden_states)
+        else:
+            _, weights, indices, gammas = self.gate(hidden_states)
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if folded is not None:
+            shared = folded._replace(token_weights=gammas.reshape(flat.shape[0], -1))
+            return run_selected_experts(self.experts, flat, indices, weights, shared).view(hidden_states.shape)
+        routed = self.experts(flat, indices, weights)
         return routed.view(hidden_states.shape) + self.shared_experts(hidden_states, gammas=gammas)
 
 

@@ -177,8 +177,8 @@ def _shared_cases(experts_triton, launches) -> str | None:
     module = experts_module("qwen4_exp", seed=3)  # hidden 40, intermediate 24
     for shared_inter in (20, 40):
         mlp, gate = shared_expert(40, shared_inter, seed=shared_inter)
-        shared = selected.SharedExpert(mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach(),
-                                       mlp.down_proj.weight.detach(), gate.weight.detach())
+        shared = selected.SharedExpert(mlp.gate_proj.weight.detach()[None], mlp.up_proj.weight.detach()[None],
+                                       mlp.down_proj.weight.detach()[None], gate_vector=gate.weight.detach())
         for num_tokens in (1, 3):
             x, index, weights = routing(module, num_tokens, seed=5 + num_tokens, sentinel=num_tokens == 3)
             args = (x, index, weights, module.gate_up_proj.detach(), module.down_proj.detach(), False, shared)
@@ -196,7 +196,43 @@ def _shared_cases(experts_triton, launches) -> str | None:
                     torch.testing.assert_close(have, upstream, atol=1e-5, rtol=1e-5)
                 except AssertionError as err:
                     return f"{label}: {err}"
+    # Inkling: two shared experts weighted by given per-token weights, against transformers' module.
+    from transformers.models.inkling.modeling_inkling import InklingSharedExperts
+
+    module = experts_module("inkling", seed=4)  # hidden 24, intermediate 40
+    shared_experts = InklingSharedExperts(inkling.make_config(hidden_size=24, moe_intermediate_size=40,
+                                                              n_shared_experts=2))
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for p in shared_experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.25)
+    for num_tokens in (1, 3):
+        x, index, weights = routing(module, num_tokens, seed=8 + num_tokens, sentinel=num_tokens == 3)
+        gammas = torch.rand(num_tokens, 2, generator=gen) + 0.1
+        shared = selected.SharedExpert(shared_experts.gate_proj.detach(), shared_experts.up_proj.detach(),
+                                       shared_experts.down_proj.detach(), token_weights=gammas)
+        args = (x, index, weights, module.gate_up_proj.detach(), module.down_proj.detach(), False, shared)
+        want = selected.selected_experts_torch(*args)
+        with torch.no_grad():
+            upstream = moe.batched_mm_experts_forward(module, x, index, weights) + shared_experts(x, gammas=gammas)
+        for block_n, block_k in ((16, 16), (8, 32)):
+            label = f"inkling shared T={num_tokens} block_n={block_n} block_k={block_k}"
+            launches.clear()
+            have = experts_triton.selected_experts_triton(*args, block_n=block_n, block_k=block_k)
+            if len(launches) != 2 or launches[0][0] != num_tokens * 5 or launches[1][0] != num_tokens:
+                return f"{label}: launches {launches}"
+            try:
+                torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(have, upstream, atol=1e-5, rtol=1e-5)
+            except AssertionError as err:
+                return f"{label}: {err}"
     return None
+
+
+def shared_module(model) -> nn.Module:
+    """The first MoE block's shared expert(s) module: Qwen4Exp's ``shared_expert``, Inkling's ``shared_experts``."""
+    block = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    return getattr(block, "shared_expert", None) or block.shared_experts
 
 
 def _generate(model, ids, mask):
@@ -254,15 +290,15 @@ def _main() -> int:
     # its shared expert folded in, where the shared expert's modules must then never run.
     from hf_qsa_cache.fusions import fused
 
-    for family, fold in (("qwen4_exp", False), ("qwen4_exp", True), ("inkling", False)):
+    for family, fold in (("qwen4_exp", False), ("qwen4_exp", True), ("inkling", False), ("inkling", True)):
         launches.clear()
         model, ids, mask = _family(family)
         with fused(("shared_expert",), on=fold):
             error = _compare_generate(model, ids, mask, atol=1e-4)
             if fold and not error:
-                mlp_type = type(model.model.layers[0].mlp.shared_expert)
+                mlp_type = type(shared_module(model))
                 real, calls = mlp_type.forward, []
-                mlp_type.forward = lambda self, x: calls.append(1) or real(self, x)
+                mlp_type.forward = lambda self, *a, **k: calls.append(1) or real(self, *a, **k)
                 model.set_experts_implementation(selected.SELECTED_EXPERTS)
                 try:
                     _generate(model, ids, mask)
@@ -409,7 +445,8 @@ def test_the_shared_expert_is_folded_only_where_it_may_be(monkeypatch):
     assert selected.shared_expert_to_fold(block, x) is None  # the weights require grad: autograd records
     with torch.no_grad():
         folded = selected.shared_expert_to_fold(block, x)
-        assert folded is not None and folded.gate is block.shared_expert.gate_proj.weight
+        assert folded is not None and folded.gate.shape[0] == 1  # views of the weights, not copies
+        assert folded.gate.data_ptr() == block.shared_expert.gate_proj.weight.data_ptr()
         assert folded.gate_vector is block.shared_expert_gate.weight
         for module in (block.experts, block.shared_expert, block.shared_expert.down_proj, block.shared_expert_gate):
             handle = module.register_forward_hook(lambda *a: None)
@@ -422,21 +459,42 @@ def test_the_shared_expert_is_folded_only_where_it_may_be(monkeypatch):
         assert selected.shared_expert_to_fold(block, x) is None
 
 
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
 @pytest.mark.parametrize("route_fused", [False, True])
-def test_a_block_with_its_shared_expert_folded_equals_upstreams_block(monkeypatch, route_fused):
-    from hf_qsa_cache.ops import router
+def test_a_block_with_its_shared_expert_folded_equals_upstreams_block(monkeypatch, family, route_fused):
+    from hf_qsa_cache.ops import inkling_router, router
 
-    model = make_pair(seed=7)[1]
-    block = model.model.layers[1].mlp
+    model = make_pair(seed=7)[1] if family == "qwen4_exp" else inkling.make_pair(inkling.make_config(), seed=9)[1]
+    block = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
     x = torch.randn(2, 3, model.config.hidden_size)
     with torch.no_grad():
         want = type(block).__mro__[1].forward(block, x)  # transformers' own block forward
         monkeypatch.setattr(router, "FUSED_ROUTER", route_fused)
+        monkeypatch.setattr(inkling_router, "FUSED_INKLING_ROUTER", route_fused)
         monkeypatch.setattr(selected, "FUSED_SHARED_EXPERT", True)
         model.set_experts_implementation(selected.SELECTED_EXPERTS)
         calls = []
-        real = type(block.shared_expert).forward
-        monkeypatch.setattr(type(block.shared_expert), "forward", lambda self, h: calls.append(1) or real(self, h))
+        shared_type = type(shared_module(model))
+        real = shared_type.forward
+        monkeypatch.setattr(shared_type, "forward", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
         have = block(x)
     assert not calls
     torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
+
+
+def test_inkling_shared_experts_are_folded_only_where_they_may_be(monkeypatch):
+    monkeypatch.setattr(selected, "FUSED_SHARED_EXPERT", True)
+    model = inkling.make_pair(inkling.make_config(), seed=9)[1]
+    model.set_experts_implementation(selected.SELECTED_EXPERTS)
+    block = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    x = torch.randn(2, model.config.hidden_size)
+    assert selected.inkling_shared_experts_to_fold(block, x) is None  # the weights require grad
+    with torch.no_grad():
+        folded = selected.inkling_shared_experts_to_fold(block, x)
+        assert folded is not None and folded.gate is block.shared_experts.gate_proj and folded.token_weights is None
+        for module in (block.experts, block.shared_experts):
+            handle = module.register_forward_pre_hook(lambda *a: None)
+            assert selected.inkling_shared_experts_to_fold(block, x) is None, type(module).__name__
+            handle.remove()
+        model.set_experts_implementation("grouped_mm")
+        assert selected.inkling_shared_experts_to_fold(block, x) is None

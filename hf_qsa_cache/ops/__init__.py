@@ -19,7 +19,7 @@ def records_grad(*tensors) -> bool:
 # (GatedDeltaNet gates, output norm, one-token conv), "norm" (RMS norms with their neighbours: Inkling's
 # residual add, Qwen4Exp's rotary embedding), "experts" (graph steps' experts read only the selected
 # experts' weights), "router" (Qwen4Exp's MoE routing), "qsa" (QSA's group pooling and selected
-# positions), "shared_expert" (Qwen4Exp's shared expert inside the selected-experts kernels),
+# positions), "shared_expert" (the shared experts inside the selected-experts kernels),
 # "inkling_router" (Inkling's MoE routing with its projection).
 FUSION_NAMES = tuple(FLAGS)  # `hf_qsa_cache.fusions` says which flag each name sets
 _SETTING = os.environ.get("HF_QSA_FUSED")

@@ -40,19 +40,23 @@ from transformers.integrations import moe
 from . import fusion_enabled, keeps_own_forward, records_grad
 
 SELECTED_EXPERTS = "hf_qsa_selected"
-# The MoE block adds its shared expert inside the selected-experts kernels (`shared_expert_to_fold`).
+# MoE blocks add their shared experts inside the selected-experts kernels (`shared_expert_to_fold`,
+# `inkling_shared_experts_to_fold`).
 FUSED_SHARED_EXPERT = fusion_enabled("shared_expert")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class SharedExpert(NamedTuple):
-    """An always-on SiLU-gated expert beside the routed ones, weighted per token by ``sigmoid(x . gate_vector)``
-    (Qwen4Exp's ``shared_expert`` and ``shared_expert_gate``): ``nn.Linear`` weights as they are stored."""
+    """Always-on SiLU-gated experts beside the routed ones: ``S`` of them (Qwen4Exp's ``shared_expert``:
+    one; Inkling's ``shared_experts``: ``n_shared_experts``), each token weighting them either by
+    ``sigmoid(x . gate_vector)`` (Qwen4Exp's ``shared_expert_gate``, ``S = 1``) or by ``token_weights``
+    (Inkling's router's ``shared_gammas``)."""
 
-    gate: torch.Tensor  # [Is, H]
-    up: torch.Tensor  # [Is, H]
-    down: torch.Tensor  # [H, Is]
-    gate_vector: torch.Tensor  # [1, H]
+    gate: torch.Tensor  # [S, Is, H]
+    up: torch.Tensor  # [S, Is, H]
+    down: torch.Tensor  # [S, H, Is]
+    gate_vector: torch.Tensor | None = None  # [1, H]
+    token_weights: torch.Tensor | None = None  # [T, S]
 
 
 def selected_experts_torch(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -65,7 +69,9 @@ def selected_experts_torch(hidden_states: torch.Tensor, top_k_index: torch.Tenso
     ``[E, I, H]``), gate rows before up rows. Ids outside ``[0, E)`` contribute zero. fp32 math, one
     rounding at the end::
 
-        out_t = sum_j w_j * expert_{e_j}(x_t) + sigmoid(gate_vector . x_t) * shared(x_t)
+        out_t = sum_j w_j * expert_{e_j}(x_t) + sum_s g_ts * shared_s(x_t)
+
+    with ``g_ts = sigmoid(gate_vector . x_t)`` or ``token_weights[t, s]``.
     """
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[-1]
@@ -86,8 +92,11 @@ def selected_experts_torch(hidden_states: torch.Tensor, top_k_index: torch.Tenso
     out = y.view(num_tokens, top_k, hidden).sum(dim=1)
     if shared is not None:
         xs = hidden_states.float()
-        h = nn.functional.silu(xs @ shared.gate.float().T) * (xs @ shared.up.float().T)
-        out = out + torch.sigmoid(xs @ shared.gate_vector.float().T) * (h @ shared.down.float().T)
+        for s in range(shared.gate.shape[0]):
+            h = nn.functional.silu(xs @ shared.gate[s].float().mT) * (xs @ shared.up[s].float().mT)
+            weight = (torch.sigmoid(xs @ shared.gate_vector.float().mT) if shared.gate_vector is not None
+                      else shared.token_weights[:, s: s + 1].float())
+            out = out + weight * (h @ shared.down[s].float().mT)
     return out.to(hidden_states.dtype)
 
 
@@ -159,12 +168,30 @@ def shared_expert_to_fold(block: nn.Module, x: torch.Tensor) -> SharedExpert | N
         return None
     if type(getattr(mlp, "act_fn", None)) not in (SiLUActivation, nn.SiLU) or gate.out_features != 1:
         return None
-    weights = SharedExpert(*(m.weight for m in linears))
+    weights = [m.weight for m in linears]
     if any(w.dtype != experts.gate_up_proj.dtype or w.device != x.device for w in weights) or records_grad(x, *weights):
         return None
     if any(keeps_own_forward(m, *m.parameters(recurse=False)) for m in (experts, mlp, *linears)):
         return None
-    return weights
+    return SharedExpert(*(w.unsqueeze(0) for w in weights[:3]), gate_vector=weights[3])
+
+
+def inkling_shared_experts_to_fold(block: nn.Module, x: torch.Tensor) -> SharedExpert | None:
+    """As `shared_expert_to_fold`, for an Inkling MoE block: its ``shared_experts`` (stacked SiLU experts),
+    without their weights (the router's ``shared_gammas``: the caller sets ``token_weights``)."""
+    experts, shared = block.experts, block.shared_experts
+    if not (FUSED_SHARED_EXPERT and experts.config._experts_implementation == SELECTED_EXPERTS and supports(experts)):
+        return None
+    if type(getattr(shared, "act_fn", None)) not in (SiLUActivation, nn.SiLU):
+        return None
+    weights = [getattr(shared, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights):
+        return None
+    if any(w.dtype != experts.gate_up_proj.dtype or w.device != x.device for w in weights) or records_grad(x, *weights):
+        return None
+    if any(keeps_own_forward(m, *m.parameters(recurse=False)) for m in (experts, shared)):
+        return None
+    return SharedExpert(*weights)
 
 
 moe.ALL_EXPERTS_FUNCTIONS.register(SELECTED_EXPERTS, selected_experts_forward)

@@ -13,10 +13,11 @@ one expert it works for, in place:
   scaled by its routing weight, and writes the fp32 sum cast to the input dtype. The sum over experts
   happens in registers: no atomics, a fixed order, the same result on every run.
 
-With ``shared`` (Qwen4Exp's shared expert, `hf_qsa_cache.ops.experts.SharedExpert`) the first kernel has
-one more pair per token after the routed ones, reading the shared expert's gate and up rows, and the
-second adds that pair's down projection to each token's sum, weighted by ``sigmoid(x . gate_vector)``
-(which every program of the token computes: ``HIDDEN`` values, a third launch saved). Upstream's block
+With ``shared`` (`hf_qsa_cache.ops.experts.SharedExpert`: Qwen4Exp's shared expert, Inkling's shared
+experts) the first kernel has ``S`` more pairs per token after the routed ones, reading the shared
+experts' gate and up rows, and the second adds their down projections to each token's sum, weighted by
+the given token weights or by ``sigmoid(x . gate_vector)`` (which every program of the token computes:
+``HIDDEN`` values, a third launch saved). Upstream's block
 runs the shared expert and its gate as seven launches of their own (the H200 profile), then weights and
 adds the result.
 
@@ -66,10 +67,10 @@ def _silu_gate_up(x_row, stride_xh, gate_rows, up_rows, stride_wk, n_ok, hi,
 def _gate_up_kernel(
     x_ptr, idx_ptr, w_ptr, h_ptr, sg_ptr, su_ptr,
     stride_xt, stride_xh, stride_it, stride_ij,
-    stride_we, stride_wn, stride_wk, stride_ht, stride_sn, stride_sk,
+    stride_we, stride_wn, stride_wk, stride_ht, stride_se, stride_sn, stride_sk,
     num_experts, num_pairs,
-    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, SHARED_INTER: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
+    SHARED_INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)
     if s < num_pairs:  # a routed (token, expert) pair
@@ -86,12 +87,14 @@ def _gate_up_kernel(
         up_rows = gate_rows + INTER * stride_wn  # the up half starts INTER rows further
         h = _silu_gate_up(x_ptr + t * stride_xt, stride_xh, gate_rows, up_rows, stride_wk, n_ok, hi,
                           HIDDEN, BLOCK_N, BLOCK_K)
-    else:  # the shared expert of token s - num_pairs (only launched with SHARED_INTER > 0)
-        t = s - num_pairs
+    else:  # shared pair q = t * SHARED + shared expert (launched only with shared experts)
+        q = s - num_pairs
+        t = q // SHARED
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < SHARED_INTER
-        h = _silu_gate_up(x_ptr + t * stride_xt, stride_xh, sg_ptr + n[:, None] * stride_sn,
-                          su_ptr + n[:, None] * stride_sn, stride_sk, n_ok, HIDDEN, HIDDEN, BLOCK_N, BLOCK_K)
+        rows = (q % SHARED) * stride_se + n[:, None] * stride_sn
+        h = _silu_gate_up(x_ptr + t * stride_xt, stride_xh, sg_ptr + rows, su_ptr + rows, stride_sk, n_ok, HIDDEN,
+                          HIDDEN, BLOCK_N, BLOCK_K)
     # fp32 scratch: the down projection reads exactly what was computed (the only rounding of the whole op
     # is the output's), and the scratch is small (pairs x intermediate size, next to megabytes of weights).
     tl.store(h_ptr + s * stride_ht + n, h, mask=n_ok)
@@ -113,13 +116,13 @@ def _add_down(acc, h_row, weight, rows, stride_dk, n_ok, hi, INTER: tl.constexpr
 
 @triton.jit(do_not_specialize=["stride_it", "stride_pt", "stride_ht", "stride_ot", "stride_xt", "num_pairs"])
 def _down_kernel(
-    h_ptr, idx_ptr, wt_ptr, d_ptr, out_ptr, x_ptr, sgate_ptr, sd_ptr,
+    h_ptr, idx_ptr, wt_ptr, d_ptr, out_ptr, x_ptr, sgate_ptr, sd_ptr, sw_ptr,
     stride_it, stride_ij, stride_pt, stride_pj, stride_ht,
     stride_de, stride_dn, stride_dk, stride_ot, stride_oh,
-    stride_xt, stride_xh, stride_sdn, stride_sdk,
+    stride_xt, stride_xh, stride_sde, stride_sdn, stride_sdk, stride_swt,
     num_experts, num_pairs,
-    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, SHARED_INTER: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
+    SHARED_INTER: tl.constexpr, GATE_VECTOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,17 +139,25 @@ def _down_kernel(
         rows = d_ptr + e * stride_de + n[:, None] * stride_dn  # [BLOCK_N, 1]
         acc = _add_down(acc, h_ptr + (t * TOP_K + j) * stride_ht, w, rows, stride_dk, n_ok, hi, INTER, BLOCK_K)
     if SHARED_INTER > 0:
-        # The shared expert, weighted by sigmoid(x_t . gate): every program of the token computes that dot
-        # product (HIDDEN values, read from L2 after the first) rather than a third launch.
-        dot = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, HIDDEN, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < HIDDEN
-            x = tl.load(x_ptr + t * stride_xt + k * stride_xh, mask=k_ok, other=0.0).to(tl.float32)
-            dot += x * tl.load(sgate_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.sigmoid(tl.sum(dot, axis=0))
-        acc = _add_down(acc, h_ptr + (num_pairs + t) * stride_ht, w, sd_ptr + n[:, None] * stride_sdn, stride_sdk,
-                        n_ok, SHARED_INTER, SHARED_INTER, BLOCK_K)
+        gated = 0.0
+        if GATE_VECTOR:
+            # One shared expert weighted by sigmoid(x_t . gate): every program of the token computes that dot
+            # product (HIDDEN values, read from L2 after the first) rather than a third launch.
+            dot = tl.zeros([BLOCK_K], tl.float32)
+            for k0 in range(0, HIDDEN, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < HIDDEN
+                x = tl.load(x_ptr + t * stride_xt + k * stride_xh, mask=k_ok, other=0.0).to(tl.float32)
+                dot += x * tl.load(sgate_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            gated = tl.sigmoid(tl.sum(dot, axis=0))
+        for si in tl.static_range(SHARED):
+            if GATE_VECTOR:
+                w = gated
+            else:  # the token's weight for this shared expert, given
+                w = tl.load(sw_ptr + t * stride_swt + si).to(tl.float32)
+            acc = _add_down(acc, h_ptr + (num_pairs + t * SHARED + si) * stride_ht, w,
+                            sd_ptr + si * stride_sde + n[:, None] * stride_sdn, stride_sdk, n_ok, SHARED_INTER,
+                            SHARED_INTER, BLOCK_K)
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + t * stride_ot + n * stride_oh, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -170,7 +181,7 @@ def selected_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tens
     top_k = top_k_index.shape[-1]
     num_experts = gate_up_proj.shape[0]
     inter = down_proj.shape[1] if transposed else down_proj.shape[2]
-    shared_inter = shared.gate.shape[0] if shared is not None else 0
+    n_shared, shared_inter = (shared.gate.shape[0], shared.gate.shape[1]) if shared is not None else (0, 0)
     out = torch.empty_like(hidden_states)
     if num_tokens == 0 or hidden == 0:
         return out
@@ -182,33 +193,37 @@ def selected_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tens
     d_e, d_n, d_k = down_proj.stride()
     if transposed:
         w_n, w_k, d_n, d_k = w_k, w_n, d_k, d_n
+    gate_vector = shared is not None and shared.gate_vector is not None
     if shared_inter:
-        # One stride pair serves the gate and up rows; the gate vector is read with unit stride.
-        shared_gate, shared_up = shared.gate.contiguous(), shared.up.contiguous()
-        shared_down, shared_vec = shared.down, shared.gate_vector.reshape(-1).contiguous()
+        # One set of strides serves the gate and up rows; the gate vector is read with unit stride.
+        shared_gate, shared_up, shared_down = shared.gate.contiguous(), shared.up.contiguous(), shared.down
+        shared_vec = shared.gate_vector.reshape(-1).contiguous() if gate_vector else gate_up_proj
+        token_weights = shared.token_weights.contiguous() if not gate_vector else top_k_weights
+        assert gate_vector or token_weights.shape == (num_tokens, n_shared)
     else:  # unused pointers (never dereferenced: SHARED_INTER = 0 leaves their code out)
         shared_gate = shared_up = shared_down = shared_vec = gate_up_proj
+        token_weights = top_k_weights
     gate_up_n = _block(block_n, GATE_UP_BLOCK_N, "block_n")
     down_n = _block(block_n, DOWN_BLOCK_N, "block_n")
     chunk = _block(block_k, BLOCK_K, "block_k")
     pairs = num_tokens * top_k
-    rows = pairs + (num_tokens if shared_inter else 0)
+    rows = pairs + (num_tokens * n_shared if shared_inter else 0)
     scratch = torch.empty(rows, max(inter, shared_inter), dtype=torch.float32, device=hidden_states.device)
     _gate_up_kernel[(rows, triton.cdiv(max(inter, shared_inter), gate_up_n))](
         hidden_states, top_k_index, gate_up_proj, scratch, shared_gate, shared_up,
         hidden_states.stride(0), hidden_states.stride(1), top_k_index.stride(0), top_k_index.stride(1),
-        w_e, w_n, w_k, scratch.stride(0), shared_gate.stride(0), shared_gate.stride(-1),
+        w_e, w_n, w_k, scratch.stride(0), *shared_gate.stride()[-3:],
         num_experts, pairs,
-        HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED_INTER=shared_inter, BLOCK_N=gate_up_n, BLOCK_K=chunk,
-        num_warps=NUM_WARPS,
+        HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED=max(n_shared, 1), SHARED_INTER=shared_inter,
+        BLOCK_N=gate_up_n, BLOCK_K=chunk, num_warps=NUM_WARPS,
     )
     _down_kernel[(num_tokens, triton.cdiv(hidden, down_n))](
-        scratch, top_k_index, top_k_weights, down_proj, out, hidden_states, shared_vec, shared_down,
+        scratch, top_k_index, top_k_weights, down_proj, out, hidden_states, shared_vec, shared_down, token_weights,
         top_k_index.stride(0), top_k_index.stride(1), top_k_weights.stride(0), top_k_weights.stride(1),
         scratch.stride(0), d_e, d_n, d_k, out.stride(0), out.stride(1),
-        hidden_states.stride(0), hidden_states.stride(1), shared_down.stride(0), shared_down.stride(-1),
+        hidden_states.stride(0), hidden_states.stride(1), *shared_down.stride()[-3:], token_weights.stride(0),
         num_experts, pairs,
-        HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED_INTER=shared_inter, BLOCK_N=down_n, BLOCK_K=chunk,
-        num_warps=NUM_WARPS,
+        HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED=max(n_shared, 1), SHARED_INTER=shared_inter,
+        GATE_VECTOR=gate_vector, BLOCK_N=down_n, BLOCK_K=chunk, num_warps=NUM_WARPS,
     )
     return out
