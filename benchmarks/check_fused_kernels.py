@@ -24,10 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_generate import emit  # noqa: E402
 
-from hf_qsa_cache.ops import experts, gated_delta, hyper_connection, inkling_router, norm_rope, qsa, rms_norm  # noqa: E402
-from hf_qsa_cache.ops import router  # noqa: E402
-from hf_qsa_cache.ops import experts_triton, gated_delta_triton, hyper_connection_triton, inkling_router_triton  # noqa: E402
-from hf_qsa_cache.ops import norm_rope_triton, qsa_triton, rms_norm_triton, router_triton  # noqa: E402
+from hf_qsa_cache.ops import experts, gated_delta, hyper_connection, inkling_router  # noqa: E402
+from hf_qsa_cache.ops import norm_rope, qsa, rms_norm, router  # noqa: E402
+from hf_qsa_cache.ops import experts_triton, gated_delta_triton, hyper_connection_triton  # noqa: E402
+from hf_qsa_cache.ops import inkling_router_triton, norm_rope_triton, qsa_triton, rms_norm_triton  # noqa: E402
+from hf_qsa_cache.ops import router_triton  # noqa: E402
 
 
 def _time(fn, device, repeat: int) -> float:

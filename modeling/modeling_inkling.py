@@ -25,6 +25,7 @@ from transformers.integrations.accelerate import force_accelerate_hooks
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeModelOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
+from transformers.models.inkling import modeling_inkling as upstream
 from transformers.models.inkling.configuration_inkling import InklingTextConfig
 from transformers.models.inkling.modeling_inkling import (
     InklingCausalLMOutputWithPast,
@@ -34,7 +35,6 @@ from transformers.models.inkling.modeling_inkling import (
     InklingRelativeLogits,
     InklingRMSNorm,
 )
-from transformers.models.inkling import modeling_inkling as upstream
 from transformers.utils import can_return_tuple
 
 from hf_qsa_cache import QSAPagedCache

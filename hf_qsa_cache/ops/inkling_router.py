@@ -8,9 +8,9 @@ log-sigmoid logits, scaled by ``route_scale`` and the learned ``global_scale``: 
 layer besides the projection (`benchmarks/profile_decode_step.py --model inkling --device cpu --tiny`),
 and in bf16 also copies of the router's weight and the activations to fp32. `route_inkling_torch` is
 that arithmetic (the specification, and what the CPU runs); `inkling_router_triton` does it in one
-program per token, reading the weight as stored and accumulating in fp32. Upstream's top-k does not sort; here the chosen experts
-come best first, the lower expert first among equal scores (the same set, weights following their
-experts).
+program per token, reading the weight as stored and accumulating in fp32. Upstream's top-k does not
+sort; here the chosen experts come best first, the lower expert first among equal scores (the same set,
+weights following their experts).
 """
 
 from __future__ import annotations
