@@ -170,10 +170,30 @@ def shared_expert(hidden: int, inter: int, seed: int):
     return mlp.eval(), gate
 
 
+def _check_shared(experts_triton, launches, label, args, upstream, tiles) -> str | None:
+    """The kernels on ``args`` (with a shared expert) against the torch specification and ``upstream``: two
+    launches, the first over the routed and shared pairs, the second over the tokens."""
+    want = selected.selected_experts_torch(*args)
+    tokens, top_k, shared = args[1].shape[0], args[1].shape[1], args[-1].gate.shape[0]
+    for block_n, block_k in tiles:
+        where = f"{label} T={tokens} block_n={block_n} block_k={block_k}"
+        launches.clear()
+        have = experts_triton.selected_experts_triton(*args, block_n=block_n, block_k=block_k)
+        if len(launches) != 2 or launches[0][0] != tokens * (top_k + shared) or launches[1][0] != tokens:
+            return f"{where}: launches {launches}"
+        try:
+            torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(have, upstream, atol=1e-5, rtol=1e-5)
+        except AssertionError as err:
+            return f"{where}: {err}"
+    return None
+
+
 def _shared_cases(experts_triton, launches) -> str | None:
-    """The shared expert folded into both kernels: against the torch specification and against upstream's
-    modules (routed experts by batched_mm, plus sigmoid(gate(x)) * mlp(x)), with a shared intermediate size
-    below and above the routed one (the scratch is as wide as the wider), tiles forced small, and a sentinel."""
+    """Shared experts folded into both kernels, against the torch specification and upstream's modules
+    (routed experts by batched_mm plus the shared ones), tiles forced small, a sentinel id: Qwen4Exp's one
+    shared expert weighted by sigmoid(gate(x)), its width below and above the routed one (the scratch is as
+    wide as the wider); Inkling's two, weighted per token."""
     module = experts_module("qwen4_exp", seed=3)  # hidden 40, intermediate 24
     for shared_inter in (20, 40):
         mlp, gate = shared_expert(40, shared_inter, seed=shared_inter)
@@ -182,21 +202,12 @@ def _shared_cases(experts_triton, launches) -> str | None:
         for num_tokens in (1, 3):
             x, index, weights = routing(module, num_tokens, seed=5 + num_tokens, sentinel=num_tokens == 3)
             args = (x, index, weights, module.gate_up_proj.detach(), module.down_proj.detach(), False, shared)
-            want = selected.selected_experts_torch(*args)
             with torch.no_grad():
                 upstream = moe.batched_mm_experts_forward(module, x, index, weights) + torch.sigmoid(gate(x)) * mlp(x)
-            for block_n, block_k in ((16, 16), (8, 32), (None, None)):
-                label = f"shared {shared_inter} T={num_tokens} block_n={block_n} block_k={block_k}"
-                launches.clear()
-                have = experts_triton.selected_experts_triton(*args, block_n=block_n, block_k=block_k)
-                if len(launches) != 2 or launches[0][0] != num_tokens * 4 or launches[1][0] != num_tokens:
-                    return f"{label}: launches {launches}"
-                try:
-                    torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
-                    torch.testing.assert_close(have, upstream, atol=1e-5, rtol=1e-5)
-                except AssertionError as err:
-                    return f"{label}: {err}"
-    # Inkling: two shared experts weighted by given per-token weights, against transformers' module.
+            error = _check_shared(experts_triton, launches, f"qwen4_exp shared {shared_inter}", args, upstream,
+                                  ((16, 16), (8, 32), (None, None)))
+            if error:
+                return error
     from transformers.models.inkling.modeling_inkling import InklingSharedExperts
 
     module = experts_module("inkling", seed=4)  # hidden 24, intermediate 40
@@ -212,20 +223,11 @@ def _shared_cases(experts_triton, launches) -> str | None:
         shared = selected.SharedExpert(shared_experts.gate_proj.detach(), shared_experts.up_proj.detach(),
                                        shared_experts.down_proj.detach(), token_weights=gammas)
         args = (x, index, weights, module.gate_up_proj.detach(), module.down_proj.detach(), False, shared)
-        want = selected.selected_experts_torch(*args)
         with torch.no_grad():
             upstream = moe.batched_mm_experts_forward(module, x, index, weights) + shared_experts(x, gammas=gammas)
-        for block_n, block_k in ((16, 16), (8, 32)):
-            label = f"inkling shared T={num_tokens} block_n={block_n} block_k={block_k}"
-            launches.clear()
-            have = experts_triton.selected_experts_triton(*args, block_n=block_n, block_k=block_k)
-            if len(launches) != 2 or launches[0][0] != num_tokens * 5 or launches[1][0] != num_tokens:
-                return f"{label}: launches {launches}"
-            try:
-                torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
-                torch.testing.assert_close(have, upstream, atol=1e-5, rtol=1e-5)
-            except AssertionError as err:
-                return f"{label}: {err}"
+        error = _check_shared(experts_triton, launches, "inkling 2 shared", args, upstream, ((16, 16), (8, 32)))
+        if error:
+            return error
     return None
 
 
