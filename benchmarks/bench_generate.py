@@ -12,9 +12,10 @@ For each (batch x prompt length): prefill seconds, decode ms/step (median step) 
 of upstream (`transformers.<Model>ForCausalLM`, its DynamicCache) and of ours (`modeling.<Model>`
 on `QSAPagedCache`) with CUDA-graph decode on and off. Every measurement is appended as one JSON
 line to ``benchmarks/results/h200.jsonl`` (keys: model, layers, impl, graphs, batch, prompt_len,
-new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, fused (the fusions on:
-`hf_qsa_cache.fusions.active`; before this key's values were named so, "" meant none), plus status / floor_ms where known; ours adds cache_gib, store_gib (bytes per cache
-store) and prefill_peak_share: model FLOPs of the prefill per second over the H200's dense bf16 peak;
+new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, fused (the fusions on,
+`hf_qsa_cache.fusions.active`; older lines hold the HF_QSA_FUSED setting, where "" meant none), plus
+status / floor_ms where known; ours adds cache_gib, store_gib (bytes per cache store) and
+prefill_peak_share: model FLOPs of the prefill per second over the H200's dense bf16 peak;
 with graphs, graph_kernels / graph_copies launched by one replayed decode step and gpu_busy_share, the
 share of a step's wall time the GPU is busy). Upstream under ``--upstream-limit`` is stopped during its
 prefill too and reported as "did not finish in N s" (or "out of memory").
