@@ -93,6 +93,7 @@ def main(argv=None) -> dict:
     ok = err_fused <= 1.1 * err_plain + 1e-5
     result = {"model": args.model, "layers": layers, "batch": args.batch, "prompt_len": args.prompt,
               "steps": args.steps, "fusions": args.fusions, "all_experts": args.all_experts,
+              "experts_per_token": model.config.get_text_config(decoder=True).num_experts_per_tok,
               "device": args.device, "dtype": str(model.dtype).replace("torch.", ""),
               "err_unfused": err_plain, "err_fused": err_fused, "decode_ms_unfused": round(plain_ms, 3),
               "decode_ms_fused": round(fused_ms, 3), "ok": ok}

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from .cache import QSAPagedCache
-from .ops import fusion_enabled
+from .fusions import fusion_enabled
 
 
 # Longest verify step that gets graphs (one per length and bucket); longer ones run eagerly.

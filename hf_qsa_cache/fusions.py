@@ -1,15 +1,18 @@
 """The fused decode kernels by name, and a way to switch them at runtime.
 
-``HF_QSA_FUSED`` (read at import, `hf_qsa_cache.ops.fusion_enabled`) sets each fusion's flag for the
-process; `fused` switches them for a block of code (a benchmark comparing both paths in one process, a
-test). A flag is read when a forward runs, and a CUDA graph records the path its capture took: switch
-before building the cache whose graphs should use the new setting.
+``HF_QSA_FUSED`` (read at import, `fusion_enabled`) sets each fusion's flag for the process: unset, every
+fusion measured on the H200 (exact in fp32 and faster, benchmarks/RESULTS.md), that is all but
+`UNMEASURED`; ``all`` adds those; ``none`` (or empty) turns all off; a comma list turns on only those;
+an unknown name is refused at import. `fused` switches them for a block of code (a benchmark comparing
+both paths in one process, a test). A flag is read when a forward runs, and a CUDA graph records the
+path its capture took: switch before building the cache whose graphs should use the new setting.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 
 # name -> (module, flag): the flag(s) a fusion's name sets (``HF_QSA_FUSED`` picks among them).
 FLAGS = {
@@ -25,6 +28,18 @@ FLAGS = {
 # Built and tested on the CPU (the kernels under the Triton interpreter) but not yet timed on a GPU: on
 # only when named in HF_QSA_FUSED (or with "all"), not by default.
 UNMEASURED = ("shared_expert", "inkling_router")
+
+_SETTING = os.environ.get("HF_QSA_FUSED")
+_REQUESTED = ({name for name in FLAGS if name not in UNMEASURED} if _SETTING is None
+              else {name.strip() for name in _SETTING.split(",") if name.strip()} - {"none"})
+if _REQUESTED - {*FLAGS, "all"}:
+    raise ValueError(f"HF_QSA_FUSED names unknown fusion(s) {sorted(_REQUESTED - {*FLAGS, 'all'})}; "
+                     f"known: {', '.join(FLAGS)}, all or none")
+
+
+def fusion_enabled(name: str) -> bool:
+    """Whether ``HF_QSA_FUSED`` turns fusion ``name`` on (each op module sets its flag from it at import)."""
+    return name in _REQUESTED or "all" in _REQUESTED
 
 
 def _places(names) -> list[tuple[object, str]]:

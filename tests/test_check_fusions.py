@@ -22,3 +22,4 @@ def test_both_paths_match_the_reference(model, extra):
     result = check_fusions.main(["--model", model, "--device", "cpu", "--tiny", "--batch", "2", "--prompt", "18",
                                  "--steps", "3", *extra])
     assert result["ok"] and result["err_fused"] < 1e-5 and result["err_unfused"] < 1e-5
+    assert result["experts_per_token"] == (4 if "--all-experts" in extra else 2)  # the tiny configs: top 2 of 4

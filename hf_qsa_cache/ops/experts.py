@@ -37,7 +37,8 @@ from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.integrations import moe
 
-from . import fusion_enabled, keeps_own_forward, records_grad
+from ..fusions import fusion_enabled
+from . import keeps_own_forward, records_grad
 
 SELECTED_EXPERTS = "hf_qsa_selected"
 # MoE blocks add their shared experts inside the selected-experts kernels (`shared_expert_to_fold`,

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from . import fusion_enabled, keeps_own_forward, records_grad
+from ..fusions import fusion_enabled
+from . import keeps_own_forward, records_grad
 
 FUSED_GDN = fusion_enabled("gdn")
 GATE_ACTIVATIONS = ("sigmoid", "silu")  # what the fused norm knows

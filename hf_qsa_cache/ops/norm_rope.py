@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
 
-from . import fusion_enabled, keeps_own_forward, records_grad
+from ..fusions import fusion_enabled
+from . import keeps_own_forward, records_grad
 
 FUSED_NORM_ROPE = fusion_enabled("norm")
 

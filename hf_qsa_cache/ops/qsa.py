@@ -19,7 +19,8 @@ import os
 import torch
 
 from ..metadata import StepMetadata
-from . import fusion_enabled, records_grad
+from ..fusions import fusion_enabled
+from . import records_grad
 
 # Upper bound on the elements one chunk of scores / gathered K/V may take (selection at long context
 # holds about 16 bytes per (token, group) in a chunk: 2 GiB at this bound).

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from . import fusion_enabled, keeps_own_forward, records_grad
+from ..fusions import fusion_enabled
+from . import keeps_own_forward, records_grad
 
 FUSED_NORM = fusion_enabled("norm")
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import fusion_enabled, keeps_own_forward, records_grad
+from ..fusions import fusion_enabled
+from . import keeps_own_forward, records_grad
 
 FUSED_ROUTER = fusion_enabled("router")
 
