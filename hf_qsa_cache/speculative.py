@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .prompt_lookup import HostLookup, searches_on_host
+
 # transformers' default `num_assistant_tokens` (GenerationConfig defaults) when the assistant sets none.
 DEFAULT_NUM_ASSISTANT_TOKENS = 20
 HEURISTIC_SCHEDULES = ("heuristic", "heuristic_transient")
@@ -148,11 +150,14 @@ def adapt_prompt_lookup(generator, budget: DraftBudget) -> None:
     (read off the logits transformers passes) and how many of them the model accepted.
 
     A round the budget gives no drafts returns the input unchanged without looking the prompt up, as
-    transformers does when the lookup finds no match: the verify step is a plain one-token step. The
+    transformers does when the lookup finds no match: the verify step is a plain one-token step. A round
+    with drafts searches a host copy of the row (`hf_qsa_cache.prompt_lookup`: the same drafts, one small
+    device read instead of dozens), unless the generator's logits processors may forbid drafts. The
     budget is kept as ``generator.draft_budget``. One budget serves the one row transformers allows in
     assisted generation (it refuses batches of more than one row).
     """
     get_candidates, update_candidate_strategy = generator.get_candidates, generator.update_candidate_strategy
+    on_host = HostLookup(generator)
     proposed = [0]
 
     def budgeted_candidates(input_ids, *args, **kwargs):
@@ -161,7 +166,8 @@ def adapt_prompt_lookup(generator, budget: DraftBudget) -> None:
         if n == 0:
             return input_ids, None
         generator.num_output_tokens = n
-        candidates, logits = get_candidates(input_ids, *args, **kwargs)
+        lookup = on_host if searches_on_host(generator) else get_candidates
+        candidates, logits = lookup(input_ids, *args, **kwargs)
         proposed[0] = candidates.shape[1] - input_ids.shape[1]
         return candidates, logits
 

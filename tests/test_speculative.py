@@ -28,6 +28,7 @@ from transformers.generation.candidate_generator import PromptLookupCandidateGen
 from transformers.modeling_layers import MtpModel
 
 from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache import prompt_lookup
 from hf_qsa_cache.speculative import DraftBudget, adapt_prompt_lookup
 from modeling import InklingForCausalLM, Qwen4ExpForCausalLM
 
@@ -455,13 +456,13 @@ def test_adapt_prompt_lookup_sets_the_count_and_skips_the_lookup_when_paused(mon
     the input as transformers does without a match, and never runs the lookup."""
     generator = PromptLookupCandidateGenerator(num_output_tokens=3, max_length=64)
     lookups = []
-    lookup = PromptLookupCandidateGenerator.get_candidates
+    lookup = prompt_lookup.lookup_drafts
 
-    def counted(self, input_ids, **kwargs):
-        lookups.append(self.num_output_tokens)
-        return lookup(self, input_ids, **kwargs)
+    def counted(tokens, num_drafts, *args):
+        lookups.append(num_drafts)
+        return lookup(tokens, num_drafts, *args)
 
-    monkeypatch.setattr(PromptLookupCandidateGenerator, "get_candidates", counted)
+    monkeypatch.setattr(prompt_lookup, "lookup_drafts", counted)
     adapt_prompt_lookup(generator, DraftBudget(3))
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 5, 6]])
 
