@@ -27,12 +27,14 @@ is remembered on the model (`capture_failures`): every later cache (each generat
 one) runs steps of that shape eagerly at once instead of paying the failed capture again. Graphs
 belong to one (cache, model) pair and stay valid across `QSAPagedCache.reset()`.
 
-Mixture-of-experts layers run transformers' experts implementation; its default, ``grouped_mm``,
-captures only where torch has a device kernel for it (bf16 on compute capability 9.x/10.x). Elsewhere
-(fp32 or fp16 weights, other GPUs) graph steps run ``batched_mm`` instead (`graph_experts`). Graph
-steps of at most ``FUSED_EXPERTS_MAX_TOKENS`` tokens run ``hf_qsa_selected`` (`hf_qsa_cache.ops.experts`:
-Triton kernels reading only the selected experts' weights) in place of either, unless ``HF_QSA_FUSED``
-leaves ``experts`` out.
+Mixture-of-experts layers run transformers' experts implementation: ``grouped_mm`` by default, which
+`generate()` switches to ``batched_mm`` for its decode steps on a GPU. ``grouped_mm`` captures only where
+torch has a device kernel for it (bf16 on compute capability 9.x/10.x); elsewhere (fp32 or fp16 weights,
+other GPUs) graph steps run ``batched_mm`` instead, and a ``batched_mm`` step that would gather too many
+expert weights runs ``grouped_mm`` where it captures (`graph_experts`). Graph steps of at most
+``FUSED_EXPERTS_MAX_TOKENS`` tokens run ``hf_qsa_selected`` (`hf_qsa_cache.ops.experts`: Triton kernels
+reading only the selected experts' weights) in place of either, unless ``HF_QSA_FUSED`` leaves
+``experts`` out.
 
 Off with ``HF_QSA_CUDA_GRAPHS=0`` in the environment or ``model.use_cuda_graphs = False``.
 """
@@ -59,7 +61,7 @@ MAX_STEP_LEN = 8
 # fewer reaches mean fewer captures.
 MIN_GRAPH_REACH = 4096
 # Most bytes of expert weights a graph step may gather for ``batched_mm`` (`graph_experts`); a bigger
-# step keeps the model's own experts implementation (and runs eagerly if that cannot be captured).
+# step runs ``grouped_mm`` where it captures, else the model's own (eagerly if that cannot be captured).
 BATCHED_EXPERTS_MAX_BYTES = 1 << 30
 # Most tokens of a graph step that runs ``hf_qsa_selected`` experts (the ``experts`` fusion,
 # `graph_experts`): its kernels read an expert's weights once per (token, selected expert) pair. At one
@@ -67,6 +69,8 @@ BATCHED_EXPERTS_MAX_BYTES = 1 << 30
 # experts); at 32 tokens 4-5x, where the grouped GEMM reading each expert once wins.
 FUSED_EXPERTS_MAX_TOKENS = 8
 FUSED_EXPERTS = fusion_enabled("experts")
+# transformers' own experts implementations, which graph steps may replace (`graph_experts`).
+TRANSFORMERS_EXPERTS = ("grouped_mm", "batched_mm")
 
 
 def enabled_by_default() -> bool:
@@ -314,20 +318,22 @@ def graph_experts(model, experts: list, device: torch.device, tokens: int) -> st
     """The experts implementation a graph step of ``tokens`` tokens runs instead of the model's own, or
     None to run the model's own.
 
-    ``batched_mm`` replaces ``grouped_mm`` where the latter cannot be captured (`grouped_mm_captures`):
-    it gathers each token's ``top_k`` expert matrices and runs batched matmuls, with fixed shapes and no
-    host copy, so it captures. The gather holds ``tokens * top_k`` expert matrices of one layer at a
-    time; a step needing more than `BATCHED_EXPERTS_MAX_BYTES` keeps ``grouped_mm`` (its capture then
-    fails once, `capture_failures`, and the step runs eagerly). The same choice applies to the step's
-    eager runs (the first one, and every one of a bucket that did not capture), so a graph and its
-    eager run compute alike. Other implementations chosen by the user (``eager``, ...) are kept.
+    Only transformers' two default implementations are replaced (`TRANSFORMERS_EXPERTS`: ``grouped_mm``,
+    and ``batched_mm``, which `generate()` switches to for its decode steps on a GPU); others chosen by the
+    user (``eager``, ...) are kept. The same choice applies to the step's eager runs (the first one, and
+    every one of a bucket that did not capture), so a graph and its eager run compute alike.
 
-    Unless ``HF_QSA_FUSED`` leaves ``experts`` out, a step of at most `FUSED_EXPERTS_MAX_TOKENS`
-    tokens on CUDA whose experts modules it covers (`hf_qsa_cache.ops.experts.supports`) runs
-    ``hf_qsa_selected`` instead, captured like ``batched_mm`` (fixed shapes, no host copy) but without
-    the gather; the choice above applies to every other step.
+    * Unless ``HF_QSA_FUSED`` leaves ``experts`` out, a step of at most `FUSED_EXPERTS_MAX_TOKENS` tokens
+      on CUDA whose experts modules it covers (`hf_qsa_cache.ops.experts.supports`) runs
+      ``hf_qsa_selected``: fixed shapes, no host copy, no gathered weights.
+    * ``grouped_mm`` where it cannot be captured (`grouped_mm_captures`) becomes ``batched_mm``: it gathers
+      each token's ``top_k`` expert matrices and runs batched matmuls, with fixed shapes and no host copy.
+    * The gather holds ``tokens * top_k`` expert matrices of one layer at a time. A step needing more than
+      `BATCHED_EXPERTS_MAX_BYTES` runs ``grouped_mm`` (which reads each expert once); where that cannot be
+      captured either, the step keeps the model's own (a ``grouped_mm`` capture then fails once,
+      `capture_failures`, and the step runs eagerly).
     """
-    if not experts or any(config._experts_implementation != "grouped_mm" for _, config in experts):
+    if not experts or any(config._experts_implementation not in TRANSFORMERS_EXPERTS for _, config in experts):
         return None
     if FUSED_EXPERTS and device.type == "cuda" and tokens <= FUSED_EXPERTS_MAX_TOKENS:
         from .ops import experts as selected  # registers the implementation with transformers
@@ -337,13 +343,15 @@ def graph_experts(model, experts: list, device: torch.device, tokens: int) -> st
     module = experts[0][0]
     weights = [w for w in (getattr(module, n, None) for n in ("gate_up_proj", "up_proj", "down_proj"))
                if isinstance(w, torch.Tensor)]
-    if not weights or grouped_mm_captures(weights[0].dtype, device):
+    if not weights:
         return None
+    grouped_captures = grouped_mm_captures(weights[0].dtype, device)
     top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None) or len(weights[0])
     per_pair = max(w[0].numel() for w in weights) * weights[0].element_size()
     if tokens * top_k * per_pair > BATCHED_EXPERTS_MAX_BYTES:
-        return None
-    return "batched_mm"
+        return "grouped_mm" if grouped_captures else None
+    own = {config._experts_implementation for _, config in experts}
+    return None if own == {"batched_mm"} or grouped_captures else "batched_mm"
 
 
 @contextlib.contextmanager

@@ -180,6 +180,15 @@ def test_graph_experts_choice(monkeypatch):
     top_k = model.config.num_experts_per_tok
     monkeypatch.setattr(cuda_graphs, "BATCHED_EXPERTS_MAX_BYTES", 8 * top_k * pair)
     assert graph_experts(model, experts, cuda, 8) == "batched_mm" and graph_experts(model, experts, cuda, 9) is None
+    # generate()'s decode steps on a GPU run batched_mm (transformers' `_optimize_model_for_decode`): kept
+    # while its gather is small, grouped_mm beyond that where it captures.
+    model.set_experts_implementation("batched_mm")
+    assert graph_experts(model, experts, cuda, 8) is None and graph_experts(model, experts, cuda, 9) is None
+    model.to(torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(cuda_graphs, "BATCHED_EXPERTS_MAX_BYTES", 4 * top_k * pair)  # bf16: half the bytes
+    assert graph_experts(model, experts, cuda, 8) is None and graph_experts(model, experts, cuda, 9) == "grouped_mm"
+    model.to(torch.float32)
     # An implementation the user chose is kept.
     model.set_experts_implementation("eager")
     assert graph_experts(model, experts, cuda, 1) is None

@@ -418,6 +418,10 @@ def test_graph_steps_run_selected_experts_only_when_asked(monkeypatch):
     assert key[2] == "hf_qsa_selected" and key != capture_key(model, experts, cuda, "batched_mm", 4, 1)
     model.to(torch.bfloat16)  # bf16 on Hopper: grouped_mm captures, but the fused experts still win for small steps
     assert graph_experts(model, experts, cuda, 1) == "hf_qsa_selected"
+    model.set_experts_implementation("batched_mm")  # what generate() switches to for decode steps on a GPU
+    assert graph_experts(model, experts, cuda, 1) == "hf_qsa_selected"
+    assert graph_experts(model, experts, cuda, most + 1) is None
+    model.set_experts_implementation("grouped_mm")
     assert graph_experts(model, experts, cuda, most + 1) is None
     monkeypatch.setattr(cuda_graphs, "FUSED_EXPERTS", False)
     assert graph_experts(model, experts, cuda, 1) is None
