@@ -28,10 +28,10 @@ one) runs steps of that shape eagerly at once instead of paying the failed captu
 belong to one (cache, model) pair and stay valid across `QSAPagedCache.reset()`.
 
 Mixture-of-experts layers run transformers' experts implementation: ``grouped_mm`` by default, which
-`generate()` switches to ``batched_mm`` for its decode steps on a GPU. ``grouped_mm`` captures only where
-torch has a device kernel for it (bf16 on compute capability 9.x/10.x); elsewhere (fp32 or fp16 weights,
-other GPUs) graph steps run ``batched_mm`` instead, and a ``batched_mm`` step that would gather too many
-expert weights runs ``grouped_mm`` where it captures (`graph_experts`). Graph steps of at most
+`generate()` switches to ``batched_mm`` for its decode steps on a GPU. Graph steps run ``grouped_mm``
+where torch has a device kernel for it (bf16 on compute capability 9.x/10.x), which captures and reads
+each expert once; elsewhere (fp32 or fp16 weights, other GPUs) ``batched_mm`` (`graph_experts`). Graph
+steps of at most
 ``FUSED_EXPERTS_MAX_TOKENS`` tokens run ``hf_qsa_selected`` (`hf_qsa_cache.ops.experts`: Triton kernels
 reading only the selected experts' weights) in place of either, unless ``HF_QSA_FUSED`` leaves
 ``experts`` out.
@@ -61,7 +61,7 @@ MAX_STEP_LEN = 8
 # fewer reaches mean fewer captures.
 MIN_GRAPH_REACH = 4096
 # Most bytes of expert weights a graph step may gather for ``batched_mm`` (`graph_experts`); a bigger
-# step runs ``grouped_mm`` where it captures, else the model's own (eagerly if that cannot be captured).
+# step keeps the model's own experts implementation (and runs eagerly if that cannot be captured).
 BATCHED_EXPERTS_MAX_BYTES = 1 << 30
 # Most tokens of a graph step that runs ``hf_qsa_selected`` experts (the ``experts`` fusion,
 # `graph_experts`): its kernels read an expert's weights once per (token, selected expert) pair. At one
@@ -326,12 +326,13 @@ def graph_experts(model, experts: list, device: torch.device, tokens: int) -> st
     * Unless ``HF_QSA_FUSED`` leaves ``experts`` out, a step of at most `FUSED_EXPERTS_MAX_TOKENS` tokens
       on CUDA whose experts modules it covers (`hf_qsa_cache.ops.experts.supports`) runs
       ``hf_qsa_selected``: fixed shapes, no host copy, no gathered weights.
-    * ``grouped_mm`` where it cannot be captured (`grouped_mm_captures`) becomes ``batched_mm``: it gathers
-      each token's ``top_k`` expert matrices and runs batched matmuls, with fixed shapes and no host copy.
-    * The gather holds ``tokens * top_k`` expert matrices of one layer at a time. A step needing more than
-      `BATCHED_EXPERTS_MAX_BYTES` runs ``grouped_mm`` (which reads each expert once); where that cannot be
-      captured either, the step keeps the model's own (a ``grouped_mm`` capture then fails once,
-      `capture_failures`, and the step runs eagerly).
+    * Else ``grouped_mm`` where it can be captured (`grouped_mm_captures`), also in place of ``batched_mm``:
+      it reads each expert's weights once, where ``batched_mm`` copies them per (token, expert) pair (an
+      Inkling step of 32 rows ran 1.9x faster, benchmarks/RESULTS.md).
+    * Else ``batched_mm``: it gathers each token's ``top_k`` expert matrices and runs batched matmuls, with
+      fixed shapes and no host copy. The gather holds ``tokens * top_k`` expert matrices of one layer at a
+      time; a step needing more than `BATCHED_EXPERTS_MAX_BYTES` keeps the model's own (a ``grouped_mm``
+      capture then fails once, `capture_failures`, and the step runs eagerly).
     """
     if not experts or any(config._experts_implementation not in TRANSFORMERS_EXPERTS for _, config in experts):
         return None
@@ -345,13 +346,11 @@ def graph_experts(model, experts: list, device: torch.device, tokens: int) -> st
                if isinstance(w, torch.Tensor)]
     if not weights:
         return None
-    grouped_captures = grouped_mm_captures(weights[0].dtype, device)
+    if grouped_mm_captures(weights[0].dtype, device):
+        return "grouped_mm"
     top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None) or len(weights[0])
     per_pair = max(w[0].numel() for w in weights) * weights[0].element_size()
-    if tokens * top_k * per_pair > BATCHED_EXPERTS_MAX_BYTES:
-        return "grouped_mm" if grouped_captures else None
-    own = {config._experts_implementation for _, config in experts}
-    return None if own == {"batched_mm"} or grouped_captures else "batched_mm"
+    return "batched_mm" if tokens * top_k * per_pair <= BATCHED_EXPERTS_MAX_BYTES else None
 
 
 @contextlib.contextmanager

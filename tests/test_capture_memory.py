@@ -170,7 +170,7 @@ def test_graph_experts_choice(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert graph_experts(model, experts, cuda, 1) == "batched_mm"  # fp32
     model.to(torch.bfloat16)
-    assert graph_experts(model, experts, cuda, 1) is None  # bf16 on Hopper: grouped_mm captures
+    assert graph_experts(model, experts, cuda, 1) == "grouped_mm"  # bf16 on Hopper: grouped_mm captures
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert graph_experts(model, experts, cuda, 1) == "batched_mm"
     model.to(torch.float32)
@@ -180,14 +180,13 @@ def test_graph_experts_choice(monkeypatch):
     top_k = model.config.num_experts_per_tok
     monkeypatch.setattr(cuda_graphs, "BATCHED_EXPERTS_MAX_BYTES", 8 * top_k * pair)
     assert graph_experts(model, experts, cuda, 8) == "batched_mm" and graph_experts(model, experts, cuda, 9) is None
-    # generate()'s decode steps on a GPU run batched_mm (transformers' `_optimize_model_for_decode`): kept
-    # while its gather is small, grouped_mm beyond that where it captures.
+    # generate()'s decode steps on a GPU run batched_mm (transformers' `_optimize_model_for_decode`): graph
+    # steps run grouped_mm instead where it captures, else batched_mm within the bound.
     model.set_experts_implementation("batched_mm")
-    assert graph_experts(model, experts, cuda, 8) is None and graph_experts(model, experts, cuda, 9) is None
+    assert graph_experts(model, experts, cuda, 8) == "batched_mm" and graph_experts(model, experts, cuda, 9) is None
     model.to(torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(cuda_graphs, "BATCHED_EXPERTS_MAX_BYTES", 4 * top_k * pair)  # bf16: half the bytes
-    assert graph_experts(model, experts, cuda, 8) is None and graph_experts(model, experts, cuda, 9) == "grouped_mm"
+    assert graph_experts(model, experts, cuda, 1) == graph_experts(model, experts, cuda, 9) == "grouped_mm"
     model.to(torch.float32)
     # An implementation the user chose is kept.
     model.set_experts_implementation("eager")

@@ -420,11 +420,11 @@ def test_graph_steps_run_selected_experts_only_when_asked(monkeypatch):
     assert graph_experts(model, experts, cuda, 1) == "hf_qsa_selected"
     model.set_experts_implementation("batched_mm")  # what generate() switches to for decode steps on a GPU
     assert graph_experts(model, experts, cuda, 1) == "hf_qsa_selected"
-    assert graph_experts(model, experts, cuda, most + 1) is None
+    assert graph_experts(model, experts, cuda, most + 1) == "grouped_mm"
     model.set_experts_implementation("grouped_mm")
-    assert graph_experts(model, experts, cuda, most + 1) is None
+    assert graph_experts(model, experts, cuda, most + 1) == "grouped_mm"
     monkeypatch.setattr(cuda_graphs, "FUSED_EXPERTS", False)
-    assert graph_experts(model, experts, cuda, 1) is None
+    assert graph_experts(model, experts, cuda, 1) == "grouped_mm"
     model.to(torch.float32)
     monkeypatch.setattr(cuda_graphs, "FUSED_EXPERTS", True)  # HF_QSA_FUSED=experts
     # Experts the kernels do not cover keep the earlier choice; so does an implementation the user chose.

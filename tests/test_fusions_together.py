@@ -130,10 +130,18 @@ def test_an_unknown_name_in_the_environment_is_refused_at_import():
     assert proc.returncode != 0 and "unknown fusion(s) ['nrom']" in proc.stderr and "known: hc, gdn" in proc.stderr
 
 
-MEASURED = {"hc", "gdn", "norm", "experts", "router", "qsa"}
+MEASURED = {"hc", "gdn", "norm", "experts", "router", "qsa", "shared_expert", "inkling_router"}
 
 
-@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED | {"shared_expert", "inkling_router"}),
+def test_a_fusion_not_yet_timed_is_on_only_when_named():
+    from hf_qsa_cache.fusions import requested
+
+    assert requested(None, unmeasured=("inkling_router",)) == MEASURED - {"inkling_router"}
+    assert requested("all", unmeasured=("inkling_router",)) == {"all"}
+    assert requested("inkling_router,hc", unmeasured=("inkling_router",)) == {"inkling_router", "hc"}
+
+
+@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED),
                                                ("none", set()), ("", set()), ("gdn,router", {"gdn", "router"})])
 def test_the_environment_picks_the_measured_fusions_by_default(setting, expected):
     import os
