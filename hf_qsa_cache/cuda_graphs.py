@@ -31,10 +31,9 @@ Mixture-of-experts layers run transformers' experts implementation: ``grouped_mm
 `generate()` switches to ``batched_mm`` for its decode steps on a GPU. Graph steps run ``grouped_mm``
 where torch has a device kernel for it (bf16 on compute capability 9.x/10.x), which captures and reads
 each expert once; elsewhere (fp32 or fp16 weights, other GPUs) ``batched_mm`` (`graph_experts`). Graph
-steps of at most
-``FUSED_EXPERTS_MAX_TOKENS`` tokens run ``hf_qsa_selected`` (`hf_qsa_cache.ops.experts`: Triton kernels
-reading only the selected experts' weights) in place of either, unless ``HF_QSA_FUSED`` leaves
-``experts`` out.
+steps of at most ``FUSED_EXPERTS_MAX_TOKENS`` tokens run ``hf_qsa_selected`` (`hf_qsa_cache.ops.experts`:
+Triton kernels reading only the selected experts' weights) in place of either, unless ``HF_QSA_FUSED``
+leaves ``experts`` out.
 
 Off with ``HF_QSA_CUDA_GRAPHS=0`` in the environment or ``model.use_cuda_graphs = False``.
 """
