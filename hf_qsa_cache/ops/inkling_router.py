@@ -1,5 +1,5 @@
 """Inkling's MoE routing, projection included, in one launch where fused (``inkling_router`` in
-`hf_qsa_cache.fusions`; not yet timed on a GPU, so on only when named or with ``HF_QSA_FUSED=all``).
+`hf_qsa_cache.fusions`, on by default).
 
 transformers' ``InklingTopkRouter`` projects the hidden state onto its routed and shared experts in fp32
 (weights and activations cast to fp32 first), takes sigmoid scores, adds the correction bias to the
