@@ -276,13 +276,20 @@ def prefill_flops(model, config, batch: int, length: int) -> float:
 
 
 def commit() -> str:
-    if os.environ.get("BENCH_COMMIT"):  # a copied working tree may carry no git history
+    """The commit measured: ``BENCH_COMMIT`` if set (a copied working tree may carry no git history, or an
+    older one), else git's HEAD, with ``+changes`` when tracked files differ from it (the figures are then
+    not that commit's)."""
+    if os.environ.get("BENCH_COMMIT"):
         return os.environ["BENCH_COMMIT"]
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=here).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, cwd=here).stdout.strip()
     except OSError:
         return "unknown"
+    return (head + "+changes" if changed else head) if head else "unknown"
 
 
 def main():
