@@ -108,7 +108,7 @@ class DecodeGraphs:
         self.model_state = model_fingerprint(model)  # what the recorded graphs read (checked at replay)
         self.probe = _probe(model)  # the cheap part of that check, done every step
         self.steps_seen = -1  # cache.steps_started when this runner last opened a step
-        self.experts = experts_modules(model)  # refreshed with model_state
+        self._set_experts(experts_modules(model))  # refreshed with model_state
 
     @property
     def model(self):
@@ -164,21 +164,30 @@ class DecodeGraphs:
         return logits
 
     def _forget_stale_graphs(self, model) -> None:
-        """Drop the graphs if the weights they read moved or the model gained or lost hooks.
+        """Drop the graphs if the weights they read moved, the model gained or lost hooks, or other experts
+        were chosen (`set_experts_implementation`: a graph keeps the experts it recorded).
 
         Every step compares a cheap probe (`_probe`); the first step after any step this runner did not
         take (a prefill, another generate() call, a reset) compares every weight, buffer and hook count
         (a full walk costs milliseconds of host time at the released depths, too much for every step),
         so a hook added deep inside a block between two graphed steps is seen at the next such step.
         """
+        if experts_family(self.expert_configs) != self.experts_own:  # other experts chosen since
+            self.buckets.clear()
+            self.experts_own = experts_family(self.expert_configs)
         probe = _probe(model)
         if probe == self.probe and self.steps_seen == self.cache.steps_started:
             return
         state = model_fingerprint(model)
         if probe != self.probe or state != self.model_state:
             self.buckets.clear()
-            self.experts = experts_modules(model)
+            self._set_experts(experts_modules(model))
         self.probe, self.model_state = probe, state
+
+    def _set_experts(self, experts: list) -> None:
+        self.experts = experts
+        self.expert_configs = list({id(config): config for _, config in experts}.values())
+        self.experts_own = experts_family(self.expert_configs)  # what the recorded steps' experts started from
 
     # ------------------------------------------------------------------ internals
     def _new_bucket(self, size: int, length: int, reach: int, ptrs: dict[str, int]) -> _Bucket:
@@ -295,6 +304,14 @@ def experts_modules(model) -> list[tuple[torch.nn.Module, object]]:
     transformers' ``use_experts_implementation`` (its experts implementations apply)."""
     return [(m, m.config) for m in model.modules()
             if hasattr(m, "_is_expert_parallel") and hasattr(m, "is_concatenated") and hasattr(m, "config")]
+
+
+def experts_family(configs: list) -> tuple:
+    """The experts implementations these configs name, with transformers' two defaults as one (`generate()`
+    switches between them, and `graph_experts` treats them alike): a recorded step's experts choice holds
+    while this stays the same."""
+    return tuple(sorted({"transformers" if c._experts_implementation in TRANSFORMERS_EXPERTS
+                         else str(c._experts_implementation) for c in configs}))
 
 
 def grouped_mm_captures(dtype: torch.dtype, device: torch.device) -> bool:

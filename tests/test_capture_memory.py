@@ -223,3 +223,31 @@ def test_graph_steps_run_batched_mm_and_restore_the_models_experts(family, monke
         with pytest.raises(ZeroDivisionError):
             runner.step(nxt, None, torch.cat([mask, torch.ones_like(nxt)], dim=1))
         assert model.config._experts_implementation == "grouped_mm"
+
+
+def test_graph_steps_follow_the_experts_the_user_chooses_later(monkeypatch):
+    """A recorded step keeps the experts it ran; choosing others (`set_experts_implementation`) drops the
+    recorded steps, while generate()'s own switch between grouped_mm and batched_mm keeps them."""
+    _, model = make_pair(seed=7)
+    ids, mask = left_pad(random_prompts([25, 9, 19], seed=8))
+    cache = QSAPagedCache(model.config, 4, 64, block_size=4)
+    runner = graphs_of(model, cache, "cpu", record=False)
+    calls = []
+    for name in ("batched_mm", "eager"):
+        run = moe.ALL_EXPERTS_FUNCTIONS.get(name)
+        if run is not None:
+            monkeypatch.setitem(moe.ALL_EXPERTS_FUNCTIONS, name,
+                                lambda *a, run=run, name=name, **k: (calls.append(name), run(*a, **k))[1])
+    with torch.no_grad():
+        nxt = model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+        for step, implementation in enumerate(("grouped_mm", "batched_mm", "eager")):
+            model.set_experts_implementation(implementation)
+            first = runner.buckets.get((4, 1, 64))
+            calls.clear()
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            nxt = runner.step(nxt, None, mask)[:, -1].argmax(-1, keepdim=True)
+            entry = runner.buckets[4, 1, 64]
+            if implementation == "batched_mm":  # generate()'s decode switch: the same recorded step
+                assert entry is first and entry.experts == "batched_mm" and calls == ["batched_mm"] * 4
+            if implementation == "eager":  # the user's choice: recorded anew, running the model's own
+                assert entry is not first and entry.experts is None and "batched_mm" not in calls
