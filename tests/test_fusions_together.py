@@ -114,7 +114,7 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
             assert gated_delta.FUSED_GDN
         assert all(getattr(m, f) for m, f in flags)
     assert [getattr(m, f) for m, f in flags] == before
-    assert set(FLAGS) == {"hc", "gdn", "norm", "experts", "router", "qsa", "shared_expert", "inkling_router"}
+    assert set(FLAGS) == {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "shared_expert", "inkling_router"}
     with pytest.raises(ValueError, match="unknown fusion"):
         with fused(("nope",)):
             pass
@@ -127,21 +127,21 @@ def test_an_unknown_name_in_the_environment_is_refused_at_import():
 
     env = dict(os.environ, HF_QSA_FUSED="hc,nrom")
     proc = subprocess.run([sys.executable, "-c", "import hf_qsa_cache"], env=env, capture_output=True, text=True)
-    assert proc.returncode != 0 and "unknown fusion(s) ['nrom']" in proc.stderr and "known: hc, gdn" in proc.stderr
+    assert proc.returncode != 0 and "unknown fusion(s) ['nrom']" in proc.stderr and "known: hc, hc_proj, gdn" in proc.stderr
 
 
 MEASURED = {"hc", "gdn", "norm", "experts", "router", "qsa", "shared_expert", "inkling_router"}
 
 
 def test_a_fusion_not_yet_timed_is_on_only_when_named():
-    from hf_qsa_cache.fusions import requested
+    from hf_qsa_cache.fusions import FLAGS, requested
 
-    assert requested(None, unmeasured=("inkling_router",)) == MEASURED - {"inkling_router"}
+    assert requested(None, unmeasured=("inkling_router",)) == set(FLAGS) - {"inkling_router"}
     assert requested("all", unmeasured=("inkling_router",)) == {"all"}
     assert requested("inkling_router,hc", unmeasured=("inkling_router",)) == {"inkling_router", "hc"}
 
 
-@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED),
+@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED | {"hc_proj"}),
                                                ("none", set()), ("", set()), ("gdn,router", {"gdn", "router"})])
 def test_the_environment_picks_the_measured_fusions_by_default(setting, expected):
     import os

@@ -98,6 +98,53 @@ def test_generate_with_fused_mixing_equals_the_default(monkeypatch):
     assert_fused_generate_equals_default(monkeypatch, model, ids, mask, hc_ops, "FUSED_HC", "mix_streams", atol=2e-5)
 
 
+@pytest.mark.parametrize("tokens", [(2, 3), (1, hc_ops.HC_PROJ_MAX_TOKENS + 1)])
+def test_fused_projections_equal_upstream_in_fp32(fused, monkeypatch, tokens):
+    """``hc_proj`` on: steps of few tokens run `mix_projections` (the three projections fused), longer ones
+    the GEMMs; both equal upstream's module."""
+    from qwen4_helpers import tiny_config
+
+    monkeypatch.setattr(hc_ops, "FUSED_HC_PROJ", True)
+    calls = []
+    real = hc_ops.mix_projections
+    monkeypatch.setattr(hc_ops, "mix_projections", lambda *a: calls.append(1) or real(*a))
+    config = tiny_config()
+    module = _mixing(config)
+    streams, out, inject = _streams(config, tokens=tokens)
+    with torch.no_grad():
+        got = hc_ops.gated_residual(module, streams, (out, inject))
+        want = module(streams + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-6, rtol=2e-6)
+    assert len(calls) == int(tokens[0] * tokens[1] <= hc_ops.HC_PROJ_MAX_TOKENS)
+
+
+def test_fused_projections_in_bf16_are_no_further_from_fp32_than_upstream(fused, monkeypatch):
+    from qwen4_helpers import tiny_config
+
+    monkeypatch.setattr(hc_ops, "FUSED_HC_PROJ", True)
+    config = tiny_config(hidden_size=64)
+    exact, low = _mixing(config), _mixing(config, dtype=torch.bfloat16)
+    streams, out, inject = _streams(config, tokens=(4, 8))
+    with torch.no_grad():
+        want = exact(streams + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2))
+        args = [t.bfloat16() for t in (streams, out, inject)]
+        ours = hc_ops.gated_residual(low, args[0], (args[1], args[2]))
+        theirs = low(args[0] + (args[1].unsqueeze(-2) * args[2].unsqueeze(-1)).flatten(-2))
+    for o, t, w in zip(ours, theirs, want):
+        assert (o.float() - w).abs().mean() <= 1.1 * (t.float() - w).abs().mean() + 1e-6
+
+
+def test_generate_with_fused_projections_equals_the_default(monkeypatch):
+    from qwen4_helpers import left_pad, make_pair, random_prompts
+
+    monkeypatch.setattr(hc_ops, "FUSED_HC", True)
+    _, model = make_pair(seed=3)
+    ids, mask = left_pad(random_prompts([23, 9, 17], seed=4))
+    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, hc_ops, "FUSED_HC_PROJ", "mix_projections",
+                                         atol=2e-5)
+
+
 # ----------------------------------------------------------------------------- triton vs torch
 def test_triton_kernels_match_torch():
     run_under_interpreter(__file__, "all hyper-connection kernel cases ok")
@@ -131,8 +178,41 @@ def _main() -> int:
                     assert a.dtype == b.dtype and a.shape == b.shape
                     torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
                 cases += 2
+    cases += _projection_cases()
     print(f"all hyper-connection kernel cases ok ({cases})")
     return 0
+
+
+def _projection_cases() -> int:
+    """`mix_projections_triton` against the torch spec with its tiles forced small: several input splits (and a
+    last, shorter one), feature blocks past H, token blocks past 16, low-rank widths below and above 16."""
+    from interpreter import count_launches
+
+    from hf_qsa_cache.ops import hyper_connection_triton as hct
+
+    launches: list = []
+    count_launches(hct, "_hc_down_kernel", launches)
+    count_launches(hct, "_hc_up_mix_kernel", launches)
+    cases = 0
+    for hc, H, R in ((4, 24, 10), (3, 20, 40), (2, 16, 16)):
+        for tokens in ((1,), (5,), (3, 6)):
+            for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)):
+                g = torch.Generator().manual_seed(hc * 100 + H + R + len(tokens))
+                normed = torch.randn(*tokens, hc * H, generator=g).to(dtype)
+                down = (torch.randn(R, hc * H, generator=g) / 4).to(dtype)
+                up = torch.randn(hc * H, R, generator=g).to(dtype)
+                inject_weight = (torch.randn(hc, hc * H, generator=g) / 4).to(dtype)
+                for splits, block_k in ((3, 16), (1, 128)):
+                    launches.clear()
+                    got = hct.mix_projections_triton(normed, down, up, inject_weight, hc, splits=splits, block_h=16,
+                                                     block_k=block_k)
+                    want = hc_ops.mix_projections(normed, down, up, inject_weight, hc)
+                    assert len(launches) == 2, launches
+                    for a, b in zip(got, want):
+                        assert a.dtype == b.dtype and a.shape == b.shape
+                        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+                    cases += 1
+    return cases
 
 
 if __name__ == "__main__":

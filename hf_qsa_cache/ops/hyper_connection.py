@@ -13,6 +13,11 @@ projections (transformers' ``nn.Linear`` weights, read as they are):
 * `scaled_silu`: ``silu(x / hc)`` on the low-rank projection;
 * `mix_streams`: ``mean_c(sigmoid(up_c) * normed_c)`` and the injection weights ``2 sigmoid(w / hc)``.
 
+With ``hc_proj`` as well (not yet timed on a GPU, so on only when named in ``HF_QSA_FUSED``), a step of at
+most `HC_PROJ_MAX_TOKENS` tokens runs everything after `hc_norm` in two launches, `mix_projections`: the
+down and injection projections as one split-K pass over the normed streams, then the up projection with
+the gating and the mean over streams; the low-rank activations stay in fp32 between them.
+
 Each computes in fp32 and rounds its outputs once (upstream rounds after every op in bf16: the results
 differ by bf16 rounding and are judged against fp32). The torch functions here are the specification
 (and what the CPU runs); `hyper_connection_triton` holds the kernels, tested against them.
@@ -32,6 +37,10 @@ from ..fusions import fusion_enabled
 from . import keeps_own_forward, records_grad
 
 FUSED_HC = fusion_enabled("hc")
+# ``hc_proj``: on top of ``hc``, a mixing's three projections inside two launches (`mix_projections`)
+# for steps of at most `HC_PROJ_MAX_TOKENS` tokens (decode and verify steps; prompts keep the GEMMs).
+FUSED_HC_PROJ = fusion_enabled("hc_proj")
+HC_PROJ_MAX_TOKENS = 64
 
 
 def use_fused(module, x: torch.Tensor) -> bool:
@@ -57,6 +66,10 @@ def gated_residual(module, streams: torch.Tensor, residual: tuple | None = None)
         return module(streams)
     hc = module.hc_count
     streams, normed = hc_norm(streams, module.hc_norm.weight, hc, module.hc_norm.eps, residual)
+    if FUSED_HC_PROJ and normed.numel() <= HC_PROJ_MAX_TOKENS * normed.shape[-1]:
+        block_input, inject = mix_projections(normed, module.input_mix_weight_down.weight,
+                                              module.input_mix_weight_up.weight, module.block_inject_weight.weight, hc)
+        return block_input, streams, inject
     low = scaled_silu(F.linear(normed, module.input_mix_weight_down.weight), 1.0 / hc)
     block_input, inject = mix_streams(F.linear(low, module.input_mix_weight_up.weight), normed,
                                       F.linear(normed, module.block_inject_weight.weight), hc)
@@ -106,4 +119,22 @@ def mix_streams(up: torch.Tensor, normed: torch.Tensor, inject_logits: torch.Ten
     gates = torch.sigmoid(up.float()).unflatten(-1, (hc, -1))
     mixed = (gates * normed.float().unflatten(-1, (hc, -1))).mean(-2)
     inject = 2 * torch.sigmoid(inject_logits.float() / hc)
+    return mixed.to(normed.dtype), inject.to(normed.dtype)
+
+
+def mix_projections(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: torch.Tensor,
+                    hc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mixed, inject)`` from the normed streams ``[..., hc * H]``: what the three projections, `scaled_silu`
+    and `mix_streams` give, in fp32 from the loaded values on (one rounding per output, none between):
+    ``low = silu(normed @ down.T / hc)``, ``mixed = mean_c(sigmoid(low @ up.T) * normed)`` over the streams,
+    ``inject = 2 sigmoid(normed @ inject_weight.T / hc)``. Two launches on CUDA (the ``hc_proj`` fusion)."""
+    if _triton(normed):
+        from .hyper_connection_triton import mix_projections_triton
+
+        return mix_projections_triton(normed, down, up, inject_weight, hc)
+    x = normed.float()
+    low = F.silu(x @ down.float().mT / hc)
+    gates = torch.sigmoid(low @ up.float().mT).unflatten(-1, (hc, -1))
+    mixed = (gates * x.unflatten(-1, (hc, -1))).mean(-2)
+    inject = 2 * torch.sigmoid(x @ inject_weight.float().mT / hc)
     return mixed.to(normed.dtype), inject.to(normed.dtype)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import on_device_of_first_tensor
+from .triton_common import INTERPRET, dot, on_device_of_first_tensor
 
 
 def _warps(elements: int) -> int:
@@ -117,4 +117,108 @@ def mix_streams_triton(up: torch.Tensor, normed: torch.Tensor, inject_logits: to
         hc_pad = triton.next_power_of_2(hc)
         _mix_streams_kernel[(tokens,)](up, normed, inject_logits, mixed, inject, tokens, HC=hc, H=H,
                                        HC_PAD=hc_pad, BLOCK_H=block_h, num_warps=_warps(hc_pad * block_h))
+    return mixed, inject
+
+
+# ----------------------------------------------------------------------------- the projections (``hc_proj``)
+# Split-K GEMV tiles: a decode step's few tokens are padded to BLOCK_M rows (tl.dot needs 16); the weights
+# are read once, in HC_PROJ_SPLITS ranges of the hc * H inputs so that enough programs stream them.
+HC_PROJ_BLOCK_M = 16
+HC_PROJ_BLOCK_N = 32
+HC_PROJ_BLOCK_K = 128
+HC_PROJ_SPLITS = 16
+HC_PROJ_BLOCK_H = 16
+
+
+@triton.jit(do_not_specialize=["num_tokens", "split_len"])
+def _hc_down_kernel(x_ptr, down_ptr, inject_w_ptr, part_ptr, num_tokens, split_len,
+                    K: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    """part[s, m, n] = sum over the s-th input range of x[m, k] * W[n, k], W = [down (R rows); inject (HC)]."""
+    n_block, s, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = m < num_tokens, n < R + HC
+    # Output rows 0..R-1 read the down projection, R..R+HC-1 the injection logits' weight.
+    rows = tl.where(n < R, down_ptr + n.to(tl.int64) * K, inject_w_ptr + (n - R).to(tl.int64) * K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    lo = s * split_len
+    for k0 in range(lo, lo + split_len, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = (k < K) & (k < lo + split_len)
+        x = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(rows[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += dot(x, w, IEEE, WIDEN)
+    out = part_ptr + (s * num_tokens + m.to(tl.int64))[:, None] * (R + HC) + n[None, :]
+    tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _hc_up_mix_kernel(part_ptr, normed_ptr, up_ptr, mixed_ptr, inject_ptr, num_tokens,
+                      H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr,
+                      R_PAD: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """mixed[m, h] = mean_c sigmoid(low[m] . W_up[c*H + h]) * normed[m, c*H + h], with low = silu(down / HC)
+    summed from the splits; the first column block also writes inject = 2 sigmoid(logits / HC)."""
+    h_block, m_block = tl.program_id(0), tl.program_id(1)
+    m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < num_tokens
+    r = tl.arange(0, R_PAD)
+    low = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+    for s in range(SPLITS):
+        row = (s * num_tokens + m.to(tl.int64)) * (R + HC)
+        low += tl.load(part_ptr + row[:, None] + r[None, :], mask=m_ok[:, None] & (r < R)[None, :], other=0.0)
+    low = low / HC
+    low = low * tl.sigmoid(low)  # padded columns stay 0 and add nothing below
+    h = h_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+    for c in tl.static_range(HC):
+        cols = (c * H + h).to(tl.int64)
+        w = tl.load(up_ptr + cols[None, :] * R + r[:, None], mask=(r < R)[:, None] & h_ok[None, :], other=0.0)
+        gate = tl.sigmoid(dot(low, w.to(tl.float32), True, False))  # low stays fp32: no rounding between
+        x = tl.load(normed_ptr + m.to(tl.int64)[:, None] * (HC * H) + cols[None, :],
+                    mask=m_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        acc += gate * x
+    tl.store(mixed_ptr + m.to(tl.int64)[:, None] * H + h[None, :], (acc / HC).to(mixed_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & h_ok[None, :])
+    if h_block == 0:
+        c = tl.arange(0, HC_PAD)
+        logits = tl.zeros((BLOCK_M, HC_PAD), dtype=tl.float32)
+        for s in range(SPLITS):
+            row = (s * num_tokens + m.to(tl.int64)) * (R + HC) + R
+            logits += tl.load(part_ptr + row[:, None] + c[None, :], mask=m_ok[:, None] & (c < HC)[None, :],
+                              other=0.0)
+        inject = 2.0 * tl.sigmoid(logits / HC)
+        tl.store(inject_ptr + m.to(tl.int64)[:, None] * HC + c[None, :], inject.to(inject_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & (c < HC)[None, :])
+
+
+@on_device_of_first_tensor
+def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: torch.Tensor,
+                           hc: int, splits: int = HC_PROJ_SPLITS, block_h: int = HC_PROJ_BLOCK_H,
+                           block_k: int = HC_PROJ_BLOCK_K) -> tuple[torch.Tensor, torch.Tensor]:
+    """`hyper_connection.mix_projections` in two launches (split-K down and injection projections, then the
+    up projection with the gating and the mean over streams). ``splits``, ``block_h`` and ``block_k`` are
+    the tiling (tests force them small)."""
+    normed = normed.contiguous()
+    down, up, inject_weight = down.contiguous(), up.contiguous(), inject_weight.contiguous()
+    K = normed.shape[-1]
+    H, R = K // hc, down.shape[0]
+    tokens = normed.numel() // max(K, 1)
+    mixed = torch.empty(*normed.shape[:-1], H, dtype=normed.dtype, device=normed.device)
+    inject = torch.empty(*normed.shape[:-1], hc, dtype=normed.dtype, device=normed.device)
+    if not tokens:
+        return mixed, inject
+    split_len = block_k * triton.cdiv(triton.cdiv(K, splits), block_k)
+    splits = triton.cdiv(K, split_len)
+    part = torch.empty(splits, tokens, R + hc, dtype=torch.float32, device=normed.device)
+    m_blocks = triton.cdiv(tokens, HC_PROJ_BLOCK_M)
+    _hc_down_kernel[(triton.cdiv(R + hc, HC_PROJ_BLOCK_N), splits, m_blocks)](
+        normed, down, inject_weight, part, tokens, split_len, K=K, R=R, HC=hc, BLOCK_M=HC_PROJ_BLOCK_M,
+        BLOCK_N=HC_PROJ_BLOCK_N, BLOCK_K=block_k, IEEE=normed.dtype == torch.float32, WIDEN=INTERPRET,
+        num_warps=4)
+    _hc_up_mix_kernel[(triton.cdiv(H, block_h), m_blocks)](
+        part, normed, up, mixed, inject, tokens, H=H, R=R, HC=hc, SPLITS=splits,
+        R_PAD=max(16, triton.next_power_of_2(R)), HC_PAD=triton.next_power_of_2(hc), BLOCK_M=HC_PROJ_BLOCK_M,
+        BLOCK_H=block_h, num_warps=4)
     return mixed, inject
