@@ -84,7 +84,7 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
 
         selected = qsa_index_step(
             q_index, raw_keys, positions3, meta, layer.index, main.block_size, idx.block_topk,
-            finish_group=lambda pooled, first_pos: self._finish_group(pooled, first_pos),
+            finish_group=lambda pooled, first_pos: self._finish_group(pooled, first_pos, meta),
         )
         pages = layer.kv.keys, layer.kv.values
         if records_grad(key, value):  # the pages keep values only; autograd needs this step's keys as computed
@@ -100,9 +100,12 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
         out = out.reshape(n, -1) * torch.sigmoid(gate)
         return self.o_proj(out).view(B, L, -1)
 
-    def _finish_group(self, pooled: torch.Tensor, first_pos: torch.Tensor) -> torch.Tensor:
-        """A closed group's compressed key: its mean raw key, normed, rotated at its first position."""
-        g_cos, g_sin = self._rotary(pooled, first_pos)
+    def _finish_group(self, pooled: torch.Tensor, first_pos: torch.Tensor, meta) -> torch.Tensor:
+        """A closed group's compressed key: its mean raw key, normed, rotated at its first position. The
+        groups and their first positions are the same in every QSA layer of a step, and the rotary module is
+        shared: its cos/sin are computed once per step (about ten launches per layer saved)."""
+        g_cos, g_sin = meta.derived(("group_rotary", pooled.device, pooled.dtype),
+                                    lambda: self._rotary(pooled, first_pos))
         return norm_rope(self.indexer.k_layernorm, pooled[:, None], g_cos, g_sin)[:, 0]
 
     def _rotary(self, like: torch.Tensor, positions3: torch.Tensor):

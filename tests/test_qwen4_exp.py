@@ -52,6 +52,25 @@ def test_ragged_batch_matches_upstream_per_row(pair):
     assert len(set(out.sequences[:, -NEW_TOKENS:].flatten().tolist())) > 3, "degenerate model output"
 
 
+def test_group_key_rotary_is_computed_once_per_forward(pair, monkeypatch):
+    """Every QSA layer of a forward closes the same groups at the same first positions: the group keys'
+    cos/sin come from one rotary call per forward, and the tokens still match upstream per row."""
+    from modeling.modeling_qwen4_exp import PagedQSAAttention
+
+    ref, ours = pair
+    calls, forwards = [], []
+    real = PagedQSAAttention._rotary
+    monkeypatch.setattr(PagedQSAAttention, "_rotary", lambda self, *a: calls.append(1) or real(self, *a))
+    hook = ours.register_forward_pre_hook(lambda *a: forwards.append(1))
+    prompts = random_prompts([29, 7, 18], seed=3)
+    ids, mask = left_pad(prompts)
+    out = _generate(ours, ids, mask, QSAPagedCache(ours.config, max_batch_size=3, max_cache_len=64, block_size=4))
+    hook.remove()
+    assert sum(t == "indexed_attention" for t in ours.config.layer_types) > 1
+    assert 0 < len(calls) <= len(forwards)
+    _assert_rows_match(ref, out, ids, prompts)
+
+
 def test_small_chunks_and_copied_metadata_match_upstream(pair, monkeypatch):
     """The score / attention chunk loops split every forward (budget forced tiny), and every layer reads
     step metadata that went through `StepMetadata.to()` (what a split model's second device sees)."""
