@@ -149,6 +149,11 @@ def cases(device, dtype, tokens: int, small: bool):
     position = torch.full((tokens,), 163, device=device)
     yield ("selected_positions", lambda: qsa_triton.selected_positions_triton(groups, visible, position, 4, 16),
            lambda: _cpu(qsa.selected_positions, groups, visible, position, 4, 16), 0)
+    # QSA scores of a 4096-token reach (1024 groups; relu zeros and unseen -inf groups included)
+    scores = torch.relu(rand(tokens, 40 if small else 1024, dt=torch.float32))
+    scores[:, ::5] = float("-inf")
+    yield ("pack_scores", lambda: qsa_triton.pack_scores_triton(scores),
+           lambda: _cpu(qsa._pack, scores, torch.arange(scores.shape[1], device=device)), 0)
 
 
 def _cpu(fn, *args):

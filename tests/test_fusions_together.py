@@ -114,7 +114,8 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
             assert gated_delta.FUSED_GDN
         assert all(getattr(m, f) for m, f in flags)
     assert [getattr(m, f) for m, f in flags] == before
-    assert set(FLAGS) == {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "shared_expert", "inkling_router"}
+    assert set(FLAGS) == {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
+                          "inkling_router"}
     with pytest.raises(ValueError, match="unknown fusion"):
         with fused(("nope",)):
             pass
@@ -141,7 +142,7 @@ def test_a_fusion_not_yet_timed_is_on_only_when_named():
     assert requested("inkling_router,hc", unmeasured=("inkling_router",)) == {"inkling_router", "hc"}
 
 
-@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED | {"hc_proj"}),
+@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED | {"hc_proj", "qsa_topk"}),
                                                ("none", set()), ("", set()), ("gdn,router", {"gdn", "router"})])
 def test_the_environment_picks_the_measured_fusions_by_default(setting, expected):
     import os

@@ -30,6 +30,8 @@ _CHUNK_ELEMENTS = 1 << 27
 USE_TRITON = os.environ.get("HF_QSA_TRITON_QSA", "1") == "1"
 # The QSA index arithmetic (group pooling, selected positions) in one launch each: ``qsa`` in `hf_qsa_cache.fusions`.
 FUSED_QSA = fusion_enabled("qsa")
+# ``qsa_topk`` (not yet timed): the packing of `top_groups_packed` in one launch instead of six.
+FUSED_QSA_TOPK = fusion_enabled("qsa_topk")
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -210,7 +212,12 @@ def top_groups_packed(scores: torch.Tensor, k: int) -> torch.Tensor:
     groups = scores.shape[-1]
     if groups >= 1 << 31:
         raise ValueError(f"top_groups packs group indices in 31 bits; got {groups} groups")
-    keys = _pack(scores, torch.arange(groups, device=scores.device))
+    if FUSED_QSA_TOPK and scores.is_cuda and scores.dim() == 2 and scores.dtype == torch.float32:
+        from .qsa_triton import pack_scores_triton
+
+        keys = pack_scores_triton(scores)
+    else:
+        keys = _pack(scores, torch.arange(groups, device=scores.device))
     return _unpack(keys.topk(k, dim=-1, sorted=True).values)
 
 
