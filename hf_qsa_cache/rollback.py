@@ -90,7 +90,8 @@ def restore_linear_states(cache, new_lengths: list[int]) -> None:
     for b in rows:
         # What the ring held before this crop bounds every later crop until the row grows past it.
         cache._crop_floor[b] = max(cache._crop_floor[b], cache.lengths[b] - cache.num_speculative_tokens)
+    plans: dict = {}  # the index tensors, built once per device for every layer's store
     for layer in cache.layers:
         linear = layer.stores.get("linear")
         if linear is not None:
-            linear.restore(rows, new_lengths)
+            linear.restore(rows, new_lengths, plans)

@@ -237,6 +237,21 @@ def _next_logits(model, cache, mask, token):
         return model(token, attention_mask=mask, past_key_values=cache).logits[:, -1]
 
 
+def test_a_crop_builds_its_ring_indices_once_for_every_layer(qwen, monkeypatch):
+    """Every GatedDeltaNet / PLE store of a device reads the same ring rows: a crop builds those index
+    tensors (host-to-device copies) once, not once per layer."""
+    from hf_qsa_cache.stores.linear_state import LinearAttentionState
+
+    model, ids, mask, vocab = _family("qwen4_exp", qwen, None)
+    cache = QSAPagedCache(model.config, max_batch_size=2, max_cache_len=64, block_size=4, num_speculative_tokens=K)
+    plans = []
+    real = LinearAttentionState.restore_plan
+    monkeypatch.setattr(LinearAttentionState, "restore_plan", lambda self, *a: plans.append(1) or real(self, *a))
+    _run(model, cache, ids, mask, [torch.randint(2, vocab, (2, K + 1))], crop=2)
+    stores = sum(layer.stores.get("linear") is not None for layer in cache.layers)
+    assert stores > 1 and plans == [1]
+
+
 # (forwards after the prompt as lengths, tokens to crop): one verify step rejecting some or all of its
 # drafts, a crop reaching back across several decode steps, two crops in a row.
 SCENARIOS = [([K + 1], 2), ([K + 1], K), ([1, 1, 1], K), ([2, 1], 2), ([K + 1, "crop1"], 1)]

@@ -150,19 +150,35 @@ class LinearAttentionState:
             after = after.permute(0, 2, 1, 3)
         self.record(name, slots, after)
 
-    def restore(self, rows: list[int], lengths: list[int]) -> None:
-        """Row ``rows[i]`` becomes the state after position ``lengths[i] - 1`` (fresh when 0)."""
+    def restore(self, rows: list[int], lengths: list[int], plans: dict | None = None) -> None:
+        """Row ``rows[i]`` becomes the state after position ``lengths[i] - 1`` (fresh when 0). ``plans``
+        shares the index tensors (`restore_plan`) between the stores of one crop: every store of a device and
+        ring depth reads the same ring rows, and each built tensor is a host-to-device copy."""
         if not rows or not self.allocated:
             return
-        fresh = [r for r, n in zip(rows, lengths) if n == 0]
-        kept = [(r, r * self.history + (n - 1) % self.history) for r, n in zip(rows, lengths) if n > 0]
-        if fresh:
-            self.reset_rows(torch.tensor(fresh, dtype=torch.long, device=self.conv.device))
-        if kept:
-            dst = torch.tensor([r for r, _ in kept], dtype=torch.long, device=self.conv.device)
-            src = torch.tensor([s for _, s in kept], dtype=torch.long, device=self.conv.device)
+        key = (self.conv.device, self.history)
+        plan = None if plans is None else plans.get(key)
+        if plan is None:
+            plan = self.restore_plan(rows, lengths)
+            if plans is not None:
+                plans[key] = plan
+        fresh, dst, src = plan
+        if fresh is not None:
+            self.reset_rows(fresh)
+        if dst is not None:
             for name, live in self._live().items():
                 live.index_copy_(0, dst, self.rings[name].index_select(0, src))
+
+    def restore_plan(self, rows: list[int], lengths: list[int]):
+        """``(fresh rows, rows to restore, their ring rows)`` on this store's device (None where empty)."""
+        device = self.conv.device
+        fresh = [r for r, n in zip(rows, lengths) if n == 0]
+        kept = [(r, r * self.history + (n - 1) % self.history) for r, n in zip(rows, lengths) if n > 0]
+
+        def as_tensor(values):
+            return torch.tensor(values, dtype=torch.long, device=device) if values else None
+
+        return as_tensor(fresh), as_tensor([r for r, _ in kept]), as_tensor([s for _, s in kept])
 
     def inplace_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(live, saved)`` pairs, row-major: the state a step overwrites in place, and its copy."""
