@@ -69,7 +69,7 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
         cos, sin = cos.reshape(n, -1), sin.reshape(n, -1)
 
         query, gate = torch.chunk(self.q_proj(x).view(n, -1, self.head_dim * 2), 2, dim=-1)
-        gate = gate.reshape(n, -1)
+        gate = torch.sigmoid(gate).reshape(n, -1)  # the sigmoid reads the strided half: no copy of it first
         query = norm_rope(self.q_norm, query, cos, sin)
         key = norm_rope(self.k_norm, self.k_proj(x).view(n, -1, self.head_dim), cos, sin)
         value = self.v_proj(x).view(n, -1, self.head_dim)
@@ -97,7 +97,7 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
                 query, pages[0], meta.block_tables["main"], meta.token_row, selected, main.block_size, self.scaling,
                 meta.max_seq_len,
             ))
-        out = out.reshape(n, -1) * torch.sigmoid(gate)
+        out = out.reshape(n, -1) * gate
         return self.o_proj(out).view(B, L, -1)
 
     def _finish_group(self, pooled: torch.Tensor, first_pos: torch.Tensor, meta) -> torch.Tensor:
