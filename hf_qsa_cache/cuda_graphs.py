@@ -172,9 +172,10 @@ class DecodeGraphs:
         (a full walk costs milliseconds of host time at the released depths, too much for every step),
         so a hook added deep inside a block between two graphed steps is seen at the next such step.
         """
-        if experts_family(self.expert_configs) != self.experts_own:  # other experts chosen since
+        own = experts_family(self.expert_configs)
+        if own != self.experts_own:  # other experts chosen since
             self.buckets.clear()
-            self.experts_own = experts_family(self.expert_configs)
+            self.experts_own = own
         probe = _probe(model)
         if probe == self.probe and self.steps_seen == self.cache.steps_started:
             return

@@ -66,14 +66,20 @@ def gated_residual(module, streams: torch.Tensor, residual: tuple | None = None)
         return module(streams)
     hc = module.hc_count
     streams, normed = hc_norm(streams, module.hc_norm.weight, hc, module.hc_norm.eps, residual)
-    if FUSED_HC_PROJ and normed.numel() <= HC_PROJ_MAX_TOKENS * normed.shape[-1]:
-        block_input, inject = mix_projections(normed, module.input_mix_weight_down.weight,
-                                              module.input_mix_weight_up.weight, module.block_inject_weight.weight, hc)
-        return block_input, streams, inject
-    low = scaled_silu(F.linear(normed, module.input_mix_weight_down.weight), 1.0 / hc)
-    block_input, inject = mix_streams(F.linear(low, module.input_mix_weight_up.weight), normed,
-                                      F.linear(normed, module.block_inject_weight.weight), hc)
+    weights = (module.input_mix_weight_down.weight, module.input_mix_weight_up.weight,
+               module.block_inject_weight.weight)
+    few_tokens = normed.numel() <= HC_PROJ_MAX_TOKENS * normed.shape[-1]
+    mix = mix_projections if FUSED_HC_PROJ and few_tokens else mix_with_linears
+    block_input, inject = mix(normed, *weights, hc)
     return block_input, streams, inject
+
+
+def mix_with_linears(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: torch.Tensor,
+                     hc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mixed, inject)`` from the normed streams with the three projections as GEMMs (rounded to the
+    activations' dtype) around `scaled_silu` and `mix_streams`: the ``hc`` fusion without ``hc_proj``."""
+    low = scaled_silu(F.linear(normed, down), 1.0 / hc)
+    return mix_streams(F.linear(low, up), normed, F.linear(normed, inject_weight), hc)
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -132,9 +138,6 @@ def mix_projections(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor, 
         from .hyper_connection_triton import mix_projections_triton
 
         return mix_projections_triton(normed, down, up, inject_weight, hc)
-    x = normed.float()
-    low = F.silu(x @ down.float().mT / hc)
-    gates = torch.sigmoid(low @ up.float().mT).unflatten(-1, (hc, -1))
-    mixed = (gates * x.unflatten(-1, (hc, -1))).mean(-2)
-    inject = 2 * torch.sigmoid(x @ inject_weight.float().mT / hc)
-    return mixed.to(normed.dtype), inject.to(normed.dtype)
+    x = normed.float()  # the same ops as `mix_with_linears`, with fp32 between them
+    low = scaled_silu(x @ down.float().mT, 1.0 / hc)
+    return mix_streams(low @ up.float().mT, normed, x @ inject_weight.float().mT, hc)

@@ -150,19 +150,16 @@ class LinearAttentionState:
             after = after.permute(0, 2, 1, 3)
         self.record(name, slots, after)
 
-    def restore(self, rows: list[int], lengths: list[int], plans: dict | None = None) -> None:
+    def restore(self, rows: list[int], lengths: list[int], plans: dict) -> None:
         """Row ``rows[i]`` becomes the state after position ``lengths[i] - 1`` (fresh when 0). ``plans``
         shares the index tensors (`restore_plan`) between the stores of one crop: every store of a device and
         ring depth reads the same ring rows, and each built tensor is a host-to-device copy."""
         if not rows or not self.allocated:
             return
         key = (self.conv.device, self.history)
-        plan = None if plans is None else plans.get(key)
-        if plan is None:
-            plan = self.restore_plan(rows, lengths)
-            if plans is not None:
-                plans[key] = plan
-        fresh, dst, src = plan
+        if key not in plans:
+            plans[key] = self.restore_plan(rows, lengths)
+        fresh, dst, src = plans[key]
         if fresh is not None:
             self.reset_rows(fresh)
         if dst is not None:
