@@ -182,15 +182,16 @@ def _hc_up_mix_kernel(part_ptr, normed_ptr, up_ptr, mixed_ptr, inject_ptr, num_t
     tl.store(mixed_ptr + m.to(tl.int64)[:, None] * H + h[None, :], (acc / HC).to(mixed_ptr.dtype.element_ty),
              mask=m_ok[:, None] & h_ok[None, :])
     if h_block == 0:
-        c = tl.arange(0, HC_PAD)
+        # (not named `c`: the static loop above made that a compile-time constant)
+        stream = tl.arange(0, HC_PAD)
         logits = tl.zeros((BLOCK_M, HC_PAD), dtype=tl.float32)
         for s in range(SPLITS):
             row = (s * num_tokens + m.to(tl.int64)) * (R + HC) + R
-            logits += tl.load(part_ptr + row[:, None] + c[None, :], mask=m_ok[:, None] & (c < HC)[None, :],
-                              other=0.0)
+            logits += tl.load(part_ptr + row[:, None] + stream[None, :],
+                              mask=m_ok[:, None] & (stream < HC)[None, :], other=0.0)
         inject = 2.0 * tl.sigmoid(logits / HC)
-        tl.store(inject_ptr + m.to(tl.int64)[:, None] * HC + c[None, :], inject.to(inject_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & (c < HC)[None, :])
+        tl.store(inject_ptr + m.to(tl.int64)[:, None] * HC + stream[None, :],
+                 inject.to(inject_ptr.dtype.element_ty), mask=m_ok[:, None] & (stream < HC)[None, :])
 
 
 @on_device_of_first_tensor

@@ -1,0 +1,145 @@
+"""Every Triton kernel a test runs under the interpreter is also compiled for the GPU it is written for.
+
+The interpreter runs a kernel as Python on the CPU, so it accepts code that Triton's compiler refuses (a
+name rebound from a compile-time constant to a tensor, a constexpr mismatch between branches): such a kernel
+passes every interpreter test and fails at its first launch on a GPU. So each interpreter run records its
+launches (`record` below, in the subprocess, writing one JSON line per distinct signature), and the test
+process compiles each of them for an sm_90 target (the H200) with Triton's real compiler, down to the
+binary. No GPU is needed: the compiler and its assembler ship with Triton.
+
+A launch record: the kernel's module and name, the type of each runtime argument (a tensor's element
+type, an int's width), the value of each compile-time argument, and the launch options (warps, stages).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import runpy
+import sys
+
+import torch
+
+LOG_VARIABLE = "HF_QSA_KERNEL_LAUNCH_LOG"
+TARGET_ARCH = 90  # H200 / H100
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+PROJECT_PACKAGES = ("hf_qsa_cache", "modeling")
+
+_POINTER_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
+                  torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
+                  torch.uint8: "u8", torch.bool: "i1"}
+
+
+def _runtime_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _POINTER_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for a runtime argument of type {type(value).__name__}")
+
+
+def _constant(value):
+    """A compile-time argument as JSON (Triton dtypes by name)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return {"dtype": str(value)}
+
+
+def launch_record(fn, arg_names: list[str], args: tuple, kwargs: dict) -> dict:
+    """The record of one launch of kernel function ``fn`` (the undecorated Python function)."""
+    import inspect
+
+    import triton.language as tl
+
+    params = inspect.signature(fn).parameters
+    bound = dict(zip(arg_names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in params})
+    signature, constants = {}, {}
+    for name, param in params.items():
+        value = bound.get(name, param.default)
+        if param.annotation is tl.constexpr or param.annotation == "tl.constexpr":
+            constants[name] = _constant(value)
+        else:
+            signature[name] = _runtime_type(value)
+    return {"module": fn.__module__, "name": fn.__name__, "signature": signature, "constants": constants,
+            "options": {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}}
+
+
+def record(path: str) -> None:
+    """Under the interpreter: log each distinct launch of this process to ``path`` when it exits."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen: dict[str, dict] = {}
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        if self.fn.__module__.split(".")[0] in PROJECT_PACKAGES:
+            entry = launch_record(self.fn, self.arg_names, args, kwargs)
+            seen.setdefault(json.dumps(entry, sort_keys=True), entry)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording_run
+
+    def write():
+        with open(path, "a") as f:
+            for line in seen:
+                f.write(line + "\n")
+
+    atexit.register(write)
+
+
+def _compile_constant(value):
+    if isinstance(value, dict):
+        import triton.language as tl
+
+        return tl.dtype(value["dtype"])
+    return value
+
+
+def compile_for_gpu(entry: dict) -> None:
+    """Compile one recorded launch for an sm_90 target; raises the compiler's error if it does not."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    kernel = getattr(importlib.import_module(entry["module"]), entry["name"])
+    fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
+    constants = {name: _compile_constant(v) for name, v in entry["constants"].items()}
+    signature = {**entry["signature"], **{name: "constexpr" for name in constants}}
+    source = ASTSource(fn, signature, constexprs=constants)
+    triton.compile(source, target=GPUTarget("cuda", TARGET_ARCH, 32), options=dict(entry["options"]))
+
+
+def structure(entry: dict) -> str:
+    """What decides whether a kernel compiles, short of sizes: launches that differ only in integer
+    compile-time sizes (a test's many small shapes) compile alike, and one of them is compiled."""
+    constants = {k: v for k, v in entry["constants"].items() if isinstance(v, bool) or not isinstance(v, int)}
+    return json.dumps({**entry, "constants": constants}, sort_keys=True)
+
+
+def compile_logged(path: str) -> int:
+    """Compile every launch logged at ``path``; fails naming each kernel that does not compile."""
+    with open(path) as f:
+        entries = list({structure(e): e for e in map(json.loads, filter(str.strip, f))}.values())
+    failures = []
+    for entry in entries:
+        try:
+            compile_for_gpu(entry)
+        except Exception as error:  # noqa: BLE001 - every failure is reported below
+            failures.append(f"{entry['module']}.{entry['name']} {entry['constants']}: "
+                            f"{type(error).__name__}: {str(error)[-1500:]}")
+    assert not failures, "kernels that pass the interpreter but do not compile for sm_90:\n" + "\n".join(failures)
+    return len(entries)
+
+
+if __name__ == "__main__":  # python kernel_compile.py SCRIPT ARGS...: run SCRIPT recording its launches
+    record(os.environ[LOG_VARIABLE])
+    script, sys.argv = sys.argv[1], sys.argv[1:]
+    runpy.run_path(script, run_name="__main__")
