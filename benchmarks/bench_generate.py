@@ -142,6 +142,9 @@ def run(model, ids, mask, new_tokens, cache=None, limit_s=None) -> dict:
     return row
 
 
+TOP_KERNELS = 12  # the graphed step's kernels by GPU time that a result lists
+
+
 def graphed_step_stats(model, cache: QSAPagedCache, steps: int = 3) -> dict:
     """Kernels (and copies) one replayed decode graph launches, and the share of a step's wall time the
     GPU is busy (the union of its kernels' intervals under the profiler over the median step timed without
@@ -182,8 +185,15 @@ def graphed_step_stats(model, cache: QSAPagedCache, steps: int = 3) -> dict:
             busy += e - max(s, end)
             end = e
     wall_us = statistics.median(walls) * 1e6
+    by_name: dict[str, list] = {}
+    for e in events:
+        row = by_name.setdefault(e.name[:90], [0, 0.0])
+        row[0] += 1
+        row[1] += e.time_range.end - e.time_range.start
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
     return {"graph_kernels": len(events) - copies, "graph_copies": copies, "graph_busy_us": round(busy, 1),
-            "step_wall_us": round(wall_us, 1), "gpu_busy_share": round(busy / wall_us, 3) if events else None}
+            "step_wall_us": round(wall_us, 1), "gpu_busy_share": round(busy / wall_us, 3) if events else None,
+            "graph_top_kernels": [[name, count, round(us, 1)] for name, (count, us) in top]}
 
 
 def emit(result: dict, jsonl: str | None) -> None:

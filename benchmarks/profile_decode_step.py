@@ -147,6 +147,10 @@ def by_kind(prof, steps: int, on_gpu: bool) -> dict[str, dict]:
         kernels = _kernels(event)
         row["kernels"] += (len(kernels) if on_gpu else _launches(event)) / steps
         row["us"] += (sum(k.duration for k in kernels) if on_gpu else event.cpu_time_total) / steps
+    if on_gpu:  # every kernel of the profile, found under a range or not (a check that the ranges see all)
+        device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        totals["device total"] = {"kernels": len(device) / steps, "us": sum(e.duration for e in device) / steps,
+                                  "calls": 1}
     return dict(totals)
 
 
@@ -225,6 +229,9 @@ def main(argv=None):
     unit = "GPU" if torch.device(args.device).type == "cuda" else "CPU"
     print(f"{args.model} {layers} layers, {args.batch} x {args.prompt}: recorded step run eagerly, {unit} "
           f"time per step {step['us']:.0f} us, {step['kernels']:.0f} kernels")
+    if "device total" in kinds:
+        total = kinds.pop("device total")
+        print(f"  every kernel the profile saw: {total['us']:.0f} us, {total['kernels']:.0f} kernels per step")
     layers_us = sum(v["us"] for k, v in kinds.items() if k.startswith("layer "))
     rows = [("outside the layers", step["kernels"] - sum(v["kernels"] for k, v in kinds.items()
                                                           if k.startswith("layer ")), step["us"] - layers_us)]
@@ -253,6 +260,9 @@ def main(argv=None):
     if "graph_kernels" in result:
         print(f"graphed step: {result['graph_kernels']} kernels + {result['graph_copies']} copies, GPU busy "
               f"{result['graph_busy_us']:.0f} of {result['step_wall_us']:.0f} us ({result['gpu_busy_share']:.0%})")
+        print("| graphed step's kernel (by GPU time) | launches | GPU us |\n|---|---|---|")
+        for name, count, us in result["graph_top_kernels"]:
+            print(f"| {name} | {count} | {us:.1f} |")
     emit(result, args.jsonl)
     return result
 
