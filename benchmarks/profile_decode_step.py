@@ -10,7 +10,9 @@ Two measurements on one prompt (bf16 on CUDA, the benchmark shapes of `bench_gen
 * **By layer kind**: the decode step a CUDA graph records (`DecodeGraphs(record=False)`: static buffers,
   shapes sized for the step's reach, the experts implementation of graph steps), run eagerly under the
   torch profiler with a range around every decoder layer and each of its direct children (and the MoE
-  block's router, experts and shared expert). Each kind's kernel count and GPU time per step; a layer's
+  block's router, experts and shared expert). The GPU is drained at each range's edges and a kernel counts
+  for the ranges whose time it ran in (the profiler links Triton's launches to no range, so they are found
+  by time; the drains cost the step time, not kernel time). Each kind's kernel count and GPU time per step; a layer's
   "own work" is its time outside its children (residual adds, hyper-connection mixing); "outside the
   layers" is the rest of the step (step metadata, the copy-aside of in-place rows, embedding, final
   norm, LM head). Kernel times are the graph's; launch gaps are not (a graph has none to speak of).
@@ -68,12 +70,14 @@ def label_modules(model) -> list:
 
     def enter(module, *_):
         if module in labels:
+            _drain()
             r = record_function(PREFIX + labels[module])
             r.__enter__()
             open_ranges.append(r)
 
     def leave(module, *_):
         if module in labels:
+            _drain()
             open_ranges.pop().__exit__(None, None, None)
 
     return [torch.nn.modules.module.register_module_forward_pre_hook(enter),
@@ -97,8 +101,11 @@ def label_functions() -> list:
             real = getattr(module, name)
 
             def labelled(*args, real=real, name=name, **kwargs):
+                _drain()
                 with record_function(f"{PREFIX}op {name}"):
-                    return real(*args, **kwargs)
+                    out = real(*args, **kwargs)
+                    _drain()
+                    return out
 
             saved.append((module, name, real))
             setattr(module, name, labelled)
@@ -110,12 +117,17 @@ def unlabel_functions(saved: list) -> None:
         setattr(module, name, real)
 
 
-def _kernels(event) -> list:
-    """Device events launched inside ``event`` (a CPU range), its descendants included."""
-    found = list(getattr(event, "kernels", []))
-    for child in event.cpu_children:
-        found.extend(_kernels(child))
-    return found
+def _drain() -> None:
+    """On a GPU, wait for the work launched so far: a range's kernels then run inside the range's own time,
+    which is how `by_kind` finds them (the profiler links Triton's launches to no range)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _within(event, device_events: list) -> list:
+    """The device events that ran inside the time of ``event`` (a CPU range bracketed by `_drain`)."""
+    start, end = event.time_range.start, event.time_range.end
+    return [d for d in device_events if d.time_range.start >= start and d.time_range.end <= end]
 
 
 # aten ops that only describe a tensor (views, shapes, dtype no-ops, allocation): no kernel on a GPU.
@@ -139,16 +151,16 @@ def by_kind(prof, steps: int, on_gpu: bool) -> dict[str, dict]:
     """``{label: {"kernels": per step, "us": per step}}`` over the labelled ranges (GPU time on CUDA, CPU
     time on the CPU)."""
     totals: dict[str, dict] = defaultdict(lambda: {"kernels": 0, "us": 0.0, "calls": 0})
+    device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     for event in prof.events():
         if not event.name.startswith(PREFIX) or event.device_type != DeviceType.CPU:
             continue
         row = totals[event.name[len(PREFIX):]]
         row["calls"] += 1 / steps
-        kernels = _kernels(event)
+        kernels = _within(event, device) if on_gpu else []
         row["kernels"] += (len(kernels) if on_gpu else _launches(event)) / steps
         row["us"] += (sum(k.duration for k in kernels) if on_gpu else event.cpu_time_total) / steps
     if on_gpu:  # every kernel of the profile, found under a range or not (a check that the ranges see all)
-        device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
         totals["device total"] = {"kernels": len(device) / steps, "us": sum(e.duration for e in device) / steps,
                                   "calls": 1}
     return dict(totals)
@@ -185,8 +197,10 @@ def profile_by_kind(model, batch: int, prompt: int, steps: int, device) -> tuple
             with profile(activities=activities) as prof:
                 for _ in range(steps):
                     ids, mask = _step_inputs(model, cache, batch, gen, device)
+                    _drain()
                     with record_function(PREFIX + "step"):
                         runner.step(ids, None, mask)
+                        _drain()
                 if on_gpu:
                     torch.cuda.synchronize()
         finally:
