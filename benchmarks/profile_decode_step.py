@@ -159,9 +159,9 @@ def by_kind(prof, steps: int, on_gpu: bool) -> dict[str, dict]:
         row["calls"] += 1 / steps
         kernels = _within(event, device) if on_gpu else []
         row["kernels"] += (len(kernels) if on_gpu else _launches(event)) / steps
-        row["us"] += (sum(k.duration for k in kernels) if on_gpu else event.cpu_time_total) / steps
+        row["us"] += (sum(k.time_range.elapsed_us() for k in kernels) if on_gpu else event.cpu_time_total) / steps
     if on_gpu:  # every kernel of the profile, found under a range or not (a check that the ranges see all)
-        totals["device total"] = {"kernels": len(device) / steps, "us": sum(e.duration for e in device) / steps,
+        totals["device total"] = {"kernels": len(device) / steps, "us": sum(e.time_range.elapsed_us() for e in device) / steps,
                                   "calls": 1}
     return dict(totals)
 
