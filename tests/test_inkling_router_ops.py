@@ -69,8 +69,10 @@ def _main() -> int:
 
     cases = 0
     # (tokens, hidden, routed experts, shared, top k): hidden not a multiple of the chunk; experts + shared
-    # padded to a power of two; k = routed experts (all chosen); two shared.
-    for T, H, E, S, k in ((1, 40, 6, 1, 2), (5, 72, 13, 2, 4), (3, 16, 4, 2, 4)):
+    # padded to a power of two; k = routed experts (all chosen); two shared; router rows past one block of
+    # the projection (BLOCK_E), the last block full or partial.
+    for T, H, E, S, k in ((1, 40, 6, 1, 2), (5, 72, 13, 2, 4), (3, 16, 4, 2, 4), (1, 40, 19, 1, 3),
+                          (2, 48, 30, 2, 6)):
         for dtype in (torch.float32, torch.bfloat16):
             module = router_module(T + H, dtype, hidden_size=H, n_routed_experts=E, n_shared_experts=S,
                                    num_experts_per_tok=k)
@@ -78,18 +80,30 @@ def _main() -> int:
             args = (x, module.weight.detach(), module.e_score_correction_bias, module.global_scale.detach(), k, S,
                     module.route_scale)
             want = inkling_router.route_inkling_torch(*args)
-            have = inkling_router_triton(*args)
-            cases += 1
-            try:
-                assert torch.equal(have[1], want[1]), f"experts {have[1].tolist()} != {want[1].tolist()}"
-                tol = 1e-5 if dtype == torch.float32 else 2 ** -7
-                torch.testing.assert_close(have[0], want[0], atol=tol, rtol=tol)
-                torch.testing.assert_close(have[2], want[2], atol=tol, rtol=tol)
-            except AssertionError as err:
-                print(f"T={T} H={H} E={E} S={S} k={k} {dtype}: {err}")
-                return 1
+            # The projection's tiling: the launch policy, then hidden ranges of one chunk each (several
+            # splits, the last one short), then one range (one split).
+            tilings = ({}, {"block_h": 16, "splits": H}, {"block_h": 32, "splits": 1})
+            for tiling in tilings:
+                have = inkling_router_triton(*args, **tiling)
+                cases += 1
+                error = _mismatch(have, want, dtype)
+                if error:
+                    print(f"T={T} H={H} E={E} S={S} k={k} {dtype} {tiling}: {error}")
+                    return 1
     print(f"{cases} cases\nall inkling router kernel cases ok")
     return 0
+
+
+def _mismatch(have, want, dtype) -> str | None:
+    """What differs between the kernel's routing and the spec's, or None."""
+    try:
+        assert torch.equal(have[1], want[1]), f"experts {have[1].tolist()} != {want[1].tolist()}"
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(have[0], want[0], atol=tol, rtol=tol)
+        torch.testing.assert_close(have[2], want[2], atol=tol, rtol=tol)
+    except AssertionError as err:
+        return str(err)
+    return None
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Inkling's MoE routing, projection included, in one launch where fused (``inkling_router`` in
+"""Inkling's MoE routing, projection included, in two launches where fused (``inkling_router`` in
 `hf_qsa_cache.fusions`, on by default).
 
 transformers' ``InklingTopkRouter`` projects the hidden state onto its routed and shared experts in fp32
@@ -7,8 +7,9 @@ routed ones to choose the top ``k``, and weights the chosen and the shared exper
 log-sigmoid logits, scaled by ``route_scale`` and the learned ``global_scale``: 18 launches per MoE
 layer besides the projection (`benchmarks/profile_decode_step.py --model inkling --device cpu --tiny`),
 and in bf16 also copies of the router's weight and the activations to fp32. `route_inkling_torch` is
-that arithmetic (the specification, and what the CPU runs); `inkling_router_triton` does it in one
-program per token, reading the weight as stored and accumulating in fp32. Upstream's top-k does not
+that arithmetic (the specification, and what the CPU runs); `inkling_router_triton` does it in two
+launches (the projection split over many programs, then the routing per token), reading the weight as
+stored and accumulating in fp32. Upstream's top-k does not
 sort; here the chosen experts come best first, the lower expert first among equal scores (the same set,
 weights following their experts).
 """
