@@ -24,8 +24,12 @@ adds the result.
 A sentinel expert id (outside ``[0, num_experts)``: expert parallelism) runs no loop iterations in
 either kernel and reads no expert weights: its scratch row is zeros and it adds nothing to its token's
 output. Both weight layouts are the same kernels with other strides. The token count enters only the
-grids (and per-token strides, not specialised), so a new batch size does not recompile. Tile sizes are
-constants for now (not yet measured on a GPU); ``block_n`` / ``block_k`` override them per call.
+grids (and per-token strides, not specialised), so a new batch size does not recompile. The tiles were
+swept on the H200 at the benchmark shapes (hidden 2048, intermediate 512, 64 experts, top 10 or 6, shared
+experts folded in; graph-timed, experts rotating so that L2 does not hold them): a one-token step (batch-1
+decode) is fastest with wide reduction chunks and narrow down tiles, 28.8 us against 39.0 for Qwen4Exp and
+21.2 against 32.9 for Inkling (the bytes floor is 14.8 and 8.9); at 8 tokens the general tiles stay best
+(`benchmarks/RESULTS.md`). ``block_n`` / ``block_k`` override both per call.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ GATE_UP_BLOCK_N = 16  # intermediate columns per program
 DOWN_BLOCK_N = 16  # hidden columns per program
 BLOCK_K = 128  # reduction chunk (hidden size in the first kernel, intermediate size in the second)
 NUM_WARPS = 4
+# One token: few programs, so each must keep more bytes in flight (gate-up columns, down columns, chunk, warps).
+ONE_TOKEN_TILES = (16, 8, 512, 8)
 
 
 @triton.jit
@@ -203,9 +209,11 @@ def selected_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tens
     else:  # unused pointers (never dereferenced: SHARED_INTER = 0 leaves their code out)
         shared_gate = shared_up = shared_down = shared_vec = gate_up_proj
         token_weights = top_k_weights
-    gate_up_n = _block(block_n, GATE_UP_BLOCK_N, "block_n")
-    down_n = _block(block_n, DOWN_BLOCK_N, "block_n")
-    chunk = _block(block_k, BLOCK_K, "block_k")
+    gate_up_n, down_n, chunk, warps = (ONE_TOKEN_TILES if num_tokens == 1 else
+                                       (GATE_UP_BLOCK_N, DOWN_BLOCK_N, BLOCK_K, NUM_WARPS))
+    gate_up_n = _block(block_n, gate_up_n, "block_n")
+    down_n = _block(block_n, down_n, "block_n")
+    chunk = _block(block_k, chunk, "block_k")
     pairs = num_tokens * top_k
     rows = pairs + (num_tokens * n_shared if shared_inter else 0)
     scratch = torch.empty(rows, max(inter, shared_inter), dtype=torch.float32, device=hidden_states.device)
@@ -215,7 +223,7 @@ def selected_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tens
         w_e, w_n, w_k, scratch.stride(0), *shared_gate.stride()[-3:],
         num_experts, pairs,
         HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED=max(n_shared, 1), SHARED_INTER=shared_inter,
-        BLOCK_N=gate_up_n, BLOCK_K=chunk, num_warps=NUM_WARPS,
+        BLOCK_N=gate_up_n, BLOCK_K=chunk, num_warps=warps,
     )
     _down_kernel[(num_tokens, triton.cdiv(hidden, down_n))](
         scratch, top_k_index, top_k_weights, down_proj, out, hidden_states, shared_vec, shared_down, token_weights,
@@ -224,6 +232,6 @@ def selected_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tens
         hidden_states.stride(0), hidden_states.stride(1), *shared_down.stride()[-3:], token_weights.stride(0),
         num_experts, pairs,
         HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED=max(n_shared, 1), SHARED_INTER=shared_inter,
-        GATE_VECTOR=gate_vector, BLOCK_N=down_n, BLOCK_K=chunk, num_warps=NUM_WARPS,
+        GATE_VECTOR=gate_vector, BLOCK_N=down_n, BLOCK_K=chunk, num_warps=warps,
     )
     return out
