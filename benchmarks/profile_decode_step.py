@@ -151,7 +151,8 @@ def by_kind(prof, steps: int, on_gpu: bool) -> dict[str, dict]:
     """``{label: {"kernels": per step, "us": per step}}`` over the labelled ranges (GPU time on CUDA, CPU
     time on the CPU)."""
     totals: dict[str, dict] = defaultdict(lambda: {"kernels": 0, "us": 0.0, "calls": 0})
-    device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    # (CUPTI also records each drain's wait on the device timeline: not a kernel)
+    device = [e for e in prof.events() if e.device_type == DeviceType.CUDA and "ynchroniz" not in e.name]
     for event in prof.events():
         if not event.name.startswith(PREFIX) or event.device_type != DeviceType.CPU:
             continue

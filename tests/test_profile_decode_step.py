@@ -57,3 +57,34 @@ def test_the_ranges_leave_the_fusions_on():
     finally:
         for handle in handles:
             handle.remove()
+
+
+def test_gpu_kernels_count_for_the_ranges_they_ran_in():
+    """On a GPU a kernel counts for every labelled range whose time holds it (the profiler links Triton's
+    launches to no range): nested ranges both count it, a kernel after a range counts only for the step,
+    and the device total sees every kernel. Synthetic profiler events, microseconds."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import profile_decode_step as script
+    finally:
+        sys.path.pop(0)
+
+    def cpu(label, start, end):
+        return SimpleNamespace(name=script.PREFIX + label, device_type=DeviceType.CPU,
+                               time_range=Interval(start, end), cpu_children=[])
+
+    def kernel(start, end):
+        return SimpleNamespace(name="_some_triton_kernel", device_type=DeviceType.CUDA, time_range=Interval(start, end))
+
+    events = [cpu("step", 0, 100), cpu("layer a", 10, 50), cpu("a.mlp", 12, 30), kernel(13, 20), kernel(31, 40),
+              kernel(60, 70), kernel(120, 125)]
+    kinds = script.by_kind(SimpleNamespace(events=lambda: events), steps=1, on_gpu=True)
+    assert kinds["a.mlp"]["kernels"] == 1 and kinds["a.mlp"]["us"] == 7
+    assert kinds["layer a"]["kernels"] == 2 and kinds["layer a"]["us"] == 16
+    assert kinds["step"]["kernels"] == 3 and kinds["step"]["us"] == 26
+    assert kinds["device total"]["kernels"] == 4
