@@ -10,6 +10,7 @@ import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator, PromptLookupCandidateGenerator
 from transformers.generation.configuration_utils import GenerationMode
 
+from . import lookup_decoding
 from .cache import QSAPagedCache
 from .padding import as_padding_mask, step_order
 from .speculative import (
@@ -194,6 +195,20 @@ class PagedCacheGenerationMixin:
         return super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
+
+    def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                           streamer=None, inputs_tensor=None, assistant_model=None, assistant_tokenizer=None,
+                           tokenizer=None, **model_kwargs):
+        # Greedy prompt lookup runs a lean loop of ours (`lookup_decoding`): same tokens, one host read a round.
+        if lookup_decoding.applies(self, input_ids, stopping_criteria, generation_config, synced_gpus,
+                                   assistant_model, model_kwargs):
+            return lookup_decoding.decode_with_prompt_lookup(
+                self, input_ids, logits_processor, stopping_criteria, generation_config, streamer, inputs_tensor,
+                tokenizer, model_kwargs)
+        return super()._assisted_decoding(
+            input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
+            streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model,
+            assistant_tokenizer=assistant_tokenizer, tokenizer=tokenizer, **model_kwargs)
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):

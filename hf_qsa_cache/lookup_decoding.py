@@ -1,0 +1,133 @@
+"""Prompt lookup's decoding loop, with one small host read per round.
+
+transformers runs prompt lookup in its assisted-decoding loop, written for any drafter and for sampling.
+Each round, besides the forward, it copies the verified logits to fp32 and clones them, counts the
+accepted drafts with five device ops, looks for an end-of-sequence id with two more and reads the answer
+twice, then runs the stopping criteria on the device and reads their verdict (about 15 launches and 3
+host syncs a round, `benchmarks/RESULTS.md`, "Prompt lookup"). Greedy prompt lookup needs far less: the
+drafts come from a host search, so the verdict is a host comparison of the drafts with the model's
+argmax at each verified position.
+
+`decode_with_prompt_lookup` is that loop for greedy prompt lookup on a `QSAPagedCache` (`applies` says
+when; `PagedCacheGenerationMixin._assisted_decoding` takes it then, and transformers' loop otherwise).
+Per round: the drafts from the candidate generator generate() builds (`_get_candidate_generator`: the
+adaptive `DraftBudget` and the host search, or transformers' own search when logits processors may
+veto drafts), one forward over the last token and the drafts, the logits processors per position if
+there are any (as transformers applies them), one argmax and one read of the picks with the drafts, then
+on the host: the accepted prefix, the bonus token, the cut at ``max_length`` and at the first
+end-of-sequence id, the crop of the rejected drafts, and the stop. The tokens, the cache after the call,
+the streamer's calls and the candidate generator's calls are those of transformers' loop: the drafts only
+decide how many tokens a forward verifies.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.generation.candidate_generator import (
+    _prepare_attention_mask, _prepare_position_ids, _prepare_token_type_ids,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .cache import QSAPagedCache
+
+# The stopping criteria this loop evaluates on the host; any other one sends the call to transformers' loop.
+HOST_STOPS = (MaxLengthCriteria, EosTokenCriteria)
+
+
+def applies(model, input_ids: torch.Tensor, stopping_criteria, generation_config, synced_gpus: bool,
+            assistant_model, model_kwargs: dict) -> bool:
+    """Whether `decode_with_prompt_lookup` runs this assisted generate() call: greedy prompt lookup (no
+    assistant model), one row with room for a token, the model's adaptive draft count on, a
+    `QSAPagedCache`, only the length and end-of-sequence stops, no per-step outputs asked for, and no
+    synced GPUs."""
+    config = generation_config
+    wants_outputs = config.return_dict_in_generate and (
+        config.output_scores or config.output_logits or config.output_attentions or config.output_hidden_states)
+    return (config.prompt_lookup_num_tokens is not None and assistant_model is None
+            and config.assistant_early_exit is None and not config.do_sample
+            and getattr(config, "assistant_ensemble_weight", None) is None
+            and getattr(model, "adaptive_prompt_lookup", False)
+            and isinstance(model_kwargs.get("past_key_values"), QSAPagedCache) and model_kwargs.get("use_cache")
+            and input_ids.shape[0] == 1 and input_ids.shape[1] < config.max_length
+            and not synced_gpus and not wants_outputs
+            and all(isinstance(c, HOST_STOPS) for c in stopping_criteria))
+
+
+def _stops(stopping_criteria, generation_config) -> tuple[int, set[int]]:
+    """(the length that stops the row, the ids that end it), from the criteria generate() built."""
+    max_length = min((c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)),
+                     default=generation_config.max_length)
+    eos = {int(i) for c in stopping_criteria if isinstance(c, EosTokenCriteria)
+           for i in torch.as_tensor(c.eos_token_id).reshape(-1).tolist()}
+    return max_length, eos
+
+
+def verdict(drafts: list[int], picks: list[int], room: int, eos: set[int]) -> list[int]:
+    """The tokens a round adds: the model's picks up to and including its first disagreement with the drafts
+    (all of them plus a bonus token when every draft is accepted), at most ``room``, cut after the first
+    end-of-sequence id."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == picks[accepted]:
+        accepted += 1
+    tokens = picks[:accepted + 1][:room]
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[:i + 1]
+    return tokens
+
+
+def decode_with_prompt_lookup(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                              inputs_tensor, tokenizer, model_kwargs: dict):
+    """transformers' `_assisted_decoding` for the calls `applies` accepts (module docstring)."""
+    cache = model_kwargs["past_key_values"]
+    cache.activate_past_recording()  # as transformers' loop does before its first crop
+    generator = model._get_candidate_generator(
+        generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
+        assistant_model=None, logits_processor=logits_processor, target_tokenizer=tokenizer,
+        assistant_tokenizer=None, model_kwargs=model_kwargs)
+    max_length, eos = _stops(stopping_criteria, generation_config)
+    first = True
+    while True:
+        length = input_ids.shape[1]
+        candidates, _ = generator.get_candidates(input_ids)
+        candidates = candidates.to(input_ids.device)
+        drafted = candidates.shape[1] - length
+        kwargs = _prepare_attention_mask(copy.copy(model_kwargs), candidates.shape[1], False)
+        kwargs = _prepare_token_type_ids(kwargs, candidates.shape[1])
+        if kwargs.get("position_ids") is not None and drafted > 0:
+            kwargs = _prepare_position_ids(kwargs, drafted + kwargs["position_ids"].shape[-1], False)
+        inputs = model.prepare_inputs_for_generation(
+            candidates, next_sequence_length=None if first else drafted + 1, is_first_iteration=first, **kwargs)
+        if "logits_to_keep" in inputs:
+            inputs["logits_to_keep"] = drafted + 1
+        outputs = model(**inputs)
+        logits = outputs.logits[:, -drafted - 1:]
+        if len(logits_processor):  # as transformers: in fp32, position by position
+            logits = logits.to(torch.float32)
+            for i in range(drafted + 1):
+                logits[:, i, :] = logits_processor(candidates[:, :length + i], logits[:, i, :])
+        # The round's one read: the model's pick at each verified position, then the drafts.
+        read = torch.cat([logits.argmax(dim=-1)[0], candidates[0, length:]]).tolist()
+        picks, drafts = read[:drafted + 1], read[drafted + 1:]
+        tokens = verdict(drafts, picks, max_length - length, eos)
+        accepted = len(tokens) - 1
+        new = torch.tensor([tokens], dtype=input_ids.dtype)
+        input_ids = torch.cat([input_ids, new.to(input_ids.device, non_blocking=True)], dim=-1)
+        if streamer is not None:
+            streamer.put(new)
+        cache.crop(accepted - drafted)  # the drafts after the accepted ones (crop(0) changes nothing)
+        generator.update_candidate_strategy(input_ids, outputs.logits[:, -drafted - 1:], accepted)
+        model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False,
+                                                                 num_new_tokens=accepted + 1)
+        del outputs
+        first = False
+        if input_ids.shape[1] >= max_length or tokens[-1] in eos:
+            break
+    if streamer is not None:
+        streamer.end()
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=input_ids, past_key_values=cache)
+    return input_ids

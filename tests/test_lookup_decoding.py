@@ -1,0 +1,138 @@
+"""Greedy prompt lookup's own loop (`hf_qsa_cache.lookup_decoding`) against transformers' assisted-decoding loop,
+the specification: the same sequences, the same cache afterwards (the next step's logits), the same streamer
+calls and the same rounds of the candidate generator, on both families, with drafts accepted and rejected,
+an end-of-sequence id, a shorter length and a logits processor; a round's verdict (max_length or an
+end-of-sequence id inside the round) on its own; and the calls it leaves to transformers' loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_speculative import K, _ink_lookup_prompt, _qwen_prompt, ink, qwen  # noqa: F401 (fixtures)
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, SuppressTokensLogitsProcessor
+
+from hf_qsa_cache import lookup_decoding
+
+
+def _greedy(model, ids, n, **kwargs):
+    kwargs = {"pad_token_id": 0, "eos_token_id": None, **kwargs}
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              return_dict_in_generate=True, **kwargs)
+
+
+class Streamer:
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+def _rounds(monkeypatch, model):
+    """The (drafts proposed, drafts accepted) of each round, from the candidate generator generate() builds."""
+    rounds = []
+    build = type(model)._get_candidate_generator
+
+    def logged(self, *args, **kwargs):
+        generator = build(self, *args, **kwargs)
+        get, update = generator.get_candidates, generator.update_candidate_strategy
+
+        def get_candidates(input_ids, *a, **kw):
+            candidates, logits = get(input_ids, *a, **kw)
+            rounds.append([candidates.shape[1] - input_ids.shape[1], None])
+            return candidates, logits
+
+        def update_candidate_strategy(input_ids, scores, num_matches):
+            rounds[-1][1] = int(num_matches)
+            return update(input_ids, scores, num_matches)
+
+        generator.get_candidates, generator.update_candidate_strategy = get_candidates, update_candidate_strategy
+        return generator
+
+    monkeypatch.setattr(type(model), "_get_candidate_generator", logged)
+    return rounds
+
+
+def _run(monkeypatch, model, ids, n, lean: bool, **kwargs):
+    """generate() with prompt lookup through our loop (``lean``) or transformers' one; its output, the
+    streamer's calls, the rounds, whether our loop ran, and the logits of one more step on the cache."""
+    ran = []
+    decode = lookup_decoding.decode_with_prompt_lookup
+    with monkeypatch.context() as m:
+        if not lean:
+            m.setattr(lookup_decoding, "applies", lambda *a, **k: False)
+        m.setattr(lookup_decoding, "decode_with_prompt_lookup", lambda *a, **k: ran.append(1) or decode(*a, **k))
+        rounds = _rounds(m, model)
+        streamer = Streamer()
+        out = _greedy(model, ids, n, prompt_lookup_num_tokens=K, streamer=streamer, **kwargs)
+    cache = out.past_key_values
+    with torch.no_grad():
+        # generate() never feeds its last token: the cache holds all but that one.
+        assert cache.get_seq_length() == out.sequences.shape[1] - 1
+        step = model(out.sequences[:, -1:], attention_mask=torch.ones_like(out.sequences), past_key_values=cache)
+    return out, streamer, rounds, bool(ran), step.logits
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_our_loop_equals_transformers_loop(family, qwen, ink, monkeypatch):  # noqa: F811
+    model = (qwen if family == "qwen4_exp" else ink)[0]
+    ids = _qwen_prompt(seed=5) if family == "qwen4_exp" else _ink_lookup_prompt(model)
+    plain = _greedy(model, ids, 20).sequences[0, ids.shape[1]:].tolist()
+    # An end-of-sequence id first generated well inside the continuation; and a length that ends mid-round.
+    eos = next(t for i, t in enumerate(plain) if i >= 8 and t not in plain[:i])
+    for n, extra in ((20, {}), (20, {"eos_token_id": eos}), (11, {})):
+        theirs = _run(monkeypatch, model, ids, n, lean=False, **extra)
+        ours = _run(monkeypatch, model, ids, n, lean=True, **extra)
+        assert ours[3] and not theirs[3]
+        assert torch.equal(ours[0].sequences, theirs[0].sequences), (n, extra)
+        assert ours[1].puts == theirs[1].puts and ours[1].ended == theirs[1].ended == 1
+        assert ours[2] == theirs[2]
+        torch.testing.assert_close(ours[4], theirs[4], rtol=0, atol=0)
+        if not extra and n == 20:  # drafts accepted and rejected
+            assert any(a for _, a in ours[2]) and any(p and not a for p, a in ours[2]), ours[2]
+        if "eos_token_id" in extra:
+            assert ours[0].sequences[0, -1] == eos and ours[0].sequences.shape[1] < ids.shape[1] + n
+
+
+def test_logits_processors_apply_per_verified_position(qwen, monkeypatch):  # noqa: F811
+    model = qwen[0]
+    ids = _qwen_prompt(seed=5)
+    plain = _greedy(model, ids, 12).sequences[0, ids.shape[1]:].tolist()
+    processors = LogitsProcessorList([SuppressTokensLogitsProcessor(plain[3:5], device="cpu")])
+    theirs = _run(monkeypatch, model, ids, 12, lean=False, logits_processor=processors)
+    ours = _run(monkeypatch, model, ids, 12, lean=True, logits_processor=processors)
+    assert ours[3]
+    assert torch.equal(ours[0].sequences, theirs[0].sequences) and ours[2] == theirs[2]
+    assert not set(plain[3:5]) & set(ours[0].sequences[0, ids.shape[1]:].tolist())  # the processor acted
+
+
+class NeverStop(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("case", ["scores", "custom stop", "fixed draft count"])
+def test_calls_it_cannot_serve_go_to_transformers_loop(case, qwen, monkeypatch):  # noqa: F811
+    model = qwen[0]
+    ids = _qwen_prompt(seed=5)
+    kwargs = {"scores": {"output_scores": True}, "custom stop": {"stopping_criteria": StoppingCriteriaList(
+        [NeverStop()])}, "fixed draft count": {}}[case]
+    if case == "fixed draft count":
+        monkeypatch.setattr(model, "adaptive_prompt_lookup", False)
+    lean = _run(monkeypatch, model, ids, 8, lean=True, **kwargs)
+    assert not lean[3]
+    assert torch.equal(lean[0].sequences, _greedy(model, ids, 8).sequences)
+
+
+def test_verdict_keeps_the_accepted_drafts_and_one_more_within_room_and_eos():
+    verdict = lookup_decoding.verdict
+    assert verdict([5, 6, 7], [5, 6, 7, 8], room=9, eos=set()) == [5, 6, 7, 8]  # all accepted, bonus token
+    assert verdict([5, 6, 7], [5, 9, 1, 2], room=9, eos=set()) == [5, 9]  # first disagreement is the last
+    assert verdict([], [4], room=9, eos=set()) == [4]  # no drafts: a plain step
+    assert verdict([5, 6, 7], [5, 6, 7, 8], room=2, eos=set()) == [5, 6]  # max_length inside the round
+    assert verdict([5, 6, 7], [5, 6, 7, 8], room=9, eos={6}) == [5, 6]  # an accepted draft ends the row
+    assert verdict([5, 6], [5, 3, 6], room=9, eos={3}) == [5, 3]  # the correction ends it
