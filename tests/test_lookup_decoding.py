@@ -136,3 +136,24 @@ def test_verdict_keeps_the_accepted_drafts_and_one_more_within_room_and_eos():
     assert verdict([5, 6, 7], [5, 6, 7, 8], room=2, eos=set()) == [5, 6]  # max_length inside the round
     assert verdict([5, 6, 7], [5, 6, 7, 8], room=9, eos={6}) == [5, 6]  # an accepted draft ends the row
     assert verdict([5, 6], [5, 3, 6], room=9, eos={3}) == [5, 3]  # the correction ends it
+
+
+def test_our_loop_makes_fewer_torch_calls_between_forwards(qwen, monkeypatch):  # noqa: F811
+    """benchmarks/count_loop_calls.py: the same forwards, fewer computing torch calls per token outside them
+    than transformers' loop (each a kernel launch on a GPU), no more than plain greedy decoding."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        import count_loop_calls as script
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(script, "NEW_TOKENS", 12)
+    model = qwen[0]
+    ids = _qwen_prompt(seed=7)
+    plain, _, _ = script.count(model, ids, True)
+    theirs, forwards, _ = script.count(model, ids, False, prompt_lookup_num_tokens=K)
+    ours, our_forwards, calls = script.count(model, ids, True, prompt_lookup_num_tokens=K)
+    assert our_forwards == forwards
+    assert ours < theirs and ours <= plain, (ours, theirs, plain, calls)

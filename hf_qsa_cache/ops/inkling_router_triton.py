@@ -41,17 +41,17 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, stride_xt, num_tokens, split_l
     tl.store(part_ptr + (s * num_tokens + t) * ROWS + e, tl.sum(acc, axis=1), mask=e_ok)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens", "splits"])
 def _inkling_router_kernel(
-    part_ptr, bias_ptr, scale_ptr, weights_ptr, indices_ptr, gammas_ptr, num_tokens, route_scale,
+    part_ptr, bias_ptr, scale_ptr, weights_ptr, indices_ptr, gammas_ptr, num_tokens, splits, route_scale,
     E: tl.constexpr, S: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-    S_PAD: tl.constexpr, SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)  # rows 0..E-1 routed, E..E+S-1 shared
     e_ok = e < E + S
     logits = tl.zeros([E_PAD], tl.float32)
-    for split in range(SPLITS):
+    for split in range(splits):  # (a runtime count: a new batch size does not recompile)
         logits += tl.load(part_ptr + (split * num_tokens + t) * (E + S) + e, mask=e_ok, other=0.0)
     routed = e < E
     bias = tl.load(bias_ptr + e, mask=routed, other=0.0).to(tl.float32)
@@ -104,7 +104,7 @@ def inkling_router_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         x, weight, part, x.stride(0), T, split_len, HIDDEN=H, ROWS=rows, BLOCK_E=BLOCK_E, BLOCK_H=block_h,
         num_warps=4)
     _inkling_router_kernel[(T,)](
-        part, bias, global_scale, weights, indices, gammas, T, float(route_scale), E=E, S=n_shared,
+        part, bias, global_scale, weights, indices, gammas, T, splits, float(route_scale), E=E, S=n_shared,
         E_PAD=triton.next_power_of_2(rows), K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        S_PAD=triton.next_power_of_2(n_shared), SPLITS=splits, num_warps=4)
+        S_PAD=triton.next_power_of_2(n_shared), num_warps=4)
     return weights, indices, gammas
