@@ -9,6 +9,14 @@ three host reads a round (`benchmarks/count_loop_calls.py`). Greedy prompt looku
 drafts come from a host search, so the verdict is a host comparison of the drafts with the model's
 argmax at each verified position (11 calls per token, one read a round).
 
+A read makes the host wait for the step, where plain decoding queues the next step before the last one
+ends. So a round that drafts nothing (the adaptive budget's pauses) leaves its pick on the device and
+feeds it to the next step unread; the picks are read when a round may draft again (the search needs
+them), when the row is full, or before the unread steps could run past the cache's rollback headroom
+(``num_speculative_tokens``) beyond an end-of-sequence id among them. One found late ends the row there:
+the steps that ran past it are cropped, and the output and the cache are what transformers' loop leaves
+(its candidate generator saw a few more paused rounds, which change nothing after the end).
+
 `decode_with_prompt_lookup` is that loop for greedy prompt lookup on a `QSAPagedCache` (`applies` says
 when; `PagedCacheGenerationMixin._assisted_decoding` takes it then, and transformers' loop otherwise).
 Per round: the drafts from the candidate generator generate() builds (`_get_candidate_generator`: the
@@ -17,8 +25,9 @@ veto drafts), one forward over the last token and the drafts, the logits process
 there are any (as transformers applies them), one argmax and one read of the picks with the drafts, then
 on the host: the accepted prefix, the bonus token, the cut at ``max_length`` and at the first
 end-of-sequence id, the crop of the rejected drafts, and the stop. The tokens, the cache after the call,
-the streamer's calls and the candidate generator's calls are those of transformers' loop: the drafts only
-decide how many tokens a forward verifies.
+the streamer's calls and the candidate generator's calls are those of transformers' loop (below: a
+paused round's streamer call may come a few steps late): the drafts only decide how many tokens a forward
+verifies.
 """
 
 from __future__ import annotations
@@ -89,10 +98,38 @@ def decode_with_prompt_lookup(model, input_ids, logits_processor, stopping_crite
         generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
         assistant_model=None, logits_processor=logits_processor, target_tokenizer=tokenizer,
         assistant_tokenizer=None, model_kwargs=model_kwargs)
+    budget = generator.draft_budget
     max_length, eos = _stops(stopping_criteria, generation_config)
+    # Paused rounds leave their pick on the device (`unread`) until a round may draft, the row is full, or
+    # (with end-of-sequence ids) the unread picks reach the cache's rollback headroom: were the first of them
+    # an end-of-sequence id, the steps after it are cropped, and crop reaches that far back.
+    headroom = cache.num_speculative_tokens if eos else max_length
+    unread: list[torch.Tensor] = []
+
+    def settle() -> bool:
+        """Read the unread picks: the streamer gets them; at an end-of-sequence id the row ends there (the
+        steps run past it are cropped). Returns whether the row ended."""
+        nonlocal input_ids
+        picks = torch.cat(unread).tolist()
+        unread.clear()
+        for i, token in enumerate(picks):
+            if streamer is not None:
+                streamer.put(torch.tensor([[token]], dtype=input_ids.dtype))
+            if token in eos:
+                past = len(picks) - 1 - i  # steps that fed this token and the ones after it
+                cache.crop(-past)
+                input_ids = input_ids[:, :input_ids.shape[1] - past]
+                return True
+        return False
+
     first = True
     while True:
         length = input_ids.shape[1]
+        # Read before a round that may draft, that ends the row, or that would run past the headroom: a round
+        # that reads its own picks starts with none unread.
+        if unread and (budget.paused == 0 or len(unread) > headroom or length + 1 >= max_length):
+            if settle():
+                break
         candidates, _ = generator.get_candidates(input_ids)
         candidates = candidates.to(input_ids.device)
         drafted = candidates.shape[1] - length
@@ -110,6 +147,15 @@ def decode_with_prompt_lookup(model, input_ids, logits_processor, stopping_crite
             logits = logits.to(torch.float32)
             for i in range(drafted + 1):
                 logits[:, i, :] = logits_processor(candidates[:, :length + i], logits[:, i, :])
+        first = False
+        if drafted == 0 and length + 1 < max_length:  # a plain step: its pick stays on the device for now
+            pick = logits.argmax(dim=-1)
+            input_ids = torch.cat([input_ids, pick], dim=-1)
+            unread.append(pick[0])
+            generator.update_candidate_strategy(input_ids, outputs.logits[:, -1:], 0)
+            model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False,
+                                                                     num_new_tokens=1)
+            continue
         # The round's one read: the model's pick at each verified position, then the drafts.
         read = torch.cat([logits.argmax(dim=-1)[0], candidates[0, length:]]).tolist()
         picks, drafts = read[:drafted + 1], read[drafted + 1:]
@@ -124,7 +170,6 @@ def decode_with_prompt_lookup(model, input_ids, logits_processor, stopping_crite
         model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False,
                                                                  num_new_tokens=accepted + 1)
         del outputs
-        first = False
         if input_ids.shape[1] >= max_length or tokens[-1] in eos:
             break
     if streamer is not None:

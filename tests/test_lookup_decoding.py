@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import test_inkling as inkling
+from qwen4_helpers import random_prompts
 from test_speculative import K, _ink_lookup_prompt, _qwen_prompt, ink, qwen  # noqa: F401 (fixtures)
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, SuppressTokensLogitsProcessor
 
-from hf_qsa_cache import lookup_decoding
+from hf_qsa_cache import QSAPagedCache, lookup_decoding
+from hf_qsa_cache.speculative import DraftBudget
 
 
 def _greedy(model, ids, n, **kwargs):
@@ -157,3 +160,43 @@ def test_our_loop_makes_fewer_torch_calls_between_forwards(qwen, monkeypatch):  
     ours, our_forwards, calls = script.count(model, ids, True, prompt_lookup_num_tokens=K)
     assert our_forwards == forwards
     assert ours < theirs and ours <= plain, (ours, theirs, plain, calls)
+
+
+@pytest.mark.parametrize("pauses", ["adaptive", "endless"])
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_an_end_of_sequence_id_read_late_is_taken_back(family, pauses, qwen, ink, monkeypatch):  # noqa: F811
+    """Paused rounds leave their picks unread for up to num_speculative_tokens steps past a possible
+    end-of-sequence id: one among them is found late, the steps after it are cropped and the result is
+    transformers' loop's. Every token of a continuation the model does not draft right is tried as the
+    end-of-sequence id: some fall inside a pause, late. With pauses that never end, reads come only from
+    the headroom, and the first token ends a longest unread run (the deepest crop)."""
+    if pauses == "endless":
+        init = DraftBudget.__init__
+
+        def paused_for_good(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.paused = 10 ** 9
+
+        monkeypatch.setattr(DraftBudget, "__init__", paused_for_good)
+    model = (qwen if family == "qwen4_exp" else ink)[0]
+    ids = (torch.tensor([random_prompts([12], seed=11)[0]]) if family == "qwen4_exp"
+           else inkling.make_prompts([12], seed=11)[0][None])
+    plain = _greedy(model, ids, 16).sequences[0, ids.shape[1]:].tolist()
+    crops = []
+    real_crop = QSAPagedCache.crop
+    monkeypatch.setattr(QSAPagedCache, "crop", lambda cache, n: crops.append(n) or real_crop(cache, n))
+    late = 0
+    for i, eos in enumerate(plain):
+        if eos in plain[:i]:
+            continue
+        crops.clear()
+        theirs = _run(monkeypatch, model, ids, 16, lean=False, eos_token_id=eos)
+        their_crops = [n for n in crops if n]
+        crops.clear()
+        ours = _run(monkeypatch, model, ids, 16, lean=True, eos_token_id=eos)
+        assert torch.equal(ours[0].sequences, theirs[0].sequences), eos
+        assert ours[1].puts == theirs[1].puts
+        torch.testing.assert_close(ours[4], theirs[4], rtol=0, atol=0)
+        assert ours[2][:len(theirs[2])] == theirs[2] and all(r == [0, 0] for r in ours[2][len(theirs[2]):])
+        late += len([n for n in crops if n]) > len(their_crops)
+    assert late, "no end-of-sequence id was read late"
