@@ -7,7 +7,7 @@ twice, then runs the stopping criteria on the device and reads their verdict: 23
 per token outside the forward when every draft is rejected, against 15 in plain greedy decoding, and
 three host reads a round (`benchmarks/count_loop_calls.py`). Greedy prompt lookup needs far less: the
 drafts come from a host search, so the verdict is a host comparison of the drafts with the model's
-argmax at each verified position (11 calls per token, one read a round).
+argmax at each verified position (9.5-9.7 calls per token, at most one read a round).
 
 A read makes the host wait for the step, where plain decoding queues the next step before the last one
 ends. So a round that drafts nothing (the adaptive budget's pauses) leaves its pick on the device and
