@@ -27,7 +27,10 @@ transformers' own count of matches per round, the ``n_matches`` it passes to
 (what generate() does by default: `DraftBudget` shrinks the draft count after rejections, down to
 paused rounds that propose nothing, and grows it back to k) and ``fixed`` (transformers' k on every
 round that finds a match; ``model.adaptive_prompt_lookup = False``). Full runs measure both, tiny
-runs the adaptive one. The drafter gets no logits processor: transformers would otherwise
+runs the adaptive one. The adaptive count runs in each loop of ``--loops``: ``ours``
+(`hf_qsa_cache.lookup_decoding`, what generate() takes) and ``transformers`` (its assisted-decoding loop);
+full runs measure both, side by side, tiny runs ours; the fixed count always runs in transformers' loop.
+The time comes from a streamer (``Clock``): marks when a loop hands tokens out. The drafter gets no logits processor: transformers would otherwise
 use the forcing processor to veto wrong drafts, an oracle real prompt lookup does not have. The
 tokens with drafting must equal the plain tokens; for the forced continuations the script fails
 (exit status 1) if they do not, after writing the lines. Each ``generate()`` runs once to warm up
@@ -42,7 +45,8 @@ around the forward from an idle device (synchronized before), so host work is in
 
 One JSON line per measurement, appended to ``benchmarks/results/h200.jsonl`` on CUDA (``--jsonl``
 to choose; on the CPU only when given). Keys: model, layers, impl ("paged"), graphs, mode ("plain",
-"prompt_lookup", "decode_step", "verify_step"), lookup ("adaptive" or "fixed", prompt lookup lines),
+"prompt_lookup", "decode_step", "verify_step"), lookup ("adaptive" or "fixed", prompt lookup lines), loop
+("ours" or "transformers", prompt lookup lines),
 continuation (generate lines), draft_tokens (k, or 0 for plain decoding and the cache without
 headroom), batch (1), prompt_len, new_tokens (generated tokens; for step lines the tokens one step
 feeds), tokens_per_s or step_ms, acceptance_rate, proposed / accepted drafts (proposed: the draft
@@ -70,16 +74,17 @@ for path in (ROOT, HERE):  # this tree's packages and bench_generate, whatever i
         sys.path.insert(0, path)
 
 import torch  # noqa: E402
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList  # noqa: E402
+from transformers import LogitsProcessor, LogitsProcessorList  # noqa: E402
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator  # noqa: E402
 
 from bench_generate import RESULTS, commit, inkling_config, qwen4_exp_config  # noqa: E402
-from hf_qsa_cache import QSAPagedCache  # noqa: E402
+from hf_qsa_cache import QSAPagedCache, lookup_decoding  # noqa: E402
 from hf_qsa_cache.cuda_graphs import enabled_by_default as graphs_enabled  # noqa: E402
 
 DEFAULT_LAYERS = {"qwen4_exp": 8, "inkling": 6}
 CONTINUATIONS = ("copy", "skip", "free")
 LOOKUPS = ("adaptive", "fixed")  # prompt lookup's draft count: DraftBudget, or transformers' fixed k
+LOOPS = ("ours", "transformers")  # the adaptive count's loop: hf_qsa_cache.lookup_decoding, or transformers'
 
 
 # ----------------------------------------------------------------------------- models
@@ -165,18 +170,23 @@ class ForceContinuation(LogitsProcessor):
 
 
 # ----------------------------------------------------------------------------- generate() measurement
-class Clock(StoppingCriteria):
-    """Called after every forward of generate() (plain step or verify round): (time, tokens so far)."""
+class Clock:
+    """A streamer of generate(): each call to ``put`` marks (time, tokens so far), the prompt's first. The
+    tokens come when a loop reads them, so any loop can be timed (a stopping criterion would send prompt
+    lookup to transformers' loop, `hf_qsa_cache.lookup_decoding.applies`)."""
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
         self.marks: list[tuple[float, int]] = []
 
-    def __call__(self, input_ids, scores, **kwargs):
+    def put(self, value):
         if self.cuda:
             torch.cuda.synchronize()
-        self.marks.append((time.perf_counter(), input_ids.shape[1]))
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        tokens = value.numel() + (self.marks[-1][1] if self.marks else 0)
+        self.marks.append((time.perf_counter(), tokens))
+
+    def end(self):
+        pass
 
 
 class DraftCount:
@@ -224,29 +234,37 @@ class DraftCount:
         self.accepted = sum(a for _, a in self.rounds)
 
 
-def generate(model, prompt, new_tokens, cache, processor, draft_tokens, cuda, lookup="adaptive") -> dict:
+def generate(model, prompt, new_tokens, cache, processor, draft_tokens, cuda, lookup="adaptive",
+             loop="ours") -> dict:
     """One greedy generate() on ``cache`` (reset first); decode-phase tokens/s, drafts when drafting
-    (``lookup``: the draft count's schedule, see LOOKUPS)."""
+    (``lookup``: the draft count's schedule, see LOOKUPS; ``loop``: prompt lookup's loop, LOOPS)."""
     cache.reset()
     clock = Clock(cuda)
     kwargs = dict(prompt_lookup_num_tokens=draft_tokens) if draft_tokens else {}
     count = DraftCount(model)
     model.adaptive_prompt_lookup = lookup == "adaptive"
+    applies = lookup_decoding.applies
+    if loop == "transformers":
+        lookup_decoding.applies = lambda *args, **kw: False
     try:
         with count, torch.no_grad():
             out = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
                                  max_new_tokens=new_tokens, do_sample=False,
                                  pad_token_id=0, eos_token_id=None,
                                  logits_processor=LogitsProcessorList([processor] if processor else []),
-                                 stopping_criteria=StoppingCriteriaList([clock]), **kwargs)
+                                 streamer=clock, **kwargs)
     finally:
+        lookup_decoding.applies = applies
         del model.adaptive_prompt_lookup  # back to the class's default
-    (t0, n0), (t1, n1) = clock.marks[0], clock.marks[-1]
-    row = {"tokens_per_s": (n1 - n0) / (t1 - t0) if t1 > t0 else None, "rounds": len(clock.marks) - 1,
+    # From the first read after the prompt (the first step's tokens) to the last.
+    (t0, n0), (t1, n1) = clock.marks[1], clock.marks[-1]
+    row = {"tokens_per_s": (n1 - n0) / (t1 - t0) if t1 > t0 else None,
+           # forwards after the prefill: one per round (one get_candidates call each), one per token plain
+           "rounds": len(count.rounds) - 1 if draft_tokens else new_tokens - 1,
            "tokens": out[0, prompt.shape[1]:].cpu()}
     if draft_tokens:
         row.update(acceptance_rate=count.accepted / count.proposed if count.proposed else None,
-                   proposed=count.proposed, accepted=count.accepted, lookup=lookup,
+                   proposed=count.proposed, accepted=count.accepted, lookup=lookup, loop=loop,
                    drafting_rounds=sum(1 for p, _ in count.rounds if p),
                    rounds_without_drafts=sum(1 for p, _ in count.rounds if p == 0))
     return row
@@ -320,24 +338,29 @@ def bench_model(name: str, args, sha: str) -> tuple[list[dict], list[str]]:
         stream = continuation(kind, text, args.repeat, new + k + 1)
         processor = ForceContinuation(stream.to(device), length) if stream is not None else None
         measured = {}
-        runs = [("plain", None, plain_cache, 0)] + [("prompt_lookup", s, draft_cache, k) for s in args.lookup]
-        for mode, schedule, cache, drafts in runs:
-            generate(model, prompt, new, cache, processor, drafts, cuda, schedule or "adaptive")  # warm-up
-            measured[mode, schedule] = generate(model, prompt, new, cache, processor, drafts, cuda,
-                                                schedule or "adaptive")
-        plain = measured["plain", None]
+        # Our loop serves the adaptive count only (transformers' fixed count keeps transformers' loop).
+        runs = [("plain", None, None, plain_cache, 0)] + [
+            ("prompt_lookup", s, loop, draft_cache, k) for s in args.lookup
+            for loop in (args.loops if s == "adaptive" else ["transformers"])]
+        for mode, schedule, loop, cache, drafts in runs:
+            generate(model, prompt, new, cache, processor, drafts, cuda, schedule or "adaptive", loop)  # warm-up
+            measured[mode, schedule, loop] = generate(model, prompt, new, cache, processor, drafts, cuda,
+                                                      schedule or "adaptive", loop)
+        plain = measured["plain", None, None]
         if stream is not None and not torch.equal(plain["tokens"], stream[:new]):
             failures.append(f"{name} {kind}: plain generate() did not produce the forced tokens")
-        for schedule in args.lookup:
-            lookup = measured["prompt_lookup", schedule]
+        for (mode, schedule, loop), lookup in measured.items():
+            if mode != "prompt_lookup":
+                continue
             agree = int((plain["tokens"] == lookup["tokens"]).int().cumprod(0).sum())
             lookup["tokens_equal_plain"] = agree == new
             lookup["greedy_tokens_agreeing"] = agree
             if stream is not None and agree != new:
-                failures.append(f"{name} {kind}: prompt lookup ({schedule}) tokens differ from plain from token {agree}")
+                failures.append(f"{name} {kind}: prompt lookup ({schedule}, {loop} loop) tokens differ from plain "
+                                f"from token {agree}")
             if plain["tokens_per_s"] and lookup["tokens_per_s"]:
                 lookup["speedup"] = lookup["tokens_per_s"] / plain["tokens_per_s"]
-        for (mode, _), row in measured.items():
+        for (mode, _, _), row in measured.items():
             row.pop("tokens")
             rows.append({**common, "mode": mode, "continuation": kind, "draft_tokens": k if mode != "plain" else 0,
                          "new_tokens": new, **row})
@@ -360,7 +383,8 @@ def summary(rows: list[dict], k: int) -> list[str]:
         for look in (r for r in rows if r["mode"] == "prompt_lookup" and r["continuation"] == kind):
             rate = "n/a (no drafts)" if look["acceptance_rate"] is None else f"{look['acceptance_rate']:.2f}"
             speed = f"{look['speedup']:.2f}x" if look.get("speedup") else "n/a"
-            lines.append(f"    prompt lookup, {look['lookup']}: {look['tokens_per_s']:.1f} tok/s ({speed}), "
+            loop = "our loop" if look["loop"] == "ours" else "transformers' loop"
+            lines.append(f"    prompt lookup, {look['lookup']}, {loop}: {look['tokens_per_s']:.1f} tok/s ({speed}), "
                          f"acceptance {rate} ({look['accepted']}/{look['proposed']} drafts), {look['rounds'] + 1} "
                          f"forwards ({look['drafting_rounds']} with drafts), tokens equal plain: "
                          f"{'yes' if look['tokens_equal_plain'] else 'NO'}")
@@ -388,9 +412,11 @@ def parse_args(argv=None):
     parser.add_argument("--jsonl", default=None, help="append lines here (default: results/h200.jsonl on CUDA)")
     parser.add_argument("--lookup", nargs="+", choices=LOOKUPS, default=None,
                         help="prompt lookup draft-count schedules to measure (adaptive fixed; tiny: adaptive)")
+    parser.add_argument("--loops", nargs="+", choices=LOOPS, default=None,
+                        help="loops that run the adaptive schedule (ours transformers; tiny: ours)")
     args = parser.parse_args(argv)
     defaults = dict(passage=(40, 512), repeat=(8, 64), new_tokens=(12, 128), steps=(3, 20), warmup=(1, 5),
-                    lookup=(["adaptive"], list(LOOKUPS)))
+                    lookup=(["adaptive"], list(LOOKUPS)), loops=(["ours"], list(LOOPS)))
     for key, (tiny, full) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, tiny if args.tiny else full)
