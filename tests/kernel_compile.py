@@ -3,9 +3,10 @@
 The interpreter runs a kernel as Python on the CPU, so it accepts code that Triton's compiler refuses (a
 name rebound from a compile-time constant to a tensor, a constexpr mismatch between branches): such a kernel
 passes every interpreter test and fails at its first launch on a GPU. So each interpreter run records its
-launches (`record` below, in the subprocess, writing one JSON line per distinct signature), and the test
-process compiles each of them for an sm_90 target (the H200) with Triton's real compiler, down to the
-binary. No GPU is needed: the compiler and its assembler ship with Triton.
+launches (`record` below, in the subprocess, writing one JSON line per distinct launch), and the test
+process compiles them for an sm_90 target (the H200) with Triton's real compiler, down to the binary: one
+launch per kernel, argument types and compile-time values other than integer sizes (`structure`: a test's
+many small shapes compile alike). No GPU is needed: the compiler and its assembler ship with Triton.
 
 A launch record: the kernel's module and name, the type of each runtime argument (a tensor's element
 type, an int's width), the value of each compile-time argument, and the launch options (warps, stages).
