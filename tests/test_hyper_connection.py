@@ -172,7 +172,8 @@ def _main() -> int:
 
 def _projection_cases() -> int:
     """`mix_projections_triton` against the torch spec with its tiles forced small: several input splits (and a
-    last, shorter one), feature blocks past H, token blocks past 16, low-rank widths below and above 16."""
+    last, shorter one), feature blocks past H, token blocks past 16 (the down projection's), low-rank widths
+    below, at and above the up projection's chunk of 16 (the last chunk partial), streams padded (3 to 4)."""
     from interpreter import count_launches
 
     from hf_qsa_cache.ops import hyper_connection_triton as hct
@@ -192,7 +193,7 @@ def _projection_cases() -> int:
                 for splits, block_k in ((3, 16), (1, 128)):
                     launches.clear()
                     got = hct.mix_projections_triton(normed, down, up, inject_weight, hc, splits=splits, block_h=16,
-                                                     block_k=block_k)
+                                                     block_k=block_k, r_chunk=16)
                     want = hc_ops.mix_projections(normed, down, up, inject_weight, hc)
                     assert len(launches) == 2, launches
                     for a, b in zip(got, want):

@@ -127,7 +127,8 @@ HC_PROJ_BLOCK_M = 16
 HC_PROJ_BLOCK_N = 32
 HC_PROJ_BLOCK_K = 128
 HC_PROJ_SPLITS = 16
-HC_PROJ_BLOCK_H = 16
+HC_PROJ_BLOCK_H = 16  # output columns per program of the up projection (times the streams: weight rows)
+HC_PROJ_R_CHUNK = 64  # low-rank columns per step of the up projection's GEMVs
 
 
 @triton.jit(do_not_specialize=["num_tokens", "split_len"])
@@ -156,51 +157,50 @@ def _hc_down_kernel(x_ptr, down_ptr, inject_w_ptr, part_ptr, num_tokens, split_l
 @triton.jit(do_not_specialize=["num_tokens"])
 def _hc_up_mix_kernel(part_ptr, normed_ptr, up_ptr, mixed_ptr, inject_ptr, num_tokens,
                       H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr,
-                      R_PAD: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
-    """mixed[m, h] = mean_c sigmoid(low[m] . W_up[c*H + h]) * normed[m, c*H + h], with low = silu(down / HC)
-    summed from the splits; the first column block also writes inject = 2 sigmoid(logits / HC)."""
-    h_block, m_block = tl.program_id(0), tl.program_id(1)
-    m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = m < num_tokens
-    r = tl.arange(0, R_PAD)
-    low = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
-    for s in range(SPLITS):
-        row = (s * num_tokens + m.to(tl.int64)) * (R + HC)
-        low += tl.load(part_ptr + row[:, None] + r[None, :], mask=m_ok[:, None] & (r < R)[None, :], other=0.0)
-    low = low / HC
-    low = low * tl.sigmoid(low)  # padded columns stay 0 and add nothing below
-    h = h_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = h < H
-    acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-    for c in tl.static_range(HC):
-        cols = (c * H + h).to(tl.int64)
-        w = tl.load(up_ptr + cols[None, :] * R + r[:, None], mask=(r < R)[:, None] & h_ok[None, :], other=0.0)
-        gate = tl.sigmoid(dot(low, w.to(tl.float32), True, False))  # low stays fp32: no rounding between
-        x = tl.load(normed_ptr + m.to(tl.int64)[:, None] * (HC * H) + cols[None, :],
-                    mask=m_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
-        acc += gate * x
-    tl.store(mixed_ptr + m.to(tl.int64)[:, None] * H + h[None, :], (acc / HC).to(mixed_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & h_ok[None, :])
-    if h_block == 0:
-        # (not named `c`: the static loop above made that a compile-time constant)
-        stream = tl.arange(0, HC_PAD)
-        logits = tl.zeros((BLOCK_M, HC_PAD), dtype=tl.float32)
+                      HC_PAD: tl.constexpr, R_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """mixed[t, h] = mean_c sigmoid(low[t] . W_up[c*H + h]) * normed[t, c*H + h], with low = silu(down / HC)
+    summed from the splits. One program per (block of BLOCK_H columns, token): its HC_PAD * BLOCK_H weight
+    rows (stream-major) are read once, in chunks of R_CHUNK of the low rank, as GEMVs (products summed
+    along the chunk at the end; no tl.dot, whose 16-row tiles would be padding for one token). The first
+    column block also writes inject = 2 sigmoid(logits / HC)."""
+    h_block, t = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    j = tl.arange(0, HC_PAD * BLOCK_H)
+    stream, h = j // BLOCK_H, h_block * BLOCK_H + j % BLOCK_H
+    ok = (stream < HC) & (h < H)
+    cols = (stream * H + h).to(tl.int64)
+    dots = tl.zeros([HC_PAD * BLOCK_H, R_CHUNK], tl.float32)
+    for r0 in range(0, R, R_CHUNK):
+        r = r0 + tl.arange(0, R_CHUNK)
+        r_ok = r < R
+        low = tl.zeros([R_CHUNK], tl.float32)
         for s in range(SPLITS):
-            row = (s * num_tokens + m.to(tl.int64)) * (R + HC) + R
-            logits += tl.load(part_ptr + row[:, None] + stream[None, :],
-                              mask=m_ok[:, None] & (stream < HC)[None, :], other=0.0)
+            low += tl.load(part_ptr + (s * num_tokens + t) * (R + HC) + r, mask=r_ok, other=0.0)
+        low = low / HC
+        low = low * tl.sigmoid(low)  # padded columns stay 0 and add nothing
+        w = tl.load(up_ptr + cols[:, None] * R + r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
+        dots += w.to(tl.float32) * low[None, :]
+    gate = tl.sigmoid(tl.sum(dots, axis=1))
+    x = tl.load(normed_ptr + t * (HC * H) + cols, mask=ok, other=0.0).to(tl.float32)
+    mixed = tl.sum(tl.reshape(tl.where(ok, gate * x, 0.0), (HC_PAD, BLOCK_H)), axis=0) / HC
+    out_h = h_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    tl.store(mixed_ptr + t * H + out_h, mixed.to(mixed_ptr.dtype.element_ty), mask=out_h < H)
+    if h_block == 0:
+        c = tl.arange(0, HC_PAD)
+        logits = tl.zeros([HC_PAD], tl.float32)
+        for s in range(SPLITS):
+            logits += tl.load(part_ptr + (s * num_tokens + t) * (R + HC) + R + c, mask=c < HC, other=0.0)
         inject = 2.0 * tl.sigmoid(logits / HC)
-        tl.store(inject_ptr + m.to(tl.int64)[:, None] * HC + stream[None, :],
-                 inject.to(inject_ptr.dtype.element_ty), mask=m_ok[:, None] & (stream < HC)[None, :])
+        tl.store(inject_ptr + t * HC + c, inject.to(inject_ptr.dtype.element_ty), mask=c < HC)
 
 
 @on_device_of_first_tensor
 def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: torch.Tensor,
                            hc: int, splits: int = HC_PROJ_SPLITS, block_h: int = HC_PROJ_BLOCK_H,
-                           block_k: int = HC_PROJ_BLOCK_K) -> tuple[torch.Tensor, torch.Tensor]:
+                           block_k: int = HC_PROJ_BLOCK_K, r_chunk: int = HC_PROJ_R_CHUNK
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """`hyper_connection.mix_projections` in two launches (split-K down and injection projections, then the
-    up projection with the gating and the mean over streams). ``splits``, ``block_h`` and ``block_k`` are
-    the tiling (tests force them small)."""
+    up projection with the gating and the mean over streams). ``splits``, ``block_h``, ``block_k`` and
+    ``r_chunk`` are the tiling (tests force them small)."""
     normed = normed.contiguous()
     down, up, inject_weight = down.contiguous(), up.contiguous(), inject_weight.contiguous()
     K = normed.shape[-1]
@@ -218,8 +218,8 @@ def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.T
         normed, down, inject_weight, part, tokens, split_len, K=K, R=R, HC=hc, BLOCK_M=HC_PROJ_BLOCK_M,
         BLOCK_N=HC_PROJ_BLOCK_N, BLOCK_K=block_k, IEEE=normed.dtype == torch.float32, WIDEN=INTERPRET,
         num_warps=4)
-    _hc_up_mix_kernel[(triton.cdiv(H, block_h), m_blocks)](
+    _hc_up_mix_kernel[(triton.cdiv(H, block_h), tokens)](
         part, normed, up, mixed, inject, tokens, H=H, R=R, HC=hc, SPLITS=splits,
-        R_PAD=max(16, triton.next_power_of_2(R)), HC_PAD=triton.next_power_of_2(hc), BLOCK_M=HC_PROJ_BLOCK_M,
-        BLOCK_H=block_h, num_warps=4)
+        HC_PAD=triton.next_power_of_2(hc), R_CHUNK=min(r_chunk, triton.next_power_of_2(R)), BLOCK_H=block_h,
+        num_warps=4)
     return mixed, inject
