@@ -101,8 +101,8 @@ def decode_with_prompt_lookup(model, input_ids, logits_processor, stopping_crite
     budget = generator.draft_budget
     max_length, eos = _stops(stopping_criteria, generation_config)
     # Paused rounds leave their pick on the device (`unread`) until a round may draft, the row is full, or
-    # (with end-of-sequence ids) the unread picks reach the cache's rollback headroom: were the first of them
-    # an end-of-sequence id, the steps after it are cropped, and crop reaches that far back.
+    # (with end-of-sequence ids) one more step would feed more tokens after the first unread pick than the
+    # cache can take back (num_speculative_tokens): were that pick an end-of-sequence id, those are cropped.
     headroom = cache.num_speculative_tokens if eos else max_length
     unread: list[torch.Tensor] = []
 
