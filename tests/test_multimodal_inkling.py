@@ -343,6 +343,33 @@ def test_drafting_with_media_matches_upstream(checkpoint, models, batch, mode, m
             greedy(upstream, batch.row(2), **drafting, **batch.media(2))
 
 
+def test_prompt_lookup_with_media_in_our_loop_equals_transformers_loop(models, batch, monkeypatch):
+    """Greedy prompt lookup with media takes our loop (`hf_qsa_cache.lookup_decoding`) when no per-step
+    outputs are asked for: the same tokens as transformers' loop, row by row, drafts cut before a media
+    placeholder in the first round as there."""
+    from hf_qsa_cache import lookup_decoding
+
+    _, ours = models
+    ran = []
+    decode = lookup_decoding.decode_with_prompt_lookup
+    monkeypatch.setattr(lookup_decoding, "decode_with_prompt_lookup", lambda *a, **k: ran.append(1) or decode(*a, **k))
+
+    def lookup(i):
+        with torch.no_grad():
+            return ours.generate(batch.row(i), attention_mask=torch.ones_like(batch.row(i)), max_new_tokens=N_DRAFTING,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None, prompt_lookup_num_tokens=3,
+                                 **batch.media(i))
+
+    for i in range(len(batch.rows)):
+        ran.clear()
+        mine = lookup(i)
+        assert ran, "our loop did not run"
+        with monkeypatch.context() as m:
+            m.setattr(lookup_decoding, "applies", lambda *a, **k: False)
+            theirs = lookup(i)
+        assert torch.equal(mine, theirs), i
+
+
 def test_recorded_decode_step_after_a_media_prefill(models, batch):
     """The decode step a CUDA graph records (`DecodeGraphs(record=False)`, run eagerly on the CPU) continues a
     media prefill as the ordinary forward does."""

@@ -148,6 +148,22 @@ def test_prompt_lookup_with_media(models, upstream_alone):
         assert (torch.stack(result.logits, 1)[0] - ref_logits).abs().max().item() < 2e-4
 
 
+def test_prompt_lookup_with_media_in_our_loop(models, upstream_alone, monkeypatch):
+    """Without per-step logits asked for, greedy prompt lookup takes our loop (`hf_qsa_cache.lookup_decoding`):
+    upstream's tokens over a media prompt (positions from each row's rope delta, drafts rolled back)."""
+    from hf_qsa_cache import lookup_decoding
+
+    _, ours, _ = models
+    ran = []
+    decode = lookup_decoding.decode_with_prompt_lookup
+    monkeypatch.setattr(lookup_decoding, "decode_with_prompt_lookup", lambda *a, **k: ran.append(1) or decode(*a, **k))
+    for r, (tokens, _) in zip(ROWS, upstream_alone):
+        ran.clear()
+        with torch.no_grad():
+            result = ours.generate(**batch([r]), prompt_lookup_num_tokens=3, **{**GREEDY, "output_logits": False})
+        assert ran and result.sequences[0, len(r.ids):].tolist() == tokens
+
+
 def test_prompt_lookup_never_drafts_a_placeholder_into_the_media_forward(models):
     """The prompt ends with the two tokens before its image: lookup copies the image's start and placeholders as the
     first round's drafts, verified in the forward that carries the media (upstream fails there: more placeholders
