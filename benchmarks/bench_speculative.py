@@ -172,8 +172,8 @@ class ForceContinuation(LogitsProcessor):
 # ----------------------------------------------------------------------------- generate() measurement
 class Clock:
     """A streamer of generate(): each call to ``put`` marks (time, tokens so far), the prompt's first. The
-    tokens come when a loop reads them, so any loop can be timed (a stopping criterion would send prompt
-    lookup to transformers' loop, `hf_qsa_cache.lookup_decoding.applies`)."""
+    tokens come when a loop reads them, so any loop is timed as it runs (a stopping criterion would make
+    our prompt-lookup loop read every round, `hf_qsa_cache.lookup_decoding`)."""
 
     def __init__(self, cuda: bool):
         self.cuda = cuda

@@ -3,9 +3,10 @@
 transformers runs prompt lookup in its assisted-decoding loop, written for any drafter and for sampling.
 Each round, besides the forward, it copies the verified logits to fp32 and clones them, counts the
 accepted drafts with five device ops, looks for an end-of-sequence id with two more and reads the answer
-twice, then runs the stopping criteria on the device and reads their verdict: 23 computing torch calls
-per token outside the forward when every draft is rejected, against 15 in plain greedy decoding, and
-three host reads a round (`benchmarks/count_loop_calls.py`). Greedy prompt lookup needs far less: the
+once, then runs the stopping criteria on the device and reads their verdict: 23 computing torch calls
+per token outside the forward when every draft is rejected, against 15 in plain greedy decoding
+(`benchmarks/count_loop_calls.py`), and two host reads a round (the accepted count, used as a slice
+bound, and the stop flag), three with an end-of-sequence id. Greedy prompt lookup needs far less: the
 drafts come from a host search, so the verdict is a host comparison of the drafts with the model's
 argmax at each verified position (9.5-9.7 calls per token, at most one read a round).
 
@@ -15,7 +16,9 @@ feeds it to the next step unread; the picks are read when a round may draft agai
 them), when the row is full, or before the unread steps could run past the cache's rollback headroom
 (``num_speculative_tokens``) beyond an end-of-sequence id among them. One found late ends the row there:
 the steps that ran past it are cropped, and the output and the cache are what transformers' loop leaves
-(its candidate generator saw a few more paused rounds, which change nothing after the end).
+(its candidate generator saw a few more paused rounds, which change nothing after the end). Stopping
+criteria other than the length and end-of-sequence ones (stop strings, a time limit, a user's) run on the
+device after every round, as in transformers' loop, and every round is then read.
 
 `decode_with_prompt_lookup` is that loop for greedy prompt lookup on a `QSAPagedCache` (`applies` says
 when; `PagedCacheGenerationMixin._assisted_decoding` takes it then, and transformers' loop otherwise).
@@ -38,12 +41,13 @@ import torch
 from transformers.generation.candidate_generator import (
     _prepare_attention_mask, _prepare_position_ids, _prepare_token_type_ids,
 )
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import QSAPagedCache
 
-# The stopping criteria this loop evaluates on the host; any other one sends the call to transformers' loop.
+# The stopping criteria this loop evaluates on the host; any other one (stop strings, a time limit, a user's)
+# runs on the device after every round, as in transformers' loop, and turns off the unread paused rounds.
 HOST_STOPS = (MaxLengthCriteria, EosTokenCriteria)
 
 
@@ -51,8 +55,7 @@ def applies(model, input_ids: torch.Tensor, stopping_criteria, generation_config
             assistant_model, model_kwargs: dict) -> bool:
     """Whether `decode_with_prompt_lookup` runs this assisted generate() call: greedy prompt lookup (no
     assistant model), one row with room for a token, the model's adaptive draft count on, a
-    `QSAPagedCache`, only the length and end-of-sequence stops, no per-step outputs asked for, and no
-    synced GPUs."""
+    `QSAPagedCache`, no per-step outputs asked for, and no synced GPUs."""
     config = generation_config
     wants_outputs = config.return_dict_in_generate and (
         config.output_scores or config.output_logits or config.output_attentions or config.output_hidden_states)
@@ -62,8 +65,7 @@ def applies(model, input_ids: torch.Tensor, stopping_criteria, generation_config
             and getattr(model, "adaptive_prompt_lookup", False)
             and isinstance(model_kwargs.get("past_key_values"), QSAPagedCache) and model_kwargs.get("use_cache")
             and input_ids.shape[0] == 1 and input_ids.shape[1] < config.max_length
-            and not synced_gpus and not wants_outputs
-            and all(isinstance(c, HOST_STOPS) for c in stopping_criteria))
+            and not synced_gpus and not wants_outputs)
 
 
 def _stops(stopping_criteria, generation_config) -> tuple[int, set[int]]:
@@ -100,6 +102,7 @@ def decode_with_prompt_lookup(model, input_ids, logits_processor, stopping_crite
         assistant_tokenizer=None, model_kwargs=model_kwargs)
     budget = generator.draft_budget
     max_length, eos = _stops(stopping_criteria, generation_config)
+    other_stops = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, HOST_STOPS)])
     # Paused rounds leave their pick on the device (`unread`) until a round may draft, the row is full, or
     # (with end-of-sequence ids) one more step would feed more tokens after the first unread pick than the
     # cache can take back (num_speculative_tokens): were that pick an end-of-sequence id, those are cropped.
@@ -148,7 +151,7 @@ def decode_with_prompt_lookup(model, input_ids, logits_processor, stopping_crite
             for i in range(drafted + 1):
                 logits[:, i, :] = logits_processor(candidates[:, :length + i], logits[:, i, :])
         first = False
-        if drafted == 0 and length + 1 < max_length:  # a plain step: its pick stays on the device for now
+        if drafted == 0 and length + 1 < max_length and not other_stops:  # its pick stays on the device for now
             pick = logits.argmax(dim=-1)
             input_ids = torch.cat([input_ids, pick], dim=-1)
             unread.append(pick[0])
@@ -171,6 +174,8 @@ def decode_with_prompt_lookup(model, input_ids, logits_processor, stopping_crite
                                                                  num_new_tokens=accepted + 1)
         del outputs
         if input_ids.shape[1] >= max_length or tokens[-1] in eos:
+            break
+        if other_stops and bool(other_stops(input_ids, None).any()):  # scores: None, as none are kept
             break
     if streamer is not None:
         streamer.end()

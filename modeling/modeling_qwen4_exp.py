@@ -104,7 +104,7 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
         """A closed group's compressed key: its mean raw key, normed, rotated at its first position. The
         groups and their first positions are the same in every QSA layer of a step, and the rotary module is
         shared: its cos/sin are computed once per step (about ten launches per layer saved)."""
-        g_cos, g_sin = meta.derived(("group_rotary", pooled.device, pooled.dtype),
+        g_cos, g_sin = meta.derived(("group_rotary", id(self.rotary_emb), pooled.device, pooled.dtype),
                                     lambda: self._rotary(pooled, first_pos))
         return norm_rope(self.indexer.k_layernorm, pooled[:, None], g_cos, g_sin)[:, 0]
 

@@ -1,8 +1,9 @@
 """Greedy prompt lookup's own loop (`hf_qsa_cache.lookup_decoding`) against transformers' assisted-decoding loop,
 the specification: the same sequences, the same cache afterwards (the next step's logits), the same streamer
 calls and the same rounds of the candidate generator, on both families, with drafts accepted and rejected,
-an end-of-sequence id, a shorter length and a logits processor; a round's verdict (max_length or an
-end-of-sequence id inside the round) on its own; and the calls it leaves to transformers' loop."""
+an end-of-sequence id, a shorter length, a logits processor and a user's stopping criterion; a round's
+verdict (max_length or an end-of-sequence id inside the round) on its own; and the calls it leaves to
+transformers' loop."""
 
 from __future__ import annotations
 
@@ -10,18 +11,11 @@ import pytest
 import torch
 import test_inkling as inkling
 from qwen4_helpers import random_prompts
-from test_speculative import K, _ink_lookup_prompt, _qwen_prompt, ink, qwen  # noqa: F401 (fixtures)
+from test_speculative import K, _greedy, _ink_lookup_prompt, _qwen_prompt, ink, qwen  # noqa: F401 (fixtures)
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, SuppressTokensLogitsProcessor
 
 from hf_qsa_cache import QSAPagedCache, lookup_decoding
 from hf_qsa_cache.speculative import DraftBudget
-
-
-def _greedy(model, ids, n, **kwargs):
-    kwargs = {"pad_token_id": 0, "eos_token_id": None, **kwargs}
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                              return_dict_in_generate=True, **kwargs)
 
 
 class Streamer:
@@ -113,17 +107,44 @@ def test_logits_processors_apply_per_verified_position(qwen, monkeypatch):  # no
     assert not set(plain[3:5]) & set(ours[0].sequences[0, ids.shape[1]:].tolist())  # the processor acted
 
 
-class NeverStop(StoppingCriteria):
+class StopAtToken(StoppingCriteria):
+    """Stops a row once its last token is ``token`` (on the device, as a user's criterion would)."""
+
+    def __init__(self, token: int):
+        self.token = token
+
     def __call__(self, input_ids, scores, **kwargs):
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        return input_ids[:, -1] == self.token
 
 
-@pytest.mark.parametrize("case", ["scores", "custom stop", "fixed draft count"])
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_other_stopping_criteria_run_after_every_round_in_our_loop(family, qwen, ink, monkeypatch):  # noqa: F811
+    """A stopping criterion of the user's runs in our loop after every round, as in transformers' loop (the
+    same output, cache and rounds), for every token of the continuation as the stopping one."""
+    model = (qwen if family == "qwen4_exp" else ink)[0]
+    ids = _qwen_prompt(seed=5) if family == "qwen4_exp" else _ink_lookup_prompt(model)
+    plain = _greedy(model, ids, 14).sequences[0, ids.shape[1]:].tolist()
+    early = 0
+    for i, token in enumerate(plain):
+        if token in plain[:i]:
+            continue
+        stop = StoppingCriteriaList([StopAtToken(token)])
+        theirs = _run(monkeypatch, model, ids, 14, lean=False, stopping_criteria=stop)
+        ours = _run(monkeypatch, model, ids, 14, lean=True, stopping_criteria=stop)
+        assert ours[3]
+        assert torch.equal(ours[0].sequences, theirs[0].sequences)
+        assert ours[1].puts == theirs[1].puts and ours[2] == theirs[2]
+        torch.testing.assert_close(ours[4], theirs[4], rtol=0, atol=0)
+        # (the criterion sees a round's last token: one inside a round of accepted drafts does not stop it)
+        early += ours[0].sequences.shape[1] < ids.shape[1] + 14
+    assert early, "the criterion never stopped a row"
+
+
+@pytest.mark.parametrize("case", ["scores", "fixed draft count"])
 def test_calls_it_cannot_serve_go_to_transformers_loop(case, qwen, monkeypatch):  # noqa: F811
     model = qwen[0]
     ids = _qwen_prompt(seed=5)
-    kwargs = {"scores": {"output_scores": True}, "custom stop": {"stopping_criteria": StoppingCriteriaList(
-        [NeverStop()])}, "fixed draft count": {}}[case]
+    kwargs = {"scores": {"output_scores": True}, "fixed draft count": {}}[case]
     if case == "fixed draft count":
         monkeypatch.setattr(model, "adaptive_prompt_lookup", False)
     lean = _run(monkeypatch, model, ids, 8, lean=True, **kwargs)

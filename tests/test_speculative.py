@@ -116,10 +116,10 @@ class DraftLog:
 
 
 def _greedy(model, ids, n, **kwargs):
-    kwargs = {"pad_token_id": 0, **kwargs}
+    kwargs = {"pad_token_id": 0, "eos_token_id": None, **kwargs}
     with torch.no_grad():
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                              eos_token_id=None, return_dict_in_generate=True, **kwargs)
+                              return_dict_in_generate=True, **kwargs)
 
 
 def _check_drafting(monkeypatch, model, ids, n, **kwargs):
