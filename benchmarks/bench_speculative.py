@@ -30,8 +30,8 @@ round that finds a match; ``model.adaptive_prompt_lookup = False``). Full runs m
 runs the adaptive one. The adaptive count runs in each loop of ``--loops``: ``ours``
 (`hf_qsa_cache.lookup_decoding`, what generate() takes) and ``transformers`` (its assisted-decoding loop);
 full runs measure both, side by side, tiny runs ours; the fixed count always runs in transformers' loop.
-The time comes from a streamer (``Clock``): marks when a loop hands tokens out. The drafter gets no logits processor: transformers would otherwise
-use the forcing processor to veto wrong drafts, an oracle real prompt lookup does not have. The
+The time comes from a streamer (``Clock``): marks when a loop hands tokens out. The drafter gets no
+logits processor: transformers would otherwise use the forcing processor to veto wrong drafts, an oracle real prompt lookup does not have. The
 tokens with drafting must equal the plain tokens; for the forced continuations the script fails
 (exit status 1) if they do not, after writing the lines. Each ``generate()`` runs once to warm up
 (kernel tuning, CUDA-graph capture) on the same cache, then is measured.
