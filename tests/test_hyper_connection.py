@@ -192,8 +192,8 @@ def _projection_cases() -> int:
                 inject_weight = (torch.randn(hc, hc * H, generator=g) / 4).to(dtype)
                 for splits, block_k in ((3, 16), (1, 128)):
                     launches.clear()
-                    got = hct.mix_projections_triton(normed, down, up, inject_weight, hc, splits=splits, block_h=16,
-                                                     block_k=block_k, r_chunk=16)
+                    got = hct.mix_projections_triton(normed, down, up, inject_weight, hc, hct.MixTiles(
+                        splits=splits, block_n=16, block_k=block_k, block_h=16, r_chunk=16))
                     want = hc_ops.mix_projections(normed, down, up, inject_weight, hc)
                     assert len(launches) == 2, launches
                     for a, b in zip(got, want):

@@ -7,6 +7,8 @@ not specialised (a new batch bucket or prefill chunk does not recompile).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -121,14 +123,25 @@ def mix_streams_triton(up: torch.Tensor, normed: torch.Tensor, inject_logits: to
 
 
 # ----------------------------------------------------------------------------- the projections (``hc_proj``)
-# Split-K GEMV tiles: a decode step's few tokens are padded to BLOCK_M rows (tl.dot needs 16); the weights
-# are read once, in HC_PROJ_SPLITS ranges of the hc * H inputs so that enough programs stream them.
+# The tiles of `mix_projections_triton`. The down projection is a split-K GEMM: a decode step's few tokens
+# padded to BLOCK_M rows (tl.dot needs 16), the weights read once, in ``splits`` ranges of the hc * H inputs
+# so that enough programs stream them. The up projection is GEMVs over ``block_h`` output columns (times the
+# streams: weight rows) per program, ``r_chunk`` low-rank columns at a time.
 HC_PROJ_BLOCK_M = 16
-HC_PROJ_BLOCK_N = 32
-HC_PROJ_BLOCK_K = 128
-HC_PROJ_SPLITS = 16
-HC_PROJ_BLOCK_H = 16  # output columns per program of the up projection (times the streams: weight rows)
-HC_PROJ_R_CHUNK = 64  # low-rank columns per step of the up projection's GEMVs
+
+
+@dataclass(frozen=True)
+class MixTiles:
+    splits: int = 16
+    block_n: int = 32
+    block_k: int = 128
+    down_warps: int = 4
+    block_h: int = 16
+    r_chunk: int = 64
+    up_warps: int = 4
+
+
+HC_PROJ_TILES = MixTiles()
 
 
 @triton.jit(do_not_specialize=["num_tokens", "split_len"])
@@ -195,12 +208,11 @@ def _hc_up_mix_kernel(part_ptr, normed_ptr, up_ptr, mixed_ptr, inject_ptr, num_t
 
 @on_device_of_first_tensor
 def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: torch.Tensor,
-                           hc: int, splits: int = HC_PROJ_SPLITS, block_h: int = HC_PROJ_BLOCK_H,
-                           block_k: int = HC_PROJ_BLOCK_K, r_chunk: int = HC_PROJ_R_CHUNK
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           hc: int, tiles: MixTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`hyper_connection.mix_projections` in two launches (split-K down and injection projections, then the
-    up projection with the gating and the mean over streams). ``splits``, ``block_h``, ``block_k`` and
-    ``r_chunk`` are the tiling (tests force them small)."""
+    up projection with the gating and the mean over streams), tiled by ``tiles`` (default `HC_PROJ_TILES`;
+    tests force them small)."""
+    t = HC_PROJ_TILES if tiles is None else tiles
     normed = normed.contiguous()
     down, up, inject_weight = down.contiguous(), up.contiguous(), inject_weight.contiguous()
     K = normed.shape[-1]
@@ -210,16 +222,16 @@ def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.T
     inject = torch.empty(*normed.shape[:-1], hc, dtype=normed.dtype, device=normed.device)
     if not tokens:
         return mixed, inject
-    split_len = block_k * triton.cdiv(triton.cdiv(K, splits), block_k)
+    split_len = t.block_k * triton.cdiv(triton.cdiv(K, t.splits), t.block_k)
     splits = triton.cdiv(K, split_len)
     part = torch.empty(splits, tokens, R + hc, dtype=torch.float32, device=normed.device)
     m_blocks = triton.cdiv(tokens, HC_PROJ_BLOCK_M)
-    _hc_down_kernel[(triton.cdiv(R + hc, HC_PROJ_BLOCK_N), splits, m_blocks)](
+    _hc_down_kernel[(triton.cdiv(R + hc, t.block_n), splits, m_blocks)](
         normed, down, inject_weight, part, tokens, split_len, K=K, R=R, HC=hc, BLOCK_M=HC_PROJ_BLOCK_M,
-        BLOCK_N=HC_PROJ_BLOCK_N, BLOCK_K=block_k, IEEE=normed.dtype == torch.float32, WIDEN=INTERPRET,
-        num_warps=4)
-    _hc_up_mix_kernel[(triton.cdiv(H, block_h), tokens)](
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=normed.dtype == torch.float32, WIDEN=INTERPRET,
+        num_warps=t.down_warps)
+    _hc_up_mix_kernel[(triton.cdiv(H, t.block_h), tokens)](
         part, normed, up, mixed, inject, tokens, H=H, R=R, HC=hc, SPLITS=splits,
-        HC_PAD=triton.next_power_of_2(hc), R_CHUNK=min(r_chunk, triton.next_power_of_2(R)), BLOCK_H=block_h,
-        num_warps=4)
+        HC_PAD=triton.next_power_of_2(hc), R_CHUNK=min(t.r_chunk, triton.next_power_of_2(R)), BLOCK_H=t.block_h,
+        num_warps=t.up_warps)
     return mixed, inject
