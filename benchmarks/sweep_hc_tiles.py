@@ -4,7 +4,7 @@
 
 `hf_qsa_cache.ops.hyper_connection_triton.mix_projections_triton` takes a `MixTiles` (input splits, down
 projection's column block / reduction block / warps, up projection's column block / low-rank chunk / warps).
-Starting from `HC_PROJ_TILES`, each field in turn is set to each of its candidate values with the others
+Starting from `ONE_TOKEN_MIX_TILES`, each field in turn is set to each of its candidate values with the others
 held, and the fastest is kept (coordinate descent, two passes at one token, one more at 8 and 32 tokens
 starting from the one-token winner). Shapes: hidden 2048, 4 streams, low rank 320 in bf16
 (`bench_generate.py`'s Qwen4Exp). Each time is the mean of 16 calls recorded in one CUDA graph, replayed 5
@@ -47,7 +47,7 @@ def main() -> None:
     K = HC * HIDDEN
     weights = [(rand(RANK, K, scale=0.02), rand(K, RANK, scale=0.1), rand(HC, K, scale=0.02)) for _ in range(CALLS)]
     floor_us = (2 * RANK + HC) * K * 2 / 4.25e12 * 1e6
-    best = hct.HC_PROJ_TILES
+    best = hct.ONE_TOKEN_MIX_TILES
     for tokens, passes in ((1, 2), (8, 1), (32, 1)):
         xs = [rand(tokens, K) for _ in range(CALLS)]
         want = hc_ops.mix_projections(xs[0].cpu(), *(w.cpu() for w in weights[0]), HC)[0]

@@ -171,7 +171,7 @@ def _main() -> int:
 
 
 def _projection_cases() -> int:
-    """`mix_projections_triton` against the torch spec with its tiles forced small: several input splits (and a
+    """`mix_projections_triton` against the torch spec with its tiles forced small (and as measured): several input splits (and a
     last, shorter one), feature blocks past H, token blocks past 16 (the down projection's), low-rank widths
     below, at and above the up projection's chunk of 16 (the last chunk partial), streams padded (3 to 4)."""
     from interpreter import count_launches
@@ -190,10 +190,13 @@ def _projection_cases() -> int:
                 down = (torch.randn(R, hc * H, generator=g) / 4).to(dtype)
                 up = torch.randn(hc * H, R, generator=g).to(dtype)
                 inject_weight = (torch.randn(hc, hc * H, generator=g) / 4).to(dtype)
-                for splits, block_k in ((3, 16), (1, 128)):
+                # Small tiles (several splits, a partial chunk), one split, and the measured defaults.
+                for tiles in (hct.MixTiles(splits=3, block_n=16, block_k=16, down_warps=4, block_h=16, r_chunk=16,
+                                           up_warps=4),
+                              hct.MixTiles(splits=1, block_n=16, block_k=128, down_warps=2, block_h=16, r_chunk=16,
+                                           up_warps=1), None):
                     launches.clear()
-                    got = hct.mix_projections_triton(normed, down, up, inject_weight, hc, hct.MixTiles(
-                        splits=splits, block_n=16, block_k=block_k, block_h=16, r_chunk=16))
+                    got = hct.mix_projections_triton(normed, down, up, inject_weight, hc, tiles)
                     want = hc_ops.mix_projections(normed, down, up, inject_weight, hc)
                     assert len(launches) == 2, launches
                     for a, b in zip(got, want):

@@ -13,10 +13,10 @@ projections (transformers' ``nn.Linear`` weights, read as they are):
 * `scaled_silu`: ``silu(x / hc)`` on the low-rank projection;
 * `mix_streams`: ``mean_c(sigmoid(up_c) * normed_c)`` and the injection weights ``2 sigmoid(w / hc)``.
 
-With ``hc_proj`` as well (not yet timed on a GPU, so on only when named in ``HF_QSA_FUSED``), a step of at
-most `HC_PROJ_MAX_TOKENS` tokens runs everything after `hc_norm` in two launches, `mix_projections`: the
-down and injection projections as one split-K pass over the normed streams, then the up projection with
-the gating and the mean over streams; the low-rank activations stay in fp32 between them.
+With ``hc_proj`` as well (on by default), a step of at most `HC_PROJ_MAX_TOKENS` tokens runs everything
+after `hc_norm` in two launches, `mix_projections`: the down and injection projections as one split-K pass
+over the normed streams, then the up projection with the gating and the mean over streams; the low-rank
+activations stay in fp32 between them.
 
 Each computes in fp32 and rounds its outputs once (upstream rounds after every op in bf16: the results
 differ by bf16 rounding and are judged against fp32). The torch functions here are the specification
@@ -39,8 +39,10 @@ from . import keeps_own_forward, records_grad
 FUSED_HC = fusion_enabled("hc")
 # ``hc_proj``: on top of ``hc``, a mixing's three projections inside two launches (`mix_projections`)
 # for steps of at most `HC_PROJ_MAX_TOKENS` tokens (decode and verify steps; prompts keep the GEMMs).
+# On an H200 (benchmarks/sweep_hc_tiles.py) the two launches take 11.2 / 18.9 / 41.5 us at 1 / 8 / 32
+# tokens against 16.9 / 22.7 / 23.8 us for the GEMMs' path: they win up to about 16 tokens.
 FUSED_HC_PROJ = fusion_enabled("hc_proj")
-HC_PROJ_MAX_TOKENS = 64
+HC_PROJ_MAX_TOKENS = 16
 
 
 def use_fused(module, x: torch.Tensor) -> bool:

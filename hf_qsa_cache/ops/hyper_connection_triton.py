@@ -132,16 +132,20 @@ HC_PROJ_BLOCK_M = 16
 
 @dataclass(frozen=True)
 class MixTiles:
-    splits: int = 16
-    block_n: int = 32
-    block_k: int = 128
-    down_warps: int = 4
-    block_h: int = 16
-    r_chunk: int = 64
-    up_warps: int = 4
+    splits: int
+    block_n: int
+    block_k: int
+    down_warps: int
+    block_h: int
+    r_chunk: int
+    up_warps: int
 
 
-HC_PROJ_TILES = MixTiles()
+# Chosen by `benchmarks/sweep_hc_tiles.py` on an H200 (hidden 2048, 4 streams, low rank 320, bf16; graph-timed
+# per mixing): one token 11.2 us (the cuBLAS path 16.9 us), 8 tokens 18.9 us (22.7). One token has few
+# programs, so it splits the inputs finer and gives each up-projection program more warps.
+ONE_TOKEN_MIX_TILES = MixTiles(splits=32, block_n=64, block_k=128, down_warps=4, block_h=16, r_chunk=128, up_warps=8)
+MIX_TILES = MixTiles(splits=16, block_n=64, block_k=128, down_warps=4, block_h=32, r_chunk=64, up_warps=2)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "split_len"])
@@ -210,9 +214,8 @@ def _hc_up_mix_kernel(part_ptr, normed_ptr, up_ptr, mixed_ptr, inject_ptr, num_t
 def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: torch.Tensor,
                            hc: int, tiles: MixTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`hyper_connection.mix_projections` in two launches (split-K down and injection projections, then the
-    up projection with the gating and the mean over streams), tiled by ``tiles`` (default `HC_PROJ_TILES`;
-    tests force them small)."""
-    t = HC_PROJ_TILES if tiles is None else tiles
+    up projection with the gating and the mean over streams), tiled by ``tiles`` (default: the measured
+    `ONE_TOKEN_MIX_TILES` or `MIX_TILES`; tests force them small)."""
     normed = normed.contiguous()
     down, up, inject_weight = down.contiguous(), up.contiguous(), inject_weight.contiguous()
     K = normed.shape[-1]
@@ -222,6 +225,7 @@ def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.T
     inject = torch.empty(*normed.shape[:-1], hc, dtype=normed.dtype, device=normed.device)
     if not tokens:
         return mixed, inject
+    t = tiles or (ONE_TOKEN_MIX_TILES if tokens == 1 else MIX_TILES)
     split_len = t.block_k * triton.cdiv(triton.cdiv(K, t.splits), t.block_k)
     splits = triton.cdiv(K, split_len)
     part = torch.empty(splits, tokens, R + hc, dtype=torch.float32, device=normed.device)
