@@ -45,9 +45,10 @@ def test_top_groups_by_value_equals_the_packed_top_k(seed):
 
 
 @pytest.mark.parametrize("seed", range(30))
-def test_top_groups_two_level_equals_the_packed_top_k(seed):
+def test_top_groups_two_level_equals_the_packed_top_k(seed, monkeypatch):
     """Tiles of a few groups (forced small), group counts that leave a partial last tile, ties inside
-    and across tiles, -inf tails (invisible groups) and rows with fewer visible groups than k."""
+    and across tiles, -inf tails (invisible groups) and rows with fewer visible groups than k. The best
+    tiles are picked unsorted: the result must not depend on their order (shuffled here)."""
     g = torch.Generator().manual_seed(seed)
     groups = int(torch.randint(2, 400, (1,), generator=g))
     scores = torch.rand(7, groups, generator=g)
@@ -61,6 +62,18 @@ def test_top_groups_two_level_equals_the_packed_top_k(seed):
     expected = qsa.top_groups_packed(scores, k)
     assert torch.equal(qsa.top_groups_two_level(scores, k, tile), expected)
     assert torch.equal(expected, scores.sort(dim=-1, descending=True, stable=True).indices[:, :k])
+
+    packed = qsa.top_groups_packed
+
+    def shuffled_when_unordered(s, k, best_first=True):
+        picked = packed(s, k, best_first)
+        if best_first:
+            return picked
+        order = torch.rand(picked.shape, generator=g).argsort(dim=-1)
+        return picked.gather(1, order)
+
+    monkeypatch.setattr(qsa, "top_groups_packed", shuffled_when_unordered)
+    assert torch.equal(qsa.top_groups_two_level(scores, k, tile), expected)
 
 
 def test_top_groups_takes_the_two_level_path_for_many_groups(monkeypatch):

@@ -207,8 +207,9 @@ def _unpack(keys: torch.Tensor) -> torch.Tensor:
     return (1 << 31) - 1 - (keys & 0xFFFFFFFF)
 
 
-def top_groups_packed(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """`top_groups` as one top-k over packed int64 keys: exact, no host sync."""
+def top_groups_packed(scores: torch.Tensor, k: int, best_first: bool = True) -> torch.Tensor:
+    """`top_groups` as one top-k over packed int64 keys: exact, no host sync. With ``best_first=False`` the
+    same ``k`` groups in no particular order (a caller that only needs the set skips the top-k's sort)."""
     groups = scores.shape[-1]
     if groups >= 1 << 31:
         raise ValueError(f"top_groups packs group indices in 31 bits; got {groups} groups")
@@ -218,7 +219,7 @@ def top_groups_packed(scores: torch.Tensor, k: int) -> torch.Tensor:
         keys = pack_scores_triton(scores)
     else:
         keys = _pack(scores, torch.arange(groups, device=scores.device))
-    return _unpack(keys.topk(k, dim=-1, sorted=True).values)
+    return _unpack(keys.topk(k, dim=-1, sorted=best_first).values)
 
 
 def top_groups_by_value(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -252,7 +253,8 @@ def top_groups_two_level(scores: torch.Tensor, k: int, tile: int = TOPK_TILE) ->
     maxima = scores[:, :whole * tile].unflatten(1, (whole, tile)).amax(dim=-1)
     if groups % tile:  # a last, partial tile
         maxima = torch.cat([maxima, scores[:, whole * tile:].amax(dim=-1, keepdim=True)], dim=1)
-    tiles = top_groups_packed(maxima, min(k, maxima.shape[1]))
+    # Only the set of best tiles matters (their candidates are ranked below): no sort here.
+    tiles = top_groups_packed(maxima, min(k, maxima.shape[1]), best_first=False)
     candidates = (tiles[:, :, None] * tile + torch.arange(tile, device=scores.device)).flatten(1)
     # Groups past the end (in a partial tile) score -inf under a higher index than every real group,
     # so they lose to all of them; at least k real candidates exist.
