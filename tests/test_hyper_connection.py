@@ -171,9 +171,10 @@ def _main() -> int:
 
 
 def _projection_cases() -> int:
-    """`mix_projections_triton` against the torch spec with its tiles forced small (and as measured): several input splits (and a
-    last, shorter one), feature blocks past H, token blocks past 16 (the down projection's), low-rank widths
-    below, at and above the up projection's chunk of 16 (the last chunk partial), streams padded (3 to 4)."""
+    """`mix_projections_triton` against the torch spec with its tiles forced small (and as measured): several
+    input splits (and a last, shorter one), feature blocks past H, token blocks past 16 (the down projection's),
+    low-rank widths below, at and above the up projection's chunk of 16 (the last chunk partial), streams
+    padded (3 to 4)."""
     from interpreter import count_launches
 
     from hf_qsa_cache.ops import hyper_connection_triton as hct

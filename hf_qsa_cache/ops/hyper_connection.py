@@ -40,7 +40,8 @@ FUSED_HC = fusion_enabled("hc")
 # ``hc_proj``: on top of ``hc``, a mixing's three projections inside two launches (`mix_projections`)
 # for steps of at most `HC_PROJ_MAX_TOKENS` tokens (decode and verify steps; prompts keep the GEMMs).
 # On an H200 (benchmarks/sweep_hc_tiles.py) the two launches take 11.2 / 18.9 / 41.5 us at 1 / 8 / 32
-# tokens against 16.9 / 22.7 / 23.8 us for the GEMMs' path: they win up to about 16 tokens.
+# tokens against 16.9 / 22.7 / 23.8 us for the GEMMs' path: they win at 8 tokens and lose at 32; the switch
+# sits between (16 tokens itself not timed).
 FUSED_HC_PROJ = fusion_enabled("hc_proj")
 HC_PROJ_MAX_TOKENS = 16
 
