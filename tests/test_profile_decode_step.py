@@ -62,7 +62,7 @@ def test_the_ranges_leave_the_fusions_on():
 def test_gpu_kernels_count_for_the_ranges_they_ran_in():
     """On a GPU a kernel counts for every labelled range whose time holds it (the profiler links Triton's
     launches to no range): nested ranges both count it, a kernel after a range counts only for the step,
-    and the device total sees every kernel. Synthetic profiler events, microseconds."""
+    and the device total sees every kernel (and no drain's wait). Synthetic profiler events, microseconds."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
@@ -81,8 +81,10 @@ def test_gpu_kernels_count_for_the_ranges_they_ran_in():
     def kernel(start, end):
         return SimpleNamespace(name="_some_triton_kernel", device_type=DeviceType.CUDA, time_range=Interval(start, end))
 
+    # A drain's wait, recorded on the device timeline too, is no kernel: it counts nowhere.
+    wait = SimpleNamespace(name="Device Synchronize", device_type=DeviceType.CUDA, time_range=Interval(41, 49))
     events = [cpu("step", 0, 100), cpu("layer a", 10, 50), cpu("a.mlp", 12, 30), kernel(13, 20), kernel(31, 40),
-              kernel(60, 70), kernel(120, 125)]
+              wait, kernel(60, 70), kernel(120, 125)]
     kinds = script.by_kind(SimpleNamespace(events=lambda: events), steps=1, on_gpu=True)
     assert kinds["a.mlp"]["kernels"] == 1 and kinds["a.mlp"]["us"] == 7
     assert kinds["layer a"]["kernels"] == 2 and kinds["layer a"]["us"] == 16
