@@ -151,6 +151,10 @@ def main() -> int:
         ok &= check_top_groups(n, groups, g, device)
     for n, groups in ((4096, 32768), (512, 262144)):
         ok &= sweep_scores(n, groups, g, device)
+    # Scores written then ranked, against tile maxima and the best tiles' groups scored again: decode and
+    # prefill chunks at 64k, 128k, 256k and 1M tokens of context.
+    for n, groups in ((1, 32768), (1, 262144), (4096, 16384), (4096, 32768), (2048, 65536), (2048, 262144)):
+        ok &= check_selection(n, groups, g, device)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
@@ -174,8 +178,8 @@ def check_top_groups(n: int, groups: int, g: torch.Generator, device, k: int = 5
 
 
 def sweep_scores(n: int, groups: int, g: torch.Generator, device) -> bool:
-    """Prefill index scores of one row under other launch settings (tokens per program, groups per key
-    tile, warps, pipeline stages): time, TFLOP/s and agreement with the default settings."""
+    """Prefill index scores of one row under other launch settings (dot orientation, tokens per program,
+    groups per key tile, warps, pipeline stages): time, TFLOP/s and agreement with the default settings."""
     heads, head_dim = 32, 128
     rows_per_block = BLOCK_SIZE // RATIO
     table, num_blocks = _table(g, device, 1, groups * RATIO)
@@ -189,31 +193,87 @@ def sweep_scores(n: int, groups: int, g: torch.Generator, device) -> bool:
     finite = torch.isfinite(want)
     flops = 2.0 * heads * head_dim * float(visible.long().sum())
     defaults = (qsa_triton.SCORES_BLOCK_G, qsa_triton.SCORES_NUM_WARPS, qsa_triton.SCORES_NUM_STAGES)
+    settings = [(False, 8, 64, 4, 3), (False, 8, 64, 4, 2)]  # the default and its neighbour, then groups-major
+    settings += [(True, block_m, block_g, warps, stages) for block_m in (8, 16) for block_g in (64, 128)
+                 for warps in (4, 8) for stages in (2, 3)]
     ok = True
     results = []
-    for block_m in (1, 2, 4, 8):
-        for block_g in (64, 128):
-            for warps in (4, 8):
-                for stages in (2, 3):
-                    qsa_triton.SCORES_BLOCK_G, qsa_triton.SCORES_NUM_WARPS, qsa_triton.SCORES_NUM_STAGES = (
-                        block_g, warps, stages)
-                    try:
-                        have = qsa_triton.index_scores_triton(*args, block_m=block_m)
-                        same = torch.equal(finite, torch.isfinite(have)) and bool(
-                            torch.allclose(have[finite], want[finite], rtol=1e-5, atol=1e-4))
-                        del have
-                        t = _bench(lambda: qsa_triton.index_scores_triton(*args, block_m=block_m))
-                        results.append((t, block_m, block_g, warps, stages, same))
-                        ok &= same
-                    except Exception as error:  # out of resources for a setting: report and go on
-                        print(f"  sweep block_m={block_m} block_g={block_g} warps={warps} stages={stages}: "
-                              f"{type(error).__name__}")
+    for groups_major, block_m, block_g, warps, stages in settings:
+        qsa_triton.SCORES_BLOCK_G, qsa_triton.SCORES_NUM_WARPS, qsa_triton.SCORES_NUM_STAGES = block_g, warps, stages
+        launch = dict(block_m=block_m, groups_major=groups_major)
+        try:
+            have = qsa_triton.index_scores_triton(*args, **launch)
+            same = torch.equal(finite, torch.isfinite(have)) and bool(
+                torch.allclose(have[finite], want[finite], rtol=1e-5, atol=1e-4))
+            del have
+            t = _bench(lambda: qsa_triton.index_scores_triton(*args, **launch))
+            results.append((t, groups_major, block_m, block_g, warps, stages, same))
+            ok &= same
+        except Exception as error:  # out of resources for a setting: report and go on
+            print(f"  sweep groups_major={groups_major} block_m={block_m} block_g={block_g} warps={warps} "
+                  f"stages={stages}: {type(error).__name__}")
     qsa_triton.SCORES_BLOCK_G, qsa_triton.SCORES_NUM_WARPS, qsa_triton.SCORES_NUM_STAGES = defaults
-    print(f"scores sweep N={n} G={groups} (1 row, bf16; default block_m={qsa_triton.scores_block_m(n)} "
-          f"block_g={defaults[0]} warps={defaults[1]} stages={defaults[2]}):")
-    for t, block_m, block_g, warps, stages, same in sorted(results)[:8]:
-        print(f"  {t:9.1f}us {flops / t / 1e6:6.1f} TFLOP/s block_m={block_m} block_g={block_g} "
-              f"warps={warps} stages={stages} {'ok' if same else 'MISMATCH'}")
+    print(f"scores sweep N={n} G={groups} (1 row, bf16; default groups_major={qsa_triton.SCORES_GROUPS_MAJOR} "
+          f"block_m={qsa_triton.scores_block_m(n)} block_g={defaults[0]} warps={defaults[1]} stages={defaults[2]}):")
+    for t, groups_major, block_m, block_g, warps, stages, same in sorted(results)[:10]:
+        print(f"  {t:9.1f}us {flops / t / 1e6:6.1f} TFLOP/s groups_major={groups_major} block_m={block_m} "
+              f"block_g={block_g} warps={warps} stages={stages} {'ok' if same else 'MISMATCH'}")
+    return ok
+
+
+def check_selection(n: int, groups: int, g: torch.Generator, device, k: int = 512) -> bool:
+    """The whole selection of a prefill chunk (`score_and_select`: the last ``n`` tokens of one row of
+    ``groups * RATIO`` positions), scores written then ranked, against tile maxima with the best tiles'
+    groups scored again (tiles of 8, 16, 32 groups), each with both dot orientations. Selections must
+    agree but for near-ties (groups whose scores are within 1e-5 of the row's k-th best)."""
+    from hf_qsa_cache.metadata import QSAGeometry, build_step_metadata_torch
+
+    heads, head_dim = 32, 128
+    rows_per_block = BLOCK_SIZE // RATIO
+    table, num_blocks = _table(g, device, 1, groups * RATIO)
+    q_index = torch.randn(n, heads, head_dim, generator=g).to(device, torch.bfloat16)
+    compressed = torch.randn(num_blocks, rows_per_block, head_dim, generator=g).to(device, torch.bfloat16)
+    prev = torch.tensor([groups * RATIO - n], dtype=torch.int32, device=device)
+    count = torch.tensor([n], dtype=torch.int32, device=device)
+    meta = build_step_metadata_torch(prev, count, n, {"main": table}, {"main": BLOCK_SIZE},
+                                     QSAGeometry(RATIO, RATIO), prev.tolist(), count.tolist())
+    args = (q_index, compressed, meta, "main", BLOCK_SIZE, RATIO, k)
+    saved = qsa.USE_TRITON, qsa.FUSED_SELECT_MIN_GROUPS, qsa.TOPK_TILE, qsa_triton.SCORES_GROUPS_MAJOR
+    qsa.USE_TRITON = True
+    try:
+        def run(by_tiles: bool, tile: int, groups_major: bool) -> torch.Tensor:
+            qsa.FUSED_SELECT_MIN_GROUPS = 0 if by_tiles else 1 << 40
+            qsa.TOPK_TILE, qsa_triton.SCORES_GROUPS_MAJOR = tile, groups_major
+            return qsa.score_and_select(*args)
+
+        want = run(False, 16, False)
+        scores = qsa_triton.index_scores_triton(q_index, compressed, table, meta.token_row, meta.visible_blocks,
+                                                rows_per_block, groups)
+        kth = scores.topk(k, dim=-1).values[:, -1:]
+        want_groups = (want[:, :k * RATIO:RATIO] // RATIO).sort(-1).values
+        ok = True
+        line = []
+        for by_tiles, tile in ((False, 16), (True, 8), (True, 16), (True, 32)):
+            if by_tiles and groups < 2 * k * tile:  # the tile path needs two tiles per pick
+                continue
+            for groups_major in (False, True):
+                have = run(by_tiles, tile, groups_major)
+                have_groups = (have[:, :k * RATIO:RATIO] // RATIO).sort(-1).values
+                rows = (have_groups != want_groups).any(-1).nonzero().flatten().tolist()
+                bad = 0
+                for r in rows:  # a differing row is fine where every differing group nearly ties the k-th
+                    a, b = set(have_groups[r].tolist()), set(want_groups[r].tolist())
+                    diff = torch.tensor(sorted(a ^ b), device=device)
+                    s = scores[r, diff]
+                    bad += int(((s - kth[r]).abs() > 1e-5 * kth[r].abs() + 1e-6).any())
+                ok &= bad == 0
+                t = _bench(lambda: run(by_tiles, tile, groups_major))
+                name = f"tiles of {tile}" if by_tiles else "scores"
+                line.append(f"{name}{' gm' if groups_major else ''}={t:8.1f}us"
+                            f"{f' ({len(rows)} near-ties)' if rows else ''}{' MISMATCH' if bad else ''}")
+        print(f"selection N={n:5d} G={groups:6d} k={k} " + " ".join(line) + f" {'ok' if ok else 'MISMATCH'}")
+    finally:
+        qsa.USE_TRITON, qsa.FUSED_SELECT_MIN_GROUPS, qsa.TOPK_TILE, qsa_triton.SCORES_GROUPS_MAJOR = saved
     return ok
 
 

@@ -142,6 +142,32 @@ def test_index_scores_torch_matches_loops(shape, rows):
     torch.testing.assert_close(qsa.index_scores_torch(*case), _loop_scores(*case), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", SCORE_SHAPES[:4])
+def test_candidate_scores_and_tile_maxima_torch_match_loops(shape):
+    """Candidates at and past the visible count, negative ones; tiles whose last one is partial."""
+    case = scores_case(6, *shape)
+    q_index, compressed, table, token_row, visible, rows_per_block, max_groups = case
+    full = torch.cat([_loop_scores(*case), torch.full((q_index.shape[0], 1), float("-inf"))], dim=1)
+    candidates = torch.randint(-1, max_groups + 1, (q_index.shape[0], 40), generator=torch.Generator().manual_seed(1))
+    want = full[torch.arange(q_index.shape[0])[:, None], candidates]  # -1 and max_groups read the -inf column
+    have = qsa.candidate_scores_torch(q_index, compressed, table, token_row, visible, rows_per_block, candidates)
+    torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
+    maxima = qsa.index_tile_maxima_torch(*case, 16)  # 70 groups: four whole tiles and one of 6
+    assert maxima.shape == (q_index.shape[0], 5)
+    torch.testing.assert_close(maxima, torch.stack([t.amax(-1) for t in full[:, :-1].split(16, dim=1)], dim=1))
+
+
+@pytest.mark.parametrize("shape", SCORE_SHAPES[:4])
+@pytest.mark.parametrize("tile", [2, 4, 16])
+def test_selection_by_tile_maxima_equals_the_top_k_of_the_scores(shape, tile):
+    """The torch path of `select_by_tile_maxima` (never holding all scores) picks the groups `top_groups` picks
+    from all scores, relu-zero ties included (one head: about half the scores are exact zeros)."""
+    case = scores_case(8, *shape, num_tokens=12)
+    k = 70 // (2 * tile)  # at least two tiles per pick
+    want = qsa.top_groups(qsa.index_scores_torch(*case), k)
+    assert torch.equal(qsa.select_by_tile_maxima(*case, k, tile), want)
+
+
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES[:4])
 def test_sparse_attention_torch_matches_loops(shape):
     case = attention_case(3, *shape[:4])
@@ -194,12 +220,12 @@ def _min_gap(scores: torch.Tensor) -> float:
     return gap
 
 
-def _check_selection(seed: int, num_heads: int, head_dim: int, ratio: int, dtype) -> str | None:
-    """`score_and_select` through the Triton scores gives exactly the torch selection."""
+def _check_selection(seed: int, num_heads: int, head_dim: int, ratio: int, dtype, topk: int = 6) -> str | None:
+    """`score_and_select` through the Triton kernels gives exactly the torch selection."""
     from hf_qsa_cache.metadata import QSAGeometry, build_step_metadata_torch
 
     g = torch.Generator().manual_seed(seed)
-    block_size, num_rows, query_len, topk = 4 * ratio, 3, 5, 6
+    block_size, num_rows, query_len = 4 * ratio, 3, 5
     prev = torch.tensor([37, 0, 61], dtype=torch.int32)
     count = torch.tensor([5, 3, 1], dtype=torch.int32)  # ragged: left pads in rows 1 and 2
     columns = -(-int((prev + count).max()) // block_size)
@@ -384,12 +410,88 @@ def _main() -> int:
         except AssertionError as err:
             print(f"pool groups (ratio {ratio}, {dtype}): {err}")
             return 1
-    error = _pack_cases(qsa_triton)
-    if error:
-        print(error)
-        return 1
+    for error in (_pack_cases(qsa_triton), _tile_maxima_cases(qsa_triton), _candidate_cases(qsa_triton),
+                  _selection_by_tiles_cases(qsa_triton)):
+        if error:
+            print(error)
+            return 1
     print("all qsa kernel cases ok")
     return 0
+
+
+def _tile_maxima_cases(qsa_triton) -> str | None:
+    """`index_scores_triton` writing tile maxima (and the scores with groups as the dot's rows) against the
+    torch reference: partial last tiles, tiles past every token's visible count, token tiles across rows,
+    several programs along the groups, key tiles of 16 and 64 groups."""
+    forced = [  # (block_m, mixed_rows, group_splits, block_g, tile, groups_major)
+        (4, False, None, 64, 16, False), (8, False, 1, 16, 4, True), (4, True, 2, 16, 2, False),
+        (1, True, 3, 16, 8, True), (4, False, 2, 16, 1, True), (1, True, None, 64, 1, True)]
+    for i, (num_heads, head_dim, ratio, dtype) in enumerate(SCORE_SHAPES):
+        for block_m, mixed_rows, splits, block_g, tile, groups_major in forced:
+            case = tiled_scores_case(700 + i, num_heads, head_dim, ratio, dtype, mixed_rows)
+            want = qsa.index_tile_maxima_torch(*case, tile)
+            default_block_g, qsa_triton.SCORES_BLOCK_G = qsa_triton.SCORES_BLOCK_G, block_g
+            try:
+                have = qsa_triton.index_scores_triton(*case, tile=tile, block_m=block_m, group_splits=splits,
+                                                      groups_major=groups_major)
+            finally:
+                qsa_triton.SCORES_BLOCK_G = default_block_g
+            label = (f"tile maxima case {i} {(num_heads, head_dim, ratio, dtype)} block_m={block_m} "
+                     f"mixed={mixed_rows} splits={splits} block_g={block_g} tile={tile} groups_major={groups_major}")
+            if have.shape != want.shape or not torch.equal(torch.isinf(want), torch.isinf(have)):
+                return f"{label}: shape {tuple(have.shape)} or the -inf pattern differs"
+            tol = 1e-5 if dtype == torch.float32 else 1e-4
+            try:
+                torch.testing.assert_close(have, want, atol=tol, rtol=tol)
+            except AssertionError as err:
+                return f"{label}: {err}"
+    return None
+
+
+def _candidate_cases(qsa_triton) -> str | None:
+    """`candidate_scores_triton` against `candidate_scores_torch`: candidates at and past a token's visible
+    count, past the table (its last column is used), negative ones; one program per token or several."""
+    for i, (num_heads, head_dim, ratio, dtype) in enumerate(SCORE_SHAPES):
+        case = scores_case(800 + i, num_heads, head_dim, ratio, dtype)
+        q_index, compressed, table, token_row, visible, rows_per_block, max_groups = case
+        g = torch.Generator().manual_seed(850 + i)
+        candidates = torch.randint(-1, max_groups + 4, (q_index.shape[0], 150), generator=g)
+        args = (q_index, compressed, table, token_row, visible, rows_per_block, candidates)
+        want = qsa.candidate_scores_torch(*args)
+        for per_program in (None, 64, 100):
+            have = qsa_triton.candidate_scores_triton(*args, per_program=per_program)
+            label = f"candidate case {i} {(num_heads, head_dim, ratio, dtype)} per_program={per_program}"
+            if not torch.equal(torch.isinf(want), torch.isinf(have)):
+                return f"{label}: the -inf pattern differs"
+            tol = 1e-5 if dtype == torch.float32 else 1e-4
+            try:
+                torch.testing.assert_close(have, want, atol=tol, rtol=tol)
+            except AssertionError as err:
+                return f"{label}: {err}"
+    return None
+
+
+def _selection_by_tiles_cases(qsa_triton) -> str | None:
+    """`score_and_select` forced onto the tile-maxima selection (tiles of 2 groups, from any group count,
+    chunks of a few tokens) gives exactly the torch selection: it must launch the candidate kernel."""
+    launches: list = []
+    count_launches(qsa_triton, "_candidate_scores_kernel", launches)
+    saved = qsa.FUSED_SELECT_MIN_GROUPS, qsa.TOPK_TILE, qsa._CHUNK_ELEMENTS
+    qsa.FUSED_SELECT_MIN_GROUPS, qsa.TOPK_TILE, qsa._CHUNK_ELEMENTS = 0, 2, 40
+    try:
+        for i, (num_heads, head_dim, ratio, dtype) in enumerate(SCORE_SHAPES):
+            seed = 900 + 50 * i
+            launches.clear()
+            while (error := _check_selection(seed, num_heads, head_dim, ratio, dtype, topk=3)) == "near-tie" \
+                    and seed < 920 + 50 * i:
+                seed += 1
+            if error:
+                return f"by tiles: {error}"
+            if len(launches) < 2:  # one per chunk of a few tokens
+                return f"by tiles case {i}: {len(launches)} candidate launches, the tile path was not taken"
+    finally:
+        qsa.FUSED_SELECT_MIN_GROUPS, qsa.TOPK_TILE, qsa._CHUNK_ELEMENTS = saved
+    return None
 
 
 def _pack_cases(qsa_triton) -> str | None:

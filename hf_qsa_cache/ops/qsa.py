@@ -34,6 +34,10 @@ FUSED_QSA = fusion_enabled("qsa")
 FUSED_QSA_TOPK = fusion_enabled("qsa_topk")
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _use_triton(x: torch.Tensor) -> bool:
     return USE_TRITON and x.is_cuda
 
@@ -134,19 +138,47 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
         return selected_positions(torch.empty(n, 0, dtype=torch.long, device=device), visible, pos, ratio, block_topk)
 
     table_t = meta.block_tables[table]
-    scores_fn = index_scores_torch
-    if _use_triton(q_index):
-        from .qsa_triton import index_scores_triton as scores_fn
-
     k = min(block_topk, max_groups)
+    by_tiles = _use_triton(q_index) and max_groups >= FUSED_SELECT_MIN_GROUPS and max_groups >= 2 * k * TOPK_TILE
+    # Tokens per chunk: what a chunk holds per token is its scores, or its tile maxima and candidates.
+    held = _cdiv(max_groups, TOPK_TILE) + k * TOPK_TILE if by_tiles else max_groups
+    step = max(1, _CHUNK_ELEMENTS // held)
     chosen = []
-    step = max(1, _CHUNK_ELEMENTS // max_groups)
     for start in range(0, n, step):
         end = start + step
-        scores = scores_fn(q_index[start:end], compressed, table_t, meta.token_row[start:end],
-                           visible[start:end], rows_per_block, max_groups)
-        chosen.append(selected_positions(top_groups(scores, k), visible[start:end], pos[start:end], ratio, block_topk))
+        args = (q_index[start:end], compressed, table_t, meta.token_row[start:end], visible[start:end],
+                rows_per_block)
+        if by_tiles:
+            groups = select_by_tile_maxima(*args, max_groups, k)
+        else:
+            scores_fn = index_scores_torch
+            if _use_triton(q_index):
+                from .qsa_triton import index_scores_triton as scores_fn
+            groups = top_groups(scores_fn(*args, max_groups), k)
+        chosen.append(selected_positions(groups, visible[start:end], pos[start:end], ratio, block_topk))
     return chosen[0] if len(chosen) == 1 else torch.cat(chosen, dim=0)
+
+
+def select_by_tile_maxima(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
+                          token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
+                          max_groups: int, k: int, tile: int | None = None) -> torch.Tensor:
+    """`top_groups` of the index scores (`index_scores_torch`) without writing them: the scoring kernel
+    writes each tile's best score only (`index_tile_maxima_torch`), then the groups of the ``k`` best
+    tiles are scored again (`candidate_scores_torch`) and ranked (`top_groups_of_best_tiles`). Triton
+    kernels on CUDA, the torch functions elsewhere.
+
+    Equal to `top_groups` of the scores up to the order of fp32 sums: the tile maxima and the candidates'
+    scores come from two kernels, so a near-tie (not an exact one) may resolve differently, as it may
+    between the Triton and torch scores."""
+    tile = tile or TOPK_TILE
+    args = (q_index, compressed, block_table, token_row, visible_blocks, rows_per_block)
+    if _use_triton(q_index):
+        from .qsa_triton import candidate_scores_triton, index_scores_triton
+
+        maxima = index_scores_triton(*args, max_groups, tile=tile)
+        return top_groups_of_best_tiles(maxima, lambda c: candidate_scores_triton(*args, c), k, tile)
+    maxima = index_tile_maxima_torch(*args, max_groups, tile)
+    return top_groups_of_best_tiles(maxima, lambda c: candidate_scores_torch(*args, c), k, tile)
 
 
 def selected_positions(groups: torch.Tensor, visible: torch.Tensor, position: torch.Tensor, ratio: int,
@@ -190,6 +222,8 @@ def top_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 # Below this many scores the packed top-k is cheap enough (and needs no host sync).
 _FAST_TOPK_ELEMENTS = 1 << 22
+# From this many groups a Triton selection writes tile maxima instead of scores (`select_by_tile_maxima`).
+FUSED_SELECT_MIN_GROUPS = 1 << 16
 # Groups per tile of the two-level top-k. On an H200 (k = 512) it beats the packed top-k from
 # 2 * k tiles and the float one from about 8 * k tiles (1.9 vs 2.8 ms at 512 x 262144 scores; 4.1 vs
 # 3.4 ms at 4096 x 32768).
@@ -248,19 +282,37 @@ def top_groups_two_level(scores: torch.Tensor, k: int, tile: int = TOPK_TILE) ->
     of the ``k * tile`` groups of the best tiles are the ``k`` best of all. At long context that is a
     small share of the groups (``G / tile`` tile maxima, then ``k * tile`` candidates).
     """
+    groups = scores.shape[1]
+
+    def candidate_scores(candidates: torch.Tensor) -> torch.Tensor:
+        # Groups past the end (in a partial tile) score -inf.
+        picked = scores.gather(1, candidates.clamp_max(groups - 1))
+        return picked.masked_fill(candidates >= groups, float("-inf"))
+
+    return top_groups_of_best_tiles(tile_maxima(scores, tile), candidate_scores, k, tile)
+
+
+def tile_maxima(scores: torch.Tensor, tile: int) -> torch.Tensor:
+    """``[N, ceil(G / tile)]``: the best score of each tile of ``tile`` consecutive groups (a last tile
+    may be partial)."""
     n, groups = scores.shape
     whole = groups // tile
     maxima = scores[:, :whole * tile].unflatten(1, (whole, tile)).amax(dim=-1)
     if groups % tile:  # a last, partial tile
         maxima = torch.cat([maxima, scores[:, whole * tile:].amax(dim=-1, keepdim=True)], dim=1)
+    return maxima
+
+
+def top_groups_of_best_tiles(maxima: torch.Tensor, candidate_scores, k: int, tile: int) -> torch.Tensor:
+    """The second level of `top_groups_two_level`: from the tile maxima ``[N, T]``, the ``k`` best groups
+    of the ``k`` best tiles, best first; ``candidate_scores(candidates [N, k * tile])`` gives those
+    groups' scores, ``-inf`` for a group past the end (a partial last tile)."""
     # Only the set of best tiles matters (their candidates are ranked below): no sort here.
     tiles = top_groups_packed(maxima, min(k, maxima.shape[1]), best_first=False)
-    candidates = (tiles[:, :, None] * tile + torch.arange(tile, device=scores.device)).flatten(1)
-    # Groups past the end (in a partial tile) score -inf under a higher index than every real group,
-    # so they lose to all of them; at least k real candidates exist.
-    picked = scores.gather(1, candidates.clamp_max(groups - 1))
-    picked = picked.masked_fill(candidates >= groups, float("-inf"))
-    return _unpack(_pack(picked, candidates).topk(k, dim=-1, sorted=True).values)
+    candidates = (tiles[:, :, None] * tile + torch.arange(tile, device=maxima.device)).flatten(1)
+    # A group past the end scores -inf under a higher index than every real group, so it loses to
+    # all of them; at least k real candidates exist.
+    return _unpack(_pack(candidate_scores(candidates), candidates).topk(k, dim=-1, sorted=True).values)
 
 
 def index_scores_torch(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
@@ -293,6 +345,35 @@ def index_scores_torch(q_index: torch.Tensor, compressed: torch.Tensor, block_ta
             scores = torch.einsum("nhd,ngd->ngh", qc, keys)
         out[start:start + step] = scores.relu().sum(-1) / math.sqrt(head_dim)
     return out.masked_fill_(groups[None, :] >= visible_blocks.long()[:, None], float("-inf"))
+
+
+def index_tile_maxima_torch(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
+                            token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
+                            max_groups: int, tile: int) -> torch.Tensor:
+    """``[N, ceil(max_groups / tile)]``: each tile's best index score (`index_scores_torch`, `tile_maxima`)."""
+    scores = index_scores_torch(q_index, compressed, block_table, token_row, visible_blocks, rows_per_block,
+                                max_groups)
+    return tile_maxima(scores, tile)
+
+
+def candidate_scores_torch(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
+                           token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
+                           candidates: torch.Tensor) -> torch.Tensor:
+    """Index scores ``[N, C]`` float32 of the groups ``candidates [N, C]`` of each token (same formula and
+    arguments as `index_scores_torch`): ``-inf`` for a group at or past the token's visible count (or
+    negative)."""
+    n, num_heads, head_dim = q_index.shape
+    store = compressed.view(-1, head_dim)
+    out = torch.empty(candidates.shape, dtype=torch.float32, device=q_index.device)
+    step = max(1, _CHUNK_ELEMENTS // max(1, candidates.shape[1] * max(num_heads, head_dim)))
+    for start in range(0, n, step):
+        groups = candidates[start:start + step].long()
+        rows = token_row[start:start + step].long()[:, None]
+        keys = store[paged_rows(block_table, rows, groups.clamp_min(0), rows_per_block)].float()  # [n, C, Di]
+        scores = torch.einsum("nhd,ncd->nch", q_index[start:start + step].float(), keys)
+        live = (groups >= 0) & (groups < visible_blocks[start:start + step].long()[:, None])
+        out[start:start + step] = torch.where(live, scores.relu().sum(-1) / math.sqrt(head_dim), float("-inf"))
+    return out
 
 
 def sparse_paged_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_table: torch.Tensor,

@@ -45,6 +45,8 @@ SCORES_TARGET_PROGRAMS = 1024  # split the groups across programs until a launch
 # 3 stages ran 235 TFLOP/s on one row's prefill chunk, within 1% of the best setting at both shapes.
 SCORES_NUM_WARPS = 4
 SCORES_NUM_STAGES = 3
+# The dot's orientation: groups as its rows keeps the sum over heads within a warp (not yet timed).
+SCORES_GROUPS_MAJOR = False
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -204,9 +206,9 @@ def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, value
 
 
 @triton.jit
-def _key_tile(c_ptr, table_ptr, row, g, live, d, d_ok, stride_cr, stride_cd, stride_tr, stride_tc,
+def _key_rows(c_ptr, table_ptr, row, g, live, d, d_ok, stride_cr, stride_cd, stride_tr, stride_tc,
               table_width, rows_per_block, IEEE: tl.constexpr):
-    """Compressed keys of groups ``g`` of cache row ``row``, transposed: ``[D_PAD, BLOCK_G]``."""
+    """Compressed keys of groups ``g`` of cache row ``row``: ``[BLOCK_G, D_PAD]`` (zero where not ``live``)."""
     logical = tl.minimum(g // rows_per_block, table_width - 1)
     block = tl.load(table_ptr + row * stride_tr + logical * stride_tc, mask=live, other=0).to(tl.int64)
     flat = block * rows_per_block + g % rows_per_block
@@ -214,7 +216,22 @@ def _key_tile(c_ptr, table_ptr, row, g, live, d, d_ok, stride_cr, stride_cd, str
                   mask=live[:, None] & d_ok[None, :], other=0.0)
     if IEEE:
         key = key.to(tl.float32)
-    return tl.trans(key)
+    return key
+
+
+@triton.jit
+def _store_scores(out_ptr, t, g0, score, mine, g_end, stride_on,
+                  BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, TILE: tl.constexpr):
+    """Store the scores ``[BLOCK_M, BLOCK_G]`` of groups ``g0 ..`` of tokens ``t`` (where ``mine``), or with
+    ``TILE > 1`` only each tile's maximum (tile ``j`` holds groups ``j*TILE .. j*TILE+TILE-1``)."""
+    if TILE == 1:
+        g = g0 + tl.arange(0, BLOCK_G)
+        tl.store(out_ptr + t[:, None] * stride_on + g[None, :], score, mask=mine[:, None] & (g < g_end)[None, :])
+    else:
+        tile = g0 // TILE + tl.arange(0, BLOCK_G // TILE)
+        best = tl.max(tl.reshape(score, (BLOCK_M, BLOCK_G // TILE, TILE)), axis=2)
+        tl.store(out_ptr + t[:, None] * stride_on + tile[None, :], best,
+                 mask=mine[:, None] & (tile * TILE < g_end)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_tokens", "max_groups", "table_width", "stride_tr", "groups_per_program"])
@@ -223,7 +240,8 @@ def _index_scores_kernel(
     stride_qn, stride_qh, stride_qd, stride_cr, stride_cd, stride_tr, stride_tc, stride_on,
     num_tokens, max_groups, table_width, rows_per_block, groups_per_program, sqrt_dim,
     NUM_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, TILE: tl.constexpr, GROUPS_MAJOR: tl.constexpr,
+    IEEE: tl.constexpr, WIDEN: tl.constexpr,
 ):
     t0 = tl.program_id(0).to(tl.int64) * BLOCK_M
     g_start = tl.program_id(1) * groups_per_program
@@ -239,6 +257,7 @@ def _index_scores_kernel(
                 mask=((q_tok < num_tokens) & (q_head < NUM_HEADS))[:, None] & d_ok[None, :], other=0.0)
     if IEEE:
         q = q.to(tl.float32)
+    q_t = tl.trans(q)
     t = t0 + tl.arange(0, BLOCK_M)
     t_ok = t < num_tokens
     rows = tl.load(token_row_ptr + t, mask=t_ok, other=-1)
@@ -254,20 +273,21 @@ def _index_scores_kernel(
             reach = tl.minimum(tl.max(tl.where(mine, visible, 0), axis=0), g_end)  # groups any of them sees
             for g0 in range(g_start, reach, BLOCK_G):
                 g = g0 + tl.arange(0, BLOCK_G)
-                key_t = _key_tile(c_ptr, table_ptr, row.to(tl.int64), g, g < reach, d, d_ok, stride_cr,
-                                  stride_cd, stride_tr, stride_tc, table_width, rows_per_block, IEEE)
-                s = tl.maximum(dot(q, key_t, IEEE, WIDEN), 0.0)  # [BLOCK_M * H_PAD, BLOCK_G]
-                total = tl.sum(tl.reshape(s, (BLOCK_M, H_PAD, BLOCK_G)), axis=1)  # over heads
+                key = _key_rows(c_ptr, table_ptr, row.to(tl.int64), g, g < reach, d, d_ok, stride_cr, stride_cd,
+                                stride_tr, stride_tc, table_width, rows_per_block, IEEE)
+                if GROUPS_MAJOR:  # groups are the dot's rows: the sum over heads stays within a warp
+                    s = tl.maximum(dot(key, q_t, IEEE, WIDEN), 0.0)  # [BLOCK_G, BLOCK_M * H_PAD]
+                    total = tl.trans(tl.sum(tl.reshape(s, (BLOCK_G, BLOCK_M, H_PAD)), axis=2))
+                else:
+                    s = tl.maximum(dot(q, tl.trans(key), IEEE, WIDEN), 0.0)  # [BLOCK_M * H_PAD, BLOCK_G]
+                    total = tl.sum(tl.reshape(s, (BLOCK_M, H_PAD, BLOCK_G)), axis=1)  # over heads
                 score = tl.where(g[None, :] < visible[:, None], total / sqrt_dim, float("-inf"))
-                tl.store(out_ptr + t[:, None] * stride_on + g[None, :], score,
-                         mask=mine[:, None] & (g < g_end)[None, :])
+                _store_scores(out_ptr, t, g0, score, mine, g_end, stride_on, BLOCK_M, BLOCK_G, TILE)
             # Groups past every token's visible count: -inf without loading keys.
             done = g_start + tl.cdiv(tl.maximum(reach - g_start, 0), BLOCK_G) * BLOCK_G
             for g0 in range(done, g_end, BLOCK_G):
-                g = g0 + tl.arange(0, BLOCK_G)
-                tl.store(out_ptr + t[:, None] * stride_on + g[None, :],
-                         tl.full([BLOCK_M, BLOCK_G], float("-inf"), tl.float32),
-                         mask=mine[:, None] & (g < g_end)[None, :])
+                _store_scores(out_ptr, t, g0, tl.full([BLOCK_M, BLOCK_G], float("-inf"), tl.float32), mine, g_end,
+                              stride_on, BLOCK_M, BLOCK_G, TILE)
 
 
 def scores_block_m(num_tokens: int) -> int:
@@ -284,13 +304,16 @@ def scores_group_splits(num_tokens: int, max_groups: int, block_m: int) -> int:
 @on_device_of_first_tensor
 def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                         token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
-                        max_groups: int, *, block_m: int | None = None,
-                        group_splits: int | None = None) -> torch.Tensor:
-    """`hf_qsa_cache.ops.qsa.index_scores_torch` in one launch (see there for shapes). ``block_m``
-    overrides the tokens per program (`scores_block_m`), ``group_splits`` the programs along the
-    groups (`scores_group_splits`)."""
+                        max_groups: int, *, tile: int = 1, block_m: int | None = None,
+                        group_splits: int | None = None, groups_major: bool | None = None) -> torch.Tensor:
+    """`hf_qsa_cache.ops.qsa.index_scores_torch` in one launch (see there for shapes), or with ``tile > 1``
+    `hf_qsa_cache.ops.qsa.index_tile_maxima_torch`: ``[N, ceil(max_groups / tile)]``, the scores never
+    written. ``block_m`` overrides the tokens per program (`scores_block_m`), ``group_splits`` the
+    programs along the groups (`scores_group_splits`), ``groups_major`` the dot's orientation
+    (``SCORES_GROUPS_MAJOR``)."""
     n, num_heads, head_dim = q_index.shape
-    out = torch.empty(n, max_groups, dtype=torch.float32, device=q_index.device)
+    assert tile >= 1 and tile & (tile - 1) == 0 and SCORES_BLOCK_G % tile == 0, f"tile={tile}"
+    out = torch.empty(n, _cdiv(max_groups, tile), dtype=torch.float32, device=q_index.device)
     if n == 0 or max_groups == 0:
         return out
     if block_table.shape[1] == 0:
@@ -306,6 +329,8 @@ def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_t
     block_m = max(block_m, 16 // h_pad)  # tl.dot needs at least 16 query rows
     if group_splits is None:
         group_splits = scores_group_splits(n, max_groups, block_m)
+    if groups_major is None:
+        groups_major = SCORES_GROUPS_MAJOR
     tiles = _cdiv(max_groups, SCORES_BLOCK_G)
     groups_per_program = _cdiv(tiles, max(1, min(group_splits, tiles))) * SCORES_BLOCK_G
     grid = (triton.cdiv(n, block_m), triton.cdiv(max_groups, groups_per_program))
@@ -315,8 +340,75 @@ def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_t
         block_table.stride(0), block_table.stride(1), out.stride(0),
         n, max_groups, block_table.shape[1], rows_per_block, groups_per_program, math.sqrt(head_dim),
         NUM_HEADS=num_heads, H_PAD=h_pad, HEAD_DIM=head_dim, D_PAD=pow2(head_dim), BLOCK_M=block_m,
-        BLOCK_G=SCORES_BLOCK_G, IEEE=ieee, WIDEN=INTERPRET, num_warps=SCORES_NUM_WARPS,
-        num_stages=SCORES_NUM_STAGES,
+        BLOCK_G=SCORES_BLOCK_G, TILE=tile, GROUPS_MAJOR=groups_major, IEEE=ieee, WIDEN=INTERPRET,
+        num_warps=SCORES_NUM_WARPS, num_stages=SCORES_NUM_STAGES,
+    )
+    return out
+
+
+# Candidate scores launch policy: candidates per key tile and per program.
+CANDIDATES_BLOCK = 64
+CANDIDATES_PER_PROGRAM = 1024
+
+
+@triton.jit(do_not_specialize=["num_candidates", "table_width", "stride_tr", "per_program"])
+def _candidate_scores_kernel(
+    q_ptr, c_ptr, table_ptr, token_row_ptr, visible_ptr, cand_ptr, out_ptr,
+    stride_qn, stride_qh, stride_qd, stride_cr, stride_cd, stride_tr, stride_tc, stride_gn, stride_on,
+    num_candidates, table_width, rows_per_block, per_program, sqrt_dim,
+    NUM_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_C: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+):
+    """One program per (token, range of its candidates): the index score of each candidate group."""
+    n = tl.program_id(0).to(tl.int64)
+    c_start = tl.program_id(1) * per_program
+    c_end = tl.minimum(c_start + per_program, num_candidates)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    h = tl.arange(0, H_PAD)
+    q = tl.load(q_ptr + n * stride_qn + h[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=(h < NUM_HEADS)[:, None] & d_ok[None, :], other=0.0)  # padded heads score 0
+    if IEEE:
+        q = q.to(tl.float32)
+    q_t = tl.trans(q)
+    row = tl.load(token_row_ptr + n).to(tl.int64)
+    visible = tl.load(visible_ptr + n)
+    for c0 in range(c_start, c_end, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        c_ok = c < c_end
+        grp = tl.load(cand_ptr + n * stride_gn + c, mask=c_ok, other=-1).to(tl.int64)
+        live = c_ok & (grp >= 0) & (grp < visible)
+        key = _key_rows(c_ptr, table_ptr, row, tl.maximum(grp, 0), live, d, d_ok, stride_cr, stride_cd,
+                        stride_tr, stride_tc, table_width, rows_per_block, IEEE)
+        s = tl.maximum(dot(key, q_t, IEEE, WIDEN), 0.0)  # [BLOCK_C, H_PAD]
+        score = tl.where(live, tl.sum(s, axis=1) / sqrt_dim, float("-inf"))
+        tl.store(out_ptr + n * stride_on + c, score, mask=c_ok)
+
+
+@on_device_of_first_tensor
+def candidate_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
+                            token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
+                            candidates: torch.Tensor, *, per_program: int | None = None) -> torch.Tensor:
+    """`hf_qsa_cache.ops.qsa.candidate_scores_torch` in one launch. ``per_program`` overrides the candidates
+    per program (``CANDIDATES_PER_PROGRAM``; rounded up to whole tiles of ``CANDIDATES_BLOCK``)."""
+    n, num_heads, head_dim = q_index.shape
+    width = candidates.shape[1]
+    out = torch.empty(n, width, dtype=torch.float32, device=q_index.device)
+    if n == 0 or width == 0:
+        return out
+    if block_table.shape[1] == 0:
+        return out.fill_(float("-inf"))
+    flat = compressed.reshape(-1, head_dim)
+    ieee = not (q_index.dtype == flat.dtype and q_index.dtype in (torch.bfloat16, torch.float16))
+    candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
+    per_program = _cdiv(per_program or CANDIDATES_PER_PROGRAM, CANDIDATES_BLOCK) * CANDIDATES_BLOCK
+    _candidate_scores_kernel[(n, _cdiv(width, per_program))](
+        q_index, flat, block_table, token_row, visible_blocks, candidates, out,
+        q_index.stride(0), q_index.stride(1), q_index.stride(2), flat.stride(0), flat.stride(1),
+        block_table.stride(0), block_table.stride(1), candidates.stride(0), out.stride(0),
+        width, block_table.shape[1], rows_per_block, per_program, math.sqrt(head_dim),
+        NUM_HEADS=num_heads, H_PAD=pow2(num_heads), HEAD_DIM=head_dim, D_PAD=pow2(head_dim),
+        BLOCK_C=CANDIDATES_BLOCK, IEEE=ieee, WIDEN=INTERPRET, num_warps=4,
     )
     return out
 
