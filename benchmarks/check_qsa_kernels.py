@@ -118,6 +118,10 @@ def check_scores(n: int, dtype, g: torch.Generator, device, groups: int = GROUPS
         t_one = _bench(lambda: qsa_triton.index_scores_triton(*args, block_m=1))
         extra = f" (block_m=1: {t_one:9.1f}us)"
     del want, have
+    if n == 1:  # decode: time the other orientation too
+        t_other = _bench(lambda: qsa_triton.index_scores_triton(
+            *args, groups_major=not qsa_triton.SCORES_GROUPS_MAJOR))
+        extra = f" (groups_major={not qsa_triton.SCORES_GROUPS_MAJOR}: {t_other:9.1f}us)"
     t_ref = _bench(lambda: qsa.index_scores_torch(*args))
     t_tri = _bench(lambda: qsa_triton.index_scores_triton(*args))
     print(f"scores    N={n:5d} G={groups:6d} {'1 row ' if one_row else f'{NUM_ROWS} rows'} {dtype!s:14s} "
@@ -193,8 +197,9 @@ def sweep_scores(n: int, groups: int, g: torch.Generator, device) -> bool:
     finite = torch.isfinite(want)
     flops = 2.0 * heads * head_dim * float(visible.long().sum())
     defaults = (qsa_triton.SCORES_BLOCK_G, qsa_triton.SCORES_NUM_WARPS, qsa_triton.SCORES_NUM_STAGES)
-    settings = [(False, 8, 64, 4, 3), (False, 8, 64, 4, 2)]  # the default and its neighbour, then groups-major
-    settings += [(True, block_m, block_g, warps, stages) for block_m in (8, 16) for block_g in (64, 128)
+    # The other orientation's best setting, then groups-major (up to 256 dot columns: 8 tokens x 32 heads).
+    settings = [(False, 8, 64, 4, 3), (False, 8, 64, 8, 3)]
+    settings += [(True, block_m, block_g, warps, stages) for block_m in (4, 8) for block_g in (64, 128)
                  for warps in (4, 8) for stages in (2, 3)]
     ok = True
     results = []

@@ -139,7 +139,7 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
 
     table_t = meta.block_tables[table]
     k = min(block_topk, max_groups)
-    by_tiles = _use_triton(q_index) and max_groups >= FUSED_SELECT_MIN_GROUPS and max_groups >= 2 * k * TOPK_TILE
+    by_tiles = selects_by_tiles(q_index, max_groups, k)
     # Tokens per chunk: what a chunk holds per token is its scores, or its tile maxima and candidates.
     held = _cdiv(max_groups, TOPK_TILE) + k * TOPK_TILE if by_tiles else max_groups
     step = max(1, _CHUNK_ELEMENTS // held)
@@ -157,6 +157,13 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
             groups = top_groups(scores_fn(*args, max_groups), k)
         chosen.append(selected_positions(groups, visible[start:end], pos[start:end], ratio, block_topk))
     return chosen[0] if len(chosen) == 1 else torch.cat(chosen, dim=0)
+
+
+def selects_by_tiles(q_index: torch.Tensor, max_groups: int, k: int) -> bool:
+    """Whether `score_and_select` ranks tile maxima (`select_by_tile_maxima`) instead of every score: with the
+    Triton kernels, from ``FUSED_SELECT_MIN_GROUPS`` groups on (where it measured faster), and where the
+    groups make at least two tiles per pick."""
+    return _use_triton(q_index) and max_groups >= FUSED_SELECT_MIN_GROUPS and max_groups >= 2 * k * TOPK_TILE
 
 
 def select_by_tile_maxima(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
@@ -223,7 +230,9 @@ def top_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
 # Below this many scores the packed top-k is cheap enough (and needs no host sync).
 _FAST_TOPK_ELEMENTS = 1 << 22
 # From this many groups a Triton selection writes tile maxima instead of scores (`select_by_tile_maxima`).
-FUSED_SELECT_MIN_GROUPS = 1 << 16
+# On an H200 (k = 512, tiles of 16, 2048 tokens of a prefill chunk) it took 15.5 against 19.2 ms at
+# 262144 groups (a 1M-token context), about the same at 65536, and lost below (benchmarks/check_qsa_kernels.py).
+FUSED_SELECT_MIN_GROUPS = 1 << 17
 # Groups per tile of the two-level top-k. On an H200 (k = 512) it beats the packed top-k from
 # 2 * k tiles and the float one from about 8 * k tiles (1.9 vs 2.8 ms at 512 x 262144 scores; 4.1 vs
 # 3.4 ms at 4096 x 32768).

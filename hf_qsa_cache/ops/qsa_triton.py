@@ -15,7 +15,9 @@ Same signatures and outputs as the torch specification in `hf_qsa_cache.ops.qsa`
   ``-inf`` for the others. The queries of all heads of the tile's tokens form one
   ``[BLOCK_M * heads, Di]`` operand, so each key tile costs one tensor-core dot for the whole tile;
   the relu'd products are then summed over heads. A tile whose tokens read several cache rows runs
-  one pass per row. Decode runs one token per program, the groups split across programs.
+  one pass per row. Decode runs one token per program, the groups split across programs. With
+  ``tile > 1`` it writes only each tile of groups' best score (the long-context selection ranks tiles
+  first, then rescores the best tiles' groups with `candidate_scores_triton`, one program per token).
 
 Block-table lookups clamp the logical block to the table's last column, like `paged_rows`.
 """
@@ -41,12 +43,17 @@ SCORES_BLOCK_G = 64  # compressed groups per key tile
 SCORES_PREFILL_TOKENS = 64  # from this many tokens on (prefill), ...
 SCORES_PREFILL_BLOCK_M = 8  # ... a program scores this many consecutive tokens (x heads: the dot's rows)
 SCORES_TARGET_PROGRAMS = 1024  # split the groups across programs until a launch has about this many
-# From a sweep on an H200 (benchmarks/check_qsa_kernels.py): 8 tokens x 32 heads, 64 groups, 4 warps,
-# 3 stages ran 235 TFLOP/s on one row's prefill chunk, within 1% of the best setting at both shapes.
-SCORES_NUM_WARPS = 4
+# From sweeps on an H200 (benchmarks/check_qsa_kernels.py) on one row's prefill chunk (4096 tokens over
+# 32768 groups, 512 over 262144): 8 tokens x 32 heads, 64 groups, 8 warps, 3 stages, groups-major.
+SCORES_NUM_WARPS = 8
 SCORES_NUM_STAGES = 3
-# The dot's orientation: groups as its rows keeps the sum over heads within a warp (not yet timed).
-SCORES_GROUPS_MAJOR = False
+# The dot's orientation: with the compressed groups as its rows (and tokens x heads as its columns) the
+# sum over heads stays within a warp; with tokens x heads as its rows it crosses warps. Groups-major, 8
+# warps ran 454 TFLOP/s on both prefill shapes above, the other orientation's best setting 235.
+SCORES_GROUPS_MAJOR = True
+# Columns of a groups-major dot (tokens x padded heads) at most: 512 gave wrong scores on the H200
+# (the interpreter's were right); a wider tile takes the other orientation.
+SCORES_GROUPS_MAJOR_MAX_COLUMNS = 256
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -331,6 +338,7 @@ def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_t
         group_splits = scores_group_splits(n, max_groups, block_m)
     if groups_major is None:
         groups_major = SCORES_GROUPS_MAJOR
+    groups_major = groups_major and block_m * h_pad <= SCORES_GROUPS_MAJOR_MAX_COLUMNS
     tiles = _cdiv(max_groups, SCORES_BLOCK_G)
     groups_per_program = _cdiv(tiles, max(1, min(group_splits, tiles))) * SCORES_BLOCK_G
     grid = (triton.cdiv(n, block_m), triton.cdiv(max_groups, groups_per_program))
