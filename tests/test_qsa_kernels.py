@@ -206,6 +206,15 @@ def test_selection_breaks_ties_towards_the_lower_group():
 # ----------------------------------------------------------------------------- triton vs torch
 
 
+def test_candidate_launch_fills_the_gpu_at_decode_and_caps_prefill_programs():
+    from hf_qsa_cache.ops import qsa_triton as kt
+
+    decode = kt.candidates_per_program(1, 512 * 16)  # one token, k = 512 tiles of 16
+    assert decode % kt.CANDIDATES_BLOCK == 0 and 512 * 16 // decode >= kt.CANDIDATES_TARGET_PROGRAMS // 8
+    assert kt.candidates_per_program(4096, 512 * 16) == kt.CANDIDATES_PER_PROGRAM
+    assert kt.candidates_per_program(3, 5) == kt.CANDIDATES_BLOCK
+
+
 def test_triton_kernels_match_torch():
     run_under_interpreter(__file__, "all qsa kernel cases ok")
 

@@ -47,6 +47,9 @@ SCORES_TARGET_PROGRAMS = 1024  # split the groups across programs until a launch
 # 32768 groups, 512 over 262144): 8 tokens x 32 heads, 64 groups, 8 warps, 3 stages, groups-major.
 SCORES_NUM_WARPS = 8
 SCORES_NUM_STAGES = 3
+# One token per program (decode) keeps the setting measured before the groups-major sweep: tokens x heads
+# as the dot's rows, 4 warps (141 against 158 us for one token over 262144 groups).
+SCORES_DECODE_NUM_WARPS = 4
 # The dot's orientation: with the compressed groups as its rows (and tokens x heads as its columns) the
 # sum over heads stays within a warp; with tokens x heads as its rows it crosses warps. Groups-major, 8
 # warps ran 454 TFLOP/s on both prefill shapes above, the other orientation's best setting 235.
@@ -333,11 +336,12 @@ def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_t
     if block_m is None:
         block_m = scores_block_m(n)
     assert block_m >= 1 and block_m & (block_m - 1) == 0, f"block_m={block_m} is not a power of two"
+    one_token = block_m == 1  # decode's launch: its own (earlier measured) orientation and warps
     block_m = max(block_m, 16 // h_pad)  # tl.dot needs at least 16 query rows
     if group_splits is None:
         group_splits = scores_group_splits(n, max_groups, block_m)
     if groups_major is None:
-        groups_major = SCORES_GROUPS_MAJOR
+        groups_major = SCORES_GROUPS_MAJOR and not one_token
     groups_major = groups_major and block_m * h_pad <= SCORES_GROUPS_MAJOR_MAX_COLUMNS
     tiles = _cdiv(max_groups, SCORES_BLOCK_G)
     groups_per_program = _cdiv(tiles, max(1, min(group_splits, tiles))) * SCORES_BLOCK_G
@@ -349,14 +353,22 @@ def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_t
         n, max_groups, block_table.shape[1], rows_per_block, groups_per_program, math.sqrt(head_dim),
         NUM_HEADS=num_heads, H_PAD=h_pad, HEAD_DIM=head_dim, D_PAD=pow2(head_dim), BLOCK_M=block_m,
         BLOCK_G=SCORES_BLOCK_G, TILE=tile, GROUPS_MAJOR=groups_major, IEEE=ieee, WIDEN=INTERPRET,
-        num_warps=SCORES_NUM_WARPS, num_stages=SCORES_NUM_STAGES,
+        num_warps=SCORES_DECODE_NUM_WARPS if one_token else SCORES_NUM_WARPS, num_stages=SCORES_NUM_STAGES,
     )
     return out
 
 
-# Candidate scores launch policy: candidates per key tile and per program.
+# Candidate scores launch policy: candidates per key tile; per program, as many as fill about
+# CANDIDATES_TARGET_PROGRAMS programs (decode has one token), at most CANDIDATES_PER_PROGRAM.
 CANDIDATES_BLOCK = 64
 CANDIDATES_PER_PROGRAM = 1024
+CANDIDATES_TARGET_PROGRAMS = 1024
+
+
+def candidates_per_program(num_tokens: int, width: int) -> int:
+    """Candidates per program of `candidate_scores_triton`: whole key tiles (shapes only)."""
+    wanted = _cdiv(num_tokens * width, CANDIDATES_TARGET_PROGRAMS)
+    return _cdiv(max(1, min(CANDIDATES_PER_PROGRAM, wanted)), CANDIDATES_BLOCK) * CANDIDATES_BLOCK
 
 
 @triton.jit(do_not_specialize=["num_candidates", "table_width", "stride_tr", "per_program"])
@@ -398,7 +410,7 @@ def candidate_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, blo
                             token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
                             candidates: torch.Tensor, *, per_program: int | None = None) -> torch.Tensor:
     """`hf_qsa_cache.ops.qsa.candidate_scores_torch` in one launch. ``per_program`` overrides the candidates
-    per program (``CANDIDATES_PER_PROGRAM``; rounded up to whole tiles of ``CANDIDATES_BLOCK``)."""
+    per program (`candidates_per_program`; rounded up to whole tiles of ``CANDIDATES_BLOCK``)."""
     n, num_heads, head_dim = q_index.shape
     width = candidates.shape[1]
     out = torch.empty(n, width, dtype=torch.float32, device=q_index.device)
@@ -409,7 +421,9 @@ def candidate_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, blo
     flat = compressed.reshape(-1, head_dim)
     ieee = not (q_index.dtype == flat.dtype and q_index.dtype in (torch.bfloat16, torch.float16))
     candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
-    per_program = _cdiv(per_program or CANDIDATES_PER_PROGRAM, CANDIDATES_BLOCK) * CANDIDATES_BLOCK
+    if per_program is None:
+        per_program = candidates_per_program(n, width)
+    per_program = _cdiv(per_program, CANDIDATES_BLOCK) * CANDIDATES_BLOCK
     _candidate_scores_kernel[(n, _cdiv(width, per_program))](
         q_index, flat, block_table, token_row, visible_blocks, candidates, out,
         q_index.stride(0), q_index.stride(1), q_index.stride(2), flat.stride(0), flat.stride(1),
