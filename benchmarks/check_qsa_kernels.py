@@ -1,6 +1,6 @@
 """GPU check of the QSA Triton kernels against the torch reference, at real shapes, with timings.
 
-    python benchmarks/check_qsa_kernels.py
+    python benchmarks/check_qsa_kernels.py [--attention-sweep]
 
 Sparse attention: H=16 query heads over 2 KV heads, head_dim 256, W=2051 selected positions; decode
 (N=1, N=8) runs the default launch policy (split width), timed against one split per program too.
@@ -41,7 +41,9 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=40) * 1e3  # microseconds
 
 
-def check_attention(n: int, dtype, g: torch.Generator, device) -> bool:
+def _attention_args(n: int, dtype, g: torch.Generator, device) -> tuple:
+    """Sparse attention inputs: ``n`` tokens over 8 rows of ``SEQ_LEN`` positions, 2051 random positions each
+    (5% holes; token 1 a pad)."""
     heads, num_kv, head_dim, width = 16, 2, 256, 2051
     table, num_blocks = _table(g, device)
     keys = torch.randn(num_blocks, BLOCK_SIZE, num_kv, head_dim, generator=g).to(device, dtype)
@@ -53,7 +55,12 @@ def check_attention(n: int, dtype, g: torch.Generator, device) -> bool:
     if n > 1:
         positions[1] = -1  # a pad
     positions = positions.to(device)
-    args = (query, keys, values, table, token_row, positions, BLOCK_SIZE, 1.0 / math.sqrt(head_dim))
+    return query, keys, values, table, token_row, positions, BLOCK_SIZE, 1.0 / math.sqrt(head_dim)
+
+
+def check_attention(n: int, dtype, g: torch.Generator, device) -> bool:
+    args = _attention_args(n, dtype, g, device)
+    num_kv, width = args[1].shape[2], args[5].shape[1]
     want = qsa.sparse_paged_attention(*args)
     have = qsa_triton.sparse_paged_attention_triton(*args)
     err = (have.float() - want.float()).abs().max().item()
@@ -138,6 +145,10 @@ def main() -> int:
         return 1
     device = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
+    if "--attention-sweep" in sys.argv[1:]:  # only the prefill attention's launch sweep
+        ok = sweep_attention(4096, g, device)
+        print("PASS" if ok else "FAIL")
+        return 0 if ok else 1
     ok = True
     for n in (1, 8, 4096):
         ok &= check_attention(n, torch.bfloat16, g, device)
@@ -159,6 +170,7 @@ def main() -> int:
     # prefill chunks at 64k, 128k, 256k and 1M tokens of context.
     for n, groups in ((1, 32768), (1, 262144), (4096, 16384), (4096, 32768), (2048, 65536), (2048, 262144)):
         ok &= check_selection(n, groups, g, device)
+    ok &= sweep_attention(4096, g, device)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
@@ -223,6 +235,38 @@ def sweep_scores(n: int, groups: int, g: torch.Generator, device) -> bool:
     for t, groups_major, block_m, block_g, warps, stages, same in sorted(results)[:10]:
         print(f"  {t:9.1f}us {flops / t / 1e6:6.1f} TFLOP/s groups_major={groups_major} block_m={block_m} "
               f"block_g={block_g} warps={warps} stages={stages} {'ok' if same else 'MISMATCH'}")
+    return ok
+
+
+def sweep_attention(n: int, g: torch.Generator, device) -> bool:
+    """Prefill sparse attention (bf16, one split) under other launch settings (positions per tile, warps,
+    pipeline stages): time, the bytes of K/V it gathers per second, and agreement with the defaults."""
+    args = _attention_args(n, torch.bfloat16, g, device)
+    query, keys, positions = args[0], args[1], args[5]
+    want = qsa_triton.sparse_paged_attention_triton(*args)
+    gathered = float((positions >= 0).sum()) * keys.shape[2] * keys.shape[3] * keys.element_size() * 2
+    defaults = qsa_triton.ATTENTION_BLOCK_W, qsa_triton.ATTENTION_NUM_WARPS, qsa_triton.ATTENTION_NUM_STAGES
+    results = []
+    ok = True
+    for block_w in (32, 64, 128):
+        for warps in (2, 4, 8):
+            for stages in (1, 2, 3, 4):
+                qsa_triton.ATTENTION_BLOCK_W, qsa_triton.ATTENTION_NUM_WARPS, qsa_triton.ATTENTION_NUM_STAGES = (
+                    block_w, warps, stages)
+                try:
+                    have = qsa_triton.sparse_paged_attention_triton(*args)
+                    same = bool((have.float() - want.float()).abs().max() <= 2e-2)
+                    t = _bench(lambda: qsa_triton.sparse_paged_attention_triton(*args))
+                    results.append((t, block_w, warps, stages, same))
+                    ok &= same
+                except Exception as error:  # out of resources for a setting: report and go on
+                    print(f"  sweep block_w={block_w} warps={warps} stages={stages}: {type(error).__name__}")
+    qsa_triton.ATTENTION_BLOCK_W, qsa_triton.ATTENTION_NUM_WARPS, qsa_triton.ATTENTION_NUM_STAGES = defaults
+    print(f"attention sweep N={n} (bf16, {query.shape[1]} heads over {keys.shape[2]} x {keys.shape[3]}, width "
+          f"{positions.shape[1]}; default block_w={defaults[0]} warps={defaults[1]} stages={defaults[2]}):")
+    for t, block_w, warps, stages, same in sorted(results)[:10]:
+        print(f"  {t:9.1f}us {gathered / t / 1e6:6.2f} TB/s gathered block_w={block_w} warps={warps} "
+              f"stages={stages} {'ok' if same else 'MISMATCH'}")
     return ok
 
 
