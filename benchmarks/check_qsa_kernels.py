@@ -6,9 +6,11 @@ Sparse attention: H=16 query heads over 2 KV heads, head_dim 256, W=2051 selecte
 (N=1, N=8) runs the default launch policy (split width), timed against one split per program too.
 Index scores: 32 index heads x 128; tokens of 8 rows over up to 4096 compressed groups, a prefill
 chunk of 4096 tokens of one row over 4096 and 32768 groups (token tiles; timed against one token per
-program too), and one decode token over 262144 groups (a 1M-token context). One line per case (max
-error, torch and Triton times from triton.testing.do_bench), then PASS or FAIL.
-"""
+program too), and one decode token over 262144 groups (a 1M-token context). Then the top-k paths, a
+launch sweep of the prefill index scores, the whole selection of a prefill chunk (scores written then
+ranked, against tile maxima with the best tiles rescored) from decode to a 1M-token context, and a launch
+sweep of the prefill sparse attention (alone with ``--attention-sweep``). One line per case (max error,
+torch and Triton times from triton.testing.do_bench), then PASS or FAIL."""
 
 from __future__ import annotations
 
