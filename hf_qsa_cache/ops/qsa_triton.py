@@ -34,7 +34,11 @@ from .triton_common import INTERPRET, LOG2E, dot, on_device_of_first_tensor, pow
 
 # Sparse attention launch policy (shapes only; `num_splits` overrides it per call).
 ATTENTION_BLOCK_W = 64  # selected positions per tile
-ATTENTION_NUM_WARPS = 4
+# One split per program (prefill): 2 warps gathered K/V at 5.4 TB/s on an H200, 4 warps (the earlier
+# setting, kept for split launches, i.e. decode) at under 3.3 (benchmarks/check_qsa_kernels.py
+# --attention-sweep: 4096 tokens x 2051 positions, 3.0 against 7.2 ms).
+ATTENTION_NUM_WARPS = 2
+ATTENTION_SPLIT_NUM_WARPS = 4
 ATTENTION_NUM_STAGES = 3
 TARGET_PROGRAMS = 512  # split the width until a launch has about this many programs ...
 MIN_SPLIT_POSITIONS = 64  # ... but give every split at least this many positions
@@ -206,7 +210,8 @@ def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, value
         n, width, block_table.shape[1], block_size, float(scaling) * LOG2E, split_len, splits,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, G_PAD=pow2(group), D_PAD=pow2(head_dim),
         BLOCK_W=ATTENTION_BLOCK_W, SPLIT=splits > 1, IEEE=query.dtype == torch.float32, WIDEN=INTERPRET,
-        num_warps=ATTENTION_NUM_WARPS, num_stages=ATTENTION_NUM_STAGES,
+        num_warps=ATTENTION_SPLIT_NUM_WARPS if splits > 1 else ATTENTION_NUM_WARPS,
+        num_stages=ATTENTION_NUM_STAGES,
     )
     if splits > 1:
         _merge_splits_kernel[(n, num_heads)](
