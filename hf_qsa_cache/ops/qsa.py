@@ -230,8 +230,8 @@ def top_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
 # Below this many scores the packed top-k is cheap enough (and needs no host sync).
 _FAST_TOPK_ELEMENTS = 1 << 22
 # From this many groups a Triton selection writes tile maxima instead of scores (`select_by_tile_maxima`).
-# On an H200 (k = 512, tiles of 16, 2048 tokens of a prefill chunk) it took 15.5 against 19.2 ms at
-# 262144 groups (a 1M-token context), about the same at 65536, and lost below (benchmarks/check_qsa_kernels.py).
+# On an H200 (k = 512, tiles of 16, 2048 tokens of a prefill chunk) it took 14.0 against 17.0 ms at
+# 262144 groups (a 1M-token context), 5.7 against 5.1 at 65536, and lost below (benchmarks/check_qsa_kernels.py).
 FUSED_SELECT_MIN_GROUPS = 1 << 17
 # Groups per tile of the two-level top-k. On an H200 (k = 512) it beats the packed top-k from
 # 2 * k tiles and the float one from about 8 * k tiles (1.9 vs 2.8 ms at 512 x 262144 scores; 4.1 vs
