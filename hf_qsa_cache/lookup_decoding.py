@@ -31,6 +31,11 @@ end-of-sequence id, the crop of the rejected drafts, and the stop. The tokens, t
 the streamer's calls and the candidate generator's calls are those of transformers' loop (below: a
 paused round's streamer call may come a few steps late): the drafts only decide how many tokens a forward
 verifies.
+
+Each forward is a transaction of the cache; a round is not. A failure after a verify forward and before its
+crop, or while a run of paused picks is read, leaves the cache holding exactly the tokens it was fed (drafts
+or picks the caller never got): the next `generate()` on it that does not continue them is refused with
+`reset()` named (`QSAPagedCache.check_continues`), as after a failed call of transformers' own loop.
 """
 
 from __future__ import annotations

@@ -221,3 +221,49 @@ def test_an_end_of_sequence_id_read_late_is_taken_back(family, pauses, qwen, ink
         assert ours[2][:len(theirs[2])] == theirs[2] and all(r == [0, 0] for r in ours[2][len(theirs[2]):])
         late += len([n for n in crops if n]) > len(their_crops)
     assert late, "no end-of-sequence id was read late"
+
+
+@pytest.mark.parametrize("where", ["between_verify_and_crop", "reading_paused_picks"])
+def test_a_failed_round_leaves_a_cache_that_refuses_a_new_call_naming_reset(where, qwen, monkeypatch):  # noqa: F811
+    """generate() through our loop fails after a verify forward, before its crop (the rejected drafts are still
+    held), or while it reads a run of paused picks (steps the caller never sees): the error reaches the caller,
+    the cache holds more than the prompt, the same call on it again is refused with `reset()` named (nothing
+    silently continues tokens the caller never got), and after `reset()` it gives plain greedy's tokens."""
+    model = qwen[0]
+    ids = _qwen_prompt(seed=5)
+    plain = _greedy(model, ids, 20).sequences
+    kwargs = {"prompt_lookup_num_tokens": K}
+    if where == "between_verify_and_crop":
+        real = lookup_decoding.verdict
+
+        def failing_verdict(drafts, picks, room, eos):
+            if drafts and drafts[0] != picks[0]:  # a round whose first draft is rejected: its drafts are held
+                raise RuntimeError("injected fault before the crop")
+            return real(drafts, picks, room, eos)
+
+        monkeypatch.setattr(lookup_decoding, "verdict", failing_verdict)
+    else:
+        init = DraftBudget.__init__
+
+        def paused_for_good(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.paused = 10 ** 9
+
+        class FailingStreamer(Streamer):
+            def put(self, value):
+                if len(self.puts) == 1:  # the prompt first, then the first read of paused picks
+                    raise RuntimeError("injected fault while reading paused picks")
+                super().put(value)
+
+        monkeypatch.setattr(DraftBudget, "__init__", paused_for_good)
+        kwargs.update(streamer=FailingStreamer(), eos_token_id=int(plain[0, -1]))  # an id: reads every K + 1 steps
+    cache = QSAPagedCache(model.config, 1, ids.shape[1] + 40, num_speculative_tokens=K)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        _greedy(model, ids, 20, past_key_values=cache, **kwargs)
+    assert cache.get_seq_length() > ids.shape[1]
+    with pytest.raises(ValueError, match=r"reset\(\)"):
+        _greedy(model, ids, 20, past_key_values=cache, **kwargs)
+    monkeypatch.undo()
+    cache.reset()
+    out = _greedy(model, ids, 20, past_key_values=cache, prompt_lookup_num_tokens=K)
+    assert torch.equal(out.sequences, plain)
