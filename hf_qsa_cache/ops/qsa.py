@@ -5,6 +5,9 @@ Tokens are the flattened ``[B*L]`` rows of a forward, described by `StepMetadata
 row's groups ``0 .. visible_blocks-1``, keeps the ``budget / r`` best, and always attends the
 open-group tail ``((p+1)//r)*r .. p``.
 
+At long context the selection ranks tile maxima instead of holding every score (`select_by_tile_maxima`,
+from ``FUSED_SELECT_MIN_GROUPS`` groups on the GPU).
+
 On CUDA the index scores and the sparse attention run as Triton kernels (`hf_qsa_cache.ops.qsa_triton`),
 tested against the torch functions here (under the Triton interpreter, on GPU by
 ``benchmarks/check_qsa_kernels.py``, and inside whole models by ``benchmarks/gpu_checks.py``);
