@@ -7,8 +7,9 @@ profiler: the top-level aten ops that compute (views, shapes and allocations lef
 `profile_decode_step.py`), outside every forward of the model and outside the cache's crops (a verify
 step's rollback, the same in both prompt-lookup loops). Three ways to generate the same 40 greedy tokens
 after a prompt whose continuation the random model does not repeat (prompt lookup's drafts are rejected):
-plain greedy decoding, prompt lookup in transformers' assisted-decoding loop, and prompt lookup in ours
-(`hf_qsa_cache/lookup_decoding.py`). Also the number of forwards (the same in all three: one token each).
+plain greedy decoding in transformers' `_sample` and in our loop (what `generate()` runs for one row), prompt
+lookup in transformers' assisted-decoding loop and in ours (`hf_qsa_cache/lookup_decoding.py`). Also the
+number of forwards (the same in all four: one token each).
 """
 
 from __future__ import annotations
@@ -58,11 +59,11 @@ def count(model, ids, ours: bool, **kwargs) -> tuple[float, int, Counter]:
         with record_function("crop"):
             return crop(cache, n)
 
-    applies = lookup_decoding.applies
+    applies, applies_to_greedy = lookup_decoding.applies, lookup_decoding.applies_to_greedy
     handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
     QSAPagedCache.crop = labelled_crop
     if not ours:
-        lookup_decoding.applies = lambda *a, **k: False
+        lookup_decoding.applies = lookup_decoding.applies_to_greedy = lambda *a, **k: False
     try:
         with torch.no_grad():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
@@ -72,7 +73,7 @@ def count(model, ids, ours: bool, **kwargs) -> tuple[float, int, Counter]:
                 model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
                                do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
     finally:
-        lookup_decoding.applies = applies
+        lookup_decoding.applies, lookup_decoding.applies_to_greedy = applies, applies_to_greedy
         QSAPagedCache.crop = crop
         for handle in handles:
             handle.remove()
@@ -90,7 +91,8 @@ def main() -> None:
         vocab = model.config.get_text_config(decoder=True).vocab_size
         passage = torch.randint(3, vocab, (1, 30), generator=torch.Generator().manual_seed(0))
         ids = torch.cat([passage, passage[:, :6]], dim=1)
-        for name, ours, kwargs in (("plain greedy", True, {}),
+        for name, ours, kwargs in (("plain greedy, transformers' loop", False, {}),
+                                   ("plain greedy, our loop", True, {}),
                                    ("prompt lookup, transformers' loop", False, {"prompt_lookup_num_tokens": 3}),
                                    ("prompt lookup, our loop", True, {"prompt_lookup_num_tokens": 3})):
             per_token, forwards, calls = count(model, ids, ours, **kwargs)

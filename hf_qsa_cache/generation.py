@@ -115,6 +115,9 @@ class PagedCacheGenerationMixin:
     # Prompt lookup proposes as many drafts as recent rounds had accepted (`DraftBudget`); False: always
     # prompt_lookup_num_tokens, as transformers does (see `_get_candidate_generator`).
     adaptive_prompt_lookup = True
+    # Plain greedy decoding of one row runs our lean loop (`lookup_decoding.decode_greedy`: the same tokens,
+    # cache and streamer calls as transformers' `_sample`, fewer torch calls per token); False: transformers'.
+    lean_greedy_decoding = True
 
     def generate(self, inputs=None, *args, **kwargs):
         # A passed cache that holds rows must be continued by this call's input (checked once per call).
@@ -195,6 +198,14 @@ class PagedCacheGenerationMixin:
         return super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
+
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+        if lookup_decoding.applies_to_greedy(self, input_ids, generation_config, synced_gpus, model_kwargs):
+            return lookup_decoding.decode_greedy(self, input_ids, logits_processor, stopping_criteria,
+                                                 generation_config, streamer, model_kwargs)
+        return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
+                               synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
 
     def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                            streamer=None, inputs_tensor=None, assistant_model=None, assistant_tokenizer=None,

@@ -1,4 +1,5 @@
-"""Prompt lookup's decoding loop, with one small host read per round.
+"""Greedy decoding of one row (plain, or with prompt lookup) in a loop of ours, with at most one small host
+read per round.
 
 transformers runs prompt lookup in its assisted-decoding loop, written for any drafter and for sampling.
 Each round, besides the forward, it copies the verified logits to fp32 and clones them, counts the
@@ -22,6 +23,12 @@ device after every round, as in transformers' loop, and every round is then read
 
 `decode_with_prompt_lookup` is that loop for greedy prompt lookup on a `QSAPagedCache` (`applies` says
 when; `PagedCacheGenerationMixin._assisted_decoding` takes it then, and transformers' loop otherwise).
+`decode_greedy` is the same loop with a generator that never drafts, for plain greedy decoding of one row
+(`applies_to_greedy`; `PagedCacheGenerationMixin._sample` takes it): every round is a paused one, so with
+no end-of-sequence id and no other stopping criterion the host reads the picks once, at the end, and with
+one it reads each pick before the next step (the cache generate() builds has no rollback headroom); 8.4
+torch calls a token outside the forward against 15.3 in `_sample` (`benchmarks/count_loop_calls.py`). The
+streamer gets ``[n]`` tokens, as from `_sample`.
 Per round: the drafts from the candidate generator generate() builds (`_get_candidate_generator`: the
 adaptive `DraftBudget` and the host search, or transformers' own search when logits processors may
 veto drafts), one forward over the last token and the drafts, the logits processors per position if
@@ -96,15 +103,75 @@ def verdict(drafts: list[int], picks: list[int], room: int, eos: set[int]) -> li
     return tokens
 
 
+def applies_to_greedy(model, input_ids: torch.Tensor, generation_config, synced_gpus: bool, model_kwargs: dict) -> bool:
+    """Whether `decode_greedy` runs this plain generate() call (transformers' `_sample`): greedy, one beam, one
+    row with room for a token, the model's ``lean_greedy_decoding`` on, a `QSAPagedCache`, no per-step outputs
+    asked for, and no synced GPUs."""
+    config = generation_config
+    wants_outputs = config.return_dict_in_generate and (
+        config.output_scores or config.output_logits or config.output_attentions or config.output_hidden_states)
+    return (not config.do_sample and (config.num_beams or 1) == 1 and getattr(model, "lean_greedy_decoding", False)
+            and isinstance(model_kwargs.get("past_key_values"), QSAPagedCache) and model_kwargs.get("use_cache")
+            and input_ids.shape[0] == 1 and 0 < input_ids.shape[1] < config.max_length
+            and not synced_gpus and not wants_outputs)
+
+
+class _NoDrafts:
+    """The candidate generator of plain greedy decoding in this loop: it never drafts, as if its budget were
+    paused for good, so every round is a one-token step whose pick stays on the device until a read."""
+
+    class _Paused:
+        paused = float("inf")
+
+    draft_budget = _Paused()
+
+    def get_candidates(self, input_ids: torch.Tensor):
+        return input_ids, None
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches) -> None:
+        pass
+
+
+class _FlatPuts:
+    """A streamer seen through `_sample`'s convention: each put is one row's tokens, ``[n]``."""
+
+    def __init__(self, streamer):
+        self.streamer = streamer
+
+    def put(self, value: torch.Tensor) -> None:
+        self.streamer.put(value[0])
+
+    def end(self) -> None:
+        self.streamer.end()
+
+
+def decode_greedy(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                  model_kwargs: dict):
+    """transformers' `_sample` for the calls `applies_to_greedy` accepts: this loop with no drafts."""
+    return _decode(model, _NoDrafts(), input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                   model_kwargs, flat_puts=True)
+
+
 def decode_with_prompt_lookup(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                               inputs_tensor, tokenizer, model_kwargs: dict):
     """transformers' `_assisted_decoding` for the calls `applies` accepts (module docstring)."""
-    cache = model_kwargs["past_key_values"]
-    cache.activate_past_recording()  # as transformers' loop does before its first crop
     generator = model._get_candidate_generator(
         generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
         assistant_model=None, logits_processor=logits_processor, target_tokenizer=tokenizer,
         assistant_tokenizer=None, model_kwargs=model_kwargs)
+    return _decode(model, generator, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                   model_kwargs)
+
+
+def _decode(model, generator, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+            model_kwargs: dict, flat_puts: bool = False):
+    """The loop (module docstring), drafting with ``generator`` (its ``draft_budget`` says when it may). The
+    streamer gets ``[1, n]`` tokens, as from transformers' assisted loop, or with ``flat_puts`` ``[n]``, as
+    from its `_sample`."""
+    if streamer is not None and flat_puts:
+        streamer = _FlatPuts(streamer)
+    cache = model_kwargs["past_key_values"]
+    cache.activate_past_recording()  # as transformers' loop does before its first crop
     budget = generator.draft_budget
     max_length, eos = _stops(stopping_criteria, generation_config)
     other_stops = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, HOST_STOPS)])

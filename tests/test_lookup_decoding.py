@@ -164,7 +164,8 @@ def test_verdict_keeps_the_accepted_drafts_and_one_more_within_room_and_eos():
 
 def test_our_loop_makes_fewer_torch_calls_between_forwards(qwen, monkeypatch):  # noqa: F811
     """benchmarks/count_loop_calls.py: the same forwards, fewer computing torch calls per token outside them
-    than transformers' loop (each a kernel launch on a GPU), no more than plain greedy decoding."""
+    than transformers' loop (each a kernel launch on a GPU), no more than transformers' plain greedy decoding;
+    and plain greedy decoding through our loop fewer than through transformers' `_sample`."""
     import os
     import sys
 
@@ -176,11 +177,13 @@ def test_our_loop_makes_fewer_torch_calls_between_forwards(qwen, monkeypatch):  
     monkeypatch.setattr(script, "NEW_TOKENS", 12)
     model = qwen[0]
     ids = _qwen_prompt(seed=7)
-    plain, _, _ = script.count(model, ids, True)
+    plain, plain_forwards, _ = script.count(model, ids, False)
+    our_plain, our_plain_forwards, _ = script.count(model, ids, True)
     theirs, forwards, _ = script.count(model, ids, False, prompt_lookup_num_tokens=K)
     ours, our_forwards, calls = script.count(model, ids, True, prompt_lookup_num_tokens=K)
-    assert our_forwards == forwards
+    assert our_forwards == forwards and our_plain_forwards == plain_forwards
     assert ours < theirs and ours <= plain, (ours, theirs, plain, calls)
+    assert our_plain < plain, (our_plain, plain)
 
 
 @pytest.mark.parametrize("pauses", ["adaptive", "endless"])
@@ -267,3 +270,72 @@ def test_a_failed_round_leaves_a_cache_that_refuses_a_new_call_naming_reset(wher
     cache.reset()
     out = _greedy(model, ids, 20, past_key_values=cache, prompt_lookup_num_tokens=K)
     assert torch.equal(out.sequences, plain)
+
+
+def _run_plain(monkeypatch, model, ids, n, lean: bool, **kwargs):
+    """Plain greedy generate() through our loop (``lean``) or transformers' `_sample`: its output, the streamer's
+    calls, whether our loop ran, and the logits of one more step on the cache."""
+    ran = []
+    decode = lookup_decoding.decode_greedy
+    with monkeypatch.context() as m:
+        m.setattr(type(model), "lean_greedy_decoding", lean)
+        m.setattr(lookup_decoding, "decode_greedy", lambda *a, **k: ran.append(1) or decode(*a, **k))
+        streamer = Streamer()
+        cache = QSAPagedCache(model.config, 1, ids.shape[1] + n + 1)  # room for one more step after the call
+        out = _greedy(model, ids, n, streamer=streamer, past_key_values=cache, **kwargs)
+    with torch.no_grad():
+        assert cache.get_seq_length() == out.sequences.shape[1] - 1
+        step = model(out.sequences[:, -1:], attention_mask=torch.ones_like(out.sequences), past_key_values=cache)
+    return out, streamer, bool(ran), step.logits
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_plain_greedy_through_our_loop_equals_transformers_loop(family, qwen, ink, monkeypatch):  # noqa: F811
+    """One row of plain greedy decoding runs our loop with no drafts: the tokens, the streamer's calls and the
+    cache after the call are transformers' `_sample`'s, with an end-of-sequence id (read every step), without
+    one (read once at the end), with a logits processor and with another stopping criterion."""
+    model = (qwen if family == "qwen4_exp" else ink)[0]
+    ids = _qwen_prompt(seed=5) if family == "qwen4_exp" else _ink_lookup_prompt(model)
+    plain = _greedy(model, ids, 20).sequences[0, ids.shape[1]:].tolist()
+    eos = next(t for i, t in enumerate(plain) if i >= 8 and t not in plain[:i])
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= ids.shape[1] + 7, dtype=torch.bool)
+
+    cases = [(20, {}), (20, {"eos_token_id": eos}), (11, {}), (20, {"repetition_penalty": 1.5}),
+             (20, {"stopping_criteria": StoppingCriteriaList([StopAfter()])})]
+    for n, extra in cases:
+        theirs = _run_plain(monkeypatch, model, ids, n, lean=False, **extra)
+        ours = _run_plain(monkeypatch, model, ids, n, lean=True, **extra)
+        assert ours[2] and not theirs[2]
+        assert torch.equal(ours[0].sequences, theirs[0].sequences), (n, extra)
+        assert ours[1].puts == theirs[1].puts and ours[1].ended == theirs[1].ended == 1, (n, extra)
+        torch.testing.assert_close(ours[3], theirs[3], rtol=0, atol=0)
+        if "eos_token_id" in extra:
+            assert ours[0].sequences[0, -1] == eos and ours[0].sequences.shape[1] < ids.shape[1] + n
+        if "stopping_criteria" in extra:
+            assert ours[0].sequences.shape[1] == ids.shape[1] + 7
+
+
+@pytest.mark.parametrize("case", ["two_rows", "sampling", "scores", "off"])
+def test_greedy_calls_our_loop_cannot_serve_go_to_transformers_loop(case, qwen, monkeypatch):  # noqa: F811
+    model = qwen[0]
+    ids = _qwen_prompt(seed=5)
+    kwargs = {}
+    if case == "two_rows":
+        ids = ids.repeat(2, 1)
+    elif case == "sampling":
+        kwargs = {"do_sample": True, "top_k": 1}
+    elif case == "scores":
+        kwargs = {"output_scores": True}
+    ran = []
+    decode = lookup_decoding.decode_greedy
+    monkeypatch.setattr(lookup_decoding, "decode_greedy", lambda *a, **k: ran.append(1) or decode(*a, **k))
+    if case == "off":
+        monkeypatch.setattr(type(model), "lean_greedy_decoding", False)
+    kwargs = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None, **kwargs}
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, return_dict_in_generate=True,
+                             **kwargs)
+    assert not ran and out.sequences.shape == (ids.shape[0], ids.shape[1] + 6)
