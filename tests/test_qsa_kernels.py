@@ -447,13 +447,20 @@ def _tile_maxima_cases(qsa_triton) -> str | None:
                 qsa_triton.SCORES_BLOCK_G = default_block_g
             label = (f"tile maxima case {i} {(num_heads, head_dim, ratio, dtype)} block_m={block_m} "
                      f"mixed={mixed_rows} splits={splits} block_g={block_g} tile={tile} groups_major={groups_major}")
-            if have.shape != want.shape or not torch.equal(torch.isinf(want), torch.isinf(have)):
-                return f"{label}: shape {tuple(have.shape)} or the -inf pattern differs"
-            tol = 1e-5 if dtype == torch.float32 else 1e-4
-            try:
-                torch.testing.assert_close(have, want, atol=tol, rtol=tol)
-            except AssertionError as err:
-                return f"{label}: {err}"
+            if error := _compare_scores(label, have, want, dtype):
+                return error
+    return None
+
+
+def _compare_scores(label: str, have: torch.Tensor, want: torch.Tensor, dtype) -> str | None:
+    """Kernel scores against the torch ones: same shape, -inf where they have it, close elsewhere."""
+    if have.shape != want.shape or not torch.equal(torch.isinf(want), torch.isinf(have)):
+        return f"{label}: shape {tuple(have.shape)} or the -inf pattern differs"
+    tol = 1e-5 if dtype == torch.float32 else 1e-4
+    try:
+        torch.testing.assert_close(have, want, atol=tol, rtol=tol)
+    except AssertionError as err:
+        return f"{label}: {err}"
     return None
 
 
@@ -470,13 +477,8 @@ def _candidate_cases(qsa_triton) -> str | None:
         for per_program in (None, 64, 100):
             have = qsa_triton.candidate_scores_triton(*args, per_program=per_program)
             label = f"candidate case {i} {(num_heads, head_dim, ratio, dtype)} per_program={per_program}"
-            if not torch.equal(torch.isinf(want), torch.isinf(have)):
-                return f"{label}: the -inf pattern differs"
-            tol = 1e-5 if dtype == torch.float32 else 1e-4
-            try:
-                torch.testing.assert_close(have, want, atol=tol, rtol=tol)
-            except AssertionError as err:
-                return f"{label}: {err}"
+            if error := _compare_scores(label, have, want, dtype):
+                return error
     return None
 
 

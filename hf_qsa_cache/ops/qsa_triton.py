@@ -307,6 +307,13 @@ def _index_scores_kernel(
                               stride_on, BLOCK_M, BLOCK_G, TILE)
 
 
+def _ieee_dot(q_index: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether the index-score dots run in IEEE fp32: bf16/fp16 products are exact in fp32, so the tensor-core
+    dot with an fp32 accumulator only differs from the fp32 reference in summation order; fp32 (or mixed)
+    inputs need an IEEE dot."""
+    return not (q_index.dtype == keys.dtype and q_index.dtype in (torch.bfloat16, torch.float16))
+
+
 def scores_block_m(num_tokens: int) -> int:
     """Tokens per index-score program: one at decode, a tile sharing key loads in prefill (shapes only)."""
     return SCORES_PREFILL_BLOCK_M if num_tokens >= SCORES_PREFILL_TOKENS else 1
@@ -336,9 +343,7 @@ def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_t
     if block_table.shape[1] == 0:
         return out.fill_(float("-inf"))
     flat = compressed.reshape(-1, head_dim)
-    # bf16/fp16 products are exact in fp32, so the tensor-core dot with an fp32 accumulator only
-    # differs from the fp32 reference in summation order; fp32 (or mixed) inputs use an IEEE dot.
-    ieee = not (q_index.dtype == flat.dtype and q_index.dtype in (torch.bfloat16, torch.float16))
+    ieee = _ieee_dot(q_index, flat)
     h_pad = triton.next_power_of_2(num_heads)
     if block_m is None:
         block_m = scores_block_m(n)
@@ -426,7 +431,7 @@ def candidate_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, blo
     if block_table.shape[1] == 0:
         return out.fill_(float("-inf"))
     flat = compressed.reshape(-1, head_dim)
-    ieee = not (q_index.dtype == flat.dtype and q_index.dtype in (torch.bfloat16, torch.float16))
+    ieee = _ieee_dot(q_index, flat)
     candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
     if per_program is None:
         per_program = candidates_per_program(n, width)
