@@ -13,7 +13,8 @@ Same signatures and outputs as the torch specification in `hf_qsa_cache.ops.qsa`
 * `index_scores_triton`: one program per (tile of ``BLOCK_M`` consecutive tokens, range of
   compressed groups) computes ``sum_h relu(q_h . k_g) / sqrt(Di)`` for the visible groups and
   ``-inf`` for the others. The queries of all heads of the tile's tokens form one
-  ``[BLOCK_M * heads, Di]`` operand, so each key tile costs one tensor-core dot for the whole tile;
+  ``[BLOCK_M * heads, Di]`` operand, so each key tile costs one tensor-core dot for the whole tile
+  (in prefill with the key tile as the dot's rows, so that the sum over heads stays within a warp);
   the relu'd products are then summed over heads. A tile whose tokens read several cache rows runs
   one pass per row. Decode runs one token per program, the groups split across programs. With
   ``tile > 1`` it writes only each tile of groups' best score (the long-context selection ranks tiles
