@@ -215,6 +215,18 @@ def test_candidate_launch_fills_the_gpu_at_decode_and_caps_prefill_programs():
     assert kt.candidates_per_program(3, 5) == kt.CANDIDATES_BLOCK
 
 
+def test_score_kernels_refuse_a_tile_or_split_they_cannot_run():
+    from hf_qsa_cache.ops import qsa_triton as kt
+
+    case = scores_case(1, *SCORE_SHAPES[1])
+    for tile in (0, 3, 2 * kt.SCORES_BLOCK_G):
+        with pytest.raises(ValueError, match=f"tile must be a power of two dividing the key tile .* got {tile}"):
+            kt.index_scores_triton(*case, tile=tile)
+    candidates = torch.zeros(case[0].shape[0], 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="per_program must be at least 1 candidate, got 0"):
+        kt.candidate_scores_triton(*case[:6], candidates, per_program=0)
+
+
 def test_triton_kernels_match_torch():
     run_under_interpreter(__file__, "all qsa kernel cases ok")
 

@@ -337,7 +337,8 @@ def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_t
     programs along the groups (`scores_group_splits`), ``groups_major`` the dot's orientation
     (``SCORES_GROUPS_MAJOR``)."""
     n, num_heads, head_dim = q_index.shape
-    assert tile >= 1 and tile & (tile - 1) == 0 and SCORES_BLOCK_G % tile == 0, f"tile={tile}"
+    if tile < 1 or tile & (tile - 1) or SCORES_BLOCK_G % tile:
+        raise ValueError(f"tile must be a power of two dividing the key tile ({SCORES_BLOCK_G} groups), got {tile}")
     out = torch.empty(n, _cdiv(max_groups, tile), dtype=torch.float32, device=q_index.device)
     if n == 0 or max_groups == 0:
         return out
@@ -436,6 +437,8 @@ def candidate_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, blo
     candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
     if per_program is None:
         per_program = candidates_per_program(n, width)
+    if per_program < 1:
+        raise ValueError(f"per_program must be at least 1 candidate, got {per_program}")
     per_program = _cdiv(per_program, CANDIDATES_BLOCK) * CANDIDATES_BLOCK
     _candidate_scores_kernel[(n, _cdiv(width, per_program))](
         q_index, flat, block_table, token_row, visible_blocks, candidates, out,
