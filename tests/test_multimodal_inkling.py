@@ -370,6 +370,31 @@ def test_prompt_lookup_with_media_in_our_loop_equals_transformers_loop(models, b
         assert torch.equal(mine, theirs), i
 
 
+def test_plain_greedy_with_media_in_our_loop_equals_transformers_loop(models, batch, monkeypatch):
+    """One row of plain greedy decoding with media takes our loop (`lookup_decoding.decode_greedy`): the same
+    tokens as transformers' `_sample`, row by row."""
+    from hf_qsa_cache import lookup_decoding
+
+    _, ours = models
+    ran = []
+    decode = lookup_decoding.decode_greedy
+    monkeypatch.setattr(lookup_decoding, "decode_greedy", lambda *a, **k: ran.append(1) or decode(*a, **k))
+
+    def greedy(i):
+        with torch.no_grad():
+            return ours.generate(batch.row(i), attention_mask=torch.ones_like(batch.row(i)), max_new_tokens=N_DRAFTING,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None, **batch.media(i))
+
+    for i in range(len(batch.rows)):
+        ran.clear()
+        mine = greedy(i)
+        assert ran, "our loop did not run"
+        with monkeypatch.context() as m:
+            m.setattr(type(ours), "lean_greedy_decoding", False)
+            theirs = greedy(i)
+        assert torch.equal(mine, theirs), i
+
+
 def test_recorded_decode_step_after_a_media_prefill(models, batch):
     """The decode step a CUDA graph records (`DecodeGraphs(record=False)`, run eagerly on the CPU) continues a
     media prefill as the ordinary forward does."""

@@ -164,6 +164,22 @@ def test_prompt_lookup_with_media_in_our_loop(models, upstream_alone, monkeypatc
         assert ran and result.sequences[0, len(r.ids):].tolist() == tokens
 
 
+def test_plain_greedy_with_media_in_our_loop(models, upstream_alone, monkeypatch):
+    """One row of plain greedy decoding without per-step logits takes our loop (`lookup_decoding.decode_greedy`):
+    upstream's tokens over a media prompt (the media in the first forward only, positions from the row's delta)."""
+    from hf_qsa_cache import lookup_decoding
+
+    _, ours, _ = models
+    ran = []
+    decode = lookup_decoding.decode_greedy
+    monkeypatch.setattr(lookup_decoding, "decode_greedy", lambda *a, **k: ran.append(1) or decode(*a, **k))
+    for r, (tokens, _) in zip(ROWS, upstream_alone):
+        ran.clear()
+        with torch.no_grad():
+            result = ours.generate(**batch([r]), **{**GREEDY, "output_logits": False})
+        assert ran and result.sequences[0, len(r.ids):].tolist() == tokens
+
+
 def test_prompt_lookup_never_drafts_a_placeholder_into_the_media_forward(models):
     """The prompt ends with the two tokens before its image: lookup copies the image's start and placeholders as the
     first round's drafts, verified in the forward that carries the media (upstream fails there: more placeholders
