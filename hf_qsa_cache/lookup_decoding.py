@@ -25,10 +25,11 @@ device after every round, as in transformers' loop, and every round is then read
 when; `PagedCacheGenerationMixin._assisted_decoding` takes it then, and transformers' loop otherwise).
 `decode_greedy` is the same loop with a generator that never drafts, for plain greedy decoding of one row
 (`applies_to_greedy`; `PagedCacheGenerationMixin._sample` takes it): every round is a paused one, so with
-no end-of-sequence id and no other stopping criterion the host reads the picks once, at the end, and with
-one it reads each pick before the next step (the cache generate() builds has no rollback headroom); 8.4
-torch calls a token outside the forward against 15.3 in `_sample` (`benchmarks/count_loop_calls.py`). The
-streamer gets ``[n]`` tokens, as from `_sample`.
+no end-of-sequence id, streamer or other stopping criterion the host reads the picks once, at the end; with
+an end-of-sequence id it reads each pick before the next step (the cache generate() builds has no rollback
+headroom), and with a streamer or another criterion it reads each round. 8.4 torch calls a token outside
+the forward against 15.3 in `_sample` (`benchmarks/count_loop_calls.py`). The streamer gets ``[n]`` tokens,
+each as its step ends, as from `_sample`.
 Per round: the drafts from the candidate generator generate() builds (`_get_candidate_generator`: the
 adaptive `DraftBudget` and the host search, or transformers' own search when logits processors may
 veto drafts), one forward over the last token and the drafts, the logits processors per position if
@@ -168,6 +169,9 @@ def _decode(model, generator, input_ids, logits_processor, stopping_criteria, ge
     """The loop (module docstring), drafting with ``generator`` (its ``draft_budget`` says when it may). The
     streamer gets ``[1, n]`` tokens, as from transformers' assisted loop, or with ``flat_puts`` ``[n]``, as
     from its `_sample`."""
+    # Plain greedy decoding streams each token as its step ends, as `_sample` does (a streamer is how a user
+    # watches tokens arrive): with a streamer every round is read. Prompt lookup's paused rounds may stream late.
+    read_every_round = flat_puts and streamer is not None
     if streamer is not None and flat_puts:
         streamer = _FlatPuts(streamer)
     cache = model_kwargs["past_key_values"]
@@ -223,7 +227,8 @@ def _decode(model, generator, input_ids, logits_processor, stopping_criteria, ge
             for i in range(drafted + 1):
                 logits[:, i, :] = logits_processor(candidates[:, :length + i], logits[:, i, :])
         first = False
-        if drafted == 0 and length + 1 < max_length and not other_stops:  # its pick stays on the device for now
+        if drafted == 0 and length + 1 < max_length and not other_stops and not read_every_round:
+            # Its pick stays on the device for now.
             pick = logits.argmax(dim=-1)
             input_ids = torch.cat([input_ids, pick], dim=-1)
             unread.append(pick[0])

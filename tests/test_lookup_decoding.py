@@ -272,21 +272,32 @@ def test_a_failed_round_leaves_a_cache_that_refuses_a_new_call_naming_reset(wher
     assert torch.equal(out.sequences, plain)
 
 
-def _run_plain(monkeypatch, model, ids, n, lean: bool, **kwargs):
+def _run_plain(monkeypatch, model, ids, n, lean: bool, stream: bool = True, **kwargs):
     """Plain greedy generate() through our loop (``lean``) or transformers' `_sample`: its output, the streamer's
-    calls, whether our loop ran, and the logits of one more step on the cache."""
-    ran = []
+    calls (``stream``), whether our loop ran, the logits of one more step on the cache, and the order of forwards
+    ("f") and streamer calls ("p")."""
+    ran, events = [], []
+
+    class Watching(Streamer):
+        def put(self, value):
+            events.append("p")
+            super().put(value)
+
     decode = lookup_decoding.decode_greedy
     with monkeypatch.context() as m:
         m.setattr(type(model), "lean_greedy_decoding", lean)
         m.setattr(lookup_decoding, "decode_greedy", lambda *a, **k: ran.append(1) or decode(*a, **k))
-        streamer = Streamer()
+        streamer = Watching() if stream else None
         cache = QSAPagedCache(model.config, 1, ids.shape[1] + n + 1)  # room for one more step after the call
-        out = _greedy(model, ids, n, streamer=streamer, past_key_values=cache, **kwargs)
+        hook = model.register_forward_pre_hook(lambda *a: events.append("f"))
+        try:
+            out = _greedy(model, ids, n, streamer=streamer, past_key_values=cache, **kwargs)
+        finally:
+            hook.remove()
     with torch.no_grad():
         assert cache.get_seq_length() == out.sequences.shape[1] - 1
         step = model(out.sequences[:, -1:], attention_mask=torch.ones_like(out.sequences), past_key_values=cache)
-    return out, streamer, bool(ran), step.logits
+    return out, streamer, bool(ran), step.logits, "".join(events)
 
 
 @pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
@@ -304,14 +315,18 @@ def test_plain_greedy_through_our_loop_equals_transformers_loop(family, qwen, in
             return torch.full((input_ids.shape[0],), input_ids.shape[1] >= ids.shape[1] + 7, dtype=torch.bool)
 
     cases = [(20, {}), (20, {"eos_token_id": eos}), (11, {}), (20, {"repetition_penalty": 1.5}),
-             (20, {"stopping_criteria": StoppingCriteriaList([StopAfter()])})]
+             (20, {"stopping_criteria": StoppingCriteriaList([StopAfter()])}),
+             (20, {"stream": False}), (20, {"stream": False, "eos_token_id": eos})]
     for n, extra in cases:
         theirs = _run_plain(monkeypatch, model, ids, n, lean=False, **extra)
         ours = _run_plain(monkeypatch, model, ids, n, lean=True, **extra)
         assert ours[2] and not theirs[2]
         assert torch.equal(ours[0].sequences, theirs[0].sequences), (n, extra)
-        assert ours[1].puts == theirs[1].puts and ours[1].ended == theirs[1].ended == 1, (n, extra)
         torch.testing.assert_close(ours[3], theirs[3], rtol=0, atol=0)
+        # Each token is streamed as its step ends, before the next forward, as in `_sample`.
+        assert ours[4] == theirs[4], (n, extra, ours[4], theirs[4])
+        if extra.get("stream", True):
+            assert ours[1].puts == theirs[1].puts and ours[1].ended == theirs[1].ended == 1, (n, extra)
         if "eos_token_id" in extra:
             assert ours[0].sequences[0, -1] == eos and ours[0].sequences.shape[1] < ids.shape[1] + n
         if "stopping_criteria" in extra:
