@@ -23,13 +23,6 @@ device after every round, as in transformers' loop, and every round is then read
 
 `decode_with_prompt_lookup` is that loop for greedy prompt lookup on a `QSAPagedCache` (`applies` says
 when; `PagedCacheGenerationMixin._assisted_decoding` takes it then, and transformers' loop otherwise).
-`decode_greedy` is the same loop with a generator that never drafts, for plain greedy decoding of one row
-(`applies_to_greedy`; `PagedCacheGenerationMixin._sample` takes it): every round is a paused one, so with
-no end-of-sequence id, streamer or other stopping criterion the host reads the picks once, at the end; with
-an end-of-sequence id it reads each pick before the next step (the cache generate() builds has no rollback
-headroom), and with a streamer or another criterion it reads each round. 8.4 torch calls a token outside
-the forward against 15.3 in `_sample` (`benchmarks/count_loop_calls.py`). The streamer gets ``[n]`` tokens,
-each as its step ends, as from `_sample`.
 Per round: the drafts from the candidate generator generate() builds (`_get_candidate_generator`: the
 adaptive `DraftBudget` and the host search, or transformers' own search when logits processors may
 veto drafts), one forward over the last token and the drafts, the logits processors per position if
@@ -39,6 +32,14 @@ end-of-sequence id, the crop of the rejected drafts, and the stop. The tokens, t
 the streamer's calls and the candidate generator's calls are those of transformers' loop (below: a
 paused round's streamer call may come a few steps late): the drafts only decide how many tokens a forward
 verifies.
+
+`decode_greedy` is the same loop with a generator that never drafts, for plain greedy decoding of one row
+(`applies_to_greedy`; `PagedCacheGenerationMixin._sample` takes it): every round is a paused one, so with
+no end-of-sequence id, streamer or other stopping criterion the host reads the picks once, at the end; with
+an end-of-sequence id it reads each pick before the next step (the cache generate() builds has no rollback
+headroom), and with a streamer or another criterion it reads each round. 8.4 torch calls a token outside
+the forward against 15.3 in `_sample` (`benchmarks/count_loop_calls.py`). The streamer gets ``[n]`` tokens,
+each as its step ends, as from `_sample`.
 
 Each forward is a transaction of the cache; a round is not. A failure after a verify forward and before its
 crop, or while a run of paused picks is read, leaves the cache holding exactly the tokens it was fed (drafts
