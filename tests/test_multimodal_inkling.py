@@ -343,55 +343,33 @@ def test_drafting_with_media_matches_upstream(checkpoint, models, batch, mode, m
             greedy(upstream, batch.row(2), **drafting, **batch.media(2))
 
 
-def test_prompt_lookup_with_media_in_our_loop_equals_transformers_loop(models, batch, monkeypatch):
-    """Greedy prompt lookup with media takes our loop (`hf_qsa_cache.lookup_decoding`) when no per-step
-    outputs are asked for: the same tokens as transformers' loop, row by row, drafts cut before a media
-    placeholder in the first round as there."""
+@pytest.mark.parametrize("loop", ["prompt lookup", "plain greedy"])
+def test_greedy_with_media_in_our_loop_equals_transformers_loop(models, batch, loop, monkeypatch):
+    """One row of greedy decoding with media takes our loop (`hf_qsa_cache.lookup_decoding`) when no per-step
+    outputs are asked for, with prompt lookup or without: the same tokens as transformers' loop, row by row
+    (prompt lookup's drafts cut before a media placeholder in the first round as there)."""
     from hf_qsa_cache import lookup_decoding
 
+    name, extra = {"prompt lookup": ("decode_with_prompt_lookup", {"prompt_lookup_num_tokens": 3}),
+                   "plain greedy": ("decode_greedy", {})}[loop]
     _, ours = models
     ran = []
-    decode = lookup_decoding.decode_with_prompt_lookup
-    monkeypatch.setattr(lookup_decoding, "decode_with_prompt_lookup", lambda *a, **k: ran.append(1) or decode(*a, **k))
+    decode = getattr(lookup_decoding, name)
+    monkeypatch.setattr(lookup_decoding, name, lambda *a, **k: ran.append(1) or decode(*a, **k))
 
-    def lookup(i):
+    def generate(i):
         with torch.no_grad():
             return ours.generate(batch.row(i), attention_mask=torch.ones_like(batch.row(i)), max_new_tokens=N_DRAFTING,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None, prompt_lookup_num_tokens=3,
-                                 **batch.media(i))
+                                 do_sample=False, pad_token_id=0, eos_token_id=None, **extra, **batch.media(i))
 
     for i in range(len(batch.rows)):
         ran.clear()
-        mine = lookup(i)
+        mine = generate(i)
         assert ran, "our loop did not run"
-        with monkeypatch.context() as m:
+        with monkeypatch.context() as m:  # transformers' loop
             m.setattr(lookup_decoding, "applies", lambda *a, **k: False)
-            theirs = lookup(i)
-        assert torch.equal(mine, theirs), i
-
-
-def test_plain_greedy_with_media_in_our_loop_equals_transformers_loop(models, batch, monkeypatch):
-    """One row of plain greedy decoding with media takes our loop (`lookup_decoding.decode_greedy`): the same
-    tokens as transformers' `_sample`, row by row."""
-    from hf_qsa_cache import lookup_decoding
-
-    _, ours = models
-    ran = []
-    decode = lookup_decoding.decode_greedy
-    monkeypatch.setattr(lookup_decoding, "decode_greedy", lambda *a, **k: ran.append(1) or decode(*a, **k))
-
-    def greedy(i):
-        with torch.no_grad():
-            return ours.generate(batch.row(i), attention_mask=torch.ones_like(batch.row(i)), max_new_tokens=N_DRAFTING,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None, **batch.media(i))
-
-    for i in range(len(batch.rows)):
-        ran.clear()
-        mine = greedy(i)
-        assert ran, "our loop did not run"
-        with monkeypatch.context() as m:
             m.setattr(type(ours), "lean_greedy_decoding", False)
-            theirs = greedy(i)
+            theirs = generate(i)
         assert torch.equal(mine, theirs), i
 
 

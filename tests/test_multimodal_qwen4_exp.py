@@ -148,35 +148,23 @@ def test_prompt_lookup_with_media(models, upstream_alone):
         assert (torch.stack(result.logits, 1)[0] - ref_logits).abs().max().item() < 2e-4
 
 
-def test_prompt_lookup_with_media_in_our_loop(models, upstream_alone, monkeypatch):
-    """Without per-step logits asked for, greedy prompt lookup takes our loop (`hf_qsa_cache.lookup_decoding`):
-    upstream's tokens over a media prompt (positions from each row's rope delta, drafts rolled back)."""
+@pytest.mark.parametrize("loop", ["prompt lookup", "plain greedy"])
+def test_greedy_with_media_in_our_loop(models, upstream_alone, loop, monkeypatch):
+    """Without per-step logits asked for, one row of greedy decoding takes our loop (`hf_qsa_cache.lookup_decoding`),
+    with prompt lookup or without: upstream's tokens over a media prompt (the media in the first forward only,
+    positions from each row's rope delta, drafts rolled back)."""
     from hf_qsa_cache import lookup_decoding
 
+    name, extra = {"prompt lookup": ("decode_with_prompt_lookup", {"prompt_lookup_num_tokens": 3}),
+                   "plain greedy": ("decode_greedy", {})}[loop]
     _, ours, _ = models
     ran = []
-    decode = lookup_decoding.decode_with_prompt_lookup
-    monkeypatch.setattr(lookup_decoding, "decode_with_prompt_lookup", lambda *a, **k: ran.append(1) or decode(*a, **k))
+    decode = getattr(lookup_decoding, name)
+    monkeypatch.setattr(lookup_decoding, name, lambda *a, **k: ran.append(1) or decode(*a, **k))
     for r, (tokens, _) in zip(ROWS, upstream_alone):
         ran.clear()
         with torch.no_grad():
-            result = ours.generate(**batch([r]), prompt_lookup_num_tokens=3, **{**GREEDY, "output_logits": False})
-        assert ran and result.sequences[0, len(r.ids):].tolist() == tokens
-
-
-def test_plain_greedy_with_media_in_our_loop(models, upstream_alone, monkeypatch):
-    """One row of plain greedy decoding without per-step logits takes our loop (`lookup_decoding.decode_greedy`):
-    upstream's tokens over a media prompt (the media in the first forward only, positions from the row's delta)."""
-    from hf_qsa_cache import lookup_decoding
-
-    _, ours, _ = models
-    ran = []
-    decode = lookup_decoding.decode_greedy
-    monkeypatch.setattr(lookup_decoding, "decode_greedy", lambda *a, **k: ran.append(1) or decode(*a, **k))
-    for r, (tokens, _) in zip(ROWS, upstream_alone):
-        ran.clear()
-        with torch.no_grad():
-            result = ours.generate(**batch([r]), **{**GREEDY, "output_logits": False})
+            result = ours.generate(**batch([r]), **extra, **{**GREEDY, "output_logits": False})
         assert ran and result.sequences[0, len(r.ids):].tolist() == tokens
 
 
