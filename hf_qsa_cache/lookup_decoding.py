@@ -50,6 +50,8 @@ or picks the caller never got): the next `generate()` on it that does not contin
 from __future__ import annotations
 
 import copy
+import math
+from types import SimpleNamespace
 
 import torch
 from transformers.generation.candidate_generator import (
@@ -122,10 +124,7 @@ class _NoDrafts:
     """The candidate generator of plain greedy decoding in this loop: it never drafts, as if its budget were
     paused for good, so every round is a one-token step whose pick stays on the device until a read."""
 
-    class _Paused:
-        paused = float("inf")
-
-    draft_budget = _Paused()
+    draft_budget = SimpleNamespace(paused=math.inf)
 
     def get_candidates(self, input_ids: torch.Tensor):
         return input_ids, None
@@ -176,7 +175,7 @@ def _decode(model, generator, input_ids, logits_processor, stopping_criteria, ge
     if streamer is not None and flat_puts:
         streamer = _FlatPuts(streamer)
     cache = model_kwargs["past_key_values"]
-    cache.activate_past_recording()  # as transformers' loop does before its first crop
+    cache.activate_past_recording()  # as transformers' assisted loop does before its first crop (a no-op here)
     budget = generator.draft_budget
     max_length, eos = _stops(stopping_criteria, generation_config)
     other_stops = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, HOST_STOPS)])

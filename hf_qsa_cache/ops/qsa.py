@@ -37,10 +37,6 @@ FUSED_QSA = fusion_enabled("qsa")
 FUSED_QSA_TOPK = fusion_enabled("qsa_topk")
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _use_triton(x: torch.Tensor) -> bool:
     return USE_TRITON and x.is_cuda
 
@@ -144,8 +140,11 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
     k = min(block_topk, max_groups)
     by_tiles = selects_by_tiles(q_index, max_groups, k)
     # Tokens per chunk: what a chunk holds per token is its scores, or its tile maxima and candidates.
-    held = _cdiv(max_groups, TOPK_TILE) + k * TOPK_TILE if by_tiles else max_groups
+    held = -(-max_groups // TOPK_TILE) + k * TOPK_TILE if by_tiles else max_groups
     step = max(1, _CHUNK_ELEMENTS // held)
+    scores_fn = index_scores_torch
+    if _use_triton(q_index):
+        from .qsa_triton import index_scores_triton as scores_fn
     chosen = []
     for start in range(0, n, step):
         end = start + step
@@ -154,9 +153,6 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
         if by_tiles:
             groups = select_by_tile_maxima(*args, max_groups, k)
         else:
-            scores_fn = index_scores_torch
-            if _use_triton(q_index):
-                from .qsa_triton import index_scores_triton as scores_fn
             groups = top_groups(scores_fn(*args, max_groups), k)
         chosen.append(selected_positions(groups, visible[start:end], pos[start:end], ratio, block_topk))
     return chosen[0] if len(chosen) == 1 else torch.cat(chosen, dim=0)
@@ -172,10 +168,10 @@ def selects_by_tiles(q_index: torch.Tensor, max_groups: int, k: int) -> bool:
 def select_by_tile_maxima(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                           token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
                           max_groups: int, k: int, tile: int | None = None) -> torch.Tensor:
-    """`top_groups` of the index scores (`index_scores_torch`) without writing them: the scoring kernel
-    writes each tile's best score only (`index_tile_maxima_torch`), then the groups of the ``k`` best
-    tiles are scored again (`candidate_scores_torch`) and ranked (`top_groups_of_best_tiles`). Triton
-    kernels on CUDA, the torch functions elsewhere.
+    """`top_groups` of the index scores (`index_scores_torch`) from each tile's best score only
+    (`index_tile_maxima_torch`): the groups of the ``k`` best tiles are scored again
+    (`candidate_scores_torch`) and ranked (`top_groups_of_best_tiles`). On CUDA the Triton scoring kernel
+    never writes the scores themselves; elsewhere the torch functions (the specification) compute them.
 
     Equal to `top_groups` of the scores up to the order of fp32 sums: the tile maxima and the candidates'
     scores come from two kernels, so a near-tie (not an exact one) may resolve differently, as it may

@@ -308,6 +308,17 @@ def _index_scores_kernel(
                               stride_on, BLOCK_M, BLOCK_G, TILE)
 
 
+def _nothing_to_score(out: torch.Tensor, block_table: torch.Tensor) -> bool:
+    """Whether a score launch into ``out`` ``[N, width]`` has no work: ``out`` is then final (empty, or all
+    ``-inf`` when the table has no column to read)."""
+    if out.numel() == 0:
+        return True
+    if block_table.shape[1] == 0:
+        out.fill_(float("-inf"))
+        return True
+    return False
+
+
 def _ieee_dot(q_index: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether the index-score dots run in IEEE fp32: bf16/fp16 products are exact in fp32, so the tensor-core
     dot with an fp32 accumulator only differs from the fp32 reference in summation order; fp32 (or mixed)
@@ -340,10 +351,8 @@ def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_t
     if tile < 1 or tile & (tile - 1) or SCORES_BLOCK_G % tile:
         raise ValueError(f"tile must be a power of two dividing the key tile ({SCORES_BLOCK_G} groups), got {tile}")
     out = torch.empty(n, _cdiv(max_groups, tile), dtype=torch.float32, device=q_index.device)
-    if n == 0 or max_groups == 0:
+    if _nothing_to_score(out, block_table):
         return out
-    if block_table.shape[1] == 0:
-        return out.fill_(float("-inf"))
     flat = compressed.reshape(-1, head_dim)
     ieee = _ieee_dot(q_index, flat)
     h_pad = triton.next_power_of_2(num_heads)
@@ -425,20 +434,18 @@ def candidate_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, blo
                             candidates: torch.Tensor, *, per_program: int | None = None) -> torch.Tensor:
     """`hf_qsa_cache.ops.qsa.candidate_scores_torch` in one launch. ``per_program`` overrides the candidates
     per program (`candidates_per_program`; rounded up to whole tiles of ``CANDIDATES_BLOCK``)."""
+    if per_program is not None and per_program < 1:
+        raise ValueError(f"per_program must be at least 1 candidate, got {per_program}")
     n, num_heads, head_dim = q_index.shape
     width = candidates.shape[1]
     out = torch.empty(n, width, dtype=torch.float32, device=q_index.device)
-    if n == 0 or width == 0:
+    if _nothing_to_score(out, block_table):
         return out
-    if block_table.shape[1] == 0:
-        return out.fill_(float("-inf"))
     flat = compressed.reshape(-1, head_dim)
     ieee = _ieee_dot(q_index, flat)
     candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
     if per_program is None:
         per_program = candidates_per_program(n, width)
-    if per_program < 1:
-        raise ValueError(f"per_program must be at least 1 candidate, got {per_program}")
     per_program = _cdiv(per_program, CANDIDATES_BLOCK) * CANDIDATES_BLOCK
     _candidate_scores_kernel[(n, _cdiv(width, per_program))](
         q_index, flat, block_table, token_row, visible_blocks, candidates, out,
