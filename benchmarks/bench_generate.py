@@ -14,7 +14,8 @@ on `QSAPagedCache`) with CUDA-graph decode on and off. Every measurement is appe
 line to ``benchmarks/results/h200.jsonl`` (keys: model, layers, impl, graphs, batch, prompt_len,
 new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, fused (the fusions on,
 `hf_qsa_cache.fusions.active`; older lines hold the HF_QSA_FUSED setting, where "" meant none), plus
-status / floor_ms where known; ours adds cache_gib, store_gib (bytes per cache store) and
+status / floor_ms where known; ours adds loop (the greedy loop timed: "ours" for one row unless
+``--loops`` says otherwise, "transformers" for a batch), cache_gib, store_gib (bytes per cache store) and
 prefill_peak_share: model FLOPs of the prefill per second over the H200's dense bf16 peak;
 with graphs, graph_kernels / graph_copies launched by one replayed decode step and gpu_busy_share, the
 share of a step's wall time the GPU is busy). Upstream under ``--upstream-limit`` is stopped during its
@@ -316,6 +317,9 @@ def main():
                         help="tokens per prefill chunk, summed over the batch (default: the model's)")
     parser.add_argument("--cache-len", type=int, default=0,
                         help="size our timed cache for this many tokens (default: the prompt and new tokens)")
+    parser.add_argument("--loops", nargs="+", choices=["ours", "transformers"], default=["ours"],
+                        help="greedy loops to time one-row cases in: ours (what generate() takes for one row, "
+                             "`lean_greedy_decoding`) and transformers' `_sample`; rows of more run transformers'")
     parser.add_argument("--jsonl", default=RESULTS)
     args = parser.parse_args()
 
@@ -370,8 +374,11 @@ def main():
         floor_ms = decode_bytes(ours, config, batch, length) / bandwidth * 1e3
         flops = prefill_flops(ours, config, batch, length)
         rows = []
-        for graphs in graph_modes:
+        # Our greedy loop runs one row only: a batch is timed once, in transformers' loop.
+        loops = args.loops if batch == 1 else ["transformers"]
+        for graphs, loop in [(g, lp) for g in graph_modes for lp in loops]:
             ours.use_cuda_graphs = graphs
+            ours.lean_greedy_decoding = loop == "ours"
             # Kernel tuning keys on shapes: warm up at this case's batch first (a fresh cache each run); two
             # prefill chunks' worth of prompt reach every chunk shape.
             warm = min(length, 2 * max(1, ours.prefill_chunk_tokens // batch))
@@ -389,7 +396,7 @@ def main():
             if result.get("prefill_s"):
                 result["prefill_peak_share"] = flops / result["prefill_s"] / H200_BF16_PEAK
             del cache
-            rows.append({**common, "impl": "paged", "graphs": graphs, **result, "floor_ms": floor_ms})
+            rows.append({**common, "impl": "paged", "graphs": graphs, "loop": loop, **result, "floor_ms": floor_ms})
         if upstream is not None:
             result = run(upstream, ids, mask, args.new_tokens, limit_s=args.upstream_limit)
             rows.append({**common, "impl": "upstream", "graphs": False, **result})
@@ -408,7 +415,7 @@ def main():
         up = rows[-1] if upstream is not None else None
         for row in rows:
             if row["impl"] == "paged" and up and up.get("decode_ms_per_step") and row.get("decode_ms_per_step"):
-                print(f"  {case} graphs={row['graphs']}: decode {row['decode_ms_per_step']:.2f} ms/step "
+                print(f"  {case} graphs={row['graphs']} loop={row['loop']}: decode {row['decode_ms_per_step']:.2f} ms/step "
                       f"({up['decode_ms_per_step'] / row['decode_ms_per_step']:.1f}x upstream), floor "
                       f"{floor_ms:.2f} ms ({row['decode_ms_per_step'] / floor_ms:.1f}x floor"
                       + (f", {row['graph_kernels']} kernels, GPU busy {row['gpu_busy_share']:.0%}"
