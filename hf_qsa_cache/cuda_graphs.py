@@ -41,6 +41,7 @@ Off with ``HF_QSA_CUDA_GRAPHS=0`` in the environment or ``model.use_cuda_graphs 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import traceback
 import warnings
@@ -98,9 +99,11 @@ class DecodeGraphs:
     """
 
     def __init__(self, model, cache: QSAPagedCache, device: torch.device, record: bool = True):
-        # Held weakly: the cache keeps runners per model, and must not keep a deleted model alive.
+        # Both held weakly: the cache keeps runners per model, and must not keep a deleted model alive; nor may
+        # a runner keep its cache (a cycle): a dropped cache's graphs would then wait for Python's collector,
+        # which may run in the middle of another capture, where destroying a graph invalidates it.
         self._model = weakref.ref(model)
-        self.cache = cache
+        self._cache = weakref.ref(cache)
         self.device = torch.device(device)
         self.record = record
         self.pool = torch.cuda.graph_pool_handle() if record and self.device.type == "cuda" else None
@@ -116,6 +119,10 @@ class DecodeGraphs:
         if model is None:
             raise RuntimeError("the model of these CUDA graphs was deleted")
         return model
+
+    @property
+    def cache(self) -> QSAPagedCache:
+        return self._cache()  # alive while this runner is: the cache holds it
 
     def bucket(self, rows: int) -> int:
         """Powers of two up to the cache's row count: few graphs, little padding."""
@@ -259,9 +266,24 @@ class DecodeGraphs:
         """(graph, the logits buffer each replay writes). Capture records launches without running them:
         the state is not written twice."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with collector_paused(), torch.cuda.graph(graph, pool=self.pool):
             logits = self._recorded(entry)
         return graph, logits
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector, run once now and then off until the block ends. A capture must not
+    see it run: objects it frees may free CUDA graphs (a user's, another cache's), and destroying a graph while
+    a stream captures is an error that invalidates the capture."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 # ----------------------------------------------------------------------------- failed captures

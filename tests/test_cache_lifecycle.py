@@ -125,6 +125,50 @@ def test_graph_runners_do_not_keep_models_alive(qwen):
     assert all(r() is None for r in refs) and len(cache.graph_runners) == 0
 
 
+def test_a_dropped_cache_frees_its_graphs_without_the_collector(qwen):
+    """A runner holds its cache weakly: dropping the cache frees its graphs at once, not at a later run of
+    Python's collector (which may come in the middle of another capture: destroying a graph then invalidates
+    that capture)."""
+    model = make_pair(seed=0)[1]
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        cache = QSAPagedCache(qwen.config, 2, 32)
+        runner = graphs_of(model, cache, "cpu", record=False)
+        assert runner.cache is cache
+        refs = weakref.ref(cache), weakref.ref(runner)
+        del cache, runner
+        assert all(r() is None for r in refs)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_captures_run_with_the_collector_paused(enabled):
+    """`collector_paused` (around every capture) frees dead cycles first, keeps the collector off inside,
+    and puts it back as it was, also when the capture raises."""
+    from hf_qsa_cache.cuda_graphs import collector_paused
+
+    class Cycle:
+        pass
+
+    was_enabled = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        dead = Cycle()
+        dead.me = dead
+        ref = weakref.ref(dead)
+        del dead
+        with pytest.raises(RuntimeError, match="capture failed"):
+            with collector_paused():
+                assert ref() is None and not gc.isenabled()
+                raise RuntimeError("capture failed")
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was_enabled else gc.disable)()
+
+
 def test_graphs_are_forgotten_when_weights_move_or_hooks_change(qwen):
     model, ids, mask = _setup("qwen4_exp", qwen, None)
     cache = QSAPagedCache(model.config, 4, 64, block_size=4)
