@@ -250,9 +250,10 @@ def _decode(model, generator, input_ids, logits_processor, stopping_criteria, ge
         model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False,
                                                                  num_new_tokens=accepted + 1)
         del outputs
-        if input_ids.shape[1] >= max_length or tokens[-1] in eos:
-            break
-        if other_stops and bool(other_stops(input_ids, None).any()):  # scores: None, as none are kept
+        # The user's criteria see every round, the last one too, as in transformers' loops (scores: None, as
+        # none are kept).
+        stopped = bool(other_stops(input_ids, None).any()) if other_stops else False
+        if stopped or input_ids.shape[1] >= max_length or tokens[-1] in eos:
             break
     if streamer is not None:
         streamer.end()

@@ -333,6 +333,32 @@ def test_plain_greedy_through_our_loop_equals_transformers_loop(family, qwen, in
             assert ours[0].sequences.shape[1] == ids.shape[1] + 7
 
 
+class RecordingStop(StoppingCriteria):
+    """Records the length of every ``input_ids`` it is called with; stops rows at ``stop_at`` tokens."""
+
+    def __init__(self, stop_at: int):
+        self.stop_at, self.seen = stop_at, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen.append(input_ids.shape[1])
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.stop_at, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("stops", [True, False])
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_plain_greedy_calls_other_criteria_as_transformers_loop(family, stops, qwen, ink, monkeypatch):  # noqa: F811
+    """A user's stopping criterion is called once per token, the last one too, as by `_sample`: whether it
+    stops the row or the length limit does."""
+    model = (qwen if family == "qwen4_exp" else ink)[0]
+    ids = _qwen_prompt(seed=5) if family == "qwen4_exp" else _ink_lookup_prompt(model)
+    seen = {}
+    for lean in (False, True):
+        criterion = RecordingStop(ids.shape[1] + (7 if stops else 100))
+        _run_plain(monkeypatch, model, ids, 12, lean=lean, stopping_criteria=StoppingCriteriaList([criterion]))
+        seen[lean] = criterion.seen
+    assert seen[True] == seen[False] == list(range(ids.shape[1] + 1, ids.shape[1] + (8 if stops else 13)))
+
+
 @pytest.mark.parametrize("case", ["two_rows", "sampling", "scores", "off"])
 def test_greedy_calls_our_loop_cannot_serve_go_to_transformers_loop(case, qwen, monkeypatch):  # noqa: F811
     model = qwen[0]
