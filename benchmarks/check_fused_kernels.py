@@ -90,6 +90,15 @@ def cases(device, dtype, tokens: int, small: bool):
     state, x, conv_w = rand(tokens, C, 3), rand(tokens, 1, C).transpose(1, 2), rand(C, 4)
     yield ("conv_decode_step", lambda: gated_delta_triton.conv_decode_step_triton(state.clone(), x, conv_w, dtype),
            lambda: _cpu(gated_delta.conv_decode_step, state.clone(), x, conv_w, dtype), 0.02)
+    # A prompt chunk's conv (two rows, one left-padded): the kernel and the tail it keeps, then the window path
+    # it replaces on the GPU (for its time).
+    L = 9 if small else 4096
+    state, x, pads = rand(2, C, 3), rand(2, L, C).transpose(1, 2), torch.tensor([0, 5], device=device)
+    spec = lambda: _cpu(gated_delta.conv_prefill_torch, state.clone(), x, conv_w, pads, False, dtype)  # noqa: E731
+    yield (f"conv_prefill 2x{L}", lambda: gated_delta.conv_prefill(state.clone(), x, conv_w, pads, False, dtype),
+           spec, 0.02)
+    yield (f"conv_prefill_torch 2x{L} (for its time)",
+           lambda: gated_delta.conv_prefill_torch(state.clone(), x, conv_w, pads, False, dtype), spec, 0.02)
     hidden, res, rms_w = rand(tokens, H), rand(tokens, H), rand(H)
     yield ("add_rms_norm", lambda: rms_norm_triton.add_rms_norm_triton(hidden, res, rms_w, 1e-6),
            lambda: _cpu(rms_norm.add_rms_norm_torch, hidden, res, rms_w, 1e-6), 0.02)

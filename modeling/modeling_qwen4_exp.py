@@ -39,7 +39,7 @@ from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops import records_grad
 from hf_qsa_cache.ops.experts import run_selected_experts, shared_expert_to_fold
-from hf_qsa_cache.ops.gated_delta import delta_gates, fuses_conv_step, gated_rms_norm
+from hf_qsa_cache.ops.gated_delta import delta_gates, fuses_conv_prefill, fuses_conv_step, gated_rms_norm
 from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual
 from hf_qsa_cache.ops.norm_rope import norm_rope
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention, sparse_paged_attention_probs
@@ -137,6 +137,8 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
         pads = meta.leading_pads()
         if fuses_conv_step(mixed_qkv, weight, self.activation, pads, meta.starts_fresh, kept):
             mixed_qkv = state.conv_step_in_place(mixed_qkv, weight, hidden_states.dtype)
+        elif fuses_conv_prefill(mixed_qkv, weight, self.activation, kept):
+            mixed_qkv = state.conv_prefill_in_place(mixed_qkv, weight, pads, meta.starts_fresh, hidden_states.dtype)
         else:
             window = state.window("conv", mixed_qkv, pads, meta.starts_fresh)
             state.write_window("conv", window, kept)

@@ -71,6 +71,24 @@ def test_conv_decode_step_is_the_window_path(dtype):
         assert torch.equal(fused.conv[:B], windowed.conv[:B]), f"step {step}: kept inputs differ"
 
 
+@pytest.mark.parametrize("fresh", [False, True])
+def test_keep_last_inputs_is_the_window_tail(fresh):
+    """`keep_last_inputs` (what the fused prefill conv keeps, from the step's tail only) against the last
+    columns of the whole window, for steps shorter and longer than the window, with and without pads
+    (none, a few, more than the tail, every column)."""
+    g = torch.Generator().manual_seed(4)
+    for K in (2, 4):
+        for L in range(1, 8):
+            B, C = 5, 3
+            state = torch.randn(B, C, K - 1, generator=g)
+            x = torch.randn(B, C, L, generator=g)
+            for pads in (None, torch.tensor([0, 1, L // 2, max(L - 1, 0), L])):
+                want = gated_delta.causal_window(state, x, pads, fresh)[..., -(K - 1):]
+                got = state.clone()
+                gated_delta.keep_last_inputs(got, x, pads, fresh)
+                assert torch.equal(got, want), (K, L, pads)
+
+
 def test_triton_kernels_match_torch():
     run_under_interpreter(__file__, "all gated delta kernel cases ok")
 
@@ -124,6 +142,28 @@ def _main() -> int:
             # The interpreter truncates its fp32 -> bf16 casts where a GPU rounds: one unit apart at most.
             torch.testing.assert_close(mine.float(), theirs.float(), atol=tol, rtol=tol)
             cases += 1
+    from hf_qsa_cache.ops.gated_delta_triton import conv_prefill_triton
+
+    # The prefill conv: blocks forced small (4 columns x 16 channels) so rows, column blocks and channel blocks
+    # all split, the last of each partial; pads before, inside and past the kept window; fresh rows.
+    for x_dtype, state_dtype, tol in ((torch.float32, torch.float32, 1e-6), (torch.bfloat16, torch.bfloat16, 1.6e-2),
+                                      (torch.bfloat16, torch.float32, 1.6e-2)):
+        for B, C, L, K, pads in ((3, 40, 7, 4, [0, 2, 5]), (2, 24, 2, 4, [1, 0]), (1, 16, 9, 2, None),
+                                 (2, 20, 5, 3, None), (3, 33, 6, 4, [6, 0, 3])):
+            for fresh in (False, True):
+                g = torch.Generator().manual_seed(B * 100 + C + L + K)
+                state = torch.randn(B, C, K - 1, generator=g).to(state_dtype)
+                x = torch.randn(B, L, C, generator=g).to(x_dtype).transpose(1, 2)  # [B, C, L], strided as in the model
+                weight = torch.randn(C, K, generator=g).to(x_dtype)
+                leading = None if pads is None else torch.tensor(pads)
+                mine, theirs = state.clone(), state.clone()
+                got = conv_prefill_triton(mine, x, weight, leading, fresh, x_dtype, block_t=4, block_c=16)
+                gated_delta.keep_last_inputs(mine, x, leading, fresh)
+                want = gated_delta.conv_prefill_torch(theirs, x, weight, leading, fresh, x_dtype)
+                assert got.shape == want.shape == (B, L, C) and got.dtype == want.dtype
+                torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+                assert torch.equal(mine, theirs)
+                cases += 1
     print(f"all gated delta kernel cases ok ({cases})")
     return 0
 

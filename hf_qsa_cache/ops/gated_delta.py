@@ -7,6 +7,10 @@
 * `conv_decode_step`: a one-token step's causal depthwise conv over ``[kept K-1 inputs | the new one]``,
   its activation, and the kept window shifted by one, in place (about five launches unfused:
   concatenation, state write, conv, activation, cast).
+* `conv_prefill`: a step of any length's causal depthwise conv over ``[kept K-1 inputs | the step's
+  inputs]`` (pads moved in front, `causal_window`), its activation, and the kept inputs updated in place. On
+  CUDA the conv and activation are one kernel that never builds the window (unfused: a concatenation, a
+  cuDNN conv, the activation and copies of the whole prompt chunk).
 * `gated_rms_norm`: the output norm with its gate (transformers' ``Qwen4ExpTextRMSNormGated``: RMS norm
   in fp32, rounded, times the weight, times ``act(gate)``), 8 launches upstream.
 
@@ -79,6 +83,70 @@ def conv_decode_step(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Te
     conv_state.copy_(window[..., 1:].to(conv_state.dtype))
     conv = (window.to(weight.dtype).float() * weight.float()).sum(-1).to(weight.dtype)  # [B, C]
     return F.silu(conv.float()).to(out_dtype)[:, None, :]
+
+
+def causal_window(previous: torch.Tensor, x: torch.Tensor, leading_pads: torch.Tensor | None, fresh: bool = False,
+                  fill=0) -> torch.Tensor:
+    """``[previous | x]`` along the last dim: ``previous`` ``[B, ..., W]`` (the rows' kept inputs; with
+    ``fresh`` the rows start empty and it is all ``fill``, not read), ``x`` ``[B, ..., L]`` (a row's real
+    columns are its last ones). ``leading_pads`` (``[B]``, None when no row has pads) moves a row's pad
+    columns in front of its kept inputs, filled as a fresh window is, so the window reaches the row's real
+    inputs unbroken."""
+    previous = torch.full_like(previous, fill, dtype=x.dtype) if fresh else previous.to(x.dtype)
+    window = torch.cat([previous, x], dim=-1)
+    if leading_pads is None:
+        return window
+    kept, width = previous.shape[-1], window.shape[-1]
+    col = torch.arange(width, device=x.device)
+    pads = leading_pads.view(-1, 1)
+    # Column j takes: a fresh value before the row's kept window, the kept window next, then x as is.
+    src = torch.where(col < pads + kept, (col - pads).clamp_min(0), col)
+    shape = [x.shape[0]] + [1] * (x.dim() - 2) + [width]
+    src = src.view(shape).expand(window.shape)
+    return torch.where((col < pads).view(shape), fill, window.gather(-1, src))
+
+
+def conv_prefill(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, leading_pads, fresh: bool,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """A step's conv: ``x`` ``[B, C, L]`` (any strides), the rows' kept inputs ``conv_state`` ``[B, C, K-1]``
+    (read unless ``fresh``; updated in place to the window's last ``K-1`` inputs), depthwise ``weight``
+    ``[C, K]``, ``leading_pads`` as `causal_window`; returns ``silu(conv)`` ``[B, L, C]`` in ``out_dtype``."""
+    if x.is_cuda:
+        from .gated_delta_triton import conv_prefill_triton
+
+        out = conv_prefill_triton(conv_state, x, weight, leading_pads, fresh, out_dtype)
+        keep_last_inputs(conv_state, x, leading_pads, fresh)  # after the kernel, which reads them
+        return out
+    return conv_prefill_torch(conv_state, x, weight, leading_pads, fresh, out_dtype)
+
+
+def conv_prefill_torch(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, leading_pads, fresh: bool,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """`conv_prefill`'s specification: the window built, its tail kept, the conv, the activation. Rounding as
+    `conv_decode_step`: the window in ``x``'s dtype, the conv in the weight's, the activation in
+    ``out_dtype``."""
+    window = causal_window(conv_state, x, leading_pads, fresh)
+    conv_state.copy_(window[..., -conv_state.shape[-1]:])
+    conv = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), None, groups=window.shape[1])
+    return F.silu(conv).to(out_dtype).transpose(1, 2)
+
+
+def keep_last_inputs(conv_state: torch.Tensor, x: torch.Tensor, leading_pads, fresh: bool) -> None:
+    """``conv_state`` ``[B, C, W]`` becomes the last ``W`` columns of ``causal_window(conv_state, x, ...)``
+    without building it: only the step's last ``min(L, W)`` inputs reach those columns (and the kept inputs,
+    when a row has fewer real ones), so the window of that tail, its pads shifted, ends the same."""
+    tail = min(x.shape[-1], conv_state.shape[-1])
+    # The pads that fall in the tail (a negative count, a row whose tail is all real, moves nothing there).
+    pads = None if leading_pads is None else leading_pads - (x.shape[-1] - tail)
+    window = causal_window(conv_state, x[..., x.shape[-1] - tail:], pads, fresh)
+    conv_state.copy_(window[..., -conv_state.shape[-1]:])
+
+
+def fuses_conv_prefill(x: torch.Tensor, weight: torch.Tensor, activation: str, kept) -> bool:
+    """Whether a GatedDeltaNet step takes `conv_prefill`: no rollback history to record, SiLU, autograd not
+    recording, a plain (not sharded) weight."""
+    return (FUSED_GDN and kept is None and activation == "silu" and not records_grad(x, weight)
+            and type(weight) is torch.Tensor)
 
 
 def fuses_conv_step(x: torch.Tensor, weight: torch.Tensor, activation: str, leading_pads, fresh: bool,

@@ -124,3 +124,58 @@ def conv_decode_step_triton(conv_state: torch.Tensor, x: torch.Tensor, weight: t
             K=K, K_PAD=triton.next_power_of_2(K), BLOCK_C=block_c, W_DTYPE=TL_DTYPES[weight.dtype], num_warps=4,
         )
     return out
+
+
+@triton.jit(do_not_specialize=["length", "channels"])
+def _conv_prefill_kernel(x_ptr, state_ptr, weight_ptr, pads_ptr, out_ptr, stride_xb, stride_xc, stride_xt,
+                         stride_sb, stride_sc, stride_sk, stride_wc, stride_wk, length, channels,
+                         K: tl.constexpr, HAS_PADS: tl.constexpr, FRESH: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_C: tl.constexpr, W_DTYPE: tl.constexpr):
+    """One program per (block of columns, block of channels, row). Output column t reads window columns
+    t .. t+K-1 of [kept K-1 inputs | x] with the row's pads moved in front (`causal_window`); each tap is
+    loaded from where that column lives (nothing, the kept inputs, or x), never from a built window."""
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    b = tl.program_id(2).to(tl.int64)
+    ok = (t < length)[:, None] & (c < channels)[None, :]
+    x_dtype = x_ptr.dtype.element_ty
+    pads = tl.load(pads_ptr + b).to(tl.int64) if HAS_PADS else 0
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for k in tl.static_range(K):
+        j = t + k  # window column
+        from_x = (j >= pads + K - 1)[:, None] & ok
+        tap = tl.load(x_ptr + b * stride_xb + (j - (K - 1))[:, None] * stride_xt + c[None, :] * stride_xc,
+                      mask=from_x, other=0.0)
+        if not FRESH:  # a fresh row's kept inputs are zeros, as is the fill in front of them
+            from_state = ((j >= pads) & (j < pads + K - 1))[:, None] & ok
+            kept = tl.load(state_ptr + b * stride_sb + c[None, :] * stride_sc + (j - pads)[:, None] * stride_sk,
+                           mask=from_state, other=0.0).to(x_dtype)
+            tap = tl.where(from_state, kept, tap)
+        w = tl.load(weight_ptr + c * stride_wc + k * stride_wk, mask=c < channels, other=0.0).to(tl.float32)
+        acc += tap.to(W_DTYPE).to(tl.float32) * w[None, :]
+    conv = acc.to(W_DTYPE).to(tl.float32)
+    tl.store(out_ptr + (b * length + t)[:, None] * channels + c[None, :],
+             (conv * tl.sigmoid(conv)).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+CONV_PREFILL_BLOCK_T = 32
+CONV_PREFILL_BLOCK_C = 128
+
+
+@on_device_of_first_tensor
+def conv_prefill_triton(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, leading_pads,
+                        fresh: bool, out_dtype: torch.dtype, block_t: int = CONV_PREFILL_BLOCK_T,
+                        block_c: int = CONV_PREFILL_BLOCK_C) -> torch.Tensor:
+    """The conv and activation of `gated_delta.conv_prefill` in one launch, ``[B, L, C]`` (``conv_state`` is
+    only read: the caller updates it after)."""
+    B, C, L = x.shape
+    K = weight.shape[-1]
+    out = torch.empty(B, L, C, dtype=out_dtype, device=x.device)
+    if B and C and L:
+        pads = leading_pads if leading_pads is not None else out  # not read without pads
+        _conv_prefill_kernel[(triton.cdiv(L, block_t), triton.cdiv(C, block_c), B)](
+            x, conv_state, weight, pads, out, *x.stride(), *conv_state.stride(), *weight.stride(), L, C,
+            K=K, HAS_PADS=leading_pads is not None, FRESH=fresh, BLOCK_T=block_t, BLOCK_C=block_c,
+            W_DTYPE=TL_DTYPES[weight.dtype], num_warps=4,
+        )
+    return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.gated_delta import conv_decode_step
+from ..ops.gated_delta import causal_window, conv_decode_step, conv_prefill
 
 
 class LinearAttentionState:
@@ -81,24 +81,18 @@ class LinearAttentionState:
         window reaches the row's real inputs unbroken even when the row holds tokens. ``fresh``: the rows
         start empty (the fresh window is used, the stored one is not read)."""
         fill = self.eos_token_id if name == "ngram_ids" else 0
-        live = getattr(self, name)[: x.shape[0]]
-        live = torch.full_like(live, fill, dtype=x.dtype) if fresh else live.to(x.dtype)
-        window = torch.cat([live, x], dim=-1)
-        if leading_pads is None:
-            return window
-        kept, width = live.shape[-1], window.shape[-1]
-        col = torch.arange(width, device=x.device)
-        pads = leading_pads.view(-1, 1)
-        # Column j takes: a fresh value before the row's kept window, the kept window next, then x as is.
-        src = torch.where(col < pads + kept, (col - pads).clamp_min(0), col)
-        shape = [x.shape[0]] + [1] * (x.dim() - 2) + [width]
-        src = src.view(shape).expand(window.shape)
-        return torch.where((col < pads).view(shape), fill, window.gather(-1, src))
+        return causal_window(getattr(self, name)[: x.shape[0]], x, leading_pads, fresh, fill)
 
     def conv_step_in_place(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """A one-token step's conv over rows ``[0, B)`` of the conv window, which shifts in place to take
         ``x`` ``[B, C, 1]`` (`hf_qsa_cache.ops.gated_delta.conv_decode_step`); returns ``[B, 1, C]``."""
         return conv_decode_step(self.conv[: x.shape[0]], x, weight, out_dtype)
+
+    def conv_prefill_in_place(self, x: torch.Tensor, weight: torch.Tensor, leading_pads, fresh: bool,
+                              out_dtype: torch.dtype) -> torch.Tensor:
+        """A step's conv over rows ``[0, B)`` of the conv window, which takes the window's last inputs in place
+        (`hf_qsa_cache.ops.gated_delta.conv_prefill`); returns ``[B, L, C]``."""
+        return conv_prefill(self.conv[: x.shape[0]], x, weight, leading_pads, fresh, out_dtype)
 
     def initial_recurrent(self, num_rows: int, fresh: bool) -> torch.Tensor | None:
         """The recurrent state rows ``[0, num_rows)`` start this step from: None (zeros) for fresh rows; a
