@@ -17,6 +17,8 @@ new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, fused (the fusions 
 status / floor_ms where known; ours adds loop (the greedy loop timed: "ours" for one row unless
 ``--loops`` says otherwise, "transformers" for a batch), cache_gib, store_gib (bytes per cache store) and
 prefill_peak_share: model FLOPs of the prefill per second over the H200's dense bf16 peak;
+decode_ms_end_to_end where the prefill is short: a step's cost in a plain generate() call with no
+per-step stopping criterion (`decode_ms_end_to_end`), where decode_ms_per_step times each step with one;
 with graphs, graph_kernels / graph_copies launched by one replayed decode step and gpu_busy_share, the
 share of a step's wall time the GPU is busy). Upstream under ``--upstream-limit`` is stopped during its
 prefill too and reported as "did not finish in N s" (or "out of memory").
@@ -141,6 +143,23 @@ def run(model, ids, mask, new_tokens, cache=None, limit_s=None) -> dict:
     if len(timer.times) < new_tokens:
         row["status"] = f"stopped after {len(timer.times)} of {new_tokens} tokens: time limit {limit_s} s"
     return row
+
+
+def decode_ms_end_to_end(model, ids, mask, new_tokens: int, cache: QSAPagedCache) -> float:
+    """Milliseconds a decode step adds to a plain generate() call, as a user makes it (no stopping criterion
+    or streamer, so our loop reads the host once, at the end): the better of two calls of ``new_tokens``
+    against the better of two of one token, from a reset ``cache``, over ``new_tokens - 1``."""
+    best = {}
+    for n in (1, new_tokens):
+        for _ in range(2):
+            cache.reset()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n, do_sample=False,
+                           pad_token_id=0, eos_token_id=None)
+            torch.cuda.synchronize()
+            best[n] = min(best.get(n, float("inf")), time.perf_counter() - start)
+    return (best[new_tokens] - best[1]) / (new_tokens - 1) * 1e3
 
 
 TOP_KERNELS = 12  # the graphed step's kernels by GPU time that a result lists
@@ -390,6 +409,8 @@ def main():
             result = run(ours, ids, mask, args.new_tokens, cache)
             if graphs and "status" not in result:
                 result.update(graphed_step_stats(ours, cache))
+            if result.get("prefill_s") and result["prefill_s"] < 2:  # short prompts: two more prefills are cheap
+                result["decode_ms_end_to_end"] = decode_ms_end_to_end(ours, ids, mask, args.new_tokens, cache)
             stats = cache.memory_stats()
             result["cache_gib"] = stats["total_bytes"] / 2**30
             result["store_gib"] = {name: round(size / 2**30, 4) for name, size in stats["bytes"].items()}
@@ -418,6 +439,7 @@ def main():
                 print(f"  {case} graphs={row['graphs']} loop={row['loop']}: decode {row['decode_ms_per_step']:.2f} ms/step "
                       f"({up['decode_ms_per_step'] / row['decode_ms_per_step']:.1f}x upstream), floor "
                       f"{floor_ms:.2f} ms ({row['decode_ms_per_step'] / floor_ms:.1f}x floor"
+                      + (f", {row['decode_ms_end_to_end']:.2f} ms end to end" if row.get("decode_ms_end_to_end") else "")
                       + (f", {row['graph_kernels']} kernels, GPU busy {row['gpu_busy_share']:.0%}"
                          if row.get("gpu_busy_share") is not None else "") + "); prefill "
                       f"{row['prefill_s']:.2f} s ({up['prefill_s'] / row['prefill_s']:.1f}x upstream)", flush=True)
