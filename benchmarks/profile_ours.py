@@ -21,6 +21,7 @@ def main():
     parser.add_argument("--prompt", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--layers", type=int, default=None, help="default: 8 (Qwen4Exp), 6 (Inkling)")
+    parser.add_argument("--shapes", action="store_true", help="prefill ops by name and input shapes")
     args = parser.parse_args()
     if args.model == "qwen4_exp":
         from modeling import Qwen4ExpForCausalLM as Ours
@@ -48,10 +49,10 @@ def main():
         torch.cuda.synchronize()
 
     decode(*prefill())  # warm-up
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.shapes) as prof:
         cache, tok = prefill()
     print("=== prefill, by CUDA time")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+    print(prof.key_averages(group_by_input_shape=args.shapes).table(sort_by="cuda_time_total", row_limit=30))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         decode(cache, tok)
     print("=== decode, by CPU time")

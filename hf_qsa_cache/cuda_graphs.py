@@ -122,7 +122,10 @@ class DecodeGraphs:
 
     @property
     def cache(self) -> QSAPagedCache:
-        return self._cache()  # alive while this runner is: the cache holds it
+        cache = self._cache()
+        if cache is None:  # only a runner kept apart from its cache (the cache holds its runners)
+            raise RuntimeError("the cache of these CUDA graphs was deleted")
+        return cache
 
     def bucket(self, rows: int) -> int:
         """Powers of two up to the cache's row count: few graphs, little padding."""
@@ -273,11 +276,11 @@ class DecodeGraphs:
 
 @contextlib.contextmanager
 def collector_paused():
-    """Python's cyclic garbage collector, run once now and then off until the block ends. A capture must not
-    see it run: objects it frees may free CUDA graphs (a user's, another cache's), and destroying a graph while
-    a stream captures is an error that invalidates the capture."""
+    """Python's cyclic garbage collector off until the block ends. A capture must not see it run: objects it
+    frees may free CUDA graphs (a user's, another cache's), and destroying a graph while a stream captures is
+    an error that invalidates the capture. (Not a collection first: at a few hundred milliseconds a
+    collection would cost more than the capture.)"""
     was_enabled = gc.isenabled()
-    gc.collect()
     gc.disable()
     try:
         yield

@@ -146,23 +146,16 @@ def test_a_dropped_cache_frees_its_graphs_without_the_collector(qwen):
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_captures_run_with_the_collector_paused(enabled):
-    """`collector_paused` (around every capture) frees dead cycles first, keeps the collector off inside,
-    and puts it back as it was, also when the capture raises."""
+    """`collector_paused` (around every capture) keeps the collector off inside and puts it back as it was,
+    also when the capture raises."""
     from hf_qsa_cache.cuda_graphs import collector_paused
-
-    class Cycle:
-        pass
 
     was_enabled = gc.isenabled()
     (gc.enable if enabled else gc.disable)()
     try:
-        dead = Cycle()
-        dead.me = dead
-        ref = weakref.ref(dead)
-        del dead
         with pytest.raises(RuntimeError, match="capture failed"):
             with collector_paused():
-                assert ref() is None and not gc.isenabled()
+                assert not gc.isenabled()
                 raise RuntimeError("capture failed")
         assert gc.isenabled() == enabled
     finally:
@@ -196,11 +189,6 @@ def test_graphs_are_forgotten_when_weights_move_or_hooks_change(qwen):
             assert runner.buckets[4, 1, 64].graph.replays == 0
         finally:
             handle.remove()
-
-
-def test_buckets_are_powers_of_two_capped_by_the_cache_rows(ink):
-    runner = graphs_of(ink, QSAPagedCache(ink.config, 8, 32), "cpu", record=False)
-    assert [runner.bucket(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
 
 
 @pytest.mark.parametrize("record", [False, True])

@@ -86,7 +86,8 @@ def test_static_buffer_verify_steps_equal_the_forward(family):
 
 def test_buckets_are_powers_of_two_up_to_the_cache_rows():
     model, _ = _pair("inkling")
-    runner = graphs_of(model, QSAPagedCache(model.config, 6, 32), "cpu", record=False)
+    cache = QSAPagedCache(model.config, 6, 32)
+    runner = graphs_of(model, cache, "cpu", record=False)
     assert [runner.bucket(n) for n in (1, 2, 3, 4, 5, 6)] == [1, 2, 4, 4, 6, 6]
 
 

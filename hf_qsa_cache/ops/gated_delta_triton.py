@@ -126,7 +126,7 @@ def conv_decode_step_triton(conv_state: torch.Tensor, x: torch.Tensor, weight: t
     return out
 
 
-@triton.jit(do_not_specialize=["length", "channels"])
+@triton.jit(do_not_specialize=["length"])  # channels stay specialized: aligned, vectorized accesses
 def _conv_prefill_kernel(x_ptr, state_ptr, weight_ptr, pads_ptr, out_ptr, stride_xb, stride_xc, stride_xt,
                          stride_sb, stride_sc, stride_sk, stride_wc, stride_wk, length, channels,
                          K: tl.constexpr, HAS_PADS: tl.constexpr, FRESH: tl.constexpr, BLOCK_T: tl.constexpr,
