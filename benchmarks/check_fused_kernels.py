@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_generate import emit  # noqa: E402
 
 from hf_qsa_cache.ops import experts, gated_delta, hyper_connection, inkling_router  # noqa: E402
-from hf_qsa_cache.ops import norm_rope, qsa, rms_norm, router  # noqa: E402
+from hf_qsa_cache.ops import norm_rope, prompt_experts, qsa, rms_norm, router  # noqa: E402
 from hf_qsa_cache.ops import experts_triton, gated_delta_triton, hyper_connection_triton  # noqa: E402
 from hf_qsa_cache.ops import inkling_router_triton, norm_rope_triton, qsa_triton, rms_norm_triton  # noqa: E402
-from hf_qsa_cache.ops import router_triton  # noqa: E402
+from hf_qsa_cache.ops import prompt_experts_triton, router_triton  # noqa: E402
 
 
 def _time(fn, device, repeat: int) -> float:
@@ -159,6 +159,14 @@ def cases(device, dtype, tokens: int, small: bool):
     scores[:, ::5] = float("-inf")
     yield ("pack_scores", lambda: qsa_triton.pack_scores_triton(scores),
            lambda: _cpu(qsa._pack, scores, torch.arange(scores.shape[1], device=device)), 0)
+    # A prompt chunk's experts (4096 tokens x k): the activation with its routing weight, and the sum by token.
+    T = 5 if small else 4096
+    gate_up, pair_w = rand(T * k, 2 * inter), torch.rand(T * k, generator=g).to(device)
+    yield (f"weighted_silu_mul {T}x{k}", lambda: prompt_experts_triton.weighted_silu_mul_triton(gate_up, pair_w),
+           lambda: _cpu(prompt_experts.weighted_silu_mul_torch, gate_up, pair_w), 0.02)
+    pair_rows, positions = rand(T * k, H), torch.randperm(T * k, generator=g).to(device)
+    yield (f"sum_by_token {T}x{k}", lambda: prompt_experts_triton.sum_by_token_triton(pair_rows, positions, T, k),
+           lambda: _cpu(prompt_experts.sum_by_token_torch, pair_rows, positions, T, k), 0.02)
 
 
 def _cpu(fn, *args):

@@ -42,6 +42,7 @@ from hf_qsa_cache.ops.experts import run_selected_experts, shared_expert_to_fold
 from hf_qsa_cache.ops.gated_delta import delta_gates, fuses_conv_prefill, fuses_conv_step, gated_rms_norm
 from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual
 from hf_qsa_cache.ops.norm_rope import norm_rope
+from hf_qsa_cache.ops.prompt_experts import grouped_experts_forward, uses_prompt_experts
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention, sparse_paged_attention_probs
 from hf_qsa_cache.ops.router import fuses_routing, route_topk
 from hf_qsa_cache.rollback import gated_delta_keeping_states, step_history
@@ -217,15 +218,17 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
 
 class Qwen4ExpTextSparseMoeBlock(upstream.Qwen4ExpTextSparseMoeBlock):
     """transformers' MoE block (same modules and parameters); its routing after the router's projection runs
-    as one launch where fused (`hf_qsa_cache.ops.router`), and its shared expert inside the selected experts'
-    kernels where folded (`hf_qsa_cache.ops.experts.shared_expert_to_fold`). Otherwise upstream's forward."""
+    as one launch where fused (`hf_qsa_cache.ops.router`), its shared expert inside the selected experts'
+    kernels where folded (`hf_qsa_cache.ops.experts.shared_expert_to_fold`), and prompts' experts through
+    `hf_qsa_cache.ops.prompt_experts` where it applies. Otherwise upstream's forward."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
         fused_routing = fuses_routing(self.gate, hidden_states)
         folded = shared_expert_to_fold(self, hidden_states)
-        if not fused_routing and folded is None:
+        prompt = folded is None and uses_prompt_experts(self.experts, x)
+        if not fused_routing and folded is None and not prompt:
             return super().forward(hidden_states)
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
         if fused_routing:
             weights, experts = route_topk(F.linear(x, self.gate.weight), self.gate.top_k, self.gate.norm_topk_prob)
         else:
@@ -233,7 +236,9 @@ class Qwen4ExpTextSparseMoeBlock(upstream.Qwen4ExpTextSparseMoeBlock):
         if folded is not None:
             out = run_selected_experts(self.experts, x, experts, weights, folded)
         else:
-            out = self.experts(x, experts, weights) + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            routed = (grouped_experts_forward(self.experts, x, experts, weights) if prompt
+                      else self.experts(x, experts, weights))
+            out = routed + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(hidden_states.shape)
 
 

@@ -101,11 +101,12 @@ def test_modules_with_hooks_run_their_own_forward(all_fused, monkeypatch):
 def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
     """The names HF_QSA_FUSED accepts all switch a flag; `fused` sets and restores them, and refuses unknown ones."""
     from hf_qsa_cache import cuda_graphs
-    from hf_qsa_cache.ops import inkling_router, qsa, router
+    from hf_qsa_cache.ops import inkling_router, prompt_experts, qsa, router
 
     flags = [(hyper_connection, "FUSED_HC"), (gated_delta, "FUSED_GDN"), (rms_norm, "FUSED_NORM"),
              (norm_rope, "FUSED_NORM_ROPE"), (cuda_graphs, "FUSED_EXPERTS"), (router, "FUSED_ROUTER"),
-             (qsa, "FUSED_QSA"), (experts, "FUSED_SHARED_EXPERT"), (inkling_router, "FUSED_INKLING_ROUTER")]
+             (qsa, "FUSED_QSA"), (experts, "FUSED_SHARED_EXPERT"), (inkling_router, "FUSED_INKLING_ROUTER"),
+             (prompt_experts, "FUSED_PROMPT_EXPERTS")]
     before = [getattr(m, f) for m, f in flags]
     with fused(("all",)):
         assert all(getattr(m, f) for m, f in flags)
@@ -115,7 +116,7 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
         assert all(getattr(m, f) for m, f in flags)
     assert [getattr(m, f) for m, f in flags] == before
     assert set(FLAGS) == {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
-                          "inkling_router"}
+                          "inkling_router", "prompt_experts"}
     with pytest.raises(ValueError, match="unknown fusion"):
         with fused(("nope",)):
             pass
@@ -142,7 +143,7 @@ def test_a_fusion_not_yet_timed_is_on_only_when_named():
     assert requested("inkling_router,hc", unmeasured=("inkling_router",)) == {"inkling_router", "hc"}
 
 
-@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED | {"qsa_topk"}),
+@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED | {"qsa_topk", "prompt_experts"}),
                                                ("none", set()), ("", set()), ("gdn,router", {"gdn", "router"})])
 def test_the_environment_picks_the_measured_fusions_by_default(setting, expected):
     import os

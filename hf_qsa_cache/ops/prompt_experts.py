@@ -1,0 +1,90 @@
+"""Experts for prompts: transformers' ``grouped_mm`` path without its two full-width passes after the down
+projection (the ``prompt_experts`` fusion).
+
+For a prompt chunk of ``T`` tokens routed to ``k`` experts each, transformers' ``grouped_mm`` experts sort
+the ``S = T * k`` (token, expert) pairs by expert, gather their inputs, run the gate/up and down projections
+as grouped GEMMs, then multiply every ``[S, H]`` output row by its routing weight, put the rows back in token
+order and sum each token's ``k`` rows: two passes over ``[S, H]`` (at a 16384-token chunk with k = 10 and
+H = 2048, 0.67 GB each) after the GEMMs, besides the sum. Here the routing weight is applied to the
+activation instead (``[S, I]``, a quarter of the width for Qwen4Exp), in the same pass as ``silu(gate) * up``,
+and the sum reads each token's rows where they lie (`sum_by_token`): the same math, fewer bytes.
+
+    h_s = w_s * silu(gate_s) * up_s          # fp32, rounded once to the activations' dtype
+    out_t = sum_j down_{e_(t,j)} @ h_(t,j)   # the down projection's rows summed in fp32, rounded once
+
+(transformers rounds ``silu(gate) * up`` and ``w * down @ h`` to bf16 before the sum: the results differ by
+bf16 rounding, judged against fp32.) `grouped_experts_forward` runs it for an experts module `supports`
+covers, the experts set to ``grouped_mm`` (the default), no expert parallelism, no hooks, autograd not
+recording. The torch functions are the specification; `prompt_experts_triton` holds the two kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.integrations import moe
+
+from ..fusions import fusion_enabled
+from . import keeps_own_forward, records_grad
+from .experts import supports
+
+FUSED_PROMPT_EXPERTS = fusion_enabled("prompt_experts")
+
+
+def uses_prompt_experts(experts: nn.Module, x: torch.Tensor) -> bool:
+    """Whether an MoE block's experts run `grouped_experts_forward` on ``x`` ``[T, H]`` rather than their own
+    forward."""
+    return (FUSED_PROMPT_EXPERTS and getattr(experts.config, "_experts_implementation", None) == "grouped_mm"
+            and supports(experts) and not getattr(experts, "_is_expert_parallel", False) and x.dim() == 2
+            and x.dtype == experts.gate_up_proj.dtype and not records_grad(x, experts.gate_up_proj, experts.down_proj)
+            and not keeps_own_forward(experts, experts.gate_up_proj, experts.down_proj))
+
+
+def grouped_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``[T, H]``: the SiLU-gated experts ``top_k_index`` ``[T, k]`` weighted by ``top_k_weights`` for
+    ``hidden_states`` ``[T, H]`` (module docstring), with transformers' grouped GEMMs."""
+    num_tokens, top_k = top_k_index.shape
+    num_experts = module.gate_up_proj.shape[0]
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    inputs = hidden_states[perm // top_k]  # [S, H], grouped by expert
+    # histc, not bincount (no host sync); CPU histc takes floats only, CUDA integers.
+    counts = torch.histc(expert_ids.int() if expert_ids.is_cuda else expert_ids.float(), bins=num_experts, min=0,
+                         max=num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    gate_up = moe._grouped_linear(inputs, module.gate_up_proj, offsets, is_transposed=module.is_transposed)
+    activation = weighted_silu_mul(gate_up, top_k_weights.reshape(-1)[perm])
+    rows = moe._grouped_linear(activation, module.down_proj, offsets, is_transposed=module.is_transposed)
+    positions = torch.empty_like(perm)
+    positions[perm] = torch.arange(perm.numel(), device=perm.device)  # pair t * k + j -> its row
+    return sum_by_token(rows, positions, num_tokens, top_k)
+
+
+def weighted_silu_mul(gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``weights[s] * silu(gate) * up`` for rows ``gate_up`` ``[S, 2I]`` (gate half first), in fp32, rounded
+    once to ``gate_up``'s dtype: ``[S, I]``."""
+    if gate_up.is_cuda:
+        from .prompt_experts_triton import weighted_silu_mul_triton
+
+        return weighted_silu_mul_triton(gate_up, weights)
+    return weighted_silu_mul_torch(gate_up, weights)
+
+
+def weighted_silu_mul_torch(gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up * weights.float()[:, None]).to(gate_up.dtype)
+
+
+def sum_by_token(rows: torch.Tensor, positions: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """``[T, H]``: token ``t``'s sum of ``rows[positions[t * k + j]]`` over ``j < k``, in fp32, rounded once to
+    ``rows``' dtype."""
+    if rows.is_cuda:
+        from .prompt_experts_triton import sum_by_token_triton
+
+        return sum_by_token_triton(rows, positions, num_tokens, top_k)
+    return sum_by_token_torch(rows, positions, num_tokens, top_k)
+
+
+def sum_by_token_torch(rows: torch.Tensor, positions: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    return rows[positions].view(num_tokens, top_k, -1).float().sum(dim=1).to(rows.dtype)
