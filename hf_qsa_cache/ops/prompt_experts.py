@@ -1,5 +1,5 @@
 """Experts for prompts: transformers' ``grouped_mm`` path without its two full-width passes after the down
-projection (the ``prompt_experts`` fusion).
+projection (the ``prompt_experts`` fusion, on by default).
 
 For a prompt chunk of ``T`` tokens routed to ``k`` experts each, transformers' ``grouped_mm`` experts sort
 the ``S = T * k`` (token, expert) pairs by expert, gather their inputs, run the gate/up and down projections
