@@ -29,6 +29,7 @@ from hf_qsa_cache import cuda_graphs
 from hf_qsa_cache.cuda_graphs import (
     DecodeGraphs, capture_failures, experts_modules, graph_experts, graphs_of, grouped_mm_captures,
 )
+from hf_qsa_cache.ops import prompt_experts
 
 CAPTURE_ERROR = ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor "
                  "is pinned")
@@ -202,6 +203,8 @@ def test_graph_steps_run_batched_mm_and_restore_the_models_experts(family, monke
     else:
         model = _ink_model()
         ids, mask = inkling.left_pad(inkling.make_prompts([11, 4, 8], seed=10))
+    # The prompt runs the model's own experts function (not our prompt path, which would run in its place).
+    monkeypatch.setattr(prompt_experts, "FUSED_PROMPT_EXPERTS", False)
     calls = []
     for name in ("batched_mm", "grouped_mm"):
         run = moe.ALL_EXPERTS_FUNCTIONS[name]

@@ -209,3 +209,18 @@ def _projection_cases() -> int:
 
 if __name__ == "__main__":
     sys.exit(_main())
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_residual_is_upstreams_unfused_and_rounded_once_fused(fused, monkeypatch):
+    """`add_injection`: with ``hc`` off, upstream's ops (product rounded, then the sum); on, one pass rounded
+    once (bf16, where the two differ)."""
+    monkeypatch.setattr(hc_ops, "FUSED_HC", fused)
+    g = torch.Generator().manual_seed(0)
+    streams, out = torch.randn(5, 3 * 8, generator=g).bfloat16(), torch.randn(5, 8, generator=g).bfloat16()
+    inject = torch.rand(5, 3, generator=g).bfloat16() * 2
+    got = hc_ops.add_injection(streams, out, inject)
+    upstream = streams + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
+    once = (streams.float().unflatten(-1, (3, 8)) + out.float().unsqueeze(-2) * inject.float().unsqueeze(-1))
+    assert torch.equal(got, once.flatten(-2).bfloat16() if fused else upstream)
+    assert not torch.equal(upstream, once.flatten(-2).bfloat16())  # the case tells them apart

@@ -55,9 +55,11 @@ def use_fused(module, x: torch.Tensor) -> bool:
 
 def add_injection(streams: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
     """Upstream's residual: each of the ``hc`` streams ``[..., hc * H]`` plus ``out [..., H]`` times its
-    injection weight ``inject [..., hc]``. One pass (``addcmul``, rounded once) where upstream writes the
-    product, then reads it back for the sum: at a 16384-token prompt chunk that is 0.3 GB written and read
-    again per layer, and at a decode step one launch less per layer."""
+    injection weight ``inject [..., hc]``. With the ``hc`` fusion on, one pass (``addcmul``, rounded once) where
+    upstream writes the product, then reads it back for the sum: at a 16384-token prompt chunk that is 0.3 GB
+    written and read again per layer, and at a decode step one launch less per layer."""
+    if not FUSED_HC:
+        return streams + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
     grouped = streams.unflatten(-1, (inject.shape[-1], -1))
     return torch.addcmul(grouped, out.unsqueeze(-2), inject.unsqueeze(-1)).flatten(-2)
 
