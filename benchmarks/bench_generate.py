@@ -436,10 +436,12 @@ def main():
         up = rows[-1] if upstream is not None else None
         for row in rows:
             if row["impl"] == "paged" and up and up.get("decode_ms_per_step") and row.get("decode_ms_per_step"):
-                print(f"  {case} graphs={row['graphs']} loop={row['loop']}: decode {row['decode_ms_per_step']:.2f} ms/step "
+                end_to_end = row.get("decode_ms_end_to_end")
+                print(f"  {case} graphs={row['graphs']} loop={row['loop']}: decode "
+                      f"{row['decode_ms_per_step']:.2f} ms/step "
                       f"({up['decode_ms_per_step'] / row['decode_ms_per_step']:.1f}x upstream), floor "
                       f"{floor_ms:.2f} ms ({row['decode_ms_per_step'] / floor_ms:.1f}x floor"
-                      + (f", {row['decode_ms_end_to_end']:.2f} ms end to end" if row.get("decode_ms_end_to_end") else "")
+                      + (f", {end_to_end:.2f} ms end to end" if end_to_end else "")
                       + (f", {row['graph_kernels']} kernels, GPU busy {row['gpu_busy_share']:.0%}"
                          if row.get("gpu_busy_share") is not None else "") + "); prefill "
                       f"{row['prefill_s']:.2f} s ({up['prefill_s'] / row['prefill_s']:.1f}x upstream)", flush=True)
