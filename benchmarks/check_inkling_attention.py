@@ -2,6 +2,7 @@
 
     python benchmarks/check_inkling_attention.py          # on a CUDA GPU
     python benchmarks/check_inkling_attention.py --tiny   # tiny shapes on CPU, Triton interpreter
+    python benchmarks/check_inkling_attention.py --split-sweep   # decode key splits, graph-timed
 
 Shapes (hidden 2048): 16 query heads over 4 KV heads of 128, d_rel 16; full layers with rel_extent
 1024 and log scaling (n_floor 128000, alpha 0.1), sliding layers with window 512. Cases: decode at
@@ -159,7 +160,55 @@ def check(name: str, layer: str, rows, dtype, device) -> bool:
     return ok
 
 
+SWEEP_CASES = [  # the decode steps of `bench_generate.py`'s Inkling cases
+    ("decode 1 x 16384", "full", [(16384, 1)]),
+    ("decode 1 x 16384", "sliding", [(16384, 1)]),
+    ("decode 32 x 2048", "full", [(2048, 1)] * 32),
+    ("decode 32 x 2048", "sliding", [(2048, 1)] * 32),
+]
+
+
+def graph_time_us(fn, calls: int = 20) -> float:
+    """Microseconds of one ``fn()`` replayed in a CUDA graph of ``calls`` calls (no launch gaps of the host,
+    as in a graphed decode step)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (5 * calls)
+
+
+def split_sweep(device) -> None:
+    """Each decode case at key split counts from 1 up, beside the launch policy's choice (``num_splits=None``):
+    graph-timed microseconds a call, bf16."""
+    for name, layer, rows in SWEEP_CASES:
+        args = make_inputs(layer, rows, torch.bfloat16, device)
+        times = {"policy": graph_time_us(lambda: paged_rel_attention_triton(**args))}
+        span = max(p for p, _ in rows) + 1 if layer == "full" else WINDOW
+        most = max(1, min(inkling_attention_triton.MAX_SPLITS, span // inkling_attention_triton.DECODE_BLOCK_N))
+        splits = 1
+        while splits <= most:
+            times[splits] = graph_time_us(lambda n=splits: paged_rel_attention_triton(**args, num_splits=n))
+            splits *= 2
+        best = min((k for k in times if k != "policy"), key=times.get)
+        print(f"{name:18s} {layer:7s} " + "  ".join(f"{k}: {v:.1f}" for k, v in times.items())
+              + f"  (us; best {best} splits)", flush=True)
+
+
 def main() -> int:
+    if "--split-sweep" in sys.argv[1:]:
+        split_sweep(torch.device("cuda"))
+        return 0
     if TINY:
         device = torch.device("cpu")
     elif not torch.cuda.is_available():
