@@ -2,6 +2,7 @@
 the largest difference and the time of both, one line per kernel.
 
     python benchmarks/check_fused_kernels.py
+    python benchmarks/check_fused_kernels.py --conv-sweep   # the prompt conv kernel's blocks, 1 x 16384 tokens
     TRITON_INTERPRET=1 python benchmarks/check_fused_kernels.py --device cpu --small   # logic check (CI)
 
 Shapes are those of `bench_generate.py`'s configs at a decode step of ``--tokens`` tokens (hidden 2048, 4
@@ -183,6 +184,38 @@ def _cpu(fn, *args):
     return tuple(r.to(device) for r in result) if isinstance(result, tuple) else result.to(device)
 
 
+def conv_sweep(device, jsonl) -> None:
+    """`conv_prefill_triton`'s (block_t, block_c) at a 16384-token chunk of one row (8192 channels, bf16), each
+    checked against the default blocks' output and timed (CUDA events over 20 calls)."""
+    g = torch.Generator().manual_seed(0)
+    C, L = 8192, 16384
+    state = torch.randn(1, C, 3, generator=g).to(device, torch.bfloat16)
+    x = torch.randn(1, L, C, generator=g).to(device, torch.bfloat16).transpose(1, 2)
+    weight = torch.randn(C, 4, generator=g).to(device, torch.bfloat16)
+    want = gated_delta_triton.conv_prefill_triton(state, x, weight, None, False, torch.bfloat16)
+    for block_t in (16, 32, 64, 128):
+        for block_c in (64, 128, 256):
+            def call(bt=block_t, bc=block_c):
+                return gated_delta_triton.conv_prefill_triton(state, x, weight, None, False, torch.bfloat16,
+                                                              block_t=bt, block_c=bc)
+            try:
+                same = torch.equal(call(), want)
+            except Exception as error:  # a tile too large for the registers or shared memory
+                emit({"kernel": "conv_prefill sweep", "block_t": block_t, "block_c": block_c,
+                      "error": f"{type(error).__name__}: {error}"[:200]}, jsonl)
+                continue
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                call()
+            end.record()
+            torch.cuda.synchronize()
+            us = start.elapsed_time(end) * 1e3 / 20
+            emit({"kernel": "conv_prefill sweep", "tokens": L, "block_t": block_t, "block_c": block_c,
+                  "kernel_us": round(us, 1), "TBps": round(2 * x.numel() * 2 / us / 1e6, 2), "same": same}, jsonl)
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda")
@@ -190,8 +223,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--small", action="store_true", help="small shapes (the Triton interpreter on the CPU)")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--jsonl", default=None)
+    parser.add_argument("--conv-sweep", action="store_true", help="only the prompt conv kernel's block sweep")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.conv_sweep:
+        conv_sweep(device, args.jsonl)
+        return [{"ok": True}]
     dtype = torch.bfloat16
     rows = []
     for name, kernel, spec, tol in cases(device, dtype, args.tokens, args.small):
