@@ -2,7 +2,8 @@
 
 * a new generate() call on a cache that holds rows must continue them, or is refused naming reset();
 * the inherited `Cache` batch methods (repeat, select) work and keep pools exact;
-* graph runners are held weakly (a deleted model is freed) and forget graphs when weights move;
+* graph runners hold their model and cache weakly (a deleted model or dropped cache is freed at once), pause
+  the garbage collector while capturing, and forget graphs when weights move;
 * the recorded step reads a whole sequence's position_ids as the eager forward does;
 * a crop deeper than the windows kept is refused, and a crop within them gives the right next logits.
 """

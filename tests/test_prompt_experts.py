@@ -10,6 +10,7 @@ import pytest
 import torch
 from fusion_helpers import assert_fused_generate_equals_default
 from interpreter import run_under_interpreter
+from test_fault_injection import _prompts, ink, qwen  # noqa: F401 (fixtures)
 from transformers.integrations import moe
 
 from hf_qsa_cache.ops import prompt_experts
@@ -58,18 +59,9 @@ def test_sum_by_token_sums_each_tokens_rows_where_they_lie():
 
 
 @pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
-def test_generate_with_the_fused_path_equals_the_default(family, monkeypatch):
-    if family == "qwen4_exp":
-        from qwen4_helpers import left_pad, make_pair, random_prompts
-
-        _, model = make_pair(seed=5)
-        ids, mask = left_pad(random_prompts([19, 7, 26], seed=6))
-    else:
-        from test_inkling import left_pad, make_config, make_prompts
-        from test_inkling import make_pair as make_inkling_pair
-
-        _, model = make_inkling_pair(make_config(), seed=5)
-        ids, mask = left_pad(make_prompts([19, 7, 26], seed=6))
+def test_generate_with_the_fused_path_equals_the_default(family, qwen, ink, monkeypatch):  # noqa: F811
+    model = qwen if family == "qwen4_exp" else ink
+    ids, mask = _prompts(family)
     assert_fused_generate_equals_default(monkeypatch, model, ids, mask, prompt_experts, "FUSED_PROMPT_EXPERTS",
                                          "weighted_silu_mul_torch", atol=1e-5)
 
