@@ -52,8 +52,13 @@ WIDE_BLOCK_N = 32
 # Tile sizes that did not fit the device's shared memory, by (device, dtype, head_dim, group, decode): a launch
 # that runs out falls back to smaller tiles (`_smaller_tiles`), and later launches start there.
 _TILES_THAT_FIT: dict[tuple, tuple[int, int]] = {}
-TARGET_PROGRAMS = 512  # split the keys until a launch has about this many programs ...
-MIN_SPLIT_KEYS = 1024  # ... but give every split at least this many keys
+# Split the keys until a launch has about TARGET_PROGRAMS programs, giving every split at least MIN_SPLIT_KEYS
+# keys. Graph-timed on the H200 at the benchmark's Inkling decode steps (`check_inkling_attention.py
+# --split-sweep`, bf16): this picks the best split count of each (1 x 16384: 64 splits for the full layer, 25.7
+# against 43.9 us with the earlier 512 / 1024; 8 for a sliding layer's 512 keys, 12.2 against 26.2 unsplit;
+# 32 x 2048: 2 splits for both kinds, 61.4 against 76.5 and 23.1 against 27.6 us).
+TARGET_PROGRAMS = 256
+MIN_SPLIT_KEYS = 64
 MAX_SPLITS = 128
 
 
