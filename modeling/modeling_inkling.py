@@ -49,6 +49,7 @@ from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops.experts import inkling_shared_experts_to_fold, run_selected_experts
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention, paged_rel_attention_probs
 from hf_qsa_cache.ops.inkling_router import fuses_inkling_routing, route_inkling
+from hf_qsa_cache.ops.linears import project
 from hf_qsa_cache.ops.prompt_experts import grouped_experts_forward, uses_prompt_experts
 from hf_qsa_cache.ops.rms_norm import add_rms_norm, rms_norm
 from hf_qsa_cache.ops.sconv import short_conv
@@ -154,10 +155,11 @@ class InklingPagedAttention(nn.Module):
         by key position (`paged_rel_attention_probs`)."""
         B, L, _ = hidden_states.shape
         heads = (B, L, -1, self.head_dim)
-        query = rms_norm(self.q_norm, self.q_proj(hidden_states).view(heads))
-        key = rms_norm(self.k_norm, self.k_sconv(self.k_proj(hidden_states), cache, meta).view(heads))
-        value = self.v_sconv(self.v_proj(hidden_states), cache, meta).view(heads)
-        relative = self.r_proj(hidden_states).view(B, L, self.num_heads, -1)
+        query, key, value, relative = project(hidden_states, self.q_proj, self.k_proj, self.v_proj, self.r_proj)
+        query = rms_norm(self.q_norm, query.view(heads))
+        key = rms_norm(self.k_norm, self.k_sconv(key, cache, meta).view(heads))
+        value = self.v_sconv(value, cache, meta).view(heads)
+        relative = relative.view(B, L, self.num_heads, -1)
 
         log_scaling = None
         if not self.is_sliding and self.config.log_scaling_n_floor is not None:

@@ -41,6 +41,7 @@ from hf_qsa_cache.ops import records_grad
 from hf_qsa_cache.ops.experts import run_selected_experts, shared_expert_to_fold
 from hf_qsa_cache.ops.gated_delta import delta_gates, fuses_conv_prefill, fuses_conv_step, gated_rms_norm
 from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual
+from hf_qsa_cache.ops.linears import project
 from hf_qsa_cache.ops.norm_rope import norm_rope
 from hf_qsa_cache.ops.prompt_experts import grouped_experts_forward, uses_prompt_experts
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention, sparse_paged_attention_probs
@@ -69,18 +70,17 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
         x = hidden_states.reshape(n, -1)
         cos, sin = cos.reshape(n, -1), sin.reshape(n, -1)
 
-        query, gate = torch.chunk(self.q_proj(x).view(n, -1, self.head_dim * 2), 2, dim=-1)
+        idx = self.indexer
+        query, key, value, index_qk = project(x, self.q_proj, self.k_proj, self.v_proj, idx.index_qk_proj)
+        query, gate = torch.chunk(query.view(n, -1, self.head_dim * 2), 2, dim=-1)
         gate = torch.sigmoid(gate).reshape(n, -1)  # the sigmoid reads the strided half: no copy of it first
         query = norm_rope(self.q_norm, query, cos, sin)
-        key = norm_rope(self.k_norm, self.k_proj(x).view(n, -1, self.head_dim), cos, sin)
-        value = self.v_proj(x).view(n, -1, self.head_dim)
+        key = norm_rope(self.k_norm, key.view(n, -1, self.head_dim), cos, sin)
+        value = value.view(n, -1, self.head_dim)
         layer.kv.write(meta.slots["main"], key, value)
 
         # ---- indexer: queries, raw keys, compress closed groups, commit the ring, select
-        idx = self.indexer
-        q_index, raw_keys = torch.split(
-            idx.index_qk_proj(x), [idx.index_n_heads * idx.index_head_dim, idx.index_head_dim], dim=-1
-        )
+        q_index, raw_keys = torch.split(index_qk, [idx.index_n_heads * idx.index_head_dim, idx.index_head_dim], dim=-1)
         q_index = norm_rope(idx.q_layernorm, q_index.view(n, idx.index_n_heads, idx.index_head_dim), cos, sin)
 
         selected = qsa_index_step(
@@ -125,10 +125,9 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
         state = cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype).linear
         hidden_states = torch.where(valid[..., None], hidden_states, 0)
 
-        mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)  # [B, C, L]
-        z = self.in_proj_z(hidden_states).reshape(B, L, -1, self.head_v_dim)
-        b = self.in_proj_b(hidden_states)
-        a = self.in_proj_a(hidden_states)
+        mixed_qkv, z, b, a = project(hidden_states, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        mixed_qkv = mixed_qkv.transpose(1, 2)  # [B, C, L]
+        z = z.reshape(B, L, -1, self.head_v_dim)
 
         # Causal depthwise conv over [last K-1 inputs | this step's real inputs] (pads are zero and moved
         # in front of the kept inputs).

@@ -1,0 +1,60 @@
+"""Several projections of the same few tokens in one launch (``projections`` in `hf_qsa_cache.fusions`).
+
+`project` is what the layers call with the ``nn.Linear`` modules that read one input: it returns each
+module's output. With the fusion on, on CUDA, for a step of at most `MAX_FUSED_TOKENS` tokens, it runs
+`hf_qsa_cache.ops.linears_triton.linears_triton` (one program per tile of output rows of any weight, the
+weights read in place); otherwise each module's own forward (upstream's ops, hooks and all). The torch
+specification beside the kernel is `linears_torch`.
+
+The fused path applies when autograd records nothing, every module is a bias-free ``nn.Linear`` with a plain,
+contiguous weight of the input's dtype on its device, and none has hooks or an offloading wrapper
+(`keeps_own_forward`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..fusions import fusion_enabled
+from . import keeps_own_forward, records_grad
+
+FUSED_PROJECTIONS = fusion_enabled("projections")
+MAX_FUSED_TOKENS = 16  # decode and verify steps; prompts keep cuBLAS's GEMMs
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def linears_torch(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The specification: ``[x @ w.T for w in weights]`` for ``x`` ``[T, K]``."""
+    return [F.linear(x, w) for w in weights]
+
+
+def fuses_projections(x: torch.Tensor, modules) -> bool:
+    """Whether `project` runs ``modules`` on ``x`` in one launch (see the module's docstring)."""
+    if not (FUSED_PROJECTIONS and _use_triton(x)) or x.numel() > MAX_FUSED_TOKENS * x.shape[-1]:
+        return False
+    from .linears_triton import MAX_WEIGHTS
+
+    if not 1 <= len(modules) <= MAX_WEIGHTS:
+        return False
+    for m in modules:
+        if type(m) is not nn.Linear or m.bias is not None or keeps_own_forward(m, m.weight):
+            return False
+        w = m.weight
+        if w.dtype != x.dtype or w.device != x.device or not w.is_contiguous():
+            return False
+    return not records_grad(x, *(m.weight for m in modules))
+
+
+def project(x: torch.Tensor, *modules: nn.Module) -> list[torch.Tensor]:
+    """``[m(x) for m in modules]``, in one launch where `fuses_projections`."""
+    if not fuses_projections(x, modules):
+        return [m(x) for m in modules]
+    from .linears_triton import linears_triton
+
+    outs = linears_triton(x.reshape(-1, x.shape[-1]), [m.weight for m in modules])
+    return [o.view(*x.shape[:-1], o.shape[-1]) for o in outs]

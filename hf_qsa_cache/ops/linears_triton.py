@@ -1,0 +1,100 @@
+"""Triton version of `hf_qsa_cache.ops.linears.linears_torch`: up to `MAX_WEIGHTS` bias-free projections of the
+same few tokens in one launch (same arguments, same outputs).
+
+A decode step projects one token's hidden state through several weights in a row: GatedDeltaNet's
+``in_proj_qkv``, ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``; QSA attention's ``q_proj``, ``k_proj``,
+``v_proj`` and the indexer's ``index_qk_proj``; Inkling's ``q_proj``, ``k_proj``, ``v_proj`` and ``r_proj``.
+cuBLAS runs each as its own GEMV: four launches, the small ones (32 or 512 output rows) costing about as long
+as a big one, and some followed by a split-K reduction. Here one program per tile of ``BLOCK_N`` output rows of
+any of the weights (the tiles of weight 0, then of weight 1, ...) reads its rows once, in place, and multiplies
+them with every token (``tl.dot``, tokens padded to 16: the products of bf16 values are exact in the fp32
+accumulator; fp32 weights use IEEE fp32 dots), rounding each output once. No scratch, no second launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import INTERPRET, dot, on_device_of_first_tensor, pow2
+
+MAX_WEIGHTS = 4
+MAX_TOKENS = 64  # the tokens sit in one tile of registers
+# Launch policy (shapes only): output rows per program, reduction chunk, warps.
+TILES = (32, 256, 4)
+
+
+@triton.jit
+def _project_tile(x_ptr, stride_xt, stride_xk, w_ptr, o_ptr, block, rows, num_tokens,
+                  K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    """Rows ``block * BLOCK_N ...`` of ``x @ w.T`` for weight ``w`` ``[rows, K]`` (contiguous) into ``o``
+    ``[num_tokens, rows]`` (contiguous)."""
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < rows
+    t = tl.arange(0, BLOCK_T)
+    t_ok = t < num_tokens
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :] * stride_xk, mask=t_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + n[None, :].to(tl.int64) * K + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += dot(x, w, IEEE, WIDEN)
+    tl.store(o_ptr + t[:, None] * rows + n[None, :], acc.to(o_ptr.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens", "stride_xt"])
+def _linears_kernel(x_ptr, w0, w1, w2, w3, o0, o1, o2, o3, rows0, rows1, rows2, rows3, stride_xt, stride_xk,
+                    num_tokens, K: tl.constexpr, COUNT: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    pid = tl.program_id(0)
+    end0 = tl.cdiv(rows0, BLOCK_N)
+    end1 = end0 + tl.cdiv(rows1, BLOCK_N)
+    end2 = end1 + tl.cdiv(rows2, BLOCK_N)
+    if pid < end0:
+        _project_tile(x_ptr, stride_xt, stride_xk, w0, o0, pid, rows0, num_tokens, K, BLOCK_T, BLOCK_N, BLOCK_K,
+                      IEEE, WIDEN)
+    elif COUNT > 1 and pid < end1:
+        _project_tile(x_ptr, stride_xt, stride_xk, w1, o1, pid - end0, rows1, num_tokens, K, BLOCK_T, BLOCK_N,
+                      BLOCK_K, IEEE, WIDEN)
+    elif COUNT > 2 and pid < end2:
+        _project_tile(x_ptr, stride_xt, stride_xk, w2, o2, pid - end1, rows2, num_tokens, K, BLOCK_T, BLOCK_N,
+                      BLOCK_K, IEEE, WIDEN)
+    elif COUNT > 3:
+        _project_tile(x_ptr, stride_xt, stride_xk, w3, o3, pid - end2, rows3, num_tokens, K, BLOCK_T, BLOCK_N,
+                      BLOCK_K, IEEE, WIDEN)
+
+
+@on_device_of_first_tensor
+def linears_triton(x: torch.Tensor, weights: list[torch.Tensor], *, tiles: tuple | None = None) -> list[torch.Tensor]:
+    """``[x @ w.T for w in weights]`` for ``x`` ``[T, K]`` and 1 to `MAX_WEIGHTS` contiguous weights ``[N_i, K]``
+    of ``x``'s dtype, in one launch. ``tiles``: ``(rows per program, reduction chunk, warps)`` overriding `TILES`
+    (powers of two >= 16)."""
+    num_tokens, K = x.shape
+    if not 1 <= len(weights) <= MAX_WEIGHTS:
+        raise ValueError(f"linears_triton takes 1 to {MAX_WEIGHTS} weights, got {len(weights)}")
+    if num_tokens > MAX_TOKENS:
+        raise ValueError(f"linears_triton takes at most {MAX_TOKENS} tokens, got {num_tokens}")
+    for w in weights:
+        if w.dim() != 2 or w.shape[1] != K or w.dtype != x.dtype or not w.is_contiguous():
+            raise ValueError(f"each weight must be contiguous [N, {K}] in {x.dtype}, got {tuple(w.shape)} "
+                             f"{w.dtype} (contiguous: {w.is_contiguous()})")
+    block_n, block_k, warps = tiles or TILES
+    if min(block_n, block_k) < 16 or block_n & (block_n - 1) or block_k & (block_k - 1):
+        raise ValueError(f"tiles must be powers of two >= 16 (tl.dot's smallest), got {(block_n, block_k)}")
+    outs = [torch.empty(num_tokens, w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
+    if num_tokens == 0:
+        return outs
+    padded_w = weights + [weights[0]] * (MAX_WEIGHTS - len(weights))  # unused slots: never read (COUNT)
+    padded_o = outs + [outs[0]] * (MAX_WEIGHTS - len(weights))
+    rows = [w.shape[0] for w in weights] + [0] * (MAX_WEIGHTS - len(weights))
+    programs = sum(triton.cdiv(r, block_n) for r in rows)
+    _linears_kernel[(programs,)](
+        x, *padded_w, *padded_o, *rows, x.stride(0), x.stride(1), num_tokens,
+        K=K, COUNT=len(weights), BLOCK_T=pow2(num_tokens), BLOCK_N=block_n, BLOCK_K=block_k,
+        IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, num_warps=warps,
+    )
+    return outs

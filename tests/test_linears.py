@@ -1,0 +1,166 @@
+"""Several projections in one launch (`hf_qsa_cache.ops.linears`): the Triton kernel against its torch
+specification, when the layers take it (`fuses_projections`), and greedy generate() of both tiny models
+with it in every attention and GatedDeltaNet layer.
+
+The kernel comparison runs this file as a script under the Triton interpreter (`interpreter.py`): one to four
+weights whose row counts and reduction size the forced tiles do not divide, 1, 3 and 17 tokens, a strided
+input, fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import test_inkling as inkling
+import torch
+from qwen4_helpers import left_pad, make_pair, random_prompts
+from torch import nn
+
+from hf_qsa_cache.ops import linears
+from hf_qsa_cache.ops import linears_triton as lt
+from interpreter import count_launches, run_under_interpreter
+
+TILES = [(16, 16, 1), (32, 32, 2), None]
+
+
+def test_kernel_matches_the_specification_under_the_interpreter():
+    run_under_interpreter(__file__, "all projections cases ok")
+
+
+def _weights(rows, K, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, K, generator=gen) * 0.2).to(dtype) for n in rows]
+
+
+def _kernel_cases(launches) -> str | None:
+    K = 40  # not a multiple of the 16- and 32-wide chunks
+    for rows in ([70], [70, 5], [33, 50, 1], [70, 40, 5, 33]):  # every weight, some with several tiles
+        for tokens in (1, 3, 17):
+            gen = torch.Generator().manual_seed(tokens)
+            wide = torch.randn(tokens, 2 * K, generator=gen)
+            for label, x in (("contiguous", wide[:, :K].contiguous()), ("strided", wide[:, ::2])):
+                weights = _weights(rows, K, seed=len(rows))
+                want = linears.linears_torch(x, weights)
+                for tiles in TILES:
+                    where = f"rows={rows} T={tokens} {label} tiles={tiles}"
+                    launches.clear()
+                    have = lt.linears_triton(x, weights, tiles=tiles)
+                    block_n = (tiles or lt.TILES)[0]
+                    if len(launches) != 1 or launches[0][0] != sum(-(-n // block_n) for n in rows):
+                        return f"{where}: launches {launches}"
+                    try:
+                        for h, w in zip(have, want, strict=True):
+                            assert h.shape == w.shape and h.dtype == w.dtype and h.is_contiguous()
+                            torch.testing.assert_close(h, w, atol=1e-5, rtol=1e-5)
+                    except AssertionError as err:
+                        return f"{where}: {err}"
+            # bf16: each output within one bf16 step of the fp32 math on the same values (the interpreter
+            # rounds casts towards zero: a whole step, not half of one).
+            xh = wide[:, :K].to(torch.bfloat16)
+            weights = _weights(rows, K, seed=7, dtype=torch.bfloat16)
+            have = lt.linears_triton(xh, weights, tiles=(16, 16, 1))
+            for h, w in zip(have, weights):
+                exact = xh.float() @ w.float().T
+                step = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))
+                excess = ((h.float() - exact).abs() - step - 1e-6 * exact.abs().max()).max()
+                if h.dtype != torch.bfloat16 or excess > 0:
+                    return f"bf16 rows={rows} T={tokens}: an output further than one bf16 step (by {excess})"
+    return None
+
+
+def _generate(model, ids, mask):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                              eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+
+
+def _main() -> int:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from hf_qsa_cache.fusions import fused
+
+    torch.set_num_threads(1)
+    if not isinstance(lt._linears_kernel, InterpretedFunction):
+        print("TRITON_INTERPRET was not honoured")
+        return 1
+    launches: list = []
+    count_launches(lt, "_linears_kernel", launches)
+    error = _kernel_cases(launches)
+    if error:
+        print(error)
+        return 1
+    # Both tiny models: decode steps (3 rows: 3 tokens) run the kernel in every attention and GatedDeltaNet
+    # layer; prompts (more than MAX_FUSED_TOKENS tokens) keep the modules. Same tokens, logits within fp32
+    # rounding of the default.
+    linears._use_triton = lambda x: True  # the CUDA dispatch, on CPU tensors
+    models = {"qwen4_exp": (make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8))),
+              "inkling": (inkling.make_pair(inkling.make_config(), seed=3)[1],
+                          *inkling.left_pad(inkling.make_prompts([9, 4, 7], seed=4)))}
+    for family, (model, ids, mask) in models.items():
+        want = _generate(model, ids, mask)
+        launches.clear()
+        with fused(("projections",)):
+            have = _generate(model, ids, mask)
+        if not launches or not torch.equal(have.sequences, want.sequences):
+            print(f"{family}: {len(launches)} launches, tokens {have.sequences.tolist()} != {want.sequences.tolist()}")
+            return 1
+        for step, (h, w) in enumerate(zip(have.logits, want.logits)):
+            try:
+                torch.testing.assert_close(h, w, atol=1e-4, rtol=0)
+            except AssertionError as err:
+                print(f"{family} step {step}: {err}")
+                return 1
+    print("all projections cases ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
+
+
+# ----------------------------------------------------------------------------- when it applies (no kernel)
+@pytest.fixture
+def on_cuda(monkeypatch):
+    monkeypatch.setattr(linears, "FUSED_PROJECTIONS", True)
+    monkeypatch.setattr(linears, "_use_triton", lambda x: True)
+
+
+def test_fuses_only_plain_bias_free_linears_of_few_tokens(on_cuda, monkeypatch):
+    a, b = nn.Linear(8, 4, bias=False), nn.Linear(8, 6, bias=False)
+    x = torch.randn(1, linears.MAX_FUSED_TOKENS, 8)
+    with torch.no_grad():
+        assert linears.fuses_projections(x, (a, b))
+        assert not linears.fuses_projections(torch.randn(1, linears.MAX_FUSED_TOKENS + 1, 8), (a, b))  # a prompt
+        assert not linears.fuses_projections(x, (a, nn.Linear(8, 4)))  # a bias
+        assert not linears.fuses_projections(x, (a,) * (lt.MAX_WEIGHTS + 1))
+        assert not linears.fuses_projections(x.double(), (a, b))  # another dtype
+        handle = b.register_forward_hook(lambda *args: None)  # a user's hook must see its module run
+        assert not linears.fuses_projections(x, (a, b))
+        handle.remove()
+        b.weight.data = torch.randn(8, 6).t()  # not contiguous
+        assert not linears.fuses_projections(x, (a, b))
+    assert not linears.fuses_projections(x, (a,))  # autograd records: the kernel has no backward
+    monkeypatch.setattr(linears, "FUSED_PROJECTIONS", False)
+    with torch.no_grad():
+        assert not linears.fuses_projections(x, (a,))
+
+
+def test_project_runs_the_modules_where_it_does_not_fuse():
+    a, b = nn.Linear(8, 4, bias=False), nn.Linear(8, 6)
+    x = torch.randn(2, 3, 8)
+    have = linears.project(x, a, b)
+    assert [h.shape for h in have] == [(2, 3, 4), (2, 3, 6)]
+    torch.testing.assert_close(have[1], b(x))
+
+
+@pytest.mark.parametrize("case", ["weights", "tokens", "shape", "tile"])
+def test_bad_input_is_refused_with_the_limit(case):
+    x = torch.randn(lt.MAX_TOKENS + 1 if case == "tokens" else 2, 8)
+    weights = [torch.randn(4, 8)] * (lt.MAX_WEIGHTS + 1 if case == "weights" else 1)
+    if case == "shape":
+        weights = [torch.randn(4, 9)]
+    message = {"weights": "1 to 4 weights, got 5", "tokens": "at most 64 tokens, got 65",
+               "shape": r"contiguous \[N, 8\]", "tile": "powers of two >= 16"}[case]
+    with pytest.raises(ValueError, match=message):
+        lt.linears_triton(x, weights, tiles=(8, 16, 1) if case == "tile" else None)
