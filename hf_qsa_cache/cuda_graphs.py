@@ -31,7 +31,7 @@ Mixture-of-experts layers run transformers' experts implementation: ``grouped_mm
 `generate()` switches to ``batched_mm`` for its decode steps on a GPU. Graph steps run ``grouped_mm``
 where torch has a device kernel for it (bf16 on compute capability 9.x/10.x), which captures and reads
 each expert once; elsewhere (fp32 or fp16 weights, other GPUs) ``batched_mm`` (`graph_experts`). Graph
-steps of few tokens (`hf_qsa_cache.ops.experts.max_graph_tokens`) run ``hf_qsa_selected`` (`hf_qsa_cache.ops.experts`:
+steps of at most ``FUSED_EXPERTS_MAX_TOKENS`` tokens run ``hf_qsa_selected`` (`hf_qsa_cache.ops.experts`:
 Triton kernels reading only the selected experts' weights) in place of either, unless ``HF_QSA_FUSED``
 leaves ``experts`` out.
 
@@ -63,6 +63,11 @@ MIN_GRAPH_REACH = 4096
 # Most bytes of expert weights a graph step may gather for ``batched_mm`` (`graph_experts`); a bigger
 # step keeps the model's own experts implementation (and runs eagerly if that cannot be captured).
 BATCHED_EXPERTS_MAX_BYTES = 1 << 30
+# Most tokens of a graph step that runs ``hf_qsa_selected`` experts (the ``experts`` fusion,
+# `graph_experts`): its kernels read an expert's weights once per (token, selected expert) pair. At one
+# token that is the bytes floor; at 8 tokens routed to 10 of 64 experts about 1.7x it (pairs over distinct
+# experts); at 32 tokens 4-5x, where the grouped GEMM reading each expert once wins.
+FUSED_EXPERTS_MAX_TOKENS = 8
 FUSED_EXPERTS = fusion_enabled("experts")
 # transformers' own experts implementations, which graph steps may replace (`graph_experts`).
 TRANSFORMERS_EXPERTS = ("grouped_mm", "batched_mm")
@@ -360,8 +365,8 @@ def graph_experts(model, experts: list, device: torch.device, tokens: int) -> st
     user (``eager``, ...) are kept. The same choice applies to the step's eager runs (the first one, and
     every one of a bucket that did not capture), so a graph and its eager run compute alike.
 
-    * Unless ``HF_QSA_FUSED`` leaves ``experts`` out, a step of at most ``max_graph_tokens()`` tokens
-      (`hf_qsa_cache.ops.experts`) on CUDA whose experts modules it covers (`hf_qsa_cache.ops.experts.supports`) runs
+    * Unless ``HF_QSA_FUSED`` leaves ``experts`` out, a step of at most `FUSED_EXPERTS_MAX_TOKENS` tokens
+      on CUDA whose experts modules it covers (`hf_qsa_cache.ops.experts.supports`) runs
       ``hf_qsa_selected``: fixed shapes, no host copy, no gathered weights.
     * Else ``grouped_mm`` where it can be captured (`grouped_mm_captures`), also in place of ``batched_mm``:
       it reads each expert's weights once, where ``batched_mm`` copies them per (token, expert) pair (an
@@ -373,10 +378,10 @@ def graph_experts(model, experts: list, device: torch.device, tokens: int) -> st
     """
     if not experts or any(config._experts_implementation not in TRANSFORMERS_EXPERTS for _, config in experts):
         return None
-    if FUSED_EXPERTS and device.type == "cuda":
+    if FUSED_EXPERTS and device.type == "cuda" and tokens <= FUSED_EXPERTS_MAX_TOKENS:
         from .ops import experts as selected  # registers the implementation with transformers
 
-        if tokens <= selected.max_graph_tokens() and all(selected.supports(module) for module, _ in experts):
+        if all(selected.supports(module) for module, _ in experts):
             return selected.SELECTED_EXPERTS
     module = experts[0][0]
     weights = [w for w in (getattr(module, n, None) for n in ("gate_up_proj", "up_proj", "down_proj"))

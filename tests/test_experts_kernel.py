@@ -405,7 +405,7 @@ def test_graph_steps_run_selected_experts_only_when_asked(monkeypatch):
     experts = experts_modules(model)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    most = selected.max_graph_tokens()
+    most = cuda_graphs.FUSED_EXPERTS_MAX_TOKENS
     monkeypatch.setattr(cuda_graphs, "FUSED_EXPERTS", False)
     assert graph_experts(model, experts, cuda, 1) == "batched_mm"  # fp32: grouped_mm cannot be captured
     monkeypatch.setattr(cuda_graphs, "FUSED_EXPERTS", False)

@@ -44,15 +44,6 @@ SELECTED_EXPERTS = "hf_qsa_selected"
 # MoE blocks add their shared experts inside the selected-experts kernels (`shared_expert_to_fold`,
 # `inkling_shared_experts_to_fold`).
 FUSED_SHARED_EXPERT = fusion_enabled("shared_expert")
-# Steps of `experts_by_expert_triton.BY_EXPERT_MIN_TOKENS` to `BY_EXPERT_MAX_TOKENS` tokens run the expert-major
-# kernels (each selected expert's weights read once), and CUDA-graph steps up to that many tokens run
-# ``hf_qsa_selected`` (`max_graph_tokens`).
-FUSED_EXPERTS_BY_EXPERT = fusion_enabled("experts_by_expert")
-# Most tokens of a CUDA-graph step that runs ``hf_qsa_selected`` with the pair-major kernels only: they read an
-# expert's weights once per (token, selected expert) pair. At one token that is the bytes floor; at 8 tokens
-# routed to 10 of 64 experts about 1.7x it (pairs over distinct experts); at 32 tokens 4-5x, where the
-# grouped GEMM reading each expert once wins.
-PAIR_MAJOR_MAX_TOKENS = 8
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -156,23 +147,10 @@ def run_selected_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_i
     args = (hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj, module.is_transposed,
             shared)
     if _use_triton(hidden_states) and not records_grad(hidden_states, top_k_weights, *args[3:5], *(shared or ())):
-        from .experts_by_expert_triton import by_expert_applies, selected_experts_by_expert_triton
         from .experts_triton import selected_experts_triton
 
-        if FUSED_EXPERTS_BY_EXPERT and by_expert_applies(hidden_states, module.gate_up_proj):
-            return selected_experts_by_expert_triton(*args)
         return selected_experts_triton(*args)
     return selected_experts_torch(*args)
-
-
-def max_graph_tokens() -> int:
-    """Most tokens of a CUDA-graph step that runs ``hf_qsa_selected`` (`hf_qsa_cache.cuda_graphs.graph_experts`):
-    up to the expert-major kernels' limit with the ``experts_by_expert`` fusion, else `PAIR_MAJOR_MAX_TOKENS`."""
-    if FUSED_EXPERTS_BY_EXPERT:
-        from .experts_by_expert_triton import BY_EXPERT_MAX_TOKENS
-
-        return BY_EXPERT_MAX_TOKENS
-    return PAIR_MAJOR_MAX_TOKENS
 
 
 def shared_expert_to_fold(block: nn.Module, x: torch.Tensor) -> SharedExpert | None:
