@@ -64,10 +64,12 @@ MIN_GRAPH_REACH = 4096
 # step keeps the model's own experts implementation (and runs eagerly if that cannot be captured).
 BATCHED_EXPERTS_MAX_BYTES = 1 << 30
 # Most tokens of a graph step that runs ``hf_qsa_selected`` experts (the ``experts`` fusion,
-# `graph_experts`): its kernels read an expert's weights once per (token, selected expert) pair. At one
-# token that is the bytes floor; at 8 tokens routed to 10 of 64 experts about 1.7x it (pairs over distinct
-# experts); at 32 tokens 4-5x, where the grouped GEMM reading each expert once wins.
-FUSED_EXPERTS_MAX_TOKENS = 8
+# `graph_experts`): its kernels read an expert's weights once per (token, selected expert) pair, though pairs
+# of one expert running together share its rows in L2. Graph-timed on the H200 (bf16, benchmark shapes, shared
+# experts included; benchmarks/RESULTS.md), against transformers' grouped GEMM on the routed experts alone:
+# Qwen4Exp top 10 at 8 tokens 101.6 against 176.3 us, at 16 tokens 166.4 against 217.7, at 32 tokens 290.4
+# against 226.7; Inkling top 6 at 32 tokens 223.4 against 222.9. So up to 16 tokens.
+FUSED_EXPERTS_MAX_TOKENS = 16
 FUSED_EXPERTS = fusion_enabled("experts")
 # transformers' own experts implementations, which graph steps may replace (`graph_experts`).
 TRANSFORMERS_EXPERTS = ("grouped_mm", "batched_mm")

@@ -101,12 +101,12 @@ def test_modules_with_hooks_run_their_own_forward(all_fused, monkeypatch):
 def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
     """The names HF_QSA_FUSED accepts all switch a flag; `fused` sets and restores them, and refuses unknown ones."""
     from hf_qsa_cache import cuda_graphs
-    from hf_qsa_cache.ops import inkling_router, prompt_experts, qsa, router
+    from hf_qsa_cache.ops import inkling_router, linears, prompt_experts, qsa, router
 
     flags = [(hyper_connection, "FUSED_HC"), (gated_delta, "FUSED_GDN"), (rms_norm, "FUSED_NORM"),
              (norm_rope, "FUSED_NORM_ROPE"), (cuda_graphs, "FUSED_EXPERTS"), (router, "FUSED_ROUTER"),
              (qsa, "FUSED_QSA"), (experts, "FUSED_SHARED_EXPERT"), (inkling_router, "FUSED_INKLING_ROUTER"),
-             (prompt_experts, "FUSED_PROMPT_EXPERTS")]
+             (prompt_experts, "FUSED_PROMPT_EXPERTS"), (linears, "FUSED_PROJECTIONS")]
     before = [getattr(m, f) for m, f in flags]
     with fused(("all",)):
         assert all(getattr(m, f) for m, f in flags)
@@ -116,7 +116,7 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
         assert all(getattr(m, f) for m, f in flags)
     assert [getattr(m, f) for m, f in flags] == before
     assert set(FLAGS) == {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
-                          "inkling_router", "prompt_experts"}
+                          "inkling_router", "prompt_experts", "projections"}
     with pytest.raises(ValueError, match="unknown fusion"):
         with fused(("nope",)):
             pass
