@@ -46,7 +46,7 @@ def _kernel_cases(launches) -> str | None:
                     where = f"rows={rows} T={tokens} {label} tiles={tiles}"
                     launches.clear()
                     have = lt.linears_triton(x, weights, tiles=tiles)
-                    block_n = (tiles or lt.TILES)[0]
+                    block_n = (tiles or (lt.ONE_TOKEN_TILES if tokens == 1 else lt.TILES))[0]
                     if len(launches) != 1 or launches[0][0] != sum(-(-n // block_n) for n in rows):
                         return f"{where}: launches {launches}"
                     try:

@@ -21,8 +21,13 @@ from .triton_common import INTERPRET, dot, on_device_of_first_tensor, pow2
 
 MAX_WEIGHTS = 4
 MAX_TOKENS = 64  # the tokens sit in one tile of registers
-# Launch policy (shapes only): output rows per program, reduction chunk, warps.
-TILES = (32, 256, 4)
+# Launch policy (shapes only): output rows per program, reduction chunk, warps. Graph-timed on the H200
+# (`benchmarks/sweep_projections.py`, bf16, hidden 2048, the three input-projection sets at 1, 8 and 16 tokens;
+# benchmarks/RESULTS.md): one token is best or near it with wider chunks (GatedDeltaNet's set 17.1 us against
+# cuBLAS's 27.4, Inkling's 11.5 against 23.4), more tokens with narrower ones (8 tokens: 19.7 against 29.1, QSA's
+# set 21.0 against 29.9). A single projection stays with cuBLAS (4096 -> 2048: 8.9 us against 16.6 at best).
+ONE_TOKEN_TILES = (32, 256, 4)
+TILES = (32, 128, 4)
 
 
 @triton.jit
@@ -71,8 +76,8 @@ def _linears_kernel(x_ptr, w0, w1, w2, w3, o0, o1, o2, o3, rows0, rows1, rows2, 
 @on_device_of_first_tensor
 def linears_triton(x: torch.Tensor, weights: list[torch.Tensor], *, tiles: tuple | None = None) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` for ``x`` ``[T, K]`` and 1 to `MAX_WEIGHTS` contiguous weights ``[N_i, K]``
-    of ``x``'s dtype, in one launch. ``tiles``: ``(rows per program, reduction chunk, warps)`` overriding `TILES`
-    (powers of two >= 16)."""
+    of ``x``'s dtype, in one launch. ``tiles``: ``(rows per program, reduction chunk, warps)`` overriding
+    `ONE_TOKEN_TILES` / `TILES` (powers of two >= 16)."""
     num_tokens, K = x.shape
     if not 1 <= len(weights) <= MAX_WEIGHTS:
         raise ValueError(f"linears_triton takes 1 to {MAX_WEIGHTS} weights, got {len(weights)}")
@@ -82,7 +87,7 @@ def linears_triton(x: torch.Tensor, weights: list[torch.Tensor], *, tiles: tuple
         if w.dim() != 2 or w.shape[1] != K or w.dtype != x.dtype or not w.is_contiguous():
             raise ValueError(f"each weight must be contiguous [N, {K}] in {x.dtype}, got {tuple(w.shape)} "
                              f"{w.dtype} (contiguous: {w.is_contiguous()})")
-    block_n, block_k, warps = tiles or TILES
+    block_n, block_k, warps = tiles or (ONE_TOKEN_TILES if num_tokens == 1 else TILES)
     if min(block_n, block_k) < 16 or block_n & (block_n - 1) or block_k & (block_k - 1):
         raise ValueError(f"tiles must be powers of two >= 16 (tl.dot's smallest), got {(block_n, block_k)}")
     outs = [torch.empty(num_tokens, w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
