@@ -123,9 +123,9 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
     def forward(self, hidden_states, valid, cache: QSAPagedCache):
         B, L, _ = hidden_states.shape
         state = cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype).linear
-        hidden_states = torch.where(valid[..., None], hidden_states, 0)
-
-        mixed_qkv, z, b, a = project(hidden_states, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        # Pads read as zeros (their projections are zeros), in the fused projections' loads.
+        mixed_qkv, z, b, a = project(hidden_states, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a,
+                                     keep=valid)
         mixed_qkv = mixed_qkv.transpose(1, 2)  # [B, C, L]
         z = z.reshape(B, L, -1, self.head_v_dim)
 

@@ -55,6 +55,18 @@ def _kernel_cases(launches) -> str | None:
                             torch.testing.assert_close(h, w, atol=1e-5, rtol=1e-5)
                     except AssertionError as err:
                         return f"{where}: {err}"
+            # Tokens marked not kept read as zeros (GatedDeltaNet's pads): every other token, so that kept and
+            # dropped rows share tiles.
+            x = wide[:, :K]
+            keep = torch.arange(tokens) % 2 == 0
+            weights = _weights(rows, K, seed=5)
+            have = lt.linears_triton(x, weights, keep, tiles=(16, 16, 1))
+            try:
+                for h, w in zip(have, linears.linears_torch(x, weights, keep), strict=True):
+                    torch.testing.assert_close(h, w, atol=1e-5, rtol=1e-5)
+                    assert tokens == 1 or h[1].abs().max() == 0
+            except AssertionError as err:
+                return f"rows={rows} T={tokens} keep: {err}"
             # bf16: each output within one bf16 step of the fp32 math on the same values (the interpreter
             # rounds casts towards zero: a whole step, not half of one).
             xh = wide[:, :K].to(torch.bfloat16)
@@ -154,13 +166,24 @@ def test_project_runs_the_modules_where_it_does_not_fuse():
     torch.testing.assert_close(have[1], b(x))
 
 
-@pytest.mark.parametrize("case", ["weights", "tokens", "shape", "tile"])
+def test_project_zeroes_tokens_not_kept_on_its_unfused_path():
+    a = nn.Linear(8, 4, bias=False)
+    x = torch.randn(2, 3, 8)
+    keep = torch.tensor([[True, False, True], [False, True, True]])
+    (have,) = linears.project(x, a, keep=keep)
+    torch.testing.assert_close(have, a(torch.where(keep[..., None], x, 0)))
+    assert have[0, 1].abs().max() == 0
+
+
+@pytest.mark.parametrize("case", ["weights", "tokens", "shape", "tile", "keep"])
 def test_bad_input_is_refused_with_the_limit(case):
     x = torch.randn(lt.MAX_TOKENS + 1 if case == "tokens" else 2, 8)
     weights = [torch.randn(4, 8)] * (lt.MAX_WEIGHTS + 1 if case == "weights" else 1)
     if case == "shape":
         weights = [torch.randn(4, 9)]
     message = {"weights": "1 to 4 weights, got 5", "tokens": "at most 64 tokens, got 65",
-               "shape": r"contiguous \[N, 8\]", "tile": "powers of two >= 16"}[case]
+               "shape": r"contiguous \[N, 8\]", "tile": "powers of two >= 16",
+               "keep": r"one flag per token \(2\), got shape \(3,\)"}[case]
+    keep = torch.ones(3, dtype=torch.bool) if case == "keep" else None
     with pytest.raises(ValueError, match=message):
-        lt.linears_triton(x, weights, tiles=(8, 16, 1) if case == "tile" else None)
+        lt.linears_triton(x, weights, keep, tiles=(8, 16, 1) if case == "tile" else None)

@@ -32,8 +32,11 @@ def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def linears_torch(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The specification: ``[x @ w.T for w in weights]`` for ``x`` ``[T, K]``."""
+def linears_torch(x: torch.Tensor, weights: list[torch.Tensor], keep: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The specification: ``[x @ w.T for w in weights]`` for ``x`` ``[T, K]``, tokens that ``keep`` ``[T]``
+    marks False zeroed first."""
+    if keep is not None:
+        x = torch.where(keep[:, None], x, 0)
     return [F.linear(x, w) for w in weights]
 
 
@@ -54,11 +57,15 @@ def fuses_projections(x: torch.Tensor, modules) -> bool:
     return not records_grad(x, *(m.weight for m in modules))
 
 
-def project(x: torch.Tensor, *modules: nn.Module) -> list[torch.Tensor]:
-    """``[m(x) for m in modules]``, in one launch where `fuses_projections`."""
+def project(x: torch.Tensor, *modules: nn.Module, keep: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``[m(x) for m in modules]``, in one launch where `fuses_projections`. ``keep`` (bool, ``x``'s shape without
+    its last dim): tokens it marks False are zeroed first (in the kernel's loads where fused: no launch)."""
     if not fuses_projections(x, modules):
+        if keep is not None:
+            x = torch.where(keep[..., None], x, 0)
         return [m(x) for m in modules]
     from .linears_triton import linears_triton
 
-    outs = linears_triton(x.reshape(-1, x.shape[-1]), [m.weight for m in modules])
+    outs = linears_triton(x.reshape(-1, x.shape[-1]), [m.weight for m in modules],
+                          None if keep is None else keep.reshape(-1))
     return [o.view(*x.shape[:-1], o.shape[-1]) for o in outs]

@@ -31,20 +31,23 @@ TILES = (32, 128, 4)
 
 
 @triton.jit
-def _project_tile(x_ptr, stride_xt, stride_xk, w_ptr, o_ptr, block, rows, num_tokens,
+def _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w_ptr, o_ptr, block, rows, num_tokens,
                   K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  IEEE: tl.constexpr, WIDEN: tl.constexpr):
+                  KEEP: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
     """Rows ``block * BLOCK_N ...`` of ``x @ w.T`` for weight ``w`` ``[rows, K]`` (contiguous) into ``o``
-    ``[num_tokens, rows]`` (contiguous)."""
+    ``[num_tokens, rows]`` (contiguous); with ``KEEP``, tokens whose ``keep`` flag is 0 read as zeros."""
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < rows
     t = tl.arange(0, BLOCK_T)
     t_ok = t < num_tokens
+    t_read = t_ok
+    if KEEP:
+        t_read = t_ok & (tl.load(keep_ptr + t, mask=t_ok, other=0) != 0)
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        x = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :] * stride_xk, mask=t_ok[:, None] & k_ok[None, :],
+        x = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :] * stride_xk, mask=t_read[:, None] & k_ok[None, :],
                     other=0.0)
         w = tl.load(w_ptr + n[None, :].to(tl.int64) * K + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc += dot(x, w, IEEE, WIDEN)
@@ -52,31 +55,35 @@ def _project_tile(x_ptr, stride_xt, stride_xk, w_ptr, o_ptr, block, rows, num_to
 
 
 @triton.jit(do_not_specialize=["num_tokens", "stride_xt"])
-def _linears_kernel(x_ptr, w0, w1, w2, w3, o0, o1, o2, o3, rows0, rows1, rows2, rows3, stride_xt, stride_xk,
-                    num_tokens, K: tl.constexpr, COUNT: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+def _linears_kernel(x_ptr, keep_ptr, w0, w1, w2, w3, o0, o1, o2, o3, rows0, rows1, rows2, rows3, stride_xt,
+                    stride_xk, num_tokens, K: tl.constexpr, COUNT: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KEEP: tl.constexpr, IEEE: tl.constexpr,
+                    WIDEN: tl.constexpr):
     pid = tl.program_id(0)
     end0 = tl.cdiv(rows0, BLOCK_N)
     end1 = end0 + tl.cdiv(rows1, BLOCK_N)
     end2 = end1 + tl.cdiv(rows2, BLOCK_N)
+    # The weight this program's tile belongs to: its pointers, rows, and the tile's index within it.
     if pid < end0:
-        _project_tile(x_ptr, stride_xt, stride_xk, w0, o0, pid, rows0, num_tokens, K, BLOCK_T, BLOCK_N, BLOCK_K,
-                      IEEE, WIDEN)
+        _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w0, o0, pid, rows0, num_tokens,
+                      K, BLOCK_T, BLOCK_N, BLOCK_K, KEEP, IEEE, WIDEN)
     elif COUNT > 1 and pid < end1:
-        _project_tile(x_ptr, stride_xt, stride_xk, w1, o1, pid - end0, rows1, num_tokens, K, BLOCK_T, BLOCK_N,
-                      BLOCK_K, IEEE, WIDEN)
+        _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w1, o1, pid - end0, rows1, num_tokens,
+                      K, BLOCK_T, BLOCK_N, BLOCK_K, KEEP, IEEE, WIDEN)
     elif COUNT > 2 and pid < end2:
-        _project_tile(x_ptr, stride_xt, stride_xk, w2, o2, pid - end1, rows2, num_tokens, K, BLOCK_T, BLOCK_N,
-                      BLOCK_K, IEEE, WIDEN)
+        _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w2, o2, pid - end1, rows2, num_tokens,
+                      K, BLOCK_T, BLOCK_N, BLOCK_K, KEEP, IEEE, WIDEN)
     elif COUNT > 3:
-        _project_tile(x_ptr, stride_xt, stride_xk, w3, o3, pid - end2, rows3, num_tokens, K, BLOCK_T, BLOCK_N,
-                      BLOCK_K, IEEE, WIDEN)
+        _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w3, o3, pid - end2, rows3, num_tokens,
+                      K, BLOCK_T, BLOCK_N, BLOCK_K, KEEP, IEEE, WIDEN)
 
 
 @on_device_of_first_tensor
-def linears_triton(x: torch.Tensor, weights: list[torch.Tensor], *, tiles: tuple | None = None) -> list[torch.Tensor]:
+def linears_triton(x: torch.Tensor, weights: list[torch.Tensor], keep: torch.Tensor | None = None, *,
+                   tiles: tuple | None = None) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` for ``x`` ``[T, K]`` and 1 to `MAX_WEIGHTS` contiguous weights ``[N_i, K]``
-    of ``x``'s dtype, in one launch. ``tiles``: ``(rows per program, reduction chunk, warps)`` overriding
+    of ``x``'s dtype, in one launch; with ``keep`` ``[T]`` (bool), a token it marks False reads as zeros (its
+    outputs are zeros: pads in GatedDeltaNet). ``tiles``: ``(rows per program, reduction chunk, warps)`` overriding
     `ONE_TOKEN_TILES` / `TILES` (powers of two >= 16)."""
     num_tokens, K = x.shape
     if not 1 <= len(weights) <= MAX_WEIGHTS:
@@ -87,6 +94,8 @@ def linears_triton(x: torch.Tensor, weights: list[torch.Tensor], *, tiles: tuple
         if w.dim() != 2 or w.shape[1] != K or w.dtype != x.dtype or not w.is_contiguous():
             raise ValueError(f"each weight must be contiguous [N, {K}] in {x.dtype}, got {tuple(w.shape)} "
                              f"{w.dtype} (contiguous: {w.is_contiguous()})")
+    if keep is not None and keep.shape != (num_tokens,):
+        raise ValueError(f"keep must have one flag per token ({num_tokens}), got shape {tuple(keep.shape)}")
     block_n, block_k, warps = tiles or (ONE_TOKEN_TILES if num_tokens == 1 else TILES)
     if min(block_n, block_k) < 16 or block_n & (block_n - 1) or block_k & (block_k - 1):
         raise ValueError(f"tiles must be powers of two >= 16 (tl.dot's smallest), got {(block_n, block_k)}")
@@ -98,8 +107,8 @@ def linears_triton(x: torch.Tensor, weights: list[torch.Tensor], *, tiles: tuple
     rows = [w.shape[0] for w in weights] + [0] * (MAX_WEIGHTS - len(weights))
     programs = sum(triton.cdiv(r, block_n) for r in rows)
     _linears_kernel[(programs,)](
-        x, *padded_w, *padded_o, *rows, x.stride(0), x.stride(1), num_tokens,
+        x, keep if keep is not None else x, *padded_w, *padded_o, *rows, x.stride(0), x.stride(1), num_tokens,
         K=K, COUNT=len(weights), BLOCK_T=pow2(num_tokens), BLOCK_N=block_n, BLOCK_K=block_k,
-        IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, num_warps=warps,
+        KEEP=keep is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, num_warps=warps,
     )
     return outs
