@@ -239,3 +239,138 @@ def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.T
         HC_PAD=triton.next_power_of_2(hc), R_CHUNK=min(t.r_chunk, triton.next_power_of_2(R)), BLOCK_H=t.block_h,
         num_warps=t.up_warps)
     return mixed, inject
+
+
+# ----------------------------------------------------------------------------- the norm folded in (``hc_norm_proj``)
+@triton.jit(do_not_specialize=["num_tokens", "split_len"])
+def _hc_norm_down_kernel(streams_ptr, out_ptr, inject_ptr, norm_w_ptr, new_streams_ptr, down_ptr, inject_w_ptr,
+                         part_ptr, sumsq_ptr, num_tokens, split_len,
+                         K: tl.constexpr, H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         RESIDUAL: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    """`_hc_down_kernel` on the streams before their norm: the s-th input range lies in one stream c, so
+    ``part[s] = x (1 + w) @ W.T`` over the range, unnormalised, and ``sumsq[s] = sum x^2`` over it; the up kernel
+    scales each range by its stream's 1 / rms. With RESIDUAL, x = streams + out * inject[c] rounded as stored,
+    and the first column block writes it to the new streams."""
+    n_block, s, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = m < num_tokens, n < R + HC
+    rows = tl.where(n < R, down_ptr + n.to(tl.int64) * K, inject_w_ptr + (n - R).to(tl.int64) * K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    lo = s * split_len
+    c = lo // H
+    for k0 in range(lo, lo + split_len, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = (k < K) & (k < lo + split_len)
+        mk = m_ok[:, None] & k_ok[None, :]
+        at = m.to(tl.int64)[:, None] * K + k[None, :]
+        x = tl.load(streams_ptr + at, mask=mk, other=0.0)
+        if RESIDUAL:
+            out = tl.load(out_ptr + m.to(tl.int64)[:, None] * H + (k - c * H)[None, :], mask=mk, other=0.0)
+            inject = tl.load(inject_ptr + m * HC + c, mask=m_ok, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) + out.to(tl.float32) * inject[:, None]).to(new_streams_ptr.dtype.element_ty)
+            if n_block == 0:
+                tl.store(new_streams_ptr + at, x, mask=mk)
+        x = x.to(tl.float32)
+        squares += tl.sum(x * x, axis=1)
+        scale = 1.0 + tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(rows[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += dot((x * scale[None, :]).to(w.dtype), w, IEEE, WIDEN)
+    out_rows = (s * num_tokens + m.to(tl.int64))
+    tl.store(part_ptr + out_rows[:, None] * (R + HC) + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+    if n_block == 0:
+        tl.store(sumsq_ptr + out_rows, squares, mask=m_ok)
+
+
+@triton.jit
+def _range_scale(inv_rms, streams, s, SPLITS_PER_STREAM: tl.constexpr):
+    """The 1 / rms of the stream input range ``s`` lies in (``inv_rms`` ``[HC_PAD]``, ``streams`` its indices)."""
+    return tl.sum(tl.where(streams == s // SPLITS_PER_STREAM, inv_rms, 0.0), axis=0)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _hc_norm_up_mix_kernel(part_ptr, sumsq_ptr, streams_ptr, norm_w_ptr, up_ptr, mixed_ptr, inject_ptr, num_tokens,
+                           eps, H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr,
+                           SPLITS_PER_STREAM: tl.constexpr, HC_PAD: tl.constexpr, R_CHUNK: tl.constexpr,
+                           BLOCK_H: tl.constexpr):
+    """`_hc_up_mix_kernel` after `_hc_norm_down_kernel`: each stream's 1 / rms from the ranges' sums of squares
+    scales its ranges' partial projections, and the normed streams (rounded as `hc_norm` stores them) are
+    rebuilt from the streams for the mean over streams."""
+    h_block, t = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    cc = tl.arange(0, HC_PAD)
+    squares = tl.zeros([HC_PAD], tl.float32)
+    for s in range(SPLITS):
+        squares += tl.where(cc == s // SPLITS_PER_STREAM, tl.load(sumsq_ptr + s * num_tokens + t), 0.0)
+    inv_rms = tl.rsqrt(squares / H + eps)
+    j = tl.arange(0, HC_PAD * BLOCK_H)
+    stream, h = j // BLOCK_H, h_block * BLOCK_H + j % BLOCK_H
+    ok = (stream < HC) & (h < H)
+    cols = (stream * H + h).to(tl.int64)
+    dots = tl.zeros([HC_PAD * BLOCK_H, R_CHUNK], tl.float32)
+    for r0 in range(0, R, R_CHUNK):
+        r = r0 + tl.arange(0, R_CHUNK)
+        r_ok = r < R
+        low = tl.zeros([R_CHUNK], tl.float32)
+        for s in range(SPLITS):
+            part = tl.load(part_ptr + (s * num_tokens + t) * (R + HC) + r, mask=r_ok, other=0.0)
+            low += part * _range_scale(inv_rms, cc, s, SPLITS_PER_STREAM)
+        low = low / HC
+        low = low * tl.sigmoid(low)  # padded columns stay 0 and add nothing
+        w = tl.load(up_ptr + cols[:, None] * R + r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
+        dots += w.to(tl.float32) * low[None, :]
+    gate = tl.sigmoid(tl.sum(dots, axis=1))
+    x = tl.load(streams_ptr + t * (HC * H) + cols, mask=ok, other=0.0).to(tl.float32)
+    x_inv = tl.sum(tl.where(stream[:, None] == cc[None, :], inv_rms[None, :], 0.0), axis=1)
+    scale = 1.0 + tl.load(norm_w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    normed = (x * x_inv * scale).to(streams_ptr.dtype.element_ty).to(tl.float32)  # as `hc_norm` rounds it
+    mixed = tl.sum(tl.reshape(tl.where(ok, gate * normed, 0.0), (HC_PAD, BLOCK_H)), axis=0) / HC
+    out_h = h_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    tl.store(mixed_ptr + t * H + out_h, mixed.to(mixed_ptr.dtype.element_ty), mask=out_h < H)
+    if h_block == 0:
+        logits = tl.zeros([HC_PAD], tl.float32)
+        for s in range(SPLITS):
+            part = tl.load(part_ptr + (s * num_tokens + t) * (R + HC) + R + cc, mask=cc < HC, other=0.0)
+            logits += part * _range_scale(inv_rms, cc, s, SPLITS_PER_STREAM)
+        inject = 2.0 * tl.sigmoid(logits / HC)
+        tl.store(inject_ptr + t * HC + cc, inject.to(inject_ptr.dtype.element_ty), mask=cc < HC)
+
+
+@on_device_of_first_tensor
+def norm_mix_projections_triton(streams: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                residual: tuple[torch.Tensor, torch.Tensor] | None, down: torch.Tensor,
+                                up: torch.Tensor, inject_weight: torch.Tensor, hc: int,
+                                tiles: MixTiles | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hyper_connection.norm_mix_projections` in two launches: the norm folded into `mix_projections_triton`'s
+    (each input range of the down projection lies in one stream, whose 1 / rms scales it after the sums).
+    Where a range would cross streams (``H`` not a multiple of the range), `hc_norm_triton` runs first."""
+    streams = streams.contiguous()
+    down, up, inject_weight = down.contiguous(), up.contiguous(), inject_weight.contiguous()
+    K = streams.shape[-1]
+    H, R = K // hc, down.shape[0]
+    tokens = streams.numel() // max(K, 1)
+    t = tiles or (ONE_TOKEN_MIX_TILES if tokens == 1 else MIX_TILES)
+    split_len = t.block_k * triton.cdiv(triton.cdiv(K, t.splits), t.block_k)
+    if not tokens or H % split_len:
+        new_streams, normed = hc_norm_triton(streams, norm_weight, hc, eps, residual)
+        return (new_streams, *mix_projections_triton(normed, down, up, inject_weight, hc, tiles))
+    splits = K // split_len
+    mixed = torch.empty(*streams.shape[:-1], H, dtype=streams.dtype, device=streams.device)
+    inject = torch.empty(*streams.shape[:-1], hc, dtype=streams.dtype, device=streams.device)
+    if residual is not None:
+        out, injected = residual[0].contiguous(), residual[1].contiguous()
+        new_streams = torch.empty_like(streams)
+    else:
+        out = injected = new_streams = streams  # unread, unwritten
+    part = torch.empty(splits, tokens, R + hc, dtype=torch.float32, device=streams.device)
+    sumsq = torch.empty(splits, tokens, dtype=torch.float32, device=streams.device)
+    _hc_norm_down_kernel[(triton.cdiv(R + hc, t.block_n), splits, triton.cdiv(tokens, HC_PROJ_BLOCK_M))](
+        streams, out, injected, norm_weight, new_streams, down, inject_weight, part, sumsq, tokens, split_len,
+        K=K, H=H, R=R, HC=hc, BLOCK_M=HC_PROJ_BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        RESIDUAL=residual is not None, IEEE=streams.dtype == torch.float32, WIDEN=INTERPRET, num_warps=t.down_warps)
+    _hc_norm_up_mix_kernel[(triton.cdiv(H, t.block_h), tokens)](
+        part, sumsq, new_streams, norm_weight, up, mixed, inject, tokens, float(eps), H=H, R=R, HC=hc,
+        SPLITS=splits, SPLITS_PER_STREAM=H // split_len, HC_PAD=triton.next_power_of_2(hc),
+        R_CHUNK=min(t.r_chunk, triton.next_power_of_2(R)), BLOCK_H=t.block_h, num_warps=t.up_warps)
+    return new_streams, mixed, inject
