@@ -130,7 +130,7 @@ def test_an_unknown_name_in_the_environment_is_refused_at_import():
 
     env = dict(os.environ, HF_QSA_FUSED="hc,nrom")
     proc = subprocess.run([sys.executable, "-c", "import hf_qsa_cache"], env=env, capture_output=True, text=True)
-    assert proc.returncode != 0 and "unknown fusion(s) ['nrom']" in proc.stderr and "known: hc, hc_proj, gdn" in proc.stderr
+    assert proc.returncode != 0 and "unknown fusion(s) ['nrom']" in proc.stderr and "known: hc, hc_proj, hc_norm_proj, gdn" in proc.stderr
 
 
 MEASURED = {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "shared_expert", "inkling_router",
