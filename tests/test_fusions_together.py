@@ -106,8 +106,7 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
     flags = [(hyper_connection, "FUSED_HC"), (gated_delta, "FUSED_GDN"), (rms_norm, "FUSED_NORM"),
              (norm_rope, "FUSED_NORM_ROPE"), (cuda_graphs, "FUSED_EXPERTS"), (router, "FUSED_ROUTER"),
              (qsa, "FUSED_QSA"), (experts, "FUSED_SHARED_EXPERT"), (inkling_router, "FUSED_INKLING_ROUTER"),
-             (prompt_experts, "FUSED_PROMPT_EXPERTS"), (linears, "FUSED_PROJECTIONS"),
-             (hyper_connection, "FUSED_HC_NORM_PROJ")]
+             (prompt_experts, "FUSED_PROMPT_EXPERTS"), (linears, "FUSED_PROJECTIONS")]
     before = [getattr(m, f) for m, f in flags]
     with fused(("all",)):
         assert all(getattr(m, f) for m, f in flags)
@@ -116,7 +115,7 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
             assert gated_delta.FUSED_GDN
         assert all(getattr(m, f) for m, f in flags)
     assert [getattr(m, f) for m, f in flags] == before
-    assert set(FLAGS) == {"hc", "hc_proj", "hc_norm_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
+    assert set(FLAGS) == {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
                           "inkling_router", "prompt_experts", "projections"}
     with pytest.raises(ValueError, match="unknown fusion"):
         with fused(("nope",)):
@@ -130,7 +129,7 @@ def test_an_unknown_name_in_the_environment_is_refused_at_import():
 
     env = dict(os.environ, HF_QSA_FUSED="hc,nrom")
     proc = subprocess.run([sys.executable, "-c", "import hf_qsa_cache"], env=env, capture_output=True, text=True)
-    assert proc.returncode != 0 and "unknown fusion(s) ['nrom']" in proc.stderr and "known: hc, hc_proj, hc_norm_proj, gdn" in proc.stderr
+    assert proc.returncode != 0 and "unknown fusion(s) ['nrom']" in proc.stderr and "known: hc, hc_proj, gdn" in proc.stderr
 
 
 MEASURED = {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "shared_expert", "inkling_router",
@@ -145,7 +144,7 @@ def test_a_fusion_not_yet_timed_is_on_only_when_named():
     assert requested("inkling_router,hc", unmeasured=("inkling_router",)) == {"inkling_router", "hc"}
 
 
-@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED | {"qsa_topk", "hc_norm_proj"}),
+@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED | {"qsa_topk"}),
                                                ("none", set()), ("", set()), ("gdn,router", {"gdn", "router"})])
 def test_the_environment_picks_the_measured_fusions_by_default(setting, expected):
     import os

@@ -16,8 +16,7 @@ projections (transformers' ``nn.Linear`` weights, read as they are):
 With ``hc_proj`` as well (on by default), a step of at most `HC_PROJ_MAX_TOKENS` tokens runs everything
 after `hc_norm` in two launches, `mix_projections`: the down and injection projections as one split-K pass
 over the normed streams, then the up projection with the gating and the mean over streams; the low-rank
-activations stay in fp32 between them. With ``hc_norm_proj`` too, `hc_norm` itself is folded into those two
-launches (`norm_mix_projections`).
+activations stay in fp32 between them.
 
 Each computes in fp32 and rounds its outputs once (upstream rounds after every op in bf16: the results
 differ by bf16 rounding and are judged against fp32). The torch functions here are the specification
@@ -45,9 +44,6 @@ FUSED_HC = fusion_enabled("hc")
 # sits between (16 tokens itself not timed).
 FUSED_HC_PROJ = fusion_enabled("hc_proj")
 HC_PROJ_MAX_TOKENS = 16
-# ``hc_norm_proj``: on top of ``hc_proj``, `hc_norm` folded into its two launches (`norm_mix_projections`): the
-# down projection reads the streams before their norm and the up kernel scales each stream's part by its 1 / rms.
-FUSED_HC_NORM_PROJ = fusion_enabled("hc_norm_proj")
 
 
 def use_fused(module, x: torch.Tensor) -> bool:
@@ -77,14 +73,10 @@ def gated_residual(module, streams: torch.Tensor, residual: tuple | None = None)
             streams = add_injection(streams, *residual)
         return module(streams)
     hc = module.hc_count
+    streams, normed = hc_norm(streams, module.hc_norm.weight, hc, module.hc_norm.eps, residual)
     weights = (module.input_mix_weight_down.weight, module.input_mix_weight_up.weight,
                module.block_inject_weight.weight)
-    few_tokens = streams.numel() <= HC_PROJ_MAX_TOKENS * streams.shape[-1]
-    if FUSED_HC_PROJ and FUSED_HC_NORM_PROJ and few_tokens:
-        streams, block_input, inject = norm_mix_projections(streams, module.hc_norm.weight, module.hc_norm.eps,
-                                                            residual, *weights, hc)
-        return block_input, streams, inject
-    streams, normed = hc_norm(streams, module.hc_norm.weight, hc, module.hc_norm.eps, residual)
+    few_tokens = normed.numel() <= HC_PROJ_MAX_TOKENS * normed.shape[-1]
     mix = mix_projections if FUSED_HC_PROJ and few_tokens else mix_with_linears
     block_input, inject = mix(normed, *weights, hc)
     return block_input, streams, inject
@@ -157,18 +149,3 @@ def mix_projections(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor, 
     x = normed.float()  # the same ops as `mix_with_linears`, with fp32 between them
     low = scaled_silu(x @ down.float().mT, 1.0 / hc)
     return mix_streams(low @ up.float().mT, normed, x @ inject_weight.float().mT, hc)
-
-
-def norm_mix_projections(streams: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                         residual: tuple[torch.Tensor, torch.Tensor] | None, down: torch.Tensor, up: torch.Tensor,
-                         inject_weight: torch.Tensor, hc: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(streams, mixed, inject)``: `hc_norm` (with its residual) then `mix_projections`, which is the
-    specification; two launches on CUDA (the ``hc_norm_proj`` fusion), where the normed streams are never
-    written: the down projection reads ``streams * (1 + weight)`` and each stream's part is scaled by its
-    1 / rms after the sums (the operand of a bf16 dot is rounded there instead of the normed value)."""
-    if _triton(streams):
-        from .hyper_connection_triton import norm_mix_projections_triton
-
-        return norm_mix_projections_triton(streams, norm_weight, eps, residual, down, up, inject_weight, hc)
-    streams, normed = hc_norm(streams, norm_weight, hc, eps, residual)
-    return (streams, *mix_projections(normed, down, up, inject_weight, hc))
