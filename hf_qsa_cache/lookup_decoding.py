@@ -164,6 +164,19 @@ def decode_with_prompt_lookup(model, input_ids, logits_processor, stopping_crite
                    model_kwargs)
 
 
+def _first_step_length(cache, model_kwargs: dict, generation_config, length: int, drafted: int) -> int | None:
+    """Tokens the first round feeds, as transformers' `_prefill` decides: when the call's input ids repeat what
+    the cache already holds (a conversation continued on its cache: the attention mask, or the mask length
+    the config records, as long as the ids), only the ids past the cached ones, and the drafts; else None
+    (all of them)."""
+    past = cache.get_seq_length()
+    mask = model_kwargs.get("attention_mask")
+    mask_length = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", -1)
+    if not past or mask_length != length:
+        return None
+    return length - past + drafted
+
+
 def _decode(model, generator, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
             model_kwargs: dict, flat_puts: bool = False):
     """The loop (module docstring), drafting with ``generator`` (its ``draft_budget`` says when it may). The
@@ -216,8 +229,9 @@ def _decode(model, generator, input_ids, logits_processor, stopping_criteria, ge
         kwargs = _prepare_token_type_ids(kwargs, candidates.shape[1])
         if kwargs.get("position_ids") is not None and drafted > 0:
             kwargs = _prepare_position_ids(kwargs, drafted + kwargs["position_ids"].shape[-1], False)
+        step_length = _first_step_length(cache, model_kwargs, generation_config, length, drafted) if first else drafted + 1
         inputs = model.prepare_inputs_for_generation(
-            candidates, next_sequence_length=None if first else drafted + 1, is_first_iteration=first, **kwargs)
+            candidates, next_sequence_length=step_length, is_first_iteration=first, **kwargs)
         if "logits_to_keep" in inputs:
             inputs["logits_to_keep"] = drafted + 1
         outputs = model(**inputs)

@@ -380,3 +380,30 @@ def test_greedy_calls_our_loop_cannot_serve_go_to_transformers_loop(case, qwen, 
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, return_dict_in_generate=True,
                              **kwargs)
     assert not ran and out.sequences.shape == (ids.shape[0], ids.shape[1] + 6)
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_a_call_continuing_on_its_cache_feeds_only_the_new_ids(family, lookup, qwen, ink, monkeypatch):  # noqa: F811
+    """A conversation continued on its cache passes the whole sequence again (the attention mask as long as the
+    ids): our loop's first round feeds only the ids the cache does not hold, as transformers' `_prefill` does,
+    and the row goes on exactly as one uninterrupted call (the cache then holds each token once). Before this,
+    the first round fed the cached prompt again."""
+    model = (qwen if family == "qwen4_exp" else ink)[0]
+    ids = _qwen_prompt(seed=5) if family == "qwen4_exp" else _ink_lookup_prompt(model)
+    mask = torch.ones_like(ids)
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    extra = {"prompt_lookup_num_tokens": K} if lookup else {}
+    fed, forward = [], model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: fed.append(k["input_ids"].shape[1]) or forward(*a, **k))
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=9, **kwargs)
+        cache = QSAPagedCache(model.config, max_batch_size=1, max_cache_len=ids.shape[1] + 32,
+                              num_speculative_tokens=K + 1)
+        first = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, **kwargs)
+        fed.clear()
+        more = torch.cat([mask, torch.ones_like(first[:, ids.shape[1]:])], dim=1)
+        have = model.generate(first, attention_mask=more, past_key_values=cache, max_new_tokens=5, **kwargs, **extra)
+    assert fed[0] == 1 + (K if lookup and fed[0] > 1 else 0) and max(fed) <= K + 1, fed
+    assert torch.equal(have, want)
+    assert cache.get_seq_length() == want.shape[1] - 1

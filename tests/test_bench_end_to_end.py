@@ -1,0 +1,37 @@
+"""`benchmarks/bench_generate.py` `decode_ms_end_to_end`: the calls it times continue the prompt the cache holds
+(their own prefill is one token), and they generate what one uninterrupted generate() does."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from qwen4_helpers import make_pair, random_prompts
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import bench_generate  # noqa: E402
+
+from hf_qsa_cache import QSAPagedCache  # noqa: E402
+
+
+def test_timed_calls_continue_the_prefilled_prompt(monkeypatch):
+    _, model = make_pair(seed=5)
+    ids = torch.tensor([random_prompts([12], seed=6)[0]])
+    mask = torch.ones_like(ids)
+    cache = QSAPagedCache(model.config, max_batch_size=1, max_cache_len=40)
+    real, calls = model.generate, []
+
+    def recording(input_ids, **kwargs):
+        out = real(input_ids, **kwargs)
+        calls.append((input_ids.shape[1], kwargs["max_new_tokens"], out))
+        return out
+
+    monkeypatch.setattr(model, "generate", recording)
+    with torch.no_grad():
+        ms = bench_generate.decode_ms_end_to_end(model, ids, mask, 5, cache)
+        want = real(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert ms == ms  # a number (the CPU's time: not judged)
+    timed = calls[1::2]  # each timed call follows its untimed one-token prefill
+    assert [c[:2] for c in calls[0::2]] == [(12, 1)] * 6 and [c[:2] for c in timed] == [(13, 1)] * 3 + [(13, 5)] * 3
+    assert torch.equal(timed[-1][2], want)  # continuing generates what one call does
