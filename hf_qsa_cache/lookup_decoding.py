@@ -167,14 +167,17 @@ def decode_with_prompt_lookup(model, input_ids, logits_processor, stopping_crite
 def _first_step_length(cache, model_kwargs: dict, generation_config, length: int, drafted: int) -> int | None:
     """Tokens the first round feeds, as transformers' `_prefill` decides: when the call's input ids repeat what
     the cache already holds (a conversation continued on its cache: the attention mask, or the mask length
-    the config records, as long as the ids), only the ids past the cached ones, and the drafts; else None
-    (all of them)."""
+    the config records, as long as the ids) or it passes embeddings (always the whole sequence), only the
+    positions past the cached ones, and the drafts; else None (all of them)."""
     past = cache.get_seq_length()
+    if not past:
+        return None
+    embeds = model_kwargs.get("inputs_embeds")
+    if embeds is not None:  # the first round reads the embeddings, which always hold the whole sequence
+        return embeds.shape[1] - past + drafted
     mask = model_kwargs.get("attention_mask")
     mask_length = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", -1)
-    if not past or mask_length != length:
-        return None
-    return length - past + drafted
+    return length - past + drafted if mask_length == length else None
 
 
 def _decode(model, generator, input_ids, logits_processor, stopping_criteria, generation_config, streamer,

@@ -407,3 +407,23 @@ def test_a_call_continuing_on_its_cache_feeds_only_the_new_ids(family, lookup, q
     assert fed[0] == 1 + (K if lookup and fed[0] > 1 else 0) and max(fed) <= K + 1, fed
     assert torch.equal(have, want)
     assert cache.get_seq_length() == want.shape[1] - 1
+
+
+def test_a_call_continuing_on_its_cache_with_embeddings_feeds_only_the_new_position(qwen, monkeypatch):  # noqa: F811
+    """The same with the sequence passed as embeddings too (they always hold the whole sequence)."""
+    model = qwen[0]
+    ids = _qwen_prompt(seed=5)
+    mask = torch.ones_like(ids)
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    fed, forward = [], model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: fed.append(
+        (k["inputs_embeds"] if k.get("inputs_embeds") is not None else k["input_ids"]).shape[1]) or forward(*a, **k))
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=6, **kwargs)
+        cache = QSAPagedCache(model.config, max_batch_size=1, max_cache_len=ids.shape[1] + 16)
+        first = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1, **kwargs)
+        fed.clear()
+        have = model.generate(first, inputs_embeds=model.get_input_embeddings()(first),
+                              attention_mask=torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1),
+                              past_key_values=cache, max_new_tokens=5, **kwargs)
+    assert fed == [1] * 5 and torch.equal(have[:, -6:], want[:, -6:])
