@@ -180,6 +180,25 @@ def _first_step_length(cache, model_kwargs: dict, generation_config, length: int
     return length - past + drafted if mask_length == length else None
 
 
+# The generation kwargs of a decode round whose model inputs `_lean_inputs` builds (a text-only call on our cache).
+_LEAN_KEYS = {"attention_mask", "logits_to_keep", "past_key_values", "position_ids", "use_cache"}
+
+
+def _lean_inputs(candidates: torch.Tensor, step_length: int, kwargs: dict) -> dict:
+    """What transformers' ``prepare_inputs_for_generation`` returns for a round after the first of a text-only
+    call whose kwargs are `_LEAN_KEYS` and whose ids already sit on the model's device: the round's last
+    ``step_length`` ids and positions, the rest passed on. Without its per-round clone of the ids, its device
+    lookups and its checks of what this call cannot hold (about 70 us of host time a token on a CPU,
+    benchmarks/RESULTS.md)."""
+    inputs = {"input_ids": candidates[:, -step_length:]}
+    for key in ("past_key_values", "use_cache", "attention_mask", "logits_to_keep"):
+        if kwargs.get(key) is not None:
+            inputs[key] = kwargs[key]
+    if kwargs.get("position_ids") is not None:
+        inputs["position_ids"] = kwargs["position_ids"][..., -step_length:]
+    return inputs
+
+
 def _decode(model, generator, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
             model_kwargs: dict, flat_puts: bool = False):
     """The loop (module docstring), drafting with ``generator`` (its ``draft_budget`` says when it may). The
@@ -217,7 +236,7 @@ def _decode(model, generator, input_ids, logits_processor, stopping_criteria, ge
                 return True
         return False
 
-    first = True
+    first, lean_rounds = True, False
     while True:
         length = input_ids.shape[1]
         # Read before a round that may draft, that ends the row, or that would run past the headroom: a round
@@ -233,8 +252,13 @@ def _decode(model, generator, input_ids, logits_processor, stopping_criteria, ge
         if kwargs.get("position_ids") is not None and drafted > 0:
             kwargs = _prepare_position_ids(kwargs, drafted + kwargs["position_ids"].shape[-1], False)
         step_length = _first_step_length(cache, model_kwargs, generation_config, length, drafted) if first else drafted + 1
-        inputs = model.prepare_inputs_for_generation(
-            candidates, next_sequence_length=step_length, is_first_iteration=first, **kwargs)
+        if lean_rounds and not first:
+            inputs = _lean_inputs(candidates, step_length, kwargs)
+        else:
+            inputs = model.prepare_inputs_for_generation(
+                candidates, next_sequence_length=step_length, is_first_iteration=first, **kwargs)
+            # Later rounds build their inputs here when transformers' preparation would only slice them.
+            lean_rounds = set(kwargs) <= _LEAN_KEYS and inputs["input_ids"].device == candidates.device
         if "logits_to_keep" in inputs:
             inputs["logits_to_keep"] = drafted + 1
         outputs = model(**inputs)

@@ -427,3 +427,28 @@ def test_a_call_continuing_on_its_cache_with_embeddings_feeds_only_the_new_posit
                               attention_mask=torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1),
                               past_key_values=cache, max_new_tokens=5, **kwargs)
     assert fed == [1] * 5 and torch.equal(have[:, -6:], want[:, -6:])
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_rounds_after_the_first_build_what_transformers_preparation_builds(lookup, qwen, monkeypatch):  # noqa: F811
+    """Rounds after the first skip ``prepare_inputs_for_generation`` (`_lean_inputs`): each builds the same keys
+    and values it would, and the first round still goes through it."""
+    model = qwen[0]
+    ids = _qwen_prompt(seed=5)
+    prepare, lean, rounds = type(model).prepare_inputs_for_generation, lookup_decoding._lean_inputs, []
+
+    def checked(candidates, step_length, kwargs):
+        have = lean(candidates, step_length, kwargs)
+        want = prepare(model, candidates, next_sequence_length=step_length, is_first_iteration=False, **kwargs)
+        assert sorted(have) == sorted(want), (sorted(have), sorted(want))
+        for key, value in want.items():
+            assert torch.equal(have[key], value) if isinstance(value, torch.Tensor) else have[key] is value, key
+        rounds.append(step_length)
+        return have
+
+    monkeypatch.setattr(lookup_decoding, "_lean_inputs", checked)
+    extra = {"prompt_lookup_num_tokens": K} if lookup else {}
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                             pad_token_id=0, eos_token_id=None, **extra)
+    assert len(rounds) >= (11 if not lookup else 1) and out.shape[1] == ids.shape[1] + 12
