@@ -6,9 +6,9 @@ module's output. With the fusion on, on CUDA, for a step of at most `MAX_FUSED_T
 weights read in place); otherwise each module's own forward (upstream's ops, hooks and all). The torch
 specification beside the kernel is `linears_torch`.
 
-On by default since measured on the H200 (benchmarks/RESULTS.md): the graphed batch-1 decode step of
-Qwen4Exp 40 layers went from 6.75 to 6.23 ms end to end (GPU busy 6153 -> 5830 us, 1342 -> 1222 kernels), with
-the same largest error against fp32 as cuBLAS's projections.
+On by default since measured on the H200 (benchmarks/RESULTS.md): in the graphed batch-1 decode step of
+Qwen4Exp 40 layers the GPU is busy 5830 us against 6153 us with cuBLAS's projections (1222 against 1342 kernels),
+with the same largest error against fp32.
 
 The fused path applies when autograd records nothing, every module is a bias-free ``nn.Linear`` with a plain,
 contiguous weight of the input's dtype on its device, and none has hooks or an offloading wrapper
