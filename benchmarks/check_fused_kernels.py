@@ -29,7 +29,7 @@ from hf_qsa_cache.ops import experts, gated_delta, hyper_connection, inkling_rou
 from hf_qsa_cache.ops import norm_rope, prompt_experts, qsa, rms_norm, router  # noqa: E402
 from hf_qsa_cache.ops import experts_triton, gated_delta_triton, hyper_connection_triton  # noqa: E402
 from hf_qsa_cache.ops import inkling_router_triton, norm_rope_triton, qsa_triton, rms_norm_triton  # noqa: E402
-from hf_qsa_cache.ops import prompt_experts_triton, router_triton  # noqa: E402
+from hf_qsa_cache.ops import linears, linears_triton, prompt_experts_triton, router_triton  # noqa: E402
 
 
 def _time(fn, device, repeat: int) -> float:
@@ -168,6 +168,14 @@ def cases(device, dtype, tokens: int, small: bool):
     pair_rows, positions = rand(T * k, H), torch.randperm(T * k, generator=g).to(device)
     yield (f"sum_by_token {T}x{k}", lambda: prompt_experts_triton.sum_by_token_triton(pair_rows, positions, T, k),
            lambda: _cpu(prompt_experts.sum_by_token_torch, pair_rows, positions, T, k), 0.02)
+    # GatedDeltaNet's four input projections in one launch (qkv, z, b, a), a pad token among several.
+    x_in = rand(tokens, H)
+    rows = (2 * 16 + 24, 24, 3, 3) if small else (2 * 16 * 128 + 2 * Dv * 32, 32 * Dv, 32, 32)
+    projections = [rand(n, H, scale=0.02) for n in rows]
+    keep = torch.arange(tokens, device=device) != 1
+    yield ("projections", lambda: tuple(linears_triton.linears_triton(x_in, projections, keep)),
+           lambda: tuple(_cpu(lambda *a: tuple(linears.linears_torch(a[0], list(a[1:-1]), a[-1])), x_in, *projections,
+                              keep)), 0.02)
 
 
 def _cpu(fn, *args):
