@@ -177,7 +177,7 @@ def decode_ms_end_to_end(model, ids, mask, new_tokens: int, cache: QSAPagedCache
 TOP_KERNELS = 12  # the graphed step's kernels by GPU time that a result lists
 
 
-def graphed_step_stats(model, cache: QSAPagedCache, steps: int = 3) -> dict:
+def graphed_step_stats(model, cache: QSAPagedCache, steps: int = 3, top: int = TOP_KERNELS) -> dict:
     """Kernels (and copies) one replayed decode graph launches, and the share of a step's wall time the
     GPU is busy (the union of its kernels' intervals under the profiler over the median step timed without
     it). Runs ``steps + 3`` decode steps on ``cache`` (same length every row, room left for them)."""
@@ -222,10 +222,10 @@ def graphed_step_stats(model, cache: QSAPagedCache, steps: int = 3) -> dict:
         row = by_name.setdefault(e.name[:90], [0, 0.0])
         row[0] += 1
         row[1] += e.time_range.end - e.time_range.start
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+    listed = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     return {"graph_kernels": len(events) - copies, "graph_copies": copies, "graph_busy_us": round(busy, 1),
             "step_wall_us": round(wall_us, 1), "gpu_busy_share": round(busy / wall_us, 3) if events else None,
-            "graph_top_kernels": [[name, count, round(us, 1)] for name, (count, us) in top]}
+            "graph_top_kernels": [[name, count, round(us, 1)] for name, (count, us) in listed]}
 
 
 def emit(result: dict, jsonl: str | None) -> None:

@@ -211,9 +211,10 @@ def profile_by_kind(model, batch: int, prompt: int, steps: int, device) -> tuple
     return by_kind(prof, steps, on_gpu)
 
 
-def profile_graphed_step(model, batch: int, prompt: int, device) -> dict:
-    """Kernels of one replayed graph step, and the GPU's busy share of a step (CUDA only)."""
-    return graphed_step_stats(model, prefilled_cache(model, batch, prompt, 8, device))
+def profile_graphed_step(model, batch: int, prompt: int, device, top: int = 12) -> dict:
+    """Kernels of one replayed graph step (the ``top`` by GPU time), and the GPU's busy share of a step (CUDA
+    only)."""
+    return graphed_step_stats(model, prefilled_cache(model, batch, prompt, 8, device), top=top)
 
 
 def main(argv=None):
@@ -226,6 +227,8 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the test suite's small fp32 configs")
     parser.add_argument("--jsonl", default=None, help="append the result as one JSON line here")
+    parser.add_argument("--top-kernels", type=int, default=12,
+                        help="the graphed step's kernels listed, by GPU time (a large number lists them all)")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -238,7 +241,7 @@ def main(argv=None):
               "device": args.device, "fused": fusions.active(), "kinds": {k: {"kernels": round(v["kernels"], 1), "us": round(v["us"], 1)}
                                                for k, v in sorted(kinds.items())}}
     if torch.device(args.device).type == "cuda":
-        result.update(profile_graphed_step(model, args.batch, args.prompt, args.device))
+        result.update(profile_graphed_step(model, args.batch, args.prompt, args.device, args.top_kernels))
 
     step = kinds.get("step", {"us": 0.0, "kernels": 0})
     unit = "GPU" if torch.device(args.device).type == "cuda" else "CPU"
