@@ -145,6 +145,17 @@ def run(model, ids, mask, new_tokens, cache=None, limit_s=None) -> dict:
     return row
 
 
+def prefilled(model, ids, mask, cache: QSAPagedCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cache`` reset and holding the prompt ``ids`` (an untimed greedy call of one token), the device idle:
+    the ids and attention mask of a call that continues it."""
+    cache.reset()
+    first = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1, do_sample=False,
+                           pad_token_id=0, eos_token_id=None)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    return first, torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+
+
 def decode_ms_end_to_end(model, ids, mask, new_tokens: int, cache: QSAPagedCache) -> float:
     """Milliseconds a decode step adds to a plain generate() call, as a user makes it (no stopping criterion
     or streamer, so our loop reads the host once, at the end). Each timed call continues a prompt the cache
@@ -154,22 +165,15 @@ def decode_ms_end_to_end(model, ids, mask, new_tokens: int, cache: QSAPagedCache
     spread of tens of milliseconds, into both terms: at 16 new tokens that spread alone moved the figure by
     more than a millisecond a step.)"""
 
-    def sync():
-        if ids.is_cuda:
-            torch.cuda.synchronize()
-
     best = {}
     for n in (1, new_tokens):
         for _ in range(3):
-            cache.reset()
-            first = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1,
-                                   do_sample=False, pad_token_id=0, eos_token_id=None)
-            more = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            sync()
+            first, more = prefilled(model, ids, mask, cache)
             start = time.perf_counter()
             model.generate(first, attention_mask=more, past_key_values=cache, max_new_tokens=n, do_sample=False,
                            pad_token_id=0, eos_token_id=None)
-            sync()
+            if ids.is_cuda:
+                torch.cuda.synchronize()
             best[n] = min(best.get(n, float("inf")), time.perf_counter() - start)
     return (best[new_tokens] - best[1]) / (new_tokens - 1) * 1e3
 

@@ -33,6 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
+from bench_generate import prefilled  # noqa: E402
 from bench_speculative import build  # noqa: E402
 
 from hf_qsa_cache import QSAPagedCache  # noqa: E402
@@ -75,36 +76,23 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     on_gpu = torch.device(args.device).type == "cuda"
-    if on_gpu and not args.tiny:
-        torch.set_default_dtype(torch.bfloat16)
-    model, layers = build(args.model, args.layers, args.device, args.tiny)
-    torch.set_default_dtype(torch.float32)
+    model, layers = build(args.model, args.layers, args.device, args.tiny)  # bf16 unless tiny
     vocab = model.config.get_text_config(decoder=True).vocab_size
     ids = torch.randint(2, vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0)).to(args.device)
     mask = torch.ones_like(ids)
     cache = QSAPagedCache(model.config, max_batch_size=1, max_cache_len=args.prompt + 2 * args.tokens + 8)
     kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 
-    def sync():
-        if on_gpu:
-            torch.cuda.synchronize()
-
-    def continued(n: int):
-        cache.reset()
-        first = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1, **kwargs)
-        more = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        sync()
-        return first, more
-
     with torch.no_grad():
-        first, more = continued(1)
+        first, more = prefilled(model, ids, mask, cache)
         model.generate(first, attention_mask=more, past_key_values=cache, max_new_tokens=args.tokens, **kwargs)
-        first, more = continued(1)  # warmed up (graphs captured): the profiled call
+        first, more = prefilled(model, ids, mask, cache)  # warmed up (graphs captured): the profiled call
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
         with profile(activities=activities) as prof:
             start = time.perf_counter()
             model.generate(first, attention_mask=more, past_key_values=cache, max_new_tokens=args.tokens, **kwargs)
-            sync()
+            if on_gpu:
+                torch.cuda.synchronize()
             wall = time.perf_counter() - start
     events = list(prof.events())
     per_token = 1e6 / args.tokens

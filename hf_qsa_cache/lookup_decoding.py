@@ -37,8 +37,8 @@ verifies.
 (`applies_to_greedy`; `PagedCacheGenerationMixin._sample` takes it): every round is a paused one, so with
 no end-of-sequence id, streamer or other stopping criterion the host reads the picks once, at the end; with
 an end-of-sequence id it reads each pick before the next step (the cache generate() builds has no rollback
-headroom), and with a streamer or another criterion it reads each round. 8.4 torch calls a token outside
-the forward against 15.3 in `_sample` (`benchmarks/count_loop_calls.py`). The streamer gets ``[n]`` tokens,
+headroom), and with a streamer or another criterion it reads each round. 6.4-6.5 torch calls a token
+outside the forward against 15.3 in `_sample` (`benchmarks/count_loop_calls.py`). The streamer gets ``[n]`` tokens,
 each as its step ends, as from `_sample`.
 
 Each forward is a transaction of the cache; a round is not. A failure after a verify forward and before its
@@ -167,14 +167,11 @@ def decode_with_prompt_lookup(model, input_ids, logits_processor, stopping_crite
 def _first_step_length(cache, model_kwargs: dict, generation_config, length: int, drafted: int) -> int | None:
     """Tokens the first round feeds, as transformers' `_prefill` decides: when the call's input ids repeat what
     the cache already holds (a conversation continued on its cache: the attention mask, or the mask length
-    the config records, as long as the ids) or it passes embeddings (always the whole sequence), only the
-    positions past the cached ones, and the drafts; else None (all of them)."""
+    the config records, as long as the ids), only the positions past the cached ones, and the drafts; else
+    None (all of them). (Embeddings passed beside the ids hold the same positions, so the same count.)"""
     past = cache.get_seq_length()
     if not past:
         return None
-    embeds = model_kwargs.get("inputs_embeds")
-    if embeds is not None:  # the first round reads the embeddings, which always hold the whole sequence
-        return embeds.shape[1] - past + drafted
     mask = model_kwargs.get("attention_mask")
     mask_length = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", -1)
     return length - past + drafted if mask_length == length else None
