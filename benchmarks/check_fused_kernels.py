@@ -30,6 +30,7 @@ from hf_qsa_cache.ops import norm_rope, prompt_experts, qsa, rms_norm, router  #
 from hf_qsa_cache.ops import experts_triton, gated_delta_triton, hyper_connection_triton  # noqa: E402
 from hf_qsa_cache.ops import inkling_router_triton, norm_rope_triton, qsa_triton, rms_norm_triton  # noqa: E402
 from hf_qsa_cache.ops import linears, linears_triton, prompt_experts_triton, router_triton  # noqa: E402
+from hf_qsa_cache.ops import top_set_triton  # noqa: E402
 
 
 def _time(fn, device, repeat: int) -> float:
@@ -155,11 +156,15 @@ def cases(device, dtype, tokens: int, small: bool):
     position = torch.full((tokens,), 163, device=device)
     yield ("selected_positions", lambda: qsa_triton.selected_positions_triton(groups, visible, position, 4, 16),
            lambda: _cpu(qsa.selected_positions, groups, visible, position, 4, 16), 0)
-    # QSA scores of a 4096-token reach (1024 groups; relu zeros and unseen -inf groups included)
-    scores = torch.relu(rand(tokens, 40 if small else 1024, dt=torch.float32))
+    # A QSA selection's top-k set at a 4400-token reach (1100 groups, k = 512; relu zeros and unseen -inf groups
+    # included); "top_groups on device" times the torch path it replaces (a sorting top-k) on the same device.
+    scores = torch.relu(rand(tokens, 40 if small else 1100, dt=torch.float32))
     scores[:, ::5] = float("-inf")
-    yield ("pack_scores", lambda: qsa_triton.pack_scores_triton(scores),
-           lambda: _cpu(qsa._pack, scores, torch.arange(scores.shape[1], device=device)), 0)
+    pick = 10 if small else 512
+    yield ("top_set", lambda: top_set_triton.top_set_triton(scores, pick),
+           lambda: _cpu(lambda s: qsa.top_groups(s, pick).sort(dim=-1).values, scores), 0)
+    yield ("top_groups on device", lambda: qsa.top_groups(scores, pick).sort(dim=-1).values,
+           lambda: _cpu(lambda s: qsa.top_groups(s, pick).sort(dim=-1).values, scores), 0)
     # A prompt chunk's experts (4096 tokens x k): the activation with its routing weight, and the sum by token.
     T = 5 if small else 4096
     gate_up, pair_w = rand(T * k, 2 * inter), torch.rand(T * k, generator=g).to(device)

@@ -431,7 +431,7 @@ def _main() -> int:
         except AssertionError as err:
             print(f"pool groups (ratio {ratio}, {dtype}): {err}")
             return 1
-    for error in (_pack_cases(qsa_triton), _tile_maxima_cases(qsa_triton), _candidate_cases(qsa_triton),
+    for error in (_tile_maxima_cases(qsa_triton), _candidate_cases(qsa_triton),
                   _selection_by_tiles_cases(qsa_triton)):
         if error:
             print(error)
@@ -514,29 +514,6 @@ def _selection_by_tiles_cases(qsa_triton) -> str | None:
                 return f"by tiles case {i}: {len(launches)} candidate launches, the tile path was not taken"
     finally:
         qsa.FUSED_SELECT_MIN_GROUPS, qsa.TOPK_TILE, qsa._CHUNK_ELEMENTS = saved
-    return None
-
-
-def _pack_cases(qsa_triton) -> str | None:
-    """`pack_scores_triton` against `qsa._pack`: relu-zero ties, -0.0, -inf (groups a token cannot see), rows
-    wider than one block, a row view with a stride; and the packed top-k it serves."""
-    original = qsa_triton.PACK_BLOCK
-    qsa_triton.PACK_BLOCK = 16  # several blocks per row, the last one partial
-    try:
-        g = torch.Generator().manual_seed(7)
-        for n, groups in ((1, 5), (3, 40), (4, 33)):
-            scores = torch.relu(torch.randn(n, groups + 3, generator=g))[:, 3:]  # a view with a row stride
-            scores[:, ::7] = float("-inf")
-            scores[0, 1] = -0.0
-            want = qsa._pack(scores, torch.arange(groups))
-            have = qsa_triton.pack_scores_triton(scores)
-            if have.dtype != torch.int64 or not torch.equal(have, want):
-                return f"pack case {(n, groups)}: keys differ"
-            k = min(4, groups)
-            if not torch.equal(qsa._unpack(have.topk(k, dim=-1).values), qsa.top_groups_packed(scores, k)):
-                return f"pack case {(n, groups)}: top groups differ"
-    finally:
-        qsa_triton.PACK_BLOCK = original
     return None
 
 

@@ -33,7 +33,7 @@ _CHUNK_ELEMENTS = 1 << 27
 USE_TRITON = os.environ.get("HF_QSA_TRITON_QSA", "1") == "1"
 # The QSA index arithmetic (group pooling, selected positions) in one launch each: ``qsa`` in `hf_qsa_cache.fusions`.
 FUSED_QSA = fusion_enabled("qsa")
-# ``qsa_topk`` (not yet timed): the packing of `top_groups_packed` in one launch instead of six.
+# ``qsa_topk`` (not yet timed): a selection's set of best groups in one launch, no sort (`top_group_set`).
 FUSED_QSA_TOPK = fusion_enabled("qsa_topk")
 
 
@@ -151,9 +151,9 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
         args = (q_index[start:end], compressed, table_t, meta.token_row[start:end], visible[start:end],
                 rows_per_block)
         if by_tiles:
-            groups = select_by_tile_maxima(*args, max_groups, k)
+            groups = select_by_tile_maxima(*args, max_groups, k).sort(dim=-1).values
         else:
-            groups = top_groups(scores_fn(*args, max_groups), k)
+            groups = top_group_set(scores_fn(*args, max_groups), k)
         chosen.append(selected_positions(groups, visible[start:end], pos[start:end], ratio, block_topk))
     return chosen[0] if len(chosen) == 1 else torch.cat(chosen, dim=0)
 
@@ -190,7 +190,7 @@ def select_by_tile_maxima(q_index: torch.Tensor, compressed: torch.Tensor, block
 def selected_positions(groups: torch.Tensor, visible: torch.Tensor, position: torch.Tensor, ratio: int,
                        block_topk: int) -> torch.Tensor:
     """A token's selected positions ``[N, block_topk*r + r - 1]`` from its best groups ``groups`` ``[N, k]``
-    (``k <= block_topk``, best first): each group's ``r`` tokens (-1 for a group at or past the token's
+    (``k <= block_topk``, ascending): each group's ``r`` tokens (-1 for a group at or past the token's
     ``visible`` count), -1 up to ``block_topk`` groups, then the open-group tail ``((p+1)//r)*r .. p`` of its
     ``position`` ``p`` (-1 where shorter, and everywhere for a pad, ``p = -1``). One launch where fused
     (the ``qsa`` fusion, `qsa_triton.selected_positions_triton`)."""
@@ -255,13 +255,27 @@ def top_groups_packed(scores: torch.Tensor, k: int, best_first: bool = True) -> 
     groups = scores.shape[-1]
     if groups >= 1 << 31:
         raise ValueError(f"top_groups packs group indices in 31 bits; got {groups} groups")
-    if FUSED_QSA_TOPK and scores.is_cuda and scores.dim() == 2 and scores.dtype == torch.float32:
-        from .qsa_triton import pack_scores_triton
-
-        keys = pack_scores_triton(scores)
-    else:
-        keys = _pack(scores, torch.arange(groups, device=scores.device))
+    keys = _pack(scores, torch.arange(groups, device=scores.device))
     return _unpack(keys.topk(k, dim=-1, sorted=best_first).values)
+
+
+def top_group_set(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The groups of `top_groups` (the ``k`` best of each row of ``scores [N, G]``, the lower group first
+    among equal scores) in ascending order: the set a selection needs, whose order only changes the order
+    of the attention's sums. Where fused (``qsa_topk``) on CUDA, fewer than `top_groups_two_level`'s
+    ``2 * k * TOPK_TILE`` groups take one launch that never sorts (`top_set_triton.top_set_triton`: a
+    bisection for the ``k``-th best score, where torch's top-k sorts the whole row: 27.5 + 13.1 us a QSA
+    layer of a decode step at 1 x 4096 on an H200); otherwise `top_groups`, sorted by group."""
+    if _fuses_top_set(scores, k):
+        from .top_set_triton import top_set_triton
+
+        return top_set_triton(scores, k)
+    return top_groups(scores, k).sort(dim=-1).values
+
+
+def _fuses_top_set(scores: torch.Tensor, k: int) -> bool:
+    return (FUSED_QSA_TOPK and _use_triton(scores) and scores.dim() == 2 and scores.dtype == torch.float32
+            and scores.shape[-1] < 2 * k * TOPK_TILE)
 
 
 def top_groups_by_value(scores: torch.Tensor, k: int) -> torch.Tensor:

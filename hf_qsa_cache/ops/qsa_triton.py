@@ -458,36 +458,6 @@ def candidate_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, blo
     return out
 
 
-PACK_BLOCK = 1024
-
-
-@triton.jit(do_not_specialize=["num_groups", "stride_sn"])
-def _pack_scores_kernel(scores_ptr, keys_ptr, num_groups, stride_sn, BLOCK: tl.constexpr):
-    """`qsa._pack` of one block of one row: the score's float32 bits (a -0.0 made 0.0) above the reversed
-    group index, so that an int64 order is the (score, lower group) order."""
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = g < num_groups
-    s = tl.load(scores_ptr + row * stride_sn + g, mask=ok, other=0.0)
-    s = tl.where(s == 0.0, 0.0, s)
-    bits = s.to(tl.int32, bitcast=True).to(tl.int64)
-    tl.store(keys_ptr + row * num_groups + g, bits * 4294967296 + (2147483647 - g), mask=ok)
-
-
-@on_device_of_first_tensor
-def pack_scores_triton(scores: torch.Tensor) -> torch.Tensor:
-    """`hf_qsa_cache.ops.qsa._pack` of ``scores`` ``[N, G]`` (fp32, rows of unit stride) with their group
-    indices, in one launch."""
-    if scores.stride(-1) != 1:
-        scores = scores.contiguous()
-    n, groups = scores.shape
-    keys = torch.empty(n, groups, dtype=torch.int64, device=scores.device)
-    if n and groups:
-        _pack_scores_kernel[(n, triton.cdiv(groups, PACK_BLOCK))](scores, keys, groups, scores.stride(0),
-                                                                  BLOCK=PACK_BLOCK, num_warps=4)
-    return keys
-
-
 @triton.jit(do_not_specialize=["num_tokens", "k"])
 def _selected_positions_kernel(groups_ptr, visible_ptr, position_ptr, out_ptr, num_tokens, k,
                                stride_gn, stride_gk, stride_on,

@@ -1,0 +1,100 @@
+"""Triton version of `hf_qsa_cache.ops.qsa.top_group_set`: the ``k`` best of each row of float32 scores, as a
+set (ascending index), the lower index first among equal scores. One program per row, no sort.
+
+torch's ``topk`` of a few hundred out of a few thousand groups sorts the whole row (a radix sort and a
+gather: about 40 us a QSA layer of a decode step on an H200). What the selection needs is only the set:
+
+1. Each score becomes an int32 key whose signed order is the float order (a -0.0 made 0.0 first).
+2. A bisection over the 2**32 key values finds the ``k``-th largest key ``T``: the largest value with at
+   least ``k`` keys at or above it (32 rounds of counting).
+3. Every key above ``T`` is kept, and of the keys equal to ``T`` the ``k - count(> T)`` of lowest index (a
+   running count along the row); each kept index is written at its rank along the row.
+
+A row longer than ``BLOCK`` is read in chunks of ``BLOCK`` at every round (tests force small blocks); a row
+that fits is loaded once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import on_device_of_first_tensor
+
+MAX_BLOCK = 4096  # scores a program holds at once; longer rows are read in chunks
+
+
+@triton.jit
+def _keys(base, start, num_groups, BLOCK: tl.constexpr):
+    """(int32 keys ordered as the float scores, in-row mask) of the chunk at ``start``."""
+    g = start + tl.arange(0, BLOCK)
+    valid = g < num_groups
+    s = tl.load(base + g, mask=valid, other=0.0) + 0.0  # -0.0 + 0.0 = 0.0: ties with 0.0
+    bits = s.to(tl.int32, bitcast=True)
+    # Negative floats order backwards as integers: flip their 31 low bits.
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF), valid
+
+
+@triton.jit
+def _narrow(lo, hi, mid, count, k):
+    """One bisection round: keep ``count(key >= lo) >= k > count(key >= hi)``."""
+    enough = count >= k
+    return tl.where(enough, mid, lo), tl.where(enough, hi, mid)
+
+
+@triton.jit(do_not_specialize=["num_groups", "k", "stride_row"])
+def _top_set_kernel(scores_ptr, out_ptr, num_groups, k, stride_row, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = scores_ptr + row * stride_row
+    lo = tl.zeros([], tl.int64) - 2147483648  # every key is >= lo: count = num_groups >= k
+    hi = tl.zeros([], tl.int64) + 2147483648  # no key is >= hi
+    if ONE_CHUNK:
+        key, valid = _keys(base, 0, num_groups, BLOCK)
+        for _ in range(32):
+            mid = (lo + hi) >> 1
+            count = tl.sum((valid & (key.to(tl.int64) >= mid)).to(tl.int32), axis=0)
+            lo, hi = _narrow(lo, hi, mid, count, k)
+    else:
+        for _ in range(32):
+            mid = (lo + hi) >> 1
+            count = tl.zeros([], tl.int32)
+            for start in range(0, num_groups, BLOCK):
+                key, valid = _keys(base, start, num_groups, BLOCK)
+                count += tl.sum((valid & (key.to(tl.int64) >= mid)).to(tl.int32), axis=0)
+            lo, hi = _narrow(lo, hi, mid, count, k)
+    kth = lo.to(tl.int32)  # the k-th largest key
+    # How many of the keys equal to kth to keep: k less those above it.
+    above = tl.zeros([], tl.int32)
+    for start in range(0, num_groups, BLOCK):
+        key, valid = _keys(base, start, num_groups, BLOCK)
+        above += tl.sum((valid & (key > kth)).to(tl.int32), axis=0)
+    ties_wanted = k - above
+    ties_seen = tl.zeros([], tl.int32)
+    written = tl.zeros([], tl.int32)
+    for start in range(0, num_groups, BLOCK):
+        key, valid = _keys(base, start, num_groups, BLOCK)
+        tie = (valid & (key == kth)).to(tl.int32)
+        keep = (valid & (key > kth)) | ((tie != 0) & (ties_seen + tl.cumsum(tie, axis=0) <= ties_wanted))
+        rank = written + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        g = start + tl.arange(0, BLOCK)
+        tl.store(out_ptr + row * k + rank, g.to(tl.int64), mask=keep)
+        ties_seen += tl.sum(tie, axis=0)
+        written += tl.sum(keep.to(tl.int32), axis=0)
+
+
+@on_device_of_first_tensor
+def top_set_triton(scores: torch.Tensor, k: int, block: int | None = None) -> torch.Tensor:
+    """`qsa.top_group_set` of ``scores [N, G]`` (float32, ``1 <= k <= G``) in one launch; ``block``: scores a
+    program holds at once (default: the row, up to `MAX_BLOCK`; tests force it small)."""
+    n, groups = scores.shape
+    if not 0 < k <= groups:
+        raise ValueError(f"top_set_triton needs 1 <= k <= {groups} groups; got k={k}")
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    out = torch.empty(n, k, dtype=torch.int64, device=scores.device)
+    if n:
+        block = block or min(MAX_BLOCK, triton.next_power_of_2(groups))
+        _top_set_kernel[(n,)](scores, out, groups, k, scores.stride(0), BLOCK=block, ONE_CHUNK=groups <= block,
+                              num_warps=8 if block >= 2048 else 4)
+    return out

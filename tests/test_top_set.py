@@ -1,0 +1,135 @@
+"""The set of a QSA selection's best groups (`qsa.top_group_set`) and its one-launch Triton kernel
+(`top_set_triton`, the ``qsa_topk`` fusion).
+
+The kernel runs this file as a script under the Triton interpreter (`interpreter.py`) against the torch
+path: rows full of exact ties (relu zeros), -0.0 beside 0.0, -inf groups, negative scores, k from 1 to
+the whole row, a strided row view, and blocks forced small so that rows are read in several chunks, with
+ties that straddle a chunk boundary.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from hf_qsa_cache.ops import qsa
+from interpreter import count_launches, run_under_interpreter
+
+
+def _stable_best(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best of each row by a stable descending sort (the lower index first among equals), ascending."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k].sort(dim=-1).values
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_top_group_set_is_the_stable_best_k_in_ascending_order(seed):
+    g = torch.Generator().manual_seed(seed)
+    groups = int(torch.randint(1, 300, (1,), generator=g))
+    scores = torch.randint(0, 4, (5, groups), generator=g).float()
+    scores[torch.rand(5, groups, generator=g) < 0.2] = float("-inf")
+    k = int(torch.randint(1, groups + 1, (1,), generator=g))
+    assert torch.equal(qsa.top_group_set(scores, k), _stable_best(scores, k))
+
+
+def test_selection_keeps_its_groups_in_ascending_order():
+    """`score_and_select` lays the kept groups out in ascending order, whatever their scores' order."""
+    groups = torch.tensor([[7, 2, 5]])
+    positions = qsa.selected_positions(groups.sort(dim=-1).values, torch.tensor([8]), torch.tensor([33]), 4, 3)
+    assert positions[0, :12].tolist() == [8, 9, 10, 11, 20, 21, 22, 23, 28, 29, 30, 31]
+
+
+def test_kernel_matches_the_specification_under_the_interpreter():
+    run_under_interpreter(__file__, "all top set cases ok")
+
+
+def _rows(g: torch.Generator, n: int, groups: int) -> torch.Tensor:
+    scores = torch.relu(torch.randn(n, groups, generator=g))  # relu zeros: exact ties
+    scores[1 % n] = torch.randint(0, 3, (groups,), generator=g).float()  # a row of few values
+    scores[torch.rand(n, groups, generator=g) < 0.15] = float("-inf")  # groups a token cannot see
+    if n > 2:
+        scores[2] = torch.randn(groups, generator=g)  # negative scores order below 0 (not QSA's, but floats)
+    return scores
+
+
+def _cases(launches: list) -> str | None:
+    from hf_qsa_cache.ops import top_set_triton as ts
+
+    g = torch.Generator().manual_seed(0)
+    for n, groups in ((1, 1), (3, 5), (4, 33), (3, 64), (5, 200)):
+        wide = _rows(g, n, groups + 3)
+        # Rows read in several chunks (blocks forced small) in one case: the interpreter's rounds are slow.
+        blocks = (None, 4, 16) if groups == 33 else (None,)
+        for label, scores in (("contiguous", wide[:, 3:].contiguous()), ("strided", wide[:, 3:])):
+            for k in sorted({1, groups // 3 or 1, 2 * groups // 3 or 1, groups}):  # 2/3: cuts among negatives
+                want = _stable_best(scores, k)
+                for block in blocks:
+                    launches.clear()
+                    have = ts.top_set_triton(scores, k, block=block)
+                    where = f"n={n} G={groups} k={k} {label} block={block}"
+                    if len(launches) != 1 or have.dtype != torch.int64 or not torch.equal(have, want):
+                        return f"{where}: launches {len(launches)}, {have.tolist()} != {want.tolist()}"
+    # Ties across a chunk boundary: 12 equal scores over chunks of 4, k cutting through them.
+    scores = torch.zeros(1, 20)
+    scores[0, :3] = 2.0
+    scores[0, 15:] = float("-inf")
+    scores[0, 3] = -0.0  # must tie with the 0.0 after it, and win as the lower group
+    for k in (1, 3, 4, 5, 9, 15):  # inside the first chunk, at its end, in later ones, all the ties
+        have = ts.top_set_triton(scores, k, block=4)
+        if not torch.equal(have, _stable_best(scores, k)):
+            return f"chunk-straddling ties k={k}: {have.tolist()}"
+    for bad in (0, 21):
+        try:
+            ts.top_set_triton(scores, bad)
+            return f"k={bad} of 20 groups was not refused"
+        except ValueError as err:
+            if str(bad) not in str(err):
+                return f"k={bad}: the error does not name the value: {err}"
+    return None
+
+
+def _main() -> int:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from hf_qsa_cache.ops import top_set_triton as ts
+
+    torch.set_num_threads(1)
+    if not isinstance(ts._top_set_kernel, InterpretedFunction):
+        print("TRITON_INTERPRET was not honoured")
+        return 1
+    launches: list = []
+    count_launches(ts, "_top_set_kernel", launches)
+    error = _cases(launches)
+    if error:
+        print(error)
+        return 1
+    # The tiny Qwen4Exp (4 of up to 7 groups kept: the selection is active) with the kernel in every QSA
+    # layer: the same selected sets as the torch path, so the same logits bit for bit.
+    from qwen4_helpers import left_pad, make_pair, random_prompts
+
+    from hf_qsa_cache.fusions import fused
+
+    qsa._fuses_top_set = lambda scores, k: qsa.FUSED_QSA_TOPK  # the CUDA dispatch, on CPU tensors
+    model = make_pair(seed=7)[1]
+    ids, mask = left_pad(random_prompts([9, 4, 7], seed=8))
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                                  eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+
+    want = generate()
+    launches.clear()
+    with fused(("qsa_topk",)):
+        have = generate()
+    if not launches or not all(torch.equal(h, w) for h, w in zip(have.logits, want.logits)):
+        print(f"generate: {len(launches)} launches; logits equal: "
+              f"{[torch.equal(h, w) for h, w in zip(have.logits, want.logits)]}")
+        return 1
+    print("all top set cases ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
