@@ -217,7 +217,7 @@ class QSAPagedCache(Cache):
             getattr(store, "history", 0) for layer in layers for store in layer.stores.values()
         )
         self.graph_runners = weakref.WeakKeyDictionary()  # model -> its CUDA-graph runner (cuda_graphs.py)
-        self._row_views: dict[int, tuple[list, list]] = {}  # `inplace_row_views`, by row count
+        self._row_views: dict[int, list] = {}  # `inplace_row_views`, by row count
         self._main_pool_follows_length = num_blocks is None  # `grow` enlarges a main pool it sized itself
         self._generate_may_grow = False  # set on a cache generate() built: a later call may `grow` it
         if self.device is not None and self.dtype is not None:
@@ -612,17 +612,15 @@ class QSAPagedCache(Cache):
 
     def copy_rows_aside(self, rows: int) -> None:
         """Copy the first ``rows`` rows of every state a step overwrites in place to their undo copies (one
-        batched copy; also recorded inside CUDA graphs)."""
-        live, saved = self.inplace_row_views(rows)
-        if live:
-            with torch.no_grad():  # cached state is never differentiated (and foreach copies refuse int64 under grad)
+        batched copy per dtype; also recorded inside CUDA graphs)."""
+        with torch.no_grad():  # cached state is never differentiated (and foreach copies refuse int64 under grad)
+            for live, saved in self.inplace_row_views(rows):
                 torch._foreach_copy_(saved, live)
 
     def copy_rows_back(self, rows: int) -> None:
         """The reverse of `copy_rows_aside` (a step is taken back)."""
-        live, saved = self.inplace_row_views(rows)
-        if live:
-            with torch.no_grad():
+        with torch.no_grad():
+            for live, saved in self.inplace_row_views(rows):
                 torch._foreach_copy_(live, saved)
 
     def rows_copied_aside(self, rows: int) -> None:
@@ -630,19 +628,23 @@ class QSAPagedCache(Cache):
         if self._open is not None:
             self._open.mark_saved(rows)
 
-    def inplace_row_views(self, rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``(live, saved)``: views of the first ``rows`` rows of every state a step overwrites in place, and
-        of their copies (`hf_qsa_cache.transaction`). Kept per row count: building ~100 views costs more
-        host time than a graphed decode step can spare, and they change only when a store is allocated."""
+    def inplace_row_views(self, rows: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """``[(live, saved)]``: views of the first ``rows`` rows of every state a step overwrites in place, and
+        of their copies (`hf_qsa_cache.transaction`), one pair of lists per (device, dtype). torch's foreach
+        copy batches a list of one dtype into a few launches, and copies a mixed list one tensor at a time:
+        82 copies, 132 us, in a Qwen4Exp 40-layer decode step on an H200, against 3 launches, 45 us, split
+        by dtype. Kept per row count: building ~100 views costs more host time than a graphed decode step can
+        spare, and they change only when a store is allocated."""
         views = self._row_views.get(rows)
         if views is None:
-            live, saved = [], []
+            groups: dict[tuple, tuple[list, list]] = {}
             for layer in self.layers:
                 for store in layer.stores.values():
                     for state, copy in store.inplace_rows():
+                        live, saved = groups.setdefault((state.device, state.dtype), ([], []))
                         live.append(state[:rows])
                         saved.append(copy[:rows])
-            views = self._row_views[rows] = (live, saved)
+            views = self._row_views[rows] = list(groups.values())
         return views
 
     # ------------------------------------------------------------------ transformers Cache API
