@@ -111,17 +111,17 @@ def cases(device, dtype, tokens: int, small: bool):
         yield (f"norm_rope {n_heads}x{dim}", lambda q=q, nw=nw, cos=cos, sin=sin: norm_rope_triton.norm_rope_triton(
             q, nw, 1e-6, cos, sin), lambda q=q, nw=nw, cos=cos, sin=sin: _cpu(
             norm_rope.norm_rope_written_out, q, nw, 1e-6, cos, sin), 0.03)
-    route_logits = rand(tokens, E, scale=2)
+    route_x, route_w = rand(tokens, H), rand(E, H, scale=0.05)
     # Experts are compared by the probability they carry: bf16 logits tie often, and among equal
     # probabilities torch's top-k order is open (the kernel takes the lower expert first).
-    probs = torch.softmax(route_logits.float(), dim=-1)
+    probs = torch.softmax((route_x.float() @ route_w.float().T).to(dtype).float(), dim=-1)
 
     def carried(result):
         weights, picked = result
         return weights, probs.gather(1, picked)
 
-    yield ("route_topk", lambda: carried(router_triton.route_topk_triton(route_logits, k, True)),
-           lambda: carried(_cpu(router.route_topk_torch, route_logits, k, True)), 0.02)
+    yield ("route", lambda: carried(router_triton.route_triton(route_x, route_w, k, True)),
+           lambda: carried(_cpu(router.route_torch, route_x, route_w, k, True)), 0.02)
     x_e = rand(tokens, H)
     gate_up, down = rand(E, 2 * inter, H, scale=0.02), rand(E, H, inter, scale=0.02)
     index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).to(device)

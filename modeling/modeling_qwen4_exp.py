@@ -45,7 +45,7 @@ from hf_qsa_cache.ops.linears import project
 from hf_qsa_cache.ops.norm_rope import norm_rope
 from hf_qsa_cache.ops.prompt_experts import grouped_experts_forward, uses_prompt_experts
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention, sparse_paged_attention_probs
-from hf_qsa_cache.ops.router import fuses_routing, route_topk
+from hf_qsa_cache.ops.router import fuses_routing, route
 from hf_qsa_cache.rollback import gated_delta_keeping_states, step_history
 
 from .checkpoints import StrictLoadingMixin, use_upstream_conversions
@@ -216,8 +216,8 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
 
 
 class Qwen4ExpTextSparseMoeBlock(upstream.Qwen4ExpTextSparseMoeBlock):
-    """transformers' MoE block (same modules and parameters); its routing after the router's projection runs
-    as one launch where fused (`hf_qsa_cache.ops.router`), its shared expert inside the selected experts'
+    """transformers' MoE block (same modules and parameters); its routing, projection included, runs
+    as two launches where fused (`hf_qsa_cache.ops.router`), its shared expert inside the selected experts'
     kernels where folded (`hf_qsa_cache.ops.experts.shared_expert_to_fold`), and prompts' experts through
     `hf_qsa_cache.ops.prompt_experts` where it applies. Otherwise upstream's forward."""
 
@@ -229,7 +229,7 @@ class Qwen4ExpTextSparseMoeBlock(upstream.Qwen4ExpTextSparseMoeBlock):
         if not fused_routing and folded is None and not prompt:
             return super().forward(hidden_states)
         if fused_routing:
-            weights, experts = route_topk(F.linear(x, self.gate.weight), self.gate.top_k, self.gate.norm_topk_prob)
+            weights, experts = route(x, self.gate.weight, self.gate.top_k, self.gate.norm_topk_prob)
         else:
             _, weights, experts = self.gate(x)
         if folded is not None:

@@ -1,9 +1,7 @@
 """Triton version of `hf_qsa_cache.ops.inkling_router.route_inkling_torch`, in two launches.
 
-1. `_router_logits_kernel`: the projection onto every routed and shared expert, split over experts (rows
-   of ``BLOCK_E``) and over ranges of the hidden size, so that a decode step's one token still spreads the
-   weight read over many programs (one program per token read the whole weight alone: 60 us per layer on
-   the H200 for a 65 x 2048 router, against a few for the read). Partial sums in fp32, weight read as stored.
+1. `router_triton.router_partials`: the projection onto every routed and shared expert, split over experts
+   and over ranges of the hidden size (fp32 partial sums).
 2. `_inkling_router_kernel`: per token, the partial sums added up, then the choice scores, the top ``k``
    (`triton_common.top_k_picks`) and the log-sigmoid softmax over the chosen and shared experts, in
    registers.
@@ -15,30 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .router_triton import BLOCK_H, router_partials
 from .triton_common import on_device_of_first_tensor, top_k_picks
-
-BLOCK_E = 16  # experts (router rows) per program of the projection
-BLOCK_H = 256  # hidden columns per chunk of the projection
-TARGET_PROGRAMS = 128  # the projection's programs a launch aims for (about one per SM on an H100 / H200)
-
-
-@triton.jit(do_not_specialize=["stride_xt", "num_tokens", "split_len"])
-def _router_logits_kernel(x_ptr, w_ptr, part_ptr, stride_xt, num_tokens, split_len,
-                          HIDDEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
-    """part[s, t, e] = sum over the s-th hidden range of x[t, h] * w[e, h] (fp32)."""
-    e_block, s, t = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    e = e_block * BLOCK_E + tl.arange(0, BLOCK_E)
-    e_ok = e < ROWS
-    lo = s * split_len
-    acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
-    for h0 in range(lo, lo + split_len, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        h_ok = h < HIDDEN  # (split_len is a multiple of BLOCK_H)
-        x = tl.load(x_ptr + t * stride_xt + h, mask=h_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + e[:, None].to(tl.int64) * HIDDEN + h[None, :], mask=e_ok[:, None] & h_ok[None, :],
-                    other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-    tl.store(part_ptr + (s * num_tokens + t) * ROWS + e, tl.sum(acc, axis=1), mask=e_ok)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "splits"])
@@ -93,18 +69,9 @@ def inkling_router_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     gammas = torch.empty(T, n_shared, dtype=x.dtype, device=x.device)
     if not T:
         return weights, indices, gammas
-    block_h = min(block_h, triton.next_power_of_2(H))
-    e_blocks = triton.cdiv(rows, BLOCK_E)
-    if splits is None:
-        splits = triton.cdiv(TARGET_PROGRAMS, e_blocks * T)
-    split_len = block_h * triton.cdiv(triton.cdiv(H, max(1, splits)), block_h)
-    splits = triton.cdiv(H, split_len)
-    part = torch.empty(splits, T, rows, dtype=torch.float32, device=x.device)
-    _router_logits_kernel[(e_blocks, splits, T)](
-        x, weight, part, x.stride(0), T, split_len, HIDDEN=H, ROWS=rows, BLOCK_E=BLOCK_E, BLOCK_H=block_h,
-        num_warps=4)
+    part = router_partials(x, weight, block_h, splits)
     _inkling_router_kernel[(T,)](
-        part, bias, global_scale, weights, indices, gammas, T, splits, float(route_scale), E=E, S=n_shared,
+        part, bias, global_scale, weights, indices, gammas, T, part.shape[0], float(route_scale), E=E, S=n_shared,
         E_PAD=triton.next_power_of_2(rows), K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        S_PAD=triton.next_power_of_2(n_shared), num_warps=4)
+        S_PAD=triton.next_power_of_2(n_shared), num_warps=1)
     return weights, indices, gammas
