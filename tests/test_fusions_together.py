@@ -132,8 +132,8 @@ def test_an_unknown_name_in_the_environment_is_refused_at_import():
     assert proc.returncode != 0 and "unknown fusion(s) ['nrom']" in proc.stderr and "known: hc, hc_proj, gdn" in proc.stderr
 
 
-MEASURED = {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "shared_expert", "inkling_router",
-            "prompt_experts", "projections"}
+MEASURED = {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
+            "inkling_router", "prompt_experts", "projections"}
 
 
 def test_a_fusion_not_yet_timed_is_on_only_when_named():
@@ -144,7 +144,7 @@ def test_a_fusion_not_yet_timed_is_on_only_when_named():
     assert requested("inkling_router,hc", unmeasured=("inkling_router",)) == {"inkling_router", "hc"}
 
 
-@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED | {"qsa_topk"}),
+@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED),
                                                ("none", set()), ("", set()), ("gdn,router", {"gdn", "router"})])
 def test_the_environment_picks_the_measured_fusions_by_default(setting, expected):
     import os

@@ -33,7 +33,7 @@ _CHUNK_ELEMENTS = 1 << 27
 USE_TRITON = os.environ.get("HF_QSA_TRITON_QSA", "1") == "1"
 # The QSA index arithmetic (group pooling, selected positions) in one launch each: ``qsa`` in `hf_qsa_cache.fusions`.
 FUSED_QSA = fusion_enabled("qsa")
-# ``qsa_topk`` (not yet timed): a selection's set of best groups in one launch, no sort (`top_group_set`).
+# ``qsa_topk``: a selection's set of best groups in one launch, no sort (`top_group_set`).
 FUSED_QSA_TOPK = fusion_enabled("qsa_topk")
 
 
