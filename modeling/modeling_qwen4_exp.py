@@ -27,7 +27,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
 from transformers.utils import can_return_tuple
-from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+from transformers.utils.output_capturing import OutputRecorder, _active_collector, capture_outputs
 
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.attentions import by_key_column
@@ -37,7 +37,7 @@ from hf_qsa_cache.generation import (
 )
 from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
-from hf_qsa_cache.ops import records_grad
+from hf_qsa_cache.ops import hyper_connection, keeps_own_forward, records_grad
 from hf_qsa_cache.ops.experts import run_selected_experts, shared_expert_to_fold
 from hf_qsa_cache.ops.gated_delta import delta_gates, fuses_conv_prefill, fuses_conv_step, gated_rms_norm
 from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual
@@ -259,14 +259,24 @@ class Qwen4ExpTextDecoderLayer(upstream.Qwen4ExpTextDecoderLayer):
         self.attn_hyper_connection = upstream.Qwen4ExpTextGatedResidual(config)
         self.mlp_hyper_connection = upstream.Qwen4ExpTextGatedResidual(config)
 
-    def forward(self, hidden_states, cos, sin, positions3, valid, ple_input_ids, cache, meta, attentions=None):
+    def forward(self, hidden_states, cos, sin, positions3, valid, ple_input_ids, cache, meta, attentions=None,
+                residual=None, defer_residual=False):
+        """The layer on the hyper-connection streams ``hidden_states``. ``residual = (out, inject)``: the previous
+        layer's MoE output, still to be added into the streams (upstream adds it at that layer's end). With
+        ``defer_residual``, returns ``(streams, (out, inject))`` with this layer's own left pending in turn
+        (`defers_residual`); otherwise the streams with it added."""
         with cache.replaying(meta):  # activation checkpointing may rerun this layer after the step
-            return self._forward(hidden_states, cos, sin, positions3, valid, ple_input_ids, cache, attentions)
+            return self._forward(hidden_states, cos, sin, positions3, valid, ple_input_ids, cache, attentions,
+                                 residual, defer_residual)
 
-    def _forward(self, hidden_states, cos, sin, positions3, valid, ple_input_ids, cache, attentions):
+    def _forward(self, hidden_states, cos, sin, positions3, valid, ple_input_ids, cache, attentions, residual,
+                 defer_residual):
         if self.ple is not None:
+            if residual is not None:
+                hidden_states, residual = add_injection(hidden_states, *residual), None
             hidden_states = hidden_states + self.ple(hidden_states, ple_input_ids, valid, cache)
-        block_input, hyper_input, inject = gated_residual(self.attn_hyper_connection, hidden_states)
+        # The previous layer's residual add and this mixing in one pass where fused.
+        block_input, hyper_input, inject = gated_residual(self.attn_hyper_connection, hidden_states, residual)
         if self.layer_type == "linear_attention":
             out = self.linear_attn(block_input, valid, cache)
         else:
@@ -274,7 +284,29 @@ class Qwen4ExpTextDecoderLayer(upstream.Qwen4ExpTextDecoderLayer):
         # The attention block's residual add and the MoE block's mixing in one pass where fused.
         block_input, hyper_input, inject = gated_residual(self.mlp_hyper_connection, hyper_input, (out, inject))
         out = self.mlp(block_input)
+        if defer_residual:
+            return hyper_input, (out, inject)
         return add_injection(hyper_input, out, inject)
+
+
+def defers_residual(layer: Qwen4ExpTextDecoderLayer, streams: torch.Tensor) -> bool:
+    """Whether the layer loop leaves ``layer``'s MoE residual for the next layer's fused norm to add (one launch
+    a layer less): with the ``hc`` fusion on, autograd not recording (the fused norm runs only then, and
+    activation checkpointing tracks only a layer's tensor arguments), and nothing outside that must see the
+    layer's output whole (`_output_seen`)."""
+    return hyper_connection.FUSED_HC and not records_grad(streams) and not _output_seen(layer)
+
+
+def _output_seen(layer: nn.Module) -> bool:
+    """Whether a hook sees ``layer``'s output: accelerate's device hooks, a user's hook, or transformers' output
+    recorder while it collects hidden states (it stays installed after an ``output_hidden_states`` call and
+    is idle in the calls that do not ask for them)."""
+    if hasattr(layer, "_hf_hook") or layer._forward_pre_hooks:
+        return True
+    if any(getattr(hook, "__name__", "") != "output_capturing_hook" for hook in layer._forward_hooks.values()):
+        return True
+    collecting = _active_collector.get() if layer._forward_hooks else None
+    return collecting is not None and "hidden_states" in collecting
 
 
 class Qwen4ExpPreTrainedModel(StrictLoadingMixin, upstream.Qwen4ExpPreTrainedModel):
@@ -393,9 +425,14 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         flat_positions3 = positions3.reshape(3, -1).t()
 
         hidden_states = inputs_embeds.repeat(1, 1, self.config.hc_count)
+        residual = None  # the last layer's MoE output and injection weights, not yet in the streams
         for layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_states = layer(hidden_states, cos, sin, flat_positions3, valid, ple_input_ids, cache, meta,
-                                  attentions)
+            defer = defers_residual(layer, hidden_states)
+            out = layer(hidden_states, cos, sin, flat_positions3, valid, ple_input_ids, cache, meta, attentions,
+                        residual=residual, defer_residual=defer)
+            hidden_states, residual = out if defer else (out, None)
+        if residual is not None:
+            hidden_states = add_injection(hidden_states, *residual)
         return self.hyper_connection_mixer(hidden_states)
 
 

@@ -224,3 +224,43 @@ def test_the_residual_is_upstreams_unfused_and_rounded_once_fused(fused, monkeyp
     once = (streams.float().unflatten(-1, (3, 8)) + out.float().unsqueeze(-2) * inject.float().unsqueeze(-1))
     assert torch.equal(got, once.flatten(-2).bfloat16() if fused else upstream)
     assert not torch.equal(upstream, once.flatten(-2).bfloat16())  # the case tells them apart
+
+
+def test_the_layer_loop_leaves_each_moe_residual_to_the_next_layers_norm(monkeypatch):
+    """With the fusion on, a forward adds a layer's MoE residual on its own only before a PLE layer and before
+    the final mixer: every other one goes into the next layer's fused `hc_norm`. With ``output_hidden_states``
+    (a recorder hooked on every layer) each layer hands on its whole streams, equal to the default path's."""
+    from qwen4_helpers import left_pad, make_pair, random_prompts
+
+    from modeling import modeling_qwen4_exp as ours
+
+    _, model = make_pair(seed=3)
+    ids, mask = left_pad(random_prompts([11, 6], seed=4))
+    layers = model.model.layers
+    calls = []
+    real = ours.add_injection
+    monkeypatch.setattr(ours, "add_injection", lambda *a: calls.append(1) or real(*a))
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(hc_ops, "FUSED_HC", on)
+        calls.clear()
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask).logits
+            hidden = model(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        runs[on] = (logits, hidden, len(calls))
+    ple_after_first = sum(layer.ple is not None for layer in layers[1:])
+    # Off: every layer adds its own; on: each PLE layer's and the mixer's, and every layer's own while hidden
+    # states are recorded.
+    assert runs[False][2] == 2 * len(layers)
+    assert runs[True][2] == 1 + ple_after_first + len(layers)
+    torch.testing.assert_close(runs[True][0], runs[False][0], atol=2e-5, rtol=0)
+    for have, want in zip(runs[True][1], runs[False][1], strict=True):
+        torch.testing.assert_close(have, want, atol=2e-5, rtol=0)
+    # A hook of the user's on a layer sees whole streams: that layer adds its own residual.
+    seen = []
+    handle = layers[1].register_forward_hook(lambda m, a, out: seen.append(isinstance(out, torch.Tensor)))
+    calls.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, runs[False][0], atol=2e-5, rtol=0)
+    handle.remove()
+    assert seen == [True] and len(calls) == 2 + ple_after_first
