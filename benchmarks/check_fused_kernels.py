@@ -165,6 +165,12 @@ def cases(device, dtype, tokens: int, small: bool):
            lambda: _cpu(lambda s: qsa.top_groups(s, pick).sort(dim=-1).values, scores), 0)
     yield ("top_groups on device", lambda: qsa.top_groups(scores, pick).sort(dim=-1).values,
            lambda: _cpu(lambda s: qsa.top_groups(s, pick).sort(dim=-1).values, scores), 0)
+    # A graph step of 32 tokens' (token, expert) pairs grouped by expert ("torch on device": the path it replaces).
+    pair_ids = torch.randint(0, E, (5 * k if small else 32 * k,), generator=g).to(device)
+    yield ("pair_order", lambda: prompt_experts_triton.pair_order_triton(pair_ids, E),
+           lambda: _cpu(prompt_experts.pair_order_torch, pair_ids, E), 0)
+    yield ("pair_order torch on device", lambda: prompt_experts.pair_order_torch(pair_ids, E),
+           lambda: _cpu(prompt_experts.pair_order_torch, pair_ids, E), 0)
     # A prompt chunk's experts (4096 tokens x k): the activation with its routing weight, and the sum by token.
     T = 5 if small else 4096
     gate_up, pair_w = rand(T * k, 2 * inter), torch.rand(T * k, generator=g).to(device)

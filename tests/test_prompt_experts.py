@@ -71,9 +71,22 @@ def test_triton_kernels_match_torch():
 
 
 def _main() -> int:
-    from hf_qsa_cache.ops.prompt_experts_triton import sum_by_token_triton, weighted_silu_mul_triton
+    from hf_qsa_cache.ops.prompt_experts_triton import (pair_order_triton, sum_by_token_triton,
+                                                        weighted_silu_mul_triton)
 
     cases = 0
+    # The pairs' order by expert: many pairs per expert (the stable order within one), experts with none (their
+    # offsets repeat), a pair count the compared blocks do not divide, one pair, every pair on one expert, an
+    # expert count that is not a power of two.
+    g = torch.Generator().manual_seed(1)
+    for pairs, experts in ((19, 8), (1, 4), (12, 6), (40, 64)):
+        for ids in (torch.randint(0, experts, (pairs,), generator=g), torch.full((pairs,), experts - 1)):
+            want = prompt_experts.pair_order_torch(ids, experts)
+            for block_j in (4, 32):
+                got = pair_order_triton(ids, experts, block_j=block_j)
+                for name, h, w in zip(("perm", "positions", "offsets"), got, want, strict=True):
+                    assert h.dtype == w.dtype and torch.equal(h, w), (pairs, experts, block_j, name, h, w)
+                cases += 1
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1.6e-2)):
         g = torch.Generator().manual_seed(0)
         for rows, inter in ((7, 6), (3, 8)):  # blocks of 4 columns: the second partial for 6

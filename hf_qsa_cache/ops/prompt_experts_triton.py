@@ -56,3 +56,50 @@ def sum_by_token_triton(rows: torch.Tensor, positions: torch.Tensor, num_tokens:
         _sum_by_token_kernel[(num_tokens, triton.cdiv(H, block))](rows, positions, out, num_tokens, H=H, K=top_k,
                                                                    BLOCK=block, num_warps=4)
     return out
+
+
+# Up to this many (token, expert) pairs `pair_order_triton` ranks them in one program (it compares every pair
+# with every other: S * S work); more take torch's sort.
+PAIR_ORDER_MAX_PAIRS = 1024
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _pair_order_kernel(ids_ptr, perm_ptr, positions_ptr, offsets_ptr, num_pairs,
+                       S_PAD: tl.constexpr, BLOCK_J: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr):
+    """One program: each pair's rank in the stable order by expert (the pairs of lower experts, then the
+    earlier pairs of its own expert), written as ``positions[i] = rank`` and ``perm[rank] = i``, and each
+    expert's end offset (pairs routed to experts ``<= e``)."""
+    i = tl.arange(0, S_PAD)
+    i_ok = i < num_pairs
+    mine = tl.load(ids_ptr + i, mask=i_ok, other=E).to(tl.int32)
+    rank = tl.zeros([S_PAD], tl.int32)
+    for j0 in range(0, num_pairs, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        other = tl.load(ids_ptr + j, mask=j < num_pairs, other=E).to(tl.int32)  # padding ranks after every pair
+        before = (other[None, :] < mine[:, None]) | ((other[None, :] == mine[:, None]) & (j[None, :] < i[:, None]))
+        rank += tl.sum(before.to(tl.int32), axis=1)
+    tl.store(positions_ptr + i, rank.to(tl.int64), mask=i_ok)
+    tl.store(perm_ptr + rank, i.to(tl.int64), mask=i_ok)
+    e = tl.arange(0, E_PAD)
+    ends = tl.sum(((mine[None, :] <= e[:, None]) & i_ok[None, :]).to(tl.int32), axis=1)
+    tl.store(offsets_ptr + e, ends, mask=e < E)
+
+
+@on_device_of_first_tensor
+def pair_order_triton(expert_ids: torch.Tensor, num_experts: int,
+                      block_j: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`prompt_experts.pair_order_torch` of ``expert_ids [S]`` (``S <= PAIR_ORDER_MAX_PAIRS``) in one launch;
+    ``block_j``: pairs compared at a time (tests force it small)."""
+    ids = expert_ids.contiguous()
+    S = ids.numel()
+    if S > PAIR_ORDER_MAX_PAIRS:
+        raise ValueError(f"pair_order_triton ranks at most {PAIR_ORDER_MAX_PAIRS} pairs; got {S}")
+    perm = torch.empty(S, dtype=torch.int64, device=ids.device)
+    positions = torch.empty(S, dtype=torch.int64, device=ids.device)
+    offsets = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    if S:
+        _pair_order_kernel[(1,)](ids, perm, positions, offsets, S, S_PAD=triton.next_power_of_2(S), BLOCK_J=block_j,
+                                 E=num_experts, E_PAD=triton.next_power_of_2(num_experts), num_warps=4)
+    else:
+        offsets.zero_()
+    return perm, positions, offsets
