@@ -58,11 +58,14 @@ def _main() -> int:
     for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 3.2e-2)):
         for n, H, D, rot in ((1, 3, 24, 12), (4, 2, 16, 16), (3, 1, 20, 8)):
             norm, x, cos, sin = _case(n, H, D, rot, dtype, seed=n + D)
-            got = norm_rope_triton(x, norm.weight.detach(), norm.eps, cos, sin)
-            want = ops.norm_rope_written_out(x, norm.weight.detach(), norm.eps, cos, sin)
-            assert got.dtype == want.dtype and got.shape == want.shape
-            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-            cases += 1
+            # As laid out and as a QSA query is: the first half of each head's row of a wider projection.
+            wide = torch.cat([x, torch.randn_like(x.float()).to(dtype)], dim=-1)
+            for label, xs in (("contiguous", x), ("strided", torch.chunk(wide, 2, dim=-1)[0])):
+                got = norm_rope_triton(xs, norm.weight.detach(), norm.eps, cos, sin)
+                want = ops.norm_rope_written_out(x, norm.weight.detach(), norm.eps, cos, sin)
+                assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous(), label
+                torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"{label} {m}")
+                cases += 1
     print(f"all norm rope kernel cases ok ({cases})")
     return 0
 
