@@ -165,6 +165,9 @@ def cases(device, dtype, tokens: int, small: bool):
            lambda: _cpu(lambda s: qsa.top_groups(s, pick).sort(dim=-1).values, scores), 0)
     yield ("top_groups on device", lambda: qsa.top_groups(scores, pick).sort(dim=-1).values,
            lambda: _cpu(lambda s: qsa.top_groups(s, pick).sort(dim=-1).values, scores), 0)
+    long_scores = torch.relu(rand(tokens, 50 if small else 4400, dt=torch.float32))  # a 17600-token reach
+    yield ("top_set 4400 groups", lambda: top_set_triton.top_set_triton(long_scores, pick),
+           lambda: _cpu(lambda s: qsa.top_groups(s, pick).sort(dim=-1).values, long_scores), 0)
     # A graph step of 32 tokens' (token, expert) pairs grouped by expert ("torch on device": the path it replaces).
     pair_ids = torch.randint(0, E, (5 * k if small else 32 * k,), generator=g).to(device)
     yield ("pair_order", lambda: prompt_experts_triton.pair_order_triton(pair_ids, E),

@@ -79,6 +79,13 @@ def _cases(launches: list) -> str | None:
         have = ts.top_set_triton(scores, k, block=4)
         if not torch.equal(have, _stable_best(scores, k)):
             return f"chunk-straddling ties k={k}: {have.tolist()}"
+    # Sixteen scores one float step apart (shuffled): the search must narrow to a single key value.
+    close = torch.tensor(1.0) + torch.arange(16) * (torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)) - 1.0)
+    close = close[torch.randperm(16, generator=g)][None]
+    for k in (1, 5, 15):
+        have = ts.top_set_triton(close, k)
+        if not torch.equal(have, _stable_best(close, k)):
+            return f"scores one step apart, k={k}: {have.tolist()}"
     for bad in (0, 21):
         try:
             ts.top_set_triton(scores, bad)
