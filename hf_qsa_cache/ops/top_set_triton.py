@@ -6,15 +6,16 @@ gather: 27.5 + 13.1 us a QSA layer of a 1 x 4096 decode step on an H200). What t
 the set:
 
 1. Each score becomes an int32 key whose signed order is the float order (a -0.0 made 0.0 first).
-2. A search over the 2**32 key values finds the ``k``-th largest key ``T``: the largest value with at
-   least ``k`` keys at or above it. Each round counts the keys at or above 16 evenly spaced values of the
-   interval left (one pass over the row), keeping the sixteenth in which ``T`` lies: 8 rounds. (A first
-   version bisected, 32 rounds of one count each: 11.1 us a call at 1 x 4096 and 47 us at 1 x 16384 on the
-   H200, `benchmarks/RESULTS.md`.)
+2. A bisection over the 2**32 key values finds the ``k``-th largest key ``T``: the largest value with at
+   least ``k`` keys at or above it (32 rounds of counting).
 3. Every key above ``T`` is kept, and of the keys equal to ``T`` the ``k - count(> T)`` of lowest index (a
    running count along the row); each kept index is written at its rank along the row.
 
-Each pass reads the row in chunks of ``BLOCK`` scores (tests force small blocks).
+A row that fits one block (up to `MAX_BLOCK` scores) is loaded once and held in registers; a longer one is
+read in chunks of ``BLOCK`` at every round (tests force small blocks). On the H200 the bisection takes 11.1 us
+a call at 1 x 4096 (1100 groups, one block), and took 47 us at 1 x 16384 when 4096-score blocks made that
+row two chunks. A 16-way search (8 rounds, each counting 16 values in one pass) measured slower, 21.6 us at
+1 x 4096 (`benchmarks/RESULTS.md`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ import triton.language as tl
 
 from .triton_common import on_device_of_first_tensor
 
-MAX_BLOCK = 1024  # scores a pass holds at once (times the 16 values compared: registers)
-WAYS = 16  # values compared per round of the search
+MAX_BLOCK = 8192  # scores a program holds at once (32 registers a thread at 8 warps); longer rows: chunks
 
 
 @triton.jit
@@ -40,25 +40,33 @@ def _keys(base, start, num_groups, BLOCK: tl.constexpr):
     return bits ^ ((bits >> 31) & 0x7FFFFFFF), valid
 
 
+@triton.jit
+def _narrow(lo, hi, mid, count, k):
+    """One bisection round: keep ``count(key >= lo) >= k > count(key >= hi)``."""
+    enough = count >= k
+    return tl.where(enough, mid, lo), tl.where(enough, hi, mid)
+
+
 @triton.jit(do_not_specialize=["num_groups", "k", "stride_row"])
-def _top_set_kernel(scores_ptr, out_ptr, num_groups, k, stride_row, BLOCK: tl.constexpr, WAYS: tl.constexpr):
+def _top_set_kernel(scores_ptr, out_ptr, num_groups, k, stride_row, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = scores_ptr + row * stride_row
-    m = tl.arange(0, WAYS)
     lo = tl.zeros([], tl.int64) - 2147483648  # every key is >= lo: count = num_groups >= k
     hi = tl.zeros([], tl.int64) + 2147483648  # no key is >= hi
-    for _ in range(8):  # 16 ** 8 = 2 ** 32: the interval is one value wide after the last round
-        values = lo + ((hi - lo) * m) // WAYS  # values[0] = lo; repeats when the interval is narrow
-        counts = tl.zeros([WAYS], tl.int32)
-        for start in range(0, num_groups, BLOCK):
-            key, valid = _keys(base, start, num_groups, BLOCK)
-            at_or_above = valid[None, :] & (key.to(tl.int64)[None, :] >= values[:, None])
-            counts += tl.sum(at_or_above.to(tl.int32), axis=1)
-        # Counts fall with the value: keep the last value still counting k keys, up to the next one.
-        last = tl.max(tl.where(counts >= k, m, 0), axis=0)
-        new_lo = tl.sum(tl.where(m == last, values, 0), axis=0)
-        hi = tl.where(last == WAYS - 1, hi, tl.sum(tl.where(m == last + 1, values, 0), axis=0))
-        lo = new_lo
+    if ONE_CHUNK:
+        key, valid = _keys(base, 0, num_groups, BLOCK)
+        for _ in range(32):
+            mid = (lo + hi) >> 1
+            count = tl.sum((valid & (key.to(tl.int64) >= mid)).to(tl.int32), axis=0)
+            lo, hi = _narrow(lo, hi, mid, count, k)
+    else:
+        for _ in range(32):
+            mid = (lo + hi) >> 1
+            count = tl.zeros([], tl.int32)
+            for start in range(0, num_groups, BLOCK):
+                key, valid = _keys(base, start, num_groups, BLOCK)
+                count += tl.sum((valid & (key.to(tl.int64) >= mid)).to(tl.int32), axis=0)
+            lo, hi = _narrow(lo, hi, mid, count, k)
     kth = lo.to(tl.int32)  # the k-th largest key
     # How many of the keys equal to kth to keep: k less those above it.
     above = tl.zeros([], tl.int32)
@@ -82,7 +90,7 @@ def _top_set_kernel(scores_ptr, out_ptr, num_groups, k, stride_row, BLOCK: tl.co
 @on_device_of_first_tensor
 def top_set_triton(scores: torch.Tensor, k: int, block: int | None = None) -> torch.Tensor:
     """`qsa.top_group_set` of ``scores [N, G]`` (float32, ``1 <= k <= G``) in one launch; ``block``: scores a
-    pass holds at once (default: the row, up to `MAX_BLOCK`; tests force it small)."""
+    program holds at once (default: the row, up to `MAX_BLOCK`; tests force it small)."""
     n, groups = scores.shape
     if not 0 < k <= groups:
         raise ValueError(f"top_set_triton needs 1 <= k <= {groups} groups; got k={k}")
@@ -91,6 +99,6 @@ def top_set_triton(scores: torch.Tensor, k: int, block: int | None = None) -> to
     out = torch.empty(n, k, dtype=torch.int64, device=scores.device)
     if n:
         block = block or min(MAX_BLOCK, triton.next_power_of_2(groups))
-        _top_set_kernel[(n,)](scores, out, groups, k, scores.stride(0), BLOCK=block, WAYS=WAYS,
-                              num_warps=8 if block >= 1024 else 4)
+        _top_set_kernel[(n,)](scores, out, groups, k, scores.stride(0), BLOCK=block, ONE_CHUNK=groups <= block,
+                              num_warps=8 if block >= 2048 else 4)
     return out
