@@ -37,7 +37,7 @@ from hf_qsa_cache.generation import (
 )
 from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
-from hf_qsa_cache.ops import hyper_connection, keeps_own_forward, records_grad
+from hf_qsa_cache.ops import hyper_connection, records_grad
 from hf_qsa_cache.ops.experts import run_selected_experts, shared_expert_to_fold
 from hf_qsa_cache.ops.gated_delta import delta_gates, fuses_conv_prefill, fuses_conv_step, gated_rms_norm
 from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual

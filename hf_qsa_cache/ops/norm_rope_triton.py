@@ -55,6 +55,6 @@ def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: tor
     out = torch.empty(n, H, D, dtype=x.dtype, device=x.device)
     if n:
         h_pad, d_pad = triton.next_power_of_2(H), triton.next_power_of_2(D)
-        _norm_rope_kernel[(n,)](x, weight, cos, sin, out, n, float(eps), x.stride(0), x.stride(1), H=H, D=D, ROT=rot, H_PAD=h_pad,
-                                D_PAD=d_pad, num_warps=8 if h_pad * d_pad >= 4096 else 4)
+        _norm_rope_kernel[(n,)](x, weight, cos, sin, out, n, float(eps), x.stride(0), x.stride(1), H=H, D=D, ROT=rot,
+                                H_PAD=h_pad, D_PAD=d_pad, num_warps=8 if h_pad * d_pad >= 4096 else 4)
     return out

@@ -37,7 +37,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) ->
     return route_torch(x, weight, top_k, normalize)
 
 
-def route_torch(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_torch(x: torch.Tensor, weight: torch.Tensor, top_k: int,
+                normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``Qwen4ExpTextTopKRouter.forward``'s weights and experts (the specification)."""
     return route_topk_torch(F.linear(x, weight), top_k, normalize)
 

@@ -12,9 +12,9 @@ the set:
    running count along the row); each kept index is written at its rank along the row.
 
 A row that fits one block (up to `MAX_BLOCK` scores) is loaded once and held in registers; a longer one is
-read in chunks of ``BLOCK`` at every round (tests force small blocks). On the H200 the bisection takes 11.1 us
-a call at 1 x 4096 (1100 groups, one block), and took 47 us at 1 x 16384 when 4096-score blocks made that
-row two chunks. A 16-way search (8 rounds, each counting 16 values in one pass) measured slower, 21.6 us at
+read in chunks of ``BLOCK`` at every round (tests force small blocks). On the H200 the bisection takes 11.2 us
+a call at 1 x 4096 (1100 groups) and 30.0 us at 1 x 16384 (4400 groups, 47 us when 4096-score blocks made
+that row two chunks). A 16-way search (8 rounds, each counting 16 values in one pass) measured slower, 21.6 us at
 1 x 4096 (`benchmarks/RESULTS.md`).
 """
 
