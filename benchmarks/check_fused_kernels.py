@@ -30,7 +30,7 @@ from hf_qsa_cache.ops import norm_rope, prompt_experts, qsa, rms_norm, router  #
 from hf_qsa_cache.ops import experts_triton, gated_delta_triton, hyper_connection_triton  # noqa: E402
 from hf_qsa_cache.ops import inkling_router_triton, norm_rope_triton, qsa_triton, rms_norm_triton  # noqa: E402
 from hf_qsa_cache.ops import linears, linears_triton, prompt_experts_triton, router_triton  # noqa: E402
-from hf_qsa_cache.ops import top_set_triton  # noqa: E402
+from hf_qsa_cache.ops import ple, ple_triton, top_set_triton  # noqa: E402
 
 
 def _time(fn, device, repeat: int) -> float:
@@ -72,6 +72,19 @@ def cases(device, dtype, tokens: int, small: bool):
     logits = rand(tokens, hc)
     yield ("mix_streams", lambda: hyper_connection_triton.mix_streams_triton(up, streams, logits, hc),
            lambda: _cpu(hyper_connection.mix_streams, up, streams, logits, hc), 0.02)
+    # Qwen4Exp's PLE layer at the benchmark shapes (16 n-gram heads of 128 features, 32000 ids: hashes that
+    # overflow int64), one window of ids per token with end-of-sequence ids in it.
+    ple_layer = _ple_layer(small, device, dtype)
+    emb = ple_layer.ple_embedding
+    history = torch.randint(2, emb.unigram_vocab_size, (tokens, emb.ngram_size + 1), generator=g)
+    history[torch.rand(history.shape, generator=g) < 0.2] = emb.eos_token_id
+    history = history.to(device)
+    yield ("ple ngram_embeddings", lambda: ple_triton.ngram_embeddings_triton(history, emb, 1),
+           lambda: emb.ngram_embedding(ple.ngram_ids_torch(history, emb, 1)).flatten(-2), 0)
+    ple_key, ple_value, ple_valid = rand(tokens, hc * H), rand(tokens, H), torch.arange(tokens, device=device) != 1
+    ple_weights = (ple_layer.norm_key.weight, ple_layer.norm_query.weight, ple_layer.norm_conv.weight)
+    yield ("ple gate", lambda: ple_triton.ple_gate_triton(ple_key, ple_value, streams, ple_valid, *ple_weights, hc, 1e-6),
+           lambda: _cpu(ple.ple_gate_torch, ple_key, ple_value, streams, ple_valid, *ple_weights, hc, 1e-6), 0.02)
     R = 12 if small else 320  # hc_lowrank
     down, up_w, inject_w = rand(R, hc * H, scale=0.02), rand(hc * H, R, scale=0.1), rand(hc, hc * H, scale=0.02)
     normed = rand(tokens, hc * H)
@@ -190,6 +203,23 @@ def cases(device, dtype, tokens: int, small: bool):
     yield ("projections", lambda: tuple(linears_triton.linears_triton(x_in, projections, keep)),
            lambda: tuple(_cpu(lambda *a: tuple(linears.linears_torch(a[0], list(a[1:-1]), a[-1])), x_in, *projections,
                               keep)), 0.02)
+
+
+def _ple_layer(small: bool, device, dtype):
+    """transformers' PLE layer of the benchmark config (small shapes under the interpreter), random weights."""
+    from bench_generate import qwen4_exp_config
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
+
+    config = qwen4_exp_config(4)
+    if small:
+        config.hidden_size, config.hc_count, config.ple_embed_dim, config.heads_per_ngram = 40, 3, 16, 2
+        config.ngram_vocab_size_base = 31
+    torch.manual_seed(0)
+    layer = upstream.Qwen4ExpTextPLELayer(config, layer_idx=2, ple_layer_index=0)
+    with torch.no_grad():
+        for norm in (layer.norm_key, layer.norm_query, layer.norm_conv):
+            norm.weight.normal_(0.0, 0.5)
+    return layer.to(device=device, dtype=dtype)
 
 
 def _cpu(fn, *args):

@@ -28,10 +28,11 @@ FLAGS = {
     "inkling_router": ("hf_qsa_cache.ops.inkling_router", "FUSED_INKLING_ROUTER"),
     "prompt_experts": ("hf_qsa_cache.ops.prompt_experts", "FUSED_PROMPT_EXPERTS"),
     "projections": ("hf_qsa_cache.ops.linears", "FUSED_PROJECTIONS"),
+    "ple": ("hf_qsa_cache.ops.ple", "FUSED_PLE"),
 }
 # Built and tested on the CPU (the kernels under the Triton interpreter) but not yet timed on a GPU: on
 # only when named in HF_QSA_FUSED (or with "all"), not by default. A new fusion starts here.
-UNMEASURED: tuple[str, ...] = ()
+UNMEASURED: tuple[str, ...] = ("ple",)
 
 
 def requested(setting: str | None, unmeasured: tuple[str, ...] = UNMEASURED) -> set[str]:

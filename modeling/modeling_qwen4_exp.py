@@ -43,6 +43,7 @@ from hf_qsa_cache.ops.gated_delta import delta_gates, fuses_conv_prefill, fuses_
 from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual
 from hf_qsa_cache.ops.linears import project
 from hf_qsa_cache.ops.norm_rope import norm_rope
+from hf_qsa_cache.ops.ple import fuses_ple, ngram_embeddings, ngram_ids_torch, ple_gate
 from hf_qsa_cache.ops.prompt_experts import grouped_experts_forward, uses_prompt_experts
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention, sparse_paged_attention_probs
 from hf_qsa_cache.ops.router import fuses_routing, route
@@ -178,41 +179,41 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
         state = cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype).linear
         kept = step_history(cache, state, hidden_states.device, B, L)  # rollback ring (speculative decoding)
         meta = cache.step_metadata(hidden_states.device)
-        embeddings = self._ngram_embeddings(input_ids, state, kept, meta)
-        key_normed = self.norm_key(self.key_proj(embeddings)).unflatten(-1, (self.hc_count, self.hidden_size))
-        value = self.value_proj(embeddings)
-        query_normed = self.norm_query(hidden_states).unflatten(-1, (self.hc_count, self.hidden_size))
-        gate = (key_normed * query_normed).sum(dim=-1, keepdim=True) / self.hidden_size**0.5
-        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-        gated_value = torch.sigmoid(gate) * value.unsqueeze(-2)
-        gated_value_normed = self.norm_conv(gated_value.flatten(-2))
-        gated_value = gated_value.flatten(-2)
-        gated_value = torch.where(valid[..., None], gated_value, 0)
-        gated_value_normed = torch.where(valid[..., None], gated_value_normed, 0)
+        if fuses_ple(self, hidden_states):  # the lookup and the gating in one launch each (hf_qsa_cache.ops.ple)
+            history = self._ngram_history(input_ids, state, kept, meta)
+            embeddings = ngram_embeddings(history, self.ple_embedding, L).to(hidden_states.dtype)
+            key, value = project(embeddings, self.key_proj, self.value_proj)
+            gated_value, gated_value_normed = ple_gate(key, value, hidden_states, valid, self)
+        else:
+            embeddings = self._ngram_embeddings(input_ids, state, kept, meta)
+            key_normed = self.norm_key(self.key_proj(embeddings)).unflatten(-1, (self.hc_count, self.hidden_size))
+            value = self.value_proj(embeddings)
+            query_normed = self.norm_query(hidden_states).unflatten(-1, (self.hc_count, self.hidden_size))
+            gate = (key_normed * query_normed).sum(dim=-1, keepdim=True) / self.hidden_size**0.5
+            gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+            gated_value = torch.sigmoid(gate) * value.unsqueeze(-2)
+            gated_value_normed = self.norm_conv(gated_value.flatten(-2))
+            gated_value = gated_value.flatten(-2)
+            gated_value = torch.where(valid[..., None], gated_value, 0)
+            gated_value_normed = torch.where(valid[..., None], gated_value_normed, 0)
 
         window = state.window("ple_conv", gated_value_normed.transpose(1, 2), meta.leading_pads(), meta.starts_fresh)
         state.write_window("ple_conv", window, kept)
         conv = F.silu(self.conv1d(window)).transpose(1, 2)
         return gated_value + conv
 
+    def _ngram_history(self, input_ids, state, kept, meta):
+        """``[cached ids | this step's ids]`` per row; the cache keeps its tail for the next step."""
+        history = state.window("ngram_ids", input_ids.long(), meta.leading_pads(), meta.starts_fresh)
+        state.write_window("ngram_ids", history, kept)
+        return history
+
     def _ngram_embeddings(self, input_ids, state, kept, meta):
         emb = self.ple_embedding
-        ids = input_ids.long()
-        history = state.window("ngram_ids", ids, meta.leading_pads(), meta.starts_fresh)
-        state.write_window("ngram_ids", history, kept)
-        shifted = [emb._shift_right_ignore_eos(history, s) for s in range(emb.ngram_size)]
-        blocks = []
-        for ngram in range(2, emb.ngram_size + 1):
-            heads = slice((ngram - 2) * emb.heads_per_ngram, (ngram - 1) * emb.heads_per_ngram)
-            mixed = shifted[0] * emb.layer_multipliers[0]
-            for j in range(1, ngram):
-                mixed = torch.bitwise_xor(mixed, shifted[j] * emb.layer_multipliers[j])
-            ngram_ids = torch.remainder(mixed.unsqueeze(-1), emb.ngram_heads_vocab_sizes[heads].view(1, 1, -1))
-            blocks.append(ngram_ids + emb.ngram_heads_offsets[heads].view(1, 1, -1))
-        ngram_ids = torch.cat(blocks, dim=-1)[:, -ids.shape[1]:]
+        ngram_ids = ngram_ids_torch(self._ngram_history(input_ids, state, kept, meta), emb, input_ids.shape[1])
         weight = emb.ngram_embedding.weight
         device = weight.device if weight.device.type != "meta" else ngram_ids.device
-        return emb.ngram_embedding(ngram_ids.to(device)).to(ids.device).flatten(-2)
+        return emb.ngram_embedding(ngram_ids.to(device)).to(input_ids.device).flatten(-2)
 
 
 class Qwen4ExpTextSparseMoeBlock(upstream.Qwen4ExpTextSparseMoeBlock):
