@@ -432,9 +432,8 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
             out = layer(hidden_states, cos, sin, flat_positions3, valid, ple_input_ids, cache, meta, attentions,
                         residual=residual, defer_residual=defer)
             hidden_states, residual = out if defer else (out, None)
-        if residual is not None:
-            hidden_states = add_injection(hidden_states, *residual)
-        return self.hyper_connection_mixer(hidden_states)
+        # The final mixer (with the last layer's residual, added in its fused norm's pass where fused).
+        return gated_residual(self.hyper_connection_mixer, hidden_states, residual)[0]
 
 
 class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, ContinuousBatchingMixin, PagedCacheGenerationMixin, GenerationMixin):

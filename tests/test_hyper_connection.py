@@ -164,7 +164,11 @@ def _main() -> int:
                 for a, b in zip(mix_streams_triton(up, streams, logits, hc), hc_ops.mix_streams(up, streams, logits, hc)):
                     assert a.dtype == b.dtype and a.shape == b.shape
                     torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
-                cases += 2
+                mixed, none = mix_streams_triton(up, streams, None, hc)  # the final mixer: no injection
+                assert none is None
+                torch.testing.assert_close(mixed.float(), hc_ops.mix_streams(up, streams, None, hc)[0].float(), atol=tol,
+                                           rtol=tol)
+                cases += 3
     cases += _projection_cases()
     print(f"all hyper-connection kernel cases ok ({cases})")
     return 0
@@ -196,14 +200,17 @@ def _projection_cases() -> int:
                                            up_warps=4),
                               hct.MixTiles(splits=1, block_n=16, block_k=128, down_warps=2, block_h=16, r_chunk=16,
                                            up_warps=1), None):
-                    launches.clear()
-                    got = hct.mix_projections_triton(normed, down, up, inject_weight, hc, tiles)
-                    want = hc_ops.mix_projections(normed, down, up, inject_weight, hc)
-                    assert len(launches) == 2, launches
-                    for a, b in zip(got, want):
-                        assert a.dtype == b.dtype and a.shape == b.shape
-                        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
-                    cases += 1
+                    for weight in (inject_weight, None):  # None: the final mixer, no injection
+                        launches.clear()
+                        got = hct.mix_projections_triton(normed, down, up, weight, hc, tiles)
+                        want = hc_ops.mix_projections(normed, down, up, weight, hc)
+                        assert len(launches) == 2, launches
+                        assert (got[1] is None) == (weight is None) == (want[1] is None)
+                        for a, b in zip(got, want):
+                            if b is not None:
+                                assert a.dtype == b.dtype and a.shape == b.shape
+                                torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+                        cases += 1
     return cases
 
 
@@ -227,8 +234,8 @@ def test_the_residual_is_upstreams_unfused_and_rounded_once_fused(fused, monkeyp
 
 
 def test_the_layer_loop_leaves_each_moe_residual_to_the_next_layers_norm(monkeypatch):
-    """With the fusion on, a forward adds a layer's MoE residual on its own only before a PLE layer and before
-    the final mixer: every other one goes into the next layer's fused `hc_norm`. With ``output_hidden_states``
+    """With the fusion on, a forward adds a layer's MoE residual on its own only before a PLE layer: every other
+    one goes into the fused `hc_norm` of the next layer or of the final mixer. With ``output_hidden_states``
     (a recorder hooked on every layer) each layer hands on its whole streams, equal to the default path's."""
     from qwen4_helpers import left_pad, make_pair, random_prompts
 
@@ -249,10 +256,10 @@ def test_the_layer_loop_leaves_each_moe_residual_to_the_next_layers_norm(monkeyp
             hidden = model(ids, attention_mask=mask, output_hidden_states=True).hidden_states
         runs[on] = (logits, hidden, len(calls))
     ple_after_first = sum(layer.ple is not None for layer in layers[1:])
-    # Off: every layer adds its own; on: each PLE layer's and the mixer's, and every layer's own while hidden
-    # states are recorded.
+    # Off: every layer adds its own; on: each PLE layer's (the last layer's goes into the final mixer's norm), and
+    # every layer's own while hidden states are recorded.
     assert runs[False][2] == 2 * len(layers)
-    assert runs[True][2] == 1 + ple_after_first + len(layers)
+    assert runs[True][2] == ple_after_first + len(layers)
     torch.testing.assert_close(runs[True][0], runs[False][0], atol=2e-5, rtol=0)
     for have, want in zip(runs[True][1], runs[False][1], strict=True):
         torch.testing.assert_close(have, want, atol=2e-5, rtol=0)
@@ -263,4 +270,23 @@ def test_the_layer_loop_leaves_each_moe_residual_to_the_next_layers_norm(monkeyp
     with torch.no_grad():
         torch.testing.assert_close(model(ids, attention_mask=mask).logits, runs[False][0], atol=2e-5, rtol=0)
     handle.remove()
-    assert seen == [True] and len(calls) == 2 + ple_after_first
+    assert seen == [True] and len(calls) == 1 + ple_after_first
+
+
+def test_the_final_mixer_fused_equals_upstreams_in_fp32(fused):
+    """The mixer after the last layer (no injection weight) through `gated_residual`, with and without a pending
+    residual, against transformers' module on the streams with the residual added."""
+    from qwen4_helpers import tiny_config
+
+    config = tiny_config()
+    torch.manual_seed(0)
+    mixer = upstream.Qwen4ExpTextGatedResidual(config, use_combine=False).eval()
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.normal_(0.0, 0.5)
+        streams, out, inject = _streams(config)
+        for residual in (None, (out, inject)):
+            whole = streams if residual is None else hc_ops.add_injection(streams, *residual)
+            mixed, _, none = hc_ops.gated_residual(mixer, streams, residual)
+            assert none is None
+            torch.testing.assert_close(mixed, mixer(whole), atol=2e-6, rtol=2e-6)

@@ -48,9 +48,9 @@ HC_PROJ_MAX_TOKENS = 16
 
 def use_fused(module, x: torch.Tensor) -> bool:
     submodules = (module, module.hc_norm, module.input_mix_weight_down, module.input_mix_weight_up,
-                  module.block_inject_weight)
+                  module.block_inject_weight)  # (no injection weight in the final mixer)
     return (FUSED_HC and not records_grad(x) and module.hc_norm.weight.device == x.device
-            and not any(keeps_own_forward(m, *m.parameters(recurse=False)) for m in submodules))
+            and not any(keeps_own_forward(m, *m.parameters(recurse=False)) for m in submodules if m is not None))
 
 
 def add_injection(streams: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
@@ -67,27 +67,32 @@ def add_injection(streams: torch.Tensor, out: torch.Tensor, inject: torch.Tensor
 def gated_residual(module, streams: torch.Tensor, residual: tuple | None = None):
     """``(block_input, streams, inject)`` as ``module(streams)`` returns them (transformers'
     ``Qwen4ExpTextGatedResidual`` with its injection), after adding ``residual = (out, inject)`` of the
-    previous block into ``streams`` when given. Fused when `use_fused`, else upstream's own ops."""
+    previous block into ``streams`` when given. Fused when `use_fused`, else upstream's own ops. The final
+    mixer (no injection weight) gives ``(mixed, streams, None)``."""
     if not use_fused(module, streams):
         if residual is not None:
             streams = add_injection(streams, *residual)
-        return module(streams)
+        out = module(streams)
+        return out if module.block_inject_weight is not None else (out, streams, None)
     hc = module.hc_count
     streams, normed = hc_norm(streams, module.hc_norm.weight, hc, module.hc_norm.eps, residual)
+    inject = module.block_inject_weight
     weights = (module.input_mix_weight_down.weight, module.input_mix_weight_up.weight,
-               module.block_inject_weight.weight)
+               inject.weight if inject is not None else None)
     few_tokens = normed.numel() <= HC_PROJ_MAX_TOKENS * normed.shape[-1]
     mix = mix_projections if FUSED_HC_PROJ and few_tokens else mix_with_linears
     block_input, inject = mix(normed, *weights, hc)
     return block_input, streams, inject
 
 
-def mix_with_linears(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: torch.Tensor,
-                     hc: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mix_with_linears(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: torch.Tensor | None,
+                     hc: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(mixed, inject)`` from the normed streams with the three projections as GEMMs (rounded to the
-    activations' dtype) around `scaled_silu` and `mix_streams`: the ``hc`` fusion without ``hc_proj``."""
+    activations' dtype) around `scaled_silu` and `mix_streams`: the ``hc`` fusion without ``hc_proj``
+    (``inject`` None without an injection weight)."""
     low = scaled_silu(F.linear(normed, down), 1.0 / hc)
-    return mix_streams(F.linear(low, up), normed, F.linear(normed, inject_weight), hc)
+    logits = F.linear(normed, inject_weight) if inject_weight is not None else None
+    return mix_streams(F.linear(low, up), normed, logits, hc)
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -122,22 +127,25 @@ def scaled_silu(x: torch.Tensor, scale: float) -> torch.Tensor:
     return F.silu(x.float() * scale).to(x.dtype)
 
 
-def mix_streams(up: torch.Tensor, normed: torch.Tensor, inject_logits: torch.Tensor,
-                hc: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mix_streams(up: torch.Tensor, normed: torch.Tensor, inject_logits: torch.Tensor | None,
+                hc: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(mixed [..., H], inject [..., hc])``: the mean over streams of ``sigmoid(up) * normed`` (both
-    ``[..., hc * H]``) and ``2 sigmoid(inject_logits / hc)``, each rounded to ``normed``'s dtype."""
+    ``[..., hc * H]``) and ``2 sigmoid(inject_logits / hc)`` (None without logits), each rounded to
+    ``normed``'s dtype."""
     if _triton(normed):
         from .hyper_connection_triton import mix_streams_triton
 
         return mix_streams_triton(up, normed, inject_logits, hc)
     gates = torch.sigmoid(up.float()).unflatten(-1, (hc, -1))
     mixed = (gates * normed.float().unflatten(-1, (hc, -1))).mean(-2)
+    if inject_logits is None:
+        return mixed.to(normed.dtype), None
     inject = 2 * torch.sigmoid(inject_logits.float() / hc)
     return mixed.to(normed.dtype), inject.to(normed.dtype)
 
 
-def mix_projections(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: torch.Tensor,
-                    hc: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mix_projections(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: torch.Tensor | None,
+                    hc: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(mixed, inject)`` from the normed streams ``[..., hc * H]``: what the three projections, `scaled_silu`
     and `mix_streams` give, in fp32 from the loaded values on (one rounding per output, none between):
     ``low = silu(normed @ down.T / hc)``, ``mixed = mean_c(sigmoid(low @ up.T) * normed)`` over the streams,
@@ -148,4 +156,5 @@ def mix_projections(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor, 
         return mix_projections_triton(normed, down, up, inject_weight, hc)
     x = normed.float()  # the same ops as `mix_with_linears`, with fp32 between them
     low = scaled_silu(x @ down.float().mT, 1.0 / hc)
-    return mix_streams(low @ up.float().mT, normed, x @ inject_weight.float().mT, hc)
+    logits = x @ inject_weight.float().mT if inject_weight is not None else None
+    return mix_streams(low @ up.float().mT, normed, logits, hc)

@@ -89,7 +89,8 @@ def scaled_silu_triton(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _mix_streams_kernel(up_ptr, normed_ptr, logits_ptr, mixed_ptr, inject_ptr, num_tokens,
-                        HC: tl.constexpr, H: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+                        HC: tl.constexpr, H: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                        INJECT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, HC_PAD)
     h = tl.arange(0, BLOCK_H)
@@ -99,26 +100,30 @@ def _mix_streams_kernel(up_ptr, normed_ptr, logits_ptr, mixed_ptr, inject_ptr, n
     normed = tl.load(normed_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
     mixed = tl.sum(gates * normed, axis=0) / HC  # padded streams load 0 and add nothing
     tl.store(mixed_ptr + t * H + h, mixed.to(mixed_ptr.dtype.element_ty), mask=h < H)
-    logits = tl.load(logits_ptr + t * HC + c, mask=c < HC, other=0.0).to(tl.float32)
-    inject = 2.0 * tl.sigmoid(logits / HC)
-    tl.store(inject_ptr + t * HC + c, inject.to(inject_ptr.dtype.element_ty), mask=c < HC)
+    if INJECT:
+        logits = tl.load(logits_ptr + t * HC + c, mask=c < HC, other=0.0).to(tl.float32)
+        inject = 2.0 * tl.sigmoid(logits / HC)
+        tl.store(inject_ptr + t * HC + c, inject.to(inject_ptr.dtype.element_ty), mask=c < HC)
 
 
 @on_device_of_first_tensor
 def mix_streams_triton(up: torch.Tensor, normed: torch.Tensor, inject_logits: torch.Tensor,
                        hc: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`hyper_connection.mix_streams` in one launch."""
-    up, normed, inject_logits = up.contiguous(), normed.contiguous(), inject_logits.contiguous()
+    """`hyper_connection.mix_streams` in one launch (``inject`` None without logits)."""
+    up, normed = up.contiguous(), normed.contiguous()
     width = normed.shape[-1]
     H = width // hc
     tokens = normed.numel() // max(width, 1)
     mixed = torch.empty(*normed.shape[:-1], H, dtype=normed.dtype, device=normed.device)
-    inject = torch.empty(*normed.shape[:-1], hc, dtype=normed.dtype, device=normed.device)
+    inject = (torch.empty(*normed.shape[:-1], hc, dtype=normed.dtype, device=normed.device)
+              if inject_logits is not None else None)
     if tokens:
         block_h = triton.next_power_of_2(H)
         hc_pad = triton.next_power_of_2(hc)
-        _mix_streams_kernel[(tokens,)](up, normed, inject_logits, mixed, inject, tokens, HC=hc, H=H,
-                                       HC_PAD=hc_pad, BLOCK_H=block_h, num_warps=_warps(hc_pad * block_h))
+        logits = inject_logits.contiguous() if inject is not None else mixed  # (unread without injection)
+        _mix_streams_kernel[(tokens,)](up, normed, logits, mixed, inject if inject is not None else mixed, tokens,
+                                       HC=hc, H=H, HC_PAD=hc_pad, BLOCK_H=block_h, INJECT=inject is not None,
+                                       num_warps=_warps(hc_pad * block_h))
     return mixed, inject
 
 
@@ -151,12 +156,14 @@ MIX_TILES = MixTiles(splits=16, block_n=64, block_k=128, down_warps=4, block_h=3
 @triton.jit(do_not_specialize=["num_tokens", "split_len"])
 def _hc_down_kernel(x_ptr, down_ptr, inject_w_ptr, part_ptr, num_tokens, split_len,
                     K: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
-    """part[s, m, n] = sum over the s-th input range of x[m, k] * W[n, k], W = [down (R rows); inject (HC)]."""
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+                    INJECT: tl.constexpr):
+    """part[s, m, n] = sum over the s-th input range of x[m, k] * W[n, k], W = [down (R rows); inject (HC)]
+    (the injection rows only with ``INJECT``)."""
     n_block, s, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = m < num_tokens, n < R + HC
+    m_ok, n_ok = m < num_tokens, n < (R + HC if INJECT else R)
     # Output rows 0..R-1 read the down projection, R..R+HC-1 the injection logits' weight.
     rows = tl.where(n < R, down_ptr + n.to(tl.int64) * K, inject_w_ptr + (n - R).to(tl.int64) * K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -174,7 +181,7 @@ def _hc_down_kernel(x_ptr, down_ptr, inject_w_ptr, part_ptr, num_tokens, split_l
 @triton.jit(do_not_specialize=["num_tokens"])
 def _hc_up_mix_kernel(part_ptr, normed_ptr, up_ptr, mixed_ptr, inject_ptr, num_tokens,
                       H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr,
-                      HC_PAD: tl.constexpr, R_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+                      HC_PAD: tl.constexpr, R_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, INJECT: tl.constexpr):
     """mixed[t, h] = mean_c sigmoid(low[t] . W_up[c*H + h]) * normed[t, c*H + h], with low = silu(down / HC)
     summed from the splits. One program per (block of BLOCK_H columns, token): its HC_PAD * BLOCK_H weight
     rows (stream-major) are read once, in chunks of R_CHUNK of the low rank, as GEMVs (products summed
@@ -201,7 +208,7 @@ def _hc_up_mix_kernel(part_ptr, normed_ptr, up_ptr, mixed_ptr, inject_ptr, num_t
     mixed = tl.sum(tl.reshape(tl.where(ok, gate * x, 0.0), (HC_PAD, BLOCK_H)), axis=0) / HC
     out_h = h_block * BLOCK_H + tl.arange(0, BLOCK_H)
     tl.store(mixed_ptr + t * H + out_h, mixed.to(mixed_ptr.dtype.element_ty), mask=out_h < H)
-    if h_block == 0:
+    if INJECT and h_block == 0:
         c = tl.arange(0, HC_PAD)
         logits = tl.zeros([HC_PAD], tl.float32)
         for s in range(SPLITS):
@@ -217,12 +224,14 @@ def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.T
     up projection with the gating and the mean over streams), tiled by ``tiles`` (default: the measured
     `ONE_TOKEN_MIX_TILES` or `MIX_TILES`; tests force them small)."""
     normed = normed.contiguous()
-    down, up, inject_weight = down.contiguous(), up.contiguous(), inject_weight.contiguous()
+    down, up = down.contiguous(), up.contiguous()
+    has_inject = inject_weight is not None  # (the final mixer has none)
+    inject_weight = inject_weight.contiguous() if has_inject else down  # (unread without injection)
     K = normed.shape[-1]
     H, R = K // hc, down.shape[0]
     tokens = normed.numel() // max(K, 1)
     mixed = torch.empty(*normed.shape[:-1], H, dtype=normed.dtype, device=normed.device)
-    inject = torch.empty(*normed.shape[:-1], hc, dtype=normed.dtype, device=normed.device)
+    inject = torch.empty(*normed.shape[:-1], hc, dtype=normed.dtype, device=normed.device) if has_inject else None
     if not tokens:
         return mixed, inject
     t = tiles or (ONE_TOKEN_MIX_TILES if tokens == 1 else MIX_TILES)
@@ -232,10 +241,10 @@ def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.T
     m_blocks = triton.cdiv(tokens, HC_PROJ_BLOCK_M)
     _hc_down_kernel[(triton.cdiv(R + hc, t.block_n), splits, m_blocks)](
         normed, down, inject_weight, part, tokens, split_len, K=K, R=R, HC=hc, BLOCK_M=HC_PROJ_BLOCK_M,
-        BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=normed.dtype == torch.float32, WIDEN=INTERPRET,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=normed.dtype == torch.float32, WIDEN=INTERPRET, INJECT=has_inject,
         num_warps=t.down_warps)
     _hc_up_mix_kernel[(triton.cdiv(H, t.block_h), tokens)](
-        part, normed, up, mixed, inject, tokens, H=H, R=R, HC=hc, SPLITS=splits,
+        part, normed, up, mixed, inject if has_inject else mixed, tokens, H=H, R=R, HC=hc, SPLITS=splits,
         HC_PAD=triton.next_power_of_2(hc), R_CHUNK=min(t.r_chunk, triton.next_power_of_2(R)), BLOCK_H=t.block_h,
-        num_warps=t.up_warps)
+        INJECT=has_inject, num_warps=t.up_warps)
     return mixed, inject
