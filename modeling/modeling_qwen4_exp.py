@@ -179,7 +179,8 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
         state = cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype).linear
         kept = step_history(cache, state, hidden_states.device, B, L)  # rollback ring (speculative decoding)
         meta = cache.step_metadata(hidden_states.device)
-        if fuses_ple(self, hidden_states):  # the lookup and the gating in one launch each (hf_qsa_cache.ops.ple)
+        fused = fuses_ple(self, hidden_states)
+        if fused:  # the lookup and the gating in one launch each (hf_qsa_cache.ops.ple)
             history = self._ngram_history(input_ids, state, kept, meta)
             embeddings = ngram_embeddings(history, self.ple_embedding, L).to(hidden_states.dtype)
             key, value = project(embeddings, self.key_proj, self.value_proj)
@@ -197,7 +198,12 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
             gated_value = torch.where(valid[..., None], gated_value, 0)
             gated_value_normed = torch.where(valid[..., None], gated_value_normed, 0)
 
-        window = state.window("ple_conv", gated_value_normed.transpose(1, 2), meta.leading_pads(), meta.starts_fresh)
+        leading_pads = meta.leading_pads()
+        if fused and L == 1 and leading_pads is None and not meta.starts_fresh and kept is None:
+            # The dilated conv's window shifts in place; the conv, silu and the sum in the same launch.
+            return state.conv_step_in_place(gated_value_normed.transpose(1, 2), self.conv1d.weight[:, 0],
+                                            hidden_states.dtype, "ple_conv", self.conv1d.dilation[0], gated_value)
+        window = state.window("ple_conv", gated_value_normed.transpose(1, 2), leading_pads, meta.starts_fresh)
         state.write_window("ple_conv", window, kept)
         conv = F.silu(self.conv1d(window)).transpose(1, 2)
         return gated_value + conv

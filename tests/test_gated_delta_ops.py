@@ -71,6 +71,37 @@ def test_conv_decode_step_is_the_window_path(dtype):
         assert torch.equal(fused.conv[:B], windowed.conv[:B]), f"step {step}: kept inputs differ"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dilated_conv_decode_step_is_the_ple_window_path(dtype):
+    """The PLE layer's dilated conv (taps 3 inputs apart) plus its residual, in place, against the window path
+    the layer runs otherwise, over steps that shift every kept input out."""
+    import torch.nn.functional as F
+
+    from hf_qsa_cache.stores.linear_state import LinearAttentionState
+
+    B, C, K, dilation = 2, 12, 4, 3
+    g = torch.Generator().manual_seed(5)
+    conv = torch.nn.Conv1d(C, C, K, groups=C, dilation=dilation, bias=False).to(dtype)
+    stores = []
+    for _ in range(2):
+        store = LinearAttentionState(4, 8, 4, 2, 4, 4, ple_channels=C, ple_window=(K - 1) * dilation)
+        store.allocate("cpu", dtype)
+        store.ple_conv[:B] = torch.randn(B, C, (K - 1) * dilation, generator=torch.Generator().manual_seed(6)).to(dtype)
+        stores.append(store)
+    windowed, fused = stores
+    for step in range((K - 1) * dilation + 2):
+        x = torch.randn(B, C, 1, generator=g).to(dtype)
+        residual = torch.randn(B, 1, C, generator=g).to(dtype)
+        window = windowed.window("ple_conv", x, None)
+        windowed.write_window("ple_conv", window, None)
+        with torch.no_grad():
+            want = residual + F.silu(conv(window)).transpose(1, 2)
+        got = fused.conv_step_in_place(x, conv.weight.detach()[:, 0], dtype, "ple_conv", dilation, residual)
+        tol = 1e-6 if dtype == torch.float32 else 1.6e-2
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m: f"step {step}: {m}")
+        assert torch.equal(fused.ple_conv[:B], windowed.ple_conv[:B]), f"step {step}: kept inputs differ"
+
+
 @pytest.mark.parametrize("fresh", [False, True])
 def test_keep_last_inputs_is_the_window_tail(fresh):
     """`keep_last_inputs` (what the fused prefill conv keeps, from the step's tail only) against the last
@@ -129,16 +160,21 @@ def _main() -> int:
 
     for x_dtype, state_dtype, tol in ((torch.float32, torch.float32, 1e-6), (torch.bfloat16, torch.bfloat16, 1.6e-2),
                                       (torch.bfloat16, torch.float32, 1.6e-2)):
-        for B, C, K in ((1, 300, 4), (3, 24, 2), (2, 40, 3)):  # 300 channels: two blocks, the second partial
+        # 300 channels: two blocks, the second partial; dilation 3 with a residual: the PLE layer's conv.
+        for B, C, K, dilation in ((1, 300, 4, 1), (3, 24, 2, 1), (2, 40, 3, 1), (2, 40, 4, 3), (1, 300, 2, 2)):
             g = torch.Generator().manual_seed(B * 100 + C + K)
-            state = torch.randn(B, C, K - 1, generator=g).to(state_dtype)
+            state = torch.randn(B, C, (K - 1) * dilation, generator=g).to(state_dtype)
             x = torch.randn(B, 1, C, generator=g).to(x_dtype).transpose(1, 2)  # [B, C, 1], strided as in the model
             weight = torch.randn(C, K, generator=g).to(x_dtype)
+            residual = torch.randn(B, 1, C, generator=g).to(x_dtype) if dilation > 1 else None
             mine, theirs = state.clone(), state.clone()
-            got = conv_decode_step_triton(mine, x, weight, x_dtype)
-            want = gated_delta.conv_decode_step(theirs, x, weight, x_dtype)
+            got = conv_decode_step_triton(mine, x, weight, x_dtype, dilation, residual)
+            want = gated_delta.conv_decode_step(theirs, x, weight, x_dtype, dilation, residual)
             assert got.shape == want.shape == (B, 1, C) and got.dtype == want.dtype
-            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+            # With a residual, bf16 rounds twice (the silu, the sum): where the two cancel, the silu's unit in
+            # the last place (up to 0.016 for terms below 4, truncated here, rounded on the CPU) stays absolute.
+            out_tol = 5e-2 if residual is not None and x_dtype == torch.bfloat16 else tol
+            torch.testing.assert_close(got.float(), want.float(), atol=out_tol, rtol=tol)
             # The interpreter truncates its fp32 -> bf16 casts where a GPU rounds: one unit apart at most.
             torch.testing.assert_close(mine.float(), theirs.float(), atol=tol, rtol=tol)
             cases += 1

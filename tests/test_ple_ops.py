@@ -79,9 +79,17 @@ def test_gate_in_bf16_is_no_further_from_fp32_than_upstream():
 def test_generate_with_the_fused_ple_equals_the_default(monkeypatch):
     from qwen4_helpers import left_pad, make_pair, random_prompts
 
+    from hf_qsa_cache.stores.linear_state import LinearAttentionState
+
     _, model = make_pair(seed=3)
     ids, mask = left_pad(random_prompts([23, 9, 17], seed=4))
+    steps = []  # the windows whose one-token steps ran in place: the PLE conv's only with the fusion on
+    real = LinearAttentionState.conv_step_in_place
+    monkeypatch.setattr(LinearAttentionState, "conv_step_in_place",
+                        lambda self, x, w, dtype, name="conv", *a: steps.append((ple.FUSED_PLE, name)) or real(
+                            self, x, w, dtype, name, *a))
     assert_fused_generate_equals_default(monkeypatch, model, ids, mask, ple, "FUSED_PLE", "ple_gate_torch", atol=2e-5)
+    assert (True, "ple_conv") in steps and (False, "ple_conv") not in steps
 
 
 def test_hooks_and_autograd_keep_upstreams_ops(monkeypatch):

@@ -69,20 +69,23 @@ def gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
     return (normed * ACT2FN[activation](gate.float())).to(x.dtype)
 
 
-def conv_decode_step(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
-                     ) -> torch.Tensor:
-    """One token per row: ``x`` ``[B, C, 1]``, the rows' kept inputs ``conv_state`` ``[B, C, K-1]`` (updated in
-    place to the last ``K-1`` inputs), depthwise ``weight`` ``[C, K]``; returns ``silu(conv)`` ``[B, 1, C]`` in
-    ``out_dtype``. Rounding as the unfused path: the window in ``x``'s dtype, the conv output in the weight's,
-    the activation in ``out_dtype``."""
+def conv_decode_step(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
+                     dilation: int = 1, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row: ``x`` ``[B, C, 1]``, the rows' kept inputs ``conv_state`` ``[B, C, (K-1) * dilation]``
+    (updated in place to the last ones), depthwise ``weight`` ``[C, K]`` whose taps lie ``dilation`` inputs
+    apart; returns ``silu(conv)`` ``[B, 1, C]`` in ``out_dtype``, plus ``residual`` ``[B, 1, C]`` when given (the
+    PLE layer's gated value). Rounding as the unfused path: the window in ``x``'s dtype, the conv output in
+    the weight's, the activation in ``out_dtype``, the sum with the residual in ``out_dtype``."""
     if x.is_cuda:
         from .gated_delta_triton import conv_decode_step_triton
 
-        return conv_decode_step_triton(conv_state, x, weight, out_dtype)
+        return conv_decode_step_triton(conv_state, x, weight, out_dtype, dilation, residual)
     window = torch.cat([conv_state.to(x.dtype), x], dim=-1)
     conv_state.copy_(window[..., 1:].to(conv_state.dtype))
-    conv = (window.to(weight.dtype).float() * weight.float()).sum(-1).to(weight.dtype)  # [B, C]
-    return F.silu(conv.float()).to(out_dtype)[:, None, :]
+    taps = window[..., ::dilation]  # the K inputs the conv reads, the last one x
+    conv = (taps.to(weight.dtype).float() * weight.float()).sum(-1).to(weight.dtype)  # [B, C]
+    out = F.silu(conv.float()).to(out_dtype)[:, None, :]
+    return out if residual is None else (residual.float() + out.float()).to(out_dtype)
 
 
 def causal_window(previous: torch.Tensor, x: torch.Tensor, leading_pads: torch.Tensor | None, fresh: bool = False,

@@ -84,11 +84,14 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
 
 
 @triton.jit
-def _conv_decode_step_kernel(state_ptr, x_ptr, weight_ptr, out_ptr, stride_sb, stride_sc, stride_sk, stride_xb,
-                             stride_xc, stride_wc, stride_wk, channels,
-                             K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_C: tl.constexpr, W_DTYPE: tl.constexpr):
-    """One program per (row, block of channels): the window [kept K-1 inputs | x] in x's dtype, the conv in
-    fp32 rounded to the weight's dtype, silu rounded to the output's; the kept inputs shift by one."""
+def _conv_decode_step_kernel(state_ptr, x_ptr, weight_ptr, residual_ptr, out_ptr, stride_sb, stride_sc, stride_sk,
+                             stride_xb, stride_xc, stride_wc, stride_wk, stride_rb, stride_rc, channels,
+                             K: tl.constexpr, K_PAD: tl.constexpr, DIL: tl.constexpr, S: tl.constexpr,
+                             S_PAD: tl.constexpr, BLOCK_C: tl.constexpr, W_DTYPE: tl.constexpr,
+                             RESIDUAL: tl.constexpr):
+    """One program per (row, block of channels): the window [kept S = (K-1) * DIL inputs | x] in x's dtype, the
+    conv over its inputs 0, DIL, .., S in fp32 rounded to the weight's dtype, silu rounded to the output's
+    (plus the residual, rounded again); the kept inputs shift by one."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     k = tl.arange(0, K_PAD)
@@ -96,32 +99,42 @@ def _conv_decode_step_kernel(state_ptr, x_ptr, weight_ptr, out_ptr, stride_sb, s
     x_dtype = x_ptr.dtype.element_ty
     xv = tl.load(x_ptr + b * stride_xb + c * stride_xc, mask=ok, other=0.0)
     rows = state_ptr + b * stride_sb + c[:, None] * stride_sc
-    kept = tl.load(rows + k[None, :] * stride_sk, mask=ok[:, None] & (k < K - 1)[None, :], other=0.0).to(x_dtype)
+    kept = tl.load(rows + (k * DIL)[None, :] * stride_sk, mask=ok[:, None] & (k < K - 1)[None, :],
+                   other=0.0).to(x_dtype)
     window = tl.where((k == K - 1)[None, :], xv[:, None], kept)  # [BLOCK_C, K_PAD], taps past K are zero weights
     w = tl.load(weight_ptr + c[:, None] * stride_wc + k[None, :] * stride_wk, mask=ok[:, None] & (k < K)[None, :],
                 other=0.0).to(tl.float32)
     conv = tl.sum(window.to(W_DTYPE).to(tl.float32) * w, axis=1).to(W_DTYPE).to(tl.float32)
-    tl.store(out_ptr + b * channels + c, (conv * tl.sigmoid(conv)).to(out_ptr.dtype.element_ty), mask=ok)
-    # The kept inputs become the window's last K-1 (read above, before this overwrites them).
-    later = tl.load(rows + (k + 1)[None, :] * stride_sk, mask=ok[:, None] & (k + 1 < K - 1)[None, :],
+    out = (conv * tl.sigmoid(conv)).to(out_ptr.dtype.element_ty)
+    if RESIDUAL:
+        r = tl.load(residual_ptr + b * stride_rb + c * stride_rc, mask=ok, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + r).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + b * channels + c, out, mask=ok)
+    # The kept inputs become the window's last S (read above, before this overwrites them).
+    j = tl.arange(0, S_PAD)
+    later = tl.load(rows + (j + 1)[None, :] * stride_sk, mask=ok[:, None] & (j + 1 < S)[None, :],
                     other=0.0).to(x_dtype)
-    shifted = tl.where((k + 1 == K - 1)[None, :], xv[:, None], later)
-    tl.store(rows + k[None, :] * stride_sk, shifted.to(state_ptr.dtype.element_ty),
-             mask=ok[:, None] & (k < K - 1)[None, :])
+    shifted = tl.where((j + 1 == S)[None, :], xv[:, None], later)
+    tl.store(rows + j[None, :] * stride_sk, shifted.to(state_ptr.dtype.element_ty),
+             mask=ok[:, None] & (j < S)[None, :])
 
 
 @on_device_of_first_tensor
 def conv_decode_step_triton(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                            out_dtype: torch.dtype) -> torch.Tensor:
+                            out_dtype: torch.dtype, dilation: int = 1,
+                            residual: torch.Tensor | None = None) -> torch.Tensor:
     """`gated_delta.conv_decode_step` in one launch (``conv_state`` is updated in place)."""
     B, C, _ = x.shape
     K = weight.shape[-1]
     out = torch.empty(B, 1, C, dtype=out_dtype, device=x.device)
     if B and C:
         block_c = 256
+        r = residual if residual is not None else out  # (unread without a residual)
         _conv_decode_step_kernel[(B, triton.cdiv(C, block_c))](
-            conv_state, x, weight, out, *conv_state.stride(), x.stride(0), x.stride(1), *weight.stride(), C,
-            K=K, K_PAD=triton.next_power_of_2(K), BLOCK_C=block_c, W_DTYPE=TL_DTYPES[weight.dtype], num_warps=4,
+            conv_state, x, weight, r, out, *conv_state.stride(), x.stride(0), x.stride(1), *weight.stride(),
+            r.stride(0), r.stride(2), C, K=K, K_PAD=triton.next_power_of_2(K), DIL=dilation, S=(K - 1) * dilation,
+            S_PAD=triton.next_power_of_2((K - 1) * dilation), BLOCK_C=block_c, W_DTYPE=TL_DTYPES[weight.dtype],
+            RESIDUAL=residual is not None, num_warps=4,
         )
     return out
 

@@ -14,8 +14,10 @@ for the one PLE layer in a Qwen4Exp decode step on the H200 (`benchmarks/profile
   norm, zero on pads (one launch), in fp32 with each output rounded once (upstream rounds after every op:
   the results differ by bf16 rounding and are judged against fp32, as the other fusions' are).
 
-The dilated conv over the gated values keeps its torch ops. The torch functions here are the
-specification (and what the CPU runs); `ple_triton` holds the kernels, tested against them.
+A one-token step without pads or rollback history runs the dilated conv over the gated values, its window's
+shift, the silu and the sum with the gated value in one more launch (`gated_delta.conv_decode_step` with
+its dilation and residual); other steps keep the window ops. The torch functions are the specification
+(and what the CPU runs); `ple_triton` holds the kernels, tested against them.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def fuses_ple(layer, hidden_states: torch.Tensor) -> bool:
     emb = layer.ple_embedding
     parts = ((layer, ()), (emb, ()), (emb.ngram_embedding, (emb.ngram_embedding.weight,)),
              (layer.norm_key, (layer.norm_key.weight,)), (layer.norm_query, (layer.norm_query.weight,)),
-             (layer.norm_conv, (layer.norm_conv.weight,)))
+             (layer.norm_conv, (layer.norm_conv.weight,)), (layer.conv1d, (layer.conv1d.weight,)))
     weights = [w for _, ws in parts for w in ws]
     return (FUSED_PLE and not records_grad(hidden_states, *weights)
             and not any(keeps_own_forward(module, *ws) for module, ws in parts)

@@ -83,10 +83,12 @@ class LinearAttentionState:
         fill = self.eos_token_id if name == "ngram_ids" else 0
         return causal_window(getattr(self, name)[: x.shape[0]], x, leading_pads, fresh, fill)
 
-    def conv_step_in_place(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """A one-token step's conv over rows ``[0, B)`` of the conv window, which shifts in place to take
-        ``x`` ``[B, C, 1]`` (`hf_qsa_cache.ops.gated_delta.conv_decode_step`); returns ``[B, 1, C]``."""
-        return conv_decode_step(self.conv[: x.shape[0]], x, weight, out_dtype)
+    def conv_step_in_place(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, name: str = "conv",
+                           dilation: int = 1, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """A one-token step's conv over rows ``[0, B)`` of window state ``name`` (``conv``, ``ple_conv``), which
+        shifts in place to take ``x`` ``[B, C, 1]`` (`hf_qsa_cache.ops.gated_delta.conv_decode_step`, with its
+        ``dilation`` and ``residual``); returns ``[B, 1, C]``."""
+        return conv_decode_step(getattr(self, name)[: x.shape[0]], x, weight, out_dtype, dilation, residual)
 
     def conv_prefill_in_place(self, x: torch.Tensor, weight: torch.Tensor, leading_pads, fresh: bool,
                               out_dtype: torch.dtype) -> torch.Tensor:
