@@ -60,7 +60,7 @@ def _cases(launches: list) -> str | None:
     for n, groups in ((1, 1), (3, 5), (4, 33), (3, 64), (5, 200)):
         wide = _rows(g, n, groups + 3)
         # Rows read in several chunks (blocks forced small) in one case: the interpreter's rounds are slow.
-        blocks = (None, 4, 16) if groups == 33 else (None,)
+        blocks = (None, 8) if groups == 33 else (None,)
         for label, scores in (("contiguous", wide[:, 3:].contiguous()), ("strided", wide[:, 3:])):
             for k in sorted({1, groups // 3 or 1, 2 * groups // 3 or 1, groups}):  # 2/3: cuts among negatives
                 want = _stable_best(scores, k)
@@ -75,7 +75,7 @@ def _cases(launches: list) -> str | None:
     scores[0, :3] = 2.0
     scores[0, 15:] = float("-inf")
     scores[0, 3] = -0.0  # must tie with the 0.0 after it, and win as the lower group
-    for k in (1, 3, 4, 5, 9, 15):  # inside the first chunk, at its end, in later ones, all the ties
+    for k in (3, 5, 15):  # inside the first chunk, cutting the ties in a later one, all the ties
         have = ts.top_set_triton(scores, k, block=4)
         if not torch.equal(have, _stable_best(scores, k)):
             return f"chunk-straddling ties k={k}: {have.tolist()}"
