@@ -22,3 +22,31 @@ def assert_fused_generate_equals_default(monkeypatch, model, ids, mask, module, 
         assert bool(calls) == on, f"{fused_function} ran {len(calls)} times with {flag}={on}"
     assert torch.equal(runs[True].sequences, runs[False].sequences)
     torch.testing.assert_close(torch.stack(runs[True].scores), torch.stack(runs[False].scores), atol=atol, rtol=0)
+
+
+def fused_generate_mismatch(model, ids, mask, fusion: str, launches: list, atol: float | None) -> str | None:
+    """Greedy generate() of ``model`` with fusion ``fusion`` off, then on (in a script under the Triton
+    interpreter, its kernels' launches counted into ``launches``): None when the fused run launched kernels and
+    gave the same tokens and logits (bit for bit when ``atol`` is None, else within it), otherwise what differs."""
+    from hf_qsa_cache.fusions import fused
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                                  eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+
+    want = generate()
+    launches.clear()
+    with fused((fusion,)):
+        have = generate()
+    if not launches or not torch.equal(have.sequences, want.sequences):
+        return f"{len(launches)} launches, tokens {have.sequences.tolist()} != {want.sequences.tolist()}"
+    for step, (h, w) in enumerate(zip(have.logits, want.logits, strict=True)):
+        if atol is None and not torch.equal(h, w):
+            return f"step {step}: logits differ (max {(h - w).abs().max():.3g})"
+        if atol is not None:
+            try:
+                torch.testing.assert_close(h, w, atol=atol, rtol=0)
+            except AssertionError as err:
+                return f"step {step}: {err}"
+    return None

@@ -14,6 +14,7 @@ import sys
 import pytest
 import test_inkling as inkling
 import torch
+from fusion_helpers import fused_generate_mismatch
 from qwen4_helpers import left_pad, make_pair, random_prompts
 from torch import nn
 
@@ -81,16 +82,8 @@ def _kernel_cases(launches) -> str | None:
     return None
 
 
-def _generate(model, ids, mask):
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
-                              eos_token_id=None, output_logits=True, return_dict_in_generate=True)
-
-
 def _main() -> int:
     from triton.runtime.interpreter import InterpretedFunction
-
-    from hf_qsa_cache.fusions import fused
 
     torch.set_num_threads(1)
     if not isinstance(lt._linears_kernel, InterpretedFunction):
@@ -110,19 +103,10 @@ def _main() -> int:
               "inkling": (inkling.make_pair(inkling.make_config(), seed=3)[1],
                           *inkling.left_pad(inkling.make_prompts([9, 4, 7], seed=4)))}
     for family, (model, ids, mask) in models.items():
-        want = _generate(model, ids, mask)
-        launches.clear()
-        with fused(("projections",)):
-            have = _generate(model, ids, mask)
-        if not launches or not torch.equal(have.sequences, want.sequences):
-            print(f"{family}: {len(launches)} launches, tokens {have.sequences.tolist()} != {want.sequences.tolist()}")
+        error = fused_generate_mismatch(model, ids, mask, "projections", launches, atol=1e-4)
+        if error:
+            print(f"{family}: {error}")
             return 1
-        for step, (h, w) in enumerate(zip(have.logits, want.logits)):
-            try:
-                torch.testing.assert_close(h, w, atol=1e-4, rtol=0)
-            except AssertionError as err:
-                print(f"{family} step {step}: {err}")
-                return 1
     print("all projections cases ok")
     return 0
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import sys
 
-import pytest
 import torch
-from fusion_helpers import assert_fused_generate_equals_default
+from fusion_helpers import assert_fused_generate_equals_default, fused_generate_mismatch
 from interpreter import count_launches, run_under_interpreter
 from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
 
@@ -156,7 +155,6 @@ def _kernel_cases(launches) -> str | None:
 def _main() -> int:
     from triton.runtime.interpreter import InterpretedFunction
 
-    from hf_qsa_cache.fusions import fused
     from hf_qsa_cache.ops import ple_triton as pt
 
     torch.set_num_threads(1)
@@ -175,27 +173,11 @@ def _main() -> int:
     from qwen4_helpers import left_pad, make_pair, random_prompts
 
     ple._use_triton = lambda x: True  # the CUDA dispatch, on CPU tensors
-    model = make_pair(seed=7)[1]
-    ids, mask = left_pad(random_prompts([9, 4, 7], seed=8))
-
-    def generate():
-        with torch.no_grad():
-            return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
-                                  eos_token_id=None, output_logits=True, return_dict_in_generate=True)
-
-    want = generate()
-    launches.clear()
-    with fused(("ple",)):
-        have = generate()
-    if not launches or not torch.equal(have.sequences, want.sequences):
-        print(f"generate: {len(launches)} launches, tokens {have.sequences.tolist()} != {want.sequences.tolist()}")
+    error = fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)), "ple",
+                                    launches, atol=1e-4)
+    if error:
+        print(f"generate: {error}")
         return 1
-    for step, (h, w) in enumerate(zip(have.logits, want.logits)):
-        try:
-            torch.testing.assert_close(h, w, atol=1e-4, rtol=0)
-        except AssertionError as err:
-            print(f"generate step {step}: {err}")
-            return 1
     print("all ple kernel cases ok")
     return 0
 
