@@ -107,8 +107,8 @@ def _mix_streams_kernel(up_ptr, normed_ptr, logits_ptr, mixed_ptr, inject_ptr, n
 
 
 @on_device_of_first_tensor
-def mix_streams_triton(up: torch.Tensor, normed: torch.Tensor, inject_logits: torch.Tensor,
-                       hc: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mix_streams_triton(up: torch.Tensor, normed: torch.Tensor, inject_logits: torch.Tensor | None,
+                       hc: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`hyper_connection.mix_streams` in one launch (``inject`` None without logits)."""
     up, normed = up.contiguous(), normed.contiguous()
     width = normed.shape[-1]
@@ -218,8 +218,9 @@ def _hc_up_mix_kernel(part_ptr, normed_ptr, up_ptr, mixed_ptr, inject_ptr, num_t
 
 
 @on_device_of_first_tensor
-def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: torch.Tensor,
-                           hc: int, tiles: MixTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor,
+                           inject_weight: torch.Tensor | None, hc: int,
+                           tiles: MixTiles | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`hyper_connection.mix_projections` in two launches (split-K down and injection projections, then the
     up projection with the gating and the mean over streams), tiled by ``tiles`` (default: the measured
     `ONE_TOKEN_MIX_TILES` or `MIX_TILES`; tests force them small)."""
@@ -239,7 +240,7 @@ def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.T
     splits = triton.cdiv(K, split_len)
     part = torch.empty(splits, tokens, R + hc, dtype=torch.float32, device=normed.device)
     m_blocks = triton.cdiv(tokens, HC_PROJ_BLOCK_M)
-    _hc_down_kernel[(triton.cdiv(R + hc, t.block_n), splits, m_blocks)](
+    _hc_down_kernel[(triton.cdiv(R + (hc if has_inject else 0), t.block_n), splits, m_blocks)](
         normed, down, inject_weight, part, tokens, split_len, K=K, R=R, HC=hc, BLOCK_M=HC_PROJ_BLOCK_M,
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=normed.dtype == torch.float32, WIDEN=INTERPRET, INJECT=has_inject,
         num_warps=t.down_warps)
