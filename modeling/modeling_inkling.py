@@ -51,6 +51,8 @@ from hf_qsa_cache.ops.inkling_attention import paged_rel_attention, paged_rel_at
 from hf_qsa_cache.ops.inkling_router import fuses_inkling_routing, route_inkling
 from hf_qsa_cache.ops.linears import project
 from hf_qsa_cache.ops.prompt_experts import grouped_experts_forward, uses_prompt_experts
+from hf_qsa_cache.ops import keeps_own_forward, records_grad
+from hf_qsa_cache.ops import rms_norm as rms_norm_ops
 from hf_qsa_cache.ops.rms_norm import add_rms_norm, rms_norm
 from hf_qsa_cache.ops.sconv import short_conv
 from hf_qsa_cache.stores.inkling import STREAM_ATTN, STREAM_K, STREAM_MLP, STREAM_V
@@ -197,19 +199,31 @@ class InklingPagedDecoderLayer(GradientCheckpointingLayer):
                                                       STREAM_MLP)
 
     def forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata,
-                attentions: list | None = None) -> torch.Tensor:
+                attentions: list | None = None, residual: torch.Tensor | None = None, defer_residual: bool = False):
+        """The layer on ``hidden_states``; with ``residual``, ``hidden_states`` is the previous layer's MLP output
+        still to be added to it (upstream adds it at that layer's end). With ``defer_residual``, returns
+        ``(mlp output, residual)`` with this layer's sum left to the next norm in turn (`defers_residual`)."""
         with cache.replaying(meta):  # activation checkpointing may rerun this layer after the step
-            return self._forward(hidden_states, cache, attentions)
+            return self._forward(hidden_states, cache, attentions, residual, defer_residual)
 
-    def _forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, attentions: list | None) -> torch.Tensor:
+    def _forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, attentions: list | None,
+                 residual: torch.Tensor | None, defer_residual: bool):
         meta = cache.step_metadata(hidden_states.device)
         cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype)
-        residual, normed = add_rms_norm(self.input_layernorm, hidden_states)
+        # The previous layer's residual add and this norm in one pass where fused.
+        residual, normed = add_rms_norm(self.input_layernorm, hidden_states, residual)
         attn = self.self_attn(normed, cache, meta, attentions)
         # The residual add and the next norm in one pass where fused.
         residual, normed = add_rms_norm(self.post_attention_layernorm, self.attn_sconv(attn, cache, meta), residual)
-        mlp = self.mlp(normed)
-        return residual + self.mlp_sconv(mlp, cache, meta)
+        out = self.mlp_sconv(self.mlp(normed), cache, meta)
+        return (out, residual) if defer_residual else residual + out
+
+
+def defers_residual(layer: InklingPagedDecoderLayer, hidden_states: torch.Tensor) -> bool:
+    """Whether the layer loop leaves ``layer``'s last residual add to the next norm's fused pass (one launch a
+    layer less): with the ``norm`` fusion on, autograd not recording (activation checkpointing tracks only a
+    layer's tensor arguments), and no hook on the layer (accelerate's, a user's) that must see its output whole."""
+    return rms_norm_ops.FUSED_NORM and not records_grad(hidden_states) and not keeps_own_forward(layer)
 
 
 class InklingPagedPreTrainedModel(StrictLoadingMixin, InklingPreTrainedModel):
@@ -322,13 +336,16 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         graph can record this). Appends each layer's input to ``all_hidden`` and its attention
         probabilities by key position to ``attentions`` when given."""
         hidden_states = inputs_embeds
+        residual = None  # the last layer's residual, not yet added to its MLP output (`defers_residual`)
         for layer in self.layers:
             if all_hidden is not None:
                 all_hidden.append(hidden_states)
-            hidden_states = layer(hidden_states, cache, meta, attentions)
+            defer = all_hidden is None and defers_residual(layer, hidden_states)
+            out = layer(hidden_states, cache, meta, attentions, residual=residual, defer_residual=defer)
+            hidden_states, residual = out if defer else (out, None)
         if all_hidden is not None:
             all_hidden.append(hidden_states)
-        return self.norm(hidden_states)
+        return add_rms_norm(self.norm, hidden_states, residual)[1]
 
 
 class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, PagedCacheGenerationMixin,

@@ -71,3 +71,37 @@ def _main() -> int:
 
 if __name__ == "__main__":
     sys.exit(_main())
+
+
+def test_the_layer_loop_leaves_each_mlp_residual_to_the_next_norm(monkeypatch):
+    """With the fusion on, every layer hands its MLP output and residual on unsummed (the next layer's input norm,
+    or the final norm, adds them in its pass), with the same logits as the default path; a layer a hook watches,
+    and every layer while hidden states are collected, hands on the sum."""
+    import test_inkling as inkling
+
+    from modeling import modeling_inkling as ours
+
+    _, model = inkling.make_pair(inkling.make_config(), seed=4)
+    ids, mask = inkling.left_pad(inkling.make_prompts([15, 6, 11], seed=5))
+    deferred = []
+    real = ours.InklingPagedDecoderLayer._forward
+    monkeypatch.setattr(ours.InklingPagedDecoderLayer, "_forward",
+                        lambda self, *a: deferred.append(a[-1]) or real(self, *a))
+    layers = len(model.model.layers)
+    logits = {}
+    for on in (False, True):
+        monkeypatch.setattr(rms_norm, "FUSED_NORM", on)
+        deferred.clear()
+        with torch.no_grad():
+            logits[on] = model(ids, attention_mask=mask).logits
+        assert deferred == [on] * layers
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
+    with torch.no_grad():
+        deferred.clear()
+        hidden = model(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        assert deferred == [False] * layers and len(hidden) == layers + 1
+        handle = model.model.layers[1].register_forward_hook(lambda *a: None)
+        deferred.clear()
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, logits[False], atol=1e-5, rtol=0)
+        handle.remove()
+    assert deferred == [True, False] + [True] * (layers - 2)
