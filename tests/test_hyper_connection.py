@@ -166,8 +166,8 @@ def _main() -> int:
                     torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
                 mixed, none = mix_streams_triton(up, streams, None, hc)  # the final mixer: no injection
                 assert none is None
-                torch.testing.assert_close(mixed.float(), hc_ops.mix_streams(up, streams, None, hc)[0].float(), atol=tol,
-                                           rtol=tol)
+                want_mixed = hc_ops.mix_streams(up, streams, None, hc)[0]
+                torch.testing.assert_close(mixed.float(), want_mixed.float(), atol=tol, rtol=tol)
                 cases += 3
     cases += _projection_cases()
     print(f"all hyper-connection kernel cases ok ({cases})")
@@ -201,7 +201,8 @@ def _projection_cases() -> int:
                               hct.MixTiles(splits=1, block_n=16, block_k=128, down_warps=2, block_h=16, r_chunk=16,
                                            up_warps=1), None):
                     # None: the final mixer, no injection (with the small tiles only: the interpreter is slow)
-                    for weight in (inject_weight, None) if tiles is not None and tiles.splits == 3 else (inject_weight,):
+                    small = tiles is not None and tiles.splits == 3
+                    for weight in (inject_weight, None) if small else (inject_weight,):
                         launches.clear()
                         got = hct.mix_projections_triton(normed, down, up, weight, hc, tiles)
                         want = hc_ops.mix_projections(normed, down, up, weight, hc)
