@@ -21,8 +21,8 @@ import triton.language as tl
 from .triton_common import on_device_of_first_tensor
 
 
-@triton.jit(do_not_specialize=["num_tokens", "length", "width", "stride_hb"])
-def _ngram_embeddings_kernel(hist_ptr, mult_ptr, sizes_ptr, offsets_ptr, weight_ptr, out_ptr, num_tokens, length,
+@triton.jit(do_not_specialize=["length", "width", "stride_hb"])
+def _ngram_embeddings_kernel(hist_ptr, mult_ptr, sizes_ptr, offsets_ptr, weight_ptr, out_ptr, length,
                              width, stride_hb, eos, NGRAM: tl.constexpr, PER_NGRAM: tl.constexpr, DIM: tl.constexpr,
                              D_PAD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -59,7 +59,7 @@ def ngram_embeddings_triton(history: torch.Tensor, emb, length: int) -> torch.Te
         history = history.contiguous()
         _ngram_embeddings_kernel[(B * length, heads)](
             history, emb.layer_multipliers, emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets, weight, out,
-            B * length, length, width, history.stride(0), int(emb.eos_token_id), NGRAM=emb.ngram_size,
+            length, width, history.stride(0), int(emb.eos_token_id), NGRAM=emb.ngram_size,
             PER_NGRAM=emb.heads_per_ngram, DIM=dim, D_PAD=triton.next_power_of_2(dim), num_warps=1)
     return out
 
@@ -72,9 +72,9 @@ def _grouped_norm(x, weight_ptr, c, h, ok, H: tl.constexpr, eps):
     return x * rstd[:, None] * (1.0 + w)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit
 def _ple_gate_kernel(key_ptr, value_ptr, streams_ptr, valid_ptr, wk_ptr, wq_ptr, wc_ptr, gated_ptr, normed_ptr,
-                     num_tokens, eps, inv_sqrt_h, HC: tl.constexpr, H: tl.constexpr, HC_PAD: tl.constexpr,
+                     eps, inv_sqrt_h, HC: tl.constexpr, H: tl.constexpr, HC_PAD: tl.constexpr,
                      BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, HC_PAD)
@@ -109,6 +109,6 @@ def ple_gate_triton(key: torch.Tensor, value: torch.Tensor, streams: torch.Tenso
     if tokens:
         hc_pad, block_h = triton.next_power_of_2(hc), triton.next_power_of_2(H)
         _ple_gate_kernel[(tokens,)](key, value, streams, valid, key_weight, query_weight, conv_weight, gated, normed,
-                                    tokens, float(eps), 1.0 / math.sqrt(H), HC=hc, H=H, HC_PAD=hc_pad, BLOCK_H=block_h,
+                                    float(eps), 1.0 / math.sqrt(H), HC=hc, H=H, HC_PAD=hc_pad, BLOCK_H=block_h,
                                     num_warps=8 if hc_pad * block_h >= 4096 else 4)
     return gated, normed
