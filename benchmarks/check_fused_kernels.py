@@ -30,7 +30,8 @@ from hf_qsa_cache.ops import norm_rope, prompt_experts, qsa, rms_norm, router  #
 from hf_qsa_cache.ops import experts_triton, gated_delta_triton, hyper_connection_triton  # noqa: E402
 from hf_qsa_cache.ops import inkling_router_triton, norm_rope_triton, qsa_triton, rms_norm_triton  # noqa: E402
 from hf_qsa_cache.ops import linears, linears_triton, prompt_experts_triton, router_triton  # noqa: E402
-from hf_qsa_cache.ops import ple, ple_triton, top_set_triton  # noqa: E402
+from hf_qsa_cache.ops import conv_norm, conv_norm_triton, ple, ple_triton, top_set_triton  # noqa: E402
+from hf_qsa_cache.ops.sconv import ConvTaps  # noqa: E402
 
 
 def _time(fn, device, repeat: int) -> float:
@@ -114,7 +115,19 @@ def cases(device, dtype, tokens: int, small: bool):
            spec, 0.02)
     yield (f"conv_prefill_torch 2x{L} (for its time)",
            lambda: gated_delta.conv_prefill_torch(state.clone(), x, conv_w, pads, False, dtype), spec, 0.02)
+    # Inkling's convs with their norms (16 query heads, 4 key/value heads of 128, hidden 2048), one decode token a
+    # row, its three taps in the store.
+    iq, ikv, ihd = (3, 2, 8) if small else (16, 4, 128)
+    k_taps, v_taps = _conv_taps_pair(tokens, ikv, ihd, rand, device)
+    q_in, k_in, v_in = rand(tokens, iq * ihd, scale=2), rand(tokens, ikv * ihd, scale=2), rand(tokens, ikv * ihd)
+    qn_w, kn_w = rand(ihd, scale=0.5), rand(ihd, scale=0.5)
+    yield ("attention_inputs", lambda: conv_norm_triton.attention_inputs_triton(
+        q_in, k_in, v_in, k_taps, v_taps, qn_w, 1e-6, kn_w, 1e-6, ihd), lambda: _cpu(
+        conv_norm.attention_inputs_torch, q_in, k_in, v_in, k_taps, v_taps, qn_w, 1e-6, kn_w, 1e-6, ihd), 0.02)
+    hidden_taps = _conv_taps_pair(tokens, ikv, H // ikv, rand, device)[0]
     hidden, res, rms_w = rand(tokens, H), rand(tokens, H), rand(H)
+    yield ("conv_add_rms_norm", lambda: conv_norm_triton.conv_add_rms_norm_triton(hidden, hidden_taps, res, rms_w, 1e-6),
+           lambda: _cpu(conv_norm.conv_add_rms_norm_torch, hidden, hidden_taps, res, rms_w, 1e-6), 0.02)
     yield ("add_rms_norm", lambda: rms_norm_triton.add_rms_norm_triton(hidden, res, rms_w, 1e-6),
            lambda: _cpu(rms_norm.add_rms_norm_torch, hidden, res, rms_w, 1e-6), 0.02)
     for n_heads, dim in ((heads, head_dim), (index_heads, index_dim)):
@@ -205,6 +218,18 @@ def cases(device, dtype, tokens: int, small: bool):
                               keep)), 0.02)
 
 
+def _conv_taps_pair(tokens: int, heads: int, width: int, rand, device) -> tuple[ConvTaps, ConvTaps]:
+    """Two convs of an Inkling conv store (``heads`` x ``width`` channels each, kernel 4, blocks of 4) sharing its
+    table: one decode token a row, at position 100 + row, its taps in the store."""
+    K, cols = 4, 32
+    table = (torch.randperm(tokens * cols) + 1).view(tokens, cols).to(device=device, dtype=torch.int32)
+    position = torch.arange(tokens, device=device) + 100
+    slots = (table[torch.arange(tokens, device=device), position // K].long() * K + position % K)
+    full, prev_len = rand((tokens * cols + 1) * K, heads, 2 * width), position.clone()
+    return tuple(ConvTaps(rand(heads * width, K, scale=0.5), full[:, :, i * width: (i + 1) * width], table, K, slots,
+                          position, prev_len, 1) for i in range(2))
+
+
 def _ple_layer(small: bool, device, dtype):
     """transformers' PLE layer of the benchmark config (small shapes under the interpreter), random weights."""
     from bench_generate import qwen4_exp_config
@@ -225,8 +250,8 @@ def _ple_layer(small: bool, device, dtype):
 def _cpu(fn, *args):
     """The torch specification on the CPU (what a fused op replaces), back on the inputs' device."""
     def cpu(a):
-        if isinstance(a, tuple):  # a named tuple keeps its type (`experts.SharedExpert`)
-            items = [t.cpu() if t is not None else None for t in a]
+        if isinstance(a, tuple):  # a named tuple keeps its type (`experts.SharedExpert`, `sconv.ConvTaps`)
+            items = [cpu(t) for t in a]
             return type(a)(*items) if hasattr(a, "_fields") else tuple(items)
         return a.cpu() if isinstance(a, torch.Tensor) else a
 

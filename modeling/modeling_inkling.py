@@ -46,6 +46,7 @@ from hf_qsa_cache.generation import (
 from hf_qsa_cache.metadata import StepMetadata
 from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
+from hf_qsa_cache.ops.conv_norm import attention_inputs, conv_add_rms_norm, fuses_conv_norm
 from hf_qsa_cache.ops.experts import inkling_shared_experts_to_fold, run_selected_experts
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention, paged_rel_attention_probs
 from hf_qsa_cache.ops.inkling_router import fuses_inkling_routing, route_inkling
@@ -54,7 +55,7 @@ from hf_qsa_cache.ops.prompt_experts import grouped_experts_forward, uses_prompt
 from hf_qsa_cache.ops import keeps_own_forward, records_grad
 from hf_qsa_cache.ops import rms_norm as rms_norm_ops
 from hf_qsa_cache.ops.rms_norm import add_rms_norm, rms_norm
-from hf_qsa_cache.ops.sconv import short_conv
+from hf_qsa_cache.ops.sconv import ConvTaps, short_conv
 from hf_qsa_cache.stores.inkling import STREAM_ATTN, STREAM_K, STREAM_MLP, STREAM_V
 
 from .checkpoints import StrictLoadingMixin, use_upstream_conversions
@@ -102,20 +103,14 @@ class InklingPagedShortConvolution(nn.Module):
     @force_accelerate_hooks("conv1d")  # its weight is read directly; offloading hooks must load it first
     def forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata) -> torch.Tensor:
         B, L, C = hidden_states.shape
+        return short_conv(hidden_states.reshape(B * L, C), *self.taps(cache, meta, L)).view(B, L, C)
+
+    def taps(self, cache: QSAPagedCache, meta: StepMetadata, query_len: int) -> ConvTaps:
+        """What this conv reads and writes besides its input in a step of ``query_len`` columns."""
         store = cache.layers[self.layer_idx].conv
         table = store.table
-        y = short_conv(
-            hidden_states.reshape(B * L, C),
-            self.conv1d.weight.squeeze(1),
-            store.stream(self.conv_idx),
-            meta.block_tables[table],
-            cache.tables[table].block_size,
-            meta.slots[table],
-            meta.position,
-            meta.prev_len,
-            L,
-        )
-        return y.view(B, L, C)
+        return ConvTaps(self.conv1d.weight.squeeze(1), store.stream(self.conv_idx), meta.block_tables[table],
+                        cache.tables[table].block_size, meta.slots[table], meta.position, meta.prev_len, query_len)
 
 
 def _prev_len_bound(meta: StepMetadata) -> list[int]:
@@ -158,9 +153,14 @@ class InklingPagedAttention(nn.Module):
         B, L, _ = hidden_states.shape
         heads = (B, L, -1, self.head_dim)
         query, key, value, relative = project(hidden_states, self.q_proj, self.k_proj, self.v_proj, self.r_proj)
-        query = rms_norm(self.q_norm, query.view(heads))
-        key = rms_norm(self.k_norm, self.k_sconv(key, cache, meta).view(heads))
-        value = self.v_sconv(value, cache, meta).view(heads)
+        if fuses_conv_norm(query, self.q_norm, self.k_norm, self.k_sconv, self.v_sconv):
+            query, key, value = (t.view(heads) for t in attention_inputs(
+                query, key, value, self.k_sconv.taps(cache, meta, L), self.v_sconv.taps(cache, meta, L),
+                self.q_norm, self.k_norm, self.head_dim))
+        else:
+            query = rms_norm(self.q_norm, query.view(heads))
+            key = rms_norm(self.k_norm, self.k_sconv(key, cache, meta).view(heads))
+            value = self.v_sconv(value, cache, meta).view(heads)
         relative = relative.view(B, L, self.num_heads, -1)
 
         log_scaling = None
@@ -213,8 +213,13 @@ class InklingPagedDecoderLayer(GradientCheckpointingLayer):
         # The previous layer's residual add and this norm in one pass where fused.
         residual, normed = add_rms_norm(self.input_layernorm, hidden_states, residual)
         attn = self.self_attn(normed, cache, meta, attentions)
-        # The residual add and the next norm in one pass where fused.
-        residual, normed = add_rms_norm(self.post_attention_layernorm, self.attn_sconv(attn, cache, meta), residual)
+        # The output's conv, the residual add and the next norm in one pass where fused.
+        if fuses_conv_norm(attn, self.attn_sconv, self.post_attention_layernorm):
+            residual, normed = conv_add_rms_norm(attn, self.attn_sconv.taps(cache, meta, attn.shape[1]), residual,
+                                                 self.post_attention_layernorm)
+        else:
+            residual, normed = add_rms_norm(self.post_attention_layernorm, self.attn_sconv(attn, cache, meta),
+                                            residual)
         out = self.mlp_sconv(self.mlp(normed), cache, meta)
         return (out, residual) if defer_residual else residual + out
 

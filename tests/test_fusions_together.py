@@ -116,7 +116,7 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
         assert all(getattr(m, f) for m, f in flags)
     assert [getattr(m, f) for m, f in flags] == before
     assert set(FLAGS) == {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
-                          "inkling_router", "prompt_experts", "projections", "ple"}
+                          "inkling_router", "prompt_experts", "projections", "ple", "conv_norm"}
     with pytest.raises(ValueError, match="unknown fusion"):
         with fused(("nope",)):
             pass
@@ -144,7 +144,7 @@ def test_a_fusion_not_yet_timed_is_on_only_when_named():
     assert requested("inkling_router,hc", unmeasured=("inkling_router",)) == {"inkling_router", "hc"}
 
 
-@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED | {"ple"}),
+@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED | {"ple", "conv_norm"}),
                                                ("none", set()), ("", set()), ("gdn,router", {"gdn", "router"})])
 def test_the_environment_picks_the_measured_fusions_by_default(setting, expected):
     import os

@@ -19,9 +19,27 @@ never touch a slot this forward writes, so the order of read and write does not 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import records_grad
+
+
+class ConvTaps(NamedTuple):
+    """What a paged short conv reads and writes besides its input (the arguments of `short_conv_torch` after
+    ``x``): its weight ``[C, K]``, its stream of the conv store ``[S, H, w]`` (``C = H * w``), the store's block
+    table and block size, each token's slot (-1: pad), position (-1: pad), each row's length before the step,
+    and the step's columns per row."""
+
+    weight: torch.Tensor
+    store: torch.Tensor
+    table: torch.Tensor
+    block_size: int
+    slots: torch.Tensor
+    position: torch.Tensor
+    prev_len: torch.Tensor
+    query_len: int
 
 
 def short_conv_torch(

@@ -1,0 +1,87 @@
+"""Inkling's short convolutions together with the RMS norms beside them, one launch each where fused
+(``conv_norm`` in `hf_qsa_cache.fusions`).
+
+An Inkling attention layer runs, per token, a per-head norm of the query, a short conv then a per-head norm of
+the key, and a short conv of the value (`attention_inputs`): four launches, one here. After attention, the
+output's short conv, the residual add and the post-attention norm (`conv_add_rms_norm`): two launches, one
+here. Each specification is the composition of the ops it fuses (`hf_qsa_cache.ops.sconv.short_conv_torch`,
+`hf_qsa_cache.ops.rms_norm.add_rms_norm_torch`), so the rounding points are theirs: the conv's output rounded
+to the activations' dtype, the residual sum rounded, the normed value rounded before the weight multiplies it.
+
+The fused kernels run one program per token (and per head for `attention_inputs`): for steps of at most
+`MAX_FUSED_TOKENS` tokens (decode and verify steps); a prompt keeps the tiled conv kernel and the norm kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..fusions import fusion_enabled
+from . import keeps_own_forward, records_grad
+from .rms_norm import add_rms_norm_torch
+from .sconv import ConvTaps, short_conv_torch
+
+FUSED_CONV_NORM = fusion_enabled("conv_norm")
+MAX_FUSED_TOKENS = 256
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def attention_inputs_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_taps: ConvTaps, v_taps: ConvTaps,
+                           q_norm_weight: torch.Tensor, q_eps: float, k_norm_weight: torch.Tensor, k_eps: float,
+                           head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The specification: ``q`` ``[T, Hq * hd]`` normed per head; ``k`` ``[T, Hkv * hd]`` short-convolved, then
+    normed per head; ``v`` short-convolved. Returns ``[T, heads, hd]`` each; writes ``k`` and ``v`` to their
+    conv streams."""
+    T = q.shape[0]
+    query = add_rms_norm_torch(q.view(T, -1, head_dim), None, q_norm_weight, q_eps)[1]
+    key = add_rms_norm_torch(short_conv_torch(k, *k_taps).view(T, -1, head_dim), None, k_norm_weight, k_eps)[1]
+    value = short_conv_torch(v, *v_taps).view(T, -1, head_dim)
+    return query, key, value
+
+
+def conv_add_rms_norm_torch(x: torch.Tensor, taps: ConvTaps, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The specification: ``(h, norm(h))`` with ``h = residual + short_conv(x)`` (``h = short_conv(x)`` without a
+    residual), ``x`` ``[T, C]``; writes ``x`` to its conv stream."""
+    return add_rms_norm_torch(short_conv_torch(x, *taps), residual, norm_weight, eps)
+
+
+def fuses_conv_norm(x: torch.Tensor, *modules: torch.nn.Module) -> bool:
+    """Whether a step on ``x`` (``[..., C]``) runs the ``modules`` (the convs and norms of one fused launch) fused:
+    the fusion on, at most `MAX_FUSED_TOKENS` tokens, no autograd, and no module whose own forward must run (a
+    hook, an offloading wrapper: `keeps_own_forward`). Off CUDA the fused functions run their specifications."""
+    if not FUSED_CONV_NORM or x.numel() > MAX_FUSED_TOKENS * x.shape[-1]:
+        return False
+    params = [p for m in modules for p in m.parameters()]
+    return not records_grad(x, *params) and not any(keeps_own_forward(m, *m.parameters())
+                                                     for top in modules for m in top.modules())
+
+
+def attention_inputs(q, k, v, k_taps: ConvTaps, v_taps: ConvTaps, q_norm, k_norm, head_dim: int):
+    """`attention_inputs_torch` for transformers' ``InklingRMSNorm`` modules ``q_norm`` and ``k_norm``, in one
+    launch on CUDA (callers check `fuses_conv_norm`); ``q``, ``k``, ``v`` ``[..., width]``."""
+    args = (q.reshape(-1, q.shape[-1]), k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]), k_taps, v_taps,
+            q_norm.weight, q_norm.variance_epsilon, k_norm.weight, k_norm.variance_epsilon, head_dim)
+    if _use_triton(q):
+        from .conv_norm_triton import attention_inputs_triton
+
+        return attention_inputs_triton(*args)
+    return attention_inputs_torch(*args)
+
+
+def conv_add_rms_norm(x: torch.Tensor, taps: ConvTaps, residual: torch.Tensor | None, norm):
+    """`conv_add_rms_norm_torch` for transformers' ``InklingRMSNorm`` ``norm``, one launch on CUDA (callers check
+    `fuses_conv_norm`); ``x`` and ``residual`` ``[..., C]``."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    res = None if residual is None else residual.reshape(flat.shape)
+    if _use_triton(x):
+        from .conv_norm_triton import conv_add_rms_norm_triton
+
+        h, normed = conv_add_rms_norm_triton(flat, taps, res, norm.weight, norm.variance_epsilon)
+    else:
+        h, normed = conv_add_rms_norm_torch(flat, taps, res, norm.weight, norm.variance_epsilon)
+    return h.view(shape), normed.view(shape)
