@@ -199,34 +199,41 @@ class InklingPagedDecoderLayer(GradientCheckpointingLayer):
                                                       STREAM_MLP)
 
     def forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata,
-                attentions: list | None = None, residual: torch.Tensor | None = None, defer_residual: bool = False):
+                attentions: list | None = None, residual: torch.Tensor | None = None,
+                pending_conv: InklingPagedShortConvolution | None = None, defer_residual: bool = False):
         """The layer on ``hidden_states``; with ``residual``, ``hidden_states`` is the previous layer's MLP output
-        still to be added to it (upstream adds it at that layer's end). With ``defer_residual``, returns
-        ``(mlp output, residual)`` with this layer's sum left to the next norm in turn (`defers_residual`)."""
+        still to be added to it (upstream adds it at that layer's end), and with ``pending_conv`` still to pass
+        that layer's MLP conv first. With ``defer_residual``, returns ``(MLP output before its conv, residual)``:
+        this layer's conv and sum are left to the next norm in turn (`defers_residual`)."""
         with cache.replaying(meta):  # activation checkpointing may rerun this layer after the step
-            return self._forward(hidden_states, cache, attentions, residual, defer_residual)
+            return self._forward(hidden_states, cache, attentions, residual, pending_conv, defer_residual)
 
     def _forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, attentions: list | None,
-                 residual: torch.Tensor | None, defer_residual: bool):
+                 residual: torch.Tensor | None, pending_conv: InklingPagedShortConvolution | None,
+                 defer_residual: bool):
         meta = cache.step_metadata(hidden_states.device)
         cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype)
-        # The previous layer's residual add and this norm in one pass where fused.
-        residual, normed = add_rms_norm(self.input_layernorm, hidden_states, residual)
+        # The previous layer's MLP conv and residual add and this norm, in one pass where fused.
+        residual, normed = conv_add_norm(pending_conv, hidden_states, residual, self.input_layernorm, cache, meta)
         attn = self.self_attn(normed, cache, meta, attentions)
-        # The output's conv, the residual add and the next norm in one pass where fused.
-        if fuses_conv_norm(attn, self.attn_sconv, self.post_attention_layernorm):
-            residual, normed = conv_add_rms_norm(attn, self.attn_sconv.taps(cache, meta, attn.shape[1]), residual,
-                                                 self.post_attention_layernorm)
-        else:
-            residual, normed = add_rms_norm(self.post_attention_layernorm, self.attn_sconv(attn, cache, meta),
-                                            residual)
-        out = self.mlp_sconv(self.mlp(normed), cache, meta)
-        return (out, residual) if defer_residual else residual + out
+        residual, normed = conv_add_norm(self.attn_sconv, attn, residual, self.post_attention_layernorm, cache, meta)
+        out = self.mlp(normed)
+        return (out, residual) if defer_residual else residual + self.mlp_sconv(out, cache, meta)
+
+
+def conv_add_norm(conv: InklingPagedShortConvolution | None, x: torch.Tensor, residual: torch.Tensor | None,
+                  norm: InklingRMSNorm, cache: QSAPagedCache, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, norm(h))`` with ``h = residual + conv(x)`` (``conv`` None: ``residual + x``; no residual: ``conv(x)``):
+    one launch where `fuses_conv_norm`, else the conv's forward and `add_rms_norm` (itself one launch where
+    fused)."""
+    if conv is not None and fuses_conv_norm(x, conv, norm):
+        return conv_add_rms_norm(x, conv.taps(cache, meta, x.shape[1]), residual, norm)
+    return add_rms_norm(norm, x if conv is None else conv(x, cache, meta), residual)
 
 
 def defers_residual(layer: InklingPagedDecoderLayer, hidden_states: torch.Tensor) -> bool:
-    """Whether the layer loop leaves ``layer``'s last residual add to the next norm's fused pass (one launch a
-    layer less): with the ``norm`` fusion on, autograd not recording (activation checkpointing tracks only a
+    """Whether the layer loop leaves ``layer``'s MLP conv and last residual add to the next norm's fused pass (one
+    or two launches a layer less, with ``conv_norm`` on or off): with the ``norm`` fusion on, autograd not recording (activation checkpointing tracks only a
     layer's tensor arguments), and no hook on the layer (accelerate's, a user's) that must see its output whole."""
     return rms_norm_ops.FUSED_NORM and not records_grad(hidden_states) and not keeps_own_forward(layer)
 
@@ -341,16 +348,19 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         graph can record this). Appends each layer's input to ``all_hidden`` and its attention
         probabilities by key position to ``attentions`` when given."""
         hidden_states = inputs_embeds
-        residual = None  # the last layer's residual, not yet added to its MLP output (`defers_residual`)
+        # The last layer's residual, and the conv of its MLP output, not yet applied (`defers_residual`).
+        residual = pending_conv = None
         for layer in self.layers:
             if all_hidden is not None:
                 all_hidden.append(hidden_states)
             defer = all_hidden is None and defers_residual(layer, hidden_states)
-            out = layer(hidden_states, cache, meta, attentions, residual=residual, defer_residual=defer)
+            out = layer(hidden_states, cache, meta, attentions, residual=residual, pending_conv=pending_conv,
+                        defer_residual=defer)
             hidden_states, residual = out if defer else (out, None)
+            pending_conv = layer.mlp_sconv if defer else None
         if all_hidden is not None:
             all_hidden.append(hidden_states)
-        return add_rms_norm(self.norm, hidden_states, residual)[1]
+        return conv_add_norm(pending_conv, hidden_states, residual, self.norm, cache, meta)[1]
 
 
 class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, PagedCacheGenerationMixin,
