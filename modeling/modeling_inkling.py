@@ -19,6 +19,7 @@ come first (`hf_qsa_cache.padding`); pads are never written and never read.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.generation import GenerationMixin
 from transformers.integrations.accelerate import force_accelerate_hooks
@@ -319,7 +320,7 @@ class InklingTextModel(InklingPagedPreTrainedModel):
             output_attentions = getattr(self.config, "output_attentions", False)
         if inputs_embeds is None:
             check_token_ids(input_ids, self.config.vocab_size)
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = self.embed(input_ids)
         B, L = inputs_embeds.shape[:2]
 
         cache, use_cache = forward_cache(self, past_key_values, B, L, use_cache)
@@ -341,6 +342,16 @@ class InklingTextModel(InklingPagedPreTrainedModel):
             attentions=attentions,
         )
 
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``embed_tokens(input_ids)`` with its norm in one launch where fused (`rms_norm`); the module's own
+        forward where it must run (a hook, an offloading wrapper)."""
+        embed = self.embed_tokens
+        if keeps_own_forward(embed, embed.weight):
+            return embed(input_ids)
+        rows = F.embedding(input_ids, embed.weight, embed.padding_idx, embed.max_norm, embed.norm_type,
+                           embed.scale_grad_by_freq, embed.sparse)
+        return rms_norm(embed.embed_norm, rows)
 
     def run_layers(self, inputs_embeds: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata,
                    all_hidden: list | None = None, attentions: list | None = None) -> torch.Tensor:
@@ -445,7 +456,7 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, P
     def _decode_logits(self, input_ids, position_ids, meta, cache: QSAPagedCache) -> torch.Tensor:
         """Logits of a step whose metadata is built (what a captured decode graph runs)."""
         text = self.language_model
-        return self._logits(text.run_layers(text.embed_tokens(input_ids), cache, meta))
+        return self._logits(text.run_layers(text.embed(input_ids), cache, meta))
 
 
 # Convert checkpoint layouts as transformers does for its own Inkling classes (if it has conversions).

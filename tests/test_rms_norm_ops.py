@@ -105,3 +105,23 @@ def test_the_layer_loop_leaves_each_mlp_residual_to_the_next_norm(monkeypatch):
         torch.testing.assert_close(model(ids, attention_mask=mask).logits, logits[False], atol=1e-5, rtol=0)
         handle.remove()
     assert deferred == [True, False] + [True] * (layers - 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_embedding_norm_runs_fused_and_equals_the_module(monkeypatch, dtype):
+    """`InklingTextModel.embed`: the normed embedding with its norm through `rms_norm` (one launch where fused), equal
+    to transformers' module; a hook on the embedding sees its call."""
+    import test_inkling as inkling
+
+    text = inkling.make_pair(inkling.make_config(), seed=4)[1].model.to(dtype)
+    ids = torch.randint(0, text.config.vocab_size, (2, 5))
+    calls = []
+    real = rms_norm.add_rms_norm_torch
+    monkeypatch.setattr(rms_norm, "add_rms_norm_torch", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        assert torch.equal(text.embed(ids), text.embed_tokens(ids)) and calls
+        seen = []
+        handle = text.embed_tokens.register_forward_hook(lambda *a: seen.append(1))
+        text.embed(ids)
+        handle.remove()
+    assert seen == [1]
