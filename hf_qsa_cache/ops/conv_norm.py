@@ -10,6 +10,11 @@ to the activations' dtype, the residual sum rounded, the normed value rounded be
 
 The fused kernels run one program per token (and per head for `attention_inputs`): for steps of at most
 `MAX_FUSED_TOKENS` tokens (decode and verify steps); a prompt keeps the tiled conv kernel and the norm kernel.
+
+On by default since measured on the H200 (`benchmarks/RESULTS.md`): the graphed decode step of Inkling 6 layers
+launches 90 kernels against 120 at 1 x 16384 (GPU busy 495 against 510 us) and 216 against 246 at 32 x 2048
+(1786 against 1864 us), both kernels equal to their specifications in bf16 and the models within the fp32
+tolerances of upstream.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Qwen4Exp's PLE layer with its n-gram lookup and its gating in one launch each (``ple`` in
-`hf_qsa_cache.fusions`; off until timed on a GPU).
+`hf_qsa_cache.fusions`; on by default: in the graphed decode step of Qwen4Exp 8 layers at 1 x 16384 on the H200,
+with `conv_norm`, 244 kernels against 339 and 1.28 ms a step against 1.46, `benchmarks/RESULTS.md`).
 
 transformers' PLE layer hashes each token's n-grams into rows of an embedding (the shifts that stop at an
 end-of-sequence token, the multiply-xor hashes, one remainder per head, the lookup: about 50 launches a
