@@ -185,7 +185,7 @@ def _main() -> int:
 
     conv_norm._use_triton = lambda x: True  # the CUDA dispatch, on CPU tensors
     model = inkling.make_pair(inkling.make_config(), seed=3)[1]
-    error = fused_generate_mismatch(model, *inkling.left_pad(inkling.make_prompts([9, 4, 7], seed=4)), "conv_norm",
+    error = fused_generate_mismatch(model, *inkling.left_pad(inkling.make_prompts([5, 2], seed=4)), "conv_norm",
                                     launches, atol=1e-4)
     if error:
         print(f"generate: {error}")
