@@ -21,8 +21,8 @@ the given token weights or by ``sigmoid(x . gate_vector)`` (which every program 
 runs the shared expert and its gate as seven launches of their own (the H200 profile), then weights and
 adds the result.
 
-A sentinel expert id (outside ``[0, num_experts)``: expert parallelism) masks off its loads in either
-kernel and reads no expert weights: its scratch row is zeros and it adds nothing to its token's
+A sentinel expert id (outside ``[0, num_experts)``: expert parallelism) runs no loop iterations in
+either kernel and reads no expert weights: its scratch row is zeros and it adds nothing to its token's
 output. Both weight layouts are the same kernels with other strides. The token count enters only the
 grids (and per-token strides, not specialised), so a new batch size does not recompile. The tiles were
 swept on the H200 at the benchmark shapes (hidden 2048, intermediate 512, 64 experts, top 10 or 6, shared
@@ -52,14 +52,13 @@ ONE_TOKEN_TILES = (16, 8, 512, 8)
 @triton.jit
 def _silu_gate_up(x_row, stride_xh, gate_rows, up_rows, stride_wk, n_ok, hi,
                   HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``silu(gate rows . x) * (up rows . x)`` for one tile of rows, reading ``hi`` (HIDDEN or 0: masked loads
-    fetch nothing) columns. Products accumulate elementwise over the chunks and are summed along the chunk
-    once, at the end."""
+    """``silu(gate rows . x) * (up rows . x)`` for one tile of rows, reading ``hi`` (HIDDEN or 0) columns.
+    Products accumulate elementwise over the chunks and are summed along the chunk once, at the end."""
     gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in tl.static_range(0, HIDDEN, BLOCK_K):  # unrolled: every chunk's loads in flight at once
+    for k0 in range(0, hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < hi
+        k_ok = k < HIDDEN
         x = tl.load(x_row + k * stride_xh, mask=k_ok, other=0.0).to(tl.float32)
         mask = n_ok[:, None] & k_ok[None, :]
         w_gate = tl.load(gate_rows + k[None, :] * stride_wk, mask=mask, other=0.0).to(tl.float32)
@@ -87,7 +86,7 @@ def _gate_up_kernel(
         n_ok = n < INTER
         e = tl.load(idx_ptr + t * stride_it + j * stride_ij).to(tl.int64)
         valid = (e >= 0) & (e < num_experts)
-        # A sentinel reads no weights: its loads are masked off, the accumulators stay 0, and silu(0) * 0 = 0.
+        # A sentinel reads no weights: no iterations, the accumulators stay 0, and silu(0) * 0 = 0.
         hi = tl.where(valid, HIDDEN, 0)
         e = tl.where(valid, e, 0)
         gate_rows = w_ptr + e * stride_we + n[:, None] * stride_wn  # [BLOCK_N, 1]: the gate half's rows
@@ -111,9 +110,9 @@ def _gate_up_kernel(
 def _add_down(acc, h_row, weight, rows, stride_dk, n_ok, hi, INTER: tl.constexpr, BLOCK_K: tl.constexpr):
     """``acc`` plus one expert's down rows (a tile) times its scratch row scaled by ``weight``, over ``hi``
     (INTER or 0) columns; elementwise per chunk, summed by the caller once at the end."""
-    for k0 in tl.static_range(0, INTER, BLOCK_K):
+    for k0 in range(0, hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < hi
+        k_ok = k < INTER
         h = tl.load(h_row + k, mask=k_ok, other=0.0) * weight
         mask = n_ok[:, None] & k_ok[None, :]
         d = tl.load(rows + k[None, :] * stride_dk, mask=mask, other=0.0).to(tl.float32)
@@ -137,11 +136,11 @@ def _down_kernel(
     # As in the first kernel, one sum along the chunk at the end, over all the token's experts: each
     # expert's scratch row is scaled by its routing weight as it is loaded.
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for j in tl.static_range(TOP_K):  # unrolled: the experts' loads are independent, all in flight at once
+    for j in range(TOP_K):
         e = tl.load(idx_ptr + t * stride_it + j * stride_ij).to(tl.int64)
         valid = (e >= 0) & (e < num_experts)
         w = tl.load(wt_ptr + t * stride_pt + j * stride_pj).to(tl.float32)
-        hi = tl.where(valid, INTER, 0)  # a sentinel's loads are masked off (its routing weight goes unused)
+        hi = tl.where(valid, INTER, 0)  # a sentinel runs no iterations (its routing weight goes unused)
         e = tl.where(valid, e, 0)
         rows = d_ptr + e * stride_de + n[:, None] * stride_dn  # [BLOCK_N, 1]
         acc = _add_down(acc, h_ptr + (t * TOP_K + j) * stride_ht, w, rows, stride_dk, n_ok, hi, INTER, BLOCK_K)
