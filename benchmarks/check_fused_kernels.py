@@ -3,6 +3,7 @@ the largest difference and the time of both, one line per kernel.
 
     python benchmarks/check_fused_kernels.py
     python benchmarks/check_fused_kernels.py --conv-sweep   # the prompt conv kernel's blocks, 1 x 16384 tokens
+    python benchmarks/check_fused_kernels.py --conv-norm-sweep   # the conv_norm kernels' warps, 1 and 32 tokens
     TRITON_INTERPRET=1 python benchmarks/check_fused_kernels.py --device cpu --small   # logic check (CI)
 
 Shapes are those of `bench_generate.py`'s configs at a decode step of ``--tokens`` tokens (hidden 2048, 4
@@ -126,7 +127,8 @@ def cases(device, dtype, tokens: int, small: bool):
         conv_norm.attention_inputs_torch, q_in, k_in, v_in, k_taps, v_taps, qn_w, 1e-6, kn_w, 1e-6, ihd), 0.02)
     hidden_taps = _conv_taps_pair(tokens, ikv, H // ikv, rand, device)[0]
     hidden, res, rms_w = rand(tokens, H), rand(tokens, H), rand(H)
-    yield ("conv_add_rms_norm", lambda: conv_norm_triton.conv_add_rms_norm_triton(hidden, hidden_taps, res, rms_w, 1e-6),
+    yield ("conv_add_rms_norm",
+           lambda: conv_norm_triton.conv_add_rms_norm_triton(hidden, hidden_taps, res, rms_w, 1e-6),
            lambda: _cpu(conv_norm.conv_add_rms_norm_torch, hidden, hidden_taps, res, rms_w, 1e-6), 0.02)
     yield ("add_rms_norm", lambda: rms_norm_triton.add_rms_norm_triton(hidden, res, rms_w, 1e-6),
            lambda: _cpu(rms_norm.add_rms_norm_torch, hidden, res, rms_w, 1e-6), 0.02)
@@ -293,6 +295,44 @@ def conv_sweep(device, jsonl) -> None:
                   "kernel_us": round(us, 1), "TBps": round(2 * x.numel() * 2 / us / 1e6, 2), "same": same}, jsonl)
 
 
+def conv_norm_sweep(device, jsonl) -> None:
+    """The `conv_norm` kernels' warps at Inkling's decode shapes (1 and 32 tokens; 16 query and 4 key/value heads of
+    128, hidden 2048; bf16), each checked against the default's output and graph-timed (20 calls a graph)."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device, torch.bfloat16)
+
+    for tokens in (1, 32):
+        k_taps, v_taps = _conv_taps_pair(tokens, 4, 128, rand, device)
+        hidden_taps = _conv_taps_pair(tokens, 4, 512, rand, device)[0]
+        q, k, v = rand(tokens, 16 * 128), rand(tokens, 4 * 128), rand(tokens, 4 * 128)
+        qn, kn, hidden, res, wn = rand(128), rand(128), rand(tokens, 2048), rand(tokens, 2048), rand(2048)
+        kernels = {
+            "attention_inputs": lambda w: conv_norm_triton.attention_inputs_triton(
+                q, k, v, k_taps, v_taps, qn, 1e-6, kn, 1e-6, 128, num_warps=w),
+            "conv_add_rms_norm": lambda w: conv_norm_triton.conv_add_rms_norm_triton(
+                hidden, hidden_taps, res, wn, 1e-6, num_warps=w),
+        }
+        for name, call in kernels.items():
+            want = call(None) if name == "conv_add_rms_norm" else call(1)
+            for warps in (1, 2, 4, 8, 16):
+                same = all(torch.equal(a, b) for a, b in zip(call(warps), want))
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(20):
+                        call(warps)
+                graph.replay()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                emit({"kernel": f"{name} sweep", "tokens": tokens, "num_warps": warps,
+                      "kernel_us": round(start.elapsed_time(end) * 1e3 / 20, 2), "same": same}, jsonl)
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda")
@@ -301,10 +341,14 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--jsonl", default=None)
     parser.add_argument("--conv-sweep", action="store_true", help="only the prompt conv kernel's block sweep")
+    parser.add_argument("--conv-norm-sweep", action="store_true", help="only the conv_norm kernels' warps sweep")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.conv_sweep:
         conv_sweep(device, args.jsonl)
+        return [{"ok": True}]
+    if args.conv_norm_sweep:
+        conv_norm_sweep(device, args.jsonl)
         return [{"ok": True}]
     dtype = torch.bfloat16
     rows = []

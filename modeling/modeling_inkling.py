@@ -233,9 +233,10 @@ def conv_add_norm(conv: InklingPagedShortConvolution | None, x: torch.Tensor, re
 
 
 def defers_residual(layer: InklingPagedDecoderLayer, hidden_states: torch.Tensor) -> bool:
-    """Whether the layer loop leaves ``layer``'s MLP conv and last residual add to the next norm's fused pass (one
-    or two launches a layer less, with ``conv_norm`` on or off): with the ``norm`` fusion on, autograd not recording (activation checkpointing tracks only a
-    layer's tensor arguments), and no hook on the layer (accelerate's, a user's) that must see its output whole."""
+    """Whether the layer loop leaves ``layer``'s MLP conv and last residual add to the next norm's fused pass (two
+    launches a layer less with ``conv_norm``, one without): with the ``norm`` fusion on, autograd not recording
+    (activation checkpointing tracks only a layer's tensor arguments), and no hook on the layer (accelerate's, a
+    user's) that must see its output whole."""
     return rms_norm_ops.FUSED_NORM and not records_grad(hidden_states) and not keeps_own_forward(layer)
 
 

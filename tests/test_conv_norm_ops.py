@@ -149,7 +149,8 @@ def _kernel_cases() -> str | None:
                 stores[name] = (run(*args), k_copy, v_copy)
             for a, b in zip(stores["got"][0], stores["want"][0]):
                 if a.dtype != b.dtype or a.shape != b.shape:
-                    return f"attention inputs {dtype} rows={rows}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+                    return (f"attention inputs {dtype} rows={rows}: {a.dtype}{tuple(a.shape)} != "
+                            f"{b.dtype}{tuple(b.shape)}")
                 torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
             for a, b in zip(stores["got"][1:], stores["want"][1:]):
                 if not torch.equal(a, b):

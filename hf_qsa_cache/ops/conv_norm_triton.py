@@ -127,8 +127,9 @@ def _stream_args(taps) -> list:
 
 
 @on_device_of_first_tensor
-def attention_inputs_triton(q, k, v, k_taps, v_taps, q_norm_weight, q_eps, k_norm_weight, k_eps, head_dim):
-    """`conv_norm.attention_inputs_torch` in one launch."""
+def attention_inputs_triton(q, k, v, k_taps, v_taps, q_norm_weight, q_eps, k_norm_weight, k_eps, head_dim, *,
+                            num_warps: int = 1):
+    """`conv_norm.attention_inputs_torch` in one launch (``num_warps`` a program: a head's features)."""
     T = q.shape[0]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     hq, hkv = q.shape[1] // head_dim, k.shape[1] // head_dim
@@ -140,14 +141,15 @@ def attention_inputs_triton(q, k, v, k_taps, v_taps, q_norm_weight, q_eps, k_nor
             q, k, v, q_out, k_out, v_out, q_norm_weight, k_norm_weight, float(q_eps), float(k_eps),
             *_stream_args(k_taps), *_stream_args(v_taps), *_shared_step_args(k_taps, v_taps),
             HQ=hq, HKV=hkv, HD=head_dim, HD_PAD=triton.next_power_of_2(head_dim), K=k_taps.weight.shape[1],
-            Q_PRODUCT=TL_DTYPES[q_out.dtype], K_PRODUCT=TL_DTYPES[k_out.dtype], num_warps=1,
+            Q_PRODUCT=TL_DTYPES[q_out.dtype], K_PRODUCT=TL_DTYPES[k_out.dtype], num_warps=num_warps,
         )
     return q_out, k_out, v_out
 
 
 @on_device_of_first_tensor
-def conv_add_rms_norm_triton(x, taps, residual, norm_weight, eps):
-    """`conv_norm.conv_add_rms_norm_torch` in one launch, one program per token."""
+def conv_add_rms_norm_triton(x, taps, residual, norm_weight, eps, *, num_warps: int | None = None):
+    """`conv_norm.conv_add_rms_norm_torch` in one launch, one program per token (``num_warps`` a program;
+    default by width)."""
     T, C = x.shape
     x = x.contiguous()
     h = torch.empty_like(x)
@@ -157,6 +159,6 @@ def conv_add_rms_norm_triton(x, taps, residual, norm_weight, eps):
             x, x if residual is None else residual.contiguous(), h, out, norm_weight, float(eps),
             *_stream_args(taps), *_shared_step_args(taps),
             C=C, C_PAD=triton.next_power_of_2(C), K=taps.weight.shape[1], RESIDUAL=residual is not None,
-            PRODUCT=TL_DTYPES[out.dtype], num_warps=4 if C >= 1024 else 1,
+            PRODUCT=TL_DTYPES[out.dtype], num_warps=num_warps or (4 if C >= 1024 else 1),
         )
     return h, out
