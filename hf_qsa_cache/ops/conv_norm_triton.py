@@ -40,7 +40,7 @@ def _conv_taps(x_ptr, t, c, cm, x_row, w_ptr, store_ptr, store_s0, store_s1, wid
         tap_x = tl.load(x_ptr + (t64 - back) * x_row + c, mask=cm & in_x, other=0.0)
         safe = tl.maximum(src, 0)
         col = tl.minimum(safe // block_size, table_cols - 1)
-        block = tl.load(table_ptr + row * table_s0 + col).to(tl.int64)  # in range: col clamped
+        block = tl.load(table_ptr + row * table_s0 + col, mask=in_store, other=0).to(tl.int64)
         slot = block * block_size + safe % block_size
         tap_s = tl.load(store_ptr + slot * store_s0 + store_col, mask=cm & in_store, other=0.0)
         acc = acc + tl.where(in_x, tap_x.to(tl.float32), tap_s.to(tl.float32)) * w
