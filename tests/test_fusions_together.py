@@ -144,9 +144,21 @@ def test_a_fusion_not_yet_timed_is_on_only_when_named():
     assert requested("inkling_router,hc", unmeasured=("inkling_router",)) == {"inkling_router", "hc"}
 
 
-@pytest.mark.parametrize("setting, expected", [(None, MEASURED), ("all", MEASURED),
-                                               ("none", set()), ("", set()), ("gdn,router", {"gdn", "router"})])
-def test_the_environment_picks_the_measured_fusions_by_default(setting, expected):
+SETTINGS = [(None, MEASURED), ("all", MEASURED), ("none", set()), ("", set()), ("gdn,router", {"gdn", "router"})]
+
+
+@pytest.mark.parametrize("setting, expected", SETTINGS)
+def test_each_setting_turns_on_its_fusions(monkeypatch, setting, expected):
+    from hf_qsa_cache import fusions
+
+    monkeypatch.setattr(fusions, "_REQUESTED", fusions.requested(setting))
+    assert {n for n in fusions.FLAGS if fusions.fusion_enabled(n)} == expected
+
+
+@pytest.mark.parametrize("setting, expected", [SETTINGS[0], SETTINGS[-1]])
+def test_the_environment_sets_the_flags_at_import(setting, expected):
+    """In a fresh process (the flags are set when the op modules are imported): unset, the measured fusions; a
+    comma list, those only."""
     import os
     import subprocess
     import sys
