@@ -1,12 +1,18 @@
 """Run a test file as a script under the Triton interpreter.
 
 TRITON_INTERPRET must be set before `triton` is first imported, and other tests in the same pytest
-process import it earlier, so kernel-vs-reference comparisons run in a fresh Python process.
+process import it earlier, so kernel-vs-reference comparisons run in a process of their own: a child forked
+by `interpreter_server`, which imported torch, triton, transformers and the project once for the whole test
+run (each script paid those 6 s of imports again when it started a fresh Python).
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,18 +25,58 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def run_under_interpreter(script: str, expect: str, timeout: int = 600, args: tuple[str, ...] = ()) -> None:
     """Run ``script`` (with ``args``) with TRITON_INTERPRET=1; fail unless it exits 0 and prints ``expect``,
-    and unless every project kernel it launched also compiles for the GPU (`kernel_compile`)."""
+    and unless every project kernel it launched also compiles for the GPU (`kernel_compile`). The script runs
+    in a child forked by this process's `interpreter_server` (imports paid once per test process)."""
     with tempfile.TemporaryDirectory() as tmp:
-        log = os.path.join(tmp, "launches.jsonl")
-        env = {**os.environ, "TRITON_INTERPRET": "1", kernel_compile.LOG_VARIABLE: log}
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        proc = subprocess.run([sys.executable, kernel_compile.__file__, str(Path(script).resolve()), *args],
-                              env=env, cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=timeout)
-        assert proc.returncode == 0, (f"{Path(script).name} under the interpreter failed:\n"
-                                      f"{proc.stdout}\n{proc.stderr}")
-        assert expect in proc.stdout, proc.stdout
+        log, out = os.path.join(tmp, "launches.jsonl"), os.path.join(tmp, "output.txt")
+        status = _server().run(str(Path(script).resolve()), args, log, out, timeout)
+        with open(out) as f:
+            output = f.read()
+        assert status == 0, f"{Path(script).name} under the interpreter failed:\n{output}"
+        assert expect in output, output
         if os.environ.get("TRITON_INTERPRET") != "1":  # this process has Triton's compiler, not the interpreter
             assert kernel_compile.compile_logged(log) > 0, f"{Path(script).name} launched no project kernel"
+
+
+class _Server:
+    """The `interpreter_server` process: one request at a time, its reply (the script's exit status) awaited
+    for at most the script's timeout."""
+
+    def __init__(self):
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        server = Path(__file__).with_name("interpreter_server.py")
+        # A session of its own: closing kills the server with the script child it may be waiting for.
+        self.proc = subprocess.Popen([sys.executable, str(server)], env=env, cwd=str(REPO_ROOT),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+
+    def run(self, script: str, args, log: str, out: str, timeout: float) -> int:
+        request = {"script": script, "args": list(args), "log": log, "out": out}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        reply = self.proc.stdout.readline() if ready else ""
+        if not reply.strip():
+            self.close()
+            raise AssertionError(f"{Path(script).name} under the interpreter: no result within {timeout} s "
+                                 f"(server exit status {self.proc.returncode})")
+        return int(reply)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+_SERVER: list[_Server] = []
+
+
+def _server() -> _Server:
+    if not _SERVER or _SERVER[0].proc.poll() is not None:
+        _SERVER[:] = [_Server()]
+        atexit.register(_SERVER[0].close)
+    return _SERVER[0]
 
 
 def count_launches(module, name: str, launches: list) -> None:

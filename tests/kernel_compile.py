@@ -72,8 +72,9 @@ def launch_record(fn, arg_names: list[str], args: tuple, kwargs: dict) -> dict:
             "options": {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}}
 
 
-def record(path: str) -> None:
-    """Under the interpreter: log each distinct launch of this process to ``path`` when it exits."""
+def record(path: str):
+    """Under the interpreter: log each distinct launch of this process to ``path`` when it exits (or when the
+    returned function is called: a forked child that leaves without the exit handlers)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     seen: dict[str, dict] = {}
@@ -93,6 +94,7 @@ def record(path: str) -> None:
                 f.write(line + "\n")
 
     atexit.register(write)
+    return write
 
 
 def _compile_constant(value):
