@@ -8,7 +8,8 @@ stderr). For each it forks: the child starts from the imported modules, untouche
 exits when its script ends), runs the script as ``__main__`` and writes its launch log; the server replies with
 the child's exit status on one line.
 
-The server itself runs no torch op (a forked child must not inherit a running OpenMP pool) and keeps torch on one
+Scripts see the environment the test process had when it started the server (the project's modules read theirs,
+`HF_QSA_FUSED` among it, at import). The server itself runs no torch op (a forked child must not inherit a running OpenMP pool) and keeps torch on one
 thread.
 """
 
