@@ -68,7 +68,8 @@ def cases(device, dtype, tokens: int, small: bool):
         (40, 3, 3, 8, 4, 16, 4, 16, 8, 3, 24, 44) if small else (2048, 4, 32, 128, 16, 256, 32, 128, 64, 10, 512, 8192))
     streams, out, inject = rand(tokens, hc * H, scale=2), rand(tokens, H), rand(tokens, hc).abs()
     weight = rand(hc * H, scale=0.5)
-    yield ("hc_norm (+ residual)", lambda: hyper_connection_triton.hc_norm_triton(streams, weight, hc, 1e-6, (out, inject)),
+    yield ("hc_norm (+ residual)",
+           lambda: hyper_connection_triton.hc_norm_triton(streams, weight, hc, 1e-6, (out, inject)),
            lambda: _cpu(hyper_connection.hc_norm, streams, weight, hc, 1e-6, (out, inject)), 0.02)
     up = rand(tokens, hc * H)
     logits = rand(tokens, hc)
@@ -85,7 +86,8 @@ def cases(device, dtype, tokens: int, small: bool):
            lambda: emb.ngram_embedding(ple.ngram_ids_torch(history, emb, 1)).flatten(-2), 0)
     ple_key, ple_value, ple_valid = rand(tokens, hc * H), rand(tokens, H), torch.arange(tokens, device=device) != 1
     ple_weights = (ple_layer.norm_key.weight, ple_layer.norm_query.weight, ple_layer.norm_conv.weight)
-    yield ("ple gate", lambda: ple_triton.ple_gate_triton(ple_key, ple_value, streams, ple_valid, *ple_weights, hc, 1e-6),
+    yield ("ple gate",
+           lambda: ple_triton.ple_gate_triton(ple_key, ple_value, streams, ple_valid, *ple_weights, hc, 1e-6),
            lambda: _cpu(ple.ple_gate_torch, ple_key, ple_value, streams, ple_valid, *ple_weights, hc, 1e-6), 0.02)
     R = 12 if small else 320  # hc_lowrank
     down, up_w, inject_w = rand(R, hc * H, scale=0.02), rand(hc * H, R, scale=0.1), rand(hc, hc * H, scale=0.02)

@@ -633,8 +633,8 @@ class QSAPagedCache(Cache):
         of their copies (`hf_qsa_cache.transaction`), one pair of lists per (device, dtype). torch's foreach
         copy batches a list of one dtype into a few launches, and copies a mixed list one tensor at a time
         (a Qwen4Exp 40-layer graphed decode step on an H200 went from 117 copies to 35 when the lists were
-        split by dtype, `benchmarks/bench_generate.py`). Kept per row count: building ~100 views costs more host time than a graphed decode step can
-        spare, and they change only when a store is allocated."""
+        split by dtype, `benchmarks/bench_generate.py`). Kept per row count: building ~100 views costs more host
+        time than a graphed decode step can spare, and they change only when a store is allocated."""
         views = self._row_views.get(rows)
         if views is None:
             groups: dict[tuple, tuple[list, list]] = {}

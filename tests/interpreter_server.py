@@ -9,8 +9,8 @@ exits when its script ends), runs the script as ``__main__`` and writes its laun
 the child's exit status on one line.
 
 Scripts see the environment the test process had when it started the server (the project's modules read theirs,
-`HF_QSA_FUSED` among it, at import). The server itself runs no torch op (a forked child must not inherit a running OpenMP pool) and keeps torch on one
-thread.
+`HF_QSA_FUSED` among it, at import). The server itself runs no torch op (a forked child must not inherit a
+running OpenMP pool) and keeps torch on one thread.
 """
 
 from __future__ import annotations

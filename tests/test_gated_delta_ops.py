@@ -137,7 +137,8 @@ def _main() -> int:
             dt_bias = torch.randn(H, generator=g).to(dtype)
             valid = torch.rand(B, L, generator=g) > 0.3
             valid[-1, 0] = False  # at least one pad
-            got, want = delta_gates_triton(b, a, A_log, dt_bias, valid), gated_delta.delta_gates(b, a, A_log, dt_bias, valid)
+            got = delta_gates_triton(b, a, A_log, dt_bias, valid)
+            want = gated_delta.delta_gates(b, a, A_log, dt_bias, valid)
             for x, y in zip(got, want):
                 assert x.dtype == y.dtype and x.shape == y.shape
                 torch.testing.assert_close(x.float(), y.float(), atol=tol, rtol=tol)

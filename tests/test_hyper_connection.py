@@ -161,7 +161,8 @@ def _main() -> int:
                                            hc_ops.scaled_silu(low, 1 / hc).float(), atol=tol, rtol=tol)
                 up = torch.randn(*tokens, hc * H, generator=g).to(dtype)
                 logits = torch.randn(*tokens, hc, generator=g).to(dtype)
-                for a, b in zip(mix_streams_triton(up, streams, logits, hc), hc_ops.mix_streams(up, streams, logits, hc)):
+                for a, b in zip(mix_streams_triton(up, streams, logits, hc),
+                                hc_ops.mix_streams(up, streams, logits, hc)):
                     assert a.dtype == b.dtype and a.shape == b.shape
                     torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
                 mixed, none = mix_streams_triton(up, streams, None, hc)  # the final mixer: no injection

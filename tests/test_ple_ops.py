@@ -131,7 +131,8 @@ def _kernel_cases(launches) -> str | None:
             launches.clear()
             have = pt.ngram_embeddings_triton(history, emb, length)
             if len(launches) != 1 or not torch.equal(have, want):
-                return f"ngram {overrides} rows={rows} L={length}: launches {len(launches)}, equal {torch.equal(have, want)}"
+                return (f"ngram {overrides} rows={rows} L={length}: launches {len(launches)}, "
+                        f"equal {torch.equal(have, want)}")
     # The gate: fp32 within fp32 rounding, bf16 within a step of the fp32 math on the same inputs.
     for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 2e-2)):
         layer = _ple_layer(dtype)

@@ -20,6 +20,15 @@ def _warps(elements: int) -> int:
     return 8 if elements >= 4096 else 4
 
 
+@triton.jit
+def grouped_norm(x, weight_ptr, c, h, ok, H: tl.constexpr, eps):
+    """RMS norm of each row (stream) of fp32 ``x`` ``[HC_PAD, BLOCK_H]`` over its ``H`` features, times ``1 + weight``
+    (``weight`` ``[hc * H]``, stream-major): the hyper-connection norm, and the PLE layer's grouped norms."""
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)
+    w = tl.load(weight_ptr + c[:, None] * H + h[None, :], mask=ok, other=0.0).to(tl.float32)
+    return x * rstd[:, None] * (1.0 + w)
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _hc_norm_kernel(streams_ptr, out_ptr, inject_ptr, weight_ptr, streams_out_ptr, normed_ptr, num_tokens, eps,
                     HC: tl.constexpr, H: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -37,9 +46,7 @@ def _hc_norm_kernel(streams_ptr, out_ptr, inject_ptr, weight_ptr, streams_out_pt
         x = x.to(streams_out_ptr.dtype.element_ty)  # the streams as stored: the norm reads them rounded
         tl.store(streams_out_ptr + offsets, x, mask=ok)
         x = x.to(tl.float32)
-    rms = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)  # [HC_PAD]
-    w = tl.load(weight_ptr + c[:, None] * H + h[None, :], mask=ok, other=0.0).to(tl.float32)
-    normed = x * rms[:, None] * (1.0 + w)
+    normed = grouped_norm(x, weight_ptr, c, h, ok, H, eps)
     tl.store(normed_ptr + offsets, normed.to(normed_ptr.dtype.element_ty), mask=ok)
 
 

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .hyper_connection_triton import grouped_norm
 from .triton_common import on_device_of_first_tensor
 
 
@@ -65,14 +66,6 @@ def ngram_embeddings_triton(history: torch.Tensor, emb, length: int) -> torch.Te
 
 
 @triton.jit
-def _grouped_norm(x, weight_ptr, c, h, ok, H: tl.constexpr, eps):
-    """RMS norm of each row (stream) of ``x`` ``[HC_PAD, BLOCK_H]`` over its ``H`` features, times ``1 + weight``."""
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)
-    w = tl.load(weight_ptr + c[:, None] * H + h[None, :], mask=ok, other=0.0).to(tl.float32)
-    return x * rstd[:, None] * (1.0 + w)
-
-
-@triton.jit
 def _ple_gate_kernel(key_ptr, value_ptr, streams_ptr, valid_ptr, wk_ptr, wq_ptr, wc_ptr, gated_ptr, normed_ptr,
                      eps, inv_sqrt_h, HC: tl.constexpr, H: tl.constexpr, HC_PAD: tl.constexpr,
                      BLOCK_H: tl.constexpr):
@@ -81,15 +74,15 @@ def _ple_gate_kernel(key_ptr, value_ptr, streams_ptr, valid_ptr, wk_ptr, wq_ptr,
     h = tl.arange(0, BLOCK_H)
     ok = (c < HC)[:, None] & (h < H)[None, :]
     offsets = t * HC * H + c[:, None] * H + h[None, :]
-    key = _grouped_norm(tl.load(key_ptr + offsets, mask=ok, other=0.0).to(tl.float32), wk_ptr, c, h, ok, H, eps)
-    query = _grouped_norm(tl.load(streams_ptr + offsets, mask=ok, other=0.0).to(tl.float32), wq_ptr, c, h, ok, H,
+    key = grouped_norm(tl.load(key_ptr + offsets, mask=ok, other=0.0).to(tl.float32), wk_ptr, c, h, ok, H, eps)
+    query = grouped_norm(tl.load(streams_ptr + offsets, mask=ok, other=0.0).to(tl.float32), wq_ptr, c, h, ok, H,
                           eps)
     gate = tl.sum(key * query, axis=1) * inv_sqrt_h  # [HC_PAD]
     sign = tl.where(gate > 0, 1.0, tl.where(gate < 0, -1.0, 0.0))
     gate = tl.sqrt(tl.maximum(tl.abs(gate), 1e-6)) * sign
     value = tl.load(value_ptr + t * H + h, mask=h < H, other=0.0).to(tl.float32)
     gated = (tl.sigmoid(gate)[:, None] * value[None, :]).to(gated_ptr.dtype.element_ty)
-    normed = _grouped_norm(gated.to(tl.float32), wc_ptr, c, h, ok, H, eps)  # the norm reads it as stored
+    normed = grouped_norm(gated.to(tl.float32), wc_ptr, c, h, ok, H, eps)  # the norm reads it as stored
     keep = tl.load(valid_ptr + t) != 0
     tl.store(gated_ptr + offsets, tl.where(keep, gated, 0.0).to(gated_ptr.dtype.element_ty), mask=ok)
     tl.store(normed_ptr + offsets, tl.where(keep, normed, 0.0).to(normed_ptr.dtype.element_ty), mask=ok)
