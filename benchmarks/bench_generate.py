@@ -14,8 +14,8 @@ on `QSAPagedCache`) with CUDA-graph decode on and off. Every measurement is appe
 line to ``benchmarks/results/h200.jsonl`` (keys: model, layers, impl, graphs, batch, prompt_len,
 new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, fused (the fusions on,
 `hf_qsa_cache.fusions.active`; older lines hold the HF_QSA_FUSED setting, where "" meant none), plus
-status / floor_ms where known; ours adds loop (the greedy loop timed: "ours" for one row unless
-``--loops`` says otherwise, "transformers" for a batch), cache_gib, store_gib (bytes per cache store) and
+status / floor_ms where known; ours adds loop (the greedy loop timed: "ours" unless ``--loops`` says
+otherwise), cache_gib, store_gib (bytes per cache store) and
 prefill_peak_share: model FLOPs of the prefill per second over the H200's dense bf16 peak;
 decode_ms_end_to_end where the prefill is short: a step's cost in a plain generate() call with no
 per-step stopping criterion (`decode_ms_end_to_end`), where decode_ms_per_step times each step with one;
@@ -353,8 +353,8 @@ def main():
     parser.add_argument("--cache-len", type=int, default=0,
                         help="size our timed cache for this many tokens (default: the prompt and new tokens)")
     parser.add_argument("--loops", nargs="+", choices=["ours", "transformers"], default=["ours"],
-                        help="greedy loops to time one-row cases in: ours (what generate() takes for one row, "
-                             "`lean_greedy_decoding`) and transformers' `_sample`; rows of more run transformers'")
+                        help="greedy loops to time in: ours (what generate() takes, `lean_greedy_decoding`) "
+                             "and transformers' `_sample`")
     parser.add_argument("--jsonl", default=RESULTS)
     args = parser.parse_args()
 
@@ -409,9 +409,7 @@ def main():
         floor_ms = decode_bytes(ours, config, batch, length) / bandwidth * 1e3
         flops = prefill_flops(ours, config, batch, length)
         rows = []
-        # Our greedy loop runs one row only: a batch is timed once, in transformers' loop.
-        loops = args.loops if batch == 1 else ["transformers"]
-        for graphs, loop in [(g, lp) for g in graph_modes for lp in loops]:
+        for graphs, loop in [(g, lp) for g in graph_modes for lp in args.loops]:
             ours.use_cuda_graphs = graphs
             ours.lean_greedy_decoding = loop == "ours"
             # Kernel tuning keys on shapes: warm up at this case's batch first (a fresh cache each run); two

@@ -5,9 +5,10 @@
    equals eager decode (same tokens, logits within 1e-5).
 2. The same with rows longer than the prefill chunk and the attention kernels' key splits (forced
    small), so those loops run several times.
-3. Training (autograd on CUDA runs the torch reference ops) equals upstream fp32 on the CPU, with and
+3. Plain greedy decoding of a batch through our loop equals transformers' loop (tokens, cache after).
+4. Training (autograd on CUDA runs the torch reference ops) equals upstream fp32 on the CPU, with and
    without activation checkpointing; right-padded generate() gives each row's tokens alone.
-4. bf16 accuracy judged on logits: the same tokens are teacher-forced for 32 steps through upstream
+5. bf16 accuracy judged on logits: the same tokens are teacher-forced for 32 steps through upstream
    fp32, upstream bf16 and ours bf16 (graphs on), every expert routed (no router flips); our mean logit
    error against upstream fp32 must not exceed 1.5x upstream bf16's own. Once with 5 rows (graph steps
    of up to 16 tokens: the fused experts) and once with 20 (more: ``grouped_mm`` on Hopper or Blackwell).
@@ -63,6 +64,40 @@ def check_rows(name, upstream, ours_gpu, prompts, block_size):
     print(f"{name}: rows {len(prompts)}, {graphs} graph(s) captured; tokens equal upstream and logits within 1e-3: "
           f"max diff {worst:.2e}; graphed vs eager: tokens equal {same_eager}, max logit diff {graph_vs_eager:.2e} "
           f"-> {'ok' if ok else 'FAILED'}")
+    return ok
+
+
+@torch.no_grad()
+def check_batch_loop(name, ours_gpu, prompts, block_size):
+    """Plain greedy generate() of a ragged batch (graphs on) through our loop (`hf_qsa_cache.batch_greedy`) and
+    transformers' `_sample`: the same tokens and the same cache after the call (the next step's logits), with no
+    end-of-sequence id (nothing read until the end) and with ids that end every row, on a cache with a token of
+    rollback headroom (each step's flag read a step late from pinned memory, the extra step cropped)."""
+    from qwen4_helpers import left_pad
+
+    ids, mask = (t.cuda() for t in left_pad(prompts))
+    plain = None
+    ok = True
+    for eos, headroom in ((None, 0), ("ends", 1)):
+        runs = []
+        for lean in (True, False):
+            ours_gpu.use_cuda_graphs, ours_gpu.lean_greedy_decoding = True, lean
+            cache = QSAPagedCache(ours_gpu.config, ids.shape[0], ids.shape[1] + NEW + 1, block_size=block_size,
+                                  num_speculative_tokens=headroom)
+            new_rows = [] if eos is None else plain[:, ids.shape[1]:].tolist()
+            ends = sorted({row[2 + i] for i, row in enumerate(new_rows)}) or None  # row i's token i + 2
+            out = ours_gpu.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW,
+                                    do_sample=False, pad_token_id=0, eos_token_id=ends)
+            full = torch.cat([mask, torch.ones(mask.shape[0], out.shape[1] - mask.shape[1], device=mask.device,
+                                               dtype=mask.dtype)], dim=1)
+            step = ours_gpu(out[:, -1:], attention_mask=full, past_key_values=cache).logits
+            runs.append((out, step))
+        plain = runs[0][0] if plain is None else plain
+        same = torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+        print(f"{name} batch loop (eos {eos}, headroom {headroom}): {tuple(runs[0][0].shape)} tokens and next "
+              f"logits equal transformers' loop: {same} -> {'ok' if same else 'FAILED'}")
+        ok &= same
+    ours_gpu.lean_greedy_decoding = True
     return ok
 
 
@@ -246,6 +281,7 @@ def main():
     upstream, ours = q.make_pair(seed=0)
     prompts = q.random_prompts([29, 7, 18, 33, 25], seed=1)
     results.append(check_rows("qwen4_exp", upstream, copy.deepcopy(ours).cuda(), prompts, block_size=4))
+    results.append(check_batch_loop("qwen4_exp", copy.deepcopy(ours).cuda(), prompts, block_size=4))
     # bf16 with every expert routed: with top-2 routing a token whose router picks other experts in bf16 than in
     # fp32 has tens of times the others' error, so over a few tokens the ratio would count such flips
     # (benchmarks/bf16_error.py counts them), not rounding.
@@ -257,6 +293,7 @@ def main():
     upstream, ours = ink.make_pair(ink.make_config())
     prompts = [p.tolist() for p in ink.make_prompts([9, 3, 14, 6, 21])]
     results.append(check_rows("inkling", upstream, copy.deepcopy(ours).cuda(), prompts, block_size=4))
+    results.append(check_batch_loop("inkling", copy.deepcopy(ours).cuda(), prompts, block_size=4))
     results.append(check_bf16("inkling", *ink.make_pair(ink.make_config(num_experts_per_tok=4)), prompts,
                               block_size=4))
     results.append(check_bf16("inkling", *ink.make_pair(ink.make_config(num_experts_per_tok=4)),

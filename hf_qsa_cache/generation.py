@@ -10,7 +10,7 @@ import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator, PromptLookupCandidateGenerator
 from transformers.generation.configuration_utils import GenerationMode
 
-from . import lookup_decoding
+from . import batch_greedy, lookup_decoding
 from .cache import QSAPagedCache
 from .padding import as_padding_mask, step_order
 from .speculative import (
@@ -115,8 +115,9 @@ class PagedCacheGenerationMixin:
     # Prompt lookup proposes as many drafts as recent rounds had accepted (`DraftBudget`); False: always
     # prompt_lookup_num_tokens, as transformers does (see `_get_candidate_generator`).
     adaptive_prompt_lookup = True
-    # Plain greedy decoding of one row runs our lean loop (`lookup_decoding.decode_greedy`: the same tokens,
-    # cache and streamer calls as transformers' `_sample`, fewer torch calls per token); False: transformers'.
+    # Plain greedy decoding runs our lean loops (one row: `lookup_decoding.decode_greedy`, more:
+    # `batch_greedy.decode`): the same tokens, cache and streamer calls as transformers' `_sample`, fewer torch
+    # calls per token and no host read per step where none is needed; False: transformers' loop.
     lean_greedy_decoding = True
 
     def generate(self, inputs=None, *args, **kwargs):
@@ -204,6 +205,9 @@ class PagedCacheGenerationMixin:
         if lookup_decoding.applies_to_greedy(self, input_ids, generation_config, synced_gpus, model_kwargs):
             return lookup_decoding.decode_greedy(self, input_ids, logits_processor, stopping_criteria,
                                                  generation_config, streamer, model_kwargs)
+        if batch_greedy.applies(self, input_ids, generation_config, synced_gpus, streamer, model_kwargs):
+            return batch_greedy.decode(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                       model_kwargs)
         return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                                synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
 

@@ -84,7 +84,7 @@ def applies(model, input_ids: torch.Tensor, stopping_criteria, generation_config
             and not synced_gpus and not wants_outputs)
 
 
-def _stops(stopping_criteria, generation_config) -> tuple[int, set[int]]:
+def stop_rules(stopping_criteria, generation_config) -> tuple[int, set[int]]:
     """(the length that stops the row, the ids that end it), from the criteria generate() built."""
     max_length = min((c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)),
                      default=generation_config.max_length)
@@ -177,13 +177,13 @@ def _first_step_length(cache, model_kwargs: dict, generation_config, length: int
     return length - past + drafted if mask_length == length else None
 
 
-# The generation kwargs of a decode round whose model inputs `_lean_inputs` builds (a text-only call on our cache).
-_LEAN_KEYS = {"attention_mask", "logits_to_keep", "past_key_values", "position_ids", "use_cache"}
+# The generation kwargs of a decode round whose model inputs `lean_inputs` builds (a text-only call on our cache).
+LEAN_KEYS = {"attention_mask", "logits_to_keep", "past_key_values", "position_ids", "use_cache"}
 
 
-def _lean_inputs(candidates: torch.Tensor, step_length: int, kwargs: dict) -> dict:
+def lean_inputs(candidates: torch.Tensor, step_length: int, kwargs: dict) -> dict:
     """What transformers' ``prepare_inputs_for_generation`` returns for a round after the first of a text-only
-    call whose kwargs are `_LEAN_KEYS` and whose ids already sit on the model's device: the round's last
+    call whose kwargs are `LEAN_KEYS` and whose ids already sit on the model's device: the round's last
     ``step_length`` ids and positions, the rest passed on. Without its per-round clone of the ids, its device
     lookups and its checks of what this call cannot hold (about 70 us of host time a token on a CPU,
     benchmarks/RESULTS.md)."""
@@ -209,7 +209,7 @@ def _decode(model, generator, input_ids, logits_processor, stopping_criteria, ge
     cache = model_kwargs["past_key_values"]
     cache.activate_past_recording()  # as transformers' assisted loop does before its first crop (a no-op here)
     budget = generator.draft_budget
-    max_length, eos = _stops(stopping_criteria, generation_config)
+    max_length, eos = stop_rules(stopping_criteria, generation_config)
     other_stops = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, HOST_STOPS)])
     # Paused rounds leave their pick on the device (`unread`) until a round may draft, the row is full, or
     # (with end-of-sequence ids) one more step would feed more tokens after the first unread pick than the
@@ -250,12 +250,12 @@ def _decode(model, generator, input_ids, logits_processor, stopping_criteria, ge
             kwargs = _prepare_position_ids(kwargs, drafted + kwargs["position_ids"].shape[-1], False)
         step_length = _first_step_length(cache, model_kwargs, generation_config, length, drafted) if first else drafted + 1
         if lean_rounds and not first:
-            inputs = _lean_inputs(candidates, step_length, kwargs)
+            inputs = lean_inputs(candidates, step_length, kwargs)
         else:
             inputs = model.prepare_inputs_for_generation(
                 candidates, next_sequence_length=step_length, is_first_iteration=first, **kwargs)
             # Later rounds build their inputs here when transformers' preparation would only slice them.
-            lean_rounds = set(kwargs) <= _LEAN_KEYS and inputs["input_ids"].device == candidates.device
+            lean_rounds = set(kwargs) <= LEAN_KEYS and inputs["input_ids"].device == candidates.device
         if "logits_to_keep" in inputs:
             inputs["logits_to_keep"] = drafted + 1
         outputs = model(**inputs)

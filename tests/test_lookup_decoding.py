@@ -431,11 +431,11 @@ def test_a_call_continuing_on_its_cache_with_embeddings_feeds_only_the_new_posit
 
 @pytest.mark.parametrize("lookup", [False, True])
 def test_rounds_after_the_first_build_what_transformers_preparation_builds(lookup, qwen, monkeypatch):  # noqa: F811
-    """Rounds after the first skip ``prepare_inputs_for_generation`` (`_lean_inputs`): each builds the same keys
+    """Rounds after the first skip ``prepare_inputs_for_generation`` (`lean_inputs`): each builds the same keys
     and values it would, and the first round still goes through it."""
     model = qwen[0]
     ids = _qwen_prompt(seed=5)
-    prepare, lean, rounds = type(model).prepare_inputs_for_generation, lookup_decoding._lean_inputs, []
+    prepare, lean, rounds = type(model).prepare_inputs_for_generation, lookup_decoding.lean_inputs, []
 
     def checked(candidates, step_length, kwargs):
         have = lean(candidates, step_length, kwargs)
@@ -446,7 +446,7 @@ def test_rounds_after_the_first_build_what_transformers_preparation_builds(looku
         rounds.append(step_length)
         return have
 
-    monkeypatch.setattr(lookup_decoding, "_lean_inputs", checked)
+    monkeypatch.setattr(lookup_decoding, "lean_inputs", checked)
     extra = {"prompt_lookup_num_tokens": K} if lookup else {}
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,

@@ -1,0 +1,117 @@
+"""Greedy decoding of several rows in a loop of ours: transformers' `_sample` without its read every step.
+
+After every step `_sample` reads whether any row is still unfinished (``unfinished_sequences.max() == 0``;
+transformers defers that read on Apple GPUs only). The read makes the host wait for the step to end, so the
+next step's host work (its inputs, the cache's bookkeeping, the graph launch) starts on an idle GPU, and a
+step costs the GPU's time plus the host's instead of the larger of the two. Here the loop reads only what
+it must:
+
+* no end-of-sequence id and no other stopping criterion: the row length decides the end, and the host knows
+  it, so nothing is read before the call returns;
+* otherwise each step's all-finished flag is read after the next step has been queued (copied behind the
+  step into pinned memory on CUDA): one step late. When it says every row had finished, the step queued
+  meanwhile fed one token too many, and the cache takes it back (`QSAPagedCache.crop`). That needs one
+  token of rollback headroom (``num_speculative_tokens >= 1``); a cache without it is read right after each
+  step, as `_sample` reads.
+
+What a call returns and the cache it leaves are `_sample`'s: the same picks, finished rows padded with
+``pad_token_id`` from the step after their end-of-sequence id, the same logits processors on fp32 copies of
+the logits, the same stopping criteria, the same experts switch for decode steps
+(`_optimize_model_for_decode`). `applies` says for which calls: greedy, one beam, two rows or more (one row
+runs `lookup_decoding.decode_greedy`), a `QSAPagedCache`, the model's ``lean_greedy_decoding`` on, no
+streamer, no per-step outputs, no synced GPUs.
+
+Each forward is a transaction of the cache; the loop is not. A failure between steps leaves the cache
+holding the tokens it was fed; the next `generate()` on it that does not continue them is refused with
+``reset()`` named (`QSAPagedCache.check_continues`), as after a failed call of transformers' loop.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .cache import QSAPagedCache
+from .lookup_decoding import LEAN_KEYS, lean_inputs, stop_rules
+
+
+def applies(model, input_ids: torch.Tensor, generation_config, synced_gpus: bool, streamer, model_kwargs: dict) -> bool:
+    """Whether `decode` runs this `_sample` call (module docstring)."""
+    config = generation_config
+    wants_outputs = config.return_dict_in_generate and (
+        config.output_scores or config.output_logits or config.output_attentions or config.output_hidden_states)
+    return (not config.do_sample and (config.num_beams or 1) == 1 and getattr(model, "lean_greedy_decoding", False)
+            and isinstance(model_kwargs.get("past_key_values"), QSAPagedCache) and model_kwargs.get("use_cache")
+            and input_ids.shape[0] > 1 and 0 < input_ids.shape[1] < config.max_length
+            and streamer is None and not synced_gpus and not wants_outputs)
+
+
+class LateFlag:
+    """A step's boolean verdict, read by the host later than it was computed: copied behind the step into pinned
+    memory on CUDA, so that reading it waits for that step only, not for the steps queued after it."""
+
+    def __init__(self, flag: torch.Tensor):
+        if flag.is_cuda:
+            self.value = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self.value.copy_(flag, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.value, self.ready = flag, None
+
+    def read(self) -> bool:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return bool(self.value)
+
+
+def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs: dict):
+    """transformers' `_sample` for the calls `applies` accepts, with the reads of the module docstring."""
+    cache: QSAPagedCache = model_kwargs["past_key_values"]
+    max_length, _ = stop_rules(stopping_criteria, generation_config)
+    # The length is the host's to check; every other criterion (end-of-sequence ids, stop strings, a user's)
+    # runs on the device after each step, as in `_sample`, and then the loop must read whether all rows ended.
+    device_stops = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria)])
+    pads_finished = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    pad = generation_config._pad_token_tensor
+    if pads_finished:
+        pad = pad.to(input_ids.device)
+    late = bool(device_stops) and cache.num_speculative_tokens >= 1
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+
+    outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
+    lean = None  # whether later steps' inputs are built here (`lookup_decoding.lean_inputs`)
+    with model._optimize_model_for_decode():
+        while True:
+            model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
+            logits = outputs.logits[:, -1]
+            del outputs
+            if len(logits_processor):  # as `_sample`: on an fp32 copy
+                logits = logits_processor(input_ids, logits.to(copy=True, dtype=torch.float32))
+            picks = logits.argmax(dim=-1)
+            if pads_finished:  # a finished row gets the pad token
+                picks = picks * unfinished + pad * (1 - unfinished)
+            input_ids = torch.cat([input_ids, picks[:, None]], dim=-1)
+            if input_ids.shape[1] >= max_length:
+                break
+            ended = None
+            if device_stops:
+                unfinished = unfinished & ~device_stops(input_ids, None)
+                ended = LateFlag(unfinished.max() == 0)
+                if not late and ended.read():
+                    break
+            if lean is None:
+                inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
+                lean = set(model_kwargs) <= LEAN_KEYS and inputs["input_ids"].device == input_ids.device
+            else:
+                inputs = (lean_inputs(input_ids, 1, model_kwargs) if lean
+                          else model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs))
+            outputs = model(**inputs, return_dict=True)
+            if late and ended.read():  # every row had ended: the step just queued fed a token too many
+                del outputs
+                cache.crop(-1)
+                break
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=input_ids, past_key_values=cache)
+    return input_ids

@@ -1,0 +1,198 @@
+"""Greedy decoding of several rows in our loop (`hf_qsa_cache.batch_greedy`) against transformers' `_sample`, the
+specification: the same sequences and the same cache afterwards (the next step's logits) on both families, for
+a left-padded ragged batch with no end-of-sequence id, ids that end some rows or all of them (the flag read at
+once, or one step late with the extra step cropped), a logits processor and a user's stopping criterion; when
+the loop reads the host; the calls it leaves to transformers; a failed step."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import test_inkling as inkling
+import torch
+from qwen4_helpers import left_pad, random_prompts
+from test_speculative import ink, qwen  # noqa: F401 (fixtures)
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from hf_qsa_cache import QSAPagedCache, batch_greedy, lookup_decoding
+
+NEW = 14
+
+
+def _batch(family):
+    if family == "qwen4_exp":
+        return left_pad(random_prompts([22, 9, 15], seed=3))
+    return inkling.left_pad(inkling.make_prompts([13, 5, 10], seed=4))  # two rows past the window of 6
+
+
+def _run(monkeypatch, model, ids, mask, lean: bool, headroom: int = 0, n: int = NEW, **kwargs):
+    """generate() through our loop (``lean``) or transformers' `_sample` on a cache with ``headroom`` rollback
+    tokens: (output, whether our loop ran, the logits of one more step on the cache, the forwards "f" and our
+    loop's reads "r" in order, the crops)."""
+    ran, events, crops = [], [], []
+    decode, read, crop = batch_greedy.decode, batch_greedy.LateFlag.read, QSAPagedCache.crop
+    with monkeypatch.context() as m:
+        m.setattr(type(model), "lean_greedy_decoding", lean)
+        m.setattr(batch_greedy, "decode", lambda *a, **k: ran.append(1) or decode(*a, **k))
+        m.setattr(batch_greedy.LateFlag, "read", lambda flag: events.append("r") or read(flag))
+        m.setattr(QSAPagedCache, "crop", lambda cache, drop: crops.append(drop) or crop(cache, drop))
+        cache = QSAPagedCache(model.config, ids.shape[0], ids.shape[1] + n + 1, num_speculative_tokens=headroom)
+        hook = model.register_forward_pre_hook(lambda *a: events.append("f"))
+        try:
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n,
+                                     do_sample=False, return_dict_in_generate=True,
+                                     **{"pad_token_id": 0, "eos_token_id": None, **kwargs})
+        finally:
+            hook.remove()
+    width = out.sequences.shape[1]
+    assert cache.get_seq_length() == width - 1
+    full = torch.cat([mask, torch.ones(mask.shape[0], width - mask.shape[1], dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        step = model(out.sequences[:, -1:], attention_mask=full, past_key_values=cache)
+    return out.sequences, bool(ran), step.logits, "".join(events), [d for d in crops if d]
+
+
+class StopAt(StoppingCriteria):
+    """Stops every row once the batch is ``length`` columns wide."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_batch_greedy_through_our_loop_equals_transformers_loop(family, qwen, ink, monkeypatch):  # noqa: F811
+    model = (qwen if family == "qwen4_exp" else ink)[0]
+    ids, mask = _batch(family)
+    width = ids.shape[1]
+    plain = _run(monkeypatch, model, ids, mask, lean=False)[0][:, width:].tolist()
+    # Each row's id a few steps in: every row ends (at its own id or an earlier one of another row's) before NEW.
+    ends_all = [plain[r][2 + 3 * r] for r in range(3)]
+    ends_first = plain[0][5]  # may end other rows too, or none
+    ended = [min((i for i, t in enumerate(row) if t in ends_all), default=None) for row in plain]
+    assert None not in ended and len(set(ended)) > 1, "the rows should end, at different steps"
+    cases = [({}, 0), ({"eos_token_id": ends_all}, 0), ({"eos_token_id": ends_all}, 2),
+             ({"eos_token_id": ends_first}, 1), ({"repetition_penalty": 1.5}, 0),
+             ({"stopping_criteria": StoppingCriteriaList([StopAt(width + 6)])}, 1),
+             ({"stopping_criteria": StoppingCriteriaList([StopAt(width + 6)])}, 0), ({}, 0, 1)]
+    for extra, headroom, *n in cases:
+        n = n[0] if n else NEW
+        theirs = _run(monkeypatch, model, ids, mask, lean=False, headroom=headroom, n=n, **extra)
+        ours = _run(monkeypatch, model, ids, mask, lean=True, headroom=headroom, n=n, **extra)
+        assert ours[1] and not theirs[1]
+        assert torch.equal(ours[0], theirs[0]), (extra, headroom)
+        torch.testing.assert_close(ours[2], theirs[2], rtol=0, atol=0)
+        forwards = theirs[3].count("f")
+        stops_early = theirs[0].shape[1] < width + n
+        if "eos_token_id" not in extra and "stopping_criteria" not in extra:
+            assert ours[3] == "f" * forwards and not ours[4], extra  # nothing read before the call returns
+        elif headroom:  # each flag read after the next step is queued; the step queued past the end cropped
+            assert ours[3] == "f" + "fr" * (forwards - 1 + stops_early), (extra, ours[3])
+            assert ours[4] == ([-1] if stops_early else []), extra
+        else:  # each flag read before the next step
+            assert ours[3] == "f" + "rf" * (forwards - 1) + "r" * stops_early, (extra, ours[3])
+            assert not ours[4], extra
+    sequences = _run(monkeypatch, model, ids, mask, lean=True, eos_token_id=ends_all)[0][:, width:]
+    for row, end in zip(sequences.tolist(), ended):  # the pad from the step after a row's end
+        assert row[end + 1:] == [0] * (len(row) - end - 1) and row[end] in ends_all
+
+
+def test_later_steps_build_their_inputs_in_our_loop(qwen, monkeypatch):  # noqa: F811
+    """After the prefill and one step through transformers' input preparation, a text-only call's steps build
+    their inputs themselves: the keys and values the preparation would build (a left-padded batch: positions
+    by row)."""
+    model = qwen[0]
+    ids, mask = _batch("qwen4_exp")
+    calls, checked = [], []
+    prepare = type(model).prepare_inputs_for_generation
+    lean = batch_greedy.lean_inputs
+
+    def compared(input_ids, step_length, kwargs):
+        have = lean(input_ids, step_length, kwargs)
+        want = prepare(model, input_ids, next_sequence_length=step_length, **kwargs)
+        assert sorted(have) == sorted(want), (sorted(have), sorted(want))
+        for key, value in want.items():
+            assert torch.equal(have[key], value) if isinstance(value, torch.Tensor) else have[key] is value, key
+        checked.append(1)
+        return have
+
+    monkeypatch.setattr(batch_greedy, "lean_inputs", compared)
+
+    @functools.wraps(prepare)  # generate() checks its kwargs against this signature
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return prepare(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "prepare_inputs_for_generation", counted)
+    with torch.no_grad():
+        lean = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)
+        assert len(calls) == 2 and len(checked) == 6  # the prefill and the first step, then the lean steps
+        # A kwarg the lean inputs would not carry: every step through transformers' preparation.
+        calls.clear()
+        monkeypatch.setattr(batch_greedy, "LEAN_KEYS", batch_greedy.LEAN_KEYS - {"position_ids"})
+        prepared = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                  eos_token_id=None)
+        assert len(calls) == 8 and torch.equal(prepared, lean)
+
+
+def test_calls_our_loop_leaves_to_transformers(qwen, monkeypatch):  # noqa: F811
+    model = qwen[0]
+    ids, mask = _batch("qwen4_exp")
+    ran = []
+    for name in ("decode",):
+        real = getattr(batch_greedy, name)
+        monkeypatch.setattr(batch_greedy, name, lambda *a, real=real, **k: ran.append("batch") or real(*a, **k))
+    real_one = lookup_decoding.decode_greedy
+    monkeypatch.setattr(lookup_decoding, "decode_greedy", lambda *a, **k: ran.append("one") or real_one(*a, **k))
+
+    def generate(ids, mask, **kwargs):
+        ran.clear()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, eos_token_id=None,
+                           **{"do_sample": False, **kwargs})
+        return list(ran)
+
+    assert generate(ids, mask) == ["batch"]
+    assert generate(ids[:1], mask[:1]) == ["one"]
+    assert generate(ids, mask, do_sample=True) == []
+    assert generate(ids, mask, num_beams=2) == []
+    assert generate(ids, mask, return_dict_in_generate=True, output_scores=True) == []
+    monkeypatch.setattr(type(model), "lean_greedy_decoding", False)
+    assert generate(ids, mask) == []
+
+
+def test_a_failed_step_leaves_a_cache_that_refuses_a_new_call_naming_reset(qwen, monkeypatch):  # noqa: F811
+    """A forward that fails in the middle of the loop reaches the caller; the cache then holds tokens the caller
+    never got, so the same call on it is refused with `reset()` named, and after `reset()` it gives the tokens
+    of an unbroken call."""
+    model = qwen[0]
+    ids, mask = _batch("qwen4_exp")
+    cache = QSAPagedCache(model.config, 3, ids.shape[1] + NEW + 1)
+    kwargs = dict(attention_mask=mask, past_key_values=cache, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                  eos_token_id=None)
+    with torch.no_grad():
+        plain = model.generate(ids, **kwargs)
+        cache.reset()
+        forwards = []
+
+        def fail_on_fourth(*args):
+            forwards.append(1)
+            if len(forwards) == 4:
+                raise RuntimeError("injected")
+
+        hook = model.register_forward_pre_hook(fail_on_fourth)
+        try:
+            with pytest.raises(RuntimeError, match="injected"):
+                model.generate(ids, **kwargs)
+        finally:
+            hook.remove()
+        assert cache.get_seq_length() > ids.shape[1]
+        with pytest.raises(ValueError, match=r"reset\(\)"):
+            model.generate(ids, **kwargs)
+        cache.reset()
+        assert torch.equal(model.generate(ids, **kwargs), plain)
