@@ -4,6 +4,7 @@ the largest difference and the time of both, one line per kernel.
     python benchmarks/check_fused_kernels.py
     python benchmarks/check_fused_kernels.py --conv-sweep   # the prompt conv kernel's blocks, 1 x 16384 tokens
     python benchmarks/check_fused_kernels.py --conv-norm-sweep   # the conv_norm kernels' warps, 1 and 32 tokens
+    python benchmarks/check_fused_kernels.py --experts-sweep   # the tiled experts' tiles, 17 to 64 tokens
     TRITON_INTERPRET=1 python benchmarks/check_fused_kernels.py --device cpu --small   # logic check (CI)
 
 Shapes are those of `bench_generate.py`'s configs at a decode step of ``--tokens`` tokens (hidden 2048, 4
@@ -32,6 +33,7 @@ from hf_qsa_cache.ops import experts_triton, gated_delta_triton, hyper_connectio
 from hf_qsa_cache.ops import inkling_router_triton, norm_rope_triton, qsa_triton, rms_norm_triton  # noqa: E402
 from hf_qsa_cache.ops import linears, linears_triton, prompt_experts_triton, router_triton  # noqa: E402
 from hf_qsa_cache.ops import conv_norm, conv_norm_triton, ple, ple_triton, top_set_triton  # noqa: E402
+from hf_qsa_cache import fusions  # noqa: E402
 from hf_qsa_cache.ops.sconv import ConvTaps  # noqa: E402
 
 
@@ -212,6 +214,15 @@ def cases(device, dtype, tokens: int, small: bool):
     pair_rows, positions = rand(T * k, H), torch.randperm(T * k, generator=g).to(device)
     yield (f"sum_by_token {T}x{k}", lambda: prompt_experts_triton.sum_by_token_triton(pair_rows, positions, T, k),
            lambda: _cpu(prompt_experts.sum_by_token_torch, pair_rows, positions, T, k), 0.02)
+    # A graph step of 32 tokens' experts at Inkling's shapes (6 of 64 experts a token), tiled by expert, and the
+    # grouped GEMMs it replaces (the specification runs on the device: gathered per pair, it is gigabytes in fp32).
+    x_e, index_e, weight_e, gate_up_e, down_e = _experts_inputs(5 if small else 32, 3 if small else 6, E, H, inter,
+                                                                rand, g, device)
+    spec = lambda: prompt_experts.tiled_experts_torch(x_e, index_e, weight_e, gate_up_e, down_e)  # noqa: E731
+    yield (f"tiled_experts {x_e.shape[0]}x{index_e.shape[1]}",
+           lambda: prompt_experts_triton.tiled_experts_triton(x_e, index_e, weight_e, gate_up_e, down_e), spec, 0.02)
+    yield (f"grouped_experts {x_e.shape[0]}x{index_e.shape[1]} (for its time)",
+           lambda: _grouped_gemm_experts(x_e, index_e, weight_e, gate_up_e, down_e), spec, 0.05)
     # GatedDeltaNet's four input projections in one launch (qkv, z, b, a), a pad token among several.
     x_in = rand(tokens, H)
     rows = (2 * 16 + 24, 24, 3, 3) if small else (2 * 16 * 128 + 2 * Dv * 32, 32 * Dv, 32, 32)
@@ -220,6 +231,72 @@ def cases(device, dtype, tokens: int, small: bool):
     yield ("projections", lambda: tuple(linears_triton.linears_triton(x_in, projections, keep)),
            lambda: tuple(_cpu(lambda *a: tuple(linears.linears_torch(a[0], list(a[1:-1]), a[-1])), x_in, *projections,
                               keep)), 0.02)
+
+
+def _experts_inputs(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, rand, g, device):
+    """A step's hidden states, routing (distinct experts per token, weights summing to 1) and experts' weights."""
+    index = torch.rand(tokens, num_experts, generator=g).topk(top_k, dim=-1).indices.to(device)
+    weights = torch.rand(tokens, top_k, generator=g)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(device, rand(1).dtype)
+    return (rand(tokens, hidden), index, weights, rand(num_experts, 2 * inter, hidden, scale=0.02),
+            rand(num_experts, hidden, inter, scale=0.02))
+
+
+def _grouped_gemm_experts(x, index, weights, gate_up, down):
+    """`prompt_experts.grouped_experts_forward` with transformers' grouped GEMMs (the ``tiled_experts`` fusion off)."""
+    from types import SimpleNamespace
+
+    with fusions.fused(("tiled_experts",), on=False):
+        module = SimpleNamespace(gate_up_proj=gate_up, down_proj=down, is_transposed=False)
+        return prompt_experts.grouped_experts_forward(module, x, index, weights)
+
+
+def _graph_us(call, calls: int = 20) -> float:
+    """Microseconds a call of ``call`` takes inside a CUDA graph of ``calls`` calls (launch gaps as in a step)."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def experts_sweep(device, jsonl) -> None:
+    """The tiled experts' tiles at Inkling's shapes (64 experts of 512, top 6, hidden 2048; bf16) for graph steps
+    of 17, 32 and 64 tokens, each checked against the default tiles' output and graph-timed, beside transformers'
+    grouped GEMMs (what graph steps of more than 16 tokens run today)."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device, torch.bfloat16)
+
+    for tokens in (17, 32, 64):
+        args = _experts_inputs(tokens, 6, 64, 2048, 512, rand, g, device)
+        want = prompt_experts_triton.tiled_experts_triton(*args)
+        emit({"kernel": "experts sweep", "tokens": tokens, "path": "grouped_mm",
+              "kernel_us": round(_graph_us(lambda: _grouped_gemm_experts(*args)), 1)}, jsonl)
+        for gate_up in ((16, 16, 128, 4), (16, 32, 128, 4), (16, 32, 256, 4), (16, 64, 128, 4), (16, 64, 128, 8),
+                        (32, 32, 128, 4)):
+            for down in ((16, 32, 128, 4), (16, 64, 128, 4), (16, 128, 64, 4), (16, 64, 256, 8)):
+                def call(up=gate_up, dn=down):
+                    return prompt_experts_triton.tiled_experts_triton(*args, gate_up_tiles=up, down_tiles=dn)
+                try:
+                    diff = _diff(call(), want)
+                    us = _graph_us(call)
+                except Exception as error:  # a tile too large for the registers or shared memory
+                    emit({"kernel": "experts sweep", "tokens": tokens, "gate_up": gate_up, "down": down,
+                          "error": f"{type(error).__name__}: {error}"[:200]}, jsonl)
+                    continue
+                emit({"kernel": "experts sweep", "tokens": tokens, "gate_up": gate_up, "down": down,
+                      "kernel_us": round(us, 1), "max_diff": diff}, jsonl)
 
 
 def _conv_taps_pair(tokens: int, heads: int, width: int, rand, device) -> tuple[ConvTaps, ConvTaps]:
@@ -320,19 +397,8 @@ def conv_norm_sweep(device, jsonl) -> None:
             want = call(None) if name == "conv_add_rms_norm" else call(1)
             for warps in (1, 2, 4, 8, 16):
                 same = all(torch.equal(a, b) for a, b in zip(call(warps), want))
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(20):
-                        call(warps)
-                graph.replay()
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
                 emit({"kernel": f"{name} sweep", "tokens": tokens, "num_warps": warps,
-                      "kernel_us": round(start.elapsed_time(end) * 1e3 / 20, 2), "same": same}, jsonl)
+                      "kernel_us": round(_graph_us(lambda w=warps: call(w)), 2), "same": same}, jsonl)
 
 
 def main(argv=None) -> list[dict]:
@@ -344,8 +410,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--jsonl", default=None)
     parser.add_argument("--conv-sweep", action="store_true", help="only the prompt conv kernel's block sweep")
     parser.add_argument("--conv-norm-sweep", action="store_true", help="only the conv_norm kernels' warps sweep")
+    parser.add_argument("--experts-sweep", action="store_true", help="only the tiled experts' tiles sweep")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.experts_sweep:
+        experts_sweep(device, args.jsonl)
+        return [{"ok": True}]
     if args.conv_sweep:
         conv_sweep(device, args.jsonl)
         return [{"ok": True}]

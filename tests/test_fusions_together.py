@@ -106,7 +106,8 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
     flags = [(hyper_connection, "FUSED_HC"), (gated_delta, "FUSED_GDN"), (rms_norm, "FUSED_NORM"),
              (norm_rope, "FUSED_NORM_ROPE"), (cuda_graphs, "FUSED_EXPERTS"), (router, "FUSED_ROUTER"),
              (qsa, "FUSED_QSA"), (experts, "FUSED_SHARED_EXPERT"), (inkling_router, "FUSED_INKLING_ROUTER"),
-             (prompt_experts, "FUSED_PROMPT_EXPERTS"), (linears, "FUSED_PROJECTIONS")]
+             (prompt_experts, "FUSED_PROMPT_EXPERTS"), (linears, "FUSED_PROJECTIONS"),
+             (prompt_experts, "FUSED_TILED_EXPERTS")]
     before = [getattr(m, f) for m, f in flags]
     with fused(("all",)):
         assert all(getattr(m, f) for m, f in flags)
@@ -116,7 +117,7 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
         assert all(getattr(m, f) for m, f in flags)
     assert [getattr(m, f) for m, f in flags] == before
     assert set(FLAGS) == {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
-                          "inkling_router", "prompt_experts", "projections", "ple", "conv_norm"}
+                          "inkling_router", "prompt_experts", "projections", "ple", "conv_norm", "tiled_experts"}
     with pytest.raises(ValueError, match="unknown fusion"):
         with fused(("nope",)):
             pass
@@ -144,7 +145,7 @@ def test_a_fusion_not_yet_timed_is_on_only_when_named():
     assert requested("inkling_router,hc", unmeasured=("inkling_router",)) == {"inkling_router", "hc"}
 
 
-SETTINGS = [(None, MEASURED), ("all", MEASURED), ("none", set()), ("", set()), ("gdn,router", {"gdn", "router"})]
+SETTINGS = [(None, MEASURED), ("all", MEASURED | {"tiled_experts"}), ("none", set()), ("", set()), ("gdn,router", {"gdn", "router"})]
 
 
 @pytest.mark.parametrize("setting, expected", SETTINGS)

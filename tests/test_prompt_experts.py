@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from fusion_helpers import assert_fused_generate_equals_default
-from interpreter import run_under_interpreter
+from interpreter import count_launches, run_under_interpreter
 from test_fault_injection import _prompts, ink, qwen  # noqa: F401 (fixtures)
 from transformers.integrations import moe
 
@@ -66,6 +66,69 @@ def test_generate_with_the_fused_path_equals_the_default(family, qwen, ink, monk
                                          "weighted_silu_mul_torch", atol=1e-5)
 
 
+def _experts_module(family: str, dtype=torch.float32):
+    if family == "qwen4_exp":
+        from qwen4_helpers import make_pair
+
+        model = make_pair(seed=3)[1]
+    else:
+        from test_inkling import make_config
+        from test_inkling import make_pair as make_inkling_pair
+
+        model = make_inkling_pair(make_config(), seed=3)[1]
+    return next(m for m in model.to(dtype).modules() if hasattr(m, "gate_up_proj"))
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_tiled_experts_specification(family):
+    """`tiled_experts_torch`: in fp32 the math of the selected-experts specification and of transformers'
+    ``grouped_mm`` experts; in bf16 no further from fp32 than ``grouped_mm`` in bf16 (it rounds less)."""
+    from hf_qsa_cache.ops.experts import selected_experts_torch
+
+    experts = _experts_module(family)
+    num_experts, hidden = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[-1]
+    top_k = min(3, num_experts - 2)
+    x = torch.randn(37, hidden, generator=torch.Generator().manual_seed(4))
+    index, weights = _routing(37, top_k, num_experts, seed=5)
+    args = (experts.gate_up_proj, experts.down_proj, experts.is_transposed)
+    with torch.no_grad():
+        want = moe.grouped_mm_experts_forward(experts, x, index, weights)
+        got = prompt_experts.tiled_experts_torch(x, index, weights, *args)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(got, selected_experts_torch(x, index, weights, *args), atol=2e-6, rtol=1e-5)
+        half = _experts_module(family, torch.bfloat16)
+        xb = x.bfloat16()
+        theirs = moe.grouped_mm_experts_forward(half, xb, index, weights.bfloat16())
+        ours = prompt_experts.tiled_experts_torch(xb, index, weights.bfloat16(), half.gate_up_proj, half.down_proj,
+                                                  half.is_transposed)
+        exact = prompt_experts.tiled_experts_torch(xb.float(), index, weights.bfloat16().float(),
+                                                   half.gate_up_proj.float(), half.down_proj.float(),
+                                                   half.is_transposed)
+    assert (ours.float() - exact).abs().mean() <= (theirs.float() - exact).abs().mean() * 1.05
+
+
+def test_tiled_experts_run_only_with_the_fusion_on_a_gpu_and_few_pairs(monkeypatch):
+    experts = _experts_module("inkling")
+    num_experts, hidden = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[-1]
+    calls = []
+    from hf_qsa_cache.ops import prompt_experts_triton
+
+    monkeypatch.setattr(prompt_experts_triton, "tiled_experts_triton",
+                        lambda *a: calls.append(a[1].numel()) or prompt_experts.tiled_experts_torch(*a))
+    monkeypatch.setattr(prompt_experts, "_use_tiled", lambda x: True)
+    monkeypatch.setattr(prompt_experts, "TILED_EXPERTS_MAX_PAIRS", 8)
+    for on in (False, True):
+        monkeypatch.setattr(prompt_experts, "FUSED_TILED_EXPERTS", on)
+        for tokens in (4, 5):  # 8 pairs, then 10
+            x = torch.randn(tokens, hidden)
+            index, weights = _routing(tokens, 2, num_experts, seed=tokens)
+            with torch.no_grad():
+                got = prompt_experts.grouped_experts_forward(experts, x, index, weights)
+                torch.testing.assert_close(got, moe.grouped_mm_experts_forward(experts, x, index, weights),
+                                           atol=2e-6, rtol=1e-5)
+    assert calls == [8]
+
+
 def test_triton_kernels_match_torch():
     run_under_interpreter(__file__, "all prompt experts kernel cases ok")
 
@@ -105,8 +168,57 @@ def _main() -> int:
             assert got.dtype == want.dtype and got.shape == want.shape
             torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
             cases += 1
+    cases += _tiled_cases()
+    # The models with the fusion on (its CUDA dispatch on CPU tensors): prompts and decode steps through the kernels.
+    import test_inkling as inkling
+    from fusion_helpers import fused_generate_mismatch
+    from qwen4_helpers import left_pad, make_pair, random_prompts
+
+    from hf_qsa_cache.ops import prompt_experts_triton
+
+    launches: list = []
+    count_launches(prompt_experts_triton, "_tiled_gate_up_kernel", launches)
+    count_launches(prompt_experts_triton, "_tiled_down_kernel", launches)
+    prompt_experts._use_tiled = lambda x: True
+    for name, model, (ids, mask) in (
+            ("inkling", inkling.make_pair(inkling.make_config(), seed=3)[1],
+             inkling.left_pad(inkling.make_prompts([7, 3], seed=4))),
+            ("qwen4_exp", make_pair(seed=3)[1], left_pad(random_prompts([9, 4], seed=4)))):
+        error = fused_generate_mismatch(model, ids, mask, "tiled_experts", launches, atol=1e-4)
+        if error:
+            print(f"{name} generate: {error}")
+            return 1
+        cases += 1
     print(f"all prompt experts kernel cases ok ({cases})")
     return 0
+
+
+def _tiled_cases() -> int:
+    """`tiled_experts_triton` against `tiled_experts_torch`, tiles forced small (16 pairs, columns and chunk): an
+    expert with more pairs than a tile (two passes over its weights), experts with none, sizes the tiles do not
+    divide, both weight layouts, one token; fp32 and bf16."""
+    from hf_qsa_cache.ops.prompt_experts_triton import tiled_experts_triton
+
+    cases = 0
+    g = torch.Generator().manual_seed(2)
+    for tokens, top_k, experts, hidden, inter in ((23, 2, 5, 40, 24), (1, 3, 6, 16, 16), (9, 4, 7, 24, 40)):
+        index, weights = _routing(tokens, top_k, experts, seed=tokens)
+        if tokens == 23:
+            assert (index == 0).sum() > 16, "expert 0 should take more pairs than one tile"
+        for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
+            for transposed in (False, True):
+                x = torch.randn(tokens, hidden, generator=g).to(dtype)
+                gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype)
+                down = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype)
+                if transposed:
+                    gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+                args = (x, index, weights.to(dtype), gate_up, down, transposed)
+                want = prompt_experts.tiled_experts_torch(*args)
+                got = tiled_experts_triton(*args, gate_up_tiles=(16, 16, 16, 1), down_tiles=(16, 16, 16, 2))
+                assert got.dtype == want.dtype and got.shape == want.shape
+                torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+                cases += 1
+    return cases
 
 
 if __name__ == "__main__":

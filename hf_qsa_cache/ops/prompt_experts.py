@@ -30,6 +30,14 @@ from . import keeps_own_forward, records_grad
 from .experts import supports
 
 FUSED_PROMPT_EXPERTS = fusion_enabled("prompt_experts")
+FUSED_TILED_EXPERTS = fusion_enabled("tiled_experts")
+# Most (token, expert) pairs the tiled experts take (the pairs' grouping ranks them in one program, and past a
+# few pairs per expert the grouped GEMMs' large tiles win).
+TILED_EXPERTS_MAX_PAIRS = 1024
+
+
+def _use_tiled(x: torch.Tensor) -> bool:
+    return x.is_cuda
 
 
 def uses_prompt_experts(experts: nn.Module, x: torch.Tensor) -> bool:
@@ -44,8 +52,15 @@ def uses_prompt_experts(experts: nn.Module, x: torch.Tensor) -> bool:
 def grouped_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """``[T, H]``: the SiLU-gated experts ``top_k_index`` ``[T, k]`` weighted by ``top_k_weights`` for
-    ``hidden_states`` ``[T, H]`` (module docstring), with transformers' grouped GEMMs."""
+    ``hidden_states`` ``[T, H]`` (module docstring), with transformers' grouped GEMMs, or for up to
+    `TILED_EXPERTS_MAX_PAIRS` pairs on CUDA (graph steps of more than 16 tokens, short prompts) with the
+    ``tiled_experts`` fusion on, `tiled_experts`' two kernels."""
     num_tokens, top_k = top_k_index.shape
+    if FUSED_TILED_EXPERTS and _use_tiled(hidden_states) and num_tokens * top_k <= TILED_EXPERTS_MAX_PAIRS:
+        from .prompt_experts_triton import tiled_experts_triton
+
+        return tiled_experts_triton(hidden_states, top_k_index, top_k_weights, module.gate_up_proj,
+                                    module.down_proj, module.is_transposed)
     perm, positions, offsets = pair_order(top_k_index.reshape(-1), module.gate_up_proj.shape[0])
     inputs = hidden_states[perm // top_k]  # [S, H], grouped by expert
     gate_up = moe._grouped_linear(inputs, module.gate_up_proj, offsets, is_transposed=module.is_transposed)
@@ -107,5 +122,25 @@ def sum_by_token(rows: torch.Tensor, positions: torch.Tensor, num_tokens: int, t
     return sum_by_token_torch(rows, positions, num_tokens, top_k)
 
 
-def sum_by_token_torch(rows: torch.Tensor, positions: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
-    return rows[positions].view(num_tokens, top_k, -1).float().sum(dim=1).to(rows.dtype)
+def sum_by_token_torch(rows: torch.Tensor, positions: torch.Tensor, num_tokens: int, top_k: int,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return rows[positions].view(num_tokens, top_k, -1).float().sum(dim=1).to(out_dtype or rows.dtype)
+
+
+def tiled_experts_torch(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                        gate_up_proj: torch.Tensor, down_proj: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """The specification of the ``tiled_experts`` fusion (`prompt_experts_triton.tiled_experts_triton`): the
+    experts of the module docstring, each pair's gate and up projections in fp32 from the loaded weights (not
+    rounded, where the grouped GEMMs round them), ``h_s`` rounded once to the activations' dtype, the down
+    projections' rows kept in fp32 and summed per token, rounded once. Weights as in
+    `hf_qsa_cache.ops.experts.selected_experts_torch` (``transposed``: ``[E, H, 2I]`` and ``[E, I, H]``)."""
+    num_tokens, top_k = top_k_index.shape
+    ids = top_k_index.reshape(-1).long()
+    x = hidden_states.float().repeat_interleave(top_k, dim=0)  # [S, H], pair s = t * k + j
+    gate_up, down = gate_up_proj[ids].float(), down_proj[ids].float()
+    if transposed:
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    gate, up = torch.bmm(gate_up, x[..., None])[..., 0].chunk(2, dim=-1)
+    h = (F.silu(gate) * up * top_k_weights.reshape(-1, 1).float()).to(hidden_states.dtype)
+    rows = torch.bmm(down, h.float()[..., None])[..., 0]  # [S, H]
+    return rows.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
