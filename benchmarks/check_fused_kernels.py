@@ -214,15 +214,14 @@ def cases(device, dtype, tokens: int, small: bool):
     pair_rows, positions = rand(T * k, H), torch.randperm(T * k, generator=g).to(device)
     yield (f"sum_by_token {T}x{k}", lambda: prompt_experts_triton.sum_by_token_triton(pair_rows, positions, T, k),
            lambda: _cpu(prompt_experts.sum_by_token_torch, pair_rows, positions, T, k), 0.02)
-    # A graph step of 32 tokens' experts at Inkling's shapes (6 of 64 experts a token), tiled by expert, and the
-    # grouped GEMMs it replaces (the specification runs on the device: gathered per pair, it is gigabytes in fp32).
-    x_e, index_e, weight_e, gate_up_e, down_e = _experts_inputs(5 if small else 32, 3 if small else 6, E, H, inter,
-                                                                rand, g, device)
-    spec = lambda: prompt_experts.tiled_experts_torch(x_e, index_e, weight_e, gate_up_e, down_e)  # noqa: E731
-    yield (f"tiled_experts {x_e.shape[0]}x{index_e.shape[1]}",
-           lambda: prompt_experts_triton.tiled_experts_triton(x_e, index_e, weight_e, gate_up_e, down_e), spec, 0.02)
-    yield (f"grouped_experts {x_e.shape[0]}x{index_e.shape[1]} (for its time)",
-           lambda: _grouped_gemm_experts(x_e, index_e, weight_e, gate_up_e, down_e), spec, 0.05)
+    # A graph step of 32 tokens' experts at Inkling's shapes (6 of 64 experts a token, two shared experts weighted
+    # per token), tiled by expert, and what it replaces: transformers' grouped GEMMs and the shared experts' module
+    # (the specification runs on the device: gathered per pair, it is gigabytes in fp32).
+    moe_args = _experts_inputs(5 if small else 32, 3 if small else 6, E, H, inter, rand, g, device)
+    spec = lambda: prompt_experts.tiled_experts_torch(*moe_args)  # noqa: E731
+    name = f"{moe_args[0].shape[0]}x{moe_args[1].shape[1]} + 2 shared"
+    yield (f"tiled_experts {name}", lambda: prompt_experts_triton.tiled_experts_triton(*moe_args), spec, 0.02)
+    yield (f"grouped_experts {name} (for its time)", lambda: _grouped_gemm_experts(*moe_args), spec, 0.05)
     # GatedDeltaNet's four input projections in one launch (qkv, z, b, a), a pad token among several.
     x_in = rand(tokens, H)
     rows = (2 * 16 + 24, 24, 3, 3) if small else (2 * 16 * 128 + 2 * Dv * 32, 32 * Dv, 32, 32)
@@ -234,21 +233,30 @@ def cases(device, dtype, tokens: int, small: bool):
 
 
 def _experts_inputs(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, rand, g, device):
-    """A step's hidden states, routing (distinct experts per token, weights summing to 1) and experts' weights."""
+    """A step's experts arguments (`prompt_experts.tiled_experts_torch`): hidden states, routing (distinct experts
+    per token, weights summing to 1), the experts' weights (untransposed), two shared experts with their weights
+    per token (Inkling's)."""
     index = torch.rand(tokens, num_experts, generator=g).topk(top_k, dim=-1).indices.to(device)
     weights = torch.rand(tokens, top_k, generator=g)
     weights = (weights / weights.sum(-1, keepdim=True)).to(device, rand(1).dtype)
+    shared = experts.SharedExpert(rand(2, inter, hidden, scale=0.02), rand(2, inter, hidden, scale=0.02),
+                                  rand(2, hidden, inter, scale=0.02), token_weights=rand(tokens, 2).sigmoid())
     return (rand(tokens, hidden), index, weights, rand(num_experts, 2 * inter, hidden, scale=0.02),
-            rand(num_experts, hidden, inter, scale=0.02))
+            rand(num_experts, hidden, inter, scale=0.02), False, shared)
 
 
-def _grouped_gemm_experts(x, index, weights, gate_up, down):
-    """`prompt_experts.grouped_experts_forward` with transformers' grouped GEMMs (the ``tiled_experts`` fusion off)."""
+def _grouped_gemm_experts(x, index, weights, gate_up, down, transposed, shared):
+    """What a graph step of more than 16 tokens runs without the ``tiled_experts`` fusion: transformers' grouped
+    GEMMs (`prompt_experts.grouped_experts_forward`) and the shared experts as Inkling's module runs them."""
     from types import SimpleNamespace
 
     with fusions.fused(("tiled_experts",), on=False):
-        module = SimpleNamespace(gate_up_proj=gate_up, down_proj=down, is_transposed=False)
-        return prompt_experts.grouped_experts_forward(module, x, index, weights)
+        module = SimpleNamespace(gate_up_proj=gate_up, down_proj=down, is_transposed=transposed)
+        routed = prompt_experts.grouped_experts_forward(module, x, index, weights)
+    stacked = x[None].expand(shared.gate.shape[0], -1, -1)
+    activated = (torch.nn.functional.silu(torch.bmm(stacked, shared.gate.transpose(1, 2)))
+                 * torch.bmm(stacked, shared.up.transpose(1, 2)) * shared.token_weights.T[..., None])
+    return routed + torch.bmm(activated, shared.down.transpose(1, 2)).float().sum(dim=0).to(x.dtype)
 
 
 def _graph_us(call, calls: int = 20) -> float:
@@ -270,9 +278,10 @@ def _graph_us(call, calls: int = 20) -> float:
 
 
 def experts_sweep(device, jsonl) -> None:
-    """The tiled experts' tiles at Inkling's shapes (64 experts of 512, top 6, hidden 2048; bf16) for graph steps
-    of 17, 32 and 64 tokens, each checked against the default tiles' output and graph-timed, beside transformers'
-    grouped GEMMs (what graph steps of more than 16 tokens run today)."""
+    """The tiled experts' tiles at Inkling's shapes (64 experts of 512, top 6, two shared experts, hidden 2048;
+    bf16) for graph steps of 17, 32 and 64 tokens, each checked against the default tiles' output and
+    graph-timed, beside transformers' grouped GEMMs and the shared experts' module (what graph steps of more than
+    16 tokens run today)."""
     g = torch.Generator().manual_seed(0)
 
     def rand(*shape, scale=1.0):

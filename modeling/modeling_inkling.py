@@ -52,7 +52,9 @@ from hf_qsa_cache.ops.experts import inkling_shared_experts_to_fold, run_selecte
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention, paged_rel_attention_probs
 from hf_qsa_cache.ops.inkling_router import fuses_inkling_routing, route_inkling
 from hf_qsa_cache.ops.linears import project
-from hf_qsa_cache.ops.prompt_experts import grouped_experts_forward, uses_prompt_experts
+from hf_qsa_cache.ops.prompt_experts import (
+    grouped_experts_forward, runs_tiled_experts, tiled_experts, uses_prompt_experts,
+)
 from hf_qsa_cache.ops import keeps_own_forward, records_grad
 from hf_qsa_cache.ops import rms_norm as rms_norm_ops
 from hf_qsa_cache.ops.rms_norm import add_rms_norm, rms_norm
@@ -65,14 +67,15 @@ from .checkpoints import StrictLoadingMixin, use_upstream_conversions
 
 class InklingMoE(upstream.InklingMoE):
     """transformers' MoE block (same modules and parameters); its router, projection included, runs as one
-    launch where fused (`hf_qsa_cache.ops.inkling_router`), and its shared experts inside the selected
-    experts' kernels where folded (`hf_qsa_cache.ops.experts.inkling_shared_experts_to_fold`), and prompts'
+    launch where fused (`hf_qsa_cache.ops.inkling_router`), and its shared experts inside the selected or
+    tiled experts' kernels where folded (`hf_qsa_cache.ops.experts.inkling_shared_experts_to_fold`), and prompts'
     experts through `hf_qsa_cache.ops.prompt_experts` where it applies. Otherwise upstream's forward."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         fused_routing = fuses_inkling_routing(self.gate, hidden_states)
-        folded = inkling_shared_experts_to_fold(self, hidden_states)
+        tiled = runs_tiled_experts(self.experts, flat)
+        folded = inkling_shared_experts_to_fold(self, hidden_states, tiled)
         prompt = folded is None and uses_prompt_experts(self.experts, flat)
         if not fused_routing and folded is None and not prompt:
             return super().forward(hidden_states)
@@ -82,7 +85,8 @@ class InklingMoE(upstream.InklingMoE):
             _, weights, indices, gammas = self.gate(hidden_states)
         if folded is not None:
             shared = folded._replace(token_weights=gammas.reshape(flat.shape[0], -1))
-            return run_selected_experts(self.experts, flat, indices, weights, shared).view(hidden_states.shape)
+            run = tiled_experts if tiled else run_selected_experts
+            return run(self.experts, flat, indices, weights, shared).view(hidden_states.shape)
         routed = (grouped_experts_forward(self.experts, flat, indices, weights) if prompt
                   else self.experts(flat, indices, weights))
         return routed.view(hidden_states.shape) + self.shared_experts(hidden_states, gammas=gammas)

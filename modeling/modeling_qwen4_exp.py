@@ -44,7 +44,9 @@ from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual
 from hf_qsa_cache.ops.linears import project
 from hf_qsa_cache.ops.norm_rope import norm_rope
 from hf_qsa_cache.ops.ple import fuses_ple, ngram_embeddings, ngram_ids_torch, ple_gate
-from hf_qsa_cache.ops.prompt_experts import grouped_experts_forward, uses_prompt_experts
+from hf_qsa_cache.ops.prompt_experts import (
+    grouped_experts_forward, runs_tiled_experts, tiled_experts, uses_prompt_experts,
+)
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention, sparse_paged_attention_probs
 from hf_qsa_cache.ops.router import fuses_routing, route
 from hf_qsa_cache.rollback import gated_delta_keeping_states, step_history
@@ -224,14 +226,15 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
 
 class Qwen4ExpTextSparseMoeBlock(upstream.Qwen4ExpTextSparseMoeBlock):
     """transformers' MoE block (same modules and parameters); its routing, projection included, runs
-    as two launches where fused (`hf_qsa_cache.ops.router`), its shared expert inside the selected experts'
-    kernels where folded (`hf_qsa_cache.ops.experts.shared_expert_to_fold`), and prompts' experts through
+    as two launches where fused (`hf_qsa_cache.ops.router`), its shared expert inside the selected or tiled
+    experts' kernels where folded (`hf_qsa_cache.ops.experts.shared_expert_to_fold`), and prompts' experts through
     `hf_qsa_cache.ops.prompt_experts` where it applies. Otherwise upstream's forward."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         fused_routing = fuses_routing(self.gate, hidden_states)
-        folded = shared_expert_to_fold(self, hidden_states)
+        tiled = runs_tiled_experts(self.experts, x)
+        folded = shared_expert_to_fold(self, hidden_states, tiled)
         prompt = folded is None and uses_prompt_experts(self.experts, x)
         if not fused_routing and folded is None and not prompt:
             return super().forward(hidden_states)
@@ -240,7 +243,8 @@ class Qwen4ExpTextSparseMoeBlock(upstream.Qwen4ExpTextSparseMoeBlock):
         else:
             _, weights, experts = self.gate(x)
         if folded is not None:
-            out = run_selected_experts(self.experts, x, experts, weights, folded)
+            run = tiled_experts if tiled else run_selected_experts
+            out = run(self.experts, x, experts, weights, folded)
         else:
             routed = (grouped_experts_forward(self.experts, x, experts, weights) if prompt
                       else self.experts(x, experts, weights))

@@ -196,3 +196,24 @@ def test_a_failed_step_leaves_a_cache_that_refuses_a_new_call_naming_reset(qwen,
             model.generate(ids, **kwargs)
         cache.reset()
         assert torch.equal(model.generate(ids, **kwargs), plain)
+
+
+def test_our_loop_reads_the_host_once_and_makes_fewer_torch_calls(qwen, monkeypatch):  # noqa: F811
+    """benchmarks/count_loop_calls.py on three rows: the same forwards, fewer computing torch calls per step
+    outside them, and no host read in the loop where `_sample` reads after every step."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        import count_loop_calls as script
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(script, "NEW_TOKENS", 10)
+    ids = torch.tensor(random_prompts([12], seed=9)).repeat(3, 1)
+    theirs, forwards, their_calls = script.count(qwen[0], ids, False)
+    ours, our_forwards, our_calls = script.count(qwen[0], ids, True)
+    assert our_forwards == forwards == 10
+    assert ours < theirs, (ours, theirs, our_calls)
+    reads = "host reads"
+    assert their_calls[reads] >= 10 and our_calls[reads] <= their_calls[reads] - 9, (their_calls[reads], our_calls[reads])

@@ -107,6 +107,45 @@ def test_tiled_experts_specification(family):
     assert (ours.float() - exact).abs().mean() <= (theirs.float() - exact).abs().mean() * 1.05
 
 
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_tiled_specification_with_shared_experts_equals_the_blocks(family):
+    """fp32: `tiled_experts_torch` with a block's shared experts folded (`shared_expert_to_fold` with the tiled
+    path: the block keeps ``grouped_mm``) equals transformers' grouped experts plus the block's shared experts run
+    as upstream runs them (Qwen4Exp: gated by sigmoid(x . gate); Inkling: two experts weighted per token)."""
+    from hf_qsa_cache.ops.experts import inkling_shared_experts_to_fold, shared_expert_to_fold
+
+    block = next(m for m in _blocks(family) if getattr(m, "experts", None) is not None)
+    experts = block.experts
+    num_experts, hidden = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[-1]
+    x = torch.randn(21, hidden, generator=torch.Generator().manual_seed(6))
+    index, weights = _routing(21, 2, num_experts, seed=7)
+    with torch.no_grad():
+        routed = moe.grouped_mm_experts_forward(experts, x, index, weights)
+        if family == "qwen4_exp":
+            assert shared_expert_to_fold(block, x) is None  # the selected experts' kernels are not chosen
+            shared = shared_expert_to_fold(block, x, tiled=True)
+            want = routed + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+        else:
+            assert inkling_shared_experts_to_fold(block, x) is None
+            gammas = torch.rand(21, block.shared_experts.n_shared_experts, generator=torch.Generator().manual_seed(8))
+            shared = inkling_shared_experts_to_fold(block, x, tiled=True)._replace(token_weights=gammas)
+            want = routed + block.shared_experts(x, gammas=gammas)
+        got = prompt_experts.tiled_experts_torch(x, index, weights, experts.gate_up_proj, experts.down_proj,
+                                                 experts.is_transposed, shared)
+    torch.testing.assert_close(got, want, atol=5e-6, rtol=1e-5)
+
+
+def _blocks(family: str):
+    if family == "qwen4_exp":
+        from qwen4_helpers import make_pair
+
+        return [layer.mlp for layer in make_pair(seed=3)[1].model.layers]
+    from test_inkling import make_config
+    from test_inkling import make_pair as make_inkling_pair
+
+    return [layer.mlp for layer in make_inkling_pair(make_config(), seed=3)[1].model.layers]
+
+
 def test_tiled_experts_run_only_with_the_fusion_on_a_gpu_and_few_pairs(monkeypatch):
     experts = _experts_module("inkling")
     num_experts, hidden = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[-1]
@@ -188,6 +227,10 @@ def _main() -> int:
         if error:
             print(f"{name} generate: {error}")
             return 1
+        num_experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj")).gate_up_proj.shape[0]
+        if not any(grid[0] > num_experts for grid in launches):
+            print(f"{name} generate: the shared experts were not folded into the tiled kernels")
+            return 1
         cases += 1
     print(f"all prompt experts kernel cases ok ({cases})")
     return 0
@@ -212,13 +255,30 @@ def _tiled_cases() -> int:
                 down = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype)
                 if transposed:
                     gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
-                args = (x, index, weights.to(dtype), gate_up, down, transposed)
-                want = prompt_experts.tiled_experts_torch(*args)
-                got = tiled_experts_triton(*args, gate_up_tiles=(16, 16, 16, 1), down_tiles=(16, 16, 16, 2))
-                assert got.dtype == want.dtype and got.shape == want.shape
-                torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-                cases += 1
+                for shared in _shared_experts(tokens, hidden, inter, dtype, g):
+                    args = (x, index, weights.to(dtype), gate_up, down, transposed, shared)
+                    want = prompt_experts.tiled_experts_torch(*args)
+                    got = tiled_experts_triton(*args, gate_up_tiles=(16, 16, 16, 1), down_tiles=(16, 16, 16, 2))
+                    assert got.dtype == want.dtype and got.shape == want.shape
+                    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+                    cases += 1
     return cases
+
+
+def _shared_experts(tokens: int, hidden: int, inter: int, dtype, g):
+    """No shared experts; one gated by a vector, wider than the routed ones (the activations' rows as wide as
+    the wider); two weighted per token."""
+    from hf_qsa_cache.ops.experts import SharedExpert
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(dtype)
+
+    wide = inter + 16
+    yield None
+    yield SharedExpert(rand(1, wide, hidden), rand(1, wide, hidden), rand(1, hidden, wide),
+                       gate_vector=rand(1, hidden))
+    yield SharedExpert(rand(2, inter, hidden), rand(2, inter, hidden), rand(2, hidden, inter),
+                       token_weights=torch.rand(tokens, 2, generator=g).to(dtype))
 
 
 if __name__ == "__main__":

@@ -153,15 +153,23 @@ def run_selected_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_i
     return selected_experts_torch(*args)
 
 
-def shared_expert_to_fold(block: nn.Module, x: torch.Tensor) -> SharedExpert | None:
+def _routed_kernels_fold(experts: nn.Module, tiled: bool) -> bool:
+    """Whether the routed experts run kernels that take shared experts: the selected experts'
+    (``hf_qsa_selected``: graph steps of few tokens, or a model set to it) or the tiled ones (``tiled``:
+    `hf_qsa_cache.ops.prompt_experts.runs_tiled_experts`), on a module `supports` covers."""
+    return (FUSED_SHARED_EXPERT and (tiled or experts.config._experts_implementation == SELECTED_EXPERTS)
+            and supports(experts))
+
+
+def shared_expert_to_fold(block: nn.Module, x: torch.Tensor, tiled: bool = False) -> SharedExpert | None:
     """The weights of a Qwen4Exp MoE block's shared expert when the block may add it inside its routed
-    experts' kernels (`run_selected_experts` with ``shared``) instead of running ``shared_expert`` and
-    ``shared_expert_gate`` as modules: the ``shared_expert`` fusion on, the experts running
-    ``hf_qsa_selected`` (graph steps of few tokens, or a model set to it) on a module it `supports`, a
-    bias-free SiLU MLP and a one-output gate in the experts' dtype on ``x``'s device, no hooks on any of
-    them, and autograd not recording. Else None: the block runs upstream's modules."""
+    experts' kernels (`run_selected_experts` or `prompt_experts.tiled_experts` with ``shared``) instead of
+    running ``shared_expert`` and ``shared_expert_gate`` as modules: the ``shared_expert`` fusion on, the
+    routed experts running such kernels (`_routed_kernels_fold`), a bias-free SiLU MLP and a one-output gate
+    in the experts' dtype on ``x``'s device, no hooks on any of them, and autograd not recording. Else None:
+    the block runs upstream's modules."""
     experts = block.experts
-    if not (FUSED_SHARED_EXPERT and experts.config._experts_implementation == SELECTED_EXPERTS and supports(experts)):
+    if not _routed_kernels_fold(experts, tiled):
         return None
     mlp, gate = block.shared_expert, block.shared_expert_gate
     linears = (getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None), getattr(mlp, "down_proj", None), gate)
@@ -177,11 +185,11 @@ def shared_expert_to_fold(block: nn.Module, x: torch.Tensor) -> SharedExpert | N
     return SharedExpert(*(w.unsqueeze(0) for w in weights[:3]), gate_vector=weights[3])
 
 
-def inkling_shared_experts_to_fold(block: nn.Module, x: torch.Tensor) -> SharedExpert | None:
+def inkling_shared_experts_to_fold(block: nn.Module, x: torch.Tensor, tiled: bool = False) -> SharedExpert | None:
     """As `shared_expert_to_fold`, for an Inkling MoE block: its ``shared_experts`` (stacked SiLU experts),
     without their weights (the router's ``shared_gammas``: the caller sets ``token_weights``)."""
     experts, shared = block.experts, block.shared_experts
-    if not (FUSED_SHARED_EXPERT and experts.config._experts_implementation == SELECTED_EXPERTS and supports(experts)):
+    if not _routed_kernels_fold(experts, tiled):
         return None
     if type(getattr(shared, "act_fn", None)) not in (SiLUActivation, nn.SiLU):
         return None

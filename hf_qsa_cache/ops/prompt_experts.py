@@ -15,7 +15,16 @@ and the sum reads each token's rows where they lie (`sum_by_token`): the same ma
 (transformers rounds ``silu(gate) * up`` and ``w * down @ h`` to bf16 before the sum: the results differ by
 bf16 rounding, judged against fp32.) `grouped_experts_forward` runs it for an experts module `supports`
 covers, the experts set to ``grouped_mm`` (the default), no expert parallelism, no hooks, autograd not
-recording. The torch functions are the specification; `prompt_experts_triton` holds the two kernels.
+recording. The torch functions are the specification; `prompt_experts_triton` holds the kernels.
+
+For few pairs (graph steps of more than 16 tokens, short prompts: up to `TILED_EXPERTS_MAX_PAIRS`) the grouped
+GEMMs' tiles are mostly padding and their setup is launches of its own. The ``tiled_experts`` fusion (not yet
+timed on a GPU: on only when named in ``HF_QSA_FUSED``) runs them as two Triton kernels instead, one program per
+(expert, tile of output columns) that reads its expert's weights once and multiplies them with all that
+expert's pairs (16 at a time), the routing weight applied to the activation, the down projection's rows kept
+in fp32 and summed per token by `sum_by_token`'s kernel; a block's shared experts run as more programs of
+the same kernels (one row per token), where upstream runs them as modules of their own
+(`tiled_experts_torch` is the specification, `runs_tiled_experts` says when a block takes it).
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from transformers.integrations import moe
 
 from ..fusions import fusion_enabled
 from . import keeps_own_forward, records_grad
-from .experts import supports
+from .experts import SharedExpert, supports
 
 FUSED_PROMPT_EXPERTS = fusion_enabled("prompt_experts")
 FUSED_TILED_EXPERTS = fusion_enabled("tiled_experts")
@@ -38,6 +47,26 @@ TILED_EXPERTS_MAX_PAIRS = 1024
 
 def _use_tiled(x: torch.Tensor) -> bool:
     return x.is_cuda
+
+
+def _tiles(x: torch.Tensor, top_k: int) -> bool:
+    return FUSED_TILED_EXPERTS and _use_tiled(x) and x.shape[0] * top_k <= TILED_EXPERTS_MAX_PAIRS
+
+
+def runs_tiled_experts(experts: nn.Module, x: torch.Tensor) -> bool:
+    """Whether an MoE block's experts run `tiled_experts` on ``x`` ``[T, H]`` (then its shared experts may run in the
+    same kernels: `hf_qsa_cache.ops.experts.shared_expert_to_fold`)."""
+    return _tiles(x, experts.config.num_experts_per_tok) and uses_prompt_experts(experts, x)
+
+
+def tiled_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor, shared: SharedExpert | None = None) -> torch.Tensor:
+    """`tiled_experts_torch`'s math for a `supports`-ed experts ``module`` (and ``shared`` experts), by the Triton
+    kernels."""
+    from .prompt_experts_triton import tiled_experts_triton
+
+    return tiled_experts_triton(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
+                                module.is_transposed, shared)
 
 
 def uses_prompt_experts(experts: nn.Module, x: torch.Tensor) -> bool:
@@ -56,11 +85,8 @@ def grouped_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_
     `TILED_EXPERTS_MAX_PAIRS` pairs on CUDA (graph steps of more than 16 tokens, short prompts) with the
     ``tiled_experts`` fusion on, `tiled_experts`' two kernels."""
     num_tokens, top_k = top_k_index.shape
-    if FUSED_TILED_EXPERTS and _use_tiled(hidden_states) and num_tokens * top_k <= TILED_EXPERTS_MAX_PAIRS:
-        from .prompt_experts_triton import tiled_experts_triton
-
-        return tiled_experts_triton(hidden_states, top_k_index, top_k_weights, module.gate_up_proj,
-                                    module.down_proj, module.is_transposed)
+    if _tiles(hidden_states, top_k):
+        return tiled_experts(module, hidden_states, top_k_index, top_k_weights)
     perm, positions, offsets = pair_order(top_k_index.reshape(-1), module.gate_up_proj.shape[0])
     inputs = hidden_states[perm // top_k]  # [S, H], grouped by expert
     gate_up = moe._grouped_linear(inputs, module.gate_up_proj, offsets, is_transposed=module.is_transposed)
@@ -128,12 +154,15 @@ def sum_by_token_torch(rows: torch.Tensor, positions: torch.Tensor, num_tokens: 
 
 
 def tiled_experts_torch(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                        gate_up_proj: torch.Tensor, down_proj: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+                        gate_up_proj: torch.Tensor, down_proj: torch.Tensor, transposed: bool = False,
+                        shared: SharedExpert | None = None) -> torch.Tensor:
     """The specification of the ``tiled_experts`` fusion (`prompt_experts_triton.tiled_experts_triton`): the
     experts of the module docstring, each pair's gate and up projections in fp32 from the loaded weights (not
     rounded, where the grouped GEMMs round them), ``h_s`` rounded once to the activations' dtype, the down
     projections' rows kept in fp32 and summed per token, rounded once. Weights as in
-    `hf_qsa_cache.ops.experts.selected_experts_torch` (``transposed``: ``[E, H, 2I]`` and ``[E, I, H]``)."""
+    `hf_qsa_cache.ops.experts.selected_experts_torch` (``transposed``: ``[E, H, 2I]`` and ``[E, I, H]``);
+    ``shared`` experts (`SharedExpert`) are more experts every token goes to, their weight (``sigmoid(x .
+    gate_vector)`` or ``token_weights``) applied to ``h`` as a routing weight is."""
     num_tokens, top_k = top_k_index.shape
     ids = top_k_index.reshape(-1).long()
     x = hidden_states.float().repeat_interleave(top_k, dim=0)  # [S, H], pair s = t * k + j
@@ -143,4 +172,12 @@ def tiled_experts_torch(hidden_states: torch.Tensor, top_k_index: torch.Tensor, 
     gate, up = torch.bmm(gate_up, x[..., None])[..., 0].chunk(2, dim=-1)
     h = (F.silu(gate) * up * top_k_weights.reshape(-1, 1).float()).to(hidden_states.dtype)
     rows = torch.bmm(down, h.float()[..., None])[..., 0]  # [S, H]
-    return rows.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    out = rows.view(num_tokens, top_k, -1).sum(dim=1)
+    if shared is not None:
+        xs = hidden_states.float()
+        for s in range(shared.gate.shape[0]):
+            weight = (torch.sigmoid(xs @ shared.gate_vector.float().mT) if shared.gate_vector is not None
+                      else shared.token_weights[:, s: s + 1].float())
+            h = (F.silu(xs @ shared.gate[s].float().mT) * (xs @ shared.up[s].float().mT) * weight)
+            out = out + h.to(hidden_states.dtype).float() @ shared.down[s].float().mT
+    return out.to(hidden_states.dtype)
