@@ -7,9 +7,10 @@ profiler: the top-level aten ops that compute (views, shapes and allocations lef
 `profile_decode_step.py`), outside every forward of the model and outside the cache's crops (a verify
 step's rollback, the same in both prompt-lookup loops). Three ways to generate the same 40 greedy tokens
 after a prompt whose continuation the random model does not repeat (prompt lookup's drafts are rejected):
-plain greedy decoding in transformers' `_sample` and in our loop (what `generate()` runs for one row), prompt
-lookup in transformers' assisted-decoding loop and in ours (`hf_qsa_cache/lookup_decoding.py`). Also the
-number of forwards (the same in all four: one token each).
+plain greedy decoding in transformers' `_sample` and in our loop (what `generate()` runs for one row), the same
+for 8 rows (`hf_qsa_cache/batch_greedy.py`), prompt lookup in transformers' assisted-decoding loop and in ours
+(`hf_qsa_cache/lookup_decoding.py`). Also the host reads (``_local_scalar_dense``: each waits for the device)
+and the number of forwards (the same in all: one token each).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE, os.path.join(os.path.dirname(HERE),
 from bench_speculative import build  # noqa: E402
 from profile_decode_step import _NO_KERNEL  # noqa: E402
 
-from hf_qsa_cache import QSAPagedCache, lookup_decoding  # noqa: E402
+from hf_qsa_cache import QSAPagedCache, batch_greedy, lookup_decoding  # noqa: E402
 
 NEW_TOKENS = 40
 
@@ -42,7 +43,8 @@ def _inside(event, label: str) -> bool:
 
 
 def count(model, ids, ours: bool, **kwargs) -> tuple[float, int, Counter]:
-    """(computing calls per token outside forwards and crops, forwards, the calls by name)."""
+    """(computing calls per step outside forwards and crops, forwards, the calls by name and the host reads under
+    "host reads")."""
     forwards, ranges = [0], []
 
     def enter(*_):
@@ -59,11 +61,12 @@ def count(model, ids, ours: bool, **kwargs) -> tuple[float, int, Counter]:
         with record_function("crop"):
             return crop(cache, n)
 
-    applies, applies_to_greedy = lookup_decoding.applies, lookup_decoding.applies_to_greedy
+    applies, applies_to_greedy, applies_to_rows = lookup_decoding.applies, lookup_decoding.applies_to_greedy, \
+        batch_greedy.applies
     handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
     QSAPagedCache.crop = labelled_crop
     if not ours:
-        lookup_decoding.applies = lookup_decoding.applies_to_greedy = lambda *a, **k: False
+        lookup_decoding.applies = lookup_decoding.applies_to_greedy = batch_greedy.applies = lambda *a, **k: False
     try:
         with torch.no_grad():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
@@ -74,6 +77,7 @@ def count(model, ids, ours: bool, **kwargs) -> tuple[float, int, Counter]:
                                do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
     finally:
         lookup_decoding.applies, lookup_decoding.applies_to_greedy = applies, applies_to_greedy
+        batch_greedy.applies = applies_to_rows
         QSAPagedCache.crop = crop
         for handle in handles:
             handle.remove()
@@ -81,7 +85,11 @@ def count(model, ids, ours: bool, **kwargs) -> tuple[float, int, Counter]:
         e.name for e in prof.events()
         if e.name.startswith("aten::") and not (e.cpu_parent and e.cpu_parent.name.startswith("aten::"))
         and e.name[len("aten::"):] not in _NO_KERNEL and not _inside(e, "forward") and not _inside(e, "crop"))
-    return sum(calls.values()) / NEW_TOKENS, forwards[0], calls
+    per_step = sum(calls.values()) / NEW_TOKENS
+    # A host read (`bool`, `.item()`, `.tolist()` of a device value) waits for the device, at any depth of calls.
+    calls["host reads"] = sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense"
+                              and not _inside(e, "forward") and not _inside(e, "crop"))
+    return per_step, forwards[0], calls
 
 
 def main() -> None:
@@ -91,12 +99,16 @@ def main() -> None:
         vocab = model.config.get_text_config(decoder=True).vocab_size
         passage = torch.randint(3, vocab, (1, 30), generator=torch.Generator().manual_seed(0))
         ids = torch.cat([passage, passage[:, :6]], dim=1)
-        for name, ours, kwargs in (("plain greedy, transformers' loop", False, {}),
-                                   ("plain greedy, our loop", True, {}),
-                                   ("prompt lookup, transformers' loop", False, {"prompt_lookup_num_tokens": 3}),
-                                   ("prompt lookup, our loop", True, {"prompt_lookup_num_tokens": 3})):
-            per_token, forwards, calls = count(model, ids, ours, **kwargs)
-            print(f"{family} {name}: {per_token:.1f} calls per token outside the forward ({forwards} forwards); "
+        for name, ours, rows, kwargs in (("plain greedy, transformers' loop", False, 1, {}),
+                                         ("plain greedy, our loop", True, 1, {}),
+                                         ("plain greedy 8 rows, transformers' loop", False, 8, {}),
+                                         ("plain greedy 8 rows, our loop", True, 8, {}),
+                                         ("prompt lookup, transformers' loop", False, 1,
+                                          {"prompt_lookup_num_tokens": 3}),
+                                         ("prompt lookup, our loop", True, 1, {"prompt_lookup_num_tokens": 3})):
+            per_token, forwards, calls = count(model, ids.repeat(rows, 1), ours, **kwargs)
+            print(f"{family} {name}: {per_token:.1f} calls per step outside the forward, "
+                  f"{calls.pop('host reads')} host reads in {NEW_TOKENS} steps ({forwards} forwards); "
                   f"most: {', '.join(f'{k[6:]} {v}' for k, v in calls.most_common(6))}")
 
 
