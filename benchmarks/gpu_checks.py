@@ -3,6 +3,8 @@
 1. fp32, ragged batch, graphs on: every row gives the greedy tokens and (within 1e-3) the logits of
    upstream transformers run on that row alone, unpadded, fp32, on the CPU; and graphed decode
    equals eager decode (same tokens, logits within 1e-5).
+   Also with 20 rows: graph steps of more than 16 tokens (``batched_mm`` experts in fp32, or the
+   ``tiled_experts`` kernels where that fusion is on).
 2. The same with rows longer than the prefill chunk and the attention kernels' key splits (forced
    small), so those loops run several times.
 3. Plain greedy decoding of a batch through our loop equals transformers' loop (tokens, cache after).
@@ -282,6 +284,9 @@ def main():
     prompts = q.random_prompts([29, 7, 18, 33, 25], seed=1)
     results.append(check_rows("qwen4_exp", upstream, copy.deepcopy(ours).cuda(), prompts, block_size=4))
     results.append(check_batch_loop("qwen4_exp", copy.deepcopy(ours).cuda(), prompts, block_size=4))
+    # Graph steps of more than 16 tokens (batched_mm in fp32, or the tiled experts where on).
+    many = q.random_prompts([29, 7, 18, 33, 25, 11, 4, 27, 16, 9, 30, 21, 13, 24, 6, 19, 31, 10, 22, 15], seed=3)
+    results.append(check_rows("qwen4_exp, 20 rows", upstream, copy.deepcopy(ours).cuda(), many, block_size=4))
     # bf16 with every expert routed: with top-2 routing a token whose router picks other experts in bf16 than in
     # fp32 has tens of times the others' error, so over a few tokens the ratio would count such flips
     # (benchmarks/bf16_error.py counts them), not rounding.
@@ -294,6 +299,9 @@ def main():
     prompts = [p.tolist() for p in ink.make_prompts([9, 3, 14, 6, 21])]
     results.append(check_rows("inkling", upstream, copy.deepcopy(ours).cuda(), prompts, block_size=4))
     results.append(check_batch_loop("inkling", copy.deepcopy(ours).cuda(), prompts, block_size=4))
+    many = [p.tolist() for p in ink.make_prompts([9, 3, 14, 6, 21, 12, 5, 17, 8, 11, 19, 4, 16, 7, 13, 10, 20, 15, 2, 18],
+                                                 seed=3)]
+    results.append(check_rows("inkling, 20 rows", upstream, copy.deepcopy(ours).cuda(), many, block_size=4))
     results.append(check_bf16("inkling", *ink.make_pair(ink.make_config(num_experts_per_tok=4)), prompts,
                               block_size=4))
     results.append(check_bf16("inkling", *ink.make_pair(ink.make_config(num_experts_per_tok=4)),

@@ -370,9 +370,10 @@ def graph_experts(model, experts: list, device: torch.device, tokens: int) -> st
     * Unless ``HF_QSA_FUSED`` leaves ``experts`` out, a step of at most `FUSED_EXPERTS_MAX_TOKENS` tokens
       on CUDA whose experts modules it covers (`hf_qsa_cache.ops.experts.supports`) runs
       ``hf_qsa_selected``: fixed shapes, no host copy, no gathered weights.
-    * Else ``grouped_mm`` where it can be captured (`grouped_mm_captures`), also in place of ``batched_mm``:
-      it reads each expert's weights once, where ``batched_mm`` copies them per (token, expert) pair (an
-      Inkling step of 32 rows ran 1.9x faster, benchmarks/RESULTS.md).
+    * Else ``grouped_mm`` where it can be captured (`grouped_mm_captures`), or where it runs the
+      ``tiled_experts`` kernels (`tiled_experts_run`), also in place of ``batched_mm``: it reads each expert's
+      weights once, where ``batched_mm`` copies them per (token, expert) pair (an Inkling step of 32 rows ran
+      1.9x faster, benchmarks/RESULTS.md).
     * Else ``batched_mm``: it gathers each token's ``top_k`` expert matrices and runs batched matmuls, with
       fixed shapes and no host copy. The gather holds ``tokens * top_k`` expert matrices of one layer at a
       time; a step needing more than `BATCHED_EXPERTS_MAX_BYTES` keeps the model's own (a ``grouped_mm``
@@ -390,11 +391,22 @@ def graph_experts(model, experts: list, device: torch.device, tokens: int) -> st
                if isinstance(w, torch.Tensor)]
     if not weights:
         return None
-    if grouped_mm_captures(weights[0].dtype, device):
-        return "grouped_mm"
     top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None) or len(weights[0])
+    if grouped_mm_captures(weights[0].dtype, device) or tiled_experts_run(experts, device, tokens * top_k):
+        return "grouped_mm"
     per_pair = max(w[0].numel() for w in weights) * weights[0].element_size()
     return "batched_mm" if tokens * top_k * per_pair <= BATCHED_EXPERTS_MAX_BYTES else None
+
+
+def tiled_experts_run(experts: list, device: torch.device, pairs: int) -> bool:
+    """Whether ``grouped_mm`` experts run the ``tiled_experts`` kernels for a step of ``pairs`` (token, expert)
+    pairs (`hf_qsa_cache.ops.prompt_experts`): captured in any dtype, where transformers' grouped GEMMs capture
+    in bf16 on Hopper and Blackwell only."""
+    from .ops import experts as selected
+    from .ops import prompt_experts
+
+    return (prompt_experts.FUSED_TILED_EXPERTS and device.type == "cuda"
+            and pairs <= prompt_experts.TILED_EXPERTS_MAX_PAIRS and all(selected.supports(m) for m, _ in experts))
 
 
 @contextlib.contextmanager

@@ -189,6 +189,14 @@ def test_graph_experts_choice(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert graph_experts(model, experts, cuda, 1) == graph_experts(model, experts, cuda, 9) == "grouped_mm"
     model.to(torch.float32)
+    # With the tiled experts, whose kernels capture in any dtype: grouped_mm up to their pairs' bound.
+    from hf_qsa_cache.ops import prompt_experts
+
+    monkeypatch.setattr(prompt_experts, "FUSED_TILED_EXPERTS", True)
+    monkeypatch.setattr(prompt_experts, "TILED_EXPERTS_MAX_PAIRS", 8 * top_k)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert graph_experts(model, experts, cuda, 8) == "grouped_mm" and graph_experts(model, experts, cuda, 9) is None
+    monkeypatch.setattr(prompt_experts, "FUSED_TILED_EXPERTS", False)
     # An implementation the user chose is kept.
     model.set_experts_implementation("eager")
     assert graph_experts(model, experts, cuda, 1) is None
