@@ -26,6 +26,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_generate import emit  # noqa: E402
+from check_inkling_attention import graph_time_us  # noqa: E402
 
 from hf_qsa_cache.ops import experts, gated_delta, hyper_connection, inkling_router  # noqa: E402
 from hf_qsa_cache.ops import norm_rope, prompt_experts, qsa, rms_norm, router  # noqa: E402
@@ -259,24 +260,6 @@ def _grouped_gemm_experts(x, index, weights, gate_up, down, transposed, shared):
     return routed + torch.bmm(activated, shared.down.transpose(1, 2)).float().sum(dim=0).to(x.dtype)
 
 
-def _graph_us(call, calls: int = 20) -> float:
-    """Microseconds a call of ``call`` takes inside a CUDA graph of ``calls`` calls (launch gaps as in a step)."""
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
-
-
 def experts_sweep(device, jsonl) -> None:
     """The tiled experts' tiles at Inkling's shapes (64 experts of 512, top 6, two shared experts, hidden 2048;
     bf16) for graph steps of 17, 32 and 64 tokens, each checked against the default tiles' output and
@@ -291,7 +274,7 @@ def experts_sweep(device, jsonl) -> None:
         args = _experts_inputs(tokens, 6, 64, 2048, 512, rand, g, device)
         want = prompt_experts_triton.tiled_experts_triton(*args)
         emit({"kernel": "experts sweep", "tokens": tokens, "path": "grouped_mm",
-              "kernel_us": round(_graph_us(lambda: _grouped_gemm_experts(*args)), 1)}, jsonl)
+              "kernel_us": round(graph_time_us(lambda: _grouped_gemm_experts(*args)), 1)}, jsonl)
         for gate_up in ((16, 16, 128, 4), (16, 32, 128, 4), (16, 32, 256, 4), (16, 64, 128, 4), (16, 64, 128, 8),
                         (32, 32, 128, 4)):
             for down in ((16, 32, 128, 4), (16, 64, 128, 4), (16, 128, 64, 4), (16, 64, 256, 8)):
@@ -299,7 +282,7 @@ def experts_sweep(device, jsonl) -> None:
                     return prompt_experts_triton.tiled_experts_triton(*args, gate_up_tiles=up, down_tiles=dn)
                 try:
                     diff = _diff(call(), want)
-                    us = _graph_us(call)
+                    us = graph_time_us(call)
                 except Exception as error:  # a tile too large for the registers or shared memory
                     emit({"kernel": "experts sweep", "tokens": tokens, "gate_up": gate_up, "down": down,
                           "error": f"{type(error).__name__}: {error}"[:200]}, jsonl)
@@ -407,7 +390,7 @@ def conv_norm_sweep(device, jsonl) -> None:
             for warps in (1, 2, 4, 8, 16):
                 same = all(torch.equal(a, b) for a, b in zip(call(warps), want))
                 emit({"kernel": f"{name} sweep", "tokens": tokens, "num_warps": warps,
-                      "kernel_us": round(_graph_us(lambda w=warps: call(w)), 2), "same": same}, jsonl)
+                      "kernel_us": round(graph_time_us(lambda w=warps: call(w)), 2), "same": same}, jsonl)
 
 
 def main(argv=None) -> list[dict]:
