@@ -85,7 +85,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     with model._optimize_model_for_decode():
         while True:
             model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
-            logits = outputs.logits[:, -1]
+            logits = outputs.logits[:, -1].to(input_ids.device)  # (a model split over devices: its last one)
             del outputs
             if len(logits_processor):  # as `_sample`: on an fp32 copy
                 logits = logits_processor(input_ids, logits.to(copy=True, dtype=torch.float32))
