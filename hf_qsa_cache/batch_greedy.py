@@ -11,7 +11,9 @@ it must:
 * otherwise each step's all-finished flag is read after the next step has been queued (copied behind the
   step into pinned memory on CUDA): one step late. When it says every row had finished, the step queued
   meanwhile fed one token too many, and the cache takes it back (`QSAPagedCache.crop`). That needs one
-  token of rollback headroom (``num_speculative_tokens >= 1``); a cache without it is read right after each
+  token of rollback headroom (``num_speculative_tokens >= 1``), which generate() gives the Inkling caches it
+  builds for such calls (`late_read_headroom`: free there); a cache without it (Qwen4Exp's, where headroom
+  keeps a copy of every recurrent state, unless the caller built it with some) is read right after each
   step, as `_sample` reads.
 
 What a call returns and the cache it leaves are `_sample`'s: the same picks, finished rows padded with
@@ -29,10 +31,11 @@ holding the tokens it was fed; the next `generate()` on it that does not continu
 from __future__ import annotations
 
 import torch
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import QSAPagedCache
+from .cache import QSAPagedCache, rollback_costs_nothing
 from .lookup_decoding import LEAN_KEYS, lean_inputs, stop_rules
 
 
@@ -45,6 +48,16 @@ def applies(model, input_ids: torch.Tensor, generation_config, synced_gpus: bool
             and isinstance(model_kwargs.get("past_key_values"), QSAPagedCache) and model_kwargs.get("use_cache")
             and input_ids.shape[0] > 1 and 0 < input_ids.shape[1] < config.max_length
             and streamer is None and not synced_gpus and not wants_outputs)
+
+
+def late_read_headroom(model, generation_config, generation_mode, rows: int) -> int:
+    """Rollback headroom for a cache generate() builds (tokens): one where `decode` would then read each step's
+    flag a step late instead of right after the step (greedy, two rows or more, an end-of-sequence id or stop
+    strings) and keeping it costs nothing (`QSAPagedCache`'s `rollback_costs_nothing`: Inkling); else none."""
+    config = generation_config
+    stops = config.eos_token_id is not None or bool(getattr(config, "stop_strings", None))
+    return int(generation_mode == GenerationMode.GREEDY_SEARCH and rows > 1 and stops
+               and getattr(model, "lean_greedy_decoding", False) and rollback_costs_nothing(model.config))
 
 
 class LateFlag:

@@ -78,6 +78,13 @@ def _text_config(config):
     return config
 
 
+def rollback_costs_nothing(config) -> bool:
+    """Whether a cache for this model keeps rollback headroom (``num_speculative_tokens``) at no cost a step:
+    Inkling's stores are all addressed by position (a window keeps a position more); Qwen4Exp's keep a copy of
+    every GatedDeltaNet and PLE state per token of headroom, written every step (`rollback`)."""
+    return model_family(_text_config(config)) == "inkling"
+
+
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -26,10 +26,10 @@ def _batch(family):
     return inkling.left_pad(inkling.make_prompts([13, 5, 10], seed=4))  # two rows past the window of 6
 
 
-def _run(monkeypatch, model, ids, mask, lean: bool, headroom: int = 0, n: int = NEW, **kwargs):
+def _run(monkeypatch, model, ids, mask, lean: bool, headroom: int | None = 0, n: int = NEW, **kwargs):
     """generate() through our loop (``lean``) or transformers' `_sample` on a cache with ``headroom`` rollback
-    tokens: (output, whether our loop ran, the logits of one more step on the cache, the forwards "f" and our
-    loop's reads "r" in order, the crops)."""
+    tokens (None: the cache generate() builds): (output, whether our loop ran, the logits of one more step on
+    the cache, the forwards "f" and our loop's reads "r" in order, the crops, the cache's headroom)."""
     ran, events, crops = [], [], []
     decode, read, crop = batch_greedy.decode, batch_greedy.LateFlag.read, QSAPagedCache.crop
     with monkeypatch.context() as m:
@@ -37,21 +37,23 @@ def _run(monkeypatch, model, ids, mask, lean: bool, headroom: int = 0, n: int = 
         m.setattr(batch_greedy, "decode", lambda *a, **k: ran.append(1) or decode(*a, **k))
         m.setattr(batch_greedy.LateFlag, "read", lambda flag: events.append("r") or read(flag))
         m.setattr(QSAPagedCache, "crop", lambda cache, drop: crops.append(drop) or crop(cache, drop))
-        cache = QSAPagedCache(model.config, ids.shape[0], ids.shape[1] + n + 1, num_speculative_tokens=headroom)
+        if headroom is not None:
+            kwargs["past_key_values"] = QSAPagedCache(model.config, ids.shape[0], ids.shape[1] + n + 1,
+                                                      num_speculative_tokens=headroom)
         hook = model.register_forward_pre_hook(lambda *a: events.append("f"))
         try:
             with torch.no_grad():
-                out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n,
-                                     do_sample=False, return_dict_in_generate=True,
-                                     **{"pad_token_id": 0, "eos_token_id": None, **kwargs})
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                     return_dict_in_generate=True, **{"pad_token_id": 0, "eos_token_id": None, **kwargs})
         finally:
             hook.remove()
+    cache = out.past_key_values
     width = out.sequences.shape[1]
     assert cache.get_seq_length() == width - 1
     full = torch.cat([mask, torch.ones(mask.shape[0], width - mask.shape[1], dtype=mask.dtype)], dim=1)
     with torch.no_grad():
         step = model(out.sequences[:, -1:], attention_mask=full, past_key_values=cache)
-    return out.sequences, bool(ran), step.logits, "".join(events), [d for d in crops if d]
+    return out.sequences, bool(ran), step.logits, "".join(events), [d for d in crops if d], cache.num_speculative_tokens
 
 
 class StopAt(StoppingCriteria):
@@ -99,6 +101,29 @@ def test_batch_greedy_through_our_loop_equals_transformers_loop(family, qwen, in
     sequences = _run(monkeypatch, model, ids, mask, lean=True, eos_token_id=ends_all)[0][:, width:]
     for row, end in zip(sequences.tolist(), ended):  # the pad from the step after a row's end
         assert row[end + 1:] == [0] * (len(row) - end - 1) and row[end] in ends_all
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_generate_gives_inkling_caches_a_token_of_headroom_for_late_reads(family, qwen, ink, monkeypatch):  # noqa: F811
+    """With an end-of-sequence id and the cache generate() builds: Inkling's gets one token of rollback headroom
+    (free: its stores roll back by position), so each step's flag is read a step late and the step past the
+    end cropped; Qwen4Exp's none (headroom would keep a copy of every recurrent state), read after each step.
+    The tokens and the cache afterwards are `_sample`'s either way."""
+    model = (qwen if family == "qwen4_exp" else ink)[0]
+    ids, mask = _batch(family)
+    width = ids.shape[1]
+    plain = _run(monkeypatch, model, ids, mask, lean=False)[0][:, width:].tolist()
+    ends_all = [plain[r][2 + 3 * r] for r in range(3)]
+    theirs = _run(monkeypatch, model, ids, mask, lean=False, headroom=None, eos_token_id=ends_all)
+    ours = _run(monkeypatch, model, ids, mask, lean=True, headroom=None, eos_token_id=ends_all)
+    assert torch.equal(ours[0], theirs[0]) and ours[0].shape[1] < width + NEW
+    torch.testing.assert_close(ours[2], theirs[2], rtol=0, atol=0)
+    forwards = theirs[3].count("f")
+    assert theirs[5] == 0
+    if family == "inkling":
+        assert ours[5] == 1 and ours[4] == [-1] and ours[3] == "f" + "fr" * forwards
+    else:
+        assert ours[5] == 0 and not ours[4] and ours[3] == "f" + "rf" * (forwards - 1) + "r"
 
 
 def test_later_steps_build_their_inputs_in_our_loop(qwen, monkeypatch):  # noqa: F811
