@@ -12,7 +12,7 @@ it must:
   step into pinned memory on CUDA): one step late. When it says every row had finished, the step queued
   meanwhile fed one token too many, and the cache takes it back (`QSAPagedCache.crop`). That needs one
   token of rollback headroom (``num_speculative_tokens >= 1``), which generate() gives the Inkling caches it
-  builds for such calls (`late_read_headroom`: free there); a cache without it (Qwen4Exp's, where headroom
+  builds for greedy calls with such criteria (`late_read_headroom`: free there); a cache without it (Qwen4Exp's, where headroom
   keeps a copy of every recurrent state, unless the caller built it with some) is read right after each
   step, as `_sample` reads.
 
@@ -51,12 +51,13 @@ def applies(model, input_ids: torch.Tensor, generation_config, synced_gpus: bool
 
 
 def late_read_headroom(model, generation_config, generation_mode, rows: int) -> int:
-    """Rollback headroom for a cache generate() builds (tokens): one where `decode` would then read each step's
-    flag a step late instead of right after the step (greedy, two rows or more, an end-of-sequence id or stop
-    strings) and keeping it costs nothing (`QSAPagedCache`'s `rollback_costs_nothing`: Inkling); else none."""
+    """Rollback headroom for a cache generate() builds (tokens): one for a greedy call with an end-of-sequence id
+    or stop strings, where keeping it costs nothing (`QSAPagedCache`'s `rollback_costs_nothing`: Inkling);
+    else none. With it `decode` reads each step's flag a step late instead of right after the step, and the
+    one-row loop (`lookup_decoding.decode_greedy`) leaves a pick unread for a step (a read every other step)."""
     config = generation_config
     stops = config.eos_token_id is not None or bool(getattr(config, "stop_strings", None))
-    return int(generation_mode == GenerationMode.GREEDY_SEARCH and rows > 1 and stops
+    return int(generation_mode == GenerationMode.GREEDY_SEARCH and rows >= 1 and stops
                and getattr(model, "lean_greedy_decoding", False) and rollback_costs_nothing(model.config))
 
 
