@@ -36,8 +36,9 @@ verifies.
 `decode_greedy` is the same loop with a generator that never drafts, for plain greedy decoding of one row
 (`applies_to_greedy`; `PagedCacheGenerationMixin._sample` takes it): every round is a paused one, so with
 no end-of-sequence id, streamer or other stopping criterion the host reads the picks once, at the end; with
-an end-of-sequence id it reads each pick before the next step (the cache generate() builds has no rollback
-headroom), and with a streamer or another criterion it reads each round. 6.4-6.5 torch calls a token
+an end-of-sequence id it reads the picks whenever one more step would run past the cache's rollback headroom
+(each step for Qwen4Exp's cache generate() builds, which has none; every other step for Inkling's, which has
+a token: `batch_greedy.late_read_headroom`), and with a streamer or another criterion it reads each round. 6.4-6.5 torch calls a token
 outside the forward against 15.3 in `_sample` (`benchmarks/count_loop_calls.py`). The streamer gets ``[n]`` tokens,
 each as its step ends, as from `_sample`.
 
