@@ -49,14 +49,14 @@ def _use_tiled(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def _tiles(x: torch.Tensor, top_k: int) -> bool:
+def _tiled_applies(x: torch.Tensor, top_k: int) -> bool:
     return FUSED_TILED_EXPERTS and _use_tiled(x) and x.shape[0] * top_k <= TILED_EXPERTS_MAX_PAIRS
 
 
 def runs_tiled_experts(experts: nn.Module, x: torch.Tensor) -> bool:
     """Whether an MoE block's experts run `tiled_experts` on ``x`` ``[T, H]`` (then its shared experts may run in the
     same kernels: `hf_qsa_cache.ops.experts.shared_expert_to_fold`)."""
-    return _tiles(x, experts.config.num_experts_per_tok) and uses_prompt_experts(experts, x)
+    return _tiled_applies(x, experts.config.num_experts_per_tok) and uses_prompt_experts(experts, x)
 
 
 def tiled_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -85,7 +85,7 @@ def grouped_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_
     `TILED_EXPERTS_MAX_PAIRS` pairs on CUDA (graph steps of more than 16 tokens, short prompts) with the
     ``tiled_experts`` fusion on, `tiled_experts`' two kernels."""
     num_tokens, top_k = top_k_index.shape
-    if _tiles(hidden_states, top_k):
+    if _tiled_applies(hidden_states, top_k):
         return tiled_experts(module, hidden_states, top_k_index, top_k_weights)
     perm, positions, offsets = pair_order(top_k_index.reshape(-1), module.gate_up_proj.shape[0])
     inputs = hidden_states[perm // top_k]  # [S, H], grouped by expert
@@ -148,9 +148,8 @@ def sum_by_token(rows: torch.Tensor, positions: torch.Tensor, num_tokens: int, t
     return sum_by_token_torch(rows, positions, num_tokens, top_k)
 
 
-def sum_by_token_torch(rows: torch.Tensor, positions: torch.Tensor, num_tokens: int, top_k: int,
-                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    return rows[positions].view(num_tokens, top_k, -1).float().sum(dim=1).to(out_dtype or rows.dtype)
+def sum_by_token_torch(rows: torch.Tensor, positions: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    return rows[positions].view(num_tokens, top_k, -1).float().sum(dim=1).to(rows.dtype)
 
 
 def tiled_experts_torch(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
