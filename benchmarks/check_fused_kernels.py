@@ -262,22 +262,25 @@ def _grouped_gemm_experts(x, index, weights, gate_up, down, transposed, shared):
 
 def experts_sweep(device, jsonl) -> None:
     """The tiled experts' tiles at Inkling's shapes (64 experts of 512, top 6, two shared experts, hidden 2048;
-    bf16) for graph steps of 17, 32 and 64 tokens, each checked against the default tiles' output and
-    graph-timed, beside transformers' grouped GEMMs and the shared experts' module (what graph steps of more than
-    16 tokens run today)."""
+    bf16) for graph steps of 8 to 64 tokens, each checked against the default tiles' output and graph-timed,
+    beside what graph steps run today: the selected experts' kernels up to 16 tokens, transformers' grouped
+    GEMMs and the shared experts' module past that."""
     g = torch.Generator().manual_seed(0)
 
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(device, torch.bfloat16)
 
-    for tokens in (17, 32, 64):
+    for tokens in (8, 16, 17, 32, 64):
         args = _experts_inputs(tokens, 6, 64, 2048, 512, rand, g, device)
         want = prompt_experts_triton.tiled_experts_triton(*args)
         emit({"kernel": "experts sweep", "tokens": tokens, "path": "grouped_mm",
               "kernel_us": round(graph_time_us(lambda: _grouped_gemm_experts(*args)), 1)}, jsonl)
-        for gate_up in ((16, 16, 128, 4), (16, 32, 128, 4), (16, 32, 256, 4), (16, 64, 128, 4), (16, 64, 128, 8),
-                        (32, 32, 128, 4)):
-            for down in ((16, 32, 128, 4), (16, 64, 128, 4), (16, 128, 64, 4), (16, 64, 256, 8)):
+        if tokens <= 16:
+            emit({"kernel": "experts sweep", "tokens": tokens, "path": "selected",
+                  "kernel_us": round(graph_time_us(lambda: experts_triton.selected_experts_triton(*args)), 1),
+                  "max_diff": _diff(experts_triton.selected_experts_triton(*args), want)}, jsonl)
+        for gate_up in ((16, 16, 128, 4), (16, 32, 128, 4), (16, 32, 256, 4), (16, 64, 128, 8)):
+            for down in ((16, 32, 128, 4), (16, 64, 128, 4), (16, 128, 64, 4)):
                 def call(up=gate_up, dn=down):
                     return prompt_experts_triton.tiled_experts_triton(*args, gate_up_tiles=up, down_tiles=dn)
                 try:
