@@ -12,9 +12,9 @@ it must:
   step into pinned memory on CUDA): one step late. When it says every row had finished, the step queued
   meanwhile fed one token too many, and the cache takes it back (`QSAPagedCache.crop`). That needs one
   token of rollback headroom (``num_speculative_tokens >= 1``), which generate() gives the Inkling caches it
-  builds for greedy calls with such criteria (`late_read_headroom`: free there); a cache without it (Qwen4Exp's, where headroom
-  keeps a copy of every recurrent state, unless the caller built it with some) is read right after each
-  step, as `_sample` reads.
+  builds for greedy calls with such criteria (`late_read_headroom`: free there); a cache without it
+  (Qwen4Exp's, where headroom keeps a copy of every recurrent state, unless the caller built it with some)
+  is read right after each step, as `_sample` reads.
 
 What a call returns and the cache it leaves are `_sample`'s: the same picks, finished rows padded with
 ``pad_token_id`` from the step after their end-of-sequence id, the same logits processors on fp32 copies of
@@ -54,7 +54,7 @@ def late_read_headroom(model, generation_config, generation_mode, rows: int) -> 
     """Rollback headroom for a cache generate() builds (tokens): one for a greedy call with an end-of-sequence id
     or stop strings, where keeping it costs nothing (`QSAPagedCache`'s `rollback_costs_nothing`: Inkling);
     else none. With it `decode` reads each step's flag a step late instead of right after the step, and the
-    one-row loop (`lookup_decoding.decode_greedy`) leaves a pick unread for a step (a read every other step)."""
+    one-row loop (`lookup_decoding.decode_greedy`) reads each pick after the next step is queued."""
     config = generation_config
     stops = config.eos_token_id is not None or bool(getattr(config, "stop_strings", None))
     return int(generation_mode == GenerationMode.GREEDY_SEARCH and rows >= 1 and stops

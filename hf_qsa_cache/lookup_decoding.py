@@ -15,7 +15,8 @@ A read makes the host wait for the step, where plain decoding queues the next st
 ends. So a round that drafts nothing (the adaptive budget's pauses) leaves its pick on the device and
 feeds it to the next step unread; the picks are read when a round may draft again (the search needs
 them), when the row is full, or before the unread steps could run past the cache's rollback headroom
-(``num_speculative_tokens``) beyond an end-of-sequence id among them. One found late ends the row there:
+(``num_speculative_tokens``) beyond an end-of-sequence id among them: then all but the newest pick, whose
+step the device may still be running, so that the read does not wait for it. One found late ends the row there:
 the steps that ran past it are cropped, and the output and the cache are what transformers' loop leaves
 (its candidate generator saw a few more paused rounds, which change nothing after the end). Stopping
 criteria other than the length and end-of-sequence ones (stop strings, a time limit, a user's) run on the
@@ -37,10 +38,10 @@ verifies.
 (`applies_to_greedy`; `PagedCacheGenerationMixin._sample` takes it): every round is a paused one, so with
 no end-of-sequence id, streamer or other stopping criterion the host reads the picks once, at the end; with
 an end-of-sequence id it reads the picks whenever one more step would run past the cache's rollback headroom
-(each step for Qwen4Exp's cache generate() builds, which has none; every other step for Inkling's, which has
-a token: `batch_greedy.late_read_headroom`), and with a streamer or another criterion it reads each round. 6.4-6.5 torch calls a token
-outside the forward against 15.3 in `_sample` (`benchmarks/count_loop_calls.py`). The streamer gets ``[n]`` tokens,
-each as its step ends, as from `_sample`.
+(before each step for Qwen4Exp's cache generate() builds, which has none; each pick after the next step is
+queued for Inkling's, which has a token: `batch_greedy.late_read_headroom`), and with a streamer or another
+criterion it reads each round. 6.4-6.5 torch calls a token outside the forward against 15.3 in `_sample`
+(`benchmarks/count_loop_calls.py`). The streamer gets ``[n]`` tokens, each as its step ends, as from `_sample`.
 
 Each forward is a transaction of the cache; a round is not. A failure after a verify forward and before its
 crop, or while a run of paused picks is read, leaves the cache holding exactly the tokens it was fed (drafts
@@ -218,17 +219,19 @@ def _decode(model, generator, input_ids, logits_processor, stopping_criteria, ge
     headroom = cache.num_speculative_tokens if eos else max_length
     unread: list[torch.Tensor] = []
 
-    def settle() -> bool:
-        """Read the unread picks: the streamer gets them; at an end-of-sequence id the row ends there (the
-        steps run past it are cropped). Returns whether the row ended."""
+    def settle(keep: int = 0) -> bool:
+        """Read the unread picks but the newest ``keep`` (whose steps may still run: reading the older ones
+        does not wait for them): the streamer gets them; at an end-of-sequence id the row ends there (the steps
+        run past it are cropped, the kept picks' too). Returns whether the row ended."""
         nonlocal input_ids
-        picks = torch.cat(unread).tolist()
-        unread.clear()
+        picks = torch.cat(unread[:len(unread) - keep]).tolist()
+        del unread[:len(unread) - keep]
         for i, token in enumerate(picks):
             if streamer is not None:
                 streamer.put(torch.tensor([[token]], dtype=input_ids.dtype))
             if token in eos:
-                past = len(picks) - 1 - i  # steps that fed this token and the ones after it
+                past = len(picks) - 1 - i + len(unread)  # steps that fed this token and the ones after it
+                unread.clear()
                 cache.crop(-past)
                 input_ids = input_ids[:, :input_ids.shape[1] - past]
                 return True
@@ -238,9 +241,13 @@ def _decode(model, generator, input_ids, logits_processor, stopping_criteria, ge
     while True:
         length = input_ids.shape[1]
         # Read before a round that may draft, that ends the row, or that would run past the headroom: a round
-        # that reads its own picks starts with none unread.
-        if unread and (budget.paused == 0 or len(unread) > headroom or length + 1 >= max_length):
+        # that reads its own picks starts with none unread. Past the headroom alone, the newest pick stays
+        # unread (its step is the one the GPU runs now) where the cache can take one more step back.
+        if unread and (budget.paused == 0 or length + 1 >= max_length):
             if settle():
+                break
+        elif unread and len(unread) > headroom:
+            if settle(keep=1 if headroom else 0):
                 break
         candidates, _ = generator.get_candidates(input_ids)
         candidates = candidates.to(input_ids.device)

@@ -44,7 +44,8 @@ def _run(monkeypatch, model, ids, mask, lean: bool, headroom: int | None = 0, n:
         try:
             with torch.no_grad():
                 out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                     return_dict_in_generate=True, **{"pad_token_id": 0, "eos_token_id": None, **kwargs})
+                                     return_dict_in_generate=True,
+                                     **{"pad_token_id": 0, "eos_token_id": None, **kwargs})
         finally:
             hook.remove()
     cache = out.past_key_values
@@ -241,4 +242,4 @@ def test_our_loop_reads_the_host_once_and_makes_fewer_torch_calls(qwen, monkeypa
     assert our_forwards == forwards == 6
     assert ours < theirs, (ours, theirs, our_calls)
     reads = "host reads"
-    assert their_calls[reads] >= 6 and our_calls[reads] <= their_calls[reads] - 5, (their_calls[reads], our_calls[reads])
+    assert their_calls[reads] >= 6 and our_calls[reads] <= their_calls[reads] - 5, (their_calls, our_calls)

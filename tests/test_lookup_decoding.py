@@ -300,31 +300,38 @@ def _run_plain(monkeypatch, model, ids, n, lean: bool, stream: bool = True, **kw
     return out, streamer, bool(ran), step.logits, "".join(events)
 
 
-def test_generate_gives_an_inkling_row_a_token_of_headroom_for_fewer_reads(ink, monkeypatch):  # noqa: F811
+def test_generate_gives_an_inkling_row_a_token_of_headroom_and_reads_a_step_late(ink, monkeypatch):  # noqa: F811
     """One Inkling row with an end-of-sequence id on the cache generate() builds: a token of rollback headroom
-    (free there: `batch_greedy.late_read_headroom`), so our loop leaves a pick unread for a step and reads about
-    every other step instead of after each; the tokens and the cache afterwards are those of a cache without
-    headroom."""
+    (free there: `batch_greedy.late_read_headroom`), so our loop reads each pick after the next step is queued
+    ("f" a forward, "r" a read), not before it, and takes back the one step that ran past the end; the tokens
+    and the cache afterwards are those of a cache without headroom, read before every step."""
     model = ink[0]
     ids = _ink_lookup_prompt(model)
     plain = _greedy(model, ids, 20).sequences[0, ids.shape[1]:].tolist()
-    eos = next(t for i, t in enumerate(plain) if i >= 8 and t not in plain[:i])
+    end = next(i for i, t in enumerate(plain) if i >= 8 and t not in plain[:i])
     runs = {}
     for built in (True, False):
-        reads = []
-        tolist = torch.Tensor.tolist
+        events, crops = [], []
+        tolist, crop = torch.Tensor.tolist, QSAPagedCache.crop
         with monkeypatch.context() as m:
-            m.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
+            m.setattr(torch.Tensor, "tolist", lambda t: events.append("r") or tolist(t))
+            m.setattr(QSAPagedCache, "crop", lambda c, n: crops.append(n) or crop(c, n))
+            hook = model.register_forward_pre_hook(lambda *a: events.append("f"))
             kwargs = {} if built else {"past_key_values": QSAPagedCache(model.config, 1, ids.shape[1] + 21)}
-            out = _greedy(model, ids, 20, eos_token_id=eos, **kwargs)
+            try:
+                out = _greedy(model, ids, 20, eos_token_id=plain[end], **kwargs)
+            finally:
+                hook.remove()
         cache = out.past_key_values
         assert cache.num_speculative_tokens == int(built)
         with torch.no_grad():
             step = model(out.sequences[:, -1:], attention_mask=torch.ones_like(out.sequences), past_key_values=cache)
-        runs[built] = (out.sequences, step.logits, len(reads))
-    assert torch.equal(runs[True][0], runs[False][0]) and runs[True][0].shape[1] < ids.shape[1] + 20
+        runs[built] = (out.sequences, step.logits, "".join(events), [n for n in crops if n])
+    assert torch.equal(runs[True][0], runs[False][0]) and runs[True][0].shape[1] == ids.shape[1] + end + 1
     torch.testing.assert_close(runs[True][1], runs[False][1], rtol=0, atol=0)
-    assert runs[True][2] <= runs[False][2] // 2 + 2, (runs[True][2], runs[False][2])
+    # The prompt's forward, then each new pick read before (no headroom) or after (headroom) the next step.
+    assert runs[False][2].endswith("f" + "rf" * end + "r") and not runs[False][3]
+    assert runs[True][2].endswith("ff" + "rf" * end + "r") and runs[True][3] == [-1]
 
 
 @pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
