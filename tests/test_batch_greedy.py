@@ -192,36 +192,53 @@ def test_calls_our_loop_leaves_to_transformers(qwen, monkeypatch):  # noqa: F811
     assert generate(ids, mask) == []
 
 
-def test_a_failed_step_leaves_a_cache_that_refuses_a_new_call_naming_reset(qwen, monkeypatch):  # noqa: F811
-    """A forward that fails in the middle of the loop reaches the caller; the cache then holds tokens the caller
-    never got, so the same call on it is refused with `reset()` named, and after `reset()` it gives the tokens
-    of an unbroken call."""
-    model = qwen[0]
-    ids, mask = _batch("qwen4_exp")
-    cache = QSAPagedCache(model.config, 3, ids.shape[1] + NEW + 1)
+@pytest.mark.parametrize("where", ["forward", "late_read", "late_crop"])
+def test_a_failure_in_the_loop_leaves_a_cache_that_refuses_a_new_call_naming_reset(where, ink, monkeypatch):  # noqa: F811
+    """A failure in the middle of the loop (a forward; the late read of a step's flag; the crop of the step that
+    ran past the end) reaches the caller; the cache then holds tokens the caller never got, so the same call on
+    it is refused with `reset()` named, and after `reset()` it gives the tokens of an unbroken call."""
+    model = ink[0]
+    ids, mask = _batch("inkling")
+    width = ids.shape[1]
+    plain = _run(monkeypatch, model, ids, mask, lean=False)[0][:, width:].tolist()
+    ends_all = [plain[r][2 + 3 * r] for r in range(3)]  # every row ends before NEW: the late path crops once
+    cache = QSAPagedCache(model.config, 3, width + NEW + 1, num_speculative_tokens=1)
     kwargs = dict(attention_mask=mask, past_key_values=cache, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
-                  eos_token_id=None)
+                  eos_token_id=ends_all)
     with torch.no_grad():
-        plain = model.generate(ids, **kwargs)
+        unbroken = model.generate(ids, **kwargs)
         cache.reset()
-        forwards = []
+        calls = []
 
-        def fail_on_fourth(*args):
-            forwards.append(1)
-            if len(forwards) == 4:
-                raise RuntimeError("injected")
+        def fail_on(n):
+            def fail(*args):
+                calls.append(1)
+                if len(calls) == n:
+                    raise RuntimeError("injected")
+            return fail
 
-        hook = model.register_forward_pre_hook(fail_on_fourth)
-        try:
-            with pytest.raises(RuntimeError, match="injected"):
-                model.generate(ids, **kwargs)
-        finally:
-            hook.remove()
-        assert cache.get_seq_length() > ids.shape[1]
+        with monkeypatch.context() as m:
+            if where == "forward":
+                hook = model.register_forward_pre_hook(fail_on(4))
+            elif where == "late_read":
+                read = batch_greedy.LateFlag.read
+                fail = fail_on(3)
+                m.setattr(batch_greedy.LateFlag, "read", lambda flag: fail() or read(flag))
+            else:
+                crop = QSAPagedCache.crop
+                fail = fail_on(1)
+                m.setattr(QSAPagedCache, "crop", lambda c, n: fail() or crop(c, n))
+            try:
+                with pytest.raises(RuntimeError, match="injected"):
+                    model.generate(ids, **kwargs)
+            finally:
+                if where == "forward":
+                    hook.remove()
+        assert cache.get_seq_length() > width
         with pytest.raises(ValueError, match=r"reset\(\)"):
             model.generate(ids, **kwargs)
         cache.reset()
-        assert torch.equal(model.generate(ids, **kwargs), plain)
+        assert torch.equal(model.generate(ids, **kwargs), unbroken)
 
 
 def test_our_loop_reads_the_host_once_and_makes_fewer_torch_calls(qwen, monkeypatch):  # noqa: F811
