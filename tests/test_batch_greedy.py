@@ -193,7 +193,7 @@ def test_calls_our_loop_leaves_to_transformers(qwen, monkeypatch):  # noqa: F811
 
 
 @pytest.mark.parametrize("where", ["forward", "late_read", "late_crop"])
-def test_a_failure_in_the_loop_leaves_a_cache_that_refuses_a_new_call_naming_reset(where, ink, monkeypatch):  # noqa: F811
+def test_a_failure_in_the_loop_leaves_a_cache_that_refuses_a_new_call(where, ink, monkeypatch):  # noqa: F811
     """A failure in the middle of the loop (a forward; the late read of a step's flag; the crop of the step that
     ran past the end) reaches the caller; the cache then holds tokens the caller never got, so the same call on
     it is refused with `reset()` named, and after `reset()` it gives the tokens of an unbroken call."""
