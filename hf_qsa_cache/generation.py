@@ -184,7 +184,7 @@ class PagedCacheGenerationMixin:
         bound, source = draft_tokens_bound(self, generation_config, schedule, new_tokens) if drafting else (0, "")
         extra = overshoot(generation_config, bound)
         if cache is None and generation_config.use_cache is not False:
-            # (a batch's greedy loop reads a step late with a token of headroom: `batch_greedy`)
+            # (the greedy loops read a step late with a token of headroom: `batch_greedy.late_read_headroom`)
             headroom = max(bound, batch_greedy.late_read_headroom(self, generation_config, generation_mode, rows))
             cache = QSAPagedCache(self.config, max_batch_size=rows, max_cache_len=max_cache_length + extra,
                                   num_speculative_tokens=headroom)
