@@ -239,7 +239,7 @@ def _main() -> int:
 def _tiled_cases() -> int:
     """`tiled_experts_triton` against `tiled_experts_torch`, tiles forced small (16 pairs, columns and chunk): an
     expert with more pairs than a tile (two passes over its weights), experts with none, sizes the tiles do not
-    divide, both weight layouts, one token; fp32 and bf16."""
+    divide, both weight layouts (in fp32), one token; fp32 and bf16."""
     from hf_qsa_cache.ops.prompt_experts_triton import tiled_experts_triton
 
     cases = 0
@@ -249,7 +249,7 @@ def _tiled_cases() -> int:
         if tokens == 23:
             assert (index == 0).sum() > 16, "expert 0 should take more pairs than one tile"
         for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
-            for transposed in (False, True):
+            for transposed in (False, True) if dtype == torch.float32 else (False,):  # strides: any dtype alike
                 x = torch.randn(tokens, hidden, generator=g).to(dtype)
                 gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype)
                 down = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype)
