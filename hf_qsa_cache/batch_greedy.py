@@ -63,16 +63,21 @@ def late_read_headroom(model, generation_config, generation_mode, rows: int) -> 
 
 class LateFlag:
     """A step's boolean verdict, read by the host later than it was computed: copied behind the step into pinned
-    memory on CUDA, so that reading it waits for that step only, not for the steps queued after it."""
+    memory on CUDA, so that reading it waits for that step only, not for the steps queued after it. One per
+    call: each step's flag is read before the next step posts its own."""
 
-    def __init__(self, flag: torch.Tensor):
-        if flag.is_cuda:
-            self.value = torch.empty((), dtype=torch.bool, pin_memory=True)
+    def __init__(self, device: torch.device):
+        cuda = device.type == "cuda"
+        self.value = torch.empty((), dtype=torch.bool, pin_memory=True) if cuda else None
+        self.ready = torch.cuda.Event() if cuda else None
+
+    def post(self, flag: torch.Tensor) -> "LateFlag":
+        if self.ready is not None:
             self.value.copy_(flag, non_blocking=True)
-            self.ready = torch.cuda.Event()
             self.ready.record()
         else:
-            self.value, self.ready = flag, None
+            self.value = flag
+        return self
 
     def read(self) -> bool:
         if self.ready is not None:
@@ -93,6 +98,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         pad = pad.to(input_ids.device)
     late = bool(device_stops) and cache.num_speculative_tokens >= 1
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    flag = LateFlag(input_ids.device) if device_stops else None
 
     outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
     lean = None  # whether later steps' inputs are built here (`lookup_decoding.lean_inputs`)
@@ -112,7 +118,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             ended = None
             if device_stops:
                 unfinished = unfinished & ~device_stops(input_ids, None)
-                ended = LateFlag(unfinished.max() == 0)
+                ended = flag.post(unfinished.max() == 0)
                 if not late and ended.read():
                     break
             if lean is None:

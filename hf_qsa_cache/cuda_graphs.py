@@ -405,8 +405,7 @@ def tiled_experts_run(experts: list, device: torch.device, pairs: int) -> bool:
     from .ops import experts as selected
     from .ops import prompt_experts
 
-    return (prompt_experts.FUSED_TILED_EXPERTS and device.type == "cuda"
-            and pairs <= prompt_experts.TILED_EXPERTS_MAX_PAIRS and all(selected.supports(m) for m, _ in experts))
+    return prompt_experts.tiles_pairs(device.type == "cuda", pairs) and all(selected.supports(m) for m, _ in experts)
 
 
 @contextlib.contextmanager

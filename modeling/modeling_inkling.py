@@ -76,7 +76,7 @@ class InklingMoE(upstream.InklingMoE):
         fused_routing = fuses_inkling_routing(self.gate, hidden_states)
         tiled = runs_tiled_experts(self.experts, flat)
         folded = inkling_shared_experts_to_fold(self, hidden_states, tiled)
-        prompt = folded is None and uses_prompt_experts(self.experts, flat)
+        prompt = folded is None and (tiled or uses_prompt_experts(self.experts, flat))
         if not fused_routing and folded is None and not prompt:
             return super().forward(hidden_states)
         if fused_routing:

@@ -235,7 +235,7 @@ class Qwen4ExpTextSparseMoeBlock(upstream.Qwen4ExpTextSparseMoeBlock):
         fused_routing = fuses_routing(self.gate, hidden_states)
         tiled = runs_tiled_experts(self.experts, x)
         folded = shared_expert_to_fold(self, hidden_states, tiled)
-        prompt = folded is None and uses_prompt_experts(self.experts, x)
+        prompt = folded is None and (tiled or uses_prompt_experts(self.experts, x))
         if not fused_routing and folded is None and not prompt:
             return super().forward(hidden_states)
         if fused_routing:

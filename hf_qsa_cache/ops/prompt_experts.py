@@ -49,8 +49,14 @@ def _use_tiled(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+def tiles_pairs(on_cuda: bool, pairs: int) -> bool:
+    """Whether a step of ``pairs`` (token, expert) pairs runs the tiled kernels (the fusion on, CUDA, few pairs);
+    also what graph steps choose their experts by (`hf_qsa_cache.cuda_graphs.graph_experts`)."""
+    return FUSED_TILED_EXPERTS and on_cuda and pairs <= TILED_EXPERTS_MAX_PAIRS
+
+
 def _tiled_applies(x: torch.Tensor, top_k: int) -> bool:
-    return FUSED_TILED_EXPERTS and _use_tiled(x) and x.shape[0] * top_k <= TILED_EXPERTS_MAX_PAIRS
+    return tiles_pairs(_use_tiled(x), x.shape[0] * top_k)
 
 
 def runs_tiled_experts(experts: nn.Module, x: torch.Tensor) -> bool:
