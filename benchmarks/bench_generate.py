@@ -14,11 +14,12 @@ on `QSAPagedCache`) with CUDA-graph decode on and off. Every measurement is appe
 line to ``benchmarks/results/h200.jsonl`` (keys: model, layers, impl, graphs, batch, prompt_len,
 new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, fused (the fusions on,
 `hf_qsa_cache.fusions.active`; older lines hold the HF_QSA_FUSED setting, where "" meant none), plus
-status / floor_ms where known; ours adds loop (the greedy loop timed: "ours" unless ``--loops`` says
+status / floor_ms where known; ours adds loop (the decode loop timed: "ours" unless ``--loops`` says
 otherwise), cache_gib, store_gib (bytes per cache store) and
 prefill_peak_share: model FLOPs of the prefill per second over the H200's dense bf16 peak;
 decode_ms_end_to_end where the prefill is short: a step's cost in a plain generate() call with no
-per-step stopping criterion (`decode_ms_end_to_end`), where decode_ms_per_step times each step with one;
+per-step stopping criterion (`decode_ms_end_to_end`; from sampled calls, and end_to_end_sampled, with
+``--sample``), where decode_ms_per_step times each step with one;
 with graphs, graph_kernels / graph_copies launched by one replayed decode step and gpu_busy_share, the
 share of a step's wall time the GPU is busy). Upstream under ``--upstream-limit`` is stopped during its
 prefill too and reported as "did not finish in N s" (or "out of memory").
@@ -156,12 +157,12 @@ def prefilled(model, ids, mask, cache: QSAPagedCache) -> tuple[torch.Tensor, tor
     return first, torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
 
 
-def decode_ms_end_to_end(model, ids, mask, new_tokens: int, cache: QSAPagedCache) -> float:
+def decode_ms_end_to_end(model, ids, mask, new_tokens: int, cache: QSAPagedCache, sample: bool = False) -> float:
     """Milliseconds a decode step adds to a plain generate() call, as a user makes it (no stopping criterion
     or streamer, so our loop reads the host once, at the end). Each timed call continues a prompt the cache
     already holds (prefilled by an untimed call of one token), so a timed call's own prefill is one token:
     the better of three calls of ``new_tokens`` against the better of three of one token, over
-    ``new_tokens - 1``. (Timing whole calls from the prompt put the prompt's prefill, and its run-to-run
+    ``new_tokens - 1``. With ``sample``, sampled calls (top-k 50) instead of greedy ones. (Timing whole calls from the prompt put the prompt's prefill, and its run-to-run
     spread of tens of milliseconds, into both terms: at 16 new tokens that spread alone moved the figure by
     more than a millisecond a step.)"""
 
@@ -170,8 +171,8 @@ def decode_ms_end_to_end(model, ids, mask, new_tokens: int, cache: QSAPagedCache
         for _ in range(3):
             first, more = prefilled(model, ids, mask, cache)
             start = time.perf_counter()
-            model.generate(first, attention_mask=more, past_key_values=cache, max_new_tokens=n, do_sample=False,
-                           pad_token_id=0, eos_token_id=None)
+            model.generate(first, attention_mask=more, past_key_values=cache, max_new_tokens=n, pad_token_id=0,
+                           eos_token_id=None, **({"do_sample": True, "top_k": 50} if sample else {"do_sample": False}))
             if ids.is_cuda:
                 torch.cuda.synchronize()
             best[n] = min(best.get(n, float("inf")), time.perf_counter() - start)
@@ -353,8 +354,10 @@ def main():
     parser.add_argument("--cache-len", type=int, default=0,
                         help="size our timed cache for this many tokens (default: the prompt and new tokens)")
     parser.add_argument("--loops", nargs="+", choices=["ours", "transformers"], default=["ours"],
-                        help="greedy loops to time in: ours (what generate() takes, `lean_greedy_decoding`) "
+                        help="decode loops to time in: ours (what generate() takes, `lean_decoding`) "
                              "and transformers' `_sample`")
+    parser.add_argument("--sample", action="store_true",
+                        help="decode_ms_end_to_end from sampled calls (top-k 50) instead of greedy ones")
     parser.add_argument("--jsonl", default=RESULTS)
     args = parser.parse_args()
 
@@ -411,7 +414,7 @@ def main():
         rows = []
         for graphs, loop in [(g, lp) for g in graph_modes for lp in args.loops]:
             ours.use_cuda_graphs = graphs
-            ours.lean_greedy_decoding = loop == "ours"
+            ours.lean_decoding = loop == "ours"
             # Kernel tuning keys on shapes: warm up at this case's batch first (a fresh cache each run); two
             # prefill chunks' worth of prompt reach every chunk shape.
             warm = min(length, 2 * max(1, ours.prefill_chunk_tokens // batch))
@@ -424,7 +427,10 @@ def main():
             if graphs and "status" not in result:
                 result.update(graphed_step_stats(ours, cache))
             if result.get("prefill_s") and result["prefill_s"] < 2:  # short prompts: two more prefills are cheap
-                result["decode_ms_end_to_end"] = decode_ms_end_to_end(ours, ids, mask, args.new_tokens, cache)
+                result["decode_ms_end_to_end"] = decode_ms_end_to_end(ours, ids, mask, args.new_tokens, cache,
+                                                                      sample=args.sample)
+                if args.sample:
+                    result["end_to_end_sampled"] = True
             stats = cache.memory_stats()
             result["cache_gib"] = stats["total_bytes"] / 2**30
             result["store_gib"] = {name: round(size / 2**30, 4) for name, size in stats["bytes"].items()}

@@ -5,10 +5,10 @@
 On a GPU each such call is a kernel launch (or a copy) between two decode steps. Counted under the torch
 profiler: the top-level aten ops that compute (views, shapes and allocations left out, as in
 `profile_decode_step.py`), outside every forward of the model and outside the cache's crops (a verify
-step's rollback, the same in both prompt-lookup loops). Three ways to generate the same 40 greedy tokens
+step's rollback, the same in both prompt-lookup loops). Ways to generate 40 tokens (greedy: the same in every loop)
 after a prompt whose continuation the random model does not repeat (prompt lookup's drafts are rejected):
 plain greedy decoding in transformers' `_sample` and in our loop (what `generate()` runs for one row), the same
-for 8 rows (`hf_qsa_cache/batch_greedy.py`), prompt lookup in transformers' assisted-decoding loop and in ours
+for 8 rows and for 8 sampled rows (top-k 20; `hf_qsa_cache/decode_loop.py`), prompt lookup in transformers' assisted-decoding loop and in ours
 (`hf_qsa_cache/lookup_decoding.py`). Also the host reads (``_local_scalar_dense``: each waits for the device)
 and the number of forwards (the same in all: one token each).
 """
@@ -28,9 +28,10 @@ sys.path[:0] = [os.path.dirname(HERE), HERE, os.path.join(os.path.dirname(HERE),
 from bench_speculative import build  # noqa: E402
 from profile_decode_step import _NO_KERNEL  # noqa: E402
 
-from hf_qsa_cache import QSAPagedCache, batch_greedy, lookup_decoding  # noqa: E402
+from hf_qsa_cache import QSAPagedCache, decode_loop, lookup_decoding  # noqa: E402
 
 NEW_TOKENS = 40
+SAMPLED = {"do_sample": True, "top_k": 20}
 
 
 def _inside(event, label: str) -> bool:
@@ -62,22 +63,21 @@ def count(model, ids, ours: bool, **kwargs) -> tuple[float, int, Counter]:
             return crop(cache, n)
 
     applies, applies_to_greedy, applies_to_rows = lookup_decoding.applies, lookup_decoding.applies_to_greedy, \
-        batch_greedy.applies
+        decode_loop.applies
     handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
     QSAPagedCache.crop = labelled_crop
     if not ours:
-        lookup_decoding.applies = lookup_decoding.applies_to_greedy = batch_greedy.applies = lambda *a, **k: False
+        lookup_decoding.applies = lookup_decoding.applies_to_greedy = decode_loop.applies = lambda *a, **k: False
     try:
         with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                           eos_token_id=None, pad_token_id=0, **kwargs)  # warm-up
+            settings = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0, **kwargs}
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, **settings)  # warm-up
             forwards[0] = 0
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                               do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, **settings)
     finally:
         lookup_decoding.applies, lookup_decoding.applies_to_greedy = applies, applies_to_greedy
-        batch_greedy.applies = applies_to_rows
+        decode_loop.applies = applies_to_rows
         QSAPagedCache.crop = crop
         for handle in handles:
             handle.remove()
@@ -86,9 +86,12 @@ def count(model, ids, ours: bool, **kwargs) -> tuple[float, int, Counter]:
         if e.name.startswith("aten::") and not (e.cpu_parent and e.cpu_parent.name.startswith("aten::"))
         and e.name[len("aten::"):] not in _NO_KERNEL and not _inside(e, "forward") and not _inside(e, "crop"))
     per_step = sum(calls.values()) / NEW_TOKENS
-    # A host read (`bool`, `.item()`, `.tolist()` of a device value) waits for the device, at any depth of calls.
+    # A host read (`bool`, `.item()`, `.tolist()` of a device value) waits for the device, at any depth of calls;
+    # but not `torch._assert_async`'s (torch.multinomial's check of the probabilities), a read on the CPU only:
+    # on CUDA it is an assert in a kernel.
     calls["host reads"] = sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense"
-                              and not _inside(e, "forward") and not _inside(e, "crop"))
+                              and not _inside(e, "forward") and not _inside(e, "crop")
+                              and not _inside(e, "aten::_assert_async"))
     return per_step, forwards[0], calls
 
 
@@ -103,6 +106,8 @@ def main() -> None:
                                          ("plain greedy, our loop", True, 1, {}),
                                          ("plain greedy 8 rows, transformers' loop", False, 8, {}),
                                          ("plain greedy 8 rows, our loop", True, 8, {}),
+                                         ("sampled 8 rows, transformers' loop", False, 8, SAMPLED),
+                                         ("sampled 8 rows, our loop", True, 8, SAMPLED),
                                          ("prompt lookup, transformers' loop", False, 1,
                                           {"prompt_lookup_num_tokens": 3}),
                                          ("prompt lookup, our loop", True, 1, {"prompt_lookup_num_tokens": 3})):

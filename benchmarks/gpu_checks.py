@@ -71,35 +71,37 @@ def check_rows(name, upstream, ours_gpu, prompts, block_size):
 
 @torch.no_grad()
 def check_batch_loop(name, ours_gpu, prompts, block_size):
-    """Plain greedy generate() of a ragged batch (graphs on) through our loop (`hf_qsa_cache.batch_greedy`) and
+    """Greedy generate() of a ragged batch (graphs on) through our loop (`hf_qsa_cache.decode_loop`) and
     transformers' `_sample`: the same tokens and the same cache after the call (the next step's logits), with no
     end-of-sequence id (nothing read until the end) and with ids that end every row, on a cache with a token of
-    rollback headroom (each step's flag read a step late from pinned memory, the extra step cropped)."""
+    rollback headroom (each step's flag read a step late from pinned memory, the extra step cropped); then the
+    last case sampled (top-k 20) under the same seed in both loops."""
     from qwen4_helpers import left_pad
 
     ids, mask = (t.cuda() for t in left_pad(prompts))
     plain = None
     ok = True
-    for eos, headroom in ((None, 0), ("ends", 1)):
+    for eos, headroom, sample in ((None, 0, False), ("ends", 1, False), ("ends", 1, True)):
         runs = []
         for lean in (True, False):
-            ours_gpu.use_cuda_graphs, ours_gpu.lean_greedy_decoding = True, lean
+            ours_gpu.use_cuda_graphs, ours_gpu.lean_decoding = True, lean
             cache = QSAPagedCache(ours_gpu.config, ids.shape[0], ids.shape[1] + NEW + 1, block_size=block_size,
                                   num_speculative_tokens=headroom)
             new_rows = [] if eos is None else plain[:, ids.shape[1]:].tolist()
             ends = sorted({row[2 + i] for i, row in enumerate(new_rows)}) or None  # row i's token i + 2
+            torch.manual_seed(0)
             out = ours_gpu.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW,
-                                    do_sample=False, pad_token_id=0, eos_token_id=ends)
+                                    do_sample=sample, pad_token_id=0, eos_token_id=ends, **({"top_k": 20} if sample else {}))
             full = torch.cat([mask, torch.ones(mask.shape[0], out.shape[1] - mask.shape[1], device=mask.device,
                                                dtype=mask.dtype)], dim=1)
             step = ours_gpu(out[:, -1:], attention_mask=full, past_key_values=cache).logits
             runs.append((out, step))
         plain = runs[0][0] if plain is None else plain
         same = torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-        print(f"{name} batch loop (eos {eos}, headroom {headroom}): {tuple(runs[0][0].shape)} tokens and next "
+        print(f"{name} batch loop (eos {eos}, headroom {headroom}, sampled {sample}): {tuple(runs[0][0].shape)} tokens and next "
               f"logits equal transformers' loop: {same} -> {'ok' if same else 'FAILED'}")
         ok &= same
-    ours_gpu.lean_greedy_decoding = True
+    ours_gpu.lean_decoding = True
     return ok
 
 

@@ -10,7 +10,7 @@ import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator, PromptLookupCandidateGenerator
 from transformers.generation.configuration_utils import GenerationMode
 
-from . import batch_greedy, lookup_decoding
+from . import decode_loop, lookup_decoding
 from .cache import QSAPagedCache
 from .padding import as_padding_mask, step_order
 from .speculative import (
@@ -115,10 +115,11 @@ class PagedCacheGenerationMixin:
     # Prompt lookup proposes as many drafts as recent rounds had accepted (`DraftBudget`); False: always
     # prompt_lookup_num_tokens, as transformers does (see `_get_candidate_generator`).
     adaptive_prompt_lookup = True
-    # Plain greedy decoding runs our lean loops (one row: `lookup_decoding.decode_greedy`, more:
-    # `batch_greedy.decode`): the same tokens, cache and streamer calls as transformers' `_sample`, fewer torch
-    # calls per token and no host read per step where none is needed; False: transformers' loop.
-    lean_greedy_decoding = True
+    # Greedy and sampled decoding run our lean loops (greedy of one row: `lookup_decoding.decode_greedy`; more
+    # rows, and sampling: `decode_loop.decode`): the same tokens (under the same seed), cache and streamer calls
+    # as transformers' `_sample`, fewer torch calls per token and no host read per step where none is needed;
+    # False: transformers' loop.
+    lean_decoding = True
 
     def generate(self, inputs=None, *args, **kwargs):
         # A passed cache that holds rows must be continued by this call's input (checked once per call).
@@ -184,8 +185,8 @@ class PagedCacheGenerationMixin:
         bound, source = draft_tokens_bound(self, generation_config, schedule, new_tokens) if drafting else (0, "")
         extra = overshoot(generation_config, bound)
         if cache is None and generation_config.use_cache is not False:
-            # (the greedy loops read a step late with a token of headroom: `batch_greedy.late_read_headroom`)
-            headroom = max(bound, batch_greedy.late_read_headroom(self, generation_config, generation_mode, rows))
+            # (our loops read a step late with a token of headroom: `decode_loop.late_read_headroom`)
+            headroom = max(bound, decode_loop.late_read_headroom(self, generation_config, generation_mode, rows))
             cache = QSAPagedCache(self.config, max_batch_size=rows, max_cache_len=max_cache_length + extra,
                                   num_speculative_tokens=headroom)
             cache._generate_may_grow = True  # sized for this call only: a call that continues it grows it
@@ -207,8 +208,8 @@ class PagedCacheGenerationMixin:
         if lookup_decoding.applies_to_greedy(self, input_ids, generation_config, synced_gpus, model_kwargs):
             return lookup_decoding.decode_greedy(self, input_ids, logits_processor, stopping_criteria,
                                                  generation_config, streamer, model_kwargs)
-        if batch_greedy.applies(self, input_ids, generation_config, synced_gpus, streamer, model_kwargs):
-            return batch_greedy.decode(self, input_ids, logits_processor, stopping_criteria, generation_config,
+        if decode_loop.applies(self, input_ids, generation_config, synced_gpus, streamer, model_kwargs):
+            return decode_loop.decode(self, input_ids, logits_processor, stopping_criteria, generation_config,
                                        model_kwargs)
         return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                                synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)

@@ -39,7 +39,7 @@ verifies.
 no end-of-sequence id, streamer or other stopping criterion the host reads the picks once, at the end; with
 an end-of-sequence id it reads the picks whenever one more step would run past the cache's rollback headroom
 (before each step for Qwen4Exp's cache generate() builds, which has none; each pick after the next step is
-queued for Inkling's, which has a token: `batch_greedy.late_read_headroom`), and with a streamer or another
+queued for Inkling's, which has a token: `decode_loop.late_read_headroom`), and with a streamer or another
 criterion it reads each round. 6.4-6.5 torch calls a token outside the forward against 15.3 in `_sample`
 (`benchmarks/count_loop_calls.py`). The streamer gets ``[n]`` tokens, each as its step ends, as from `_sample`.
 
@@ -111,12 +111,12 @@ def verdict(drafts: list[int], picks: list[int], room: int, eos: set[int]) -> li
 
 def applies_to_greedy(model, input_ids: torch.Tensor, generation_config, synced_gpus: bool, model_kwargs: dict) -> bool:
     """Whether `decode_greedy` runs this plain generate() call (transformers' `_sample`): greedy, one beam, one
-    row with room for a token, the model's ``lean_greedy_decoding`` on, a `QSAPagedCache`, no per-step outputs
+    row with room for a token, the model's ``lean_decoding`` on, a `QSAPagedCache`, no per-step outputs
     asked for, and no synced GPUs."""
     config = generation_config
     wants_outputs = config.return_dict_in_generate and (
         config.output_scores or config.output_logits or config.output_attentions or config.output_hidden_states)
-    return (not config.do_sample and (config.num_beams or 1) == 1 and getattr(model, "lean_greedy_decoding", False)
+    return (not config.do_sample and (config.num_beams or 1) == 1 and getattr(model, "lean_decoding", False)
             and isinstance(model_kwargs.get("past_key_values"), QSAPagedCache) and model_kwargs.get("use_cache")
             and input_ids.shape[0] == 1 and 0 < input_ids.shape[1] < config.max_length
             and not synced_gpus and not wants_outputs)

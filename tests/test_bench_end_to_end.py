@@ -34,3 +34,11 @@ def test_timed_calls_continue_the_prefilled_prompt(monkeypatch):
     timed = calls[1::2]  # each timed call follows its untimed one-token prefill
     assert [c[:2] for c in calls[0::2]] == [(12, 1)] * 6 and [c[:2] for c in timed] == [(13, 1)] * 3 + [(13, 5)] * 3
     assert torch.equal(timed[-1][2], want)  # continuing generates what one call does
+    # --sample: the timed calls sample; the prefilling ones stay greedy.
+    calls.clear()
+    seen = []
+    monkeypatch.setattr(model, "generate", lambda input_ids, **kwargs: seen.append(kwargs) or real(input_ids, **kwargs))
+    with torch.no_grad():
+        bench_generate.decode_ms_end_to_end(model, ids, mask, 3, cache, sample=True)
+    assert [(k["do_sample"], k.get("top_k")) for k in seen[1::2]] == [(True, 50)] * 6
+    assert all(not k["do_sample"] for k in seen[0::2])

@@ -285,7 +285,7 @@ def _run_plain(monkeypatch, model, ids, n, lean: bool, stream: bool = True, **kw
 
     decode = lookup_decoding.decode_greedy
     with monkeypatch.context() as m:
-        m.setattr(type(model), "lean_greedy_decoding", lean)
+        m.setattr(type(model), "lean_decoding", lean)
         m.setattr(lookup_decoding, "decode_greedy", lambda *a, **k: ran.append(1) or decode(*a, **k))
         streamer = Watching() if stream else None
         cache = QSAPagedCache(model.config, 1, ids.shape[1] + n + 1)  # room for one more step after the call
@@ -302,7 +302,7 @@ def _run_plain(monkeypatch, model, ids, n, lean: bool, stream: bool = True, **kw
 
 def test_generate_gives_an_inkling_row_a_token_of_headroom_and_reads_a_step_late(ink, monkeypatch):  # noqa: F811
     """One Inkling row with an end-of-sequence id on the cache generate() builds: a token of rollback headroom
-    (free there: `batch_greedy.late_read_headroom`), so our loop reads each pick after the next step is queued
+    (free there: `decode_loop.late_read_headroom`), so our loop reads each pick after the next step is queued
     ("f" a forward, "r" a read), not before it, and takes back the one step that ran past the end; the tokens
     and the cache afterwards are those of a cache without headroom, read before every step."""
     model = ink[0]
@@ -408,7 +408,7 @@ def test_greedy_calls_our_loop_cannot_serve_go_to_transformers_loop(case, qwen, 
     decode = lookup_decoding.decode_greedy
     monkeypatch.setattr(lookup_decoding, "decode_greedy", lambda *a, **k: ran.append(1) or decode(*a, **k))
     if case == "off":
-        monkeypatch.setattr(type(model), "lean_greedy_decoding", False)
+        monkeypatch.setattr(type(model), "lean_decoding", False)
     kwargs = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None, **kwargs}
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, return_dict_in_generate=True,

@@ -368,7 +368,7 @@ def test_greedy_with_media_in_our_loop_equals_transformers_loop(models, batch, l
         assert ran, "our loop did not run"
         with monkeypatch.context() as m:  # transformers' loop
             m.setattr(lookup_decoding, "applies", lambda *a, **k: False)
-            m.setattr(type(ours), "lean_greedy_decoding", False)
+            m.setattr(type(ours), "lean_decoding", False)
             theirs = generate(i)
         assert torch.equal(mine, theirs), i
 

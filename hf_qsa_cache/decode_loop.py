@@ -1,4 +1,4 @@
-"""Greedy decoding of several rows in a loop of ours: transformers' `_sample` without its read every step.
+"""Greedy or sampled decoding in a loop of ours: transformers' `_sample` without its read every step.
 
 After every step `_sample` reads whether any row is still unfinished (``unfinished_sequences.max() == 0``;
 transformers defers that read on Apple GPUs only). The read makes the host wait for the step to end, so the
@@ -10,18 +10,21 @@ it must:
   it, so nothing is read before the call returns;
 * otherwise each step's all-finished flag is read after the next step has been queued (copied behind the
   step into pinned memory on CUDA): one step late. When it says every row had finished, the step queued
-  meanwhile fed one token too many, and the cache takes it back (`QSAPagedCache.crop`). That needs one
-  token of rollback headroom (``num_speculative_tokens >= 1``), which generate() gives the Inkling caches it
-  builds for greedy calls with such criteria (`late_read_headroom`: free there); a cache without it
-  (Qwen4Exp's, where headroom keeps a copy of every recurrent state, unless the caller built it with some)
-  is read right after each step, as `_sample` reads.
+  meanwhile fed one token too many, and the cache takes it back (`QSAPagedCache.crop`); that step's token is
+  never picked, so a sampled call draws exactly the random numbers `_sample` draws. That needs one token of
+  rollback headroom (``num_speculative_tokens >= 1``), which generate() gives the Inkling caches it builds
+  for calls with such criteria (`late_read_headroom`: free there); a cache without it (Qwen4Exp's, where
+  headroom keeps a copy of every recurrent state, unless the caller built it with some) is read right after
+  each step, as `_sample` reads.
 
-What a call returns and the cache it leaves are `_sample`'s: the same picks, finished rows padded with
-``pad_token_id`` from the step after their end-of-sequence id, the same logits processors on fp32 copies of
-the logits, the same stopping criteria, the same experts switch for decode steps
-(`_optimize_model_for_decode`). `applies` says for which calls: greedy, one beam, two rows or more (one row
-runs `lookup_decoding.decode_greedy`), a `QSAPagedCache`, the model's ``lean_greedy_decoding`` on, no
-streamer, no per-step outputs, no synced GPUs.
+What a call returns and the cache it leaves are `_sample`'s: the same picks (the argmax, or with
+``do_sample`` one `torch.multinomial` draw a step from the softmax of the processed fp32 logits, as
+`_sample` draws: the same tokens under the same seed), finished rows padded with ``pad_token_id`` from the
+step after their end-of-sequence id, the same logits processors on fp32 copies of the logits, the same
+stopping criteria, the same experts switch for decode steps (`_optimize_model_for_decode`). `applies` says
+for which calls: one beam; greedy of two rows or more (one row runs `lookup_decoding.decode_greedy`) or
+sampled of any number of rows; a `QSAPagedCache`; the model's ``lean_decoding`` on; no streamer, no
+per-step outputs, no synced GPUs.
 
 Each forward is a transaction of the cache; the loop is not. A failure between steps leaves the cache
 holding the tokens it was fed; the next `generate()` on it that does not continue them is refused with
@@ -44,21 +47,23 @@ def applies(model, input_ids: torch.Tensor, generation_config, synced_gpus: bool
     config = generation_config
     wants_outputs = config.return_dict_in_generate and (
         config.output_scores or config.output_logits or config.output_attentions or config.output_hidden_states)
-    return (not config.do_sample and (config.num_beams or 1) == 1 and getattr(model, "lean_greedy_decoding", False)
+    rows = input_ids.shape[0]
+    return ((config.num_beams or 1) == 1 and getattr(model, "lean_decoding", False)
             and isinstance(model_kwargs.get("past_key_values"), QSAPagedCache) and model_kwargs.get("use_cache")
-            and input_ids.shape[0] > 1 and 0 < input_ids.shape[1] < config.max_length
+            and (config.do_sample or rows > 1) and 0 < input_ids.shape[1] < config.max_length
             and streamer is None and not synced_gpus and not wants_outputs)
 
 
 def late_read_headroom(model, generation_config, generation_mode, rows: int) -> int:
-    """Rollback headroom for a cache generate() builds (tokens): one for a greedy call with an end-of-sequence id
-    or stop strings, where keeping it costs nothing (`QSAPagedCache`'s `rollback_costs_nothing`: Inkling);
+    """Rollback headroom for a cache generate() builds (tokens): one for a greedy or sampled call with an
+    end-of-sequence id or stop strings, where keeping it costs nothing (`QSAPagedCache`'s `rollback_costs_nothing`: Inkling);
     else none. With it `decode` reads each step's flag a step late instead of right after the step, and the
     one-row loop (`lookup_decoding.decode_greedy`) reads each pick after the next step is queued."""
     config = generation_config
     stops = config.eos_token_id is not None or bool(getattr(config, "stop_strings", None))
-    return int(generation_mode == GenerationMode.GREEDY_SEARCH and rows >= 1 and stops
-               and getattr(model, "lean_greedy_decoding", False) and rollback_costs_nothing(model.config))
+    loops = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+    return int(generation_mode in loops and rows >= 1 and stops
+               and getattr(model, "lean_decoding", False) and rollback_costs_nothing(model.config))
 
 
 class LateFlag:
@@ -88,6 +93,7 @@ class LateFlag:
 def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs: dict):
     """transformers' `_sample` for the calls `applies` accepts, with the reads of the module docstring."""
     cache: QSAPagedCache = model_kwargs["past_key_values"]
+    sampled = generation_config.do_sample
     max_length, _ = stop_rules(stopping_criteria, generation_config)
     # The length is the host's to check; every other criterion (end-of-sequence ids, stop strings, a user's)
     # runs on the device after each step, as in `_sample`, and then the loop must read whether all rows ended.
@@ -107,9 +113,13 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
             logits = outputs.logits[:, -1].to(input_ids.device)  # (a model split over devices: its last one)
             del outputs
-            if len(logits_processor):  # as `_sample`: on an fp32 copy
-                logits = logits_processor(input_ids, logits.to(copy=True, dtype=torch.float32))
-            picks = logits.argmax(dim=-1)
+            if sampled:  # as `_sample`: from the softmax of the processed fp32 copy
+                scores = logits_processor(input_ids, logits.to(copy=True, dtype=torch.float32))
+                picks = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                if len(logits_processor):  # as `_sample`: on an fp32 copy (the argmax of the raw logits is theirs)
+                    logits = logits_processor(input_ids, logits.to(copy=True, dtype=torch.float32))
+                picks = logits.argmax(dim=-1)
             if pads_finished:  # a finished row gets the pad token
                 picks = picks * unfinished + pad * (1 - unfinished)
             input_ids = torch.cat([input_ids, picks[:, None]], dim=-1)

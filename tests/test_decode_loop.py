@@ -1,8 +1,9 @@
-"""Greedy decoding of several rows in our loop (`hf_qsa_cache.batch_greedy`) against transformers' `_sample`, the
-specification: the same sequences and the same cache afterwards (the next step's logits) on both families, for
-a left-padded ragged batch with no end-of-sequence id, ids that end some rows or all of them (the flag read at
-once, or one step late with the extra step cropped), a logits processor and a user's stopping criterion; when
-the loop reads the host; the calls it leaves to transformers; a failed step."""
+"""Greedy decoding of several rows, and sampled decoding, in our loop (`hf_qsa_cache.decode_loop`) against
+transformers' `_sample`, the specification: the same sequences and the same cache afterwards (the next step's
+logits) on both families, for a left-padded ragged batch with no end-of-sequence id, ids that end some rows or
+all of them (the flag read at once, or one step late with the extra step cropped), a logits processor and a
+user's stopping criterion; sampled calls under the same seed, with the random generator left where `_sample`
+leaves it; when the loop reads the host; the calls it leaves to transformers; a failed step."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from qwen4_helpers import left_pad, random_prompts
 from test_speculative import ink, qwen  # noqa: F401 (fixtures)
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from hf_qsa_cache import QSAPagedCache, batch_greedy, lookup_decoding
+from hf_qsa_cache import QSAPagedCache, decode_loop, lookup_decoding
 
 NEW = 14
 
@@ -26,35 +27,40 @@ def _batch(family):
     return inkling.left_pad(inkling.make_prompts([13, 5, 10], seed=4))  # two rows past the window of 6
 
 
-def _run(monkeypatch, model, ids, mask, lean: bool, headroom: int | None = 0, n: int = NEW, **kwargs):
+def _run(monkeypatch, model, ids, mask, lean: bool, headroom: int | None = 0, n: int = NEW, seed: int | None = None,
+         **kwargs):
     """generate() through our loop (``lean``) or transformers' `_sample` on a cache with ``headroom`` rollback
-    tokens (None: the cache generate() builds): (output, whether our loop ran, the logits of one more step on
-    the cache, the forwards "f" and our loop's reads "r" in order, the crops, the cache's headroom)."""
+    tokens (None: the cache generate() builds), after ``torch.manual_seed(seed)`` if given: (output, whether our
+    loop ran, the logits of one more step on the cache, the forwards "f" and our loop's reads "r" in order, the
+    crops, the cache's headroom, a draw of the random generator after the call)."""
     ran, events, crops = [], [], []
-    decode, read, crop = batch_greedy.decode, batch_greedy.LateFlag.read, QSAPagedCache.crop
+    decode, read, crop = decode_loop.decode, decode_loop.LateFlag.read, QSAPagedCache.crop
     with monkeypatch.context() as m:
-        m.setattr(type(model), "lean_greedy_decoding", lean)
-        m.setattr(batch_greedy, "decode", lambda *a, **k: ran.append(1) or decode(*a, **k))
-        m.setattr(batch_greedy.LateFlag, "read", lambda flag: events.append("r") or read(flag))
+        m.setattr(type(model), "lean_decoding", lean)
+        m.setattr(decode_loop, "decode", lambda *a, **k: ran.append(1) or decode(*a, **k))
+        m.setattr(decode_loop.LateFlag, "read", lambda flag: events.append("r") or read(flag))
         m.setattr(QSAPagedCache, "crop", lambda cache, drop: crops.append(drop) or crop(cache, drop))
         if headroom is not None:
             kwargs["past_key_values"] = QSAPagedCache(model.config, ids.shape[0], ids.shape[1] + n + 1,
                                                       num_speculative_tokens=headroom)
         hook = model.register_forward_pre_hook(lambda *a: events.append("f"))
+        if seed is not None:
+            torch.manual_seed(seed)
         try:
             with torch.no_grad():
-                out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                     return_dict_in_generate=True,
-                                     **{"pad_token_id": 0, "eos_token_id": None, **kwargs})
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=n, return_dict_in_generate=True,
+                                     **{"do_sample": False, "pad_token_id": 0, "eos_token_id": None, **kwargs})
         finally:
             hook.remove()
+        after = torch.rand(1)
     cache = out.past_key_values
     width = out.sequences.shape[1]
     assert cache.get_seq_length() == width - 1
     full = torch.cat([mask, torch.ones(mask.shape[0], width - mask.shape[1], dtype=mask.dtype)], dim=1)
     with torch.no_grad():
         step = model(out.sequences[:, -1:], attention_mask=full, past_key_values=cache)
-    return out.sequences, bool(ran), step.logits, "".join(events), [d for d in crops if d], cache.num_speculative_tokens
+    return (out.sequences, bool(ran), step.logits, "".join(events), [d for d in crops if d],
+            cache.num_speculative_tokens, after)
 
 
 class StopAt(StoppingCriteria):
@@ -68,7 +74,7 @@ class StopAt(StoppingCriteria):
 
 
 @pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
-def test_batch_greedy_through_our_loop_equals_transformers_loop(family, qwen, ink, monkeypatch):  # noqa: F811
+def test_decode_loop_through_our_loop_equals_transformers_loop(family, qwen, ink, monkeypatch):  # noqa: F811
     model = (qwen if family == "qwen4_exp" else ink)[0]
     ids, mask = _batch(family)
     width = ids.shape[1]
@@ -105,6 +111,48 @@ def test_batch_greedy_through_our_loop_equals_transformers_loop(family, qwen, in
 
 
 @pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_sampling_through_our_loop_equals_transformers_loop(family, qwen, ink, monkeypatch):  # noqa: F811
+    """Sampled calls (temperature and top-k) under the same seed: the same sequences, the same cache afterwards
+    and the random generator where `_sample` leaves it (the step queued past the end never draws), for a batch
+    and one row, with no end-of-sequence id (nothing read), ids that end every row (read at once, a step late
+    with a cache given headroom, and with the cache generate() builds: Inkling's has a token)."""
+    model = (qwen if family == "qwen4_exp" else ink)[0]
+    ids, mask = _batch(family)
+    width = ids.shape[1]
+    sampling = {"do_sample": True, "temperature": 0.7, "top_k": 20}
+    plain = _run(monkeypatch, model, ids, mask, lean=False, seed=5, **sampling)[0][:, width:].tolist()
+    greedy = _run(monkeypatch, model, ids, mask, lean=False)[0][:, width:].tolist()
+    assert plain != greedy  # it does sample
+    # Before its own end a row's tokens do not depend on the other rows' ends (one draw a step for all rows).
+    ends_all = [plain[r][2 + 3 * r] for r in range(3)]
+    ended = [min((i for i, t in enumerate(row) if t in ends_all), default=None) for row in plain]
+    assert None not in ended and len(set(ended)) > 1, "the rows should end, at different steps"
+    cases = [({}, 0, 3), ({"eos_token_id": ends_all}, 0, 3), ({"eos_token_id": ends_all}, 2, 3),
+             ({"eos_token_id": ends_all}, None, 3), ({}, 0, 1)]
+    for extra, headroom, rows in cases:
+        label = (extra, headroom, rows)
+        args = (monkeypatch, model, ids[:rows], mask[:rows])
+        theirs = _run(*args, lean=False, headroom=headroom, seed=5, **sampling, **extra)
+        ours = _run(*args, lean=True, headroom=headroom, seed=5, **sampling, **extra)
+        assert ours[1] and not theirs[1], label
+        assert torch.equal(ours[0], theirs[0]), label
+        torch.testing.assert_close(ours[2], theirs[2], rtol=0, atol=0)
+        assert torch.equal(ours[6], theirs[6]), label  # as many draws as `_sample`
+        forwards = theirs[3].count("f")
+        if not extra:
+            assert ours[3] == "f" * forwards and not ours[4], label
+        elif ours[5]:
+            assert ours[3] == "f" + "fr" * forwards and ours[4] == [-1], label
+        else:
+            assert ours[3] == "f" + "rf" * (forwards - 1) + "r" and not ours[4], label
+        if headroom is None:  # generate()'s own cache: a free token for Inkling, none for Qwen4Exp
+            assert ours[5] == (family == "inkling"), label
+        if rows == 3 and extra:  # each row as sampled without ids up to its end, then pads
+            for r, (row, end) in enumerate(zip(ours[0][:, width:].tolist(), ended)):
+                assert row[:end + 1] == plain[r][:end + 1] and row[end + 1:] == [0] * (len(row) - end - 1), label
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
 def test_generate_gives_inkling_caches_a_token_of_headroom_for_late_reads(family, qwen, ink, monkeypatch):  # noqa: F811
     """With an end-of-sequence id and the cache generate() builds: Inkling's gets one token of rollback headroom
     (free: its stores roll back by position), so each step's flag is read a step late and the step past the
@@ -135,7 +183,7 @@ def test_later_steps_build_their_inputs_in_our_loop(qwen, monkeypatch):  # noqa:
     ids, mask = _batch("qwen4_exp")
     calls, checked = [], []
     prepare = type(model).prepare_inputs_for_generation
-    lean = batch_greedy.lean_inputs
+    lean = decode_loop.lean_inputs
 
     def compared(input_ids, step_length, kwargs):
         have = lean(input_ids, step_length, kwargs)
@@ -146,7 +194,7 @@ def test_later_steps_build_their_inputs_in_our_loop(qwen, monkeypatch):  # noqa:
         checked.append(1)
         return have
 
-    monkeypatch.setattr(batch_greedy, "lean_inputs", compared)
+    monkeypatch.setattr(decode_loop, "lean_inputs", compared)
 
     @functools.wraps(prepare)  # generate() checks its kwargs against this signature
     def counted(self, *args, **kwargs):
@@ -160,7 +208,7 @@ def test_later_steps_build_their_inputs_in_our_loop(qwen, monkeypatch):  # noqa:
         assert len(calls) == 2 and len(checked) == 6  # the prefill and the first step, then the lean steps
         # A kwarg the lean inputs would not carry: every step through transformers' preparation.
         calls.clear()
-        monkeypatch.setattr(batch_greedy, "LEAN_KEYS", batch_greedy.LEAN_KEYS - {"position_ids"})
+        monkeypatch.setattr(decode_loop, "LEAN_KEYS", decode_loop.LEAN_KEYS - {"position_ids"})
         prepared = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
                                   eos_token_id=None)
         assert len(calls) == 8 and torch.equal(prepared, lean)
@@ -171,8 +219,8 @@ def test_calls_our_loop_leaves_to_transformers(qwen, monkeypatch):  # noqa: F811
     ids, mask = _batch("qwen4_exp")
     ran = []
     for name in ("decode",):
-        real = getattr(batch_greedy, name)
-        monkeypatch.setattr(batch_greedy, name, lambda *a, real=real, **k: ran.append("batch") or real(*a, **k))
+        real = getattr(decode_loop, name)
+        monkeypatch.setattr(decode_loop, name, lambda *a, real=real, **k: ran.append("batch") or real(*a, **k))
     real_one = lookup_decoding.decode_greedy
     monkeypatch.setattr(lookup_decoding, "decode_greedy", lambda *a, **k: ran.append("one") or real_one(*a, **k))
 
@@ -185,10 +233,11 @@ def test_calls_our_loop_leaves_to_transformers(qwen, monkeypatch):  # noqa: F811
 
     assert generate(ids, mask) == ["batch"]
     assert generate(ids[:1], mask[:1]) == ["one"]
-    assert generate(ids, mask, do_sample=True) == []
+    assert generate(ids, mask, do_sample=True) == ["batch"]
+    assert generate(ids[:1], mask[:1], do_sample=True) == ["batch"]
     assert generate(ids, mask, num_beams=2) == []
     assert generate(ids, mask, return_dict_in_generate=True, output_scores=True) == []
-    monkeypatch.setattr(type(model), "lean_greedy_decoding", False)
+    monkeypatch.setattr(type(model), "lean_decoding", False)
     assert generate(ids, mask) == []
 
 
@@ -221,9 +270,9 @@ def test_a_failure_in_the_loop_leaves_a_cache_that_refuses_a_new_call(where, ink
             if where == "forward":
                 hook = model.register_forward_pre_hook(fail_on(4))
             elif where == "late_read":
-                read = batch_greedy.LateFlag.read
+                read = decode_loop.LateFlag.read
                 fail = fail_on(3)
-                m.setattr(batch_greedy.LateFlag, "read", lambda flag: fail() or read(flag))
+                m.setattr(decode_loop.LateFlag, "read", lambda flag: fail() or read(flag))
             else:
                 crop = QSAPagedCache.crop
                 fail = fail_on(1)
@@ -242,8 +291,8 @@ def test_a_failure_in_the_loop_leaves_a_cache_that_refuses_a_new_call(where, ink
 
 
 def test_our_loop_reads_the_host_once_and_makes_fewer_torch_calls(qwen, monkeypatch):  # noqa: F811
-    """benchmarks/count_loop_calls.py on three rows: the same forwards, fewer computing torch calls per step
-    outside them, and no host read in the loop where `_sample` reads after every step."""
+    """benchmarks/count_loop_calls.py on three rows, greedy and sampled: the same forwards, fewer computing torch
+    calls per step outside them, and no host read in the loop where `_sample` reads after every step."""
     import os
     import sys
 
@@ -254,9 +303,10 @@ def test_our_loop_reads_the_host_once_and_makes_fewer_torch_calls(qwen, monkeypa
         sys.path.pop(0)
     monkeypatch.setattr(script, "NEW_TOKENS", 6)
     ids = torch.tensor(random_prompts([12], seed=9)).repeat(3, 1)
-    theirs, forwards, their_calls = script.count(qwen[0], ids, False)
-    ours, our_forwards, our_calls = script.count(qwen[0], ids, True)
-    assert our_forwards == forwards == 6
-    assert ours < theirs, (ours, theirs, our_calls)
-    reads = "host reads"
-    assert their_calls[reads] >= 6 and our_calls[reads] <= their_calls[reads] - 5, (their_calls, our_calls)
+    for settings in ({}, script.SAMPLED):
+        theirs, forwards, their_calls = script.count(qwen[0], ids, False, **settings)
+        ours, our_forwards, our_calls = script.count(qwen[0], ids, True, **settings)
+        assert our_forwards == forwards == 6
+        assert ours < theirs, (settings, ours, theirs, our_calls)
+        reads = "host reads"
+        assert their_calls[reads] >= 6 and our_calls[reads] <= their_calls[reads] - 5, (their_calls, our_calls)
