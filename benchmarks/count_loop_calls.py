@@ -5,11 +5,11 @@
 On a GPU each such call is a kernel launch (or a copy) between two decode steps. Counted under the torch
 profiler: the top-level aten ops that compute (views, shapes and allocations left out, as in
 `profile_decode_step.py`), outside every forward of the model and outside the cache's crops (a verify
-step's rollback, the same in both prompt-lookup loops). Ways to generate 40 tokens (greedy: the same in every loop)
-after a prompt whose continuation the random model does not repeat (prompt lookup's drafts are rejected):
-plain greedy decoding in transformers' `_sample` and in our loop (what `generate()` runs for one row), the same
-for 8 rows and for 8 sampled rows (top-k 20; `hf_qsa_cache/decode_loop.py`), prompt lookup in transformers' assisted-decoding loop and in ours
-(`hf_qsa_cache/lookup_decoding.py`). Also the host reads (``_local_scalar_dense``: each waits for the device)
+step's rollback, the same in both prompt-lookup loops). Ways to generate 40 tokens (greedy: the same in
+every loop) after a prompt whose continuation the random model does not repeat (prompt lookup's drafts are
+rejected): plain greedy decoding of one row in transformers' `_sample` and in our loop
+(`hf_qsa_cache/decode_loop.py`, what `generate()` runs), the same for 8 rows and for 8 sampled rows (top-k 20),
+prompt lookup in transformers' assisted-decoding loop and in ours (`hf_qsa_cache/lookup_decoding.py`). Also the host reads (``_local_scalar_dense``: each waits for the device)
 and the number of forwards (the same in all: one token each).
 """
 
@@ -62,12 +62,11 @@ def count(model, ids, ours: bool, **kwargs) -> tuple[float, int, Counter]:
         with record_function("crop"):
             return crop(cache, n)
 
-    applies, applies_to_greedy, applies_to_rows = lookup_decoding.applies, lookup_decoding.applies_to_greedy, \
-        decode_loop.applies
+    applies, applies_to_rows = lookup_decoding.applies, decode_loop.applies
     handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
     QSAPagedCache.crop = labelled_crop
     if not ours:
-        lookup_decoding.applies = lookup_decoding.applies_to_greedy = decode_loop.applies = lambda *a, **k: False
+        lookup_decoding.applies = decode_loop.applies = lambda *a, **k: False
     try:
         with torch.no_grad():
             settings = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0, **kwargs}
@@ -76,7 +75,7 @@ def count(model, ids, ours: bool, **kwargs) -> tuple[float, int, Counter]:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, **settings)
     finally:
-        lookup_decoding.applies, lookup_decoding.applies_to_greedy = applies, applies_to_greedy
+        lookup_decoding.applies = applies
         decode_loop.applies = applies_to_rows
         QSAPagedCache.crop = crop
         for handle in handles:

@@ -21,10 +21,13 @@ What a call returns and the cache it leaves are `_sample`'s: the same picks (the
 ``do_sample`` one `torch.multinomial` draw a step from the softmax of the processed fp32 logits, as
 `_sample` draws: the same tokens under the same seed), finished rows padded with ``pad_token_id`` from the
 step after their end-of-sequence id, the same logits processors on fp32 copies of the logits, the same
-stopping criteria, the same experts switch for decode steps (`_optimize_model_for_decode`). `applies` says
-for which calls: one beam; greedy of two rows or more (one row runs `lookup_decoding.decode_greedy`) or
-sampled of any number of rows; a `QSAPagedCache`; the model's ``lean_decoding`` on; no streamer, no
-per-step outputs, no synced GPUs.
+stopping criteria (called after every step, the last one too), the same streamer calls (each step's picks as
+the step ends: with a streamer every step is read, as in `_sample`), the same experts switch for decode steps
+(`_optimize_model_for_decode`). `applies` says for which calls: one beam, greedy or sampled, any number of
+rows, a `QSAPagedCache`, the model's ``lean_decoding`` on, no per-step outputs (an assistant's drafting calls
+ask for its scores), no synced GPUs. After the first step the loop builds the model's inputs itself where
+transformers' preparation would only slice them (`lookup_decoding.lean_inputs`): 6.4-6.5 torch calls a greedy
+step outside the forward against 15.3-15.4 in `_sample` (`benchmarks/count_loop_calls.py`).
 
 Each forward is a transaction of the cache; the loop is not. A failure between steps leaves the cache
 holding the tokens it was fed; the next `generate()` on it that does not continue them is refused with
@@ -42,23 +45,21 @@ from .cache import QSAPagedCache, rollback_costs_nothing
 from .lookup_decoding import LEAN_KEYS, lean_inputs, stop_rules
 
 
-def applies(model, input_ids: torch.Tensor, generation_config, synced_gpus: bool, streamer, model_kwargs: dict) -> bool:
+def applies(model, input_ids: torch.Tensor, generation_config, synced_gpus: bool, model_kwargs: dict) -> bool:
     """Whether `decode` runs this `_sample` call (module docstring)."""
     config = generation_config
     wants_outputs = config.return_dict_in_generate and (
         config.output_scores or config.output_logits or config.output_attentions or config.output_hidden_states)
-    rows = input_ids.shape[0]
     return ((config.num_beams or 1) == 1 and getattr(model, "lean_decoding", False)
             and isinstance(model_kwargs.get("past_key_values"), QSAPagedCache) and model_kwargs.get("use_cache")
-            and (config.do_sample or rows > 1) and 0 < input_ids.shape[1] < config.max_length
-            and streamer is None and not synced_gpus and not wants_outputs)
+            and 0 < input_ids.shape[1] < config.max_length and not synced_gpus and not wants_outputs)
 
 
 def late_read_headroom(model, generation_config, generation_mode, rows: int) -> int:
     """Rollback headroom for a cache generate() builds (tokens): one for a greedy or sampled call with an
-    end-of-sequence id or stop strings, where keeping it costs nothing (`QSAPagedCache`'s `rollback_costs_nothing`: Inkling);
-    else none. With it `decode` reads each step's flag a step late instead of right after the step, and the
-    one-row loop (`lookup_decoding.decode_greedy`) reads each pick after the next step is queued."""
+    end-of-sequence id or stop strings, where keeping it costs nothing (`QSAPagedCache`'s
+    `rollback_costs_nothing`: Inkling); else none. With it `decode` reads each step's flag a step late instead
+    of right after the step."""
     config = generation_config
     stops = config.eos_token_id is not None or bool(getattr(config, "stop_strings", None))
     loops = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -90,7 +91,7 @@ class LateFlag:
         return bool(self.value)
 
 
-def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs: dict):
+def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs: dict):
     """transformers' `_sample` for the calls `applies` accepts, with the reads of the module docstring."""
     cache: QSAPagedCache = model_kwargs["past_key_values"]
     sampled = generation_config.do_sample
@@ -123,11 +124,14 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             if pads_finished:  # a finished row gets the pad token
                 picks = picks * unfinished + pad * (1 - unfinished)
             input_ids = torch.cat([input_ids, picks[:, None]], dim=-1)
+            if device_stops:  # after every step, the last one too, as in `_sample` (a user's criterion may count)
+                unfinished = unfinished & ~device_stops(input_ids, None)
+            if streamer is not None:  # each step's picks as the step ends, as from `_sample` (a read)
+                streamer.put(picks.cpu())
             if input_ids.shape[1] >= max_length:
                 break
             ended = None
             if device_stops:
-                unfinished = unfinished & ~device_stops(input_ids, None)
                 ended = flag.post(unfinished.max() == 0)
                 if not late and ended.read():
                     break
@@ -142,6 +146,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                 del outputs
                 cache.crop(-1)
                 break
+    if streamer is not None:
+        streamer.end()
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=input_ids, past_key_values=cache)
     return input_ids

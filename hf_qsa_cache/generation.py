@@ -115,10 +115,9 @@ class PagedCacheGenerationMixin:
     # Prompt lookup proposes as many drafts as recent rounds had accepted (`DraftBudget`); False: always
     # prompt_lookup_num_tokens, as transformers does (see `_get_candidate_generator`).
     adaptive_prompt_lookup = True
-    # Greedy and sampled decoding run our lean loops (greedy of one row: `lookup_decoding.decode_greedy`; more
-    # rows, and sampling: `decode_loop.decode`): the same tokens (under the same seed), cache and streamer calls
-    # as transformers' `_sample`, fewer torch calls per token and no host read per step where none is needed;
-    # False: transformers' loop.
+    # Greedy and sampled decoding run our lean loop (`decode_loop.decode`): the same tokens (under the same
+    # seed), cache and streamer calls as transformers' `_sample`, fewer torch calls per token and no host read
+    # per step where none is needed; False: transformers' loop.
     lean_decoding = True
 
     def generate(self, inputs=None, *args, **kwargs):
@@ -205,12 +204,9 @@ class PagedCacheGenerationMixin:
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
-        if lookup_decoding.applies_to_greedy(self, input_ids, generation_config, synced_gpus, model_kwargs):
-            return lookup_decoding.decode_greedy(self, input_ids, logits_processor, stopping_criteria,
-                                                 generation_config, streamer, model_kwargs)
-        if decode_loop.applies(self, input_ids, generation_config, synced_gpus, streamer, model_kwargs):
+        if decode_loop.applies(self, input_ids, generation_config, synced_gpus, model_kwargs):
             return decode_loop.decode(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                       model_kwargs)
+                                      streamer, model_kwargs)
         return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                                synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
 

@@ -1,5 +1,5 @@
-"""Greedy decoding of one row (plain, or with prompt lookup) in a loop of ours, with at most one small host
-read per round.
+"""Greedy prompt lookup of one row in a loop of ours, with at most one small host read per round; and the lean
+model inputs our decode loops build (`lean_inputs`).
 
 transformers runs prompt lookup in its assisted-decoding loop, written for any drafter and for sampling.
 Each round, besides the forward, it copies the verified logits to fp32 and clones them, counts the
@@ -34,15 +34,6 @@ the streamer's calls and the candidate generator's calls are those of transforme
 paused round's streamer call may come a few steps late): the drafts only decide how many tokens a forward
 verifies.
 
-`decode_greedy` is the same loop with a generator that never drafts, for plain greedy decoding of one row
-(`applies_to_greedy`; `PagedCacheGenerationMixin._sample` takes it): every round is a paused one, so with
-no end-of-sequence id, streamer or other stopping criterion the host reads the picks once, at the end; with
-an end-of-sequence id it reads the picks whenever one more step would run past the cache's rollback headroom
-(before each step for Qwen4Exp's cache generate() builds, which has none; each pick after the next step is
-queued for Inkling's, which has a token: `decode_loop.late_read_headroom`), and with a streamer or another
-criterion it reads each round. 6.4-6.5 torch calls a token outside the forward against 15.3 in `_sample`
-(`benchmarks/count_loop_calls.py`). The streamer gets ``[n]`` tokens, each as its step ends, as from `_sample`.
-
 Each forward is a transaction of the cache; a round is not. A failure after a verify forward and before its
 crop, or while a run of paused picks is read, leaves the cache holding exactly the tokens it was fed (drafts
 or picks the caller never got): the next `generate()` on it that does not continue them is refused with
@@ -52,8 +43,6 @@ or picks the caller never got): the next `generate()` on it that does not contin
 from __future__ import annotations
 
 import copy
-import math
-from types import SimpleNamespace
 
 import torch
 from transformers.generation.candidate_generator import (
@@ -109,52 +98,6 @@ def verdict(drafts: list[int], picks: list[int], room: int, eos: set[int]) -> li
     return tokens
 
 
-def applies_to_greedy(model, input_ids: torch.Tensor, generation_config, synced_gpus: bool, model_kwargs: dict) -> bool:
-    """Whether `decode_greedy` runs this plain generate() call (transformers' `_sample`): greedy, one beam, one
-    row with room for a token, the model's ``lean_decoding`` on, a `QSAPagedCache`, no per-step outputs
-    asked for, and no synced GPUs."""
-    config = generation_config
-    wants_outputs = config.return_dict_in_generate and (
-        config.output_scores or config.output_logits or config.output_attentions or config.output_hidden_states)
-    return (not config.do_sample and (config.num_beams or 1) == 1 and getattr(model, "lean_decoding", False)
-            and isinstance(model_kwargs.get("past_key_values"), QSAPagedCache) and model_kwargs.get("use_cache")
-            and input_ids.shape[0] == 1 and 0 < input_ids.shape[1] < config.max_length
-            and not synced_gpus and not wants_outputs)
-
-
-class _NoDrafts:
-    """The candidate generator of plain greedy decoding in this loop: it never drafts, as if its budget were
-    paused for good, so every round is a one-token step whose pick stays on the device until a read."""
-
-    draft_budget = SimpleNamespace(paused=math.inf)
-
-    def get_candidates(self, input_ids: torch.Tensor):
-        return input_ids, None
-
-    def update_candidate_strategy(self, input_ids, scores, num_matches) -> None:
-        pass
-
-
-class _FlatPuts:
-    """A streamer seen through `_sample`'s convention: each put is one row's tokens, ``[n]``."""
-
-    def __init__(self, streamer):
-        self.streamer = streamer
-
-    def put(self, value: torch.Tensor) -> None:
-        self.streamer.put(value[0])
-
-    def end(self) -> None:
-        self.streamer.end()
-
-
-def decode_greedy(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                  model_kwargs: dict):
-    """transformers' `_sample` for the calls `applies_to_greedy` accepts: this loop with no drafts."""
-    return _decode(model, _NoDrafts(), input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                   model_kwargs, flat_puts=True)
-
-
 def decode_with_prompt_lookup(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                               inputs_tensor, tokenizer, model_kwargs: dict):
     """transformers' `_assisted_decoding` for the calls `applies` accepts (module docstring)."""
@@ -199,15 +142,9 @@ def lean_inputs(candidates: torch.Tensor, step_length: int, kwargs: dict) -> dic
 
 
 def _decode(model, generator, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-            model_kwargs: dict, flat_puts: bool = False):
+            model_kwargs: dict):
     """The loop (module docstring), drafting with ``generator`` (its ``draft_budget`` says when it may). The
-    streamer gets ``[1, n]`` tokens, as from transformers' assisted loop, or with ``flat_puts`` ``[n]``, as
-    from its `_sample`."""
-    # Plain greedy decoding streams each token as its step ends, as `_sample` does (a streamer is how a user
-    # watches tokens arrive): with a streamer every round is read. Prompt lookup's paused rounds may stream late.
-    read_every_round = flat_puts and streamer is not None
-    if streamer is not None and flat_puts:
-        streamer = _FlatPuts(streamer)
+    streamer gets ``[1, n]`` tokens, as from transformers' assisted loop (a paused round's may come late)."""
     cache = model_kwargs["past_key_values"]
     cache.activate_past_recording()  # as transformers' assisted loop does before its first crop (a no-op here)
     budget = generator.draft_budget
@@ -273,7 +210,7 @@ def _decode(model, generator, input_ids, logits_processor, stopping_criteria, ge
             for i in range(drafted + 1):
                 logits[:, i, :] = logits_processor(candidates[:, :length + i], logits[:, i, :])
         first = False
-        if drafted == 0 and length + 1 < max_length and not other_stops and not read_every_round:
+        if drafted == 0 and length + 1 < max_length and not other_stops:
             # Its pick stays on the device for now.
             pick = logits.argmax(dim=-1)
             input_ids = torch.cat([input_ids, pick], dim=-1)

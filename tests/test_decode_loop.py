@@ -1,9 +1,10 @@
-"""Greedy decoding of several rows, and sampled decoding, in our loop (`hf_qsa_cache.decode_loop`) against
-transformers' `_sample`, the specification: the same sequences and the same cache afterwards (the next step's
-logits) on both families, for a left-padded ragged batch with no end-of-sequence id, ids that end some rows or
-all of them (the flag read at once, or one step late with the extra step cropped), a logits processor and a
-user's stopping criterion; sampled calls under the same seed, with the random generator left where `_sample`
-leaves it; when the loop reads the host; the calls it leaves to transformers; a failed step."""
+"""Greedy and sampled decoding in our loop (`hf_qsa_cache.decode_loop`) against transformers' `_sample`, the
+specification: the same sequences and the same cache afterwards (the next step's logits) on both families, for
+a left-padded ragged batch and for one row, with no end-of-sequence id, ids that end some rows or all of them
+(the flag read at once, or one step late with the extra step cropped), a logits processor, a user's stopping
+criterion (called as often) and a streamer (the same calls, in the same order among the forwards); sampled
+calls under the same seed, with the random generator left where `_sample` leaves it; when the loop reads the
+host; the calls it leaves to transformers; a failed step."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import pytest
 import test_inkling as inkling
 import torch
 from qwen4_helpers import left_pad, random_prompts
-from test_speculative import ink, qwen  # noqa: F401 (fixtures)
+from test_lookup_decoding import Streamer
+from test_speculative import _greedy, _ink_lookup_prompt, _qwen_prompt, ink, qwen  # noqa: F401 (fixtures)
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from hf_qsa_cache import QSAPagedCache, decode_loop, lookup_decoding
+from hf_qsa_cache import QSAPagedCache, decode_loop
 
 NEW = 14
 
@@ -152,8 +154,10 @@ def test_sampling_through_our_loop_equals_transformers_loop(family, qwen, ink, m
                 assert row[:end + 1] == plain[r][:end + 1] and row[end + 1:] == [0] * (len(row) - end - 1), label
 
 
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
-def test_generate_gives_inkling_caches_a_token_of_headroom_for_late_reads(family, qwen, ink, monkeypatch):  # noqa: F811
+def test_generate_gives_inkling_caches_a_token_of_headroom_for_late_reads(family, rows, qwen, ink,  # noqa: F811
+                                                                           monkeypatch):
     """With an end-of-sequence id and the cache generate() builds: Inkling's gets one token of rollback headroom
     (free: its stores roll back by position), so each step's flag is read a step late and the step past the
     end cropped; Qwen4Exp's none (headroom would keep a copy of every recurrent state), read after each step.
@@ -162,7 +166,8 @@ def test_generate_gives_inkling_caches_a_token_of_headroom_for_late_reads(family
     ids, mask = _batch(family)
     width = ids.shape[1]
     plain = _run(monkeypatch, model, ids, mask, lean=False)[0][:, width:].tolist()
-    ends_all = [plain[r][2 + 3 * r] for r in range(3)]
+    ends_all = [plain[r][2 + 3 * r] for r in range(3)]  # row 0 ends at its third token
+    ids, mask = ids[:rows], mask[:rows]
     theirs = _run(monkeypatch, model, ids, mask, lean=False, headroom=None, eos_token_id=ends_all)
     ours = _run(monkeypatch, model, ids, mask, lean=True, headroom=None, eos_token_id=ends_all)
     assert torch.equal(ours[0], theirs[0]) and ours[0].shape[1] < width + NEW
@@ -173,6 +178,90 @@ def test_generate_gives_inkling_caches_a_token_of_headroom_for_late_reads(family
         assert ours[5] == 1 and ours[4] == [-1] and ours[3] == "f" + "fr" * forwards
     else:
         assert ours[5] == 0 and not ours[4] and ours[3] == "f" + "rf" * (forwards - 1) + "r"
+
+
+def _run_one_row(monkeypatch, model, ids, n, lean: bool, stream: bool = True, **kwargs):
+    """One row's greedy generate() through our loop (``lean``) or transformers' `_sample`: its output, the
+    streamer's calls (``stream``), whether our loop ran, the logits of one more step on the cache, and the order
+    of forwards ("f") and streamer calls ("p")."""
+    ran, events = [], []
+
+    class Watching(Streamer):
+        def put(self, value):
+            events.append("p")
+            super().put(value)
+
+    decode = decode_loop.decode
+    with monkeypatch.context() as m:
+        m.setattr(type(model), "lean_decoding", lean)
+        m.setattr(decode_loop, "decode", lambda *a, **k: ran.append(1) or decode(*a, **k))
+        streamer = Watching() if stream else None
+        cache = QSAPagedCache(model.config, 1, ids.shape[1] + n + 1)  # room for one more step after the call
+        hook = model.register_forward_pre_hook(lambda *a: events.append("f"))
+        try:
+            out = _greedy(model, ids, n, streamer=streamer, past_key_values=cache, **kwargs)
+        finally:
+            hook.remove()
+    with torch.no_grad():
+        assert cache.get_seq_length() == out.sequences.shape[1] - 1
+        step = model(out.sequences[:, -1:], attention_mask=torch.ones_like(out.sequences), past_key_values=cache)
+    return out, streamer, bool(ran), step.logits, "".join(events)
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_one_row_through_our_loop_equals_transformers_loop(family, qwen, ink, monkeypatch):  # noqa: F811
+    """One row of greedy decoding: the tokens, the streamer's calls (each token as its step ends, before the next
+    forward) and the cache after the call are `_sample`'s, with an end-of-sequence id, without one, a shorter
+    length, a logits processor, another stopping criterion, with a streamer and without."""
+    model = (qwen if family == "qwen4_exp" else ink)[0]
+    ids = _qwen_prompt(seed=5) if family == "qwen4_exp" else _ink_lookup_prompt(model)
+    plain = _greedy(model, ids, 20).sequences[0, ids.shape[1]:].tolist()
+    eos = next(t for i, t in enumerate(plain) if i >= 8 and t not in plain[:i])
+    stop_after = StoppingCriteriaList([StopAt(ids.shape[1] + 7)])
+    cases = [(20, {}), (20, {"eos_token_id": eos}), (11, {}), (20, {"repetition_penalty": 1.5}),
+             (20, {"stopping_criteria": stop_after}), (20, {"stream": False}),
+             (20, {"stream": False, "eos_token_id": eos})]
+    for n, extra in cases:
+        theirs = _run_one_row(monkeypatch, model, ids, n, lean=False, **extra)
+        ours = _run_one_row(monkeypatch, model, ids, n, lean=True, **extra)
+        assert ours[2] and not theirs[2]
+        assert torch.equal(ours[0].sequences, theirs[0].sequences), (n, extra)
+        torch.testing.assert_close(ours[3], theirs[3], rtol=0, atol=0)
+        assert ours[4] == theirs[4], (n, extra, ours[4], theirs[4])
+        if extra.get("stream", True):
+            assert ours[1].puts == theirs[1].puts and ours[1].ended == theirs[1].ended == 1, (n, extra)
+        if "eos_token_id" in extra:
+            assert ours[0].sequences[0, -1] == eos and ours[0].sequences.shape[1] < ids.shape[1] + n
+        if "stopping_criteria" in extra:
+            assert ours[0].sequences.shape[1] == ids.shape[1] + 7
+
+
+class RecordingStop(StoppingCriteria):
+    """Records the length of every ``input_ids`` it is called with; stops rows at ``stop_at`` tokens."""
+
+    def __init__(self, stop_at: int):
+        self.stop_at, self.seen = stop_at, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen.append(input_ids.shape[1])
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.stop_at, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("stops", [True, False])
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_other_criteria_are_called_as_by_transformers_loop(family, stops, rows, qwen, ink, monkeypatch):  # noqa: F811
+    """A user's stopping criterion is called once per token, the last one too, as by `_sample`: whether it
+    stops the rows or the length limit does."""
+    model = (qwen if family == "qwen4_exp" else ink)[0]
+    ids, mask = _batch(family)
+    ids, mask = ids[:rows], mask[:rows]
+    seen = {}
+    for lean in (False, True):
+        criterion = RecordingStop(ids.shape[1] + (7 if stops else 100))
+        _run(monkeypatch, model, ids, mask, lean=lean, n=12, stopping_criteria=StoppingCriteriaList([criterion]))
+        seen[lean] = criterion.seen
+    assert seen[True] == seen[False] == list(range(ids.shape[1] + 1, ids.shape[1] + (8 if stops else 13)))
 
 
 def test_later_steps_build_their_inputs_in_our_loop(qwen, monkeypatch):  # noqa: F811
@@ -218,27 +307,25 @@ def test_calls_our_loop_leaves_to_transformers(qwen, monkeypatch):  # noqa: F811
     model = qwen[0]
     ids, mask = _batch("qwen4_exp")
     ran = []
-    for name in ("decode",):
-        real = getattr(decode_loop, name)
-        monkeypatch.setattr(decode_loop, name, lambda *a, real=real, **k: ran.append("batch") or real(*a, **k))
-    real_one = lookup_decoding.decode_greedy
-    monkeypatch.setattr(lookup_decoding, "decode_greedy", lambda *a, **k: ran.append("one") or real_one(*a, **k))
+    real = decode_loop.decode
+    monkeypatch.setattr(decode_loop, "decode", lambda *a, **k: ran.append(1) or real(*a, **k))
 
     def generate(ids, mask, **kwargs):
         ran.clear()
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, eos_token_id=None,
-                           **{"do_sample": False, **kwargs})
-        return list(ran)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, eos_token_id=None,
+                                 **{"do_sample": False, **kwargs})
+        assert (out if isinstance(out, torch.Tensor) else out.sequences).shape[1] == ids.shape[1] + 3
+        return bool(ran)
 
-    assert generate(ids, mask) == ["batch"]
-    assert generate(ids[:1], mask[:1]) == ["one"]
-    assert generate(ids, mask, do_sample=True) == ["batch"]
-    assert generate(ids[:1], mask[:1], do_sample=True) == ["batch"]
-    assert generate(ids, mask, num_beams=2) == []
-    assert generate(ids, mask, return_dict_in_generate=True, output_scores=True) == []
+    for rows in (3, 1):
+        assert generate(ids[:rows], mask[:rows]) and generate(ids[:rows], mask[:rows], do_sample=True)
+        assert generate(ids[:rows], mask[:rows], streamer=Streamer())
+        assert not generate(ids[:rows], mask[:rows], num_beams=2)
+        assert not generate(ids[:rows], mask[:rows], return_dict_in_generate=True, output_scores=True)
+        assert generate(ids[:rows], mask[:rows], return_dict_in_generate=True)
     monkeypatch.setattr(type(model), "lean_decoding", False)
-    assert generate(ids, mask) == []
+    assert not generate(ids, mask) and not generate(ids[:1], mask[:1])
 
 
 @pytest.mark.parametrize("where", ["forward", "late_read", "late_crop"])

@@ -345,17 +345,18 @@ def test_drafting_with_media_matches_upstream(checkpoint, models, batch, mode, m
 
 @pytest.mark.parametrize("loop", ["prompt lookup", "plain greedy"])
 def test_greedy_with_media_in_our_loop_equals_transformers_loop(models, batch, loop, monkeypatch):
-    """One row of greedy decoding with media takes our loop (`hf_qsa_cache.lookup_decoding`) when no per-step
+    """One row of greedy decoding with media takes our loops (`lookup_decoding`, `decode_loop`) when no per-step
     outputs are asked for, with prompt lookup or without: the same tokens as transformers' loop, row by row
     (prompt lookup's drafts cut before a media placeholder in the first round as there)."""
-    from hf_qsa_cache import lookup_decoding
+    from hf_qsa_cache import decode_loop, lookup_decoding
 
-    name, extra = {"prompt lookup": ("decode_with_prompt_lookup", {"prompt_lookup_num_tokens": 3}),
-                   "plain greedy": ("decode_greedy", {})}[loop]
+    module, name, extra = {
+        "prompt lookup": (lookup_decoding, "decode_with_prompt_lookup", {"prompt_lookup_num_tokens": 3}),
+        "plain greedy": (decode_loop, "decode", {})}[loop]
     _, ours = models
     ran = []
-    decode = getattr(lookup_decoding, name)
-    monkeypatch.setattr(lookup_decoding, name, lambda *a, **k: ran.append(1) or decode(*a, **k))
+    decode = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: ran.append(1) or decode(*a, **k))
 
     def generate(i):
         with torch.no_grad():

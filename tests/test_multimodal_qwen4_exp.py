@@ -150,17 +150,18 @@ def test_prompt_lookup_with_media(models, upstream_alone):
 
 @pytest.mark.parametrize("loop", ["prompt lookup", "plain greedy"])
 def test_greedy_with_media_in_our_loop(models, upstream_alone, loop, monkeypatch):
-    """Without per-step logits asked for, one row of greedy decoding takes our loop (`hf_qsa_cache.lookup_decoding`),
+    """Without per-step logits asked for, one row of greedy decoding takes our loops (`lookup_decoding`, `decode_loop`),
     with prompt lookup or without: upstream's tokens over a media prompt (the media in the first forward only,
     positions from each row's rope delta, drafts rolled back)."""
-    from hf_qsa_cache import lookup_decoding
+    from hf_qsa_cache import decode_loop, lookup_decoding
 
-    name, extra = {"prompt lookup": ("decode_with_prompt_lookup", {"prompt_lookup_num_tokens": 3}),
-                   "plain greedy": ("decode_greedy", {})}[loop]
+    module, name, extra = {
+        "prompt lookup": (lookup_decoding, "decode_with_prompt_lookup", {"prompt_lookup_num_tokens": 3}),
+        "plain greedy": (decode_loop, "decode", {})}[loop]
     _, ours, _ = models
     ran = []
-    decode = getattr(lookup_decoding, name)
-    monkeypatch.setattr(lookup_decoding, name, lambda *a, **k: ran.append(1) or decode(*a, **k))
+    decode = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: ran.append(1) or decode(*a, **k))
     for r, (tokens, _) in zip(ROWS, upstream_alone):
         ran.clear()
         with torch.no_grad():
