@@ -39,10 +39,9 @@ from __future__ import annotations
 import torch
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import QSAPagedCache, rollback_costs_nothing
-from .lookup_decoding import LEAN_KEYS, lean_inputs, stop_rules
+from .lookup_decoding import LEAN_KEYS, call_result, lean_inputs, stop_rules
 
 
 def applies(model, input_ids: torch.Tensor, generation_config, synced_gpus: bool, model_kwargs: dict) -> bool:
@@ -146,8 +145,4 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                 del outputs
                 cache.crop(-1)
                 break
-    if streamer is not None:
-        streamer.end()
-    if generation_config.return_dict_in_generate:
-        return GenerateDecoderOnlyOutput(sequences=input_ids, past_key_values=cache)
-    return input_ids
+    return call_result(input_ids, cache, generation_config, streamer)

@@ -238,6 +238,11 @@ def _decode(model, generator, input_ids, logits_processor, stopping_criteria, ge
         stopped = bool(other_stops(input_ids, None).any()) if other_stops else False
         if stopped or input_ids.shape[1] >= max_length or tokens[-1] in eos:
             break
+    return call_result(input_ids, cache, generation_config, streamer)
+
+
+def call_result(input_ids: torch.Tensor, cache, generation_config, streamer):
+    """What generate() returns from one of our loops, as from transformers' (the streamer told the end)."""
     if streamer is not None:
         streamer.end()
     if generation_config.return_dict_in_generate:
