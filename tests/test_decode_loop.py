@@ -152,6 +152,20 @@ def test_sampling_through_our_loop_equals_transformers_loop(family, qwen, ink, m
         if rows == 3 and extra:  # each row as sampled without ids up to its end, then pads
             for r, (row, end) in enumerate(zip(ours[0][:, width:].tolist(), ended)):
                 assert row[:end + 1] == plain[r][:end + 1] and row[end + 1:] == [0] * (len(row) - end - 1), label
+    # Two sequences returned per prompt (rows expanded before the loop) and top-p: the same tokens.
+    outs = []
+    for lean in (True, False):
+        ran = []
+        with monkeypatch.context() as m:
+            m.setattr(type(model), "lean_decoding", lean)
+            decode = decode_loop.decode
+            m.setattr(decode_loop, "decode", lambda *a, **k: ran.append(1) or decode(*a, **k))
+            torch.manual_seed(7)
+            with torch.no_grad():
+                outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, top_p=0.9,
+                                           num_return_sequences=2, pad_token_id=0, eos_token_id=ends_all))
+        assert bool(ran) == lean
+    assert outs[0].shape[0] == 6 and torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("rows", [1, 3])
