@@ -297,7 +297,8 @@ def experts_sweep(device, jsonl) -> None:
 def _conv_taps_pair(tokens: int, heads: int, width: int, rand, device) -> tuple[ConvTaps, ConvTaps]:
     """Two convs of an Inkling conv store (``heads`` x ``width`` channels each, kernel 4, blocks of 4) sharing its
     table: one decode token a row, at position 100 + row, its taps in the store."""
-    K, cols = 4, 32
+    K = 4
+    cols = (100 + tokens) // K + 1  # every row's block table reaches its position
     table = (torch.randperm(tokens * cols) + 1).view(tokens, cols).to(device=device, dtype=torch.int32)
     position = torch.arange(tokens, device=device) + 100
     slots = (table[torch.arange(tokens, device=device), position // K].long() * K + position % K)
