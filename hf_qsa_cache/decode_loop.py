@@ -41,17 +41,15 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
 from .cache import QSAPagedCache, rollback_costs_nothing
-from .lookup_decoding import LEAN_KEYS, call_result, lean_inputs, stop_rules
+from .lookup_decoding import LEAN_KEYS, call_result, lean_inputs, stop_rules, wants_step_outputs
 
 
 def applies(model, input_ids: torch.Tensor, generation_config, synced_gpus: bool, model_kwargs: dict) -> bool:
     """Whether `decode` runs this `_sample` call (module docstring)."""
     config = generation_config
-    wants_outputs = config.return_dict_in_generate and (
-        config.output_scores or config.output_logits or config.output_attentions or config.output_hidden_states)
     return ((config.num_beams or 1) == 1 and getattr(model, "lean_decoding", False)
             and isinstance(model_kwargs.get("past_key_values"), QSAPagedCache) and model_kwargs.get("use_cache")
-            and 0 < input_ids.shape[1] < config.max_length and not synced_gpus and not wants_outputs)
+            and 0 < input_ids.shape[1] < config.max_length and not synced_gpus and not wants_step_outputs(config))
 
 
 def late_read_headroom(model, generation_config, generation_mode, rows: int) -> int:

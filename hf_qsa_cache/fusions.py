@@ -32,7 +32,7 @@ FLAGS = {
     "conv_norm": ("hf_qsa_cache.ops.conv_norm", "FUSED_CONV_NORM"),
     "tiled_experts": ("hf_qsa_cache.ops.prompt_experts", "FUSED_TILED_EXPERTS"),
 }
-# Built and tested on the CPU (the kernels under the Triton interpreter) but not yet timed on a GPU: on
+# Built and tested on the CPU (the kernels under the Triton interpreter) but not yet timed and checked on a GPU: on
 # only when named in HF_QSA_FUSED (or with "all"), not by default. A new fusion starts here.
 UNMEASURED: tuple[str, ...] = ("tiled_experts",)
 

@@ -64,15 +64,19 @@ def applies(model, input_ids: torch.Tensor, stopping_criteria, generation_config
     assistant model), one row with room for a token, the model's adaptive draft count on, a
     `QSAPagedCache`, no per-step outputs asked for, and no synced GPUs."""
     config = generation_config
-    wants_outputs = config.return_dict_in_generate and (
-        config.output_scores or config.output_logits or config.output_attentions or config.output_hidden_states)
     return (config.prompt_lookup_num_tokens is not None and assistant_model is None
             and config.assistant_early_exit is None and not config.do_sample
             and getattr(config, "assistant_ensemble_weight", None) is None
             and getattr(model, "adaptive_prompt_lookup", False)
             and isinstance(model_kwargs.get("past_key_values"), QSAPagedCache) and model_kwargs.get("use_cache")
             and input_ids.shape[0] == 1 and input_ids.shape[1] < config.max_length
-            and not synced_gpus and not wants_outputs)
+            and not synced_gpus and not wants_step_outputs(config))
+
+
+def wants_step_outputs(config) -> bool:
+    """Whether a generate() call asks for per-step scores, logits, attentions or hidden states (our loops keep none)."""
+    return bool(config.return_dict_in_generate and (
+        config.output_scores or config.output_logits or config.output_attentions or config.output_hidden_states))
 
 
 def stop_rules(stopping_criteria, generation_config) -> tuple[int, set[int]]:
