@@ -18,8 +18,8 @@ covers, the experts set to ``grouped_mm`` (the default), no expert parallelism, 
 recording. The torch functions are the specification; `prompt_experts_triton` holds the kernels.
 
 For few pairs (graph steps of more than 16 tokens, short prompts: up to `TILED_EXPERTS_MAX_PAIRS`) the grouped
-GEMMs' tiles are mostly padding and their setup is launches of its own. The ``tiled_experts`` fusion (timed but not
-yet checked on a GPU: on only when named in ``HF_QSA_FUSED``) runs them as two Triton kernels instead, one program per
+GEMMs' tiles are mostly padding and their setup is launches of its own. The ``tiled_experts`` fusion (on by default:
+checked and faster on the H200, `benchmarks/RESULTS.md`) runs them as two Triton kernels instead, one program per
 (expert, tile of output columns) that reads its expert's weights once and multiplies them with all that
 expert's pairs (16 at a time), the routing weight applied to the activation, the down projection's rows kept
 in fp32 and summed per token by `sum_by_token`'s kernel; a block's shared experts run as more programs of
