@@ -163,7 +163,10 @@ def test_grouped_mm_captures_only_where_torch_has_its_kernel(monkeypatch):
 def test_graph_experts_choice(monkeypatch):
     from hf_qsa_cache import cuda_graphs
 
+    from hf_qsa_cache.ops import prompt_experts
+
     monkeypatch.setattr(cuda_graphs, "FUSED_EXPERTS", False)  # the choice without the fused experts
+    monkeypatch.setattr(prompt_experts, "FUSED_TILED_EXPERTS", False)  # nor the tiled ones (on by default)
     _, model = make_pair(seed=7)
     experts = experts_modules(model)
     assert len(experts) == 4 and model.config._experts_implementation == "grouped_mm"
@@ -190,8 +193,6 @@ def test_graph_experts_choice(monkeypatch):
     assert graph_experts(model, experts, cuda, 1) == graph_experts(model, experts, cuda, 9) == "grouped_mm"
     model.to(torch.float32)
     # With the tiled experts, whose kernels capture in any dtype: grouped_mm up to their pairs' bound.
-    from hf_qsa_cache.ops import prompt_experts
-
     monkeypatch.setattr(prompt_experts, "FUSED_TILED_EXPERTS", True)
     monkeypatch.setattr(prompt_experts, "TILED_EXPERTS_MAX_PAIRS", 8 * top_k)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))

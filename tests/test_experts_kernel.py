@@ -27,6 +27,7 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextExperts
 from hf_qsa_cache import cuda_graphs
 from hf_qsa_cache.cuda_graphs import capture_key, experts_modules, graph_experts
 from hf_qsa_cache.ops import experts as selected
+from hf_qsa_cache.ops import prompt_experts
 from interpreter import count_launches, run_under_interpreter
 
 NEW_TOKENS = 5
@@ -406,13 +407,16 @@ def test_graph_steps_run_selected_experts_only_when_asked(monkeypatch):
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     most = cuda_graphs.FUSED_EXPERTS_MAX_TOKENS
+    monkeypatch.setattr(prompt_experts, "FUSED_TILED_EXPERTS", False)  # on by default; its own case below
     monkeypatch.setattr(cuda_graphs, "FUSED_EXPERTS", False)
     assert graph_experts(model, experts, cuda, 1) == "batched_mm"  # fp32: grouped_mm cannot be captured
-    monkeypatch.setattr(cuda_graphs, "FUSED_EXPERTS", False)
-    assert graph_experts(model, experts, cuda, 1) == "batched_mm"
     monkeypatch.setattr(cuda_graphs, "FUSED_EXPERTS", True)  # HF_QSA_FUSED=experts
     assert graph_experts(model, experts, cuda, 1) == graph_experts(model, experts, cuda, most) == "hf_qsa_selected"
     assert graph_experts(model, experts, cuda, most + 1) == "batched_mm"  # too many tokens: as before
+    monkeypatch.setattr(prompt_experts, "FUSED_TILED_EXPERTS", True)  # more tokens: the tiled kernels, any dtype
+    assert graph_experts(model, experts, cuda, most + 1) == "grouped_mm"
+    assert graph_experts(model, experts, cuda, 1) == "hf_qsa_selected"
+    monkeypatch.setattr(prompt_experts, "FUSED_TILED_EXPERTS", False)
     assert graph_experts(model, experts, cpu, 1) == "batched_mm"  # not on CUDA: as before
     key = capture_key(model, experts, cuda, graph_experts(model, experts, cuda, 1), 4, 1)
     assert key[2] == "hf_qsa_selected" and key != capture_key(model, experts, cuda, "batched_mm", 4, 1)
