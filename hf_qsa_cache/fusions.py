@@ -31,10 +31,11 @@ FLAGS = {
     "ple": ("hf_qsa_cache.ops.ple", "FUSED_PLE"),
     "conv_norm": ("hf_qsa_cache.ops.conv_norm", "FUSED_CONV_NORM"),
     "tiled_experts": ("hf_qsa_cache.ops.prompt_experts", "FUSED_TILED_EXPERTS"),
+    "rel_bias": ("hf_qsa_cache.ops.inkling_attention", "FUSED_REL_BIAS"),
 }
 # Built and tested on the CPU (the kernels under the Triton interpreter) but not yet timed and checked on a GPU: on
 # only when named in HF_QSA_FUSED (or with "all"), not by default. A new fusion starts here.
-UNMEASURED: tuple[str, ...] = ()
+UNMEASURED: tuple[str, ...] = ("rel_bias",)
 
 
 def requested(setting: str | None, unmeasured: tuple[str, ...] = UNMEASURED) -> set[str]:

@@ -104,6 +104,24 @@ CASES = [
      dict(block_n=16, num_splits=2)),
     ("sliding decode bf16", dict(rows=DECODE_ROWS, L=1, heads=4, kv_heads=2, head_dim=16, extent=40, window=40,
                                  dtype=torch.bfloat16), dict(block_n=16, num_splits=2)),
+    # The bias computed in the kernel (``rel_bias``): one-token query tiles, near and far keys, windows, splits.
+    ("full decode bias in kernel fp32", dict(rows=DECODE_ROWS, L=1, heads=6, kv_heads=2, head_dim=16, extent=12),
+     dict(block_n=16, num_splits=3, bias_in_kernel=True)),
+    ("full decode bias in kernel log-scaling bf16 d_rel 16",
+     dict(rows=DECODE_ROWS, L=1, heads=8, kv_heads=2, head_dim=16, extent=12, d_rel=16, log_scaling=(8.0, 0.4),
+          dtype=torch.bfloat16), dict(block_n=16, num_splits=4, bias_in_kernel=True)),
+    ("sliding decode bias in kernel bf16", dict(rows=DECODE_ROWS, L=1, heads=4, kv_heads=2, head_dim=16, extent=40,
+                                                window=40, dtype=torch.bfloat16),
+     dict(block_n=16, num_splits=2, bias_in_kernel=True)),
+    ("full prefill one-token tiles bias in kernel fp32",
+     dict(rows=FULL_ROWS, L=20, heads=6, kv_heads=2, head_dim=16, extent=12),
+     dict(block_m=1, block_n=16, num_splits=2, bias_in_kernel=True)),
+    ("sliding prefill one-token tiles bias in kernel fp32",
+     dict(rows=SLIDING_ROWS, L=20, heads=6, kv_heads=2, head_dim=16, extent=8, window=8),
+     dict(block_m=1, block_n=16, bias_in_kernel=True)),
+    ("full prefill bias asked in kernel, tiles of 4 tokens (the matmul) fp32",
+     dict(rows=FULL_ROWS, L=20, heads=6, kv_heads=2, head_dim=16, extent=12),
+     dict(block_m=4, block_n=16, bias_in_kernel=True)),
 ]
 
 
@@ -123,6 +141,13 @@ def _check(name: str, case: dict, overrides: dict) -> str | None:
     bound = 1e-4 if case.get("dtype", torch.float32) == torch.float32 else 1e-2
     if not err < bound:
         return f"{name}: relative error {err:.3g} >= {bound}"
+    if overrides.get("bias_in_kernel"):  # and as the kernel's matmul path computes it (the rounding of r @ P)
+        again = {**args, "key_store": ref["key_store"].clone(), "value_store": ref["value_store"].clone()}
+        other = paged_rel_attention_triton(**again, **{**overrides, "bias_in_kernel": False})
+        err = (have.float() - other.float())[valid].abs().max() / other.float()[valid].abs().max()
+        bound = 1e-5 if case.get("dtype", torch.float32) == torch.float32 else 1e-3
+        if not err < bound:
+            return f"{name}: relative difference {err:.3g} >= {bound} from the bias computed by a matmul"
     # The store: every real slot as the torch op left it (block 0, the null block, takes pad writes).
     bs = args["block_size"]
     for mine, theirs in ((args["key_store"], ref["key_store"]), (args["value_store"], ref["value_store"])):
@@ -142,7 +167,7 @@ def _check_out_of_shared_memory() -> str | None:
     launch, tried = kernel._launch, []
 
     def small_device(*args):
-        block_m, block_n = args[15], args[16]
+        block_m, block_n = args[16], args[17]
         tried.append((block_m, block_n))
         if block_n > 16 or block_m > 2:
             raise OutOfResources(300_000, 232_448, "shared memory")

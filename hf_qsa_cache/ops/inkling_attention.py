@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from ..fusions import fusion_enabled
 from . import records_grad
 
 # Upper bound on elements of one chunk's score tensor.
@@ -166,6 +167,9 @@ def _rel_softmax(q, k, r, proj, k_cached, cpos, position, scaling, window, log_s
 # On CUDA the Triton kernel (`inkling_attention_triton`, tested against the function above);
 # HF_QSA_TRITON_INKLING=0 in the environment keeps the torch op there too.
 USE_TRITON = os.environ.get("HF_QSA_TRITON_INKLING", "1") == "1"
+# The kernel computes a decode step's bias r @ P per key tile instead of a matmul before it (one launch a layer
+# less; `inkling_attention_triton`).
+FUSED_REL_BIAS = fusion_enabled("rel_bias")
 
 
 def paged_rel_attention(q, *args, **kwargs) -> torch.Tensor:

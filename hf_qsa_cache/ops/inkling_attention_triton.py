@@ -25,7 +25,12 @@ touch this forward's slots: the write and the attention share one launch with no
 
 Scores. ``logit = tau * (q . k) * scaling + tau * rel[t, h, p_t - p_s]`` for ``0 <= p_t - p_s < E``,
 with ``rel = r @ P`` precomputed per query in ``r``'s dtype (``[B, L, Hq, E]``) and gathered per
-(query, key). With log scaling, ``tau`` is computed in the kernel and rounded into q and the gathered
+(query, key). A decode step (one token per query tile) with the ``rel_bias`` fusion computes it in the kernel
+instead, for the distances of each key tile only: the tile's one query position makes every key's distance
+the same for all the tile's rows, so a key tile reads ``d_rel`` rows of ``P`` at those distances and sums
+``r[h, j] * P[j, d]`` over ``j`` in fp32, rounded once to ``r``'s dtype as the matmul rounds. That saves the
+step one launch (the matmul) a layer and the ``[Hq, E]`` profile's round trip through memory.
+With log scaling, ``tau`` is computed in the kernel and rounded into q and the
 bias in their own dtypes, exactly where the torch op rounds. Online softmax in fp32 (base 2); a
 query that sees no key (a pad) writes zeros.
 """
@@ -38,7 +43,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from .triton_common import INTERPRET, LOG2E, dot, on_device_of_first_tensor, pow2
+from . import inkling_attention
+from .triton_common import INTERPRET, LOG2E, TL_DTYPES, dot, on_device_of_first_tensor, pow2
 
 
 # Launch policy (all overridable per call through keyword arguments).
@@ -77,9 +83,28 @@ def _round(x, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, row_ok, kpos, kmask,
+def _bias_from_r(r_tile, proj_ptr, qpos, kpos, kmask, extent, D_REL: tl.constexpr, R_DTYPE: tl.constexpr,
+                 WIDEN: tl.constexpr):
+    """``(r @ P)[row, p - kpos]`` for a tile whose rows share one query position ``p`` (decode): ``r_tile``
+    ``[rows, D_REL_PAD]`` in fp32, ``P`` ``[D_REL, extent]``; summed in fp32 over ``j``, rounded to ``R_DTYPE``.
+    Distances outside ``[0, extent)`` read 0 (the caller masks them)."""
+    p = tl.max(qpos, axis=0)
+    kdist = p - kpos
+    kd_ok = kmask & (kdist >= 0) & (kdist < extent)
+    j_ids = tl.arange(0, r_tile.shape[1])
+    bias = tl.zeros([r_tile.shape[0], kpos.shape[0]], tl.float32)
+    for j in tl.static_range(D_REL):
+        r_j = tl.sum(tl.where(j_ids[None, :] == j, r_tile, 0.0), axis=1)
+        p_j = tl.load(proj_ptr + j * extent + kdist, mask=kd_ok, other=0.0).to(tl.float32)
+        bias += r_j[:, None] * p_j[None, :]
+    return _round(bias, R_DTYPE, WIDEN)
+
+
+@triton.jit
+def _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, r_tile, proj_ptr, row_ok, kpos, kmask,
                  qk_scale, window, extent, NEAR: tl.constexpr,
-                 WINDOWED: tl.constexpr, LOG_SCALING: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+                 WINDOWED: tl.constexpr, LOG_SCALING: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+                 REL_FROM_R: tl.constexpr, D_REL: tl.constexpr, R_DTYPE: tl.constexpr):
     """One key tile of the online softmax for all rows of a query tile (base-2 logits).
 
     A far tile (``NEAR`` false) lies at distance >= extent before every query of the tile, on a
@@ -93,7 +118,11 @@ def _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, row_ok, kpos, kmask,
         ok = (qpos >= 0)[:, None] & kmask[None, :] & (dist >= 0)
         if WINDOWED:
             ok = ok & (dist < window)
-        bias = tl.load(rel_rows[:, None] + dist, mask=ok & row_ok[:, None] & (dist < extent), other=0.0)
+        if REL_FROM_R:
+            bias = _bias_from_r(r_tile, proj_ptr, qpos, kpos, kmask, extent, D_REL, R_DTYPE, WIDEN)
+            bias = tl.where(ok & row_ok[:, None] & (dist < extent), bias, 0.0)
+        else:
+            bias = tl.load(rel_rows[:, None] + dist, mask=ok & row_ok[:, None] & (dist < extent), other=0.0)
         if LOG_SCALING:
             bias = _round(bias.to(tl.float32) * qtau[:, None], bias.dtype, WIDEN)
         s = tl.where(ok, s + bias.to(tl.float32) * 1.4426950408889634, float("-inf"))
@@ -109,10 +138,11 @@ def _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, row_ok, kpos, kmask,
 
 
 @triton.jit
-def _scan_store(acc, m, l, lo, hi, q, qpos, qtau, rel_rows, row_ok, kst_ptr, vst_ptr, table_row,
+def _scan_store(acc, m, l, lo, hi, q, qpos, qtau, rel_rows, r_tile, proj_ptr, row_ok, kst_ptr, vst_ptr, table_row,
                 skst_s, skst_h, skst_d, svst_s, svst_h, svst_d, table_cols, block_size, kv, d, d_ok,
                 qk_scale, window, extent, NEAR: tl.constexpr, WINDOWED: tl.constexpr,
-                LOG_SCALING: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_N: tl.constexpr):
+                LOG_SCALING: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                REL_FROM_R: tl.constexpr, D_REL: tl.constexpr, R_DTYPE: tl.constexpr):
     """Keys at positions [lo, hi) of earlier forwards: the paged store, through the row's block table."""
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
@@ -123,16 +153,18 @@ def _scan_store(acc, m, l, lo, hi, q, qpos, qtau, rel_rows, row_ok, kst_ptr, vst
         lmask = kmask[:, None] & d_ok[None, :]
         k = tl.load(kst_ptr + kslot[:, None] * skst_s + kv * skst_h + d[None, :] * skst_d, mask=lmask, other=0.0)
         v = tl.load(vst_ptr + kslot[:, None] * svst_s + kv * svst_h + d[None, :] * svst_d, mask=lmask, other=0.0)
-        acc, m, l = _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, row_ok, kpos, kmask,
-                                 qk_scale, window, extent, NEAR, WINDOWED, LOG_SCALING, IEEE, WIDEN)
+        acc, m, l = _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, r_tile, proj_ptr, row_ok, kpos, kmask,
+                                 qk_scale, window, extent, NEAR, WINDOWED, LOG_SCALING, IEEE, WIDEN,
+                                 REL_FROM_R, D_REL, R_DTYPE)
     return acc, m, l
 
 
 @triton.jit
-def _scan_new(acc, m, l, lo, hi, q, qpos, qtau, rel_rows, row_ok, k_row, v_row,
+def _scan_new(acc, m, l, lo, hi, q, qpos, qtau, rel_rows, r_tile, proj_ptr, row_ok, k_row, v_row,
               sk_l, sk_h, sk_d, sv_l, sv_h, sv_d, query_len, last_pos, kv, d, d_ok,
               qk_scale, window, extent, NEAR: tl.constexpr, WINDOWED: tl.constexpr,
-              LOG_SCALING: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_N: tl.constexpr):
+              LOG_SCALING: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_N: tl.constexpr,
+              REL_FROM_R: tl.constexpr, D_REL: tl.constexpr, R_DTYPE: tl.constexpr):
     """Keys at positions [lo, hi) of this forward: the activations, at the key's column of the row."""
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
@@ -141,8 +173,9 @@ def _scan_new(acc, m, l, lo, hi, q, qpos, qtau, rel_rows, row_ok, k_row, v_row,
         lmask = kmask[:, None] & d_ok[None, :]
         k = tl.load(k_row + kcol[:, None] * sk_l + kv * sk_h + d[None, :] * sk_d, mask=lmask, other=0.0)
         v = tl.load(v_row + kcol[:, None] * sv_l + kv * sv_h + d[None, :] * sv_d, mask=lmask, other=0.0)
-        acc, m, l = _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, row_ok, kpos, kmask,
-                                 qk_scale, window, extent, NEAR, WINDOWED, LOG_SCALING, IEEE, WIDEN)
+        acc, m, l = _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, r_tile, proj_ptr, row_ok, kpos, kmask,
+                                 qk_scale, window, extent, NEAR, WINDOWED, LOG_SCALING, IEEE, WIDEN,
+                                 REL_FROM_R, D_REL, R_DTYPE)
     return acc, m, l
 
 
@@ -150,7 +183,7 @@ def _scan_new(acc, m, l, lo, hi, q, qpos, qtau, rel_rows, row_ok, k_row, v_row,
 # Sizes that change with the cache or the step are not specialised (no recompilation per cache size).
 @triton.jit(do_not_specialize=["stab_b", "query_len", "num_q_tiles", "table_cols", "split_len"])
 def _rel_attention_kernel(
-    q_ptr, k_ptr, v_ptr, rel_ptr, kst_ptr, vst_ptr, table_ptr, slots_ptr, pos_ptr, prev_ptr,
+    q_ptr, k_ptr, v_ptr, rel_ptr, proj_ptr, kst_ptr, vst_ptr, table_ptr, slots_ptr, pos_ptr, prev_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     sq_b, sq_l, sq_h, sq_d, sk_b, sk_l, sk_h, sk_d, sv_b, sv_l, sv_h, sv_d,
     skst_s, skst_h, skst_d, svst_s, svst_h, svst_d, stab_b,
@@ -159,7 +192,8 @@ def _rel_attention_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, WINDOWED: tl.constexpr, LOG_SCALING: tl.constexpr,
-    IEEE: tl.constexpr, WIDEN: tl.constexpr,
+    IEEE: tl.constexpr, WIDEN: tl.constexpr, REL_FROM_R: tl.constexpr, D_REL: tl.constexpr, DR_PAD: tl.constexpr,
+    R_DTYPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // num_q_tiles
@@ -203,7 +237,14 @@ def _rel_attention_kernel(
         q = _round(q.to(tl.float32) * qtau[:, None], q.dtype, WIDEN)
     if IEEE:
         q = q.to(tl.float32)
-    rel_rows = rel_ptr + (t * NUM_HEADS + head) * extent
+    if REL_FROM_R:  # rel_ptr holds r [B, L, Hq, D_REL]: the bias is computed per key tile
+        rel_rows = rel_ptr + (t * NUM_HEADS + head) * D_REL
+        j_ids = tl.arange(0, DR_PAD)
+        r_tile = tl.load(rel_rows[:, None] + j_ids[None, :], mask=row_ok[:, None] & (j_ids < D_REL)[None, :],
+                         other=0.0).to(tl.float32)
+    else:  # rel_ptr holds r @ P [B, L, Hq, E]: gathered
+        rel_rows = rel_ptr + (t * NUM_HEADS + head) * extent
+        r_tile = tl.zeros([BLOCK_M * G_PAD, DR_PAD], tl.float32)
 
     prev = tl.load(prev_ptr + b).to(tl.int32)
     last_pos = tl.load(pos_ptr + b64 * query_len + query_len - 1).to(tl.int32)
@@ -232,24 +273,30 @@ def _rel_attention_kernel(
     # Keys of earlier forwards (positions < prev_len) from the paged store, through the block table.
     store_hi = tl.minimum(k_hi, prev)
     table_row = table_ptr + b64 * stab_b
-    acc, m, l = _scan_store(acc, m, l, k_lo, tl.minimum(far_hi, store_hi), q, qpos, qtau, rel_rows, row_ok,
+    acc, m, l = _scan_store(acc, m, l, k_lo, tl.minimum(far_hi, store_hi), q, qpos, qtau,
+                            rel_rows, r_tile, proj_ptr, row_ok,
                             kst_ptr, vst_ptr, table_row, skst_s, skst_h, skst_d, svst_s, svst_h, svst_d,
                             table_cols, block_size, kv, d, d_ok, qk_scale, window, extent,
-                            False, WINDOWED, LOG_SCALING, IEEE, WIDEN, BLOCK_N)
-    acc, m, l = _scan_store(acc, m, l, far_hi, store_hi, q, qpos, qtau, rel_rows, row_ok,
+                            False, WINDOWED, LOG_SCALING, IEEE, WIDEN, BLOCK_N, REL_FROM_R, D_REL, R_DTYPE)
+    acc, m, l = _scan_store(acc, m, l, far_hi, store_hi, q, qpos, qtau,
+                            rel_rows, r_tile, proj_ptr, row_ok,
                             kst_ptr, vst_ptr, table_row, skst_s, skst_h, skst_d, svst_s, svst_h, svst_d,
                             table_cols, block_size, kv, d, d_ok, qk_scale, window, extent,
-                            True, WINDOWED, LOG_SCALING, IEEE, WIDEN, BLOCK_N)
+                            True, WINDOWED, LOG_SCALING, IEEE, WIDEN, BLOCK_N, REL_FROM_R, D_REL, R_DTYPE)
     # Keys of this forward (positions >= prev_len) from the activations.
     new_lo = tl.maximum(k_lo, prev)
     k_row = k_ptr + b64 * sk_b
     v_row = v_ptr + b64 * sv_b
-    acc, m, l = _scan_new(acc, m, l, new_lo, tl.minimum(far_hi, k_hi), q, qpos, qtau, rel_rows, row_ok,
+    acc, m, l = _scan_new(acc, m, l, new_lo, tl.minimum(far_hi, k_hi), q, qpos, qtau,
+                          rel_rows, r_tile, proj_ptr, row_ok,
                           k_row, v_row, sk_l, sk_h, sk_d, sv_l, sv_h, sv_d, query_len, last_pos, kv, d, d_ok,
-                          qk_scale, window, extent, False, WINDOWED, LOG_SCALING, IEEE, WIDEN, BLOCK_N)
-    acc, m, l = _scan_new(acc, m, l, tl.maximum(new_lo, far_hi), k_hi, q, qpos, qtau, rel_rows, row_ok,
+                          qk_scale, window, extent, False, WINDOWED, LOG_SCALING, IEEE, WIDEN, BLOCK_N,
+                          REL_FROM_R, D_REL, R_DTYPE)
+    acc, m, l = _scan_new(acc, m, l, tl.maximum(new_lo, far_hi), k_hi, q, qpos, qtau,
+                          rel_rows, r_tile, proj_ptr, row_ok,
                           k_row, v_row, sk_l, sk_h, sk_d, sv_l, sv_h, sv_d, query_len, last_pos, kv, d, d_ok,
-                          qk_scale, window, extent, True, WINDOWED, LOG_SCALING, IEEE, WIDEN, BLOCK_N)
+                          qk_scale, window, extent, True, WINDOWED, LOG_SCALING, IEEE, WIDEN, BLOCK_N,
+                          REL_FROM_R, D_REL, R_DTYPE)
 
     omask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS > 1:
@@ -308,6 +355,7 @@ def paged_rel_attention_triton(
     block_n: int | None = None,  # keys per key tile
     num_splits: int | None = None,  # key splits per query tile (None: launch policy)
     num_warps: int | None = None,
+    bias_in_kernel: bool | None = None,  # one-token tiles compute r @ P in the kernel (None: the rel_bias fusion)
 ) -> torch.Tensor:
     """`paged_rel_attention_torch` in one launch (two when the keys are split); see the module doc."""
     B, L, Hq, hd = q.shape
@@ -317,9 +365,6 @@ def paged_rel_attention_triton(
     table = table.contiguous()
     if table.shape[1] == 0:  # nothing cached anywhere: any single null column will do
         table = torch.zeros(B, 1, dtype=torch.int32, device=q.device)
-    # The bias profile of every query, rounded like the torch op: [B, L, Hq, E] in r's dtype.
-    rel = (r @ proj).contiguous()
-
     decode = L == 1
     wide = q.element_size() >= 4 or key_store.element_size() >= 4
     key = (q.device, q.dtype, key_store.dtype, hd, G, decode)
@@ -330,9 +375,15 @@ def paged_rel_attention_triton(
     if block_n is None:
         block_n = WIDE_BLOCK_N if wide else DECODE_BLOCK_N if decode else PREFILL_BLOCK_N
     block_n = pow2(block_n)
+    if bias_in_kernel is None:
+        bias_in_kernel = inkling_attention.FUSED_REL_BIAS
+    if bias_in_kernel and block_m == 1:  # every query tile one position: the kernel computes r @ P per key tile
+        rel = r.contiguous()
+    else:  # the bias profile of every query, rounded like the torch op: [B, L, Hq, E] in r's dtype
+        rel, proj = (r @ proj).contiguous(), None
     while True:
         try:
-            return _launch(q, k, v, rel, key_store, value_store, table, block_size, slots, position, prev_len,
+            return _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots, position, prev_len,
                            host_prev_len, scaling, window, log_scaling, block_m, block_n, num_splits, num_warps)
         except OutOfResources:
             smaller = _smaller_tiles(block_m, block_n)
@@ -351,13 +402,18 @@ def _smaller_tiles(block_m: int, block_n: int) -> tuple[int, int] | None:
     return None
 
 
-def _launch(q, k, v, rel, key_store, value_store, table, block_size, slots, position, prev_len, host_prev_len,
+def _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots, position, prev_len, host_prev_len,
             scaling, window, log_scaling, block_m, block_n, num_splits, num_warps) -> torch.Tensor:
-    """One launch (two with key splits) at these tile sizes; see `paged_rel_attention_triton`."""
+    """One launch (two with key splits) at these tile sizes; see `paged_rel_attention_triton`. ``proj`` None:
+    ``rel`` is ``r @ P``; else ``rel`` is ``r`` and the kernel computes the bias (one-token tiles only)."""
     B, L, Hq, hd = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
-    E = rel.shape[-1]
+    from_r = proj is not None
+    if from_r and block_m != 1:
+        raise ValueError(f"the bias is computed in the kernel for one-token query tiles only, got {block_m} tokens")
+    E = proj.shape[1] if from_r else rel.shape[-1]
+    d_rel = rel.shape[-1] if from_r else 1
     out = torch.empty(B, L, Hq * hd, dtype=q.dtype, device=q.device)
     g_pow = triton.next_power_of_2(G)
     g_pad = max(g_pow, triton.next_power_of_2(_cdiv(16, block_m)))  # tl.dot needs >= 16 rows
@@ -389,7 +445,8 @@ def _launch(q, k, v, rel, key_store, value_store, table, block_size, slots, posi
         num_warps = 8 if block_m * g_pad * d_pad >= 128 * 128 else 4
     grid = (B * num_q_tiles, Hkv, num_splits)
     _rel_attention_kernel[grid](
-        q, k, v, rel, key_store, value_store, table, slots.contiguous(), position.contiguous(),
+        q, k, v, rel, proj.contiguous() if from_r else rel, key_store, value_store, table, slots.contiguous(),
+        position.contiguous(),
         prev_len.contiguous(), out, part_m, part_l, part_acc,
         *q.stride(), *k.stride(), *v.stride(),
         *key_store.stride(), *value_store.stride(), table.stride(0),
@@ -397,7 +454,8 @@ def _launch(q, k, v, rel, key_store, value_store, table, block_size, slots, posi
         float(scaling) * LOG2E, float(n_floor), float(alpha),
         NUM_HEADS=Hq, GROUP=G, HEAD_DIM=hd, G_PAD=g_pad, BLOCK_M=block_m, D_PAD=d_pad, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, WINDOWED=window is not None, LOG_SCALING=log_scaling is not None,
-        IEEE=ieee, WIDEN=INTERPRET, num_warps=num_warps,
+        IEEE=ieee, WIDEN=INTERPRET, REL_FROM_R=from_r, D_REL=d_rel, DR_PAD=pow2(d_rel), R_DTYPE=TL_DTYPES[rel.dtype],
+        num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(T * Hq,)](
