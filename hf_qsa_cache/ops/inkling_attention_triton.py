@@ -27,8 +27,9 @@ Scores. ``logit = tau * (q . k) * scaling + tau * rel[t, h, p_t - p_s]`` for ``0
 with ``rel = r @ P`` precomputed per query in ``r``'s dtype (``[B, L, Hq, E]``) and gathered per
 (query, key). A decode step (one token per query tile) with the ``rel_bias`` fusion computes it in the kernel
 instead, for the distances of each key tile only: the tile's one query position makes every key's distance
-the same for all the tile's rows, so a key tile reads ``d_rel`` rows of ``P`` at those distances and sums
-``r[h, j] * P[j, d]`` over ``j`` in fp32, rounded once to ``r``'s dtype as the matmul rounds. That saves the
+the same for all the tile's rows, so a key tile reads ``P``'s ``[d_rel, keys]`` block at those distances and
+multiplies it with the tile's ``r`` rows in one dot (fp32 accumulation), rounded once to ``r``'s dtype as the
+matmul rounds. That saves the
 step one launch (the matmul) a layer and the ``[Hq, E]`` profile's round trip through memory.
 With log scaling, ``tau`` is computed in the kernel and rounded into q and the
 bias in their own dtypes, exactly where the torch op rounds. Online softmax in fp32 (base 2); a
@@ -84,20 +85,20 @@ def _round(x, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
 
 @triton.jit
 def _bias_from_r(r_tile, proj_ptr, qpos, kpos, kmask, extent, D_REL: tl.constexpr, R_DTYPE: tl.constexpr,
-                 WIDEN: tl.constexpr):
+                 IEEE: tl.constexpr, WIDEN: tl.constexpr):
     """``(r @ P)[row, p - kpos]`` for a tile whose rows share one query position ``p`` (decode): ``r_tile``
-    ``[rows, D_REL_PAD]`` in fp32, ``P`` ``[D_REL, extent]``; summed in fp32 over ``j``, rounded to ``R_DTYPE``.
-    Distances outside ``[0, extent)`` read 0 (the caller masks them)."""
+    ``[rows, D_REL_PAD]`` (columns from ``D_REL`` on zero) times ``P``'s ``[D_REL_PAD, keys]`` block at the keys'
+    distances, one dot in fp32, rounded to ``R_DTYPE``. Distances outside ``[0, extent)`` read 0 (the caller
+    masks them)."""
     p = tl.max(qpos, axis=0)
     kdist = p - kpos
     kd_ok = kmask & (kdist >= 0) & (kdist < extent)
-    j_ids = tl.arange(0, r_tile.shape[1])
-    bias = tl.zeros([r_tile.shape[0], kpos.shape[0]], tl.float32)
-    for j in tl.static_range(D_REL):
-        r_j = tl.sum(tl.where(j_ids[None, :] == j, r_tile, 0.0), axis=1)
-        p_j = tl.load(proj_ptr + j * extent + kdist, mask=kd_ok, other=0.0).to(tl.float32)
-        bias += r_j[:, None] * p_j[None, :]
-    return _round(bias, R_DTYPE, WIDEN)
+    j = tl.arange(0, r_tile.shape[1])
+    proj = tl.load(proj_ptr + j[:, None] * extent + kdist[None, :], mask=(j < D_REL)[:, None] & kd_ok[None, :],
+                   other=0.0)
+    if IEEE:  # as the scores' dots: fp32 operands (bf16 ones widen exactly)
+        return _round(dot(r_tile.to(tl.float32), proj.to(tl.float32), IEEE, WIDEN), R_DTYPE, WIDEN)
+    return _round(dot(r_tile, proj, IEEE, WIDEN), R_DTYPE, WIDEN)
 
 
 @triton.jit
@@ -119,7 +120,7 @@ def _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, r_tile, proj_ptr, row
         if WINDOWED:
             ok = ok & (dist < window)
         if REL_FROM_R:
-            bias = _bias_from_r(r_tile, proj_ptr, qpos, kpos, kmask, extent, D_REL, R_DTYPE, WIDEN)
+            bias = _bias_from_r(r_tile, proj_ptr, qpos, kpos, kmask, extent, D_REL, R_DTYPE, IEEE, WIDEN)
             bias = tl.where(ok & row_ok[:, None] & (dist < extent), bias, 0.0)
         else:
             bias = tl.load(rel_rows[:, None] + dist, mask=ok & row_ok[:, None] & (dist < extent), other=0.0)
@@ -241,7 +242,7 @@ def _rel_attention_kernel(
         rel_rows = rel_ptr + (t * NUM_HEADS + head) * D_REL
         j_ids = tl.arange(0, DR_PAD)
         r_tile = tl.load(rel_rows[:, None] + j_ids[None, :], mask=row_ok[:, None] & (j_ids < D_REL)[None, :],
-                         other=0.0).to(tl.float32)
+                         other=0.0)
     else:  # rel_ptr holds r @ P [B, L, Hq, E]: gathered
         rel_rows = rel_ptr + (t * NUM_HEADS + head) * extent
         r_tile = tl.zeros([BLOCK_M * G_PAD, DR_PAD], tl.float32)
