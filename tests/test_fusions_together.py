@@ -117,7 +117,8 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
         assert all(getattr(m, f) for m, f in flags)
     assert [getattr(m, f) for m, f in flags] == before
     assert set(FLAGS) == {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
-                          "inkling_router", "prompt_experts", "projections", "ple", "conv_norm", "tiled_experts", "rel_bias"}
+                          "inkling_router", "prompt_experts", "projections", "ple", "conv_norm", "tiled_experts",
+                          "rel_bias"}
     with pytest.raises(ValueError, match="unknown fusion"):
         with fused(("nope",)):
             pass
@@ -145,7 +146,8 @@ def test_a_fusion_not_yet_timed_is_on_only_when_named():
     assert requested("inkling_router,hc", unmeasured=("inkling_router",)) == {"inkling_router", "hc"}
 
 
-SETTINGS = [(None, MEASURED), ("all", MEASURED | {"rel_bias"}), ("none", set()), ("", set()), ("gdn,router", {"gdn", "router"})]
+SETTINGS = [(None, MEASURED), ("all", MEASURED | {"rel_bias"}), ("none", set()), ("", set()),
+            ("gdn,router", {"gdn", "router"})]
 
 
 @pytest.mark.parametrize("setting, expected", SETTINGS)

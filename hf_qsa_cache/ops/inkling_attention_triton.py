@@ -29,9 +29,8 @@ with ``rel = r @ P`` precomputed per query in ``r``'s dtype (``[B, L, Hq, E]``) 
 instead, for the distances of each key tile only: the tile's one query position makes every key's distance
 the same for all the tile's rows, so a key tile reads ``P``'s ``[d_rel, keys]`` block at those distances and
 multiplies it with the tile's ``r`` rows in one dot (fp32 accumulation), rounded once to ``r``'s dtype as the
-matmul rounds. That saves the
-step one launch (the matmul) a layer and the ``[Hq, E]`` profile's round trip through memory.
-With log scaling, ``tau`` is computed in the kernel and rounded into q and the
+matmul rounds. That saves the step one launch (the matmul) a layer and the ``[Hq, E]`` profile's round trip
+through memory. With log scaling, ``tau`` is computed in the kernel and rounded into q and the
 bias in their own dtypes, exactly where the torch op rounds. Online softmax in fp32 (base 2); a
 query that sees no key (a pad) writes zeros.
 """
