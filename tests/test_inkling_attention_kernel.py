@@ -220,6 +220,24 @@ def test_case_tables_evict_below_the_window():
     assert in_null.sum() > 0
 
 
+def test_the_rel_bias_fusion_picks_the_bias_path(monkeypatch):
+    """Unasked, the kernel computes the bias itself exactly when the ``rel_bias`` fusion is on and query tiles hold
+    one token (decode); otherwise it gathers ``r @ P`` (the launch itself is stubbed: no kernel runs here)."""
+    from hf_qsa_cache.ops import inkling_attention
+    from hf_qsa_cache.ops import inkling_attention_triton as kernel
+
+    in_kernel = []
+    monkeypatch.setattr(kernel, "_launch", lambda *args: in_kernel.append(args[4] is not None))
+    decode, _ = make_case(0, DECODE_ROWS, L=1, heads=4, kv_heads=2, head_dim=16, extent=12)
+    prefill, _ = make_case(0, FULL_ROWS, L=20, heads=4, kv_heads=2, head_dim=16, extent=12)
+    for flag in (False, True):
+        monkeypatch.setattr(inkling_attention, "FUSED_REL_BIAS", flag)
+        kernel.paged_rel_attention_triton(**decode)
+        kernel.paged_rel_attention_triton(**prefill)
+    kernel.paged_rel_attention_triton(**decode, bias_in_kernel=False)  # asked: the flag does not count
+    assert in_kernel == [False, False, True, False, False]
+
+
 def test_triton_kernel_matches_torch_under_interpreter():
     run_under_interpreter(__file__, f"all inkling attention cases ok {len(CASES)}", timeout=300)
 
