@@ -11,7 +11,10 @@ on a full and a sliding layer. Inputs follow the cache: block size 64, shuffled 
 windowed table (blocks below the window are the null block) on sliding layers.
 
 One line per case: max error relative to the largest output, whether the stores agree, and the times
-of the torch op and the kernel (CUDA events). Exits non-zero when a bound is exceeded.
+of the torch op and the kernel (CUDA events). Decode cases run the kernel both ways of computing the relative
+bias (the ``rel_bias`` fusion off and on): the error is the worse of the two, and the other way's time is
+shown. Exits non-zero when a bound is exceeded. ``--split-sweep`` graph-times the decode steps at each split
+count and, at the policy's count, with the bias computed in the kernel.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch  # noqa: E402
 from hf_qsa_cache.blocks import BlockTable  # noqa: E402
 from hf_qsa_cache.metadata import build_step_metadata_torch  # noqa: E402
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention_torch  # noqa: E402
-from hf_qsa_cache.ops import inkling_attention_triton  # noqa: E402
+from hf_qsa_cache.ops import inkling_attention, inkling_attention_triton  # noqa: E402
 from hf_qsa_cache.ops.inkling_attention_triton import paged_rel_attention_triton  # noqa: E402
 
 if TINY:
@@ -135,6 +138,13 @@ def check(name: str, layer: str, rows, dtype, device) -> bool:
     if L == 1 and not TINY:
         t_one = time_ms(lambda: paged_rel_attention_triton(**have_args, num_splits=1), 20)
         extra = f"  (one split {t_one:.3f} ms)"
+    if L == 1:  # the other way of computing the bias (the rel_bias fusion on or off), checked below too
+        other_args = {**args, "key_store": args["key_store"].clone(), "value_store": args["value_store"].clone()}
+        in_kernel = not inkling_attention.FUSED_REL_BIAS
+        other = paged_rel_attention_triton(**other_args, bias_in_kernel=in_kernel)
+        if not TINY:
+            t_other = time_ms(lambda: paged_rel_attention_triton(**other_args, bias_in_kernel=in_kernel), 50)
+            extra += f"  (bias {'in kernel' if in_kernel else 'by matmul'} {t_other:.3f} ms)"
     try:
         want_args = {**args, "key_store": args["key_store"].clone(), "value_store": args["value_store"].clone()}
         want = paged_rel_attention_torch(**want_args)
@@ -144,6 +154,8 @@ def check(name: str, layer: str, rows, dtype, device) -> bool:
         return bool(torch.isfinite(have).all())
     valid = (args["position"] >= 0).view(have.shape[:2])
     err = ((have.float() - want.float())[valid].abs().max() / want.float()[valid].abs().max()).item()
+    if L == 1:
+        err = max(err, ((other.float() - want.float())[valid].abs().max() / want.float()[valid].abs().max()).item())
     bs = BLOCK_SIZE  # block 0 is the null block: pads and positions below the window write there
     store_ok = all(torch.equal(a[bs:], b[bs:]) for a, b in ((have_args["key_store"], want_args["key_store"]),
                                                            (have_args["value_store"], want_args["value_store"])))
@@ -193,14 +205,18 @@ def split_sweep(device) -> None:
     graph-timed microseconds a call, bf16."""
     for name, layer, rows in SWEEP_CASES:
         args = make_inputs(layer, rows, torch.bfloat16, device)
-        times = {"policy": graph_time_us(lambda: paged_rel_attention_triton(**args))}
+        times = {"policy": graph_time_us(lambda: paged_rel_attention_triton(**args, bias_in_kernel=False))}
+        # The rel_bias fusion (the bias computed per key tile, no r @ P matmul before the launch): that matmul
+        # is part of both figures, so this compares whole steps' attention.
+        times["policy, bias in kernel"] = graph_time_us(lambda: paged_rel_attention_triton(**args, bias_in_kernel=True))
         span = max(p for p, _ in rows) + 1 if layer == "full" else WINDOW
         most = max(1, min(inkling_attention_triton.MAX_SPLITS, span // inkling_attention_triton.DECODE_BLOCK_N))
         splits = 1
         while splits <= most:
-            times[splits] = graph_time_us(lambda n=splits: paged_rel_attention_triton(**args, num_splits=n))
+            times[splits] = graph_time_us(lambda n=splits: paged_rel_attention_triton(**args, num_splits=n,
+                                                                                      bias_in_kernel=False))
             splits *= 2
-        best = min((k for k in times if k != "policy"), key=times.get)
+        best = min((k for k in times if isinstance(k, int)), key=times.get)
         print(f"{name:18s} {layer:7s} " + "  ".join(f"{k}: {v:.1f}" for k, v in times.items())
               + f"  (us; best {best} splits)", flush=True)
 
