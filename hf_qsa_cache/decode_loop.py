@@ -26,8 +26,11 @@ the step ends: with a streamer every step is read, as in `_sample`), the same ex
 (`_optimize_model_for_decode`). `applies` says for which calls: one beam, greedy or sampled, any number of
 rows, a `QSAPagedCache`, the model's ``lean_decoding`` on, no per-step outputs (an assistant's drafting calls
 ask for its scores), no synced GPUs. After the first step the loop builds the model's inputs itself where
-transformers' preparation would only slice them (`lookup_decoding.lean_inputs`): 6.4-6.5 torch calls a greedy
+transformers' preparation would only slice them (`lean_inputs`): 6.4-6.5 torch calls a greedy
 step outside the forward against 15.3-15.4 in `_sample` (`benchmarks/count_loop_calls.py`).
+
+The helpers both our loops share (this one and `lookup_decoding`'s) live here too: `wants_step_outputs`,
+`stop_rules`, `lean_inputs` and `call_result`.
 
 Each forward is a transaction of the cache; the loop is not. A failure between steps leaves the cache
 holding the tokens it was fed; the next `generate()` on it that does not continue them is refused with
@@ -38,10 +41,10 @@ from __future__ import annotations
 
 import torch
 from transformers.generation.configuration_utils import GenerationMode
-from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import QSAPagedCache, rollback_costs_nothing
-from .lookup_decoding import LEAN_KEYS, call_result, lean_inputs, stop_rules, wants_step_outputs
 
 
 def applies(model, input_ids: torch.Tensor, generation_config, synced_gpus: bool, model_kwargs: dict) -> bool:
@@ -52,7 +55,41 @@ def applies(model, input_ids: torch.Tensor, generation_config, synced_gpus: bool
             and 0 < input_ids.shape[1] < config.max_length and not synced_gpus and not wants_step_outputs(config))
 
 
-def late_read_headroom(model, generation_config, generation_mode, rows: int) -> int:
+def wants_step_outputs(config) -> bool:
+    """Whether a generate() call asks for per-step scores, logits, attentions or hidden states (our loops keep none)."""
+    return bool(config.return_dict_in_generate and (
+        config.output_scores or config.output_logits or config.output_attentions or config.output_hidden_states))
+
+
+def stop_rules(stopping_criteria, generation_config) -> tuple[int, set[int]]:
+    """(the length that stops the row, the ids that end it), from the criteria generate() built."""
+    max_length = min((c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)),
+                     default=generation_config.max_length)
+    eos = {int(i) for c in stopping_criteria if isinstance(c, EosTokenCriteria)
+           for i in torch.as_tensor(c.eos_token_id).reshape(-1).tolist()}
+    return max_length, eos
+
+
+# The generation kwargs of a decode round whose model inputs `lean_inputs` builds (a text-only call on our cache).
+LEAN_KEYS = {"attention_mask", "logits_to_keep", "past_key_values", "position_ids", "use_cache"}
+
+
+def lean_inputs(candidates: torch.Tensor, step_length: int, kwargs: dict) -> dict:
+    """What transformers' ``prepare_inputs_for_generation`` returns for a round after the first of a text-only
+    call whose kwargs are `LEAN_KEYS` and whose ids already sit on the model's device: the round's last
+    ``step_length`` ids and positions, the rest passed on. Without its per-round clone of the ids, its device
+    lookups and its checks of what this call cannot hold (about 70 us of host time a token on a CPU,
+    benchmarks/RESULTS.md)."""
+    inputs = {"input_ids": candidates[:, -step_length:]}
+    for key in ("past_key_values", "use_cache", "attention_mask", "logits_to_keep"):
+        if kwargs.get(key) is not None:
+            inputs[key] = kwargs[key]
+    if kwargs.get("position_ids") is not None:
+        inputs["position_ids"] = kwargs["position_ids"][..., -step_length:]
+    return inputs
+
+
+def late_read_headroom(model, generation_config, generation_mode) -> int:
     """Rollback headroom for a cache generate() builds (tokens): one for a greedy or sampled call with an
     end-of-sequence id or stop strings, where keeping it costs nothing (`QSAPagedCache`'s
     `rollback_costs_nothing`: Inkling); else none. With it `decode` reads each step's flag a step late instead
@@ -60,7 +97,7 @@ def late_read_headroom(model, generation_config, generation_mode, rows: int) -> 
     config = generation_config
     stops = config.eos_token_id is not None or bool(getattr(config, "stop_strings", None))
     loops = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
-    return int(generation_mode in loops and rows >= 1 and stops
+    return int(generation_mode in loops and stops
                and getattr(model, "lean_decoding", False) and rollback_costs_nothing(model.config))
 
 
@@ -105,7 +142,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     flag = LateFlag(input_ids.device) if device_stops else None
 
     outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
-    lean = None  # whether later steps' inputs are built here (`lookup_decoding.lean_inputs`)
+    lean = None  # whether later steps' inputs are built here (`lean_inputs`)
     with model._optimize_model_for_decode():
         while True:
             model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
@@ -144,3 +181,12 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                 cache.crop(-1)
                 break
     return call_result(input_ids, cache, generation_config, streamer)
+
+
+def call_result(input_ids: torch.Tensor, cache, generation_config, streamer):
+    """What generate() returns from one of our loops, as from transformers' (the streamer told the end)."""
+    if streamer is not None:
+        streamer.end()
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=input_ids, past_key_values=cache)
+    return input_ids

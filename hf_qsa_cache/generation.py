@@ -185,7 +185,7 @@ class PagedCacheGenerationMixin:
         extra = overshoot(generation_config, bound)
         if cache is None and generation_config.use_cache is not False:
             # (our loops read a step late with a token of headroom: `decode_loop.late_read_headroom`)
-            headroom = max(bound, decode_loop.late_read_headroom(self, generation_config, generation_mode, rows))
+            headroom = max(bound, decode_loop.late_read_headroom(self, generation_config, generation_mode))
             cache = QSAPagedCache(self.config, max_batch_size=rows, max_cache_len=max_cache_length + extra,
                                   num_speculative_tokens=headroom)
             cache._generate_may_grow = True  # sized for this call only: a call that continues it grows it

@@ -1,5 +1,4 @@
-"""Greedy prompt lookup of one row in a loop of ours, with at most one small host read per round; and the lean
-model inputs our decode loops build (`lean_inputs`).
+"""Greedy prompt lookup of one row in a loop of ours, with at most one small host read per round.
 
 transformers runs prompt lookup in its assisted-decoding loop, written for any drafter and for sampling.
 Each round, besides the forward, it copies the verified logits to fp32 and clones them, counts the
@@ -49,9 +48,9 @@ from transformers.generation.candidate_generator import (
     _prepare_attention_mask, _prepare_position_ids, _prepare_token_type_ids,
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import QSAPagedCache
+from .decode_loop import LEAN_KEYS, call_result, lean_inputs, stop_rules, wants_step_outputs
 
 # The stopping criteria this loop evaluates on the host; any other one (stop strings, a time limit, a user's)
 # runs on the device after every round, as in transformers' loop, and turns off the unread paused rounds.
@@ -71,21 +70,6 @@ def applies(model, input_ids: torch.Tensor, stopping_criteria, generation_config
             and isinstance(model_kwargs.get("past_key_values"), QSAPagedCache) and model_kwargs.get("use_cache")
             and input_ids.shape[0] == 1 and input_ids.shape[1] < config.max_length
             and not synced_gpus and not wants_step_outputs(config))
-
-
-def wants_step_outputs(config) -> bool:
-    """Whether a generate() call asks for per-step scores, logits, attentions or hidden states (our loops keep none)."""
-    return bool(config.return_dict_in_generate and (
-        config.output_scores or config.output_logits or config.output_attentions or config.output_hidden_states))
-
-
-def stop_rules(stopping_criteria, generation_config) -> tuple[int, set[int]]:
-    """(the length that stops the row, the ids that end it), from the criteria generate() built."""
-    max_length = min((c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)),
-                     default=generation_config.max_length)
-    eos = {int(i) for c in stopping_criteria if isinstance(c, EosTokenCriteria)
-           for i in torch.as_tensor(c.eos_token_id).reshape(-1).tolist()}
-    return max_length, eos
 
 
 def verdict(drafts: list[int], picks: list[int], room: int, eos: set[int]) -> list[int]:
@@ -124,25 +108,6 @@ def _first_step_length(cache, model_kwargs: dict, generation_config, length: int
     mask = model_kwargs.get("attention_mask")
     mask_length = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", -1)
     return length - past + drafted if mask_length == length else None
-
-
-# The generation kwargs of a decode round whose model inputs `lean_inputs` builds (a text-only call on our cache).
-LEAN_KEYS = {"attention_mask", "logits_to_keep", "past_key_values", "position_ids", "use_cache"}
-
-
-def lean_inputs(candidates: torch.Tensor, step_length: int, kwargs: dict) -> dict:
-    """What transformers' ``prepare_inputs_for_generation`` returns for a round after the first of a text-only
-    call whose kwargs are `LEAN_KEYS` and whose ids already sit on the model's device: the round's last
-    ``step_length`` ids and positions, the rest passed on. Without its per-round clone of the ids, its device
-    lookups and its checks of what this call cannot hold (about 70 us of host time a token on a CPU,
-    benchmarks/RESULTS.md)."""
-    inputs = {"input_ids": candidates[:, -step_length:]}
-    for key in ("past_key_values", "use_cache", "attention_mask", "logits_to_keep"):
-        if kwargs.get(key) is not None:
-            inputs[key] = kwargs[key]
-    if kwargs.get("position_ids") is not None:
-        inputs["position_ids"] = kwargs["position_ids"][..., -step_length:]
-    return inputs
 
 
 def _decode(model, generator, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
@@ -243,12 +208,3 @@ def _decode(model, generator, input_ids, logits_processor, stopping_criteria, ge
         if stopped or input_ids.shape[1] >= max_length or tokens[-1] in eos:
             break
     return call_result(input_ids, cache, generation_config, streamer)
-
-
-def call_result(input_ids: torch.Tensor, cache, generation_config, streamer):
-    """What generate() returns from one of our loops, as from transformers' (the streamer told the end)."""
-    if streamer is not None:
-        streamer.end()
-    if generation_config.return_dict_in_generate:
-        return GenerateDecoderOnlyOutput(sequences=input_ids, past_key_values=cache)
-    return input_ids
