@@ -409,9 +409,7 @@ def _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots
     B, L, Hq, hd = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
-    from_r = proj is not None
-    if from_r and block_m != 1:
-        raise ValueError(f"the bias is computed in the kernel for one-token query tiles only, got {block_m} tokens")
+    from_r = proj is not None  # only with one-token query tiles (the caller's choice; the fallback keeps 1)
     E = proj.shape[1] if from_r else rel.shape[-1]
     d_rel = rel.shape[-1] if from_r else 1
     out = torch.empty(B, L, Hq * hd, dtype=q.dtype, device=q.device)
