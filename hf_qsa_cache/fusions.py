@@ -2,7 +2,8 @@
 
 ``HF_QSA_FUSED`` (read at import, `fusion_enabled`) sets each fusion's flag for the process: unset, every
 fusion measured on the H200 (exact in fp32 and faster, benchmarks/RESULTS.md), that is all but
-`UNMEASURED`; ``all`` adds those; ``none`` (or empty) turns all off; a comma list turns on only those;
+`UNMEASURED`; ``all`` adds those; ``none`` (or empty) turns all off; a comma list turns on only those
+(``default`` in it stands for the measured ones);
 an unknown name is refused at import. `fused` switches them for a block of code (a benchmark comparing
 both paths in one process, a test). A flag is read when a forward runs, and a CUDA graph records the
 path its capture took: switch before building the cache whose graphs should use the new setting.
@@ -32,20 +33,25 @@ FLAGS = {
     "conv_norm": ("hf_qsa_cache.ops.conv_norm", "FUSED_CONV_NORM"),
     "tiled_experts": ("hf_qsa_cache.ops.prompt_experts", "FUSED_TILED_EXPERTS"),
     "rel_bias": ("hf_qsa_cache.ops.inkling_attention", "FUSED_REL_BIAS"),
+    # Not a fusion: every kernel launched with programmatic dependent launch (`ops.triton_common.pdl`).
+    "pdl": ("hf_qsa_cache.ops.triton_common", "FUSED_PDL"),
 }
 # Built and tested on the CPU (the kernels under the Triton interpreter) but not yet timed and checked on a GPU: on
 # only when named in HF_QSA_FUSED (or with "all"), not by default. A new fusion starts here.
-UNMEASURED: tuple[str, ...] = ("rel_bias",)
+UNMEASURED: tuple[str, ...] = ("rel_bias", "pdl")
 
 
 def requested(setting: str | None, unmeasured: tuple[str, ...] = UNMEASURED) -> set[str]:
-    """The names an ``HF_QSA_FUSED`` value turns on ("all" stands for every one); refuses unknown names."""
-    names = ({name for name in FLAGS if name not in unmeasured} if setting is None
-             else {name.strip() for name in setting.split(",") if name.strip()} - {"none"})
-    if names - {*FLAGS, "all"}:
-        raise ValueError(f"HF_QSA_FUSED names unknown fusion(s) {sorted(names - {*FLAGS, 'all'})}; "
-                         f"known: {', '.join(FLAGS)}, all or none")
-    return names
+    """The names an ``HF_QSA_FUSED`` value turns on ("all" stands for every one, "default" for the measured ones:
+    ``default,pdl`` adds one to the default set); refuses unknown names."""
+    measured = {name for name in FLAGS if name not in unmeasured}
+    if setting is None:
+        return measured
+    names = {name.strip() for name in setting.split(",") if name.strip()} - {"none"}
+    if names - {*FLAGS, "all", "default"}:
+        raise ValueError(f"HF_QSA_FUSED names unknown fusion(s) {sorted(names - {*FLAGS, 'all', 'default'})}; "
+                         f"known: {', '.join(FLAGS)}, all, default or none")
+    return names - {"default"} | (measured if "default" in names else set())
 
 
 _REQUESTED = requested(os.environ.get("HF_QSA_FUSED"))

@@ -115,9 +115,13 @@ def compile_for_gpu(entry: dict) -> None:
     kernel = getattr(importlib.import_module(entry["module"]), entry["name"])
     fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
     constants = {name: _compile_constant(v) for name, v in entry["constants"].items()}
+    options = dict(entry["options"])
+    if "PDL" in constants:  # the interpreter never launches early: compile the early-launch build, its code plus
+        constants["PDL"] = True  # the wait, which the GPU runs with the ``pdl`` setting on
+        options["launch_pdl"] = True
     signature = {**entry["signature"], **{name: "constexpr" for name in constants}}
     source = ASTSource(fn, signature, constexprs=constants)
-    triton.compile(source, target=GPUTarget("cuda", TARGET_ARCH, 32), options=dict(entry["options"]))
+    triton.compile(source, target=GPUTarget("cuda", TARGET_ARCH, 32), options=options)
 
 
 def structure(entry: dict) -> str:

@@ -118,7 +118,7 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
     assert [getattr(m, f) for m, f in flags] == before
     assert set(FLAGS) == {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
                           "inkling_router", "prompt_experts", "projections", "ple", "conv_norm", "tiled_experts",
-                          "rel_bias"}
+                          "rel_bias", "pdl"}
     with pytest.raises(ValueError, match="unknown fusion"):
         with fused(("nope",)):
             pass
@@ -144,10 +144,12 @@ def test_a_fusion_not_yet_timed_is_on_only_when_named():
     assert requested(None, unmeasured=("inkling_router",)) == set(FLAGS) - {"inkling_router"}
     assert requested("all", unmeasured=("inkling_router",)) == {"all"}
     assert requested("inkling_router,hc", unmeasured=("inkling_router",)) == {"inkling_router", "hc"}
+    assert requested("default", unmeasured=("inkling_router",)) == set(FLAGS) - {"inkling_router"}
+    assert requested(" default , inkling_router", unmeasured=("inkling_router",)) == set(FLAGS)
 
 
-SETTINGS = [(None, MEASURED), ("all", MEASURED | {"rel_bias"}), ("none", set()), ("", set()),
-            ("gdn,router", {"gdn", "router"})]
+SETTINGS = [(None, MEASURED), ("all", MEASURED | {"rel_bias", "pdl"}), ("none", set()), ("", set()),
+            ("default,pdl", MEASURED | {"pdl"}), ("gdn,router", {"gdn", "router"})]
 
 
 @pytest.mark.parametrize("setting, expected", SETTINGS)

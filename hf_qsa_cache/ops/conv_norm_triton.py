@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import TL_DTYPES, on_device_of_first_tensor
+from .triton_common import TL_DTYPES, on_device_of_first_tensor, pdl, pdl_begin
 
 
 @triton.jit
@@ -65,8 +65,9 @@ def _attention_inputs_kernel(
     k_conv_ptr, k_store, k_s0, k_s1, k_width, v_conv_ptr, v_store, v_s0, v_s1, v_width,
     table_ptr, table_s0, table_cols, slots_ptr, pos_ptr, prev_ptr, query_len, block_size,
     HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HD_PAD: tl.constexpr, K: tl.constexpr,
-    Q_PRODUCT: tl.constexpr, K_PRODUCT: tl.constexpr,
+    Q_PRODUCT: tl.constexpr, K_PRODUCT: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
     t64 = t.to(tl.int64)
@@ -93,7 +94,9 @@ def _conv_add_rms_norm_kernel(
     x_ptr, residual_ptr, h_ptr, out_ptr, norm_ptr, eps, conv_ptr, store_ptr, store_s0, store_s1, width,
     table_ptr, table_s0, table_cols, slots_ptr, pos_ptr, prev_ptr, query_len, block_size,
     C: tl.constexpr, C_PAD: tl.constexpr, K: tl.constexpr, RESIDUAL: tl.constexpr, PRODUCT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
     c = tl.arange(0, C_PAD)
@@ -141,7 +144,7 @@ def attention_inputs_triton(q, k, v, k_taps, v_taps, q_norm_weight, q_eps, k_nor
             q, k, v, q_out, k_out, v_out, q_norm_weight, k_norm_weight, float(q_eps), float(k_eps),
             *_stream_args(k_taps), *_stream_args(v_taps), *_shared_step_args(k_taps, v_taps),
             HQ=hq, HKV=hkv, HD=head_dim, HD_PAD=triton.next_power_of_2(head_dim), K=k_taps.weight.shape[1],
-            Q_PRODUCT=TL_DTYPES[q_out.dtype], K_PRODUCT=TL_DTYPES[k_out.dtype], num_warps=num_warps,
+            Q_PRODUCT=TL_DTYPES[q_out.dtype], K_PRODUCT=TL_DTYPES[k_out.dtype], num_warps=num_warps, **pdl(q),
         )
     return q_out, k_out, v_out
 
@@ -160,6 +163,6 @@ def conv_add_rms_norm_triton(x, taps, residual, norm_weight, eps, *, num_warps: 
             x, x if residual is None else residual.contiguous(), h, out, norm_weight, float(eps),
             *_stream_args(taps), *_shared_step_args(taps),
             C=C, C_PAD=triton.next_power_of_2(C), K=taps.weight.shape[1], RESIDUAL=residual is not None,
-            PRODUCT=TL_DTYPES[out.dtype], num_warps=num_warps or min(16, max(1, C // 128)),
+            PRODUCT=TL_DTYPES[out.dtype], num_warps=num_warps or min(16, max(1, C // 128)), **pdl(x),
         )
     return h, out

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import on_device_of_first_tensor
+from .triton_common import on_device_of_first_tensor, pdl, pdl_begin
 
 # Launch policy (shapes only). Decode has few pairs, so narrow column tiles give the GPU enough programs.
 GATE_UP_BLOCK_N = 16  # intermediate columns per program
@@ -76,8 +76,9 @@ def _gate_up_kernel(
     stride_we, stride_wn, stride_wk, stride_ht, stride_se, stride_sn, stride_sk,
     num_experts, num_pairs,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
-    SHARED_INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SHARED_INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     s = tl.program_id(0).to(tl.int64)
     if s < num_pairs:  # a routed (token, expert) pair
         t = s // TOP_K
@@ -129,7 +130,9 @@ def _down_kernel(
     num_experts, num_pairs,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
     SHARED_INTER: tl.constexpr, GATE_VECTOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < HIDDEN
@@ -223,7 +226,7 @@ def selected_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tens
         w_e, w_n, w_k, scratch.stride(0), *shared_gate.stride()[-3:],
         num_experts, pairs,
         HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED=max(n_shared, 1), SHARED_INTER=shared_inter,
-        BLOCK_N=gate_up_n, BLOCK_K=chunk, num_warps=warps,
+        BLOCK_N=gate_up_n, BLOCK_K=chunk, num_warps=warps, **pdl(hidden_states),
     )
     _down_kernel[(num_tokens, triton.cdiv(hidden, down_n))](
         scratch, top_k_index, top_k_weights, down_proj, out, hidden_states, shared_vec, shared_down, token_weights,
@@ -232,6 +235,6 @@ def selected_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tens
         hidden_states.stride(0), hidden_states.stride(1), *shared_down.stride()[-3:], token_weights.stride(0),
         num_experts, pairs,
         HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED=max(n_shared, 1), SHARED_INTER=shared_inter,
-        GATE_VECTOR=gate_vector, BLOCK_N=down_n, BLOCK_K=chunk, num_warps=warps,
+        GATE_VECTOR=gate_vector, BLOCK_N=down_n, BLOCK_K=chunk, num_warps=warps, **pdl(scratch),
     )
     return out

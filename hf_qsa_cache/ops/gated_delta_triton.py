@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import TL_DTYPES, on_device_of_first_tensor
+from .triton_common import TL_DTYPES, on_device_of_first_tensor, pdl, pdl_begin
 
 
 @triton.jit
@@ -17,7 +17,8 @@ def _softplus(x):
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _delta_gates_kernel(b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, valid_ptr, beta_ptr, g_ptr, num_tokens,
-                        H: tl.constexpr, H_PAD: tl.constexpr):
+                        H: tl.constexpr, H_PAD: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, H_PAD)
     ok = h < H
@@ -46,13 +47,15 @@ def delta_gates_triton(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt
         real = valid.reshape(-1) if valid.dtype == torch.bool else valid.reshape(-1) != 0
         # The mask as bytes (a bool tensor reinterpreted, no copy): one byte per token, no bool pointers.
         _delta_gates_kernel[(tokens,)](b, a, A_log, dt_bias, real.contiguous().view(torch.uint8), beta, g, tokens,
-                                       H=H, H_PAD=triton.next_power_of_2(H), num_warps=1)
+                                       H=H, H_PAD=triton.next_power_of_2(H), num_warps=1, **pdl(b))
     return beta, g
 
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _gated_rms_norm_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, num_rows, eps,
-                           D: tl.constexpr, D_PAD: tl.constexpr, SIGMOID: tl.constexpr, PRODUCT: tl.constexpr):
+                           D: tl.constexpr, D_PAD: tl.constexpr, SIGMOID: tl.constexpr, PRODUCT: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     r = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D_PAD)
     ok = d < D
@@ -79,7 +82,7 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     if rows:
         _gated_rms_norm_kernel[(rows,)](x, gate, weight, out, rows, float(eps), D=D,
                                         D_PAD=triton.next_power_of_2(D), SIGMOID=activation == "sigmoid",
-                                        PRODUCT=product, num_warps=4 if D >= 512 else 1)
+                                        PRODUCT=product, num_warps=4 if D >= 512 else 1, **pdl(x))
     return out
 
 
@@ -88,10 +91,11 @@ def _conv_decode_step_kernel(state_ptr, x_ptr, weight_ptr, residual_ptr, out_ptr
                              stride_xb, stride_xc, stride_wc, stride_wk, stride_rb, stride_rc, channels,
                              K: tl.constexpr, K_PAD: tl.constexpr, DIL: tl.constexpr, S: tl.constexpr,
                              S_PAD: tl.constexpr, BLOCK_C: tl.constexpr, W_DTYPE: tl.constexpr,
-                             RESIDUAL: tl.constexpr):
+                             RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (row, block of channels): the window [kept S = (K-1) * DIL inputs | x] in x's dtype, the
     conv over its inputs 0, DIL, .., S in fp32 rounded to the weight's dtype, silu rounded to the output's
     (plus the residual, rounded again); the kept inputs shift by one."""
+    pdl_begin(PDL)
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     k = tl.arange(0, K_PAD)
@@ -134,7 +138,7 @@ def conv_decode_step_triton(conv_state: torch.Tensor, x: torch.Tensor, weight: t
             conv_state, x, weight, r, out, *conv_state.stride(), x.stride(0), x.stride(1), *weight.stride(),
             r.stride(0), r.stride(2), C, K=K, K_PAD=triton.next_power_of_2(K), DIL=dilation, S=(K - 1) * dilation,
             S_PAD=triton.next_power_of_2((K - 1) * dilation), BLOCK_C=block_c, W_DTYPE=TL_DTYPES[weight.dtype],
-            RESIDUAL=residual is not None, num_warps=4,
+            RESIDUAL=residual is not None, num_warps=4, **pdl(conv_state),
         )
     return out
 
@@ -143,10 +147,11 @@ def conv_decode_step_triton(conv_state: torch.Tensor, x: torch.Tensor, weight: t
 def _conv_prefill_kernel(x_ptr, state_ptr, weight_ptr, pads_ptr, out_ptr, stride_xb, stride_xc, stride_xt,
                          stride_sb, stride_sc, stride_sk, stride_wc, stride_wk, length, channels,
                          K: tl.constexpr, HAS_PADS: tl.constexpr, FRESH: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_C: tl.constexpr, W_DTYPE: tl.constexpr):
+                         BLOCK_C: tl.constexpr, W_DTYPE: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (block of columns, block of channels, row). Output column t reads window columns
     t .. t+K-1 of [kept K-1 inputs | x] with the row's pads moved in front (`causal_window`); each tap is
     loaded from where that column lives (nothing, the kept inputs, or x), never from a built window."""
+    pdl_begin(PDL)
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     b = tl.program_id(2).to(tl.int64)
@@ -189,6 +194,6 @@ def conv_prefill_triton(conv_state: torch.Tensor, x: torch.Tensor, weight: torch
         _conv_prefill_kernel[(triton.cdiv(L, block_t), triton.cdiv(C, block_c), B)](
             x, conv_state, weight, pads, out, *x.stride(), *conv_state.stride(), *weight.stride(), L, C,
             K=K, HAS_PADS=leading_pads is not None, FRESH=fresh, BLOCK_T=block_t, BLOCK_C=block_c,
-            W_DTYPE=TL_DTYPES[weight.dtype], num_warps=4,
+            W_DTYPE=TL_DTYPES[weight.dtype], num_warps=4, **pdl(x),
         )
     return out

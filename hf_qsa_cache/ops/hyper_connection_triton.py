@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRET, dot, on_device_of_first_tensor
+from .triton_common import INTERPRET, dot, on_device_of_first_tensor, pdl, pdl_begin
 
 
 def _warps(elements: int) -> int:
@@ -32,7 +32,8 @@ def grouped_norm(x, weight_ptr, c, h, ok, H: tl.constexpr, eps):
 @triton.jit(do_not_specialize=["num_tokens"])
 def _hc_norm_kernel(streams_ptr, out_ptr, inject_ptr, weight_ptr, streams_out_ptr, normed_ptr, num_tokens, eps,
                     HC: tl.constexpr, H: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                    RESIDUAL: tl.constexpr):
+                    RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, HC_PAD)
     h = tl.arange(0, BLOCK_H)
@@ -70,13 +71,14 @@ def hc_norm_triton(streams: torch.Tensor, weight: torch.Tensor, hc: int, eps: fl
         _hc_norm_kernel[(tokens,)](
             streams, out, inject, weight, new_streams, normed, tokens, float(eps),
             HC=hc, H=H, HC_PAD=hc_pad, BLOCK_H=block_h, RESIDUAL=residual is not None,
-            num_warps=_warps(hc_pad * block_h),
+            num_warps=_warps(hc_pad * block_h), **pdl(streams),
         )
     return (new_streams if residual is not None else streams), normed
 
 
 @triton.jit
-def _scaled_silu_kernel(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+def _scaled_silu_kernel(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + i, mask=i < n, other=0.0).to(tl.float32) * scale
     tl.store(y_ptr + i, (x * tl.sigmoid(x)).to(y_ptr.dtype.element_ty), mask=i < n)
@@ -90,14 +92,15 @@ def scaled_silu_triton(x: torch.Tensor, scale: float) -> torch.Tensor:
     n = x.numel()
     if n:
         block = 1024
-        _scaled_silu_kernel[(triton.cdiv(n, block),)](x, y, n, float(scale), BLOCK=block, num_warps=4)
+        _scaled_silu_kernel[(triton.cdiv(n, block),)](x, y, n, float(scale), BLOCK=block, num_warps=4, **pdl(x))
     return y
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _mix_streams_kernel(up_ptr, normed_ptr, logits_ptr, mixed_ptr, inject_ptr, num_tokens,
                         HC: tl.constexpr, H: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                        INJECT: tl.constexpr):
+                        INJECT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, HC_PAD)
     h = tl.arange(0, BLOCK_H)
@@ -130,7 +133,7 @@ def mix_streams_triton(up: torch.Tensor, normed: torch.Tensor, inject_logits: to
         logits = inject_logits.contiguous() if inject is not None else mixed  # (unread without injection)
         _mix_streams_kernel[(tokens,)](up, normed, logits, mixed, inject if inject is not None else mixed, tokens,
                                        HC=hc, H=H, HC_PAD=hc_pad, BLOCK_H=block_h, INJECT=inject is not None,
-                                       num_warps=_warps(hc_pad * block_h))
+                                       num_warps=_warps(hc_pad * block_h), **pdl(up))
     return mixed, inject
 
 
@@ -164,9 +167,10 @@ MIX_TILES = MixTiles(splits=16, block_n=64, block_k=128, down_warps=4, block_h=3
 def _hc_down_kernel(x_ptr, down_ptr, inject_w_ptr, part_ptr, num_tokens, split_len,
                     K: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
-                    INJECT: tl.constexpr):
+                    INJECT: tl.constexpr, PDL: tl.constexpr = False):
     """part[s, m, n] = sum over the s-th input range of x[m, k] * W[n, k], W = [down (R rows); inject (HC)]
     (the injection rows only with ``INJECT``)."""
+    pdl_begin(PDL)
     n_block, s, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -188,12 +192,14 @@ def _hc_down_kernel(x_ptr, down_ptr, inject_w_ptr, part_ptr, num_tokens, split_l
 @triton.jit(do_not_specialize=["num_tokens"])
 def _hc_up_mix_kernel(part_ptr, normed_ptr, up_ptr, mixed_ptr, inject_ptr, num_tokens,
                       H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr,
-                      HC_PAD: tl.constexpr, R_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, INJECT: tl.constexpr):
+                      HC_PAD: tl.constexpr, R_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, INJECT: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """mixed[t, h] = mean_c sigmoid(low[t] . W_up[c*H + h]) * normed[t, c*H + h], with low = silu(down / HC)
     summed from the splits. One program per (block of BLOCK_H columns, token): its HC_PAD * BLOCK_H weight
     rows (stream-major) are read once, in chunks of R_CHUNK of the low rank, as GEMVs (products summed
     along the chunk at the end; no tl.dot, whose 16-row tiles would be padding for one token). The first
     column block also writes inject = 2 sigmoid(logits / HC)."""
+    pdl_begin(PDL)
     h_block, t = tl.program_id(0), tl.program_id(1).to(tl.int64)
     j = tl.arange(0, HC_PAD * BLOCK_H)
     stream, h = j // BLOCK_H, h_block * BLOCK_H + j % BLOCK_H
@@ -250,9 +256,9 @@ def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.T
     _hc_down_kernel[(triton.cdiv(R + (hc if has_inject else 0), t.block_n), splits, m_blocks)](
         normed, down, inject_weight, part, tokens, split_len, K=K, R=R, HC=hc, BLOCK_M=HC_PROJ_BLOCK_M,
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=normed.dtype == torch.float32, WIDEN=INTERPRET, INJECT=has_inject,
-        num_warps=t.down_warps)
+        num_warps=t.down_warps, **pdl(normed))
     _hc_up_mix_kernel[(triton.cdiv(H, t.block_h), tokens)](
         part, normed, up, mixed, inject if has_inject else mixed, tokens, H=H, R=R, HC=hc, SPLITS=splits,
         HC_PAD=triton.next_power_of_2(hc), R_CHUNK=min(t.r_chunk, triton.next_power_of_2(R)), BLOCK_H=t.block_h,
-        INJECT=has_inject, num_warps=t.up_warps)
+        INJECT=has_inject, num_warps=t.up_warps, **pdl(part))
     return mixed, inject

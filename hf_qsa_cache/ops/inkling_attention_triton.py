@@ -44,7 +44,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import inkling_attention
-from .triton_common import INTERPRET, LOG2E, TL_DTYPES, dot, on_device_of_first_tensor, pow2
+from .triton_common import INTERPRET, LOG2E, TL_DTYPES, dot, on_device_of_first_tensor, pdl, pdl_begin, pow2
 
 
 # Launch policy (all overridable per call through keyword arguments).
@@ -193,8 +193,9 @@ def _rel_attention_kernel(
     G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, WINDOWED: tl.constexpr, LOG_SCALING: tl.constexpr,
     IEEE: tl.constexpr, WIDEN: tl.constexpr, REL_FROM_R: tl.constexpr, D_REL: tl.constexpr, DR_PAD: tl.constexpr,
-    R_DTYPE: tl.constexpr,
+    R_DTYPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     b = pid // num_q_tiles
     tile = num_q_tiles - 1 - pid % num_q_tiles  # longest key ranges first
@@ -313,8 +314,9 @@ def _rel_attention_kernel(
 @triton.jit
 def _merge_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
-                         D_PAD: tl.constexpr, WIDEN: tl.constexpr):
+                         D_PAD: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (token, query head): combine the splits' (max, sum, accumulator)."""
+    pdl_begin(PDL)
     th = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
@@ -453,12 +455,12 @@ def _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots
         NUM_HEADS=Hq, GROUP=G, HEAD_DIM=hd, G_PAD=g_pad, BLOCK_M=block_m, D_PAD=d_pad, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, WINDOWED=window is not None, LOG_SCALING=log_scaling is not None,
         IEEE=ieee, WIDEN=INTERPRET, REL_FROM_R=from_r, D_REL=d_rel, DR_PAD=pow2(d_rel), R_DTYPE=TL_DTYPES[rel.dtype],
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl(q),
     )
     if num_splits > 1:
         _merge_splits_kernel[(T * Hq,)](
             part_m, part_l, part_acc, out, HEAD_DIM=hd, NUM_SPLITS=num_splits,
             S_PAD=triton.next_power_of_2(num_splits), D_PAD=triton.next_power_of_2(hd), WIDEN=INTERPRET,
-            num_warps=4,
+            num_warps=4, **pdl(part_m),
         )
     return out

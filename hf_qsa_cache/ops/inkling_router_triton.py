@@ -14,15 +14,16 @@ import triton
 import triton.language as tl
 
 from .router_triton import BLOCK_H, router_partials
-from .triton_common import on_device_of_first_tensor, top_k_picks
+from .triton_common import on_device_of_first_tensor, pdl, pdl_begin, top_k_picks
 
 
 @triton.jit(do_not_specialize=["num_tokens", "splits"])
 def _inkling_router_kernel(
     part_ptr, bias_ptr, scale_ptr, weights_ptr, indices_ptr, gammas_ptr, num_tokens, splits, route_scale,
     E: tl.constexpr, S: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-    S_PAD: tl.constexpr,
+    S_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)  # rows 0..E-1 routed, E..E+S-1 shared
     e_ok = e < E + S
@@ -73,5 +74,5 @@ def inkling_router_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     _inkling_router_kernel[(T,)](
         part, bias, global_scale, weights, indices, gammas, T, part.shape[0], float(route_scale), E=E, S=n_shared,
         E_PAD=triton.next_power_of_2(rows), K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        S_PAD=triton.next_power_of_2(n_shared), num_warps=1)
+        S_PAD=triton.next_power_of_2(n_shared), num_warps=1, **pdl(part))
     return weights, indices, gammas

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import on_device_of_first_tensor
+from .triton_common import on_device_of_first_tensor, pdl, pdl_begin
 
 
 # The table's width and row stride follow the cache size: not specialised (no recompilation per cache).
@@ -21,8 +21,9 @@ from .triton_common import on_device_of_first_tensor
 def _short_conv_kernel(
     x_ptr, w_ptr, store_ptr, table_ptr, slots_ptr, pos_ptr, prev_ptr, y_ptr,
     T, C, width, store_s0, store_s1, table_s0, table_cols, query_len, block_size,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     tm = t < T
@@ -82,6 +83,6 @@ def short_conv_triton(x, weight, store, table, block_size, slots, position, prev
     _short_conv_kernel[grid](
         x, weight, store, table, slots.contiguous(), position.contiguous(), prev_len.contiguous(), y,
         T, C, store.shape[2], store.stride(0), store.stride(1), table.stride(0), table.shape[1], query_len,
-        block_size, K=K, BLOCK_T=block_t, BLOCK_C=block_c,
+        block_size, K=K, BLOCK_T=block_t, BLOCK_C=block_c, **pdl(x),
     )
     return y

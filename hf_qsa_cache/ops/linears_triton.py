@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRET, dot, on_device_of_first_tensor, pow2
+from .triton_common import INTERPRET, dot, on_device_of_first_tensor, pdl, pdl_begin, pow2
 
 MAX_WEIGHTS = 4
 MAX_TOKENS = 64  # the tokens sit in one tile of registers
@@ -58,7 +58,8 @@ def _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w_ptr, o_ptr, block, ro
 def _linears_kernel(x_ptr, keep_ptr, w0, w1, w2, w3, o0, o1, o2, o3, rows0, rows1, rows2, rows3, stride_xt,
                     stride_xk, num_tokens, K: tl.constexpr, COUNT: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KEEP: tl.constexpr, IEEE: tl.constexpr,
-                    WIDEN: tl.constexpr):
+                    WIDEN: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     end0 = tl.cdiv(rows0, BLOCK_N)
     end1 = end0 + tl.cdiv(rows1, BLOCK_N)
@@ -109,6 +110,6 @@ def linears_triton(x: torch.Tensor, weights: list[torch.Tensor], keep: torch.Ten
     _linears_kernel[(programs,)](
         x, keep if keep is not None else x, *padded_w, *padded_o, *rows, x.stride(0), x.stride(1), num_tokens,
         K=K, COUNT=len(weights), BLOCK_T=pow2(num_tokens), BLOCK_N=block_n, BLOCK_K=block_k,
-        KEEP=keep is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, num_warps=warps,
+        KEEP=keep is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, num_warps=warps, **pdl(x),
     )
     return outs

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import on_device_of_first_tensor
+from .triton_common import on_device_of_first_tensor, pdl, pdl_begin
 
 from ..metadata import QSAGeometry, StepMetadata, host_fields, max_compress_work
 
@@ -59,8 +59,9 @@ def _step_metadata_kernel(
     NUM_TABLES: tl.constexpr,
     HAS_QSA: tl.constexpr,
     BLOCK: tl.constexpr,
-    ROW_CHUNK: tl.constexpr,
+    ROW_CHUNK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     in_range = offs < num_tokens
@@ -195,6 +196,6 @@ def build_step_metadata_triton(
         NUM_TABLES=len(names),
         HAS_QSA=qsa is not None,
         BLOCK=_BLOCK,
-        ROW_CHUNK=_ROW_CHUNK,
+        ROW_CHUNK=_ROW_CHUNK, **pdl(prev_len),
     )
     return meta

@@ -6,14 +6,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import on_device_of_first_tensor
+from .triton_common import on_device_of_first_tensor, pdl, pdl_begin
 
 
 @triton.jit(do_not_specialize=["num_tokens", "stride_xt", "stride_xh"])
 def _norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, num_tokens, eps, stride_xt, stride_xh,
                       H: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, H_PAD: tl.constexpr,
-                      D_PAD: tl.constexpr):
+                      D_PAD: tl.constexpr, PDL: tl.constexpr = False):
     """One program per token: all its heads as an ``[H_PAD, D_PAD]`` tile."""
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, H_PAD)
     d = tl.arange(0, D_PAD)
@@ -56,5 +57,5 @@ def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: tor
     if n:
         h_pad, d_pad = triton.next_power_of_2(H), triton.next_power_of_2(D)
         _norm_rope_kernel[(n,)](x, weight, cos, sin, out, n, float(eps), x.stride(0), x.stride(1), H=H, D=D, ROT=rot,
-                                H_PAD=h_pad, D_PAD=d_pad, num_warps=8 if h_pad * d_pad >= 4096 else 4)
+                                H_PAD=h_pad, D_PAD=d_pad, num_warps=8 if h_pad * d_pad >= 4096 else 4, **pdl(x))
     return out

@@ -19,13 +19,14 @@ import triton
 import triton.language as tl
 
 from .hyper_connection_triton import grouped_norm
-from .triton_common import on_device_of_first_tensor
+from .triton_common import on_device_of_first_tensor, pdl, pdl_begin
 
 
 @triton.jit(do_not_specialize=["length", "width", "stride_hb"])
 def _ngram_embeddings_kernel(hist_ptr, mult_ptr, sizes_ptr, offsets_ptr, weight_ptr, out_ptr, length,
                              width, stride_hb, eos, NGRAM: tl.constexpr, PER_NGRAM: tl.constexpr, DIM: tl.constexpr,
-                             D_PAD: tl.constexpr):
+                             D_PAD: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     b = t // length
@@ -61,14 +62,15 @@ def ngram_embeddings_triton(history: torch.Tensor, emb, length: int) -> torch.Te
         _ngram_embeddings_kernel[(B * length, heads)](
             history, emb.layer_multipliers, emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets, weight, out,
             length, width, history.stride(0), int(emb.eos_token_id), NGRAM=emb.ngram_size,
-            PER_NGRAM=emb.heads_per_ngram, DIM=dim, D_PAD=triton.next_power_of_2(dim), num_warps=1)
+            PER_NGRAM=emb.heads_per_ngram, DIM=dim, D_PAD=triton.next_power_of_2(dim), num_warps=1, **pdl(history))
     return out
 
 
 @triton.jit
 def _ple_gate_kernel(key_ptr, value_ptr, streams_ptr, valid_ptr, wk_ptr, wq_ptr, wc_ptr, gated_ptr, normed_ptr,
                      eps, inv_sqrt_h, HC: tl.constexpr, H: tl.constexpr, HC_PAD: tl.constexpr,
-                     BLOCK_H: tl.constexpr):
+                     BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, HC_PAD)
     h = tl.arange(0, BLOCK_H)
@@ -103,5 +105,5 @@ def ple_gate_triton(key: torch.Tensor, value: torch.Tensor, streams: torch.Tenso
         hc_pad, block_h = triton.next_power_of_2(hc), triton.next_power_of_2(H)
         _ple_gate_kernel[(tokens,)](key, value, streams, valid, key_weight, query_weight, conv_weight, gated, normed,
                                     float(eps), 1.0 / math.sqrt(H), HC=hc, H=H, HC_PAD=hc_pad, BLOCK_H=block_h,
-                                    num_warps=8 if hc_pad * block_h >= 4096 else 4)
+                                    num_warps=8 if hc_pad * block_h >= 4096 else 4, **pdl(key))
     return gated, normed

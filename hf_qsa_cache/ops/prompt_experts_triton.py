@@ -7,11 +7,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRET, dot, on_device_of_first_tensor
+from .triton_common import INTERPRET, dot, on_device_of_first_tensor, pdl, pdl_begin
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _weighted_silu_mul_kernel(gate_up_ptr, weights_ptr, out_ptr, num_rows, I: tl.constexpr, BLOCK: tl.constexpr):
+def _weighted_silu_mul_kernel(gate_up_ptr, weights_ptr, out_ptr, num_rows, I: tl.constexpr, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     s = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = i < I
@@ -29,13 +31,14 @@ def weighted_silu_mul_triton(gate_up: torch.Tensor, weights: torch.Tensor, block
     out = torch.empty(rows, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
     if out.numel():
         _weighted_silu_mul_kernel[(rows, triton.cdiv(two_i // 2, block))](gate_up, weights, out, rows, I=two_i // 2,
-                                                                            BLOCK=block, num_warps=4)
+                                                                            BLOCK=block, num_warps=4, **pdl(gate_up))
     return out
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _sum_by_token_kernel(rows_ptr, positions_ptr, out_ptr, num_tokens, H: tl.constexpr, K: tl.constexpr,
-                         SHARED: tl.constexpr, BLOCK: tl.constexpr):
+                         SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = h < H
@@ -58,7 +61,7 @@ def sum_by_token_triton(rows: torch.Tensor, positions: torch.Tensor, num_tokens:
     out = torch.empty(num_tokens, H, dtype=out_dtype or rows.dtype, device=rows.device)
     if out.numel():
         _sum_by_token_kernel[(num_tokens, triton.cdiv(H, block))](rows, positions, out, num_tokens, H=H, K=top_k,
-                                                                   SHARED=shared, BLOCK=block, num_warps=4)
+                                                                   SHARED=shared, BLOCK=block, num_warps=4, **pdl(rows))
     return out
 
 
@@ -69,10 +72,12 @@ PAIR_ORDER_MAX_PAIRS = 1024
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _pair_order_kernel(ids_ptr, perm_ptr, positions_ptr, offsets_ptr, num_pairs,
-                       S_PAD: tl.constexpr, BLOCK_J: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr):
+                       S_PAD: tl.constexpr, BLOCK_J: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """One program: each pair's rank in the stable order by expert (the pairs of lower experts, then the
     earlier pairs of its own expert), written as ``positions[i] = rank`` and ``perm[rank] = i``, and each
     expert's end offset (pairs routed to experts ``<= e``)."""
+    pdl_begin(PDL)
     i = tl.arange(0, S_PAD)
     i_ok = i < num_pairs
     mine = tl.load(ids_ptr + i, mask=i_ok, other=E).to(tl.int32)
@@ -103,7 +108,7 @@ def pair_order_triton(expert_ids: torch.Tensor, num_experts: int,
     offsets = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     if S:
         _pair_order_kernel[(1,)](ids, perm, positions, offsets, S, S_PAD=triton.next_power_of_2(S), BLOCK_J=block_j,
-                                 E=num_experts, E_PAD=triton.next_power_of_2(num_experts), num_warps=4)
+                                 E=num_experts, E_PAD=triton.next_power_of_2(num_experts), num_warps=4, **pdl(ids))
     else:
         offsets.zero_()
     return perm, positions, offsets
@@ -162,13 +167,14 @@ def _tiled_gate_up_kernel(x_ptr, perm_ptr, weights_ptr, offsets_ptr, w_ptr, h_pt
                           stride_se, stride_sn, stride_sk, stride_swt, num_experts, num_tokens,
                           HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, SHARED_INTER: tl.constexpr,
                           GATE_VECTOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False):
     """Program (expert e, tile of BLOCK_N intermediate columns): for every BLOCK_M of e's rows,
     ``h = w * silu(x @ gate.T) * (x @ up.T)`` for the tile, rounded once into ``h``. A routed expert's rows are
     its pairs in the grouped order (``w``: the pair's routing weight); a shared expert ``s = e - num_experts``
     has one row per token after the pairs' rows (``w``: sigmoid(x . gate_vector) with GATE_VECTOR, else the
     token's given weight). The expert's gate and up rows are read once per BLOCK_M rows (once at decode sizes);
     a routed expert without pairs reads nothing."""
+    pdl_begin(PDL)
     e = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if e < num_experts:
@@ -229,9 +235,10 @@ def _tiled_down_kernel(h_ptr, offsets_ptr, d_ptr, sd_ptr, out_ptr, stride_ht, st
                        stride_sde, stride_sdn, stride_sdk, num_experts, num_tokens,
                        HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, SHARED_INTER: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                       WIDEN: tl.constexpr):
+                       WIDEN: tl.constexpr, PDL: tl.constexpr = False):
     """Program (expert e, tile of BLOCK_N hidden columns): the down projection of each of e's rows of ``h`` (as in
     the first kernel), in fp32 rows ``[rows of h, HIDDEN]`` summed per token afterwards (`sum_by_token_triton`)."""
+    pdl_begin(PDL)
     e = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < HIDDEN
@@ -296,13 +303,13 @@ def tiled_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
         token_weights, hidden_states.stride(0), hidden_states.stride(1), w_e, w_n, w_k, h.stride(0),
         *shared_gate.stride()[-3:], token_weights.stride(0), num_experts, num_tokens,
         HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED_INTER=shared_inter, GATE_VECTOR=gate_vector, BLOCK_M=m_up,
-        BLOCK_N=n_up, BLOCK_K=k_up, IEEE=ieee, WIDEN=INTERPRET, num_warps=warps_up,
+        BLOCK_N=n_up, BLOCK_K=k_up, IEEE=ieee, WIDEN=INTERPRET, num_warps=warps_up, **pdl(hidden_states),
     )
     rows = torch.empty(rows_count, hidden, dtype=torch.float32, device=hidden_states.device)
     _tiled_down_kernel[(num_experts + n_shared, triton.cdiv(hidden, n_down))](
         h, offsets, down_proj, shared_down, rows, h.stride(0), d_e, d_n, d_k, *shared_down.stride()[-3:],
         num_experts, num_tokens,
         HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED_INTER=shared_inter, BLOCK_M=m_down, BLOCK_N=n_down,
-        BLOCK_K=k_down, IEEE=ieee, WIDEN=INTERPRET, num_warps=warps_down,
+        BLOCK_K=k_down, IEEE=ieee, WIDEN=INTERPRET, num_warps=warps_down, **pdl(h),
     )
     return sum_by_token_triton(rows, positions, num_tokens, top_k, out_dtype=hidden_states.dtype, shared=n_shared)

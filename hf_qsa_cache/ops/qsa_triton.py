@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRET, LOG2E, dot, on_device_of_first_tensor, pow2
+from .triton_common import INTERPRET, LOG2E, dot, on_device_of_first_tensor, pdl, pdl_begin, pow2
 
 # Sparse attention launch policy (shapes only; `num_splits` overrides it per call).
 ATTENTION_BLOCK_W = 64  # selected positions per tile
@@ -94,8 +94,9 @@ def _sparse_paged_attention_kernel(
     num_tokens, width, table_width, block_size, qk_scale, split_len, num_splits,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, WIDEN: tl.constexpr,
+    IEEE: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     n = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)
     split = tl.program_id(2)
@@ -153,8 +154,10 @@ def _sparse_paged_attention_kernel(
 def _merge_splits_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_on, stride_oh, stride_od, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program per (token, query head): combine the splits' (max, sum, accumulator)."""
+    pdl_begin(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     th = n * NUM_HEADS + h
@@ -212,13 +215,13 @@ def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, value
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, G_PAD=pow2(group), D_PAD=pow2(head_dim),
         BLOCK_W=ATTENTION_BLOCK_W, SPLIT=splits > 1, IEEE=query.dtype == torch.float32, WIDEN=INTERPRET,
         num_warps=ATTENTION_SPLIT_NUM_WARPS if splits > 1 else ATTENTION_NUM_WARPS,
-        num_stages=ATTENTION_NUM_STAGES,
+        num_stages=ATTENTION_NUM_STAGES, **pdl(query),
     )
     if splits > 1:
         _merge_splits_kernel[(n, num_heads)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), out.stride(2), splits,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, S_PAD=triton.next_power_of_2(splits),
-            D_PAD=triton.next_power_of_2(head_dim), num_warps=4,
+            D_PAD=triton.next_power_of_2(head_dim), num_warps=4, **pdl(part_m),
         )
     return out
 
@@ -259,8 +262,9 @@ def _index_scores_kernel(
     num_tokens, max_groups, table_width, rows_per_block, groups_per_program, sqrt_dim,
     NUM_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, TILE: tl.constexpr, GROUPS_MAJOR: tl.constexpr,
-    IEEE: tl.constexpr, WIDEN: tl.constexpr,
+    IEEE: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     t0 = tl.program_id(0).to(tl.int64) * BLOCK_M
     g_start = tl.program_id(1) * groups_per_program
     g_end = tl.minimum(g_start + groups_per_program, max_groups)
@@ -377,6 +381,7 @@ def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_t
         NUM_HEADS=num_heads, H_PAD=h_pad, HEAD_DIM=head_dim, D_PAD=pow2(head_dim), BLOCK_M=block_m,
         BLOCK_G=SCORES_BLOCK_G, TILE=tile, GROUPS_MAJOR=groups_major, IEEE=ieee, WIDEN=INTERPRET,
         num_warps=SCORES_DECODE_NUM_WARPS if one_token else SCORES_NUM_WARPS, num_stages=SCORES_NUM_STAGES,
+        **pdl(q_index),
     )
     return out
 
@@ -400,9 +405,10 @@ def _candidate_scores_kernel(
     stride_qn, stride_qh, stride_qd, stride_cr, stride_cd, stride_tr, stride_tc, stride_gn, stride_on,
     num_candidates, table_width, rows_per_block, per_program, sqrt_dim,
     NUM_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_C: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+    BLOCK_C: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per (token, range of its candidates): the index score of each candidate group."""
+    pdl_begin(PDL)
     n = tl.program_id(0).to(tl.int64)
     c_start = tl.program_id(1) * per_program
     c_end = tl.minimum(c_start + per_program, num_candidates)
@@ -453,7 +459,7 @@ def candidate_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, blo
         block_table.stride(0), block_table.stride(1), candidates.stride(0), out.stride(0),
         width, block_table.shape[1], rows_per_block, per_program, math.sqrt(head_dim),
         NUM_HEADS=num_heads, H_PAD=pow2(num_heads), HEAD_DIM=head_dim, D_PAD=pow2(head_dim),
-        BLOCK_C=CANDIDATES_BLOCK, IEEE=ieee, WIDEN=INTERPRET, num_warps=4,
+        BLOCK_C=CANDIDATES_BLOCK, IEEE=ieee, WIDEN=INTERPRET, num_warps=4, **pdl(q_index),
     )
     return out
 
@@ -462,9 +468,10 @@ def candidate_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, blo
 def _selected_positions_kernel(groups_ptr, visible_ptr, position_ptr, out_ptr, num_tokens, k,
                                stride_gn, stride_gk, stride_on,
                                RATIO: tl.constexpr, SELECTED: tl.constexpr, WIDTH: tl.constexpr,
-                               W_PAD: tl.constexpr):
+                               W_PAD: tl.constexpr, PDL: tl.constexpr = False):
     """One program per token: its row of `selected_positions` (``SELECTED = block_topk * r`` group tokens,
     then ``r - 1`` tail tokens)."""
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, W_PAD)
     p = tl.load(position_ptr + t).to(tl.int64)
@@ -494,7 +501,7 @@ def selected_positions_triton(groups: torch.Tensor, visible: torch.Tensor, posit
             groups, visible.contiguous(), position.contiguous(), out, n, k,
             groups.stride(0), groups.stride(1) if k else 1, out.stride(0),
             RATIO=ratio, SELECTED=block_topk * ratio, WIDTH=width, W_PAD=triton.next_power_of_2(width),
-            num_warps=4,
+            num_warps=4, **pdl(groups),
         )
     return out
 
@@ -502,9 +509,11 @@ def selected_positions_triton(groups: torch.Tensor, visible: torch.Tensor, posit
 @triton.jit(do_not_specialize=["num_tokens", "query_len", "capacity"])
 def _pool_groups_kernel(work_ptr, prev_ptr, count_ptr, ring_keys_ptr, ring_pos_ptr, keys_ptr, pos_ptr,
                         pooled_ptr, first_ptr, num_tokens, query_len, capacity,
-                        RATIO: tl.constexpr, R_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+                        RATIO: tl.constexpr, R_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """One program per work item (row, group): the mean of the group's raw keys (this step's where the
     step holds them, the row's ring for earlier ones) and its first token's 3-axis position."""
+    pdl_begin(PDL)
     w = tl.program_id(0).to(tl.int64)
     row = tl.maximum(tl.load(work_ptr + 2 * w).to(tl.int64), 0)
     group = tl.maximum(tl.load(work_ptr + 2 * w + 1).to(tl.int64), 0)
@@ -551,6 +560,6 @@ def pool_groups_triton(work: torch.Tensor, prev_len: torch.Tensor, count: torch.
             ring_positions.contiguous(), raw_keys.contiguous(), positions.contiguous(), pooled, first,
             max(raw_keys.shape[0], 1), query_len, capacity,
             RATIO=ratio, R_PAD=triton.next_power_of_2(ratio), HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-            num_warps=4,
+            num_warps=4, **pdl(work),
         )
     return pooled, first

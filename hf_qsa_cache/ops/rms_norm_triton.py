@@ -6,11 +6,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import TL_DTYPES, on_device_of_first_tensor
+from .triton_common import TL_DTYPES, on_device_of_first_tensor, pdl, pdl_begin
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, h_ptr, out_ptr, num_rows, eps,
-                         D: tl.constexpr, D_PAD: tl.constexpr, RESIDUAL: tl.constexpr, PRODUCT: tl.constexpr):
+                         D: tl.constexpr, D_PAD: tl.constexpr, RESIDUAL: tl.constexpr, PRODUCT: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     r = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D_PAD)
     ok = d < D
@@ -40,6 +42,6 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: 
         _add_rms_norm_kernel[(rows,)](
             x, residual.contiguous() if residual is not None else x, weight, h, out, rows, float(eps),
             D=D, D_PAD=triton.next_power_of_2(D), RESIDUAL=residual is not None, PRODUCT=TL_DTYPES[product],
-            num_warps=4 if D >= 1024 else 1,
+            num_warps=4 if D >= 1024 else 1, **pdl(x),
         )
     return h, out

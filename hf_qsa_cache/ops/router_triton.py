@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import TL_DTYPES, on_device_of_first_tensor, top_k_picks
+from .triton_common import TL_DTYPES, on_device_of_first_tensor, pdl, pdl_begin, top_k_picks
 
 BLOCK_E = 16  # experts (router rows) per program of the projection
 BLOCK_H = 256  # hidden columns per chunk of the projection
@@ -29,8 +29,10 @@ SPLIT_PROJECTION_MAX_TOKENS = 16
 
 @triton.jit(do_not_specialize=["stride_xt", "num_tokens", "split_len"])
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, stride_xt, num_tokens, split_len,
-                          HIDDEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+                          HIDDEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """part[s, t, e] = sum over the s-th hidden range of x[t, h] * w[e, h] (fp32)."""
+    pdl_begin(PDL)
     e_block, s, t = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     e = e_block * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < ROWS
@@ -62,14 +64,15 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor, block_h: int = BLOCK_
     part = torch.empty(splits, T, rows, dtype=torch.float32, device=x.device)
     _router_logits_kernel[(e_blocks, splits, T)](
         x, weight, part, x.stride(0), T, split_len, HIDDEN=H, ROWS=rows, BLOCK_E=BLOCK_E, BLOCK_H=block_h,
-        num_warps=4)
+        num_warps=4, **pdl(x))
     return part
 
 
 @triton.jit(do_not_specialize=["num_tokens", "splits"])
 def _route_topk_kernel(part_ptr, weights_ptr, experts_ptr, num_tokens, splits,
                        E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-                       NORMALIZE: tl.constexpr, LOGITS_DTYPE: tl.constexpr):
+                       NORMALIZE: tl.constexpr, LOGITS_DTYPE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     x = tl.zeros([E_PAD], tl.float32)
@@ -106,5 +109,5 @@ def route_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: b
         part = torch.nn.functional.linear(x, weight)[None]  # one "partial": the GEMM's logits, already rounded
     _route_topk_kernel[(T,)](part, weights, experts, T, part.shape[0], E=E, E_PAD=triton.next_power_of_2(E),
                              K=top_k, K_PAD=triton.next_power_of_2(top_k), NORMALIZE=normalize,
-                             LOGITS_DTYPE=TL_DTYPES[x.dtype], num_warps=1)
+                             LOGITS_DTYPE=TL_DTYPES[x.dtype], num_warps=1, **pdl(part))
     return weights, experts

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import on_device_of_first_tensor
+from .triton_common import on_device_of_first_tensor, pdl, pdl_begin
 
 MAX_BLOCK = 8192  # scores a program holds at once (32 registers a thread at 8 warps); longer rows: chunks
 
@@ -48,7 +48,9 @@ def _narrow(lo, hi, mid, count, k):
 
 
 @triton.jit(do_not_specialize=["num_groups", "k", "stride_row"])
-def _top_set_kernel(scores_ptr, out_ptr, num_groups, k, stride_row, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr):
+def _top_set_kernel(scores_ptr, out_ptr, num_groups, k, stride_row, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     base = scores_ptr + row * stride_row
     lo = tl.zeros([], tl.int64) - 2147483648  # every key is >= lo: count = num_groups >= k
@@ -100,5 +102,5 @@ def top_set_triton(scores: torch.Tensor, k: int, block: int | None = None) -> to
     if n:
         block = block or min(MAX_BLOCK, triton.next_power_of_2(groups))
         _top_set_kernel[(n,)](scores, out, groups, k, scores.stride(0), BLOCK=block, ONE_CHUNK=groups <= block,
-                              num_warps=8 if block >= 2048 else 4)
+                              num_warps=8 if block >= 2048 else 4, **pdl(scores))
     return out

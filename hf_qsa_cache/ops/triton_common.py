@@ -9,12 +9,53 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fusions import fusion_enabled
+
 LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * LOG2E)
 # The Triton interpreter multiplies bf16 dot operands as their raw 16-bit patterns; under it the
 # operands are widened to fp32 first (bf16 products are exact in fp32, so the math is the same).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Triton's name for each float dtype (a kernel told which dtype to round an intermediate to).
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+# Programmatic dependent launch (the ``pdl`` setting of `hf_qsa_cache.fusions`, Hopper and later): each kernel is
+# launched while the one before it still runs, waits at its start (`pdl_begin`) until that kernel's writes are
+# visible, and lets the next one launch at once. A decode step is tens of kernels of a few microseconds each, and
+# the launch gap and start-up of each (about a microsecond inside a CUDA graph) are then hidden behind the kernel
+# before. Every kernel of this package takes the ``PDL`` switch and calls `pdl_begin` before it touches memory,
+# so a kernel launched early never reads a predecessor's output or overwrites its input too soon.
+FUSED_PDL = fusion_enabled("pdl")
+
+
+@functools.cache
+def _pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can be launched early: a GPU of compute capability 9 or more, and a Triton
+    that has the wait instruction and the launch option."""
+    if device.type != "cuda":
+        return False
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return (torch.cuda.get_device_capability(device)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
+            and "launch_pdl" in CUDAOptions.__dataclass_fields__)
+
+
+def pdl(tensor: torch.Tensor) -> dict:
+    """The launch keywords of a kernel whose tensors live where ``tensor`` does: ``PDL`` (the kernel's switch for
+    `pdl_begin`) and ``launch_pdl`` (Triton's launch option), both on exactly when the ``pdl`` setting is on and
+    the device supports it (never under the interpreter). One never goes without the other: a kernel launched
+    early that does not wait would race the kernel before it."""
+    on = FUSED_PDL and not INTERPRET and _pdl_supported(tensor.device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def pdl_begin(PDL: tl.constexpr):
+    """A kernel's first statement: with ``PDL``, wait until the previous kernel's writes are visible, then let
+    the next kernel launch (it waits in its own `pdl_begin` for this one to finish)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def on_device_of_first_tensor(launch):
