@@ -46,9 +46,44 @@ def test_every_kernel_waits_before_it_touches_memory():
     for name, fn in kernels.items():
         switch = [a for a in fn.args.args if a.arg == "PDL"]
         assert switch and ast.unparse(switch[0].annotation) == "tl.constexpr", f"{name} takes no PDL switch"
-        body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
-            else fn.body
-        assert ast.unparse(body[0]) == "pdl_begin(PDL)", f"{name} does not begin with pdl_begin(PDL)"
+        body = [ast.unparse(s) for s in fn.body]
+        assert "pdl_begin(PDL)" in body, f"{name} never calls pdl_begin(PDL)"
+        before = body[:body.index("pdl_begin(PDL)")]
+        if before and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant):
+            before = before[1:]  # the docstring
+        # Before the wait: index arithmetic, and prefetches of weights (hints: they read nothing into the kernel).
+        assert not _memory_access(before), f"{name} touches memory before pdl_begin(PDL): {before}"
+        assert _calls(before) <= _INDEX_OPS | _PREFETCHES, f"{name} calls {_calls(before)} before pdl_begin(PDL)"
+
+
+_INDEX_OPS = {"tl.program_id", "tl.cdiv", "tl.arange"}
+_PREFETCHES = {"_prefetch_tile", "prefetch_rows_l2", "prefetch_l2"}
+
+
+def _calls(statements: list[str]) -> set[str]:
+    return {ast.unparse(node.func) for s in statements for node in ast.walk(ast.parse(s)) if isinstance(node, ast.Call)}
+
+
+def _memory_access(statements: list[str]) -> bool:
+    return any(op in s for s in statements for op in ("tl.load", "tl.store", "tl.atomic"))
+
+
+def test_the_prefetches_only_ask_for_lines():
+    """What a kernel may call before its wait reads nothing: the prefetch helpers hold no load, store or atomic,
+    and call only each other and index arithmetic (the inline instruction is ``prefetch.global.L2``)."""
+    sources = {}
+    for path in [*_triton_modules(), os.path.join(REPO, "hf_qsa_cache", "ops", "triton_common.py")]:
+        tree = ast.parse(open(path).read())
+        sources.update({n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in _PREFETCHES})
+    assert set(sources) == _PREFETCHES
+    for name, fn in sources.items():
+        body = [ast.unparse(s) for s in fn.body[1:] if not isinstance(s, ast.Expr) or
+                not isinstance(s.value, ast.Constant)] if ast.get_docstring(fn) else [ast.unparse(s) for s in fn.body]
+        assert not _memory_access(body), name
+        assert _calls(body) <= _INDEX_OPS | _PREFETCHES | {"tl.inline_asm_elementwise", "mask.to", "rows[:, None].to"}, \
+            (name, _calls(body))
+        asm = [s for s in body if "inline_asm" in s]
+        assert all("prefetch.global.L2" in s and "ld." not in s and "st." not in s for s in asm), asm
 
 
 def test_every_launch_passes_the_switch_and_the_option_together():
@@ -107,13 +142,15 @@ def _emulate_early_launch():
     as (kernel, PDL, launch_pdl, programs). Only `pdl` is told the interpreter is off: the kernel modules, imported
     before, keep their own copy of the flag."""
     import triton.language.extra.cuda as cuda_extra
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder
 
     from hf_qsa_cache.ops import triton_common
 
     counts = {"wait": 0, "trigger": 0}
+    prefetched = []
     cuda_extra.gdc_wait = lambda *a, **k: counts.__setitem__("wait", counts["wait"] + 1)
     cuda_extra.gdc_launch_dependents = lambda *a, **k: counts.__setitem__("trigger", counts["trigger"] + 1)
+    InterpreterBuilder.create_inline_asm = _record_prefetch(prefetched)
     triton_common.INTERPRET, triton_common.FUSED_PDL = False, True
     triton_common._pdl_supported = lambda device: True
     launches = []
@@ -125,7 +162,43 @@ def _emulate_early_launch():
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording_run
-    return counts, launches
+    return counts, launches, prefetched
+
+
+def _record_prefetch(prefetched: list):
+    """The interpreter's inline assembly, for `prefetch_l2` only: the addresses it asks for (where its mask is
+    on) appended to ``prefetched``, one call's list each."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+
+    def create_inline_asm(builder, asm, constraints, values, result_types, is_pure, pack):
+        assert "prefetch.global.L2" in asm and not is_pure, asm
+        ptrs, mask = values
+        prefetched.append(ptrs.data[mask.data != 0].ravel().tolist())
+        result = TensorHandle(np.zeros(ptrs.data.shape, np.int32), tl.int32)
+        return types.SimpleNamespace(get_result=lambda i: result)
+
+    return create_inline_asm
+
+
+def _check_projection_prefetch(prefetched: list) -> None:
+    """Launched early, the projections kernel asks for exactly its weights' 128-byte lines, each once (rows of
+    fp32 and bf16 that end inside a line, weights of row counts its tiles do not divide)."""
+    from hf_qsa_cache.ops import linears_triton
+
+    for dtype, K in [(torch.float32, 200), (torch.bfloat16, 72)]:
+        x = torch.randn(3, K).to(dtype)
+        weights = [torch.randn(n, K).to(dtype) for n in (40, 17, 3)]
+        del prefetched[:]
+        out = linears_triton.linears_triton(x, weights, tiles=(16, 32, 4))
+        for o, w in zip(out, weights):
+            torch.testing.assert_close(o.float(), x.float() @ w.float().T, atol=0.05, rtol=0.02)
+        got = [a for call in prefetched for a in call]
+        row_bytes = K * x.element_size()
+        want = [w.data_ptr() + r * row_bytes + j for w in weights for r in range(w.shape[0])
+                for j in range(0, row_bytes, 128)]
+        assert sorted(got) == sorted(want), (dtype, len(got), len(want))
 
 
 if __name__ == "__main__":
@@ -133,7 +206,7 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     import check_fused_kernels  # first: the kernel modules copy the interpreter flag at import (bf16 dots widen)
 
-    counts, launches = _emulate_early_launch()
+    counts, launches, prefetched = _emulate_early_launch()
 
     rows = check_fused_kernels.main(["--device", "cpu", "--small", "--repeat", "1", "--tokens", "3"])
     assert rows and all(r["ok"] for r in rows), rows
@@ -141,6 +214,9 @@ if __name__ == "__main__":
     assert not late, f"launched without the switch or the option: {late}"
     programs = sum(p for *_, p in launches)
     assert counts["wait"] == counts["trigger"] == programs, (counts, programs)
+    projection_programs = sum(p for name, *_, p in launches if name == "_linears_kernel")
+    assert projection_programs and len(prefetched) == projection_programs, (len(prefetched), projection_programs)
+    _check_projection_prefetch(prefetched)
     kernels = {name for name, *_ in launches}
     assert len(kernels) >= 15, sorted(kernels)
     print(f"early launch emulated ok: {len(launches)} launches of {len(kernels)} kernels, {programs} programs")

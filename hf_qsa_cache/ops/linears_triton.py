@@ -9,6 +9,8 @@ as a big one, and some followed by a split-K reduction. Here one program per til
 any of the weights (the tiles of weight 0, then of weight 1, ...) reads its rows once, in place, and multiplies
 them with every token (``tl.dot``, tokens padded to 16: the products of bf16 values are exact in the fp32
 accumulator; fp32 weights use IEEE fp32 dots), rounding each output once. No scratch, no second launch.
+Launched early (the ``pdl`` setting), a program first asks for its tile's weight rows to be fetched into L2
+(`triton_common.prefetch_rows_l2`), then waits for the kernel before it, whose output it multiplies them with.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRET, dot, on_device_of_first_tensor, pdl, pdl_begin, pow2
+from .triton_common import INTERPRET, dot, l2_lines, on_device_of_first_tensor, pdl, pdl_begin, pow2, prefetch_rows_l2
 
 MAX_WEIGHTS = 4
 MAX_TOKENS = 64  # the tokens sit in one tile of registers
@@ -54,16 +56,31 @@ def _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w_ptr, o_ptr, block, ro
     tl.store(o_ptr + t[:, None] * rows + n[None, :], acc.to(o_ptr.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _prefetch_tile(w_ptr, block, rows, K: tl.constexpr, BLOCK_N: tl.constexpr, LINES: tl.constexpr):
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    prefetch_rows_l2(w_ptr, n, n < rows, K, LINES)
+
+
 @triton.jit(do_not_specialize=["num_tokens", "stride_xt"])
 def _linears_kernel(x_ptr, keep_ptr, w0, w1, w2, w3, o0, o1, o2, o3, rows0, rows1, rows2, rows3, stride_xt,
                     stride_xk, num_tokens, K: tl.constexpr, COUNT: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KEEP: tl.constexpr, IEEE: tl.constexpr,
-                    WIDEN: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_begin(PDL)
+                    WIDEN: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False):
     pid = tl.program_id(0)
     end0 = tl.cdiv(rows0, BLOCK_N)
     end1 = end0 + tl.cdiv(rows1, BLOCK_N)
     end2 = end1 + tl.cdiv(rows2, BLOCK_N)
+    if PDL:  # launched early: the tile's weight rows into L2 while the kernel before still runs
+        if pid < end0:
+            _prefetch_tile(w0, pid, rows0, K, BLOCK_N, LINES)
+        elif COUNT > 1 and pid < end1:
+            _prefetch_tile(w1, pid - end0, rows1, K, BLOCK_N, LINES)
+        elif COUNT > 2 and pid < end2:
+            _prefetch_tile(w2, pid - end1, rows2, K, BLOCK_N, LINES)
+        elif COUNT > 3:
+            _prefetch_tile(w3, pid - end2, rows3, K, BLOCK_N, LINES)
+    pdl_begin(PDL)
     # The weight this program's tile belongs to: its pointers, rows, and the tile's index within it.
     if pid < end0:
         _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w0, o0, pid, rows0, num_tokens,
@@ -110,6 +127,7 @@ def linears_triton(x: torch.Tensor, weights: list[torch.Tensor], keep: torch.Ten
     _linears_kernel[(programs,)](
         x, keep if keep is not None else x, *padded_w, *padded_o, *rows, x.stride(0), x.stride(1), num_tokens,
         K=K, COUNT=len(weights), BLOCK_T=pow2(num_tokens), BLOCK_N=block_n, BLOCK_K=block_k,
-        KEEP=keep is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, num_warps=warps, **pdl(x),
+        KEEP=keep is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, LINES=l2_lines(K, x.dtype),
+        num_warps=warps, **pdl(x),
     )
     return outs

@@ -58,6 +58,29 @@ def pdl_begin(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """Ask for the cache lines at ``ptrs`` (where ``mask``) to be brought into L2, without waiting or reading: a
+    kernel launched early fetches its weights, which no kernel of a step writes, while the kernel before it still
+    runs, and before its own `pdl_begin`. A hint only: what the kernel reads later is unchanged."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_rows_l2(ptr, rows, row_ok, ROW_LEN: tl.constexpr, LINES: tl.constexpr):
+    """`prefetch_l2` of rows ``rows`` (where ``row_ok``) of a contiguous ``[*, ROW_LEN]`` matrix at ``ptr``: one
+    request per 128-byte line, ``LINES`` a power of two at least a row's lines (`l2_lines`)."""
+    step: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
+    j = tl.arange(0, LINES) * step
+    prefetch_l2(ptr + rows[:, None].to(tl.int64) * ROW_LEN + j[None, :], row_ok[:, None] & (j < ROW_LEN)[None, :])
+
+
+def l2_lines(row_len: int, dtype: torch.dtype) -> int:
+    """`prefetch_rows_l2`'s ``LINES`` for rows of ``row_len`` elements of ``dtype``."""
+    return triton.next_power_of_2(max(1, -(-row_len * dtype.itemsize // 128)))
+
+
 def on_device_of_first_tensor(launch):
     """Decorator for a function that launches Triton kernels: launch on the device of its first tensor
     argument. Triton launches on the current CUDA device, which is not the tensors' own when accelerate placed
