@@ -19,7 +19,9 @@ experts' gate and up rows, and the second adds their down projections to each to
 the given token weights or by ``sigmoid(x . gate_vector)`` (which every program of the token computes:
 ``HIDDEN`` values, a third launch saved). Upstream's block
 runs the shared expert and its gate as seven launches of their own (the H200 profile), then weights and
-adds the result.
+adds the result. Launched early (the ``pdl`` setting), the programs of the shared experts ask for their weight
+rows to be fetched into L2 before they wait for the kernel before them (`triton_common.prefetch_rows_l2`): those
+weights, unlike a routed expert's, are known before the router has run.
 
 A sentinel expert id (outside ``[0, num_experts)``: expert parallelism) runs no loop iterations in
 either kernel and reads no expert weights: its scratch row is zeros and it adds nothing to its token's
@@ -38,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import on_device_of_first_tensor, pdl, pdl_begin
+from .triton_common import l2_lines, on_device_of_first_tensor, pdl, pdl_begin, prefetch_rows_l2
 
 # Launch policy (shapes only). Decode has few pairs, so narrow column tiles give the GPU enough programs.
 GATE_UP_BLOCK_N = 16  # intermediate columns per program
@@ -76,10 +78,18 @@ def _gate_up_kernel(
     stride_we, stride_wn, stride_wk, stride_ht, stride_se, stride_sn, stride_sk,
     num_experts, num_pairs,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
-    SHARED_INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+    SHARED_INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    pdl_begin(PDL)
     s = tl.program_id(0).to(tl.int64)
+    # Launched early: a shared pair's gate and up rows into L2 (a routed pair needs the router's ids first).
+    if PDL and SHARED_INTER > 0 and LINES > 0:
+        if s >= num_pairs:
+            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            expert = ((s - num_pairs) % SHARED) * stride_se
+            prefetch_rows_l2(sg_ptr + expert, n, n < SHARED_INTER, stride_sn, HIDDEN, LINES)
+            prefetch_rows_l2(su_ptr + expert, n, n < SHARED_INTER, stride_sn, HIDDEN, LINES)
+    pdl_begin(PDL)
     if s < num_pairs:  # a routed (token, expert) pair
         t = s // TOP_K
         j = s % TOP_K
@@ -130,12 +140,15 @@ def _down_kernel(
     num_experts, num_pairs,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
     SHARED_INTER: tl.constexpr, GATE_VECTOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
+    LINES: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < HIDDEN
+    if PDL and SHARED_INTER > 0 and LINES > 0:  # launched early: the tile's shared down rows into L2
+        for si in tl.static_range(SHARED):
+            prefetch_rows_l2(sd_ptr + si * stride_sde, n, n_ok, stride_sdn, SHARED_INTER, LINES)
+    pdl_begin(PDL)
     # As in the first kernel, one sum along the chunk at the end, over all the token's experts: each
     # expert's scratch row is scaled by its routing weight as it is loaded.
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -226,7 +239,8 @@ def selected_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tens
         w_e, w_n, w_k, scratch.stride(0), *shared_gate.stride()[-3:],
         num_experts, pairs,
         HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED=max(n_shared, 1), SHARED_INTER=shared_inter,
-        BLOCK_N=gate_up_n, BLOCK_K=chunk, num_warps=warps, **pdl(hidden_states),
+        BLOCK_N=gate_up_n, BLOCK_K=chunk, LINES=l2_lines(hidden, shared_gate.dtype) if shared_inter else 0,
+        num_warps=warps, **pdl(hidden_states),
     )
     _down_kernel[(num_tokens, triton.cdiv(hidden, down_n))](
         scratch, top_k_index, top_k_weights, down_proj, out, hidden_states, shared_vec, shared_down, token_weights,
@@ -235,6 +249,8 @@ def selected_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tens
         hidden_states.stride(0), hidden_states.stride(1), *shared_down.stride()[-3:], token_weights.stride(0),
         num_experts, pairs,
         HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED=max(n_shared, 1), SHARED_INTER=shared_inter,
-        GATE_VECTOR=gate_vector, BLOCK_N=down_n, BLOCK_K=chunk, num_warps=warps, **pdl(scratch),
+        GATE_VECTOR=gate_vector, BLOCK_N=down_n, BLOCK_K=chunk,
+        LINES=l2_lines(shared_inter, shared_down.dtype) if shared_inter and shared_down.stride(-1) == 1 else 0,
+        num_warps=warps, **pdl(scratch),
     )
     return out

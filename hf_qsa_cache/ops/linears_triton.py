@@ -59,7 +59,7 @@ def _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w_ptr, o_ptr, block, ro
 @triton.jit
 def _prefetch_tile(w_ptr, block, rows, K: tl.constexpr, BLOCK_N: tl.constexpr, LINES: tl.constexpr):
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    prefetch_rows_l2(w_ptr, n, n < rows, K, LINES)
+    prefetch_rows_l2(w_ptr, n, n < rows, K, K, LINES)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "stride_xt"])
