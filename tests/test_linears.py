@@ -23,6 +23,11 @@ from hf_qsa_cache.ops import linears_triton as lt
 from interpreter import count_launches, run_under_interpreter
 
 TILES = [(16, 16, 1), (32, 32, 2), None]
+GEMV_TILES = [(16, 16, 1, True), (4, 32, 2, True), lt.ONE_TOKEN_GEMV_TILES]  # one token, no tl.dot
+
+
+def _tiles(tokens: int) -> list:
+    return TILES + (GEMV_TILES if tokens == 1 else [])
 
 
 def test_kernel_matches_the_specification_under_the_interpreter():
@@ -43,7 +48,7 @@ def _kernel_cases(launches) -> str | None:
             for label, x in (("contiguous", wide[:, :K].contiguous()), ("strided", wide[:, ::2])):
                 weights = _weights(rows, K, seed=len(rows))
                 want = linears.linears_torch(x, weights)
-                for tiles in TILES:
+                for tiles in _tiles(tokens):
                     where = f"rows={rows} T={tokens} {label} tiles={tiles}"
                     launches.clear()
                     have = lt.linears_triton(x, weights, tiles=tiles)
@@ -59,26 +64,32 @@ def _kernel_cases(launches) -> str | None:
             # Tokens marked not kept read as zeros (GatedDeltaNet's pads): every other token, so that kept and
             # dropped rows share tiles.
             x = wide[:, :K]
-            keep = torch.arange(tokens) % 2 == 0
             weights = _weights(rows, K, seed=5)
-            have = lt.linears_triton(x, weights, keep, tiles=(16, 16, 1))
-            try:
-                for h, w in zip(have, linears.linears_torch(x, weights, keep), strict=True):
-                    torch.testing.assert_close(h, w, atol=1e-5, rtol=1e-5)
-                    assert tokens == 1 or h[1].abs().max() == 0
-            except AssertionError as err:
-                return f"rows={rows} T={tokens} keep: {err}"
+            for keep, tiles in [(torch.arange(tokens) % 2 == 0, (16, 16, 1))] + (
+                    [(torch.tensor([True]), t) for t in GEMV_TILES[:2]] + [(torch.tensor([False]), GEMV_TILES[0])]
+                    if tokens == 1 else []):
+                have = lt.linears_triton(x, weights, keep, tiles=tiles)
+                try:
+                    for h, w in zip(have, linears.linears_torch(x, weights, keep), strict=True):
+                        torch.testing.assert_close(h, w, atol=1e-5, rtol=1e-5)
+                        assert tokens > 1 or keep[0] or h.abs().max() == 0
+                        assert tokens == 1 or h[1].abs().max() == 0
+                except AssertionError as err:
+                    return f"rows={rows} T={tokens} keep tiles={tiles}: {err}"
             # bf16: each output within one bf16 step of the fp32 math on the same values (the interpreter
             # rounds casts towards zero: a whole step, not half of one).
             xh = wide[:, :K].to(torch.bfloat16)
             weights = _weights(rows, K, seed=7, dtype=torch.bfloat16)
-            have = lt.linears_triton(xh, weights, tiles=(16, 16, 1))
-            for h, w in zip(have, weights):
-                exact = xh.float() @ w.float().T
-                step = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))
-                excess = ((h.float() - exact).abs() - step - 1e-6 * exact.abs().max()).max()
-                if h.dtype != torch.bfloat16 or excess > 0:
-                    return f"bf16 rows={rows} T={tokens}: an output further than one bf16 step (by {excess})"
+            for tiles in [(16, 16, 1)] + (GEMV_TILES[:1] if tokens == 1 else []):
+                have = lt.linears_triton(xh, weights, tiles=tiles)
+                for h, w in zip(have, weights):
+                    exact = xh.float() @ w.float().T
+                    step = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(
+                        torch.log2(exact.abs().clamp_min(1e-30)))
+                    excess = ((h.float() - exact).abs() - step - 1e-6 * exact.abs().max()).max()
+                    if h.dtype != torch.bfloat16 or excess > 0:
+                        return (f"bf16 rows={rows} T={tokens} tiles={tiles}: an output further than one bf16 step "
+                                f"(by {excess})")
     return None
 
 
@@ -159,7 +170,7 @@ def test_project_zeroes_tokens_not_kept_on_its_unfused_path():
     assert have[0, 1].abs().max() == 0
 
 
-@pytest.mark.parametrize("case", ["weights", "tokens", "shape", "tile", "keep"])
+@pytest.mark.parametrize("case", ["weights", "tokens", "shape", "tile", "keep", "gemv"])
 def test_bad_input_is_refused_with_the_limit(case):
     x = torch.randn(lt.MAX_TOKENS + 1 if case == "tokens" else 2, 8)
     weights = [torch.randn(4, 8)] * (lt.MAX_WEIGHTS + 1 if case == "weights" else 1)
@@ -167,7 +178,7 @@ def test_bad_input_is_refused_with_the_limit(case):
         weights = [torch.randn(4, 9)]
     message = {"weights": "1 to 4 weights, got 5", "tokens": "at most 64 tokens, got 65",
                "shape": r"contiguous \[N, 8\]", "tile": "powers of two >= 16",
-               "keep": r"one flag per token \(2\), got shape \(3,\)"}[case]
+               "keep": r"one flag per token \(2\), got shape \(3,\)", "gemv": "GEMV tiles take one token, got 2"}[case]
     keep = torch.ones(3, dtype=torch.bool) if case == "keep" else None
     with pytest.raises(ValueError, match=message):
-        lt.linears_triton(x, weights, keep, tiles=(8, 16, 1) if case == "tile" else None)
+        lt.linears_triton(x, weights, keep, tiles={"tile": (8, 16, 1), "gemv": (16, 16, 1, True)}.get(case))

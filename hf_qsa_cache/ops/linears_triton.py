@@ -30,30 +30,51 @@ MAX_TOKENS = 64  # the tokens sit in one tile of registers
 # set 21.0 against 29.9). A single projection stays with cuBLAS (4096 -> 2048: 8.9 us against 16.6 at best).
 ONE_TOKEN_TILES = (32, 256, 4)
 TILES = (32, 128, 4)
+# One token without tl.dot (`_project_tile`'s GEMV form, a fourth element True): each lane keeps its products and
+# the rows are summed along the chunk once at the end, as the selected experts' one-token kernels do (their
+# gate-up reads its weights at 1.36x the bytes floor where this kernel's padded dots read at 3.5x). Not yet timed:
+# `benchmarks/sweep_projections.py` sweeps it beside the dot tiles.
+ONE_TOKEN_GEMV_TILES = (16, 512, 8, True)
 
 
 @triton.jit
 def _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w_ptr, o_ptr, block, rows, num_tokens,
                   K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  KEEP: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+                  KEEP: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, GEMV: tl.constexpr):
     """Rows ``block * BLOCK_N ...`` of ``x @ w.T`` for weight ``w`` ``[rows, K]`` (contiguous) into ``o``
-    ``[num_tokens, rows]`` (contiguous); with ``KEEP``, tokens whose ``keep`` flag is 0 read as zeros."""
+    ``[num_tokens, rows]`` (contiguous); with ``KEEP``, tokens whose ``keep`` flag is 0 read as zeros. ``GEMV``
+    (one token only): fp32 products kept per lane and summed along the chunk at the end, no tl.dot."""
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < rows
-    t = tl.arange(0, BLOCK_T)
-    t_ok = t < num_tokens
-    t_read = t_ok
-    if KEEP:
-        t_read = t_ok & (tl.load(keep_ptr + t, mask=t_ok, other=0) != 0)
-    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        x = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :] * stride_xk, mask=t_read[:, None] & k_ok[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + n[None, :].to(tl.int64) * K + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += dot(x, w, IEEE, WIDEN)
-    tl.store(o_ptr + t[:, None] * rows + n[None, :], acc.to(o_ptr.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
+    if GEMV:
+        products = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x_ok = k < K
+            if KEEP:  # the token's flag, read by every lane
+                x_ok = x_ok & (tl.load(keep_ptr + k * 0, mask=x_ok, other=0) != 0)
+            x = tl.load(x_ptr + k * stride_xk, mask=x_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=n_ok[:, None] & (k < K)[None, :],
+                        other=0.0)
+            products += w.to(tl.float32) * x[None, :]
+        tl.store(o_ptr + n, tl.sum(products, axis=1).to(o_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        t = tl.arange(0, BLOCK_T)
+        t_ok = t < num_tokens
+        t_read = t_ok
+        if KEEP:
+            t_read = t_ok & (tl.load(keep_ptr + t, mask=t_ok, other=0) != 0)
+        acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            x = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :] * stride_xk,
+                        mask=t_read[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + n[None, :].to(tl.int64) * K + k[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                        other=0.0)
+            acc += dot(x, w, IEEE, WIDEN)
+        tl.store(o_ptr + t[:, None] * rows + n[None, :], acc.to(o_ptr.dtype.element_ty),
+                 mask=t_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -66,7 +87,7 @@ def _prefetch_tile(w_ptr, block, rows, K: tl.constexpr, BLOCK_N: tl.constexpr, L
 def _linears_kernel(x_ptr, keep_ptr, w0, w1, w2, w3, o0, o1, o2, o3, rows0, rows1, rows2, rows3, stride_xt,
                     stride_xk, num_tokens, K: tl.constexpr, COUNT: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KEEP: tl.constexpr, IEEE: tl.constexpr,
-                    WIDEN: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False):
+                    WIDEN: tl.constexpr, GEMV: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False):
     pid = tl.program_id(0)
     end0 = tl.cdiv(rows0, BLOCK_N)
     end1 = end0 + tl.cdiv(rows1, BLOCK_N)
@@ -84,16 +105,16 @@ def _linears_kernel(x_ptr, keep_ptr, w0, w1, w2, w3, o0, o1, o2, o3, rows0, rows
     # The weight this program's tile belongs to: its pointers, rows, and the tile's index within it.
     if pid < end0:
         _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w0, o0, pid, rows0, num_tokens,
-                      K, BLOCK_T, BLOCK_N, BLOCK_K, KEEP, IEEE, WIDEN)
+                      K, BLOCK_T, BLOCK_N, BLOCK_K, KEEP, IEEE, WIDEN, GEMV)
     elif COUNT > 1 and pid < end1:
         _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w1, o1, pid - end0, rows1, num_tokens,
-                      K, BLOCK_T, BLOCK_N, BLOCK_K, KEEP, IEEE, WIDEN)
+                      K, BLOCK_T, BLOCK_N, BLOCK_K, KEEP, IEEE, WIDEN, GEMV)
     elif COUNT > 2 and pid < end2:
         _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w2, o2, pid - end1, rows2, num_tokens,
-                      K, BLOCK_T, BLOCK_N, BLOCK_K, KEEP, IEEE, WIDEN)
+                      K, BLOCK_T, BLOCK_N, BLOCK_K, KEEP, IEEE, WIDEN, GEMV)
     elif COUNT > 3:
         _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w3, o3, pid - end2, rows3, num_tokens,
-                      K, BLOCK_T, BLOCK_N, BLOCK_K, KEEP, IEEE, WIDEN)
+                      K, BLOCK_T, BLOCK_N, BLOCK_K, KEEP, IEEE, WIDEN, GEMV)
 
 
 @on_device_of_first_tensor
@@ -102,7 +123,8 @@ def linears_triton(x: torch.Tensor, weights: list[torch.Tensor], keep: torch.Ten
     """``[x @ w.T for w in weights]`` for ``x`` ``[T, K]`` and 1 to `MAX_WEIGHTS` contiguous weights ``[N_i, K]``
     of ``x``'s dtype, in one launch; with ``keep`` ``[T]`` (bool), a token it marks False reads as zeros (its
     outputs are zeros: pads in GatedDeltaNet). ``tiles``: ``(rows per program, reduction chunk, warps)`` overriding
-    `ONE_TOKEN_TILES` / `TILES` (powers of two >= 16)."""
+    `ONE_TOKEN_TILES` / `TILES` (powers of two >= 16), or with a fourth element True the GEMV form for one token
+    (`ONE_TOKEN_GEMV_TILES`; powers of two, rows per program from 1)."""
     num_tokens, K = x.shape
     if not 1 <= len(weights) <= MAX_WEIGHTS:
         raise ValueError(f"linears_triton takes 1 to {MAX_WEIGHTS} weights, got {len(weights)}")
@@ -114,9 +136,13 @@ def linears_triton(x: torch.Tensor, weights: list[torch.Tensor], keep: torch.Ten
                              f"{w.dtype} (contiguous: {w.is_contiguous()})")
     if keep is not None and keep.shape != (num_tokens,):
         raise ValueError(f"keep must have one flag per token ({num_tokens}), got shape {tuple(keep.shape)}")
-    block_n, block_k, warps = tiles or (ONE_TOKEN_TILES if num_tokens == 1 else TILES)
-    if min(block_n, block_k) < 16 or block_n & (block_n - 1) or block_k & (block_k - 1):
-        raise ValueError(f"tiles must be powers of two >= 16 (tl.dot's smallest), got {(block_n, block_k)}")
+    block_n, block_k, warps, *gemv = tiles or (ONE_TOKEN_TILES if num_tokens == 1 else TILES)
+    gemv = bool(gemv and gemv[0])
+    if gemv and num_tokens > 1:
+        raise ValueError(f"the GEMV tiles take one token, got {num_tokens}")
+    if min(block_n, block_k) < (1 if gemv else 16) or block_n & (block_n - 1) or block_k & (block_k - 1):
+        raise ValueError(f"tiles must be powers of two >= {1 if gemv else 16} (tl.dot's smallest: 16), "
+                         f"got {(block_n, block_k)}")
     outs = [torch.empty(num_tokens, w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
     if num_tokens == 0:
         return outs
@@ -127,7 +153,7 @@ def linears_triton(x: torch.Tensor, weights: list[torch.Tensor], keep: torch.Ten
     _linears_kernel[(programs,)](
         x, keep if keep is not None else x, *padded_w, *padded_o, *rows, x.stride(0), x.stride(1), num_tokens,
         K=K, COUNT=len(weights), BLOCK_T=pow2(num_tokens), BLOCK_N=block_n, BLOCK_K=block_k,
-        KEEP=keep is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, LINES=l2_lines(K, x.dtype),
+        KEEP=keep is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, GEMV=gemv, LINES=l2_lines(K, x.dtype),
         num_warps=warps, **pdl(x),
     )
     return outs
