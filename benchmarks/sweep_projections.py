@@ -6,7 +6,7 @@ cuBLAS's one GEMV per weight, at the benchmark models' decode shapes, with the k
 Cases (bf16, hidden 2048, `bench_generate.py`'s configs): Qwen4Exp's GatedDeltaNet input projections (qkv
 8192, z 4096, b 32, a 32 rows), its QSA layer's (q with gate 8192, k 512, v 512, indexer 4224), Inkling's
 attention (q 2048, k 512, v 512, relative 256), and one projection alone (GatedDeltaNet's out_proj, 4096 ->
-2048), at 1, 8 and 16 tokens; at one token also the kernel's GEMV form (no tl.dot). Each time is the mean of 8 calls recorded in one CUDA graph, the calls rotating
+2048; Inkling's o_proj, 2048 -> 2048), at 1, 8 and 16 tokens; at one token also the kernel's GEMV form (no tl.dot). Each time is the mean of 8 calls recorded in one CUDA graph, the calls rotating
 over 4 copies of the weights (so that L2 does not keep them). ``floor_us``: the weights' bytes at 4.25 TB/s
 (the copy bandwidth `bench_generate.py` measured). ``max_err``: the largest difference from the fp32 math on
 the same bf16 values, first call.
@@ -28,7 +28,7 @@ from hf_qsa_cache.ops import linears_triton as lt  # noqa: E402
 from sweep_experts_tiles import graph_us  # noqa: E402
 
 CASES = {"gdn_in": (2048, [8192, 4096, 32, 32]), "qsa_in": (2048, [8192, 512, 512, 4224]),
-         "inkling_in": (2048, [2048, 512, 512, 256]), "out_proj": (4096, [2048])}
+         "inkling_in": (2048, [2048, 512, 512, 256]), "out_proj": (4096, [2048]), "inkling_o_proj": (2048, [2048])}
 TILES = [lt.TILES, (16, 128, 4), (16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 512, 8), (64, 128, 4), (64, 256, 8)]
 # The GEMV form (no tl.dot), one token only: rows per program x chunk x warps.
 GEMV_TILES = [lt.ONE_TOKEN_GEMV_TILES, (8, 512, 4, True), (16, 256, 4, True), (32, 512, 8, True), (8, 1024, 8, True),
