@@ -51,7 +51,7 @@ from hf_qsa_cache.ops.conv_norm import attention_inputs, conv_add_rms_norm, fuse
 from hf_qsa_cache.ops.experts import inkling_shared_experts_to_fold, run_selected_experts
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention, paged_rel_attention_probs
 from hf_qsa_cache.ops.inkling_router import fuses_inkling_routing, route_inkling
-from hf_qsa_cache.ops.linears import project
+from hf_qsa_cache.ops.linears import project, project_alone
 from hf_qsa_cache.ops.prompt_experts import (
     grouped_experts_forward, runs_tiled_experts, tiled_experts, uses_prompt_experts,
 )
@@ -185,7 +185,7 @@ class InklingPagedAttention(nn.Module):
             meta.slots[self.kv_table], meta.position, meta.prev_len, _prev_len_bound(meta),
             scaling=self.scaling, window=self.sliding_window, log_scaling=log_scaling,
         )
-        return self.o_proj(out)
+        return project_alone(out, self.o_proj)
 
 
 class InklingPagedDecoderLayer(GradientCheckpointingLayer):

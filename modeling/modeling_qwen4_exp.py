@@ -41,7 +41,7 @@ from hf_qsa_cache.ops import hyper_connection, records_grad
 from hf_qsa_cache.ops.experts import run_selected_experts, shared_expert_to_fold
 from hf_qsa_cache.ops.gated_delta import delta_gates, fuses_conv_prefill, fuses_conv_step, gated_rms_norm
 from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual
-from hf_qsa_cache.ops.linears import project
+from hf_qsa_cache.ops.linears import project, project_alone
 from hf_qsa_cache.ops.norm_rope import norm_rope
 from hf_qsa_cache.ops.ple import fuses_ple, ngram_embeddings, ngram_ids_torch, ple_gate
 from hf_qsa_cache.ops.prompt_experts import (
@@ -102,7 +102,7 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
                 meta.max_seq_len,
             ))
         out = out.reshape(n, -1) * gate
-        return self.o_proj(out).view(B, L, -1)
+        return project_alone(out, self.o_proj).view(B, L, -1)
 
     def _finish_group(self, pooled: torch.Tensor, first_pos: torch.Tensor, meta) -> torch.Tensor:
         """A closed group's compressed key: its mean raw key, normed, rotated at its first position. The
@@ -170,7 +170,7 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
         state.write_recurrent(last_state, kept, states)
 
         core = gated_rms_norm(self.norm, core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(core.reshape(B, L, -1))
+        return project_alone(core.reshape(B, L, -1), self.out_proj)
 
 
 class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):

@@ -4,7 +4,8 @@ with it in every attention and GatedDeltaNet layer.
 
 The kernel comparison runs this file as a script under the Triton interpreter (`interpreter.py`): one to four
 weights whose row counts and reduction size the forced tiles do not divide, 1, 3 and 17 tokens, a strided
-input, fp32 and bf16.
+input, fp32 and bf16, the one-token GEMV form; then both models, also with the projections alone (o_proj,
+out_proj) through the kernel.
 """
 
 from __future__ import annotations
@@ -118,6 +119,16 @@ def _main() -> int:
         if error:
             print(f"{family}: {error}")
             return 1
+        # A projection alone (o_proj, out_proj) through the kernel too, in decode steps (3 tokens): one launch
+        # more in every layer of each step, the same tokens.
+        grouped = len(launches)
+        linears.ALONE_MAX_TOKENS = 3
+        error = fused_generate_mismatch(model, ids, mask, "projections", launches, atol=1e-4)
+        linears.ALONE_MAX_TOKENS = 0
+        layers, steps = model.config.num_hidden_layers, 4  # 5 new tokens: the prompt's forward, then 4 steps
+        if error or len(launches) != grouped + layers * steps:
+            print(f"{family} alone: {error or f'{len(launches)} launches, {grouped} + {layers} x {steps} expected'}")
+            return 1
     print("all projections cases ok")
     return 0
 
@@ -182,3 +193,19 @@ def test_bad_input_is_refused_with_the_limit(case):
     keep = torch.ones(3, dtype=torch.bool) if case == "keep" else None
     with pytest.raises(ValueError, match=message):
         lt.linears_triton(x, weights, keep, tiles={"tile": (8, 16, 1), "gemv": (16, 16, 1, True)}.get(case))
+
+
+def test_a_projection_alone_keeps_its_module_unless_asked(on_cuda, monkeypatch):
+    module = nn.Linear(8, 4, bias=False)
+    calls = []
+    module.register_forward_hook(lambda *args: calls.append(1))
+    one_token = torch.randn(1, 1, 8)
+    with torch.no_grad():
+        linears.project_alone(one_token, module)
+    assert calls == [1]  # ALONE_MAX_TOKENS 0: cuBLAS through the module, whatever the step
+    monkeypatch.setattr(linears, "ALONE_MAX_TOKENS", 1)
+    monkeypatch.setattr(linears, "project", lambda x, *modules, keep=None: ["through project"])
+    assert linears.project_alone(one_token, module) == "through project"
+    with torch.no_grad():
+        assert linears.project_alone(torch.randn(1, 2, 8), module).shape == (1, 2, 4)  # more tokens: the module
+    assert calls == [1, 1]

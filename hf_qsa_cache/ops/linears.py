@@ -26,6 +26,10 @@ from . import keeps_own_forward, records_grad
 
 FUSED_PROJECTIONS = fusion_enabled("projections")
 MAX_FUSED_TOKENS = 16  # decode and verify steps; prompts keep cuBLAS's GEMMs
+# A projection alone (o_proj, GatedDeltaNet's out_proj) stays with cuBLAS, measured faster there (4096 -> 2048 at
+# one token: 8.9 us against 16.6 for the kernel's best dot tiles); `project_alone` gives it to the kernel for
+# steps of at most this many tokens (0: never). For timing the kernel's one-token GEMV form against cuBLAS.
+ALONE_MAX_TOKENS = 0
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -69,3 +73,11 @@ def project(x: torch.Tensor, *modules: nn.Module, keep: torch.Tensor | None = No
     outs = linears_triton(x.reshape(-1, x.shape[-1]), [m.weight for m in modules],
                           None if keep is None else keep.reshape(-1))
     return [o.view(*x.shape[:-1], o.shape[-1]) for o in outs]
+
+
+def project_alone(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """``module(x)`` for a projection that has no sibling to share a launch with: through `project` (the kernel,
+    where `fuses_projections`) for steps of at most `ALONE_MAX_TOKENS` tokens, else the module's own forward."""
+    if x.numel() > ALONE_MAX_TOKENS * x.shape[-1]:
+        return module(x)
+    return project(x, module)[0]
