@@ -78,6 +78,6 @@ def project(x: torch.Tensor, *modules: nn.Module, keep: torch.Tensor | None = No
 def project_alone(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """``module(x)`` for a projection that has no sibling to share a launch with: through `project` (the kernel,
     where `fuses_projections`) for steps of at most `ALONE_MAX_TOKENS` tokens, else the module's own forward."""
-    if x.numel() > ALONE_MAX_TOKENS * x.shape[-1]:
+    if not ALONE_MAX_TOKENS or x.numel() > ALONE_MAX_TOKENS * x.shape[-1]:
         return module(x)
     return project(x, module)[0]
