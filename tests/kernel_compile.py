@@ -6,7 +6,9 @@ passes every interpreter test and fails at its first launch on a GPU. So each in
 launches (`record` below, in the subprocess, writing one JSON line per distinct launch), and the test
 process compiles them for an sm_90 target (the H200) with Triton's real compiler, down to the binary: one
 launch per kernel, argument types and compile-time values other than integer sizes (`structure`: a test's
-many small shapes compile alike). No GPU is needed: the compiler and its assembler ship with Triton.
+many small shapes compile alike). No GPU is needed: the compiler and its assembler ship with Triton. A kernel
+that takes the ``PDL`` switch (`hf_qsa_cache.ops.triton_common.pdl`) is compiled with it on, the build the GPU
+runs with early launch: the same code plus its wait, trigger and prefetches.
 
 A launch record: the kernel's module and name, the type of each runtime argument (a tensor's element
 type, an int's width), the value of each compile-time argument, and the launch options (warps, stages).

@@ -51,8 +51,9 @@ def pdl(tensor: torch.Tensor) -> dict:
 
 @triton.jit
 def pdl_begin(PDL: tl.constexpr):
-    """A kernel's first statement: with ``PDL``, wait until the previous kernel's writes are visible, then let
-    the next kernel launch (it waits in its own `pdl_begin` for this one to finish)."""
+    """Called by every kernel before it touches memory (only index arithmetic and `prefetch_l2` hints come
+    before): with ``PDL``, wait until the previous kernel has finished and its writes are visible, then let the
+    next kernel launch (it waits in its own `pdl_begin` for this one to finish)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
