@@ -46,14 +46,17 @@ def test_every_kernel_waits_before_it_touches_memory():
     for name, fn in kernels.items():
         switch = [a for a in fn.args.args if a.arg == "PDL"]
         assert switch and ast.unparse(switch[0].annotation) == "tl.constexpr", f"{name} takes no PDL switch"
-        body = [ast.unparse(s) for s in fn.body]
+        body = _statements(fn)
         assert "pdl_begin(PDL)" in body, f"{name} never calls pdl_begin(PDL)"
         before = body[:body.index("pdl_begin(PDL)")]
-        if before and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant):
-            before = before[1:]  # the docstring
         # Before the wait: index arithmetic, and prefetches of weights (hints: they read nothing into the kernel).
         assert not _memory_access(before), f"{name} touches memory before pdl_begin(PDL): {before}"
         assert _calls(before) <= _INDEX_OPS | _PREFETCHES, f"{name} calls {_calls(before)} before pdl_begin(PDL)"
+
+
+def _statements(fn: ast.FunctionDef) -> list[str]:
+    """The body's statements as source, its docstring left out."""
+    return [ast.unparse(s) for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
 
 
 _INDEX_OPS = {"tl.program_id", "tl.cdiv", "tl.arange", "tl.static_range", ".to"}
@@ -83,8 +86,7 @@ def test_the_prefetches_only_ask_for_lines():
         sources.update({n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in _PREFETCHES})
     assert set(sources) == _PREFETCHES
     for name, fn in sources.items():
-        body = [ast.unparse(s) for s in fn.body[1:] if not isinstance(s, ast.Expr) or
-                not isinstance(s.value, ast.Constant)] if ast.get_docstring(fn) else [ast.unparse(s) for s in fn.body]
+        body = _statements(fn)
         assert not _memory_access(body), name
         assert _calls(body) <= _INDEX_OPS | _PREFETCHES | {"tl.inline_asm_elementwise"}, (name, _calls(body))
         asm = [s for s in body if "inline_asm" in s]
