@@ -59,7 +59,7 @@ def _statements(fn: ast.FunctionDef) -> list[str]:
     return [ast.unparse(s) for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
 
 
-_INDEX_OPS = {"tl.program_id", "tl.cdiv", "tl.arange", "tl.static_range", ".to"}
+_INDEX_OPS = {"tl.program_id", "tl.cdiv", "tl.arange", "tl.static_range", "tl.minimum", ".to"}
 _PREFETCHES = {"_prefetch_tile", "prefetch_rows_l2", "prefetch_l2"}
 
 
@@ -217,6 +217,26 @@ def _asked(prefetched: list, kernel: str) -> list[int]:
     return sorted(a for name, addresses in prefetched if name == kernel for a in addresses)
 
 
+def _check_router_prefetch(prefetched: list) -> None:
+    """Launched early, the router's projection asks for its weight only, all of it, whatever the split of the
+    hidden size: every line asked for starts inside the weight, and together they cover every byte of it."""
+    from hf_qsa_cache.ops import router_triton
+
+    for dtype, H, block_h, splits in [(torch.float32, 100, 16, 3), (torch.bfloat16, 72, 16, 2),
+                                      (torch.float32, 64, 256, None)]:
+        x, weight = torch.randn(2, H).to(dtype), torch.randn(21, H).to(dtype)
+        del prefetched[:]
+        part = router_triton.router_partials(x, weight, block_h, splits)
+        torch.testing.assert_close(part.sum(0), x.float() @ weight.float().T, atol=1e-3, rtol=1e-3)
+        asked = _asked(prefetched, "_router_logits_kernel")
+        start, size = weight.data_ptr(), weight.numel() * weight.element_size()
+        assert asked and all(start <= a < start + size for a in asked), dtype
+        covered = set()
+        for a in asked:
+            covered.update(range(a - start, min(a - start + 128, size)))
+        assert covered == set(range(size)), (dtype, size - len(covered))
+
+
 def _check_shared_expert_prefetch(prefetched: list) -> None:
     """Launched early, the experts' kernels ask for the shared experts' lines only (a routed expert is the router's
     choice): the gate-up kernel each shared pair's gate and up rows, the down kernel each token's shared down rows,
@@ -257,9 +277,11 @@ if __name__ == "__main__":
     assert counts["wait"] == counts["trigger"] == programs, (counts, programs)
     projection_programs = sum(p for name, *_, p in launches if name == "_linears_kernel")
     assert sum(name == "_linears_kernel" for name, _ in prefetched) == projection_programs > 0
-    assert {name for name, _ in prefetched} <= {"_linears_kernel", "_gate_up_kernel", "_down_kernel"}
+    assert {name for name, _ in prefetched} <= {"_linears_kernel", "_gate_up_kernel", "_down_kernel",
+                                                "_router_logits_kernel"}
     _check_projection_prefetch(prefetched)
     _check_shared_expert_prefetch(prefetched)
+    _check_router_prefetch(prefetched)
     kernels = {name for name, *_ in launches}
     assert len(kernels) >= 15, sorted(kernels)
     print(f"early launch emulated ok: {len(launches)} launches of {len(kernels)} kernels, {programs} programs")

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import TL_DTYPES, on_device_of_first_tensor, pdl, pdl_begin, top_k_picks
+from .triton_common import TL_DTYPES, l2_lines, on_device_of_first_tensor, pdl, pdl_begin, prefetch_rows_l2, top_k_picks
 
 BLOCK_E = 16  # experts (router rows) per program of the projection
 BLOCK_H = 256  # hidden columns per chunk of the projection
@@ -30,13 +30,16 @@ SPLIT_PROJECTION_MAX_TOKENS = 16
 @triton.jit(do_not_specialize=["stride_xt", "num_tokens", "split_len"])
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, stride_xt, num_tokens, split_len,
                           HIDDEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                          PDL: tl.constexpr = False):
-    """part[s, t, e] = sum over the s-th hidden range of x[t, h] * w[e, h] (fp32)."""
-    pdl_begin(PDL)
+                          LINES: tl.constexpr, PDL: tl.constexpr = False):
+    """part[s, t, e] = sum over the s-th hidden range of x[t, h] * w[e, h] (fp32). Launched early (``PDL``), the
+    program first asks for its block of the weight to be fetched into L2 (`triton_common.prefetch_rows_l2`)."""
     e_block, s, t = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     e = e_block * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < ROWS
     lo = s * split_len
+    if PDL:
+        prefetch_rows_l2(w_ptr + lo, e, e_ok, HIDDEN, tl.minimum(split_len, HIDDEN - lo), LINES)
+    pdl_begin(PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
     for h0 in range(lo, lo + split_len, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
@@ -64,7 +67,7 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor, block_h: int = BLOCK_
     part = torch.empty(splits, T, rows, dtype=torch.float32, device=x.device)
     _router_logits_kernel[(e_blocks, splits, T)](
         x, weight, part, x.stride(0), T, split_len, HIDDEN=H, ROWS=rows, BLOCK_E=BLOCK_E, BLOCK_H=block_h,
-        num_warps=4, **pdl(x))
+        LINES=l2_lines(H, weight.dtype), num_warps=4, **pdl(x))
     return part
 
 

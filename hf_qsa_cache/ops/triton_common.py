@@ -69,13 +69,13 @@ def prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def prefetch_rows_l2(ptr, rows, row_ok, row_stride, ROW_LEN: tl.constexpr, LINES: tl.constexpr):
+def prefetch_rows_l2(ptr, rows, row_ok, row_stride, row_len, LINES: tl.constexpr):
     """`prefetch_l2` of rows ``rows`` (where ``row_ok``) of a matrix at ``ptr`` whose rows are ``row_stride``
-    elements apart and hold ``ROW_LEN`` contiguous elements: one request per 128-byte line, ``LINES`` a power of
-    two at least a row's lines (`l2_lines`)."""
+    elements apart: ``row_len`` contiguous elements of each, one request per 128 bytes, ``LINES`` a power of two
+    at least that many requests (`l2_lines`)."""
     step: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
     j = tl.arange(0, LINES) * step
-    prefetch_l2(ptr + rows[:, None].to(tl.int64) * row_stride + j[None, :], row_ok[:, None] & (j < ROW_LEN)[None, :])
+    prefetch_l2(ptr + rows[:, None].to(tl.int64) * row_stride + j[None, :], row_ok[:, None] & (j < row_len)[None, :])
 
 
 def l2_lines(row_len: int, dtype: torch.dtype) -> int:
