@@ -228,13 +228,40 @@ def _check_router_prefetch(prefetched: list) -> None:
         del prefetched[:]
         part = router_triton.router_partials(x, weight, block_h, splits)
         torch.testing.assert_close(part.sum(0), x.float() @ weight.float().T, atol=1e-3, rtol=1e-3)
-        asked = _asked(prefetched, "_router_logits_kernel")
-        start, size = weight.data_ptr(), weight.numel() * weight.element_size()
-        assert asked and all(start <= a < start + size for a in asked), dtype
-        covered = set()
-        for a in asked:
-            covered.update(range(a - start, min(a - start + 128, size)))
-        assert covered == set(range(size)), (dtype, size - len(covered))
+        _assert_covers(_asked(prefetched, "_router_logits_kernel"), [weight], dtype)
+
+
+def _assert_covers(asked: list[int], tensors: list[torch.Tensor], where) -> None:
+    """Every line asked for starts inside one of ``tensors`` (contiguous), and the 128 bytes from each cover every
+    byte of them."""
+    spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
+    covered = [set() for _ in spans]
+    for a in asked:
+        inside = [i for i, (start, size) in enumerate(spans) if start <= a < start + size]
+        assert inside, (where, "a line outside the weights")
+        start, size = spans[inside[0]]
+        covered[inside[0]].update(range(a - start, min(a - start + 128, size)))
+    assert all(c == set(range(size)) for c, (_, size) in zip(covered, spans)), (where, "bytes not asked for")
+
+
+def _check_mixing_prefetch(prefetched: list) -> None:
+    """Launched early, the hyper-connection mixing's two kernels ask for their weights only, all of them: the
+    down and injection projections (split over the input, a split ending inside a line) and the up projection."""
+    from hf_qsa_cache.ops import hyper_connection, hyper_connection_triton
+
+    tiles = hyper_connection_triton.MixTiles(splits=3, block_n=16, block_k=16, down_warps=1, block_h=16, r_chunk=16,
+                                             up_warps=1)
+    hc, H, R = 4, 24, 20
+    for dtype in (torch.float32, torch.bfloat16):
+        normed, down = torch.randn(2, hc * H).to(dtype), (torch.randn(R, hc * H) * 0.1).to(dtype)
+        up, inject = (torch.randn(hc * H, R) * 0.1).to(dtype), (torch.randn(hc, hc * H) * 0.1).to(dtype)
+        del prefetched[:]
+        got = hyper_connection_triton.mix_projections_triton(normed, down, up, inject, hc, tiles)
+        want = hyper_connection.mix_projections(normed, down, up, inject, hc)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.float(), w.float(), atol=0.02, rtol=0.02)
+        _assert_covers(_asked(prefetched, "_hc_down_kernel"), [down, inject], dtype)
+        _assert_covers(_asked(prefetched, "_hc_up_mix_kernel"), [up], dtype)
 
 
 def _check_shared_expert_prefetch(prefetched: list) -> None:
@@ -278,10 +305,11 @@ if __name__ == "__main__":
     projection_programs = sum(p for name, *_, p in launches if name == "_linears_kernel")
     assert sum(name == "_linears_kernel" for name, _ in prefetched) == projection_programs > 0
     assert {name for name, _ in prefetched} <= {"_linears_kernel", "_gate_up_kernel", "_down_kernel",
-                                                "_router_logits_kernel"}
+                                                "_router_logits_kernel", "_hc_down_kernel", "_hc_up_mix_kernel"}
     _check_projection_prefetch(prefetched)
     _check_shared_expert_prefetch(prefetched)
     _check_router_prefetch(prefetched)
+    _check_mixing_prefetch(prefetched)
     kernels = {name for name, *_ in launches}
     assert len(kernels) >= 15, sorted(kernels)
     print(f"early launch emulated ok: {len(launches)} launches of {len(kernels)} kernels, {programs} programs")

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRET, dot, on_device_of_first_tensor, pdl, pdl_begin
+from .triton_common import INTERPRET, dot, l2_lines, on_device_of_first_tensor, pdl, pdl_begin, prefetch_rows_l2
 
 
 def _warps(elements: int) -> int:
@@ -167,18 +167,23 @@ MIX_TILES = MixTiles(splits=16, block_n=64, block_k=128, down_warps=4, block_h=3
 def _hc_down_kernel(x_ptr, down_ptr, inject_w_ptr, part_ptr, num_tokens, split_len,
                     K: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
-                    INJECT: tl.constexpr, PDL: tl.constexpr = False):
+                    INJECT: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False):
     """part[s, m, n] = sum over the s-th input range of x[m, k] * W[n, k], W = [down (R rows); inject (HC)]
-    (the injection rows only with ``INJECT``)."""
-    pdl_begin(PDL)
+    (the injection rows only with ``INJECT``). Launched early (``PDL``), the program first asks for its block of
+    W to be fetched into L2."""
     n_block, s, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < num_tokens, n < (R + HC if INJECT else R)
+    lo = s * split_len
+    if PDL:
+        prefetch_rows_l2(down_ptr + lo, n, n < R, K, tl.minimum(split_len, K - lo), LINES)
+        if INJECT:
+            prefetch_rows_l2(inject_w_ptr + lo, n - R, n_ok & (n >= R), K, tl.minimum(split_len, K - lo), LINES)
+    pdl_begin(PDL)
     # Output rows 0..R-1 read the down projection, R..R+HC-1 the injection logits' weight.
     rows = tl.where(n < R, down_ptr + n.to(tl.int64) * K, inject_w_ptr + (n - R).to(tl.int64) * K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    lo = s * split_len
     for k0 in range(lo, lo + split_len, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = (k < K) & (k < lo + split_len)
@@ -193,18 +198,21 @@ def _hc_down_kernel(x_ptr, down_ptr, inject_w_ptr, part_ptr, num_tokens, split_l
 def _hc_up_mix_kernel(part_ptr, normed_ptr, up_ptr, mixed_ptr, inject_ptr, num_tokens,
                       H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr,
                       HC_PAD: tl.constexpr, R_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, INJECT: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      LINES: tl.constexpr, PDL: tl.constexpr = False):
     """mixed[t, h] = mean_c sigmoid(low[t] . W_up[c*H + h]) * normed[t, c*H + h], with low = silu(down / HC)
     summed from the splits. One program per (block of BLOCK_H columns, token): its HC_PAD * BLOCK_H weight
     rows (stream-major) are read once, in chunks of R_CHUNK of the low rank, as GEMVs (products summed
     along the chunk at the end; no tl.dot, whose 16-row tiles would be padding for one token). The first
-    column block also writes inject = 2 sigmoid(logits / HC)."""
-    pdl_begin(PDL)
+    column block also writes inject = 2 sigmoid(logits / HC). Launched early (``PDL``), the program first asks
+    for its weight rows to be fetched into L2."""
     h_block, t = tl.program_id(0), tl.program_id(1).to(tl.int64)
     j = tl.arange(0, HC_PAD * BLOCK_H)
     stream, h = j // BLOCK_H, h_block * BLOCK_H + j % BLOCK_H
     ok = (stream < HC) & (h < H)
     cols = (stream * H + h).to(tl.int64)
+    if PDL:
+        prefetch_rows_l2(up_ptr, cols, ok, R, R, LINES)
+    pdl_begin(PDL)
     dots = tl.zeros([HC_PAD * BLOCK_H, R_CHUNK], tl.float32)
     for r0 in range(0, R, R_CHUNK):
         r = r0 + tl.arange(0, R_CHUNK)
@@ -256,9 +264,9 @@ def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.T
     _hc_down_kernel[(triton.cdiv(R + (hc if has_inject else 0), t.block_n), splits, m_blocks)](
         normed, down, inject_weight, part, tokens, split_len, K=K, R=R, HC=hc, BLOCK_M=HC_PROJ_BLOCK_M,
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=normed.dtype == torch.float32, WIDEN=INTERPRET, INJECT=has_inject,
-        num_warps=t.down_warps, **pdl(normed))
+        LINES=l2_lines(split_len, down.dtype), num_warps=t.down_warps, **pdl(normed))
     _hc_up_mix_kernel[(triton.cdiv(H, t.block_h), tokens)](
         part, normed, up, mixed, inject if has_inject else mixed, tokens, H=H, R=R, HC=hc, SPLITS=splits,
         HC_PAD=triton.next_power_of_2(hc), R_CHUNK=min(t.r_chunk, triton.next_power_of_2(R)), BLOCK_H=t.block_h,
-        INJECT=has_inject, num_warps=t.up_warps, **pdl(part))
+        INJECT=has_inject, LINES=l2_lines(R, up.dtype), num_warps=t.up_warps, **pdl(part))
     return mixed, inject
