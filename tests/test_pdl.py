@@ -306,10 +306,11 @@ if __name__ == "__main__":
     assert sum(name == "_linears_kernel" for name, _ in prefetched) == projection_programs > 0
     assert {name for name, _ in prefetched} <= {"_linears_kernel", "_gate_up_kernel", "_down_kernel",
                                                 "_router_logits_kernel", "_hc_down_kernel", "_hc_up_mix_kernel"}
+    kernels = {name for name, *_ in launches}
+    assert len(kernels) >= 15, sorted(kernels)
+    summary = f"{len(launches)} launches of {len(kernels)} kernels, {programs} programs"
     _check_projection_prefetch(prefetched)
     _check_shared_expert_prefetch(prefetched)
     _check_router_prefetch(prefetched)
     _check_mixing_prefetch(prefetched)
-    kernels = {name for name, *_ in launches}
-    assert len(kernels) >= 15, sorted(kernels)
-    print(f"early launch emulated ok: {len(launches)} launches of {len(kernels)} kernels, {programs} programs")
+    print(f"early launch emulated ok: {summary} in the fused kernels' check")
