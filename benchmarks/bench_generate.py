@@ -339,6 +339,22 @@ def commit() -> str:
     return (head + "+changes" if changed else head) if head else "unknown"
 
 
+def choose_projections(one_token: str | None, alone_max_tokens: int | None) -> dict:
+    """Set the projections kernel's one-token tiles (``"dot"``: `linears_triton.ONE_TOKEN_TILES` as shipped,
+    ``"gemv"``: `ONE_TOKEN_GEMV_TILES`) and `linears.ALONE_MAX_TOKENS` for this process, where given; the
+    choices that differ from the defaults, as result keys."""
+    from hf_qsa_cache.ops import linears, linears_triton
+
+    chosen = {}
+    if one_token == "gemv":
+        linears_triton.ONE_TOKEN_TILES = linears_triton.ONE_TOKEN_GEMV_TILES
+        chosen["one_token_projections"] = "gemv"
+    if alone_max_tokens is not None:
+        linears.ALONE_MAX_TOKENS = alone_max_tokens
+        chosen["alone_max_tokens"] = alone_max_tokens
+    return chosen
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
@@ -358,8 +374,15 @@ def main():
                              "and transformers' `_sample`")
     parser.add_argument("--sample", action="store_true",
                         help="decode_ms_end_to_end from sampled calls (top-k 50) instead of greedy ones")
+    parser.add_argument("--one-token-projections", choices=["dot", "gemv"], default=None,
+                        help="the projections kernel's one-token tiles: its padded tl.dot ones or its GEMV form "
+                             "(default: linears_triton.ONE_TOKEN_TILES)")
+    parser.add_argument("--alone-max-tokens", type=int, default=None,
+                        help="steps of at most this many tokens run a projection alone (o_proj, out_proj) in the "
+                             "projections kernel (default: linears.ALONE_MAX_TOKENS, 0: cuBLAS)")
     parser.add_argument("--jsonl", default=RESULTS)
     args = parser.parse_args()
+    projection_choices = choose_projections(args.one_token_projections, args.alone_max_tokens)
 
     torch.manual_seed(0)
     dtype = torch.bfloat16
@@ -406,7 +429,7 @@ def main():
         mask = torch.ones_like(ids)
         common = {"model": args.model, "layers": args.layers, "batch": batch, "prompt_len": length,
                   "new_tokens": args.new_tokens, "commit": sha, "prefill_chunk_tokens": ours.prefill_chunk_tokens,
-                  "fused": fusions.active()}
+                  "fused": fusions.active(), **projection_choices}
         if args.cache_len:
             common["cache_len"] = args.cache_len
         floor_ms = decode_bytes(ours, config, batch, length) / bandwidth * 1e3

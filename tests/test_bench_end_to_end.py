@@ -42,3 +42,16 @@ def test_timed_calls_continue_the_prefilled_prompt(monkeypatch):
         bench_generate.decode_ms_end_to_end(model, ids, mask, 3, cache, sample=True)
     assert [(k["do_sample"], k.get("top_k")) for k in seen[1::2]] == [(True, 50)] * 6
     assert all(not k["do_sample"] for k in seen[0::2])
+
+
+def test_projection_choices_set_the_kernel_defaults_and_are_recorded(monkeypatch):
+    from hf_qsa_cache.ops import linears, linears_triton
+
+    monkeypatch.setattr(linears_triton, "ONE_TOKEN_TILES", linears_triton.ONE_TOKEN_TILES)
+    monkeypatch.setattr(linears, "ALONE_MAX_TOKENS", linears.ALONE_MAX_TOKENS)
+    shipped = linears_triton.ONE_TOKEN_TILES
+    assert bench_generate.choose_projections(None, None) == {}
+    assert bench_generate.choose_projections("dot", None) == {}
+    assert linears_triton.ONE_TOKEN_TILES == shipped and linears.ALONE_MAX_TOKENS == 0
+    assert bench_generate.choose_projections("gemv", 1) == {"one_token_projections": "gemv", "alone_max_tokens": 1}
+    assert linears_triton.ONE_TOKEN_TILES == linears_triton.ONE_TOKEN_GEMV_TILES and linears.ALONE_MAX_TOKENS == 1
