@@ -17,6 +17,7 @@ import math
 import os
 import sys
 import types
+from pathlib import Path
 
 import torch
 
@@ -25,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _kernels_and_launches(path: str) -> tuple[dict[str, ast.FunctionDef], list[ast.Call]]:
     """The ``@triton.jit`` functions of a module that it launches (``kernel[grid](...)``), and those launches."""
-    tree = ast.parse(open(path).read())
+    tree = ast.parse(Path(path).read_text())
     jitted = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)
               and any(ast.unparse(d).startswith("triton.jit") for d in node.decorator_list)}
     launches = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
@@ -82,7 +83,7 @@ def test_the_prefetches_only_ask_for_lines():
     and call only each other and index arithmetic (the inline instruction is ``prefetch.global.L2``)."""
     sources = {}
     for path in [*_triton_modules(), os.path.join(REPO, "hf_qsa_cache", "ops", "triton_common.py")]:
-        tree = ast.parse(open(path).read())
+        tree = ast.parse(Path(path).read_text())
         sources.update({n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in _PREFETCHES})
     assert set(sources) == _PREFETCHES
     for name, fn in sources.items():
