@@ -8,6 +8,7 @@ import triton.language as tl
 
 from .triton_common import TL_DTYPES, on_device_of_first_tensor, pdl, pdl_begin
 
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, h_ptr, out_ptr, num_rows, eps,
                          D: tl.constexpr, D_PAD: tl.constexpr, RESIDUAL: tl.constexpr, PRODUCT: tl.constexpr,
