@@ -3,7 +3,7 @@
     python benchmarks/check_inkling_attention.py          # on a CUDA GPU
     python benchmarks/check_inkling_attention.py --tiny   # tiny shapes on CPU, Triton interpreter
     python benchmarks/check_inkling_attention.py --split-sweep   # decode key splits, graph-timed
-    python benchmarks/check_inkling_attention.py --tile-sweep    # decode keys per tile x warps, graph-timed
+    python benchmarks/check_inkling_attention.py --tile-sweep    # decode keys per tile x warps x stages, graph-timed
 
 Shapes (hidden 2048): 16 query heads over 4 KV heads of 128, d_rel 16; full layers with rel_extent
 1024 and log scaling (n_floor 128000, alpha 0.1), sliding layers with window 512. Cases: decode at
@@ -223,7 +223,8 @@ def split_sweep(device) -> None:
 
 
 def tile_sweep(device) -> None:
-    """Each decode case at keys per tile x warps (the policy's split count for that tile), beside the policy:
+    """Each decode case at keys per tile x warps x pipelining stages (the policy's split count for that tile),
+    beside the policy:
     graph-timed microseconds a call, bf16 (a one-token tile is load-latency bound: wider key tiles keep more
     bytes in flight per program)."""
     fits = inkling_attention_triton._TILES_THAT_FIT  # a tile that does not fit would shrink the policy's: kept out
@@ -232,13 +233,15 @@ def tile_sweep(device) -> None:
         fits.clear()
         times = {"policy": graph_time_us(lambda: paged_rel_attention_triton(**args, bias_in_kernel=False))}
         for block_n in (32, 64, 128, 256):
-            for warps in (2, 4, 8):
-                times[f"{block_n}x{warps}"] = graph_time_us(lambda b=block_n, w=warps: paged_rel_attention_triton(
-                    **args, block_n=b, num_warps=w, bias_in_kernel=False))
-                fits.clear()
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    times[f"{block_n}x{warps}x{stages}"] = graph_time_us(
+                        lambda b=block_n, w=warps, n=stages: paged_rel_attention_triton(
+                            **args, block_n=b, num_warps=w, num_stages=n, bias_in_kernel=False))
+                    fits.clear()
         best = min((k for k in times if k != "policy"), key=times.get)
         print(f"{name:18s} {layer:7s} " + "  ".join(f"{k}: {v:.1f}" for k, v in times.items())
-              + f"  (us; best keys x warps {best})", flush=True)
+              + f"  (us; best keys x warps x stages {best})", flush=True)
 
 
 def main() -> int:

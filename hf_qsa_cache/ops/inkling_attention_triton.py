@@ -357,6 +357,7 @@ def paged_rel_attention_triton(
     block_n: int | None = None,  # keys per key tile
     num_splits: int | None = None,  # key splits per query tile (None: launch policy)
     num_warps: int | None = None,
+    num_stages: int | None = None,  # software pipelining depth of the key loop (None: Triton's default)
     bias_in_kernel: bool | None = None,  # one-token tiles compute r @ P in the kernel (None: the rel_bias fusion)
 ) -> torch.Tensor:
     """`paged_rel_attention_torch` in one launch (two when the keys are split); see the module doc."""
@@ -386,7 +387,8 @@ def paged_rel_attention_triton(
     while True:
         try:
             return _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots, position, prev_len,
-                           host_prev_len, scaling, window, log_scaling, block_m, block_n, num_splits, num_warps)
+                           host_prev_len, scaling, window, log_scaling, block_m, block_n, num_splits, num_warps,
+                           num_stages)
         except OutOfResources:
             smaller = _smaller_tiles(block_m, block_n)
             if smaller is None:
@@ -405,7 +407,7 @@ def _smaller_tiles(block_m: int, block_n: int) -> tuple[int, int] | None:
 
 
 def _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots, position, prev_len, host_prev_len,
-            scaling, window, log_scaling, block_m, block_n, num_splits, num_warps) -> torch.Tensor:
+            scaling, window, log_scaling, block_m, block_n, num_splits, num_warps, num_stages=None) -> torch.Tensor:
     """One launch (two with key splits) at these tile sizes; see `paged_rel_attention_triton`. ``proj`` None:
     ``rel`` is ``r @ P``; else ``rel`` is ``r`` and the kernel computes the bias (one-token tiles only)."""
     B, L, Hq, hd = q.shape
@@ -455,7 +457,7 @@ def _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots
         NUM_HEADS=Hq, GROUP=G, HEAD_DIM=hd, G_PAD=g_pad, BLOCK_M=block_m, D_PAD=d_pad, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, WINDOWED=window is not None, LOG_SCALING=log_scaling is not None,
         IEEE=ieee, WIDEN=INTERPRET, REL_FROM_R=from_r, D_REL=d_rel, DR_PAD=pow2(d_rel), R_DTYPE=TL_DTYPES[rel.dtype],
-        num_warps=num_warps, **pdl(q),
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl(q),
     )
     if num_splits > 1:
         _merge_splits_kernel[(T * Hq,)](
