@@ -19,9 +19,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from hf_qsa_cache.fusions import fused  # noqa: E402
 from hf_qsa_cache.ops import linears_triton, rms_norm_triton  # noqa: E402
+from sweep_experts_tiles import graph_us  # noqa: E402
 
 HIDDEN, ROWS, LINKS, REPLAYS = 2048, (2048, 512, 512, 256), 64, 10
 
@@ -34,21 +36,10 @@ def chain(x, norm_weight, weights):
 
 
 def timed(x, norm_weight, weights) -> tuple[float, torch.Tensor]:
-    """Microseconds a kernel of the chain replayed in a CUDA graph, and the chain's output."""
-    out = chain(x, norm_weight, weights)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(x, norm_weight, weights)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (REPLAYS * 2 * LINKS), out.clone()
+    """Microseconds a kernel of the chain replayed in a CUDA graph, and the chain's output from the replays."""
+    held = {}
+    us = graph_us([lambda: held.__setitem__("out", chain(x, norm_weight, weights))], rounds=REPLAYS)
+    return us / (2 * LINKS), held["out"].clone()
 
 
 def main() -> int:
