@@ -10,8 +10,8 @@ every loop) after a prompt whose continuation the random model does not repeat (
 rejected): plain greedy decoding of one row in transformers' `_sample` and in our loop
 (`hf_qsa_cache/decode_loop.py`, what `generate()` runs), the same for 8 rows and for 8 sampled rows (top-k 20),
 prompt lookup in transformers' assisted-decoding loop and in ours (`hf_qsa_cache/lookup_decoding.py`). Also the
-host reads (``_local_scalar_dense``: each waits for the device)
-and the number of forwards (the same in all: one token each).
+host reads (``_local_scalar_dense``: each waits for the device) and the number of forwards (the same in all: one
+token each).
 """
 
 from __future__ import annotations
