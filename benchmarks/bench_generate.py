@@ -14,7 +14,8 @@ on `QSAPagedCache`) with CUDA-graph decode on and off. Every measurement is appe
 line to ``benchmarks/results/h200.jsonl`` (keys: model, layers, impl, graphs, batch, prompt_len,
 new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, fused (the fusions on,
 `hf_qsa_cache.fusions.active`; older lines hold the HF_QSA_FUSED setting, where "" meant none), plus
-status / floor_ms where known; ours adds loop (the decode loop timed: "ours" unless ``--loops`` says
+status / floor_ms where known (with floor_lookup_rows: the lookup tables counted by the rows a step reads;
+lines without it counted them whole, see `benchmarks/floors.py`); ours adds loop (the decode loop timed: "ours" unless ``--loops`` says
 otherwise), cache_gib, store_gib (bytes per cache store) and
 prefill_peak_share: model FLOPs of the prefill per second over the H200's dense bf16 peak;
 decode_ms_end_to_end where the prefill is short: a step's cost in a plain generate() call with no
@@ -25,7 +26,8 @@ share of a step's wall time the GPU is busy). Upstream under ``--upstream-limit`
 prefill too and reported as "did not finish in N s" (or "out of memory").
 
 The floor of a decode step is the bytes it must read (the weights a step touches: everything but
-the experts, plus the experts the batch is expected to route to; and the cached state the step
+the experts and the lookup tables, plus the experts the batch is expected to route to and the rows its
+tokens look up in the token and n-gram embeddings; and the cached state the step
 reads: GatedDeltaNet state read and written, QSA compressed keys and selected K/V, Inkling window and
 full K/V) divided by the copy bandwidth measured in the same run. Layer schedules and per-layer
 shapes are listed in benchmarks/RESULTS.md ("Benchmark shapes").
@@ -256,12 +258,37 @@ def copy_bandwidth() -> float:
     return 2 * 10 * x.numel() / (start.elapsed_time(end) / 1e3)
 
 
-def decode_bytes(model, config, batch: int, length: int) -> float:
-    """Bytes one decode step must read (weights it touches, cached state it reads)."""
+def lookup_rows_per_token(model) -> dict[str, int]:
+    """Lookup tables a decode step reads only a few rows of: weight name -> rows read per token.
+
+    The token embedding gives one row a token; Qwen4Exp's PLE n-gram embedding one row per n-gram head
+    (``ngram_size - 1`` n-gram lengths of ``heads_per_ngram`` heads). A table the LM head shares (tied
+    weights) is read whole and is not listed."""
+    output = model.get_output_embeddings()
+    tied = output.weight if output is not None else None
+    rows = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Embedding) or module.weight is tied:
+            continue
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        per_token = 1
+        if name.endswith("ngram_embedding"):
+            per_token = (parent.ngram_size - 1) * parent.heads_per_ngram
+        rows[f"{name}.weight"] = per_token
+    return rows
+
+
+def decode_bytes(model, config, batch: int, length: int, whole_tables: bool = False) -> float:
+    """Bytes one decode step must read (weights it touches, cached state it reads). ``whole_tables`` counts
+    the lookup tables whole, as the results lines without ``floor_lookup_rows`` did (`benchmarks/floors.py`
+    recomputes their floors)."""
+    lookups = {} if whole_tables else lookup_rows_per_token(model)
     expert_bytes, other = 0, 0
     for name, p in model.named_parameters():
         size = p.numel() * p.element_size()
-        if ".experts." in name:
+        if name in lookups:  # the rows the batch's tokens look up, not the table
+            other += min(p.shape[0], batch * lookups[name]) * p[0].numel() * p.element_size()
+        elif ".experts." in name:
             expert_bytes += size
         else:
             other += size
@@ -460,7 +487,8 @@ def main():
             if result.get("prefill_s"):
                 result["prefill_peak_share"] = flops / result["prefill_s"] / H200_BF16_PEAK
             del cache
-            rows.append({**common, "impl": "paged", "graphs": graphs, "loop": loop, **result, "floor_ms": floor_ms})
+            rows.append({**common, "impl": "paged", "graphs": graphs, "loop": loop, **result, "floor_ms": floor_ms,
+                         "floor_lookup_rows": True})
         if upstream is not None:
             result = run(upstream, ids, mask, args.new_tokens, limit_s=args.upstream_limit)
             rows.append({**common, "impl": "upstream", "graphs": False, **result})
