@@ -101,6 +101,12 @@ def cases(device, dtype, tokens: int, small: bool):
     # What ``hc`` runs without ``hc_proj`` (GEMMs around two kernels): its time beside the line above.
     yield ("mix_with_linears (for its time)",
            lambda: hyper_connection.mix_with_linears(normed, down, up_w, inject_w, hc), spec, 0.05)
+    # ``hc_norm_proj``: the residual and the norm inside those two launches (against `hc_norm` + the line above).
+    yield ("norm_mix_projections (+ residual)",
+           lambda: hyper_connection_triton.norm_mix_projections_triton(streams, weight, 1e-6, (out, inject), down,
+                                                                       up_w, inject_w, hc),
+           lambda: _cpu(hyper_connection.norm_mix_projections, streams, weight, 1e-6, (out, inject), down, up_w,
+                        inject_w, hc), 0.02)
     b, a = rand(1, tokens, Hv, scale=3), rand(1, tokens, Hv, scale=3)
     A_log, dt_bias = rand(Hv), rand(Hv)
     valid = torch.ones(1, tokens, dtype=torch.bool, device=device)

@@ -118,7 +118,7 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
     assert [getattr(m, f) for m, f in flags] == before
     assert set(FLAGS) == {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
                           "inkling_router", "prompt_experts", "projections", "ple", "conv_norm", "tiled_experts",
-                          "rel_bias", "pdl"}
+                          "rel_bias", "pdl", "hc_norm_proj"}
     with pytest.raises(ValueError, match="unknown fusion"):
         with fused(("nope",)):
             pass
@@ -131,7 +131,7 @@ def test_an_unknown_name_in_the_environment_is_refused_at_import():
 
     env = dict(os.environ, HF_QSA_FUSED="hc,nrom")
     proc = subprocess.run([sys.executable, "-c", "import hf_qsa_cache"], env=env, capture_output=True, text=True)
-    assert proc.returncode != 0 and "unknown fusion(s) ['nrom']" in proc.stderr and "known: hc, hc_proj, gdn" in proc.stderr
+    assert proc.returncode != 0 and "unknown fusion(s) ['nrom']" in proc.stderr and "known: hc, hc_proj, hc_norm_proj, gdn" in proc.stderr
 
 
 MEASURED = {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
@@ -148,7 +148,7 @@ def test_a_fusion_not_yet_timed_is_on_only_when_named():
     assert requested(" default , inkling_router", unmeasured=("inkling_router",)) == set(FLAGS)
 
 
-SETTINGS = [(None, MEASURED), ("all", MEASURED | {"rel_bias", "pdl"}), ("none", set()), ("", set()),
+SETTINGS = [(None, MEASURED), ("all", MEASURED | {"rel_bias", "pdl", "hc_norm_proj"}), ("none", set()), ("", set()),
             ("default,pdl", MEASURED | {"pdl"}), ("gdn,router", {"gdn", "router"})]
 
 

@@ -101,16 +101,20 @@ def test_generate_with_fused_mixing_equals_the_default(monkeypatch):
     assert_fused_generate_equals_default(monkeypatch, model, ids, mask, hc_ops, "FUSED_HC", "mix_streams", atol=2e-5)
 
 
+@pytest.mark.parametrize("norm_proj", [False, True])
 @pytest.mark.parametrize("tokens", [(2, 3), (1, hc_ops.HC_PROJ_MAX_TOKENS + 1)])
-def test_fused_projections_equal_upstream_in_fp32(fused, monkeypatch, tokens):
+def test_fused_projections_equal_upstream_in_fp32(fused, monkeypatch, tokens, norm_proj):
     """``hc_proj`` on: steps of few tokens run `mix_projections` (the three projections fused), longer ones
-    the GEMMs; both equal upstream's module."""
+    the GEMMs; with ``hc_norm_proj`` too, the few tokens' norm and projections run as one op,
+    `norm_mix_projections`; all equal upstream's module."""
     from qwen4_helpers import tiny_config
 
     monkeypatch.setattr(hc_ops, "FUSED_HC_PROJ", True)
-    calls = []
-    real = hc_ops.mix_projections
-    monkeypatch.setattr(hc_ops, "mix_projections", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(hc_ops, "FUSED_HC_NORM_PROJ", norm_proj)
+    calls = {"mix_projections": [], "norm_mix_projections": []}
+    for name, seen in calls.items():
+        real = getattr(hc_ops, name)
+        monkeypatch.setattr(hc_ops, name, lambda *a, real=real, seen=seen: seen.append(1) or real(*a))
     config = tiny_config()
     module = _mixing(config)
     streams, out, inject = _streams(config, tokens=tokens)
@@ -119,7 +123,9 @@ def test_fused_projections_equal_upstream_in_fp32(fused, monkeypatch, tokens):
         want = module(streams + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=2e-6, rtol=2e-6)
-    assert len(calls) == int(tokens[0] * tokens[1] <= hc_ops.HC_PROJ_MAX_TOKENS)
+    few = tokens[0] * tokens[1] <= hc_ops.HC_PROJ_MAX_TOKENS
+    assert len(calls["mix_projections"]) == int(few)  # (on the CPU `norm_mix_projections` calls it)
+    assert len(calls["norm_mix_projections"]) == int(few and norm_proj)
 
 
 def test_generate_with_fused_projections_equals_the_default(monkeypatch):
@@ -130,6 +136,17 @@ def test_generate_with_fused_projections_equals_the_default(monkeypatch):
     ids, mask = left_pad(random_prompts([23, 9, 17], seed=4))
     assert_fused_generate_equals_default(monkeypatch, model, ids, mask, hc_ops, "FUSED_HC_PROJ", "mix_projections",
                                          atol=2e-5)
+
+
+def test_generate_with_the_norm_in_the_projections_equals_the_default(monkeypatch):
+    from qwen4_helpers import left_pad, make_pair, random_prompts
+
+    monkeypatch.setattr(hc_ops, "FUSED_HC", True)
+    monkeypatch.setattr(hc_ops, "FUSED_HC_PROJ", True)
+    _, model = make_pair(seed=3)
+    ids, mask = left_pad(random_prompts([23, 9, 17], seed=4))
+    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, hc_ops, "FUSED_HC_NORM_PROJ",
+                                         "norm_mix_projections", atol=0.0)
 
 
 # ----------------------------------------------------------------------------- triton vs torch
@@ -171,6 +188,23 @@ def _main() -> int:
                 torch.testing.assert_close(mixed.float(), want_mixed.float(), atol=tol, rtol=tol)
                 cases += 3
     cases += _projection_cases()
+    cases += _norm_projection_cases()
+    # The tiny model with the mixing's kernels (prompts and decode steps): ``hc_norm_proj`` gives the same
+    # tokens as ``hc_proj`` alone, logits within fp32 rounding (the norm's sums in another order).
+    from fusion_helpers import fused_generate_mismatch
+    from interpreter import count_launches
+    from qwen4_helpers import left_pad, make_pair, random_prompts
+
+    from hf_qsa_cache.ops import hyper_connection_triton as hct
+
+    hc_ops._triton = lambda x: True  # the CUDA dispatch, on CPU tensors
+    launches: list = []
+    count_launches(hct, "_hc_down_kernel", launches)
+    error = fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)),
+                                    "hc_norm_proj", launches, atol=1e-4)
+    if error:
+        print(f"generate: {error}")
+        return 1
     print(f"all hyper-connection kernel cases ok ({cases})")
     return 0
 
@@ -197,12 +231,12 @@ def _projection_cases() -> int:
                 up = torch.randn(hc * H, R, generator=g).to(dtype)
                 inject_weight = (torch.randn(hc, hc * H, generator=g) / 4).to(dtype)
                 # Small tiles (several splits, a partial chunk), one split, and the measured defaults.
-                for tiles in (hct.MixTiles(splits=3, block_n=16, block_k=16, down_warps=4, block_h=16, r_chunk=16,
+                for tiles in (hct.MixTiles(splits=8, block_n=16, block_k=8, down_warps=4, block_h=16, r_chunk=16,
                                            up_warps=4),
                               hct.MixTiles(splits=1, block_n=16, block_k=128, down_warps=2, block_h=16, r_chunk=16,
                                            up_warps=1), None):
                     # None: the final mixer, no injection (with the small tiles only: the interpreter is slow)
-                    small = tiles is not None and tiles.splits == 3
+                    small = tiles is not None and tiles.splits == 8
                     for weight in (inject_weight, None) if small else (inject_weight,):
                         launches.clear()
                         got = hct.mix_projections_triton(normed, down, up, weight, hc, tiles)
@@ -214,6 +248,52 @@ def _projection_cases() -> int:
                                 assert a.dtype == b.dtype and a.shape == b.shape
                                 torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
                         cases += 1
+    return cases
+
+
+def _norm_projection_cases() -> int:
+    """`norm_mix_projections_triton` (``hc_norm_proj``) against the torch spec (`hc_norm`, then `mix_projections`),
+    with and without the residual and the injection: each stream cut in two or three ranges (the last shorter),
+    the RMS pass in several steps (a last partial one), token blocks past 16, streams padded (3 to 4); and
+    with the measured tiles. Two launches, no `hc_norm`."""
+    from interpreter import count_launches
+
+    from hf_qsa_cache.ops import hyper_connection_triton as hct
+
+    launches = {name: [] for name in ("_hc_down_kernel", "_hc_up_mix_kernel", "_hc_norm_kernel")}
+    for name, grids in launches.items():
+        count_launches(hct, name, grids)
+    small = hct.MixTiles(splits=8, block_n=16, block_k=8, down_warps=4, block_h=16, r_chunk=16, up_warps=4,
+                         norm_block=8)
+    cases = 0
+    for hc, H, R in ((4, 24, 10), (3, 20, 40)):
+        for tokens in ((1,), (3, 6)):
+            for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)):
+                g = torch.Generator().manual_seed(hc * 100 + H + R + len(tokens))
+                streams = (torch.randn(*tokens, hc * H, generator=g) * 2).to(dtype)
+                out = torch.randn(*tokens, H, generator=g).to(dtype)
+                inject = (torch.rand(*tokens, hc, generator=g) * 2).to(dtype)
+                norm_weight = torch.randn(hc * H, generator=g).to(dtype)
+                down = (torch.randn(R, hc * H, generator=g) / 4).to(dtype)
+                up = torch.randn(hc * H, R, generator=g).to(dtype)
+                inject_weight = (torch.randn(hc, hc * H, generator=g) / 4).to(dtype)
+                for tiles, residual, weight in ((small, (out, inject), inject_weight), (small, None, inject_weight),
+                                                (small, (out, inject), None), (None, (out, inject), inject_weight)):
+                    for grids in launches.values():
+                        grids.clear()
+                    got = hct.norm_mix_projections_triton(streams, norm_weight, 1e-6, residual, down, up, weight, hc,
+                                                          tiles)
+                    want = hc_ops.norm_mix_projections(streams, norm_weight, 1e-6, residual, down, up, weight, hc)
+                    assert {name: len(grids) for name, grids in launches.items()} == {
+                        "_hc_down_kernel": 1, "_hc_up_mix_kernel": 1, "_hc_norm_kernel": 0}
+                    assert (got[2] is None) == (weight is None) == (want[2] is None)
+                    if residual is None:
+                        assert got[1] is streams  # the streams pass through unchanged, not copied
+                    for a, b in zip(got, want):
+                        if b is not None:
+                            assert a.dtype == b.dtype and a.shape == b.shape
+                            torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+                    cases += 1
     return cases
 
 

@@ -16,7 +16,9 @@ projections (transformers' ``nn.Linear`` weights, read as they are):
 With ``hc_proj`` as well (on by default), a step of at most `HC_PROJ_MAX_TOKENS` tokens runs everything
 after `hc_norm` in two launches, `mix_projections`: the down and injection projections as one split-K pass
 over the normed streams, then the up projection with the gating and the mean over streams; the low-rank
-activations stay in fp32 between them.
+activations stay in fp32 between them. With ``hc_norm_proj`` too (not yet timed, off by default),
+`norm_mix_projections` also takes `hc_norm`'s work into the first of those launches: each program adds the
+residual and takes the RMS of its stream itself, so a mixing is two launches instead of three.
 
 Each computes in fp32 and rounds its outputs once (upstream rounds after every op in bf16: the results
 differ by bf16 rounding and are judged against fp32). The torch functions here are the specification
@@ -44,6 +46,10 @@ FUSED_HC = fusion_enabled("hc")
 # sits between (16 tokens itself not timed).
 FUSED_HC_PROJ = fusion_enabled("hc_proj")
 HC_PROJ_MAX_TOKENS = 16
+# ``hc_norm_proj``: on top of ``hc_proj``, the residual add and the grouped norm inside the first of those two
+# launches (`norm_mix_projections`), one launch of `hc_norm` a mixing less (81 in a Qwen4Exp 40-layer step, 2.7
+# us each on an H200); each program of the down projection takes its stream's RMS itself. Not yet timed.
+FUSED_HC_NORM_PROJ = fusion_enabled("hc_norm_proj")
 
 
 def use_fused(module, x: torch.Tensor) -> bool:
@@ -75,11 +81,13 @@ def gated_residual(module, streams: torch.Tensor, residual: tuple | None = None)
         out = module(streams)
         return out if module.block_inject_weight is not None else (out, streams, None)
     hc = module.hc_count
-    streams, normed = hc_norm(streams, module.hc_norm.weight, hc, module.hc_norm.eps, residual)
     inject = module.block_inject_weight
     weights = (module.input_mix_weight_down.weight, module.input_mix_weight_up.weight,
                inject.weight if inject is not None else None)
-    few_tokens = normed.numel() <= HC_PROJ_MAX_TOKENS * normed.shape[-1]
+    few_tokens = streams.numel() <= HC_PROJ_MAX_TOKENS * streams.shape[-1]
+    if FUSED_HC_PROJ and FUSED_HC_NORM_PROJ and few_tokens:
+        return norm_mix_projections(streams, module.hc_norm.weight, module.hc_norm.eps, residual, *weights, hc)
+    streams, normed = hc_norm(streams, module.hc_norm.weight, hc, module.hc_norm.eps, residual)
     mix = mix_projections if FUSED_HC_PROJ and few_tokens else mix_with_linears
     block_input, inject = mix(normed, *weights, hc)
     return block_input, streams, inject
@@ -158,3 +166,20 @@ def mix_projections(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor, 
     low = scaled_silu(x @ down.float().mT, 1.0 / hc)
     logits = x @ inject_weight.float().mT if inject_weight is not None else None
     return mix_streams(low @ up.float().mT, normed, logits, hc)
+
+
+def norm_mix_projections(streams: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                         residual: tuple[torch.Tensor, torch.Tensor] | None, down: torch.Tensor, up: torch.Tensor,
+                         inject_weight: torch.Tensor | None,
+                         hc: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(mixed, streams, inject)``: `hc_norm` (the residual added when given), then `mix_projections` of the
+    normed streams. On CUDA the same two launches as `mix_projections` (``hc_norm_proj``), the norm taken inside
+    the first: the same values but for the order of the norm's fp32 sums."""
+    if _triton(streams):
+        from .hyper_connection_triton import norm_mix_projections_triton
+
+        return norm_mix_projections_triton(streams, norm_weight, eps, residual, down, up, inject_weight, hc)
+    streams, normed = hc_norm(streams, norm_weight, hc, eps, residual)
+    mixed, inject = mix_projections(normed, down, up, inject_weight, hc)
+    return mixed, streams, inject
+

@@ -154,6 +154,7 @@ class MixTiles:
     block_h: int
     r_chunk: int
     up_warps: int
+    norm_block: int = 256  # ``hc_norm_proj``: features per step of each program's pass for its stream's RMS
 
 
 # Chosen by `benchmarks/sweep_hc_tiles.py` on an H200 (hidden 2048, 4 streams, low rank 320, bf16; graph-timed
@@ -163,31 +164,75 @@ ONE_TOKEN_MIX_TILES = MixTiles(splits=32, block_n=64, block_k=128, down_warps=4,
 MIX_TILES = MixTiles(splits=16, block_n=64, block_k=128, down_warps=4, block_h=32, r_chunk=64, up_warps=2)
 
 
+@triton.jit
+def _stream_tile(streams_ptr, out_ptr, inject_ptr, m, k, mk_ok, c, H: tl.constexpr, HC: tl.constexpr,
+                 RESIDUAL: tl.constexpr):
+    """fp32 ``[BLOCK_M, BLOCK_K]`` of the streams at tokens ``m``, inputs ``k`` (all in stream ``c``): with
+    ``RESIDUAL``, plus the previous block's ``out * inject[c]``, rounded to the streams' dtype as `hc_norm`
+    stores them (its norm reads them rounded)."""
+    m64 = m.to(tl.int64)[:, None]
+    x = tl.load(streams_ptr + m64 * (HC * H) + k[None, :], mask=mk_ok, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        out = tl.load(out_ptr + m64 * H + (k - c * H)[None, :], mask=mk_ok, other=0.0).to(tl.float32)
+        inject = tl.load(inject_ptr + m64 * HC + c, mask=mk_ok, other=0.0).to(tl.float32)
+        x = (x + out * inject).to(streams_ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
 @triton.jit(do_not_specialize=["num_tokens", "split_len"])
-def _hc_down_kernel(x_ptr, down_ptr, inject_w_ptr, part_ptr, num_tokens, split_len,
-                    K: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
-                    INJECT: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False):
+def _hc_down_kernel(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, rstd_ptr, down_ptr, inject_w_ptr,
+                    part_ptr, num_tokens, split_len, eps,
+                    K: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, H: tl.constexpr,
+                    SPLITS_PER_STREAM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                    IEEE: tl.constexpr, WIDEN: tl.constexpr, INJECT: tl.constexpr, LINES: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """part[s, m, n] = sum over the s-th input range of x[m, k] * W[n, k], W = [down (R rows); inject (HC)]
-    (the injection rows only with ``INJECT``). Launched early (``PDL``), the program first asks for its block of
-    W to be fetched into L2."""
+    (the injection rows only with ``INJECT``). The ranges split each stream's H inputs in SPLITS_PER_STREAM.
+
+    ``x`` is the normed streams, or with ``NORM`` the streams themselves (``hc_norm_proj``): each program then
+    adds the residual (``RESIDUAL``), takes the RMS of its range's stream over all H features for its tokens
+    and projects the normed values, rounded as `hc_norm` rounds them; the first column block writes its range
+    of the new streams (``RESIDUAL``) and, for a stream's first range, the stream's rstd for `_hc_up_mix_kernel`.
+    Launched early (``PDL``), the program first asks for its block of W to be fetched into L2."""
     n_block, s, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < num_tokens, n < (R + HC if INJECT else R)
-    lo = s * split_len
+    c = s // SPLITS_PER_STREAM  # the stream this range lies in
+    lo = c * H + (s % SPLITS_PER_STREAM) * split_len
+    hi = tl.minimum(lo + split_len, c * H + H)
     if PDL:
-        prefetch_rows_l2(down_ptr + lo, n, n < R, K, tl.minimum(split_len, K - lo), LINES)
+        prefetch_rows_l2(down_ptr + lo, n, n < R, K, hi - lo, LINES)
         if INJECT:
-            prefetch_rows_l2(inject_w_ptr + lo, n - R, n_ok & (n >= R), K, tl.minimum(split_len, K - lo), LINES)
+            prefetch_rows_l2(inject_w_ptr + lo, n - R, n_ok & (n >= R), K, hi - lo, LINES)
     pdl_begin(PDL)
+    if NORM:
+        squares = tl.zeros([BLOCK_M], tl.float32)
+        for h0 in range(0, H, NORM_BLOCK):
+            h = h0 + tl.arange(0, NORM_BLOCK)
+            x = _stream_tile(x_ptr, out_ptr, inject_ptr, m, c * H + h, m_ok[:, None] & (h < H)[None, :], c, H, HC,
+                             RESIDUAL)
+            squares += tl.sum(x * x, axis=1)
+        rstd = tl.rsqrt(squares / H + eps)
+        if n_block == 0 and s % SPLITS_PER_STREAM == 0:
+            tl.store(rstd_ptr + m.to(tl.int64) * HC + c, rstd, mask=m_ok)
     # Output rows 0..R-1 read the down projection, R..R+HC-1 the injection logits' weight.
     rows = tl.where(n < R, down_ptr + n.to(tl.int64) * K, inject_w_ptr + (n - R).to(tl.int64) * K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(lo, lo + split_len, BLOCK_K):
+    for k0 in range(lo, hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = (k < K) & (k < lo + split_len)
-        x = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        k_ok = k < hi
+        mk_ok = m_ok[:, None] & k_ok[None, :]
+        if NORM:
+            x = _stream_tile(x_ptr, out_ptr, inject_ptr, m, k, mk_ok, c, H, HC, RESIDUAL)
+            if RESIDUAL and n_block == 0:
+                tl.store(streams_out_ptr + m.to(tl.int64)[:, None] * K + k[None, :],
+                         x.to(streams_out_ptr.dtype.element_ty), mask=mk_ok)
+            scale = 1.0 + tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            x = (x * rstd[:, None] * scale[None, :]).to(x_ptr.dtype.element_ty)
+        else:
+            x = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + k[None, :], mask=mk_ok, other=0.0)
         w = tl.load(rows[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc += dot(x, w, IEEE, WIDEN)
     out = part_ptr + (s * num_tokens + m.to(tl.int64))[:, None] * (R + HC) + n[None, :]
@@ -195,16 +240,17 @@ def _hc_down_kernel(x_ptr, down_ptr, inject_w_ptr, part_ptr, num_tokens, split_l
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _hc_up_mix_kernel(part_ptr, normed_ptr, up_ptr, mixed_ptr, inject_ptr, num_tokens,
+def _hc_up_mix_kernel(part_ptr, x_ptr, rstd_ptr, norm_w_ptr, up_ptr, mixed_ptr, inject_ptr, num_tokens,
                       H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr,
                       HC_PAD: tl.constexpr, R_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, INJECT: tl.constexpr,
-                      LINES: tl.constexpr, PDL: tl.constexpr = False):
+                      NORM: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False):
     """mixed[t, h] = mean_c sigmoid(low[t] . W_up[c*H + h]) * normed[t, c*H + h], with low = silu(down / HC)
     summed from the splits. One program per (block of BLOCK_H columns, token): its HC_PAD * BLOCK_H weight
     rows (stream-major) are read once, in chunks of R_CHUNK of the low rank, as GEMVs (products summed
     along the chunk at the end; no tl.dot, whose 16-row tiles would be padding for one token). The first
-    column block also writes inject = 2 sigmoid(logits / HC). Launched early (``PDL``), the program first asks
-    for its weight rows to be fetched into L2."""
+    column block also writes inject = 2 sigmoid(logits / HC). ``x`` is the normed streams, or with ``NORM`` the
+    streams, normed here with the rstd `_hc_down_kernel` wrote (rounded as `hc_norm` rounds). Launched early
+    (``PDL``), the program first asks for its weight rows to be fetched into L2."""
     h_block, t = tl.program_id(0), tl.program_id(1).to(tl.int64)
     j = tl.arange(0, HC_PAD * BLOCK_H)
     stream, h = j // BLOCK_H, h_block * BLOCK_H + j % BLOCK_H
@@ -225,7 +271,11 @@ def _hc_up_mix_kernel(part_ptr, normed_ptr, up_ptr, mixed_ptr, inject_ptr, num_t
         w = tl.load(up_ptr + cols[:, None] * R + r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
         dots += w.to(tl.float32) * low[None, :]
     gate = tl.sigmoid(tl.sum(dots, axis=1))
-    x = tl.load(normed_ptr + t * (HC * H) + cols, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + t * (HC * H) + cols, mask=ok, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.load(rstd_ptr + t * HC + stream, mask=ok, other=0.0)
+        scale = 1.0 + tl.load(norm_w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        x = (x * rstd * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
     mixed = tl.sum(tl.reshape(tl.where(ok, gate * x, 0.0), (HC_PAD, BLOCK_H)), axis=0) / HC
     out_h = h_block * BLOCK_H + tl.arange(0, BLOCK_H)
     tl.store(mixed_ptr + t * H + out_h, mixed.to(mixed_ptr.dtype.element_ty), mask=out_h < H)
@@ -238,6 +288,56 @@ def _hc_up_mix_kernel(part_ptr, normed_ptr, up_ptr, mixed_ptr, inject_ptr, num_t
         tl.store(inject_ptr + t * HC + c, inject.to(inject_ptr.dtype.element_ty), mask=c < HC)
 
 
+def _split_len(H: int, hc: int, tiles: MixTiles) -> int:
+    """Inputs per range of the down projection: ``tiles.splits`` ranges over the hc streams, each stream cut in
+    the same number of ranges of whole BLOCK_K chunks (a range never crosses a stream)."""
+    per_stream = triton.cdiv(tiles.splits, hc)
+    return tiles.block_k * triton.cdiv(triton.cdiv(H, per_stream), tiles.block_k)
+
+
+def _mix(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: torch.Tensor | None, hc: int,
+         tiles: MixTiles | None, norm: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The two launches of `mix_projections_triton` (``norm`` None: ``x`` is normed) and of
+    `norm_mix_projections_triton` (``norm = (weight, eps, residual)``: ``x`` is the streams). Returns
+    ``(mixed, streams, inject)``: the streams as after the residual."""
+    x = x.contiguous()
+    down, up = down.contiguous(), up.contiguous()
+    has_inject = inject_weight is not None  # (the final mixer has none)
+    inject_weight = inject_weight.contiguous() if has_inject else down  # (unread without injection)
+    K = x.shape[-1]
+    H, R = K // hc, down.shape[0]
+    tokens = x.numel() // max(K, 1)
+    mixed = torch.empty(*x.shape[:-1], H, dtype=x.dtype, device=x.device)
+    inject = torch.empty(*x.shape[:-1], hc, dtype=x.dtype, device=x.device) if has_inject else None
+    norm_weight, eps, residual = norm if norm is not None else (x, 0.0, None)  # (unread without the norm)
+    if residual is not None:
+        out, inject_in = residual[0].contiguous(), residual[1].contiguous()
+        streams = torch.empty_like(x)
+    else:
+        out = inject_in = streams = x  # (out and inject unread; the streams unchanged, not written)
+    if not tokens:
+        return mixed, streams, inject
+    rstd = torch.empty(tokens, hc, dtype=torch.float32, device=x.device) if norm is not None else x  # (unread)
+    t = tiles or (ONE_TOKEN_MIX_TILES if tokens == 1 else MIX_TILES)
+    split_len = _split_len(H, hc, t)
+    per_stream = triton.cdiv(H, split_len)
+    splits = hc * per_stream
+    part = torch.empty(splits, tokens, R + hc, dtype=torch.float32, device=x.device)
+    m_blocks = triton.cdiv(tokens, HC_PROJ_BLOCK_M)
+    _hc_down_kernel[(triton.cdiv(R + (hc if has_inject else 0), t.block_n), splits, m_blocks)](
+        x, out, inject_in, norm_weight, streams, rstd, down, inject_weight, part, tokens, split_len, float(eps),
+        K=K, R=R, HC=hc, H=H, SPLITS_PER_STREAM=per_stream, BLOCK_M=HC_PROJ_BLOCK_M, BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k, NORM_BLOCK=min(triton.next_power_of_2(H), t.norm_block), NORM=norm is not None,
+        RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, INJECT=has_inject,
+        LINES=l2_lines(split_len, down.dtype), num_warps=t.down_warps, **pdl(x))
+    _hc_up_mix_kernel[(triton.cdiv(H, t.block_h), tokens)](
+        part, streams, rstd, norm_weight, up, mixed, inject if has_inject else mixed,
+        tokens, H=H, R=R, HC=hc, SPLITS=splits, HC_PAD=triton.next_power_of_2(hc),
+        R_CHUNK=min(t.r_chunk, triton.next_power_of_2(R)), BLOCK_H=t.block_h, INJECT=has_inject,
+        NORM=norm is not None, LINES=l2_lines(R, up.dtype), num_warps=t.up_warps, **pdl(part))
+    return mixed, streams, inject
+
+
 @on_device_of_first_tensor
 def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor,
                            inject_weight: torch.Tensor | None, hc: int,
@@ -245,28 +345,15 @@ def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.T
     """`hyper_connection.mix_projections` in two launches (split-K down and injection projections, then the
     up projection with the gating and the mean over streams), tiled by ``tiles`` (default: the measured
     `ONE_TOKEN_MIX_TILES` or `MIX_TILES`; tests force them small)."""
-    normed = normed.contiguous()
-    down, up = down.contiguous(), up.contiguous()
-    has_inject = inject_weight is not None  # (the final mixer has none)
-    inject_weight = inject_weight.contiguous() if has_inject else down  # (unread without injection)
-    K = normed.shape[-1]
-    H, R = K // hc, down.shape[0]
-    tokens = normed.numel() // max(K, 1)
-    mixed = torch.empty(*normed.shape[:-1], H, dtype=normed.dtype, device=normed.device)
-    inject = torch.empty(*normed.shape[:-1], hc, dtype=normed.dtype, device=normed.device) if has_inject else None
-    if not tokens:
-        return mixed, inject
-    t = tiles or (ONE_TOKEN_MIX_TILES if tokens == 1 else MIX_TILES)
-    split_len = t.block_k * triton.cdiv(triton.cdiv(K, t.splits), t.block_k)
-    splits = triton.cdiv(K, split_len)
-    part = torch.empty(splits, tokens, R + hc, dtype=torch.float32, device=normed.device)
-    m_blocks = triton.cdiv(tokens, HC_PROJ_BLOCK_M)
-    _hc_down_kernel[(triton.cdiv(R + (hc if has_inject else 0), t.block_n), splits, m_blocks)](
-        normed, down, inject_weight, part, tokens, split_len, K=K, R=R, HC=hc, BLOCK_M=HC_PROJ_BLOCK_M,
-        BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=normed.dtype == torch.float32, WIDEN=INTERPRET, INJECT=has_inject,
-        LINES=l2_lines(split_len, down.dtype), num_warps=t.down_warps, **pdl(normed))
-    _hc_up_mix_kernel[(triton.cdiv(H, t.block_h), tokens)](
-        part, normed, up, mixed, inject if has_inject else mixed, tokens, H=H, R=R, HC=hc, SPLITS=splits,
-        HC_PAD=triton.next_power_of_2(hc), R_CHUNK=min(t.r_chunk, triton.next_power_of_2(R)), BLOCK_H=t.block_h,
-        INJECT=has_inject, LINES=l2_lines(R, up.dtype), num_warps=t.up_warps, **pdl(part))
+    mixed, _, inject = _mix(normed, down, up, inject_weight, hc, tiles, None)
     return mixed, inject
+
+
+@on_device_of_first_tensor
+def norm_mix_projections_triton(streams: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                residual: tuple[torch.Tensor, torch.Tensor] | None, down: torch.Tensor,
+                                up: torch.Tensor, inject_weight: torch.Tensor | None, hc: int,
+                                tiles: MixTiles | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`hyper_connection.norm_mix_projections` in the same two launches as `mix_projections_triton`: the residual
+    add and the grouped norm inside the down projection's pass, no launch of `hc_norm`."""
+    return _mix(streams, down, up, inject_weight, hc, tiles, (norm_weight, float(eps), residual))
