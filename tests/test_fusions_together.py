@@ -118,7 +118,7 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
     assert [getattr(m, f) for m, f in flags] == before
     assert set(FLAGS) == {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
                           "inkling_router", "prompt_experts", "projections", "ple", "conv_norm", "tiled_experts",
-                          "rel_bias", "pdl", "hc_norm_proj"}
+                          "rel_bias", "pdl", "hc_norm_proj", "qsa_topk_radix"}
     with pytest.raises(ValueError, match="unknown fusion"):
         with fused(("nope",)):
             pass
@@ -148,7 +148,7 @@ def test_a_fusion_not_yet_timed_is_on_only_when_named():
     assert requested(" default , inkling_router", unmeasured=("inkling_router",)) == set(FLAGS)
 
 
-SETTINGS = [(None, MEASURED), ("all", MEASURED | {"rel_bias", "pdl", "hc_norm_proj"}), ("none", set()), ("", set()),
+SETTINGS = [(None, MEASURED), ("all", MEASURED | {"rel_bias", "pdl", "hc_norm_proj", "qsa_topk_radix"}), ("none", set()), ("", set()),
             ("default,pdl", MEASURED | {"pdl"}), ("gdn,router", {"gdn", "router"})]
 
 
