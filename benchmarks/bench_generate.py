@@ -14,9 +14,9 @@ on `QSAPagedCache`) with CUDA-graph decode on and off. Every measurement is appe
 line to ``benchmarks/results/h200.jsonl`` (keys: model, layers, impl, graphs, batch, prompt_len,
 new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, fused (the fusions on,
 `hf_qsa_cache.fusions.active`; older lines hold the HF_QSA_FUSED setting, where "" meant none), plus
-status / floor_ms where known (with floor_lookup_rows: the lookup tables counted by the rows a step reads;
-lines without it counted them whole, see `benchmarks/floors.py`); ours adds loop (the decode loop timed: "ours" unless ``--loops`` says
-otherwise), cache_gib, store_gib (bytes per cache store) and
+status / floor_ms where known (with floor_lookup_rows: the lookup tables counted by the rows a step
+reads; lines without it counted them whole, see `benchmarks/floors.py`); ours adds loop (the decode
+loop timed: "ours" unless ``--loops`` says otherwise), cache_gib, store_gib (bytes per cache store) and
 prefill_peak_share: model FLOPs of the prefill per second over the H200's dense bf16 peak;
 decode_ms_end_to_end where the prefill is short: a step's cost in a plain generate() call with no
 per-step stopping criterion (`decode_ms_end_to_end`; from sampled calls, and end_to_end_sampled, with

@@ -182,4 +182,3 @@ def norm_mix_projections(streams: torch.Tensor, norm_weight: torch.Tensor, eps: 
     streams, normed = hc_norm(streams, norm_weight, hc, eps, residual)
     mixed, inject = mix_projections(normed, down, up, inject_weight, hc)
     return mixed, streams, inject
-
