@@ -11,7 +11,8 @@ launch sweep of the prefill index scores, the whole selection of a prefill chunk
 ranked, against tile maxima with the best tiles rescored) from decode to a 1M-token context, and a launch
 sweep of the prefill sparse attention (alone with ``--attention-sweep``). One line per case (max error,
 torch and Triton times from triton.testing.do_bench), then PASS or FAIL. ``--decode-sweep``: the decode sparse
-attention (1 and 8 tokens) at split counts x warps x pipelining stages, graph-timed as in a decode step."""
+attention (1 and 8 tokens) at positions per tile x split counts x warps x pipelining stages, graph-timed as in a
+decode step."""
 
 from __future__ import annotations
 
@@ -278,43 +279,49 @@ def sweep_attention(n: int, g: torch.Generator, device) -> bool:
 
 
 def sweep_decode_attention(n: int, g: torch.Generator, device, calls: int = 16) -> bool:
-    """Decode sparse attention (bf16, ``n`` tokens) at split counts x warps x pipelining stages: microseconds a
-    call in a CUDA graph of ``calls`` calls, each over its own K/V stores (so that, as in a decode step, the
-    gathered rows come from memory, not L2), beside the launch policy; every setting must agree with the
-    policy's output. A one-token QSA layer's attention took 22.5 us in the graphed step (b769a18) for about 4 MB
-    of K/V: latency, not bytes."""
+    """Decode sparse attention (bf16, ``n`` tokens) at positions per tile x split counts x warps x pipelining
+    stages: microseconds a call in a CUDA graph of ``calls`` calls, each over its own K/V stores (so that, as in a
+    decode step, the gathered rows come from memory, not L2), beside the launch policy; every setting must agree
+    with the policy's output. A one-token QSA layer's attention took 22.5 us in the graphed step (b769a18) for
+    about 4 MB of K/V, and its tile of 64 positions spills (`kernel_resources.py`): tiles of 16 do not."""
     from sweep_experts_tiles import graph_us
 
     base = _attention_args(n, torch.bfloat16, g, device)
     sets = [(base[0], torch.randn_like(base[1]), torch.randn_like(base[2]), *base[3:]) for _ in range(calls)]
     num_kv, width = base[1].shape[2], base[5].shape[1]
+    names = ("ATTENTION_DECODE_BLOCK_W", "ATTENTION_NUM_WARPS", "ATTENTION_SPLIT_NUM_WARPS", "ATTENTION_NUM_STAGES")
+    defaults = {name: getattr(qsa_triton, name) for name in names}
     policy = qsa_triton.attention_splits(n, num_kv, width)[0]
-    defaults = qsa_triton.ATTENTION_NUM_WARPS, qsa_triton.ATTENTION_SPLIT_NUM_WARPS, qsa_triton.ATTENTION_NUM_STAGES
     want = qsa_triton.sparse_paged_attention_triton(*sets[0])
 
     def timed(splits):
         return graph_us([lambda a=a: qsa_triton.sparse_paged_attention_triton(*a, num_splits=splits) for a in sets])
 
-    results = [(timed(None), f"policy: {policy} splits, warps {defaults[1] if policy > 1 else defaults[0]}, "
-                             f"stages {defaults[2]}", True)]
-    tiles = -(-width // qsa_triton.ATTENTION_BLOCK_W)
+    results = [(timed(None), f"policy: {policy} splits, tile {defaults['ATTENTION_DECODE_BLOCK_W']}, warps "
+                             f"{defaults['ATTENTION_SPLIT_NUM_WARPS']}, stages {defaults['ATTENTION_NUM_STAGES']}", True)]
     ok = True
-    for splits in sorted({1, 4, 8, 16, -(-tiles // 2), tiles}):
-        for warps in (2, 4, 8):
-            for stages in (1, 2, 3):
-                qsa_triton.ATTENTION_NUM_WARPS = qsa_triton.ATTENTION_SPLIT_NUM_WARPS = warps
-                qsa_triton.ATTENTION_NUM_STAGES = stages
-                try:
-                    have = qsa_triton.sparse_paged_attention_triton(*sets[0], num_splits=splits)
-                    same = bool((have.float() - want.float()).abs().max() <= 2e-2)
-                    results.append((timed(splits), f"{splits} splits, warps {warps}, stages {stages}", same))
-                    ok &= same
-                except Exception as error:  # out of resources for a setting: report and go on
-                    print(f"  decode sweep splits={splits} warps={warps} stages={stages}: {type(error).__name__}")
-    (qsa_triton.ATTENTION_NUM_WARPS, qsa_triton.ATTENTION_SPLIT_NUM_WARPS,
-     qsa_triton.ATTENTION_NUM_STAGES) = defaults
+    try:
+        for block_w in (16, 32, 64):
+            qsa_triton.ATTENTION_DECODE_BLOCK_W = block_w
+            tiles = -(-width // block_w)
+            for splits in sorted({1, 8, 32, tiles}):
+                for warps in (4, 8):
+                    for stages in (1, 3):
+                        qsa_triton.ATTENTION_NUM_WARPS = qsa_triton.ATTENTION_SPLIT_NUM_WARPS = warps
+                        qsa_triton.ATTENTION_NUM_STAGES = stages
+                        label = f"tile {block_w}, {splits} splits, warps {warps}, stages {stages}"
+                        try:
+                            have = qsa_triton.sparse_paged_attention_triton(*sets[0], num_splits=splits)
+                            same = bool((have.float() - want.float()).abs().max() <= 2e-2)
+                            results.append((timed(splits), label, same))
+                            ok &= same
+                        except Exception as error:  # out of resources for a setting: report and go on
+                            print(f"  decode sweep {label}: {type(error).__name__}")
+    finally:
+        for name, value in defaults.items():
+            setattr(qsa_triton, name, value)
     print(f"decode attention sweep N={n} (bf16, width {width}, {calls} calls a graph on their own K/V):")
-    for t, label, same in [results[0]] + sorted(results[1:])[:10]:
+    for t, label, same in [results[0]] + sorted(results[1:])[:12]:
         print(f"  {t:8.2f}us {label} {'ok' if same else 'MISMATCH'}")
     return ok
 

@@ -394,6 +394,44 @@ def _main() -> int:
         except AssertionError as err:
             print(f"{label}: {err}")
             return 1
+    # One-token launches tiled finer than prompts (ATTENTION_DECODE_BLOCK_W forced to 16): the policy's splits and
+    # forced ones against the spec, the kernel's tile 16 (a prompt's 64), a forced split of three 16-wide tiles.
+    kernel, tiles_seen = qsa_triton._sparse_paged_attention_kernel, []
+
+    class _Tiles:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: tiles_seen.append(kwargs["BLOCK_W"]) or kernel[grid](*args, **kwargs)
+
+    default_decode_w, qsa_triton.ATTENTION_DECODE_BLOCK_W = qsa_triton.ATTENTION_DECODE_BLOCK_W, 16
+    qsa_triton._sparse_paged_attention_kernel = _Tiles()
+    try:
+        for i, num_splits, want_len in ((2, None, None), (4, None, None), (3, 7, 48), (0, 1, 304)):
+            group, num_kv, head_dim, dtype, atol = ATTENTION_SHAPES[i]
+            query, keys, values, table, token_row, positions, block_size, scaling = split_attention_case(
+                450 + i, group, num_kv, head_dim, dtype)
+            case = (query[:1], keys, values, table, token_row[:1], positions[:1], block_size, scaling)
+            splits, split_len = qsa_triton.attention_splits(1, num_kv, positions.shape[1], num_splits)
+            want = qsa.sparse_paged_attention(*case)
+            tiles_seen.clear()
+            have = qsa_triton.sparse_paged_attention_triton(*case, num_splits=num_splits)
+            label = f"decode tiles of 16, case {i}, num_splits={num_splits}: {splits} x {split_len}"
+            if tiles_seen != [16] or split_len % 16 or (want_len is not None and split_len != want_len):
+                print(f"{label}: tiles {tiles_seen}")
+                return 1
+            try:
+                torch.testing.assert_close(have.float(), want.float(), atol=atol, rtol=0)
+            except AssertionError as err:
+                print(f"{label}: {err}")
+                return 1
+        tiles_seen.clear()
+        prompt = attention_case(460, *ATTENTION_SHAPES[0][:4], num_tokens=20, width=300)
+        qsa_triton.sparse_paged_attention_triton(*prompt)
+        if prompt[0].shape[0] <= qsa_triton.ATTENTION_DECODE_MAX_TOKENS or tiles_seen != [64]:
+            print(f"a prompt of {prompt[0].shape[0]} tokens launched tiles {tiles_seen}")
+            return 1
+    finally:
+        qsa_triton.ATTENTION_DECODE_BLOCK_W = default_decode_w
+        qsa_triton._sparse_paged_attention_kernel = kernel
     # The selection's index arithmetic: groups at and past the visible count, fewer groups than block_topk,
     # none at all, pads (position -1), positions at and around group boundaries, and ratios 1, 2 and 4.
     for i, (ratio, block_topk, k) in enumerate([(4, 5, 5), (2, 6, 3), (4, 3, 0), (1, 4, 4), (2, 2, 1)]):

@@ -35,6 +35,12 @@ from .triton_common import INTERPRET, LOG2E, dot, on_device_of_first_tensor, pdl
 
 # Sparse attention launch policy (shapes only; `num_splits` overrides it per call).
 ATTENTION_BLOCK_W = 64  # selected positions per tile
+# Steps of at most ATTENTION_DECODE_MAX_TOKENS tokens (decode, verify) tile by ATTENTION_DECODE_BLOCK_W. At 64 a
+# one-token launch at the benchmark's shapes (16 heads over 2 KV heads of 256) spills: the compiler for sm_90
+# keeps 3987 local loads and stores with 4 warps (733 with 8); at 16, with 4 or 8 warps, none
+# (`benchmarks/kernel_resources.py`). Which is faster is for `check_qsa_kernels.py --decode-sweep` to time.
+ATTENTION_DECODE_BLOCK_W = 64
+ATTENTION_DECODE_MAX_TOKENS = 16
 # One split per program (prefill): 2 warps gathered K/V at 5.4 TB/s on an H200, 4 warps (the earlier
 # setting, kept for split launches, i.e. decode) at under 3.3 (benchmarks/check_qsa_kernels.py
 # --attention-sweep: 4096 tokens x 2051 positions, 3.0 against 7.2 ms).
@@ -70,16 +76,22 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def attention_block_w(num_tokens: int) -> int:
+    """Selected positions per tile of a sparse attention launch of ``num_tokens`` tokens."""
+    return ATTENTION_DECODE_BLOCK_W if num_tokens <= ATTENTION_DECODE_MAX_TOKENS else ATTENTION_BLOCK_W
+
+
 def attention_splits(num_tokens: int, num_kv: int, width: int, num_splits: int | None = None) -> tuple[int, int]:
     """``(num_splits, split_len)`` of a sparse attention launch: the width in ``num_splits`` contiguous
-    ranges of ``split_len`` positions (a multiple of ``ATTENTION_BLOCK_W``), none of them empty."""
-    tiles = max(1, _cdiv(width, ATTENTION_BLOCK_W))
+    ranges of ``split_len`` positions (a multiple of `attention_block_w`), none of them empty."""
+    block_w = attention_block_w(num_tokens)
+    tiles = max(1, _cdiv(width, block_w))
     if num_splits is None:
         programs = max(1, num_tokens * num_kv)
         num_splits = min(MAX_SPLITS, _cdiv(width, MIN_SPLIT_POSITIONS), _cdiv(TARGET_PROGRAMS, programs))
     num_splits = max(1, min(num_splits, tiles))
     tiles_per_split = _cdiv(tiles, num_splits)
-    return _cdiv(tiles, tiles_per_split), tiles_per_split * ATTENTION_BLOCK_W
+    return _cdiv(tiles, tiles_per_split), tiles_per_split * block_w
 
 
 # Batch-varying sizes are not specialised, so a new batch or selection width does not recompile.
@@ -213,7 +225,7 @@ def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, value
         block_table.stride(0), block_table.stride(1), positions.stride(0), positions.stride(1),
         n, width, block_table.shape[1], block_size, float(scaling) * LOG2E, split_len, splits,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, G_PAD=pow2(group), D_PAD=pow2(head_dim),
-        BLOCK_W=ATTENTION_BLOCK_W, SPLIT=splits > 1, IEEE=query.dtype == torch.float32, WIDEN=INTERPRET,
+        BLOCK_W=attention_block_w(n), SPLIT=splits > 1, IEEE=query.dtype == torch.float32, WIDEN=INTERPRET,
         num_warps=ATTENTION_SPLIT_NUM_WARPS if splits > 1 else ATTENTION_NUM_WARPS,
         num_stages=ATTENTION_NUM_STAGES, **pdl(query),
     )
