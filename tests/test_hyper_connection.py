@@ -243,12 +243,17 @@ def _projection_cases() -> int:
                         want = hc_ops.mix_projections(normed, down, up, weight, hc)
                         assert len(launches) == 2, launches
                         assert (got[1] is None) == (weight is None) == (want[1] is None)
-                        for a, b in zip(got, want):
-                            if b is not None:
-                                assert a.dtype == b.dtype and a.shape == b.shape
-                                torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+                        _assert_outputs_close(got, want, tol)
                         cases += 1
     return cases
+
+
+def _assert_outputs_close(got: tuple, want: tuple, tol: float) -> None:
+    """Each output the spec gives (None: no injection) matches the kernel's in dtype, shape and value."""
+    for a, b in zip(got, want):
+        if b is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape
+            torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
 
 
 def _norm_projection_cases() -> int:
@@ -289,10 +294,7 @@ def _norm_projection_cases() -> int:
                     assert (got[2] is None) == (weight is None) == (want[2] is None)
                     if residual is None:
                         assert got[1] is streams  # the streams pass through unchanged, not copied
-                    for a, b in zip(got, want):
-                        if b is not None:
-                            assert a.dtype == b.dtype and a.shape == b.shape
-                            torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+                    _assert_outputs_close(got, want, tol)
                     cases += 1
     return cases
 
