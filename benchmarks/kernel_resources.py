@@ -2,6 +2,7 @@
 
     python benchmarks/kernel_resources.py                 # every kernel of the fused-kernel cases, 1 and 32 tokens
     python benchmarks/kernel_resources.py --tokens 1      # one decode token only
+    python benchmarks/kernel_resources.py --pdl           # the early-launch build (HF_QSA_FUSED=...,pdl)
 
 A kernel that needs more registers than a thread has keeps the rest in local memory ("spills"): each such load
 or store is one more round trip in a kernel whose time is latency. No timing can be taken without a GPU, but
@@ -73,9 +74,10 @@ def record_launches(calls) -> list[dict]:
     return list(seen.values())
 
 
-def resources(entry: dict) -> dict:
+def resources(entry: dict, early_launch: bool = False) -> dict:
     """Compile one recorded launch for sm_90: registers a thread, stack bytes, shared memory, and the local
-    memory loads and stores (spills) of its SASS."""
+    memory loads and stores (spills) of its SASS. ``early_launch``: the build the ``pdl`` setting launches (its
+    wait, trigger and weight prefetches; the interpreter records the other)."""
     import importlib
 
     import triton
@@ -88,9 +90,12 @@ def resources(entry: dict) -> dict:
     fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
     constants = {k: (triton.language.dtype(v["dtype"]) if isinstance(v, dict) else v)
                  for k, v in entry["constants"].items()}
+    options = dict(entry["options"])
+    if early_launch and "PDL" in constants:
+        constants["PDL"], options["launch_pdl"] = True, True
     signature = {**entry["signature"], **{name: "constexpr" for name in constants}}
     compiled = triton.compile(ASTSource(fn, signature, constexprs=constants),
-                              target=GPUTarget("cuda", TARGET_ARCH, 32), options=dict(entry["options"]))
+                              target=GPUTarget("cuda", TARGET_ARCH, 32), options=options)
     tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -138,21 +143,21 @@ def attention_calls(tokens: int):
         yield f"Inkling {layer} attention ({tokens} tokens)", lambda i=inputs: paged_rel_attention_triton(**i)
 
 
-def compile_all(launches: list[dict]) -> list[dict]:
+def compile_all(launches: list[dict], early_launch: bool = False) -> list[dict]:
     """`resources` of each launch (in the ``--compile`` process), the worst spills first."""
     rows = []
     for entry in launches:
         sizes = {k: v for k, v in entry["constants"].items() if not isinstance(v, dict)}
-        row = {"kernel": entry["name"], **entry["options"], "constants": sizes}
+        row = {"kernel": entry["name"], **entry["options"], "constants": sizes, "early_launch": early_launch}
         try:
-            row.update(resources(entry))
+            row.update(resources(entry, early_launch))
         except Exception as error:  # noqa: BLE001 - a launch that does not compile is reported, not fatal
             row["error"] = f"{type(error).__name__}: {str(error)[-300:]}"
         rows.append(row)
     return sorted(rows, key=lambda r: -(r.get("spill_loads", 0) + r.get("spill_stores", 0)))
 
 
-def measure(calls) -> list[dict]:
+def measure(calls, early_launch: bool = False) -> list[dict]:
     """Record the launches of ``calls`` here, compile them in a process of their own: the rows of
     `compile_all`."""
     launches = record_launches(calls)
@@ -160,24 +165,25 @@ def measure(calls) -> list[dict]:
         f.writelines(json.dumps(entry) + "\n" for entry in launches)
         f.flush()
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--compile", f.name], env=env,
-                             capture_output=True, text=True, check=True).stdout
+        command = [sys.executable, os.path.abspath(__file__), "--compile", f.name] + (["--pdl"] if early_launch else [])
+        out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--pdl", action="store_true", help="compile the early-launch build of each kernel")
     parser.add_argument("--compile", help=argparse.SUPPRESS)  # the second process: a file of recorded launches
     args = parser.parse_args(argv)
     if args.compile:
         with open(args.compile) as f:
-            rows = compile_all([json.loads(line) for line in f if line.strip()])
+            rows = compile_all([json.loads(line) for line in f if line.strip()], args.pdl)
     else:
         # Each case's inputs are built as its generator reaches it (a later case may rebind the names an earlier
         # call reads), so the calls are made as they come.
-        rows = measure(call for tokens in args.tokens
-                       for call in itertools.chain(fused_kernel_calls(tokens), attention_calls(tokens)))
+        rows = measure((call for tokens in args.tokens
+                        for call in itertools.chain(fused_kernel_calls(tokens), attention_calls(tokens))), args.pdl)
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
