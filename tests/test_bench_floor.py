@@ -78,3 +78,23 @@ def test_recorded_floors_are_rescaled_by_the_bytes_counted(monkeypatch):
     assert floors.corrected(old, models)["floor_ms"] == pytest.approx(0.4)
     new = dict(old, floor_lookup_rows=True)
     assert floors.corrected(new, models)["floor_ms"] == 0.6  # written with the rows already
+
+
+def test_every_recorded_floor_recomputes_below_itself_by_the_tables():
+    """On the results file itself: each line's floor recomputed is the recorded one less the tables' bytes (the
+    token table for both families, the n-gram table too for Qwen4Exp), so it drops by about the same time on
+    every line of a family: a per-line rescaling that went wrong would show as a spread."""
+    import json
+
+    with open(bench_generate.RESULTS) as f:
+        lines = [json.loads(text) for text in f if text.strip()]
+    lines = [x for x in lines if x.get("impl") == "paged" and x.get("floor_ms") and x.get("graphs")]
+    assert len(lines) > 50
+    models, dropped = {}, {}
+    for line in lines:
+        fixed = floors.corrected(line, models)
+        assert 0 < fixed["floor_ms"] < fixed["floor_ms_recorded"]
+        dropped.setdefault(line["model"], []).append(fixed["floor_ms_recorded"] - fixed["floor_ms"])
+    # 131 MB (+ 410 MB for Qwen4Exp) at the runs' 4.2-4.3 TB/s: about 0.031 ms and 0.127 ms.
+    assert all(0.028 < d < 0.034 for d in dropped["inkling"]), dropped["inkling"]
+    assert all(0.118 < d < 0.135 for d in dropped["qwen4_exp"]), dropped["qwen4_exp"]
