@@ -39,7 +39,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from kernel_compile import TARGET_ARCH, launch_record  # noqa: E402
+from kernel_compile import compile_launch, launch_record  # noqa: E402
 
 PACKAGE = "hf_qsa_cache"
 
@@ -78,24 +78,9 @@ def resources(entry: dict, early_launch: bool = False) -> dict:
     """Compile one recorded launch for sm_90: registers a thread, stack bytes, shared memory, and the local
     memory loads and stores (spills) of its SASS. ``early_launch``: the build the ``pdl`` setting launches (its
     wait, trigger and weight prefetches; the interpreter records the other)."""
-    import importlib
-
-    import triton
     import triton.backends.nvidia as nvidia
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
 
-    kernel = getattr(importlib.import_module(entry["module"]), entry["name"])
-    fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
-    constants = {k: (triton.language.dtype(v["dtype"]) if isinstance(v, dict) else v)
-                 for k, v in entry["constants"].items()}
-    options = dict(entry["options"])
-    if early_launch and "PDL" in constants:
-        constants["PDL"], options["launch_pdl"] = True, True
-    signature = {**entry["signature"], **{name: "constexpr" for name in constants}}
-    compiled = triton.compile(ASTSource(fn, signature, constexprs=constants),
-                              target=GPUTarget("cuda", TARGET_ARCH, 32), options=options)
+    compiled = compile_launch(entry, early_launch)
     tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])

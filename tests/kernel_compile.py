@@ -107,8 +107,10 @@ def _compile_constant(value):
     return value
 
 
-def compile_for_gpu(entry: dict) -> None:
-    """Compile one recorded launch for an sm_90 target; raises the compiler's error if it does not."""
+def compile_launch(entry: dict, early_launch: bool = True):
+    """Triton's compiled kernel of one recorded launch, for an sm_90 target; raises the compiler's error if it does
+    not compile. The interpreter never launches early: with ``early_launch`` a kernel that takes the ``PDL`` switch
+    is compiled with it on (its code plus the wait, which the GPU runs with the ``pdl`` setting on)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -118,12 +120,17 @@ def compile_for_gpu(entry: dict) -> None:
     fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
     constants = {name: _compile_constant(v) for name, v in entry["constants"].items()}
     options = dict(entry["options"])
-    if "PDL" in constants:  # the interpreter never launches early: compile the early-launch build, its code plus
-        constants["PDL"] = True  # the wait, which the GPU runs with the ``pdl`` setting on
+    if early_launch and "PDL" in constants:
+        constants["PDL"] = True
         options["launch_pdl"] = True
     signature = {**entry["signature"], **{name: "constexpr" for name in constants}}
     source = ASTSource(fn, signature, constexprs=constants)
-    triton.compile(source, target=GPUTarget("cuda", TARGET_ARCH, 32), options=options)
+    return triton.compile(source, target=GPUTarget("cuda", TARGET_ARCH, 32), options=options)
+
+
+def compile_for_gpu(entry: dict) -> None:
+    """Compile one recorded launch, its early-launch build, for an sm_90 target (`compile_launch`)."""
+    compile_launch(entry)
 
 
 def structure(entry: dict) -> str:
