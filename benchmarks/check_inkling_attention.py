@@ -184,38 +184,37 @@ SWEEP_CASES = [  # the decode steps of `bench_generate.py`'s Inkling cases
 def graph_time_us(fn, calls: int = 20) -> float:
     """Microseconds of one ``fn()`` replayed in a CUDA graph of ``calls`` calls (no launch gaps of the host,
     as in a graphed decode step)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * calls)
+    from sweep_experts_tiles import graph_us
+
+    return graph_us([fn] * calls)
+
+
+SWEEP_SETS = 8  # input sets a sweep's graph cycles through: their K/V stores exceed L2, as in a decode step
+
+
+def sweep_time_us(sets: list[dict], **kwargs) -> float:
+    """Microseconds a call of the attention with ``kwargs``, in a CUDA graph of one call on each of ``sets``
+    (their stores together larger than L2: the keys come from memory, as in a step where the other layers'
+    weights have passed through L2 since)."""
+    from sweep_experts_tiles import graph_us
+
+    return graph_us([lambda a=a: paged_rel_attention_triton(**a, **kwargs) for a in sets])
 
 
 def split_sweep(device) -> None:
     """Each decode case at key split counts from 1 up, beside the launch policy's choice (``num_splits=None``):
-    graph-timed microseconds a call, bf16."""
+    graph-timed microseconds a call on `SWEEP_SETS` input sets, bf16."""
     for name, layer, rows in SWEEP_CASES:
-        args = make_inputs(layer, rows, torch.bfloat16, device)
-        times = {"policy": graph_time_us(lambda: paged_rel_attention_triton(**args, bias_in_kernel=False))}
+        sets = [make_inputs(layer, rows, torch.bfloat16, device, seed=i) for i in range(SWEEP_SETS)]
+        times = {"policy": sweep_time_us(sets, bias_in_kernel=False)}
         # The rel_bias fusion (the bias computed per key tile, no r @ P matmul before the launch): that matmul
         # is part of both figures, so this compares whole steps' attention.
-        times["policy, bias in kernel"] = graph_time_us(lambda: paged_rel_attention_triton(**args, bias_in_kernel=True))
+        times["policy, bias in kernel"] = sweep_time_us(sets, bias_in_kernel=True)
         span = max(p for p, _ in rows) + 1 if layer == "full" else WINDOW
         most = max(1, min(inkling_attention_triton.MAX_SPLITS, span // inkling_attention_triton.DECODE_BLOCK_N))
         splits = 1
         while splits <= most:
-            times[splits] = graph_time_us(lambda n=splits: paged_rel_attention_triton(**args, num_splits=n,
-                                                                                      bias_in_kernel=False))
+            times[splits] = sweep_time_us(sets, num_splits=splits, bias_in_kernel=False)
             splits *= 2
         best = min((k for k in times if isinstance(k, int)), key=times.get)
         print(f"{name:18s} {layer:7s} " + "  ".join(f"{k}: {v:.1f}" for k, v in times.items())
@@ -224,20 +223,19 @@ def split_sweep(device) -> None:
 
 def tile_sweep(device) -> None:
     """Each decode case at keys per tile x warps x pipelining stages (the policy's split count for that tile),
-    beside the policy:
-    graph-timed microseconds a call, bf16 (a one-token tile is load-latency bound: wider key tiles keep more
-    bytes in flight per program)."""
+    beside the policy: graph-timed microseconds a call on `SWEEP_SETS` input sets, bf16 (a one-token tile is
+    load-latency bound: wider key tiles keep more bytes in flight per program, but at 64 keys and 4 warps the
+    kernel spills, `kernel_resources.py`)."""
     fits = inkling_attention_triton._TILES_THAT_FIT  # a tile that does not fit would shrink the policy's: kept out
     for name, layer, rows in SWEEP_CASES:
-        args = make_inputs(layer, rows, torch.bfloat16, device)
+        sets = [make_inputs(layer, rows, torch.bfloat16, device, seed=i) for i in range(SWEEP_SETS)]
         fits.clear()
-        times = {"policy": graph_time_us(lambda: paged_rel_attention_triton(**args, bias_in_kernel=False))}
-        for block_n in (32, 64, 128, 256):
+        times = {"policy": sweep_time_us(sets, bias_in_kernel=False)}
+        for block_n in (16, 32, 64, 128):
             for warps in (4, 8):
                 for stages in (1, 2, 3):
-                    times[f"{block_n}x{warps}x{stages}"] = graph_time_us(
-                        lambda b=block_n, w=warps, n=stages: paged_rel_attention_triton(
-                            **args, block_n=b, num_warps=w, num_stages=n, bias_in_kernel=False))
+                    times[f"{block_n}x{warps}x{stages}"] = sweep_time_us(
+                        sets, block_n=block_n, num_warps=warps, num_stages=stages, bias_in_kernel=False)
                     fits.clear()
         best = min((k for k in times if k != "policy"), key=times.get)
         print(f"{name:18s} {layer:7s} " + "  ".join(f"{k}: {v:.1f}" for k, v in times.items())
