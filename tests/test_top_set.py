@@ -84,7 +84,7 @@ def _cases(launches: list, search: str) -> str | None:
         have = top_set(close, k)
         if not torch.equal(have, _stable_best(close, k)):
             return f"{search}: scores one step apart, k={k}: {have.tolist()}"
-    # Keys that share their top 24 bits and differ in the last 8 (and a run that differs only in bit 8): the
+    # Keys that share their top 24 bits and differ in the last 8, and keys 256 apart (their last 8 bits equal): the
     # radix search's last round decides; and keys far apart, decided in its first.
     base = torch.tensor(3.0).view(torch.int32)
     for spread in (torch.arange(40) * 3, torch.arange(40) * 256 + 7):
