@@ -39,30 +39,17 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from kernel_compile import compile_launch, launch_record  # noqa: E402
-
-PACKAGE = "hf_qsa_cache"
-
+from kernel_compile import compile_launch, record_into  # noqa: E402
 
 def record_launches(calls) -> list[dict]:
-    """Run ``calls`` (functions that launch kernels) with every launch of a project kernel recorded instead of
-    run; returns the distinct launches. A call that fails on the uncomputed outputs of an earlier launch (host
-    code reading them) is left where it failed, its later launches unrecorded, and named in a line of its own."""
+    """Run ``calls`` (``(name, function)`` pairs whose functions launch kernels) with every launch of a project
+    kernel recorded instead of run (`kernel_compile.record_into`); returns the distinct launches. A call that fails
+    on the uncomputed outputs of an earlier launch (host code reading them) is left where it failed, its later
+    launches unrecorded, and named in a line of its own."""
     from triton.runtime.interpreter import InterpretedFunction
 
     seen: dict[str, dict] = {}
-    run = InterpretedFunction.run
-
-    def recording_run(self, *args, grid, warmup, **kwargs):
-        if self.fn.__module__.split(".")[0] != PACKAGE:
-            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-        entry = launch_record(self.fn, self.arg_names, args, kwargs)
-        if "WIDEN" in entry["constants"]:  # widened for the interpreter only: the GPU's build does not
-            entry["constants"]["WIDEN"] = False
-        seen.setdefault(json.dumps(entry, sort_keys=True), entry)
-        return None
-
-    InterpretedFunction.run = recording_run
+    run = record_into(seen, execute=False)
     try:
         for name, call in calls:
             try:
@@ -132,7 +119,8 @@ def compile_all(launches: list[dict], early_launch: bool = False) -> list[dict]:
     """`resources` of each launch (in the ``--compile`` process), the worst spills first."""
     rows = []
     for entry in launches:
-        sizes = {k: v for k, v in entry["constants"].items() if not isinstance(v, dict)}
+        # (WIDEN, the interpreter's switch, is compiled off: `kernel_compile.compile_launch`)
+        sizes = {k: v for k, v in entry["constants"].items() if not isinstance(v, dict) and k != "WIDEN"}
         row = {"kernel": entry["name"], **entry["options"], "constants": sizes, "early_launch": early_launch}
         try:
             row.update(resources(entry, early_launch))

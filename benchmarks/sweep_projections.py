@@ -6,7 +6,8 @@ cuBLAS's one GEMV per weight, at the benchmark models' decode shapes, with the k
 Cases (bf16, hidden 2048, `bench_generate.py`'s configs): Qwen4Exp's GatedDeltaNet input projections (qkv
 8192, z 4096, b 32, a 32 rows), its QSA layer's (q with gate 8192, k 512, v 512, indexer 4224), Inkling's
 attention (q 2048, k 512, v 512, relative 256), and one projection alone (GatedDeltaNet's out_proj, 4096 ->
-2048; Inkling's o_proj, 2048 -> 2048), at 1, 8 and 16 tokens; at one token also the kernel's GEMV form (no tl.dot). Each time is the mean of 8 calls recorded in one CUDA graph, the calls rotating
+2048; Inkling's o_proj, 2048 -> 2048), at 1, 8 and 16 tokens; at one token also the kernel's GEMV form (no
+tl.dot). Each time is the mean of 8 calls recorded in one CUDA graph, the calls rotating
 over 4 copies of the weights (so that L2 does not keep them). ``floor_us``: the weights' bytes at 4.25 TB/s
 (the copy bandwidth `bench_generate.py` measured). ``max_err``: the largest difference from the fp32 math on
 the same bf16 values, first call.

@@ -74,21 +74,30 @@ def launch_record(fn, arg_names: list[str], args: tuple, kwargs: dict) -> dict:
             "options": {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}}
 
 
-def record(path: str):
-    """Under the interpreter: log each distinct launch of this process to ``path`` when it exits (or when the
-    returned function is called: a forked child that leaves without the exit handlers)."""
+def record_into(seen: dict[str, dict], execute: bool = True):
+    """Under the interpreter: add each distinct launch of a project kernel to ``seen`` (its JSON -> the record), and
+    run it unless ``execute`` is False (then nothing is computed: its outputs stay as allocated). Returns the
+    interpreter's own runner, for the caller to put back."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    seen: dict[str, dict] = {}
     run = InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
-        if self.fn.__module__.split(".")[0] in PROJECT_PACKAGES:
-            entry = launch_record(self.fn, self.arg_names, args, kwargs)
-            seen.setdefault(json.dumps(entry, sort_keys=True), entry)
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        if self.fn.__module__.split(".")[0] not in PROJECT_PACKAGES:
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        entry = launch_record(self.fn, self.arg_names, args, kwargs)
+        seen.setdefault(json.dumps(entry, sort_keys=True), entry)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs) if execute else None
 
     InterpretedFunction.run = recording_run
+    return run
+
+
+def record(path: str):
+    """Under the interpreter: log each distinct launch of this process to ``path`` when it exits (or when the
+    returned function is called: a forked child that leaves without the exit handlers)."""
+    seen: dict[str, dict] = {}
+    record_into(seen)
 
     def write():
         with open(path, "a") as f:
@@ -108,9 +117,11 @@ def _compile_constant(value):
 
 
 def compile_launch(entry: dict, early_launch: bool = True):
-    """Triton's compiled kernel of one recorded launch, for an sm_90 target; raises the compiler's error if it does
-    not compile. The interpreter never launches early: with ``early_launch`` a kernel that takes the ``PDL`` switch
-    is compiled with it on (its code plus the wait, which the GPU runs with the ``pdl`` setting on)."""
+    """Triton's compiled kernel of one recorded launch, for an sm_90 target, as the GPU runs it; raises the
+    compiler's error if it does not compile. A ``WIDEN`` switch (bf16 dot operands widened to fp32, for the
+    interpreter only) is compiled off. The interpreter never launches early: with ``early_launch`` a kernel that
+    takes the ``PDL`` switch is compiled with it on (its code plus the wait, which the GPU runs with the ``pdl``
+    setting on)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -120,6 +131,8 @@ def compile_launch(entry: dict, early_launch: bool = True):
     fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
     constants = {name: _compile_constant(v) for name, v in entry["constants"].items()}
     options = dict(entry["options"])
+    if "WIDEN" in constants:
+        constants["WIDEN"] = False
     if early_launch and "PDL" in constants:
         constants["PDL"] = True
         options["launch_pdl"] = True

@@ -231,7 +231,7 @@ def _projection_cases() -> int:
                 up = torch.randn(hc * H, R, generator=g).to(dtype)
                 inject_weight = (torch.randn(hc, hc * H, generator=g) / 4).to(dtype)
                 # Small tiles (several splits, a partial chunk), one split, and the measured defaults.
-                for tiles in (hct.MixTiles(splits=8, block_n=16, block_k=8, down_warps=4, block_h=16, r_chunk=16,
+                for tiles in (hct.MixTiles(splits=8, block_n=16, block_k=16, down_warps=4, block_h=16, r_chunk=16,
                                            up_warps=4),
                               hct.MixTiles(splits=1, block_n=16, block_k=128, down_warps=2, block_h=16, r_chunk=16,
                                            up_warps=1), None):
@@ -258,7 +258,7 @@ def _assert_outputs_close(got: tuple, want: tuple, tol: float) -> None:
 
 def _norm_projection_cases() -> int:
     """`norm_mix_projections_triton` (``hc_norm_proj``) against the torch spec (`hc_norm`, then `mix_projections`),
-    with and without the residual and the injection: each stream cut in two or three ranges (the last shorter),
+    with and without the residual and the injection: each stream cut in two ranges (the last shorter),
     the RMS pass in several steps (a last partial one), token blocks past 16, streams padded (3 to 4); and
     with the measured tiles. Two launches, no `hc_norm`."""
     from interpreter import count_launches
@@ -268,7 +268,7 @@ def _norm_projection_cases() -> int:
     launches = {name: [] for name in ("_hc_down_kernel", "_hc_up_mix_kernel", "_hc_norm_kernel")}
     for name, grids in launches.items():
         count_launches(hct, name, grids)
-    small = hct.MixTiles(splits=8, block_n=16, block_k=8, down_warps=4, block_h=16, r_chunk=16, up_warps=4,
+    small = hct.MixTiles(splits=8, block_n=16, block_k=16, down_warps=4, block_h=16, r_chunk=16, up_warps=4,
                          norm_block=8)
     cases = 0
     for hc, H, R in ((4, 24, 10), (3, 20, 40)):
@@ -375,3 +375,13 @@ def test_the_final_mixer_fused_equals_upstreams_in_fp32(fused):
             mixed, _, none = hc_ops.gated_residual(mixer, streams, residual)
             assert none is None
             torch.testing.assert_close(mixed, mixer(whole), atol=2e-6, rtol=2e-6)
+
+
+def test_down_projection_tiles_below_tl_dot_size_are_refused():
+    """A chunk of 8 passes the interpreter (its dots widen to fp32) but does not compile for the GPU in bf16."""
+    from hf_qsa_cache.ops import hyper_connection_triton as hct
+
+    tiles = hct.MixTiles(splits=2, block_n=16, block_k=8, down_warps=1, block_h=16, r_chunk=16, up_warps=1)
+    normed, down, up = torch.zeros(1, 32), torch.zeros(4, 32), torch.zeros(32, 4)
+    with pytest.raises(ValueError, match="block_k 8"):
+        hct.mix_projections_triton(normed, down, up, None, 2, tiles)

@@ -72,6 +72,5 @@ def test_the_compiled_figures_tell_spills_apart():
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     attention = {r["constants"]["BLOCK_W"]: r for r in rows if r.get("kernel") == "_sparse_paged_attention_kernel"}
     assert set(attention) == {64, 16}
-    assert all(r["constants"]["WIDEN"] is False for r in attention.values())  # the GPU's build, not the interpreter's
     assert attention[64]["spill_loads"] > 0 and attention[64]["spill_stores"] > 0
     assert attention[16]["spill_loads"] == attention[16]["spill_stores"] == attention[16]["stack_bytes"] == 0

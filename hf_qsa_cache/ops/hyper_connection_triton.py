@@ -319,6 +319,9 @@ def _mix(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: t
         return mixed, streams, inject
     rstd = torch.empty(tokens, hc, dtype=torch.float32, device=x.device) if norm is not None else x  # (unread)
     t = tiles or (ONE_TOKEN_MIX_TILES if tokens == 1 else MIX_TILES)
+    if t.block_k < 16 or t.block_n < 16:
+        raise ValueError(f"the down projection's tiles must be at least 16 (tl.dot's smallest), got block_k "
+                         f"{t.block_k}, block_n {t.block_n}")
     split_len = _split_len(H, hc, t)
     per_stream = triton.cdiv(H, split_len)
     splits = hc * per_stream
