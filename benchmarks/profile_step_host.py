@@ -7,8 +7,9 @@
 A graphed decode step on a GPU costs the host our loop's work (`decode_loop.decode`), the forward around the graph
 (the step's checks, the cache's step transaction, the rows' inputs copied into the graph's buffers) and the
 replay's launch; when that host work takes longer than the GPU's, the host sets the pace of decoding. Here the
-real loop and the real forward run on the CPU at the benchmark's layer schedule and cache geometry (widths are tiny: the host work does not
-depend on them) with a graph stand-in whose replay does nothing, so what is timed is the host work of a step
+real loop and the real forward run on the CPU at the benchmark's layer schedule and cache geometry (widths are
+tiny: the host work does not depend on them) with a graph stand-in whose replay does nothing, so what is timed
+is the host work of a step
 and a few small CPU ops (the embedding and LM head of the prefill are outside the timed steps). Reported:
 microseconds of host work per decode step (the better of three generate() calls of ``--tokens`` tokens, less
 one of a single token: its prefill and setup), and with ``--profile`` a cProfile top-25 of one call.
