@@ -11,7 +11,12 @@ that takes the ``PDL`` switch (`hf_qsa_cache.ops.triton_common.pdl`) is compiled
 runs with early launch: the same code plus its wait, trigger and prefetches.
 
 A launch record: the kernel's module and name, the type of each runtime argument (a tensor's element
-type, an int's width), the value of each compile-time argument, and the launch options (warps, stages).
+type, an int's width), the value of each compile-time argument, the launch options (warps, stages), and what
+Triton's launcher on the GPU derives from the argument values (`specialization`): an integer argument equal
+to 1 becomes a compile-time 1, and an integer or pointer divisible by 16 is marked so (``"D"``), unless the
+kernel's ``do_not_specialize`` / ``do_not_specialize_on_alignment`` names it. These change the code: a
+stride known to be 1 and a 16-byte aligned pointer let a load be one vector instruction instead of one per
+element, which decides a kernel's registers and spills (`benchmarks/kernel_resources.py`).
 """
 
 from __future__ import annotations
@@ -54,24 +59,53 @@ def _constant(value):
     return {"dtype": str(value)}
 
 
-def launch_record(fn, arg_names: list[str], args: tuple, kwargs: dict) -> dict:
-    """The record of one launch of kernel function ``fn`` (the undecorated Python function)."""
+def specialization(value, specialize: bool = True, align: bool = True) -> tuple[str, str | int | None]:
+    """What Triton's launcher on the GPU makes of a runtime argument's value: ``("constexpr", 1)`` for an integer
+    equal to 1 (with ``specialize``), else ``(type, "D")`` where an integer or a tensor's address is divisible by
+    16 (with ``align``), or ``(type, "")``. The launcher's own function, called as the GPU's launcher calls it."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    if isinstance(value, bool) or isinstance(value, float):
+        return _runtime_type(value), ""  # (the launcher specialises neither)
+    kind, attr = native_specialize_impl(BaseBackend, value, False, specialize, align)[:2]
+    return kind, attr if kind == "constexpr" else (attr or "")
+
+
+def _names(params: list[str], listed) -> set[str]:
+    """A kernel's ``do_not_specialize``-style list (names or positions) as names."""
+    return {params[x] if isinstance(x, int) else x for x in (listed or ())}
+
+
+def launch_record(fn, arg_names: list[str], args: tuple, kwargs: dict, jit_options: dict | None = None) -> dict:
+    """The record of one launch of kernel function ``fn`` (the undecorated Python function); ``jit_options``:
+    the keywords of its ``triton.jit`` decorator (``do_not_specialize`` ...)."""
     import inspect
 
     import triton.language as tl
 
     params = inspect.signature(fn).parameters
+    names = list(params)
+    jit_options = jit_options or {}
+    fixed = _names(names, jit_options.get("do_not_specialize"))
+    unaligned = _names(names, jit_options.get("do_not_specialize_on_alignment"))
     bound = dict(zip(arg_names, args))
     bound.update({k: v for k, v in kwargs.items() if k in params})
-    signature, constants = {}, {}
+    signature, constants, attrs = {}, {}, {}
     for name, param in params.items():
         value = bound.get(name, param.default)
         if param.annotation is tl.constexpr or param.annotation == "tl.constexpr":
             constants[name] = _constant(value)
-        else:
-            signature[name] = _runtime_type(value)
+            continue
+        kind, attr = specialization(value, name not in fixed, name not in unaligned)
+        if kind == "constexpr":
+            constants[name] = attr
+            continue
+        signature[name] = kind
+        if attr:
+            attrs[name] = attr
     return {"module": fn.__module__, "name": fn.__name__, "signature": signature, "constants": constants,
-            "options": {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}}
+            "attrs": attrs, "options": {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}}
 
 
 def record_into(seen: dict[str, dict], execute: bool = True):
@@ -85,7 +119,7 @@ def record_into(seen: dict[str, dict], execute: bool = True):
     def recording_run(self, *args, grid, warmup, **kwargs):
         if self.fn.__module__.split(".")[0] not in PROJECT_PACKAGES:
             return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-        entry = launch_record(self.fn, self.arg_names, args, kwargs)
+        entry = launch_record(self.fn, self.arg_names, args, kwargs, self.kwargs)
         seen.setdefault(json.dumps(entry, sort_keys=True), entry)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs) if execute else None
 
@@ -123,7 +157,7 @@ def compile_launch(entry: dict, early_launch: bool = True):
     takes the ``PDL`` switch is compiled with it on (its code plus the wait, which the GPU runs with the ``pdl``
     setting on)."""
     import triton
-    from triton.backends.compiler import GPUTarget
+    from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
@@ -136,8 +170,10 @@ def compile_launch(entry: dict, early_launch: bool = True):
     if early_launch and "PDL" in constants:
         constants["PDL"] = True
         options["launch_pdl"] = True
-    signature = {**entry["signature"], **{name: "constexpr" for name in constants}}
-    source = ASTSource(fn, signature, constexprs=constants)
+    # In the kernel's parameter order, as the launcher builds it; the launcher's alignment marks as attributes.
+    signature = {name: "constexpr" if name in constants else entry["signature"][name] for name in fn.arg_names}
+    attrs = {(fn.arg_names.index(name),): BaseBackend.parse_attr(attr) for name, attr in entry["attrs"].items()}
+    source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", TARGET_ARCH, 32), options=options)
 
 
