@@ -7,7 +7,7 @@ not specialised (a new batch bucket or prefill chunk does not recompile).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -162,6 +162,11 @@ class MixTiles:
 # programs, so it splits the inputs finer and gives each up-projection program more warps.
 ONE_TOKEN_MIX_TILES = MixTiles(splits=32, block_n=64, block_k=128, down_warps=4, block_h=16, r_chunk=128, up_warps=8)
 MIX_TILES = MixTiles(splits=16, block_n=64, block_k=128, down_warps=4, block_h=32, r_chunk=64, up_warps=2)
+# ``hc_norm_proj``'s down projection adds the residual and scales by the norm inside its input loop: with the
+# tiles above the compiler for sm_90 runs out of registers there (255 a thread, 43 local loads and 44 stores);
+# chunks of 64 inputs on 8 warps keep the same programs at 183 and no spills (`benchmarks/kernel_resources.py`).
+ONE_TOKEN_NORM_MIX_TILES = replace(ONE_TOKEN_MIX_TILES, block_k=64, down_warps=8)
+NORM_MIX_TILES = replace(MIX_TILES, block_k=64, down_warps=8)
 
 
 @triton.jit
@@ -318,7 +323,10 @@ def _mix(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: t
     if not tokens:
         return mixed, streams, inject
     rstd = torch.empty(tokens, hc, dtype=torch.float32, device=x.device) if norm is not None else x  # (unread)
-    t = tiles or (ONE_TOKEN_MIX_TILES if tokens == 1 else MIX_TILES)
+    if norm is None:
+        t = tiles or (ONE_TOKEN_MIX_TILES if tokens == 1 else MIX_TILES)
+    else:
+        t = tiles or (ONE_TOKEN_NORM_MIX_TILES if tokens == 1 else NORM_MIX_TILES)
     if t.block_k < 16 or t.block_n < 16:
         raise ValueError(f"the down projection's tiles must be at least 16 (tl.dot's smallest), got block_k "
                          f"{t.block_k}, block_n {t.block_n}")
