@@ -107,8 +107,12 @@ def pair_order_triton(expert_ids: torch.Tensor, num_experts: int,
     positions = torch.empty(S, dtype=torch.int64, device=ids.device)
     offsets = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     if S:
-        _pair_order_kernel[(1,)](ids, perm, positions, offsets, S, S_PAD=triton.next_power_of_2(S), BLOCK_J=block_j,
-                                 E=num_experts, E_PAD=triton.next_power_of_2(num_experts), num_warps=4, **pdl(ids))
+        s_pad = triton.next_power_of_2(S)
+        # From 512 pairs on, 4 warps ran out of registers (255 a thread, 15 local loads and stores for sm_90;
+        # `benchmarks/kernel_resources.py`); 8 warps hold it in 163.
+        _pair_order_kernel[(1,)](ids, perm, positions, offsets, S, S_PAD=s_pad, BLOCK_J=block_j,
+                                 E=num_experts, E_PAD=triton.next_power_of_2(num_experts),
+                                 num_warps=8 if s_pad >= 512 else 4, **pdl(ids))
     else:
         offsets.zero_()
     return perm, positions, offsets
