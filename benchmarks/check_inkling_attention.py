@@ -224,8 +224,7 @@ def split_sweep(device) -> None:
 def tile_sweep(device) -> None:
     """Each decode case at keys per tile x warps x pipelining stages (the policy's split count for that tile),
     beside the policy: graph-timed microseconds a call on `SWEEP_SETS` input sets, bf16 (a one-token tile is
-    load-latency bound: wider key tiles keep more bytes in flight per program, but at 64 keys and 4 warps the
-    kernel spills, `kernel_resources.py`)."""
+    load-latency bound: wider key tiles keep more bytes in flight per program, and take more registers)."""
     fits = inkling_attention_triton._TILES_THAT_FIT  # a tile that does not fit would shrink the policy's: kept out
     for name, layer, rows in SWEEP_CASES:
         sets = [make_inputs(layer, rows, torch.bfloat16, device, seed=i) for i in range(SWEEP_SETS)]

@@ -283,7 +283,7 @@ def sweep_decode_attention(n: int, g: torch.Generator, device, calls: int = 16) 
     stages: microseconds a call in a CUDA graph of ``calls`` calls, each over its own K/V stores (so that, as in a
     decode step, the gathered rows come from memory, not L2), beside the launch policy; every setting must agree
     with the policy's output. A one-token QSA layer's attention took 22.5 us in the graphed step (b769a18) for
-    about 4 MB of K/V, and its tile of 64 positions spills (`kernel_resources.py`): tiles of 16 do not."""
+    about 4 MB of K/V."""
     from sweep_experts_tiles import graph_us
 
     base = _attention_args(n, torch.bfloat16, g, device)

@@ -28,28 +28,10 @@ import os
 import runpy
 import sys
 
-import torch
-
 LOG_VARIABLE = "HF_QSA_KERNEL_LAUNCH_LOG"
 TARGET_ARCH = 90  # H200 / H100
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 PROJECT_PACKAGES = ("hf_qsa_cache", "modeling")
-
-_POINTER_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
-                  torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
-                  torch.uint8: "u8", torch.bool: "i1"}
-
-
-def _runtime_type(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + _POINTER_TYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for a runtime argument of type {type(value).__name__}")
 
 
 def _constant(value):
@@ -66,8 +48,6 @@ def specialization(value, specialize: bool = True, align: bool = True) -> tuple[
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    if isinstance(value, bool) or isinstance(value, float):
-        return _runtime_type(value), ""  # (the launcher specialises neither)
     kind, attr = native_specialize_impl(BaseBackend, value, False, specialize, align)[:2]
     return kind, attr if kind == "constexpr" else (attr or "")
 

@@ -35,10 +35,9 @@ from .triton_common import INTERPRET, LOG2E, dot, on_device_of_first_tensor, pdl
 
 # Sparse attention launch policy (shapes only; `num_splits` overrides it per call).
 ATTENTION_BLOCK_W = 64  # selected positions per tile
-# Steps of at most ATTENTION_DECODE_MAX_TOKENS tokens (decode, verify) tile by ATTENTION_DECODE_BLOCK_W. At 64 a
-# one-token launch at the benchmark's shapes (16 heads over 2 KV heads of 256) spills: the compiler for sm_90
-# keeps 3987 local loads and stores with 4 warps (751 with 8); at 16, with 4 or 8 warps, none
-# (`benchmarks/kernel_resources.py`). Which is faster is for `check_qsa_kernels.py --decode-sweep` to time.
+# Steps of at most ATTENTION_DECODE_MAX_TOKENS tokens (decode, verify) tile by ATTENTION_DECODE_BLOCK_W, a
+# setting of its own for `check_qsa_kernels.py --decode-sweep` to time (at 64, 4 warps, a one-token launch at the
+# benchmark's shapes takes 184 registers a thread and no spills: `benchmarks/kernel_resources.py`).
 ATTENTION_DECODE_BLOCK_W = 64
 ATTENTION_DECODE_MAX_TOKENS = 16
 # One split per program (prefill): 2 warps gathered K/V at 5.4 TB/s on an H200, 4 warps (the earlier
