@@ -181,7 +181,7 @@ def decode_ms_end_to_end(model, ids, mask, new_tokens: int, cache: QSAPagedCache
     return (best[new_tokens] - best[1]) / (new_tokens - 1) * 1e3
 
 
-TOP_KERNELS = 12  # the graphed step's kernels by GPU time that a result lists
+TOP_KERNELS = 64  # the graphed step's kernels by GPU time that a result lists (every name, at the bench shapes)
 
 
 def graphed_step_stats(model, cache: QSAPagedCache, steps: int = 3, top: int = TOP_KERNELS) -> dict:
