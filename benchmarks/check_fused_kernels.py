@@ -115,6 +115,16 @@ def cases(device, dtype, tokens: int, small: bool):
     core, gate, norm_w = rand(tokens * Hv, Dv), rand(tokens * Hv, Dv), rand(Dv)
     yield ("gated_rms_norm", lambda: gated_delta_triton.gated_rms_norm_triton(core, gate, norm_w, 1e-6, "sigmoid"),
            lambda: _cpu(gated_delta.gated_rms_norm_torch, core, gate, norm_w, 1e-6, "sigmoid"), 0.02)
+    # ``gdn_step``: the gates, the recurrence (state in place) and the gated norm of one token a row, at the bench's
+    # 16 key heads of 128 serving 32 value heads of 128; the state compared too.
+    Hk, Dk = (1, 16) if small else (16, 128)
+    qkv = rand(tokens, 2 * Hk * Dk + Hv * Dv)
+    q, kk = qkv[:, : Hk * Dk].unflatten(-1, (Hk, Dk)), qkv[:, Hk * Dk: 2 * Hk * Dk].unflatten(-1, (Hk, Dk))
+    v, z = qkv[:, 2 * Hk * Dk:].unflatten(-1, (Hv, Dv)), rand(tokens, Hv, Dv)
+    rec = rand(tokens, Hv, Dk, Dv, scale=0.3, dt=torch.float32)
+    step_args = (q, kk, v, b[0], a[0], A_log, dt_bias, valid[0], z, norm_w, 1e-6, "sigmoid")
+    yield ("recurrent_step (+ state)", lambda: _with_state(gated_delta_triton.recurrent_step_triton, rec, *step_args),
+           lambda: _cpu(_with_state, gated_delta.recurrent_step_torch, rec, *step_args), 0.02)
     state, x, conv_w = rand(tokens, C, 3), rand(tokens, 1, C).transpose(1, 2), rand(C, 4)
     yield ("conv_decode_step", lambda: gated_delta_triton.conv_decode_step_triton(state.clone(), x, conv_w, dtype),
            lambda: _cpu(gated_delta.conv_decode_step, state.clone(), x, conv_w, dtype), 0.02)
@@ -332,6 +342,12 @@ def _ple_layer(small: bool, device, dtype):
         for norm in (layer.norm_key, layer.norm_query, layer.norm_conv):
             norm.weight.normal_(0.0, 0.5)
     return layer.to(device=device, dtype=dtype)
+
+
+def _with_state(step, state, *args):
+    """``(output, state after)`` of a step that updates ``state`` in place, run on a copy of it."""
+    state = state.clone()
+    return step(state, *args), state
 
 
 def _cpu(fn, *args):

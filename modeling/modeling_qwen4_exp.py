@@ -39,7 +39,9 @@ from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops import hyper_connection, records_grad
 from hf_qsa_cache.ops.experts import run_selected_experts, shared_expert_to_fold
-from hf_qsa_cache.ops.gated_delta import delta_gates, fuses_conv_prefill, fuses_conv_step, gated_rms_norm
+from hf_qsa_cache.ops.gated_delta import (
+    delta_gates, fuses_conv_prefill, fuses_conv_step, fuses_recurrent_step, gated_rms_norm,
+)
 from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual
 from hf_qsa_cache.ops.linears import project, project_alone
 from hf_qsa_cache.ops.norm_rope import norm_rope
@@ -138,7 +140,8 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
         weight = self.conv1d.weight.squeeze(1)
         kept = step_history(cache, state, hidden_states.device, B, L)  # rollback ring (speculative decoding)
         pads = meta.leading_pads()
-        if fuses_conv_step(mixed_qkv, weight, self.activation, pads, meta.starts_fresh, kept):
+        conv_step = fuses_conv_step(mixed_qkv, weight, self.activation, pads, meta.starts_fresh, kept)
+        if conv_step:
             mixed_qkv = state.conv_step_in_place(mixed_qkv, weight, hidden_states.dtype)
         elif fuses_conv_prefill(mixed_qkv, weight, self.activation, kept):
             mixed_qkv = state.conv_prefill_in_place(mixed_qkv, weight, pads, meta.starts_fresh, hidden_states.dtype)
@@ -152,6 +155,11 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
         query = query.reshape(B, L, -1, self.head_k_dim)
         key = key.reshape(B, L, -1, self.head_k_dim)
         value = value.reshape(B, L, -1, self.head_v_dim)
+        if fuses_recurrent_step(self.norm, hidden_states, conv_step, self.A_log, self.dt_bias):
+            # One token a row: the gates, the recurrence (its state in place) and the gated norm in one launch.
+            core = state.recurrent_step_in_place(query[:, 0], key[:, 0], value[:, 0], b[:, 0], a[:, 0], self.A_log,
+                                                 self.dt_bias, valid[:, 0], z[:, 0], self.norm)
+            return project_alone(core.reshape(B, L, -1), self.out_proj)
         beta, g = delta_gates(b, a, self.A_log, self.dt_bias, valid)  # zero on pads: no decay, no update
 
         states = None

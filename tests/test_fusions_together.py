@@ -118,7 +118,7 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
     assert [getattr(m, f) for m, f in flags] == before
     assert set(FLAGS) == {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
                           "inkling_router", "prompt_experts", "projections", "ple", "conv_norm", "tiled_experts",
-                          "rel_bias", "pdl", "hc_norm_proj", "qsa_topk_radix"}
+                          "rel_bias", "pdl", "hc_norm_proj", "qsa_topk_radix", "gdn_step"}
     with pytest.raises(ValueError, match="unknown fusion"):
         with fused(("nope",)):
             pass
@@ -132,7 +132,7 @@ def test_an_unknown_name_in_the_environment_is_refused_at_import():
     env = dict(os.environ, HF_QSA_FUSED="hc,nrom")
     proc = subprocess.run([sys.executable, "-c", "import hf_qsa_cache"], env=env, capture_output=True, text=True)
     assert proc.returncode != 0 and "unknown fusion(s) ['nrom']" in proc.stderr
-    assert "known: hc, hc_proj, hc_norm_proj, gdn" in proc.stderr
+    assert "known: hc, hc_proj, hc_norm_proj, gdn, gdn_step" in proc.stderr
 
 
 MEASURED = {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
@@ -149,7 +149,7 @@ def test_a_fusion_not_yet_timed_is_on_only_when_named():
     assert requested(" default , inkling_router", unmeasured=("inkling_router",)) == set(FLAGS)
 
 
-UNMEASURED = {"rel_bias", "pdl", "hc_norm_proj", "qsa_topk_radix"}
+UNMEASURED = {"rel_bias", "pdl", "hc_norm_proj", "qsa_topk_radix", "gdn_step"}
 SETTINGS = [(None, MEASURED), ("all", MEASURED | UNMEASURED), ("none", set()), ("", set()),
             ("default,pdl", MEASURED | {"pdl"}), ("gdn,router", {"gdn", "router"})]
 

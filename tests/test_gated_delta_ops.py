@@ -120,6 +120,58 @@ def test_keep_last_inputs_is_the_window_tail(fresh):
                 assert torch.equal(got, want), (K, L, pads)
 
 
+def _recurrent_inputs(B, Hk, Hv, Dk, Dv, dtype, seed, pads=(0,)):
+    """One token per row as the model hands them over: query, key and value views into one conv output row
+    (strided), the gates' inputs, a pad row or two, a recurrent state that has seen tokens."""
+    g = torch.Generator().manual_seed(seed)
+    mixed = torch.randn(B, 2 * Hk * Dk + Hv * Dv + 3, generator=g).to(dtype)  # 3 spare columns: row stride != width
+    query = mixed[:, : Hk * Dk].unflatten(-1, (Hk, Dk))
+    key = mixed[:, Hk * Dk: 2 * Hk * Dk].unflatten(-1, (Hk, Dk))
+    value = mixed[:, 2 * Hk * Dk: 2 * Hk * Dk + Hv * Dv].unflatten(-1, (Hv, Dv))
+    b = (torch.randn(B, Hv, generator=g) * 3).to(dtype)
+    a = (torch.rand(B, Hv, generator=g) * 50 - 25).to(dtype)  # both sides of softplus's threshold
+    A_log, dt_bias = torch.randn(Hv, generator=g).to(dtype), torch.randn(Hv, generator=g).to(dtype)
+    valid = torch.ones(B, dtype=torch.bool)
+    valid[list(pads)] = False
+    gate = (torch.randn(B, Hv, Dv, generator=g) * 2).to(dtype)
+    state = torch.randn(B, Hv, Dk, Dv, generator=g) * 0.5
+    return state, query, key, value, b, a, A_log, dt_bias, valid, gate
+
+
+@pytest.mark.parametrize("activation", ["sigmoid", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recurrent_step_spec_is_upstreams_ops(activation, dtype):
+    """`recurrent_step_torch` against what the model runs without it: the gates, transformers' recurrent delta
+    rule (two value heads per key head) and the gated norm module, on rows with a pad."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import torch_recurrent_gated_delta_rule
+
+    state, query, key, value, b, a, A_log, dt_bias, valid, gate = _recurrent_inputs(3, 2, 4, 6, 5, dtype, seed=1)
+    norm = _norm(5, activation, dtype, seed=2)
+    before = state.clone()
+    with torch.no_grad():
+        got = gated_delta.recurrent_step_torch(state, query, key, value, b, a, A_log, dt_bias, valid, gate,
+                                               norm.weight, 1e-6, activation)
+        beta, g = gated_delta.delta_gates_torch(b[:, None], a[:, None], A_log, dt_bias, valid[:, None])
+        core, last = torch_recurrent_gated_delta_rule(query[:, None], key[:, None], value[:, None], g=g, beta=beta,
+                                                      initial_state=before, output_final_state=True,
+                                                      use_qk_l2norm_in_kernel=True)
+        want = norm(core[:, 0].reshape(-1, 5), gate.reshape(-1, 5)).view(3, 4, 5)
+    assert got.dtype == want.dtype == dtype
+    torch.testing.assert_close(state, last, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(state[0], before[0])  # the pad row neither decays nor writes
+    assert not torch.equal(state[1], before[1])
+
+
+def test_generate_with_the_recurrent_step_equals_the_default(monkeypatch):
+    from qwen4_helpers import left_pad, make_pair, random_prompts
+
+    _, model = make_pair(seed=5)
+    ids, mask = left_pad(random_prompts([19, 7, 26], seed=6))
+    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, gated_delta, "FUSED_GDN_STEP",
+                                         "recurrent_step_torch", atol=1e-5)
+
+
 def test_triton_kernels_match_torch():
     run_under_interpreter(__file__, "all gated delta kernel cases ok")
 
@@ -201,8 +253,50 @@ def _main() -> int:
                 torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
                 assert torch.equal(mine, theirs)
                 cases += 1
+    cases += _recurrent_step_cases()
+    # The tiny model with the recurrent step's kernel in its decode steps: the same tokens as without it, logits
+    # within fp32 rounding (the kernel's sums in another order).
+    from fusion_helpers import fused_generate_mismatch
+    from interpreter import count_launches
+    from qwen4_helpers import left_pad, make_pair, random_prompts
+
+    from hf_qsa_cache.ops import gated_delta_triton
+
+    gated_delta._triton = lambda x: True  # the CUDA dispatch, on CPU tensors
+    launches: list = []
+    count_launches(gated_delta_triton, "_recurrent_step_kernel", launches)
+    error = fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)), "gdn_step",
+                                    launches, atol=1e-4)
+    if error:
+        print(f"generate: {error}")
+        return 1
     print(f"all gated delta kernel cases ok ({cases})")
     return 0
+
+
+def _recurrent_step_cases() -> int:
+    """`recurrent_step_triton` against the torch specification: head dims below and past a power of two (masked
+    lanes), one and two value heads per key head, pad rows, strided inputs; the state updated in place alike."""
+    from hf_qsa_cache.ops.gated_delta_triton import recurrent_step_triton
+
+    cases = 0
+    # bf16: beta is rounded to bf16 (the interpreter truncates that cast where a GPU rounds, one unit apart in the
+    # state's write), then the output rounds and the norm's three rounding points follow (`gated_rms_norm`'s bound).
+    for dtype, tol, state_tol in ((torch.float32, 2e-6, 2e-6), (torch.bfloat16, 2.4e-2, 1e-2)):
+        for B, Hk, Hv, Dk, Dv, pads in ((3, 2, 4, 12, 20, (1,)), (1, 3, 3, 16, 8, ()), (2, 1, 2, 8, 16, (0, 1))):
+            for activation in ("sigmoid", "silu"):
+                inputs = _recurrent_inputs(B, Hk, Hv, Dk, Dv, dtype, seed=B + Hv + Dk, pads=pads)
+                norm_w = _norm(Dv, activation, dtype, seed=Dv).weight.detach()
+                mine, theirs = inputs[0].clone(), inputs[0].clone()
+                got = recurrent_step_triton(mine, *inputs[1:], norm_w, 1e-6, activation)
+                want = gated_delta.recurrent_step_torch(theirs, *inputs[1:], norm_w, 1e-6, activation)
+                assert got.shape == want.shape == (B, Hv, Dv) and got.dtype == want.dtype
+                torch.testing.assert_close(mine, theirs, atol=state_tol, rtol=state_tol)
+                torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+                for row in pads:
+                    assert torch.equal(mine[row], inputs[0][row])
+                cases += 1
+    return cases
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@
   cuDNN conv, the activation and copies of the whole prompt chunk).
 * `gated_rms_norm`: the output norm with its gate (transformers' ``Qwen4ExpTextRMSNormGated``: RMS norm
   in fp32, rounded, times the weight, times ``act(gate)``), 8 launches upstream.
+* `recurrent_step` (``gdn_step``, on top of ``gdn``; not yet timed, off by default): a one-token step after the
+  conv, in one launch: the gates, the queries' and keys' L2 norms, the delta rule's update of the recurrent
+  state in place in the cache, the output and its gated norm. Without it that is `delta_gates`, the recurrence
+  (flash-linear-attention's kernel where installed, which returns a new state), the state's copy back into the
+  cache and `gated_rms_norm`: four launches and the state read and written twice.
 
 The torch functions are the specification (what the CPU runs, and CUDA unless fused); the Triton kernels
 (`gated_delta_triton`) repeat their arithmetic and rounding points.
@@ -28,6 +33,7 @@ from ..fusions import fusion_enabled
 from . import keeps_own_forward, records_grad
 
 FUSED_GDN = fusion_enabled("gdn")
+FUSED_GDN_STEP = fusion_enabled("gdn_step")
 GATE_ACTIVATIONS = ("sigmoid", "silu")  # what the fused norm knows
 
 
@@ -44,6 +50,12 @@ def delta_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: 
         from .gated_delta_triton import delta_gates_triton
 
         return delta_gates_triton(b, a, A_log, dt_bias, valid)
+    return delta_gates_torch(b, a, A_log, dt_bias, valid)
+
+
+def delta_gates_torch(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                      valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`delta_gates`' specification: upstream's two lines, then zero on pads."""
     beta = torch.where(valid[..., None], b.sigmoid(), 0)
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     return beta, torch.where(valid[..., None], g, 0)
@@ -158,3 +170,55 @@ def fuses_conv_step(x: torch.Tensor, weight: torch.Tensor, activation: str, lead
     state, no rollback history to record, SiLU, autograd not recording, a plain (not sharded) weight."""
     return (FUSED_GDN and x.shape[-1] == 1 and leading_pads is None and not fresh and kept is None
             and activation == "silu" and not records_grad(x, weight) and type(weight) is torch.Tensor)
+
+
+def _triton(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def fuses_recurrent_step(norm, x: torch.Tensor, conv_fused: bool, *weights: torch.Tensor) -> bool:
+    """Whether a GatedDeltaNet step takes `recurrent_step` after its fused conv (``conv_fused``: one token per row,
+    no pads, rows that hold state, no rollback history): the ``gdn_step`` fusion on, autograd not recording, a
+    gated norm whose activation the kernel knows and which keeps no forward of its own (hooks), plain weights."""
+    return (FUSED_GDN_STEP and conv_fused and norm.activation in GATE_ACTIVATIONS and not records_grad(x, *weights)
+            and not keeps_own_forward(norm, norm.weight) and all(type(w.data) is torch.Tensor for w in weights))
+
+
+def recurrent_step(state: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, b: torch.Tensor,
+                   a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, valid: torch.Tensor,
+                   gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, activation: str) -> torch.Tensor:
+    """One token per row after the conv: ``query``, ``key`` ``[B, Hk, Dk]``, ``value``, ``gate`` ``[B, Hv, Dv]`` (any
+    row strides), ``b``, ``a`` ``[B, Hv]``, ``valid`` ``[B]`` (bool), the rows' recurrent ``state`` ``[B, Hv, Dk, Dv]``
+    (fp32, updated in place). Returns the gated, normed output ``[B, Hv, Dv]`` in ``value``'s dtype: what
+    `delta_gates`, upstream's recurrent delta rule (L2-normed queries and keys, each key head serving ``Hv / Hk``
+    consecutive value heads) and `gated_rms_norm` give, in one launch on CUDA (`recurrent_step_torch`)."""
+    if _triton(state):
+        from .gated_delta_triton import recurrent_step_triton
+
+        return recurrent_step_triton(state, query, key, value, b, a, A_log, dt_bias, valid, gate, norm_weight, eps,
+                                     activation)
+    return recurrent_step_torch(state, query, key, value, b, a, A_log, dt_bias, valid, gate, norm_weight, eps,
+                                activation)
+
+
+def recurrent_step_torch(state: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                         valid: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                         activation: str) -> torch.Tensor:
+    """`recurrent_step`'s specification, upstream's ops in its order and dtypes: the gates (``beta`` in the
+    activations' dtype, ``g`` in fp32; both zero on pads, which neither decay nor update the state), then in
+    fp32 the L2 norms (eps 1e-6) and the query's ``1/sqrt(Dk)``, the decay, the delta rule's write and the read;
+    the output rounded to the activations' dtype before the gated norm."""
+    ratio = value.shape[1] // key.shape[1]
+    beta, g = (x[:, 0] for x in delta_gates_torch(b[:, None], a[:, None], A_log, dt_bias, valid[:, None]))
+    q = query.float().repeat_interleave(ratio, dim=1)
+    k = key.float().repeat_interleave(ratio, dim=1)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / q.shape[-1] ** 0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    s = state * g.exp()[..., None, None]
+    remembered = (s * k[..., None]).sum(-2)  # [B, Hv, Dv]
+    delta = (value.float() - remembered) * beta.float()[..., None]
+    s = s + k[..., None] * delta[..., None, :]
+    state.copy_(s)
+    out = (s * q[..., None]).sum(-2).to(value.dtype)
+    return gated_rms_norm_torch(out, gate, norm_weight, eps, activation)

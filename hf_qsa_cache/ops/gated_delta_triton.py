@@ -197,3 +197,84 @@ def conv_prefill_triton(conv_state: torch.Tensor, x: torch.Tensor, weight: torch
             W_DTYPE=TL_DTYPES[weight.dtype], num_warps=4, **pdl(x),
         )
     return out
+
+
+@triton.jit
+def _recurrent_step_kernel(state_ptr, q_ptr, k_ptr, v_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, valid_ptr,
+                           gate_ptr, norm_w_ptr, out_ptr, stride_sb, stride_sh, stride_qb, stride_qh, stride_kb,
+                           stride_kh, stride_vb, stride_vh, stride_gb, stride_gh, stride_bb, stride_ab, eps,
+                           sqrt_dk, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                           DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, SIGMOID: tl.constexpr,
+                           PRODUCT: tl.constexpr, PDL: tl.constexpr = False):
+    """One program per (row, value head), its whole ``[DK, DV]`` state: the gates, the L2 norms, the delta rule
+    (state in place), the read, then the gated RMS norm over the head's DV outputs; rounding as the torch
+    specification (`gated_delta.recurrent_step_torch`)."""
+    pdl_begin(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    kh = h // RATIO  # the key head serving this value head
+    dk = tl.arange(0, DK_PAD)
+    dv = tl.arange(0, DV_PAD)
+    k_ok, v_ok = dk < DK, dv < DV
+    act_dtype = v_ptr.dtype.element_ty
+    # Gates: beta in the activations' dtype, g in fp32; zero on a pad row (no decay, no write).
+    real = tl.load(valid_ptr + row) != 0
+    beta = tl.sigmoid(tl.load(b_ptr + row * stride_bb + h).to(tl.float32)).to(b_ptr.dtype.element_ty).to(tl.float32)
+    a = tl.load(a_ptr + row * stride_ab + h).to(tl.float32)
+    g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * _softplus(a + tl.load(dt_bias_ptr + h).to(tl.float32))
+    beta = tl.where(real, beta, 0.0)
+    g = tl.where(real, g, 0.0)
+    q = tl.load(q_ptr + row * stride_qb + kh * stride_qh + dk, mask=k_ok, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row * stride_kb + kh * stride_kh + dk, mask=k_ok, other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) / sqrt_dk
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    v = tl.load(v_ptr + row * stride_vb + h * stride_vh + dv, mask=v_ok, other=0.0).to(tl.float32)
+    cell = state_ptr + row * stride_sb + h * stride_sh + dk[:, None] * DV + dv[None, :]
+    kv_ok = k_ok[:, None] & v_ok[None, :]
+    s = tl.load(cell, mask=kv_ok, other=0.0) * tl.exp(g)
+    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    tl.store(cell, s, mask=kv_ok)
+    out = tl.sum(s * q[:, None], axis=0).to(act_dtype).to(tl.float32)
+    # The gated norm (`_gated_rms_norm_kernel`'s arithmetic) over the head's outputs.
+    normed = (out * tl.rsqrt(tl.sum(out * out, axis=0) / DV + eps)).to(act_dtype)
+    w = tl.load(norm_w_ptr + dv, mask=v_ok, other=0.0)
+    normed = (w.to(tl.float32) * normed.to(tl.float32)).to(PRODUCT)
+    z = tl.load(gate_ptr + row * stride_gb + h * stride_gh + dv, mask=v_ok, other=0.0).to(tl.float32)
+    act = tl.sigmoid(z) if SIGMOID else z * tl.sigmoid(z)
+    tl.store(out_ptr + (row * HV + h) * DV + dv, (normed.to(tl.float32) * act).to(act_dtype), mask=v_ok)
+
+
+# Warps of a recurrent-step program: its [DK, DV] fp32 state (64 KB at 128 x 128) lives in registers.
+RECURRENT_STEP_NUM_WARPS = 8
+
+
+@on_device_of_first_tensor
+def recurrent_step_triton(state: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                          valid: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                          activation: str) -> torch.Tensor:
+    """`gated_delta.recurrent_step` in one launch (``state`` updated in place)."""
+    assert activation in ("sigmoid", "silu"), activation
+    assert state.dtype == torch.float32 and state.stride(3) == 1 and state.stride(2) == state.shape[3]
+    B, Hv, Dk, Dv = state.shape
+    Hk = key.shape[1]
+    if Hv % Hk:
+        raise ValueError(f"recurrent_step needs value heads ({Hv}) to be a multiple of key heads ({Hk})")
+    for name, t in (("query", query), ("key", key), ("value", value), ("gate", gate)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"recurrent_step reads {name}'s features contiguously; got strides {t.stride()}")
+    b, a = b.contiguous(), a.contiguous()
+    out = torch.empty(B, Hv, Dv, dtype=value.dtype, device=value.device)
+    if B == 0 or Hv == 0:
+        return out
+    real = valid.reshape(-1) if valid.dtype == torch.bool else valid.reshape(-1) != 0
+    product = TL_DTYPES[torch.promote_types(value.dtype, norm_weight.dtype)]
+    _recurrent_step_kernel[(B, Hv)](
+        state, query, key, value, b, a, A_log, dt_bias, real.contiguous().view(torch.uint8), gate, norm_weight, out,
+        state.stride(0), state.stride(1), query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), gate.stride(0), gate.stride(1), b.stride(0), a.stride(0), float(eps),
+        float(Dk ** 0.5), HV=Hv, RATIO=Hv // Hk, DK=Dk, DV=Dv, DK_PAD=triton.next_power_of_2(Dk), DV_PAD=triton.next_power_of_2(Dv),
+        SIGMOID=activation == "sigmoid", PRODUCT=product, num_warps=RECURRENT_STEP_NUM_WARPS, **pdl(state),
+    )
+    return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.gated_delta import causal_window, conv_decode_step, conv_prefill
+from ..ops.gated_delta import causal_window, conv_decode_step, conv_prefill, recurrent_step
 
 
 class LinearAttentionState:
@@ -89,6 +89,13 @@ class LinearAttentionState:
         shifts in place to take ``x`` ``[B, C, 1]`` (`hf_qsa_cache.ops.gated_delta.conv_decode_step`, with its
         ``dilation`` and ``residual``); returns ``[B, 1, C]``."""
         return conv_decode_step(getattr(self, name)[: x.shape[0]], x, weight, out_dtype, dilation, residual)
+
+    def recurrent_step_in_place(self, query, key, value, b, a, A_log, dt_bias, valid, gate, norm) -> torch.Tensor:
+        """A one-token step's recurrence over rows ``[0, B)`` of the recurrent state, updated in place, and its
+        gated output norm (`hf_qsa_cache.ops.gated_delta.recurrent_step`; ``norm`` is transformers' gated RMS norm
+        module); returns ``[B, Hv, Dv]``."""
+        return recurrent_step(self.recurrent[: value.shape[0]], query, key, value, b, a, A_log, dt_bias, valid, gate,
+                              norm.weight, norm.variance_epsilon, norm.activation)
 
     def conv_prefill_in_place(self, x: torch.Tensor, weight: torch.Tensor, leading_pads, fresh: bool,
                               out_dtype: torch.dtype) -> torch.Tensor:
