@@ -62,6 +62,12 @@ def main():
     rank = int(os.environ["RANK"])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    # Leave the process group (transformers' loading started it) before exit: torn down by the interpreter's exit
+    # instead, its threads could be destroyed still running, which aborts the rank ("terminate called without an
+    # active exception", seen once on a loaded machine).
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
