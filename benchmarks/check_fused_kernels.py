@@ -125,6 +125,8 @@ def cases(device, dtype, tokens: int, small: bool):
     step_args = (q, kk, v, b[0], a[0], A_log, dt_bias, valid[0], z, norm_w, 1e-6, "sigmoid")
     yield ("recurrent_step (+ state)", lambda: _with_state(gated_delta_triton.recurrent_step_triton, rec, *step_args),
            lambda: _cpu(_with_state, gated_delta.recurrent_step_torch, rec, *step_args), 0.02)
+    yield ("recurrent step unfused (for its time)", lambda: _with_state(_unfused_recurrent_step, rec, *step_args),
+           lambda: _cpu(_with_state, gated_delta.recurrent_step_torch, rec, *step_args), 0.05)
     state, x, conv_w = rand(tokens, C, 3), rand(tokens, 1, C).transpose(1, 2), rand(C, 4)
     yield ("conv_decode_step", lambda: gated_delta_triton.conv_decode_step_triton(state.clone(), x, conv_w, dtype),
            lambda: _cpu(gated_delta.conv_decode_step, state.clone(), x, conv_w, dtype), 0.02)
@@ -342,6 +344,21 @@ def _ple_layer(small: bool, device, dtype):
         for norm in (layer.norm_key, layer.norm_query, layer.norm_conv):
             norm.weight.normal_(0.0, 0.5)
     return layer.to(device=device, dtype=dtype)
+
+
+def _unfused_recurrent_step(state, query, key, value, b, a, A_log, dt_bias, valid, gate, norm_w, eps, activation):
+    """What a GatedDeltaNet decode step runs without ``gdn_step``: the gates' kernel, transformers' recurrent rule
+    (flash-linear-attention's kernel where installed), the new state copied into the cache, the norm's kernel."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import torch_recurrent_gated_delta_rule
+
+    beta, g = gated_delta.delta_gates(b[:, None], a[:, None], A_log, dt_bias, valid[:, None])
+    core, last = torch_recurrent_gated_delta_rule(query[:, None], key[:, None], value[:, None], g=g, beta=beta,
+                                                  initial_state=state, output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True)
+    state.copy_(last)
+    Dv = value.shape[-1]
+    return gated_delta_triton.gated_rms_norm_triton(core.reshape(-1, Dv), gate.reshape(-1, Dv), norm_w, eps,
+                                                    activation).view(value.shape)
 
 
 def _with_state(step, state, *args):
