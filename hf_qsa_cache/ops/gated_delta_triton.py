@@ -274,7 +274,8 @@ def recurrent_step_triton(state: torch.Tensor, query: torch.Tensor, key: torch.T
         state, query, key, value, b, a, A_log, dt_bias, real.contiguous().view(torch.uint8), gate, norm_weight, out,
         state.stride(0), state.stride(1), query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         value.stride(0), value.stride(1), gate.stride(0), gate.stride(1), b.stride(0), a.stride(0), float(eps),
-        float(Dk ** 0.5), HV=Hv, RATIO=Hv // Hk, DK=Dk, DV=Dv, DK_PAD=triton.next_power_of_2(Dk), DV_PAD=triton.next_power_of_2(Dv),
+        float(Dk ** 0.5), HV=Hv, RATIO=Hv // Hk, DK=Dk, DV=Dv, DK_PAD=triton.next_power_of_2(Dk),
+        DV_PAD=triton.next_power_of_2(Dv),
         SIGMOID=activation == "sigmoid", PRODUCT=product, num_warps=RECURRENT_STEP_NUM_WARPS, **pdl(state),
     )
     return out
