@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_generate import emit  # noqa: E402
-from check_inkling_attention import graph_time_us  # noqa: E402
+from sweep_experts_tiles import graph_time_us  # noqa: E402
 
 from hf_qsa_cache.ops import experts, gated_delta, hyper_connection, inkling_router  # noqa: E402
 from hf_qsa_cache.ops import norm_rope, prompt_experts, qsa, rms_norm, router  # noqa: E402

@@ -181,14 +181,6 @@ SWEEP_CASES = [  # the decode steps of `bench_generate.py`'s Inkling cases
 ]
 
 
-def graph_time_us(fn, calls: int = 20) -> float:
-    """Microseconds of one ``fn()`` replayed in a CUDA graph of ``calls`` calls (no launch gaps of the host,
-    as in a graphed decode step)."""
-    from sweep_experts_tiles import graph_us
-
-    return graph_us([fn] * calls)
-
-
 SWEEP_SETS = 8  # input sets a sweep's graph cycles through: their K/V stores exceed L2, as in a decode step
 
 

@@ -363,8 +363,8 @@ def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.T
 @on_device_of_first_tensor
 def norm_mix_projections_triton(streams: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                                 residual: tuple[torch.Tensor, torch.Tensor] | None, down: torch.Tensor,
-                                up: torch.Tensor, inject_weight: torch.Tensor | None, hc: int, tiles: MixTiles | None = None
-                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                                up: torch.Tensor, inject_weight: torch.Tensor | None, hc: int,
+                                tiles: MixTiles | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`hyper_connection.norm_mix_projections` in the same two launches as `mix_projections_triton`: the residual
     add and the grouped norm inside the down projection's pass, no launch of `hc_norm`."""
     return _mix(streams, down, up, inject_weight, hc, tiles, (norm_weight, float(eps), residual))

@@ -81,32 +81,27 @@ def _kth_key_bisect(base, num_groups, k, BLOCK: tl.constexpr, ONE_CHUNK: tl.cons
 
 
 @triton.jit
-def _digit_counts(base, num_groups, prefix, shift, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr):
+def _digit_counts(base, num_groups, prefix, shift, BLOCK: tl.constexpr):
     """256 counts: of the row's keys whose bits above ``shift + 8`` are ``prefix``'s (as unsigned values, the
-    keys plus 2**31), how many have each value of bits ``shift .. shift + 7``."""
-    if ONE_CHUNK:
-        key, valid = _keys(base, 0, num_groups, BLOCK)
+    keys plus 2**31), how many have each value of bits ``shift .. shift + 7`` (one pass over the row per round:
+    four rounds, so a row of one block is read again rather than held, unlike the bisection's 32)."""
+    counts = tl.zeros([256], tl.int32)
+    for start in range(0, num_groups, BLOCK):
+        key, valid = _keys(base, start, num_groups, BLOCK)
         u = key.to(tl.int64) + 2147483648
         match = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-        counts = tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=match)
-    else:
-        counts = tl.zeros([256], tl.int32)
-        for start in range(0, num_groups, BLOCK):
-            key, valid = _keys(base, start, num_groups, BLOCK)
-            u = key.to(tl.int64) + 2147483648
-            match = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-            counts += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=match)
+        counts += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=match)
     return counts
 
 
 @triton.jit
-def _kth_key_radix(base, num_groups, k, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr):
+def _kth_key_radix(base, num_groups, k, BLOCK: tl.constexpr):
     """The ``k``-th largest key of the row, 8 bits a round from the top (4 rounds of a 256-bin histogram)."""
     prefix = tl.zeros([], tl.int64)  # the bits found so far, of the key plus 2**31
     rank = k  # the wanted key's rank among the keys that match ``prefix`` (1 = the largest)
     bins = tl.arange(0, 256)
     for shift in tl.static_range(24, -1, -8):
-        counts = _digit_counts(base, num_groups, prefix, shift, BLOCK, ONE_CHUNK)
+        counts = _digit_counts(base, num_groups, prefix, shift, BLOCK)
         at_or_above = tl.cumsum(counts, axis=0, reverse=True)  # matching keys with these bits >= each bin
         digit = tl.sum((at_or_above >= rank).to(tl.int32), axis=0) - 1  # the highest bin holding the rank-th
         rank -= tl.sum(tl.where(bins > digit, counts, 0), axis=0)
@@ -121,7 +116,7 @@ def _top_set_kernel(scores_ptr, out_ptr, num_groups, k, stride_row, BLOCK: tl.co
     row = tl.program_id(0).to(tl.int64)
     base = scores_ptr + row * stride_row
     if RADIX:
-        kth = _kth_key_radix(base, num_groups, k, BLOCK, ONE_CHUNK)
+        kth = _kth_key_radix(base, num_groups, k, BLOCK)
     else:
         kth = _kth_key_bisect(base, num_groups, k, BLOCK, ONE_CHUNK)
     # How many of the keys equal to kth to keep: k less those above it.
