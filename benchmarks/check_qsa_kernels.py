@@ -289,7 +289,7 @@ def sweep_decode_attention(n: int, g: torch.Generator, device, calls: int = 16) 
     base = _attention_args(n, torch.bfloat16, g, device)
     sets = [(base[0], torch.randn_like(base[1]), torch.randn_like(base[2]), *base[3:]) for _ in range(calls)]
     num_kv, width = base[1].shape[2], base[5].shape[1]
-    names = ("ATTENTION_DECODE_BLOCK_W", "ATTENTION_NUM_WARPS", "ATTENTION_SPLIT_NUM_WARPS", "ATTENTION_NUM_STAGES")
+    names = ("ATTENTION_DECODE_BLOCK_W", "ATTENTION_DECODE_NUM_WARPS", "ATTENTION_DECODE_NUM_STAGES")
     defaults = {name: getattr(qsa_triton, name) for name in names}
     policy = qsa_triton.attention_splits(n, num_kv, width)[0]
     want = qsa_triton.sparse_paged_attention_triton(*sets[0])
@@ -298,7 +298,7 @@ def sweep_decode_attention(n: int, g: torch.Generator, device, calls: int = 16) 
         return graph_us([lambda a=a: qsa_triton.sparse_paged_attention_triton(*a, num_splits=splits) for a in sets])
 
     results = [(timed(None), f"policy: {policy} splits, tile {defaults['ATTENTION_DECODE_BLOCK_W']}, warps "
-                             f"{defaults['ATTENTION_SPLIT_NUM_WARPS']}, stages {defaults['ATTENTION_NUM_STAGES']}", True)]
+                             f"{defaults['ATTENTION_DECODE_NUM_WARPS']}, stages {defaults['ATTENTION_DECODE_NUM_STAGES']}", True)]
     ok = True
     try:
         for block_w in (16, 32, 64):
@@ -307,8 +307,8 @@ def sweep_decode_attention(n: int, g: torch.Generator, device, calls: int = 16) 
             for splits in sorted({1, 8, 32, tiles}):
                 for warps in (4, 8):
                     for stages in (1, 3):
-                        qsa_triton.ATTENTION_NUM_WARPS = qsa_triton.ATTENTION_SPLIT_NUM_WARPS = warps
-                        qsa_triton.ATTENTION_NUM_STAGES = stages
+                        qsa_triton.ATTENTION_DECODE_NUM_WARPS = warps
+                        qsa_triton.ATTENTION_DECODE_NUM_STAGES = stages
                         label = f"tile {block_w}, {splits} splits, warps {warps}, stages {stages}"
                         try:
                             have = qsa_triton.sparse_paged_attention_triton(*sets[0], num_splits=splits)

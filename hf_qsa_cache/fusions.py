@@ -2,7 +2,7 @@
 
 ``HF_QSA_FUSED`` (read at import, `fusion_enabled`) sets each fusion's flag for the process: unset, every
 fusion measured on the H200 (exact in fp32 and faster, benchmarks/RESULTS.md), that is all but
-`UNMEASURED`; ``all`` adds those; ``none`` (or empty) turns all off; a comma list turns on only those
+`OFF_BY_DEFAULT`; ``all`` adds those; ``none`` (or empty) turns all off; a comma list turns on only those
 (``default`` in it stands for the measured ones);
 an unknown name is refused at import. `fused` switches them for a block of code (a benchmark comparing
 both paths in one process, a test). A flag is read when a forward runs, and a CUDA graph records the
@@ -40,15 +40,17 @@ FLAGS = {
     # Not a fusion: every kernel launched with programmatic dependent launch (`ops.triton_common.pdl`).
     "pdl": ("hf_qsa_cache.ops.triton_common", "FUSED_PDL"),
 }
-# Built and tested on the CPU (the kernels under the Triton interpreter) but not yet timed and checked on a GPU: on
-# only when named in HF_QSA_FUSED (or with "all"), not by default. A new fusion starts here.
-UNMEASURED: tuple[str, ...] = ("rel_bias", "pdl", "hc_norm_proj", "qsa_topk_radix", "gdn_step")
+# On only when named in HF_QSA_FUSED (or with "all"), not by default: built and tested on the CPU (the kernels under
+# the Triton interpreter) but not yet timed on a GPU (a new fusion starts here: rel_bias's one-dot form), or timed
+# slower than what they replace (graphed Qwen4Exp steps on the H200, benchmarks/RESULTS.md: hc_norm_proj 6.68
+# against 5.23 ms at 40 layers; qsa_topk_radix 1.31 against 1.20 ms at 8 layers over 16384 tokens).
+OFF_BY_DEFAULT: tuple[str, ...] = ("rel_bias", "hc_norm_proj", "qsa_topk_radix")
 
 
-def requested(setting: str | None, unmeasured: tuple[str, ...] = UNMEASURED) -> set[str]:
-    """The names an ``HF_QSA_FUSED`` value turns on ("all" stands for every one, "default" for the measured ones:
-    ``default,pdl`` adds one to the default set); refuses unknown names."""
-    measured = {name for name in FLAGS if name not in unmeasured}
+def requested(setting: str | None, off_by_default: tuple[str, ...] = OFF_BY_DEFAULT) -> set[str]:
+    """The names an ``HF_QSA_FUSED`` value turns on ("all" stands for every one, "default" for the default set:
+    ``default,rel_bias`` adds one to it); refuses unknown names."""
+    measured = {name for name in FLAGS if name not in off_by_default}
     if setting is None:
         return measured
     names = {name.strip() for name in setting.split(",") if name.strip()} - {"none"}

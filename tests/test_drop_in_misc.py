@@ -80,7 +80,10 @@ def test_return_dict_false_gives_the_outputs_tuple(pairs, family, right_padded, 
         mine = model(ids[:1, row], return_dict=False, **single)
     assert isinstance(theirs, tuple) and len(mine) == len(theirs)
     for a, b in zip(mine, theirs):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)  # tensors, or tuples of them (hidden states)
+        for x, y in zip(*((a, b) if isinstance(a, tuple) else ((a,), (b,)))):  # hidden states: one per layer
+            # fp32 rounding grows with the magnitudes summed, not with the element: a layer whose states reach
+            # hundreds differs by ~1e-4 anywhere in it, however small the element, on some CPUs' BLAS.
+            torch.testing.assert_close(x, y, atol=1e-4 + 2e-6 * y.abs().max().item(), rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -135,23 +135,23 @@ def test_an_unknown_name_in_the_environment_is_refused_at_import():
     assert "known: hc, hc_proj, hc_norm_proj, gdn, gdn_step" in proc.stderr
 
 
-MEASURED = {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
-            "inkling_router", "prompt_experts", "projections", "ple", "conv_norm", "tiled_experts"}
+MEASURED = {"hc", "hc_proj", "gdn", "gdn_step", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
+            "inkling_router", "prompt_experts", "projections", "ple", "conv_norm", "tiled_experts", "pdl"}
 
 
-def test_a_fusion_not_yet_timed_is_on_only_when_named():
+def test_a_fusion_off_by_default_is_on_only_when_named():
     from hf_qsa_cache.fusions import FLAGS, requested
 
-    assert requested(None, unmeasured=("inkling_router",)) == set(FLAGS) - {"inkling_router"}
-    assert requested("all", unmeasured=("inkling_router",)) == {"all"}
-    assert requested("inkling_router,hc", unmeasured=("inkling_router",)) == {"inkling_router", "hc"}
-    assert requested("default", unmeasured=("inkling_router",)) == set(FLAGS) - {"inkling_router"}
-    assert requested(" default , inkling_router", unmeasured=("inkling_router",)) == set(FLAGS)
+    assert requested(None, off_by_default=("inkling_router",)) == set(FLAGS) - {"inkling_router"}
+    assert requested("all", off_by_default=("inkling_router",)) == {"all"}
+    assert requested("inkling_router,hc", off_by_default=("inkling_router",)) == {"inkling_router", "hc"}
+    assert requested("default", off_by_default=("inkling_router",)) == set(FLAGS) - {"inkling_router"}
+    assert requested(" default , inkling_router", off_by_default=("inkling_router",)) == set(FLAGS)
 
 
-UNMEASURED = {"rel_bias", "pdl", "hc_norm_proj", "qsa_topk_radix", "gdn_step"}
-SETTINGS = [(None, MEASURED), ("all", MEASURED | UNMEASURED), ("none", set()), ("", set()),
-            ("default,pdl", MEASURED | {"pdl"}), ("gdn,router", {"gdn", "router"})]
+OFF_BY_DEFAULT = {"rel_bias", "hc_norm_proj", "qsa_topk_radix"}
+SETTINGS = [(None, MEASURED), ("all", MEASURED | OFF_BY_DEFAULT), ("none", set()), ("", set()),
+            ("default,rel_bias", MEASURED | {"rel_bias"}), ("gdn,router", {"gdn", "router"})]
 
 
 @pytest.mark.parametrize("setting, expected", SETTINGS)

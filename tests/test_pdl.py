@@ -127,11 +127,11 @@ def test_the_switch_is_on_only_where_asked_and_supported(monkeypatch):
     assert not triton_common._pdl_supported(torch.device("cpu"))
 
 
-def test_the_setting_is_named_pdl_and_off_by_default():
+def test_the_setting_is_named_pdl_and_on_by_default():
     from hf_qsa_cache import fusions
 
-    assert "pdl" in fusions.FLAGS and "pdl" in fusions.UNMEASURED
-    assert "pdl" not in fusions.requested(None)
+    assert "pdl" in fusions.FLAGS and "pdl" not in fusions.OFF_BY_DEFAULT
+    assert "pdl" in fusions.requested(None)
     from hf_qsa_cache.ops import triton_common
 
     with fusions.fused(("pdl",)):

@@ -35,20 +35,25 @@ from .triton_common import INTERPRET, LOG2E, dot, on_device_of_first_tensor, pdl
 
 # Sparse attention launch policy (shapes only; `num_splits` overrides it per call).
 ATTENTION_BLOCK_W = 64  # selected positions per tile
-# Steps of at most ATTENTION_DECODE_MAX_TOKENS tokens (decode, verify) tile by ATTENTION_DECODE_BLOCK_W, a
-# setting of its own for `check_qsa_kernels.py --decode-sweep` to time (at 64, 4 warps, a one-token launch at the
-# benchmark's shapes takes 184 registers a thread and no spills: `benchmarks/kernel_resources.py`).
+# Steps of at most ATTENTION_DECODE_MAX_TOKENS tokens (decode, verify) tile by ATTENTION_DECODE_BLOCK_W and launch
+# with the decode warps and stages below, settings of their own that `check_qsa_kernels.py --decode-sweep` times.
 ATTENTION_DECODE_BLOCK_W = 64
 ATTENTION_DECODE_MAX_TOKENS = 16
 # One split per program (prefill): 2 warps gathered K/V at 5.4 TB/s on an H200, 4 warps (the earlier
-# setting, kept for split launches, i.e. decode) at under 3.3 (benchmarks/check_qsa_kernels.py
+# setting, kept for split launches of more tokens) at under 3.3 (benchmarks/check_qsa_kernels.py
 # --attention-sweep: 4096 tokens x 2051 positions, 3.0 against 7.2 ms).
 ATTENTION_NUM_WARPS = 2
 ATTENTION_SPLIT_NUM_WARPS = 4
 ATTENTION_NUM_STAGES = 3
+# Decode steps: 8 warps and no pipelining. A split of a decode step holds one or two tiles, so there is no loop
+# for stages to overlap, only their shared memory to pay. Graph-timed on the H200 (`check_qsa_kernels.py
+# --decode-sweep`, 2051 positions, 2 KV heads of 256): one token 9.0 us with 33 splits of one tile against 21.0
+# with 17 splits of two at 4 warps and 3 stages; 8 tokens 18.4 us with 17 splits against 31.1.
+ATTENTION_DECODE_NUM_WARPS = 8
+ATTENTION_DECODE_NUM_STAGES = 1
 TARGET_PROGRAMS = 512  # split the width until a launch has about this many programs ...
 MIN_SPLIT_POSITIONS = 64  # ... but give every split at least this many positions
-MAX_SPLITS = 32
+MAX_SPLITS = 64  # a one-token decode step over 2051 positions: 33 splits of one tile
 
 # Index scores launch policy (shapes only; `block_m` overrides it per call).
 SCORES_BLOCK_G = 64  # compressed groups per key tile
@@ -78,6 +83,14 @@ def _cdiv(a: int, b: int) -> int:
 def attention_block_w(num_tokens: int) -> int:
     """Selected positions per tile of a sparse attention launch of ``num_tokens`` tokens."""
     return ATTENTION_DECODE_BLOCK_W if num_tokens <= ATTENTION_DECODE_MAX_TOKENS else ATTENTION_BLOCK_W
+
+
+def attention_launch(num_tokens: int, num_splits: int) -> dict:
+    """Warps and pipelining stages of a sparse attention launch."""
+    if num_tokens <= ATTENTION_DECODE_MAX_TOKENS:
+        return {"num_warps": ATTENTION_DECODE_NUM_WARPS, "num_stages": ATTENTION_DECODE_NUM_STAGES}
+    warps = ATTENTION_SPLIT_NUM_WARPS if num_splits > 1 else ATTENTION_NUM_WARPS
+    return {"num_warps": warps, "num_stages": ATTENTION_NUM_STAGES}
 
 
 def attention_splits(num_tokens: int, num_kv: int, width: int, num_splits: int | None = None) -> tuple[int, int]:
@@ -225,8 +238,7 @@ def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, value
         n, width, block_table.shape[1], block_size, float(scaling) * LOG2E, split_len, splits,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, G_PAD=pow2(group), D_PAD=pow2(head_dim),
         BLOCK_W=attention_block_w(n), SPLIT=splits > 1, IEEE=query.dtype == torch.float32, WIDEN=INTERPRET,
-        num_warps=ATTENTION_SPLIT_NUM_WARPS if splits > 1 else ATTENTION_NUM_WARPS,
-        num_stages=ATTENTION_NUM_STAGES, **pdl(query),
+        **attention_launch(n, splits), **pdl(query),
     )
     if splits > 1:
         _merge_splits_kernel[(n, num_heads)](
