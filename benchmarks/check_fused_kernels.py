@@ -219,7 +219,7 @@ def cases(device, dtype, tokens: int, small: bool):
     long_scores = torch.relu(rand(tokens, 50 if small else 4400, dt=torch.float32))  # a 17600-token reach
     yield ("top_set 4400 groups", lambda: top_set_triton.top_set_triton(long_scores, pick),
            lambda: _cpu(lambda s: qsa.top_groups(s, pick).sort(dim=-1).values, long_scores), 0)
-    # The radix search (4 rounds of 8-bit histograms, untimed) beside the bisection of the two lines above.
+    # The radix search (4 rounds of 8-bit histograms, off by default) beside the bisection of the two lines above.
     for label, rows in (("top_set radix", scores), ("top_set radix 4400 groups", long_scores)):
         yield (label, lambda rows=rows: top_set_triton.top_set_triton(rows, pick, search="radix"),
                lambda rows=rows: _cpu(lambda s: qsa.top_groups(s, pick).sort(dim=-1).values, rows), 0)

@@ -13,7 +13,7 @@
   cuDNN conv, the activation and copies of the whole prompt chunk).
 * `gated_rms_norm`: the output norm with its gate (transformers' ``Qwen4ExpTextRMSNormGated``: RMS norm
   in fp32, rounded, times the weight, times ``act(gate)``), 8 launches upstream.
-* `recurrent_step` (``gdn_step``, on top of ``gdn``; not yet timed, off by default): a one-token step after the
+* `recurrent_step` (``gdn_step``, on top of ``gdn``): a one-token step after the
   conv, in one launch: the gates, the queries' and keys' L2 norms, the delta rule's update of the recurrent
   state in place in the cache, the output and its gated norm. Without it that is `delta_gates`, the recurrence
   (flash-linear-attention's kernel where installed, which returns a new state), the state's copy back into the

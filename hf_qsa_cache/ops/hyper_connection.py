@@ -16,7 +16,7 @@ projections (transformers' ``nn.Linear`` weights, read as they are):
 With ``hc_proj`` as well (on by default), a step of at most `HC_PROJ_MAX_TOKENS` tokens runs everything
 after `hc_norm` in two launches, `mix_projections`: the down and injection projections as one split-K pass
 over the normed streams, then the up projection with the gating and the mean over streams; the low-rank
-activations stay in fp32 between them. With ``hc_norm_proj`` too (not yet timed, off by default),
+activations stay in fp32 between them. With ``hc_norm_proj`` too (off by default: slower on the H200),
 `norm_mix_projections` also takes `hc_norm`'s work into the first of those launches: each program adds the
 residual and takes the RMS of its stream itself, so a mixing is two launches instead of three.
 

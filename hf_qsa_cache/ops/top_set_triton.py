@@ -36,7 +36,7 @@ from .triton_common import on_device_of_first_tensor, pdl, pdl_begin
 MAX_BLOCK = 8192  # scores a program holds at once (32 registers a thread at 8 warps); longer rows: chunks
 SEARCHES = ("bisect", "radix")
 # How the k-th largest key is found by default: the bisection (measured), or with the ``qsa_topk_radix`` setting
-# (untimed, `hf_qsa_cache.fusions`) the radix search.
+# (off by default: slower on the H200, `hf_qsa_cache.fusions`) the radix search.
 FUSED_RADIX_SEARCH = fusion_enabled("qsa_topk_radix")
 
 
