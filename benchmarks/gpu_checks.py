@@ -2,7 +2,8 @@
 
 1. fp32, ragged batch, graphs on: every row gives the greedy tokens and (within 1e-3) the logits of
    upstream transformers run on that row alone, unpadded, fp32, on the CPU; and graphed decode
-   equals eager decode (same tokens, logits within 1e-5).
+   equals eager decode (same tokens, logits within 5e-5: the graphed step's masked capacity-sized reductions
+   sum in another order).
    Also with 20 rows: graph steps of more than 16 tokens (``batched_mm`` experts in fp32, or the
    ``tiled_experts`` kernels where that fusion is on).
 2. The same with rows longer than the prefill chunk and the attention kernels' key splits (forced
@@ -33,6 +34,7 @@ from hf_qsa_cache import QSAPagedCache  # noqa: E402
 
 NEW = 12
 FORCED = 32
+GRAPH_VS_EAGER = 5e-5  # largest logit difference between graphed and eager decoding, fp32
 
 
 def _generate(model, ids, mask, block_size, graphs: bool):
@@ -62,7 +64,10 @@ def check_rows(name, upstream, ours_gpu, prompts, block_size):
         ok &= same and diff.item() < 1e-3
     graph_vs_eager = max((a - b).abs().max().item() for a, b in zip(out.logits, eager.logits))
     same_eager = torch.equal(out.sequences, eager.sequences)
-    ok &= same_eager and graph_vs_eager < 1e-5
+    # The recorded step reduces over capacity-sized, masked key sets: another fp32 summation order than the eager
+    # step, as on the CPU (tests/test_decode_graphs.py, the same bound; this check's 20 rows differ there by up to
+    # 1.1e-5 with the fusions of 709a039). A capture that replays stale inputs or wrong rows is off by far more.
+    ok &= same_eager and graph_vs_eager < GRAPH_VS_EAGER
     print(f"{name}: rows {len(prompts)}, {graphs} graph(s) captured; tokens equal upstream and logits within 1e-3: "
           f"max diff {worst:.2e}; graphed vs eager: tokens equal {same_eager}, max logit diff {graph_vs_eager:.2e} "
           f"-> {'ok' if ok else 'FAILED'}")
