@@ -27,6 +27,7 @@ FLAGS = {
     "router": ("hf_qsa_cache.ops.router", "FUSED_ROUTER"),
     "qsa": ("hf_qsa_cache.ops.qsa", "FUSED_QSA"),
     "qsa_topk": ("hf_qsa_cache.ops.qsa", "FUSED_QSA_TOPK"),
+    "qsa_writes": ("hf_qsa_cache.ops.row_writes", "FUSED_QSA_WRITES"),
     # Not a fusion: `qsa_topk`'s kernel finds the k-th largest score by a radix search instead of a bisection.
     "qsa_topk_radix": ("hf_qsa_cache.ops.top_set_triton", "FUSED_RADIX_SEARCH"),
     "shared_expert": ("hf_qsa_cache.ops.experts", "FUSED_SHARED_EXPERT"),
@@ -41,10 +42,10 @@ FLAGS = {
     "pdl": ("hf_qsa_cache.ops.triton_common", "FUSED_PDL"),
 }
 # On only when named in HF_QSA_FUSED (or with "all"), not by default: built and tested on the CPU (the kernels under
-# the Triton interpreter) but not yet timed on a GPU (a new fusion starts here: rel_bias's one-dot form), or timed
-# slower than what they replace (graphed Qwen4Exp steps on the H200, benchmarks/RESULTS.md: hc_norm_proj 6.68
+# the Triton interpreter) but not yet timed on a GPU (a new fusion starts here: rel_bias's one-dot form, qsa_writes),
+# or timed slower than what they replace (graphed Qwen4Exp steps on the H200, benchmarks/RESULTS.md: hc_norm_proj 6.68
 # against 5.23 ms at 40 layers; qsa_topk_radix 1.31 against 1.20 ms at 8 layers over 16384 tokens).
-OFF_BY_DEFAULT: tuple[str, ...] = ("rel_bias", "hc_norm_proj", "qsa_topk_radix")
+OFF_BY_DEFAULT: tuple[str, ...] = ("rel_bias", "hc_norm_proj", "qsa_topk_radix", "qsa_writes")
 
 
 def requested(setting: str | None, off_by_default: tuple[str, ...] = OFF_BY_DEFAULT) -> set[str]:

@@ -50,6 +50,7 @@ from hf_qsa_cache.ops.prompt_experts import (
     grouped_experts_forward, runs_tiled_experts, tiled_experts, uses_prompt_experts,
 )
 from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention, sparse_paged_attention_probs
+from hf_qsa_cache.ops.row_writes import RowWrites
 from hf_qsa_cache.ops.router import fuses_routing, route
 from hf_qsa_cache.rollback import gated_delta_keeping_states, step_history
 
@@ -82,7 +83,8 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
         query = norm_rope(self.q_norm, query, cos, sin)
         key = norm_rope(self.k_norm, key.view(n, -1, self.head_dim), cos, sin)
         value = value.view(n, -1, self.head_dim)
-        layer.kv.write(meta.slots["main"], key, value)
+        writes = RowWrites()  # the layer's cache writes of the step: one launch where fused (`qsa_index_step` flushes)
+        layer.kv.write(meta.slots["main"], key, value, writes)
 
         # ---- indexer: queries, raw keys, compress closed groups, commit the ring, select
         q_index, raw_keys = torch.split(index_qk, [idx.index_n_heads * idx.index_head_dim, idx.index_head_dim], dim=-1)
@@ -90,7 +92,7 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
 
         selected = qsa_index_step(
             q_index, raw_keys, positions3, meta, layer.index, main.block_size, idx.block_topk,
-            finish_group=lambda pooled, first_pos: self._finish_group(pooled, first_pos, meta),
+            finish_group=lambda pooled, first_pos: self._finish_group(pooled, first_pos, meta), writes=writes,
         )
         pages = layer.kv.keys, layer.kv.values
         if records_grad(key, value):  # the pages keep values only; autograd needs this step's keys as computed

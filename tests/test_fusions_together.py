@@ -149,7 +149,7 @@ def test_a_fusion_off_by_default_is_on_only_when_named():
     assert requested(" default , inkling_router", off_by_default=("inkling_router",)) == set(FLAGS)
 
 
-OFF_BY_DEFAULT = {"rel_bias", "hc_norm_proj", "qsa_topk_radix"}
+OFF_BY_DEFAULT = {"rel_bias", "hc_norm_proj", "qsa_topk_radix", "qsa_writes"}
 SETTINGS = [(None, MEASURED), ("all", MEASURED | OFF_BY_DEFAULT), ("none", set()), ("", set()),
             ("default,rel_bias", MEASURED | {"rel_bias"}), ("gdn,router", {"gdn", "router"})]
 

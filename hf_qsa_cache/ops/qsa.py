@@ -24,6 +24,7 @@ import torch
 from ..metadata import StepMetadata
 from ..fusions import fusion_enabled
 from . import records_grad
+from .row_writes import RowWrites
 
 # Upper bound on the elements one chunk of scores / gathered K/V may take (selection at long context
 # holds about 16 bytes per (token, group) in a chunk: 2 GiB at this bound).
@@ -48,15 +49,17 @@ def paged_rows(block_table: torch.Tensor, rows: torch.Tensor, index: torch.Tenso
 
 
 def qsa_index_step(q_index: torch.Tensor, raw_keys: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
-                   store, block_size: int, block_topk: int, finish_group) -> torch.Tensor:
+                   store, block_size: int, block_topk: int, finish_group, writes: RowWrites | None = None) -> torch.Tensor:
     """One QSA layer's indexer for one forward: compress the groups this forward closes, commit the
     raw keys to the ring, select. Returns the selected positions (`score_and_select`).
 
     q_index ``[N, Hi, Di]`` normed, rotated index queries; raw_keys ``[N, Di]`` and positions ``[N, 3]``
     of this forward's tokens; store: the layer's `QSAIndexStore`; ``finish_group(mean_raw_key [W, Di],
     first_position [W, 3])`` turns a closed group's mean raw key into its compressed key (the model's
-    norm and rotary).
+    norm and rotary). ``writes``: the layer's other writes of the step (its K/V), flushed with the indexer's in one
+    launch where fused, before the selection reads the compressed keys.
     """
+    writes = RowWrites() if writes is None else writes
     r = store.ratio
     # Most decode steps close no group (one step in r does); when the host knows, skip the work.
     # The rows written below are the same in every QSA layer of the step: computed once per step.
@@ -65,10 +68,11 @@ def qsa_index_step(q_index: torch.Tensor, raw_keys: torch.Tensor, positions: tor
                                         store.capacity, raw_keys, positions)
         rows = meta.derived(("group_rows", store.table, store.rows_per_block),
                             lambda: store.group_rows(meta.compress_work, meta.block_tables[store.table]))
-        store.write_groups(rows, finish_group(pooled, first_pos))
+        store.write_groups(rows, finish_group(pooled, first_pos), writes)
     # Only after the groups above read it: the ring keeps the newest raw keys of each row.
     rows = meta.derived(("ring_rows", store.max_rows, store.capacity), lambda: store.ring_rows(meta.ring_slot))
-    store.write_ring(rows, raw_keys, positions)
+    store.write_ring(rows, raw_keys, positions, writes)
+    writes.flush()
     return score_and_select(q_index, store.compressed, meta, store.table, block_size, r, block_topk)
 
 

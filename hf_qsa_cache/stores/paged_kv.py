@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import torch
 
-
-def write_slots(store: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """``store[slot] = value`` for every token; slot -1 lands in the null block's first row. Stores keep
-    values, not autograd history (a layer that reads this step's writes back takes `with_step_written`)."""
-    store.index_copy_(0, slots.clamp_min(0), values.detach().to(store.dtype))
+from ..ops.row_writes import RowWrites
 
 
 def grown_pool(pool: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -59,13 +55,17 @@ class PagedKV:
         shape = (-1, self.num_kv_heads, self.head_dim)
         return self.keys.view(shape), self.values.view(shape)
 
-    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys/values ``[tokens, kv_heads, head_dim]``."""
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              writes: RowWrites | None = None) -> None:
+        """keys/values ``[tokens, kv_heads, head_dim]``; added to ``writes`` (the caller flushes them) where given."""
         if not self.allocated:
             self.allocate(keys.device, keys.dtype)
         k, v = self.flat()
-        write_slots(k, slots, keys)
-        write_slots(v, slots, values)
+        sink = RowWrites() if writes is None else writes
+        sink.add(k, slots, keys)
+        sink.add(v, slots, values)
+        if writes is None:
+            sink.flush()
 
     def with_step_written(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         """``(keys, values)`` pages as `write` leaves them, built out of place so that they carry this step's

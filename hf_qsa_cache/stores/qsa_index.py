@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..ops.qsa import paged_rows
-from .paged_kv import grown_pool, write_slots
+from ..ops.row_writes import RowWrites
+from .paged_kv import grown_pool
 
 
 def ring_capacity(ratio: int, num_speculative_tokens: int) -> int:
@@ -74,10 +75,12 @@ class QSAIndexStore:
         trash = self.max_rows * self.capacity
         return torch.where(slots < 0, trash, slots)
 
-    def write_ring(self, rows: torch.Tensor, raw_keys: torch.Tensor, positions: torch.Tensor) -> None:
-        """raw_keys ``[tokens, Di]``, positions ``[tokens, 3]`` at ring ``rows`` (`ring_rows`)."""
-        self.ring_keys.index_copy_(0, rows, raw_keys.detach().to(self.ring_keys.dtype))
-        self.ring_positions.index_copy_(0, rows, positions.to(torch.int64))
+    def write_ring(self, rows: torch.Tensor, raw_keys: torch.Tensor, positions: torch.Tensor,
+                   writes: RowWrites) -> None:
+        """raw_keys ``[tokens, Di]``, positions ``[tokens, 3]`` at ring ``rows`` (`ring_rows`, none negative),
+        added to ``writes``."""
+        writes.add(self.ring_keys, rows, raw_keys)
+        writes.add(self.ring_positions, rows, positions)
 
     def group_rows(self, work: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
         """Compressed-store row of group ``work[w] = (row, group)``: group ``g`` sits in the block of its tokens,
@@ -86,9 +89,9 @@ class QSAIndexStore:
         rows = paged_rows(block_table, row.clamp_min(0), group, self.rows_per_block)
         return torch.where(row >= 0, rows, -1)
 
-    def write_groups(self, rows: torch.Tensor, keys: torch.Tensor) -> None:
-        """Compressed key ``keys[w]`` at store row ``rows[w]`` (`group_rows`)."""
-        write_slots(self.compressed.view(-1, self.index_head_dim), rows, keys)
+    def write_groups(self, rows: torch.Tensor, keys: torch.Tensor, writes: RowWrites) -> None:
+        """Compressed key ``keys[w]`` at store row ``rows[w]`` (`group_rows`), added to ``writes``."""
+        writes.add(self.compressed.view(-1, self.index_head_dim), rows, keys)
 
     def inplace_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(live, saved)`` pairs, one row per cache row: the ring is overwritten in place by position

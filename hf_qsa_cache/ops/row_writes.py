@@ -1,0 +1,80 @@
+"""Whole-row writes into the cache's stores, gathered so that a layer's writes of one step go in one launch.
+
+A QSA layer's step writes five stores: its keys and values into the paged K/V, the compressed keys of the groups
+the step closes, and the newest raw index keys and their positions into the ring. In torch each is a
+``clamp_min`` and an ``index_copy_`` (nine launches a layer, most of them a microsecond or two of launch for a
+few kilobytes). `RowWrites` collects them; `RowWrites.flush` runs them in one launch where the ``qsa_writes``
+fusion is on (`row_writes_triton.write_rows_triton`), else one by one (`write_slots`, the specification).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..fusions import fusion_enabled
+from . import records_grad
+
+FUSED_QSA_WRITES = fusion_enabled("qsa_writes")
+MAX_TARGETS = 5  # stores one launch writes (a QSA layer's five)
+
+
+def write_slots(store: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """``store[slot] = value`` for every token; slot -1 lands in the store's first row (a paged store's null block,
+    never read). Stores keep values, not autograd history (a layer that reads this step's writes back takes
+    `PagedKV.with_step_written`)."""
+    store.index_copy_(0, slots.clamp_min(0), values.detach().to(store.dtype))
+
+
+class RowWrites:
+    """Pending ``store[rows] = values`` writes (`write_slots` each), run in the order added by `flush`. A caller
+    that reads a store flushes first; the rows tensors must not change before then."""
+
+    def __init__(self):
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def add(self, store: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+        self.pending.append((store, rows, values))
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        if fuses_row_writes(pending):
+            from .row_writes_triton import write_rows_triton
+
+            write_rows_triton(pending)
+        else:
+            clamped = {}  # writes that share their rows (keys and values, a ring's keys and positions) clamp once
+            for store, rows, values in pending:
+                if id(rows) not in clamped:
+                    clamped[id(rows)] = rows.clamp_min(0)
+                store.index_copy_(0, clamped[id(rows)], values.detach().to(store.dtype))
+
+
+def _same_kind(a: torch.dtype, b: torch.dtype) -> bool:
+    """Whether the kernel's cast of a ``b`` value into an ``a`` store is torch's: the same dtype, or integers."""
+    return a == b or not (a.is_floating_point or b.is_floating_point)
+
+
+def row_layout(t: torch.Tensor) -> tuple[int, int] | None:
+    """``(row stride, column stride)`` of ``t`` read as rows of ``t[0].numel()`` elements, or None where a row is
+    not one strided run (a row of several dimensions must be contiguous)."""
+    if t.dim() == 2:
+        return t.stride(0), t.stride(1)
+    if t.dim() > 2 and (t.shape[0] == 0 or t[0].is_contiguous()):
+        return t.stride(0), 1
+    return None
+
+
+def _on_gpu(store: torch.Tensor) -> bool:
+    return store.is_cuda
+
+
+def fuses_row_writes(pending) -> bool:
+    """Whether `RowWrites.flush` takes one launch: the ``qsa_writes`` fusion on, CUDA tensors, at most
+    `MAX_TARGETS` writes, no autograd history to drop, each value cast as torch casts it (no float rounding), and
+    each store's and value's rows single strided runs (a store's contiguous)."""
+    return (FUSED_QSA_WRITES and 0 < len(pending) <= MAX_TARGETS
+            and all(_on_gpu(store) and rows.device == store.device and values.device == store.device
+                    and values.shape[1:] == store.shape[1:] and _same_kind(store.dtype, values.dtype)
+                    and not records_grad(values) and row_layout(store) is not None and row_layout(store)[1] == 1
+                    and row_layout(values) is not None and rows.dim() == 1 and rows.numel() == values.shape[0]
+                    for store, rows, values in pending))
