@@ -34,6 +34,7 @@ from hf_qsa_cache.ops import experts_triton, gated_delta_triton, hyper_connectio
 from hf_qsa_cache.ops import inkling_router_triton, norm_rope_triton, qsa_triton, rms_norm_triton  # noqa: E402
 from hf_qsa_cache.ops import linears, linears_triton, prompt_experts_triton, router_triton  # noqa: E402
 from hf_qsa_cache.ops import conv_norm, conv_norm_triton, ple, ple_triton, top_set_triton  # noqa: E402
+from hf_qsa_cache.ops import row_writes, row_writes_triton  # noqa: E402
 from hf_qsa_cache import fusions  # noqa: E402
 from hf_qsa_cache.ops.sconv import ConvTaps  # noqa: E402
 
@@ -207,6 +208,19 @@ def cases(device, dtype, tokens: int, small: bool):
     position = torch.full((tokens,), 163, device=device)
     yield ("selected_positions", lambda: qsa_triton.selected_positions_triton(groups, visible, position, 4, 16),
            lambda: _cpu(qsa.selected_positions, groups, visible, position, 4, 16), 0)
+    # ``qsa_writes``: a QSA layer's cache writes of a step in one launch (keys, values, a closed group's compressed
+    # key, the ring's raw keys and int64 positions; a pad's slot -1 included): the stores after them compared.
+    kv_heads, head_dim, index_dim = (2, 8, 8) if small else (2, 256, 128)
+    slots = (torch.randperm(63, generator=g)[:tokens] + 1).to(device)  # row 0 only for the pad: no race there
+    slots[-1] = -1
+    flat = (rand(64, kv_heads, head_dim), slots, rand(tokens, kv_heads, head_dim),
+            rand(64, kv_heads, head_dim), slots, rand(tokens, kv_heads, head_dim),
+            rand(64, index_dim), slots[:1], rand(1, index_dim),
+            rand(64, index_dim), slots.clamp_min(0), rand(tokens, index_dim),
+            torch.zeros(64, 3, dtype=torch.int64, device=device), slots.clamp_min(0),
+            torch.randint(0, 9999, (tokens, 3), generator=g).to(device))
+    yield ("qsa_writes", lambda: _written(row_writes_triton.write_rows_triton, *flat),
+           lambda: _cpu(_written, _written_torch, *flat), 0)
     # A QSA selection's top-k set at a 4400-token reach (1100 groups, k = 512; relu zeros and unseen -inf groups
     # included); "top_groups on device" times the torch path it replaces (a sorting top-k) on the same device.
     scores = torch.relu(rand(tokens, 40 if small else 1100, dt=torch.float32))
@@ -359,6 +373,18 @@ def _unfused_recurrent_step(state, query, key, value, b, a, A_log, dt_bias, vali
     Dv = value.shape[-1]
     return gated_delta_triton.gated_rms_norm_triton(core.reshape(-1, Dv), gate.reshape(-1, Dv), norm_w, eps,
                                                     activation).view(value.shape)
+
+
+def _written(flush, *flat):
+    """The stores after ``flush([(store, rows, values), ...])`` of the triples in ``flat``, run on copies of them."""
+    pending = [(flat[i].clone(), flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
+    flush(pending)
+    return tuple(store for store, _, _ in pending)
+
+
+def _written_torch(pending):
+    for store, rows, values in pending:
+        row_writes.write_slots(store, rows, values)
 
 
 def _with_state(step, state, *args):
