@@ -118,7 +118,7 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
     assert [getattr(m, f) for m, f in flags] == before
     assert set(FLAGS) == {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
                           "inkling_router", "prompt_experts", "projections", "ple", "conv_norm", "tiled_experts",
-                          "rel_bias", "pdl", "hc_norm_proj", "qsa_topk_radix", "gdn_step"}
+                          "rel_bias", "pdl", "hc_norm_proj", "qsa_topk_radix", "gdn_step", "qsa_writes"}
     with pytest.raises(ValueError, match="unknown fusion"):
         with fused(("nope",)):
             pass

@@ -70,11 +70,10 @@ def write_rows_triton(pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tens
     # Unused slots repeat the first write's arguments; COUNT keeps the kernel from reading them.
     args += args[:7] * (MAX_TARGETS - count)
     widths += widths[:1] * (MAX_TARGETS - count)
-    _launch(pending[0][0], (most, count), args, dict(
-        COUNT=count, W0=widths[0], W1=widths[1], W2=widths[2], W3=widths[3], W4=widths[4],
-        BLOCK=min(BLOCK, triton.next_power_of_2(max(widths))), num_warps=NUM_WARPS, **pdl(pending[0][0])))
+    _launch(pending[0][0], (most, count), args, widths, min(BLOCK, triton.next_power_of_2(max(widths))))
 
 
 @on_device_of_first_tensor
-def _launch(store: torch.Tensor, grid, args, meta) -> None:
-    _write_rows_kernel[grid](*args, **meta)
+def _launch(store: torch.Tensor, grid, args, widths, block) -> None:
+    _write_rows_kernel[grid](*args, COUNT=grid[1], W0=widths[0], W1=widths[1], W2=widths[2], W3=widths[3],
+                             W4=widths[4], BLOCK=block, num_warps=NUM_WARPS, **pdl(store))
