@@ -298,7 +298,8 @@ def sweep_decode_attention(n: int, g: torch.Generator, device, calls: int = 16) 
         return graph_us([lambda a=a: qsa_triton.sparse_paged_attention_triton(*a, num_splits=splits) for a in sets])
 
     results = [(timed(None), f"policy: {policy} splits, tile {defaults['ATTENTION_DECODE_BLOCK_W']}, warps "
-                             f"{defaults['ATTENTION_DECODE_NUM_WARPS']}, stages {defaults['ATTENTION_DECODE_NUM_STAGES']}", True)]
+                             f"{defaults['ATTENTION_DECODE_NUM_WARPS']}, "
+                             f"stages {defaults['ATTENTION_DECODE_NUM_STAGES']}", True)]
     ok = True
     try:
         for block_w in (16, 32, 64):

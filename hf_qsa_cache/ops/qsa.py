@@ -49,7 +49,8 @@ def paged_rows(block_table: torch.Tensor, rows: torch.Tensor, index: torch.Tenso
 
 
 def qsa_index_step(q_index: torch.Tensor, raw_keys: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
-                   store, block_size: int, block_topk: int, finish_group, writes: RowWrites | None = None) -> torch.Tensor:
+                   store, block_size: int, block_topk: int, finish_group,
+                   writes: RowWrites | None = None) -> torch.Tensor:
     """One QSA layer's indexer for one forward: compress the groups this forward closes, commit the
     raw keys to the ring, select. Returns the selected positions (`score_and_select`).
 
