@@ -166,9 +166,12 @@ def check_long_rows():
 
     saved = ink_kernel.MIN_SPLIT_KEYS, ink_kernel.DECODE_BLOCK_N, ink_kernel.PREFILL_BLOCK_N
     ink_kernel.MIN_SPLIT_KEYS, ink_kernel.DECODE_BLOCK_N, ink_kernel.PREFILL_BLOCK_N = 16, 16, 16
-    # QSA: selections split in tiles of 16 (a split per tile), index scores in token tiles from 2 tokens.
-    saved_qsa = qsa_triton.ATTENTION_BLOCK_W, qsa_triton.MIN_SPLIT_POSITIONS, qsa_triton.SCORES_PREFILL_TOKENS
-    qsa_triton.ATTENTION_BLOCK_W, qsa_triton.MIN_SPLIT_POSITIONS, qsa_triton.SCORES_PREFILL_TOKENS = 16, 1, 2
+    # QSA: selections split in tiles of 16 (a split per tile; decode steps too), index scores in token tiles from
+    # 2 tokens.
+    saved_qsa = (qsa_triton.ATTENTION_BLOCK_W, qsa_triton.ATTENTION_DECODE_BLOCK_W, qsa_triton.MIN_SPLIT_POSITIONS,
+                 qsa_triton.SCORES_PREFILL_TOKENS)
+    (qsa_triton.ATTENTION_BLOCK_W, qsa_triton.ATTENTION_DECODE_BLOCK_W, qsa_triton.MIN_SPLIT_POSITIONS,
+     qsa_triton.SCORES_PREFILL_TOKENS) = 16, 16, 1, 2
     ok = True
     try:
         # Budget 32 (ratio 2): a selection of width 33 spans three 16-position tiles, so decode splits it.
@@ -197,7 +200,8 @@ def check_long_rows():
         ok &= check_rows("inkling long rows", upstream, gpu, prompts, block_size=4)
     finally:
         ink_kernel.MIN_SPLIT_KEYS, ink_kernel.DECODE_BLOCK_N, ink_kernel.PREFILL_BLOCK_N = saved
-        qsa_triton.ATTENTION_BLOCK_W, qsa_triton.MIN_SPLIT_POSITIONS, qsa_triton.SCORES_PREFILL_TOKENS = saved_qsa
+        (qsa_triton.ATTENTION_BLOCK_W, qsa_triton.ATTENTION_DECODE_BLOCK_W, qsa_triton.MIN_SPLIT_POSITIONS,
+         qsa_triton.SCORES_PREFILL_TOKENS) = saved_qsa
     return ok
 
 
