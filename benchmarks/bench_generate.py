@@ -22,7 +22,9 @@ decode_ms_end_to_end where the prefill is short: a step's cost in a plain genera
 per-step stopping criterion (`decode_ms_end_to_end`; from sampled calls, and end_to_end_sampled, with
 ``--sample``), where decode_ms_per_step times each step with one;
 with graphs, graph_kernels / graph_copies launched by one replayed decode step and gpu_busy_share, the
-share of a step's wall time the GPU is busy). Upstream under ``--upstream-limit`` is stopped during its
+share of a step's wall time the GPU is busy, graph_top_kernels (name, launches, microseconds) and, with
+``pdl`` on and a short prefill, graph_top_kernels_without_pdl from a step captured without it: under early
+launch a kernel's profiled time holds its wait for the kernel before). Upstream under ``--upstream-limit`` is stopped during its
 prefill too and reported as "did not finish in N s" (or "out of memory").
 
 The floor of a decode step is the bytes it must read (the weights a step touches: everything but
@@ -49,6 +51,7 @@ import transformers
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_qsa_cache import QSAPagedCache, fusions
+from hf_qsa_cache.ops import triton_common
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "h200.jsonl")
 
@@ -233,6 +236,16 @@ def graphed_step_stats(model, cache: QSAPagedCache, steps: int = 3, top: int = T
     return {"graph_kernels": len(events) - copies, "graph_copies": copies, "graph_busy_us": round(busy, 1),
             "step_wall_us": round(wall_us, 1), "gpu_busy_share": round(busy / wall_us, 3) if events else None,
             "graph_top_kernels": [[name, count, round(us, 1)] for name, (count, us) in listed]}
+
+
+def kernels_without_pdl(model, config, ids, mask) -> list:
+    """The graphed step's kernels by GPU time as `graphed_step_stats` lists them, in a step captured without early
+    launch: under ``pdl`` each kernel is resident before the one ahead of it ends and waits inside itself, so its
+    profiled time holds that wait and the list no longer says where the step's time goes."""
+    with fusions.fused(("pdl",), on=False):
+        cache = QSAPagedCache(config, max_batch_size=ids.shape[0], max_cache_len=ids.shape[1] + 16)
+        run(model, ids, mask, 1, cache)
+        return graphed_step_stats(model, cache)["graph_top_kernels"]
 
 
 def emit(result: dict, jsonl: str | None) -> None:
@@ -487,6 +500,8 @@ def main():
             if result.get("prefill_s"):
                 result["prefill_peak_share"] = flops / result["prefill_s"] / H200_BF16_PEAK
             del cache
+            if graphs and "status" not in result and triton_common.FUSED_PDL and result.get("prefill_s", 99) < 2:
+                result["graph_top_kernels_without_pdl"] = kernels_without_pdl(ours, config, ids, mask)
             rows.append({**common, "impl": "paged", "graphs": graphs, "loop": loop, **result, "floor_ms": floor_ms,
                          "floor_lookup_rows": True})
         if upstream is not None:

@@ -55,3 +55,28 @@ def test_projection_choices_set_the_kernel_defaults_and_are_recorded(monkeypatch
     assert linears_triton.ONE_TOKEN_TILES == shipped and linears.ALONE_MAX_TOKENS == 0
     assert bench_generate.choose_projections("gemv", 1) == {"one_token_projections": "gemv", "alone_max_tokens": 1}
     assert linears_triton.ONE_TOKEN_TILES == linears_triton.ONE_TOKEN_GEMV_TILES and linears.ALONE_MAX_TOKENS == 1
+
+
+def test_the_kernel_list_without_pdl_comes_from_a_step_captured_without_it(monkeypatch):
+    """Under ``pdl`` a profiled kernel's time holds its wait for the kernel before: the benchmark lists the step's
+    kernels again from a fresh cache whose graph is captured with early launch off, then turns it back on."""
+    from hf_qsa_cache.ops import triton_common
+
+    _, model = make_pair(seed=5)
+    ids = torch.tensor([random_prompts([12], seed=6)[0]])
+    seen = {}
+
+    def run(model, ids, mask, new_tokens, cache):
+        seen.update(run_pdl=triton_common.FUSED_PDL, new_tokens=new_tokens, room=cache.max_cache_len - ids.shape[1])
+
+    def stats(model, cache):
+        seen["stats_pdl"] = triton_common.FUSED_PDL
+        return {"graph_top_kernels": [["_linears_kernel", 1, 2.0]]}
+
+    monkeypatch.setattr(triton_common, "FUSED_PDL", True)
+    monkeypatch.setattr(bench_generate, "run", run)
+    monkeypatch.setattr(bench_generate, "graphed_step_stats", stats)
+    listed = bench_generate.kernels_without_pdl(model, model.config, ids, torch.ones_like(ids))
+    assert listed == [["_linears_kernel", 1, 2.0]]
+    assert seen == {"run_pdl": False, "new_tokens": 1, "room": 16, "stats_pdl": False}
+    assert triton_common.FUSED_PDL
