@@ -42,9 +42,9 @@ FLAGS = {
     "pdl": ("hf_qsa_cache.ops.triton_common", "FUSED_PDL"),
 }
 # On only when named in HF_QSA_FUSED (or with "all"), not by default: built and tested on the CPU (the kernels under
-# the Triton interpreter) but not yet timed on a GPU (a new fusion starts here: rel_bias's one-dot form, qsa_writes),
-# or timed slower than what they replace (graphed Qwen4Exp steps on the H200, benchmarks/RESULTS.md: hc_norm_proj 6.68
-# against 5.23 ms at 40 layers; qsa_topk_radix 1.31 against 1.20 ms at 8 layers over 16384 tokens).
+# the Triton interpreter) but not yet timed on a GPU (a new fusion starts here: rel_bias's one-dot form, qsa_writes,
+# hc_norm_proj's second form), or timed slower than what they replace (a graphed Qwen4Exp 8-layer step at 1 x 16384
+# on the H200, benchmarks/RESULTS.md: qsa_topk_radix 1.31 against 1.20 ms).
 OFF_BY_DEFAULT: tuple[str, ...] = ("rel_bias", "hc_norm_proj", "qsa_topk_radix", "qsa_writes")
 
 

@@ -258,8 +258,8 @@ def _assert_outputs_close(got: tuple, want: tuple, tol: float) -> None:
 
 def _norm_projection_cases() -> int:
     """`norm_mix_projections_triton` (``hc_norm_proj``) against the torch spec (`hc_norm`, then `mix_projections`),
-    with and without the residual and the injection: each stream cut in two ranges (the last shorter),
-    the RMS pass in several steps (a last partial one), token blocks past 16, streams padded (3 to 4); and
+    with and without the residual and the injection: each stream cut in two ranges (the last shorter, each range's
+    sum of squares its own), token blocks past 16, streams padded (3 to 4); and
     with the measured tiles. Two launches, no `hc_norm`."""
     from interpreter import count_launches
 
@@ -268,8 +268,7 @@ def _norm_projection_cases() -> int:
     launches = {name: [] for name in ("_hc_down_kernel", "_hc_up_mix_kernel", "_hc_norm_kernel")}
     for name, grids in launches.items():
         count_launches(hct, name, grids)
-    small = hct.MixTiles(splits=8, block_n=16, block_k=16, down_warps=4, block_h=16, r_chunk=16, up_warps=4,
-                         norm_block=8)
+    small = hct.MixTiles(splits=8, block_n=16, block_k=16, down_warps=4, block_h=16, r_chunk=16, up_warps=4)
     cases = 0
     for hc, H, R in ((4, 24, 10), (3, 20, 40)):
         for tokens in ((1,), (3, 6)):

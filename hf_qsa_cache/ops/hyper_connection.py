@@ -16,9 +16,11 @@ projections (transformers' ``nn.Linear`` weights, read as they are):
 With ``hc_proj`` as well (on by default), a step of at most `HC_PROJ_MAX_TOKENS` tokens runs everything
 after `hc_norm` in two launches, `mix_projections`: the down and injection projections as one split-K pass
 over the normed streams, then the up projection with the gating and the mean over streams; the low-rank
-activations stay in fp32 between them. With ``hc_norm_proj`` too (off by default: slower on the H200),
-`norm_mix_projections` also takes `hc_norm`'s work into the first of those launches: each program adds the
-residual and takes the RMS of its stream itself, so a mixing is two launches instead of three.
+activations stay in fp32 between them. With ``hc_norm_proj`` too (off by default, not yet timed),
+`norm_mix_projections` also takes `hc_norm`'s work into those launches: the down projection adds the residual and
+projects the streams before their norm, summing each range's squares; the up projection takes each stream's RMS
+from those sums and scales the stream's share of the down projection by it. A mixing is two launches instead of
+three.
 
 Each computes in fp32 and rounds its outputs once (upstream rounds after every op in bf16: the results
 differ by bf16 rounding and are judged against fp32). The torch functions here are the specification
@@ -48,7 +50,8 @@ FUSED_HC_PROJ = fusion_enabled("hc_proj")
 HC_PROJ_MAX_TOKENS = 16
 # ``hc_norm_proj``: on top of ``hc_proj``, the residual add and the grouped norm inside the first of those two
 # launches (`norm_mix_projections`), one launch of `hc_norm` a mixing less (81 in a Qwen4Exp 40-layer step, 2.7
-# us each on an H200); each program of the down projection takes its stream's RMS itself. Not yet timed.
+# us each on an H200). Not yet timed: its first form (each down-projection program reading its whole stream for
+# the RMS first) made a 40-layer step 6.68 ms against 5.23.
 FUSED_HC_NORM_PROJ = fusion_enabled("hc_norm_proj")
 
 
@@ -173,8 +176,10 @@ def norm_mix_projections(streams: torch.Tensor, norm_weight: torch.Tensor, eps: 
                          inject_weight: torch.Tensor | None,
                          hc: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(mixed, streams, inject)``: `hc_norm` (the residual added when given), then `mix_projections` of the
-    normed streams. On CUDA the same two launches as `mix_projections` (``hc_norm_proj``), the norm taken inside
-    the first: the same values but for the order of the norm's fp32 sums."""
+    normed streams. On CUDA the same two launches as `mix_projections` (``hc_norm_proj``): the down projection
+    projects the streams times the norm's weight before the division by their RMS, which the up projection applies
+    to each stream's share: the same values but for fp32 summation order and, in bf16, where the projected values
+    round (before the division, not after)."""
     if _triton(streams):
         from .hyper_connection_triton import norm_mix_projections_triton
 

@@ -154,7 +154,6 @@ class MixTiles:
     block_h: int
     r_chunk: int
     up_warps: int
-    norm_block: int = 256  # ``hc_norm_proj``: features per step of each program's pass for its stream's RMS
 
 
 # Chosen by `benchmarks/sweep_hc_tiles.py` on an H200 (hidden 2048, 4 streams, low rank 320, bf16; graph-timed
@@ -162,9 +161,10 @@ class MixTiles:
 # programs, so it splits the inputs finer and gives each up-projection program more warps.
 ONE_TOKEN_MIX_TILES = MixTiles(splits=32, block_n=64, block_k=128, down_warps=4, block_h=16, r_chunk=128, up_warps=8)
 MIX_TILES = MixTiles(splits=16, block_n=64, block_k=128, down_warps=4, block_h=32, r_chunk=64, up_warps=2)
-# ``hc_norm_proj``'s down projection adds the residual and scales by the norm inside its input loop: with the
-# tiles above the compiler for sm_90 runs out of registers there (255 a thread, 43 local loads and 44 stores);
-# chunks of 64 inputs on 8 warps keep the same programs at 183 and no spills (`benchmarks/kernel_resources.py`).
+# ``hc_norm_proj``'s down projection adds the residual, sums the squares and scales by the norm's weight inside its
+# input loop: with the tiles above the compiler for sm_90 runs out of registers there (255 a thread, local loads
+# and stores); chunks of 64 inputs on 8 warps keep the same programs free of spills (`benchmarks/kernel_resources.py`,
+# `tests/test_kernel_resources.py`).
 ONE_TOKEN_NORM_MIX_TILES = replace(ONE_TOKEN_MIX_TILES, block_k=64, down_warps=8)
 NORM_MIX_TILES = replace(MIX_TILES, block_k=64, down_warps=8)
 
@@ -185,20 +185,21 @@ def _stream_tile(streams_ptr, out_ptr, inject_ptr, m, k, mk_ok, c, H: tl.constex
 
 
 @triton.jit(do_not_specialize=["num_tokens", "split_len"])
-def _hc_down_kernel(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, rstd_ptr, down_ptr, inject_w_ptr,
-                    part_ptr, num_tokens, split_len, eps,
+def _hc_down_kernel(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, squares_ptr, down_ptr, inject_w_ptr,
+                    part_ptr, num_tokens, split_len,
                     K: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, H: tl.constexpr,
                     SPLITS_PER_STREAM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                    BLOCK_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                     IEEE: tl.constexpr, WIDEN: tl.constexpr, INJECT: tl.constexpr, LINES: tl.constexpr,
                     PDL: tl.constexpr = False):
     """part[s, m, n] = sum over the s-th input range of x[m, k] * W[n, k], W = [down (R rows); inject (HC)]
     (the injection rows only with ``INJECT``). The ranges split each stream's H inputs in SPLITS_PER_STREAM.
 
     ``x`` is the normed streams, or with ``NORM`` the streams themselves (``hc_norm_proj``): each program then
-    adds the residual (``RESIDUAL``), takes the RMS of its range's stream over all H features for its tokens
-    and projects the normed values, rounded as `hc_norm` rounds them; the first column block writes its range
-    of the new streams (``RESIDUAL``) and, for a stream's first range, the stream's rstd for `_hc_up_mix_kernel`.
+    adds the residual (``RESIDUAL``) and projects the values times the norm's weight, not yet divided by their
+    stream's RMS (a range lies in one stream, so `_hc_up_mix_kernel` scales each range's part by its stream's
+    1 / RMS); the first column block also writes its range of the new streams (``RESIDUAL``) and the sum of the
+    range's squares for each token (``squares[s, m]``), from which `_hc_up_mix_kernel` takes the RMS.
     Launched early (``PDL``), the program first asks for its block of W to be fetched into L2."""
     n_block, s, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -212,16 +213,7 @@ def _hc_down_kernel(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, rst
         if INJECT:
             prefetch_rows_l2(inject_w_ptr + lo, n - R, n_ok & (n >= R), K, hi - lo, LINES)
     pdl_begin(PDL)
-    if NORM:
-        squares = tl.zeros([BLOCK_M], tl.float32)
-        for h0 in range(0, H, NORM_BLOCK):
-            h = h0 + tl.arange(0, NORM_BLOCK)
-            x = _stream_tile(x_ptr, out_ptr, inject_ptr, m, c * H + h, m_ok[:, None] & (h < H)[None, :], c, H, HC,
-                             RESIDUAL)
-            squares += tl.sum(x * x, axis=1)
-        rstd = tl.rsqrt(squares / H + eps)
-        if n_block == 0 and s % SPLITS_PER_STREAM == 0:
-            tl.store(rstd_ptr + m.to(tl.int64) * HC + c, rstd, mask=m_ok)
+    squares = tl.zeros([BLOCK_M], tl.float32)
     # Output rows 0..R-1 read the down projection, R..R+HC-1 the injection logits' weight.
     rows = tl.where(n < R, down_ptr + n.to(tl.int64) * K, inject_w_ptr + (n - R).to(tl.int64) * K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -234,28 +226,50 @@ def _hc_down_kernel(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, rst
             if RESIDUAL and n_block == 0:
                 tl.store(streams_out_ptr + m.to(tl.int64)[:, None] * K + k[None, :],
                          x.to(streams_out_ptr.dtype.element_ty), mask=mk_ok)
+            squares += tl.sum(x * x, axis=1)
             scale = 1.0 + tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            x = (x * rstd[:, None] * scale[None, :]).to(x_ptr.dtype.element_ty)
+            x = (x * scale[None, :]).to(x_ptr.dtype.element_ty)
         else:
             x = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + k[None, :], mask=mk_ok, other=0.0)
         w = tl.load(rows[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc += dot(x, w, IEEE, WIDEN)
     out = part_ptr + (s * num_tokens + m.to(tl.int64))[:, None] * (R + HC) + n[None, :]
     tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+    if NORM and n_block == 0:
+        tl.store(squares_ptr + s * num_tokens + m.to(tl.int64), squares, mask=m_ok)
+
+
+@triton.jit
+def _range_scales(squares_ptr, t, num_tokens, eps, H: tl.constexpr, HC: tl.constexpr, HC_PAD: tl.constexpr,
+                  SPLITS_PER_STREAM: tl.constexpr, SPS_PAD: tl.constexpr):
+    """1 / RMS of each stream of token ``t`` (``[HC_PAD]``, 0 past HC), from its ranges' sums of squares."""
+    c = tl.arange(0, HC_PAD)
+    j = tl.arange(0, SPS_PAD)
+    ok = (c < HC)[:, None] & (j < SPLITS_PER_STREAM)[None, :]
+    sq = tl.load(squares_ptr + (c[:, None] * SPLITS_PER_STREAM + j[None, :]) * num_tokens + t, mask=ok, other=0.0)
+    return tl.where(c < HC, tl.rsqrt(tl.sum(sq, axis=1) / H + eps), 0.0)
+
+
+@triton.jit
+def _pick(values, index, i):
+    """``values[i]`` of a 1-D tensor whose positions are ``index`` (a scalar from a tensor, without a gather)."""
+    return tl.sum(tl.where(index == i, values, 0.0), axis=0)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _hc_up_mix_kernel(part_ptr, x_ptr, rstd_ptr, norm_w_ptr, up_ptr, mixed_ptr, inject_ptr, num_tokens,
+def _hc_up_mix_kernel(part_ptr, x_ptr, squares_ptr, norm_w_ptr, up_ptr, mixed_ptr, inject_ptr, num_tokens, eps,
                       H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr,
-                      HC_PAD: tl.constexpr, R_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, INJECT: tl.constexpr,
+                      SPLITS_PER_STREAM: tl.constexpr, SPS_PAD: tl.constexpr, HC_PAD: tl.constexpr,
+                      R_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, INJECT: tl.constexpr,
                       NORM: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False):
     """mixed[t, h] = mean_c sigmoid(low[t] . W_up[c*H + h]) * normed[t, c*H + h], with low = silu(down / HC)
     summed from the splits. One program per (block of BLOCK_H columns, token): its HC_PAD * BLOCK_H weight
     rows (stream-major) are read once, in chunks of R_CHUNK of the low rank, as GEMVs (products summed
     along the chunk at the end; no tl.dot, whose 16-row tiles would be padding for one token). The first
     column block also writes inject = 2 sigmoid(logits / HC). ``x`` is the normed streams, or with ``NORM`` the
-    streams, normed here with the rstd `_hc_down_kernel` wrote (rounded as `hc_norm` rounds). Launched early
-    (``PDL``), the program first asks for its weight rows to be fetched into L2."""
+    streams: each stream's 1 / RMS comes from the sums of squares `_hc_down_kernel` wrote, scales that stream's
+    ranges of the down projection as they are summed, and norms the streams here (rounded as `hc_norm`
+    rounds). Launched early (``PDL``), the program first asks for its weight rows to be fetched into L2."""
     h_block, t = tl.program_id(0), tl.program_id(1).to(tl.int64)
     j = tl.arange(0, HC_PAD * BLOCK_H)
     stream, h = j // BLOCK_H, h_block * BLOCK_H + j % BLOCK_H
@@ -264,13 +278,19 @@ def _hc_up_mix_kernel(part_ptr, x_ptr, rstd_ptr, norm_w_ptr, up_ptr, mixed_ptr, 
     if PDL:
         prefetch_rows_l2(up_ptr, cols, ok, R, R, LINES)
     pdl_begin(PDL)
+    streams = tl.arange(0, HC_PAD)
+    if NORM:
+        rstd = _range_scales(squares_ptr, t, num_tokens, eps, H, HC, HC_PAD, SPLITS_PER_STREAM, SPS_PAD)
     dots = tl.zeros([HC_PAD * BLOCK_H, R_CHUNK], tl.float32)
     for r0 in range(0, R, R_CHUNK):
         r = r0 + tl.arange(0, R_CHUNK)
         r_ok = r < R
         low = tl.zeros([R_CHUNK], tl.float32)
         for s in range(SPLITS):
-            low += tl.load(part_ptr + (s * num_tokens + t) * (R + HC) + r, mask=r_ok, other=0.0)
+            part = tl.load(part_ptr + (s * num_tokens + t) * (R + HC) + r, mask=r_ok, other=0.0)
+            if NORM:
+                part = part * _pick(rstd, streams, s // SPLITS_PER_STREAM)
+            low += part
         low = low / HC
         low = low * tl.sigmoid(low)  # padded columns stay 0 and add nothing
         w = tl.load(up_ptr + cols[:, None] * R + r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
@@ -278,9 +298,9 @@ def _hc_up_mix_kernel(part_ptr, x_ptr, rstd_ptr, norm_w_ptr, up_ptr, mixed_ptr, 
     gate = tl.sigmoid(tl.sum(dots, axis=1))
     x = tl.load(x_ptr + t * (HC * H) + cols, mask=ok, other=0.0).to(tl.float32)
     if NORM:
-        rstd = tl.load(rstd_ptr + t * HC + stream, mask=ok, other=0.0)
+        col_rstd = tl.sum(tl.where(stream[:, None] == streams[None, :], rstd[None, :], 0.0), axis=1)
         scale = 1.0 + tl.load(norm_w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        x = (x * rstd * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = (x * col_rstd * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
     mixed = tl.sum(tl.reshape(tl.where(ok, gate * x, 0.0), (HC_PAD, BLOCK_H)), axis=0) / HC
     out_h = h_block * BLOCK_H + tl.arange(0, BLOCK_H)
     tl.store(mixed_ptr + t * H + out_h, mixed.to(mixed_ptr.dtype.element_ty), mask=out_h < H)
@@ -288,7 +308,10 @@ def _hc_up_mix_kernel(part_ptr, x_ptr, rstd_ptr, norm_w_ptr, up_ptr, mixed_ptr, 
         c = tl.arange(0, HC_PAD)
         logits = tl.zeros([HC_PAD], tl.float32)
         for s in range(SPLITS):
-            logits += tl.load(part_ptr + (s * num_tokens + t) * (R + HC) + R + c, mask=c < HC, other=0.0)
+            part = tl.load(part_ptr + (s * num_tokens + t) * (R + HC) + R + c, mask=c < HC, other=0.0)
+            if NORM:
+                part = part * _pick(rstd, streams, s // SPLITS_PER_STREAM)
+            logits += part
         inject = 2.0 * tl.sigmoid(logits / HC)
         tl.store(inject_ptr + t * HC + c, inject.to(inject_ptr.dtype.element_ty), mask=c < HC)
 
@@ -322,7 +345,7 @@ def _mix(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: t
         out = inject_in = streams = x  # (out and inject unread; the streams unchanged, not written)
     if not tokens:
         return mixed, streams, inject
-    rstd = torch.empty(tokens, hc, dtype=torch.float32, device=x.device) if norm is not None else x  # (unread)
+
     if norm is None:
         t = tiles or (ONE_TOKEN_MIX_TILES if tokens == 1 else MIX_TILES)
     else:
@@ -334,16 +357,18 @@ def _mix(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: t
     per_stream = triton.cdiv(H, split_len)
     splits = hc * per_stream
     part = torch.empty(splits, tokens, R + hc, dtype=torch.float32, device=x.device)
+    squares = torch.empty(splits, tokens, dtype=torch.float32, device=x.device) if norm is not None else x  # (unread)
     m_blocks = triton.cdiv(tokens, HC_PROJ_BLOCK_M)
     _hc_down_kernel[(triton.cdiv(R + (hc if has_inject else 0), t.block_n), splits, m_blocks)](
-        x, out, inject_in, norm_weight, streams, rstd, down, inject_weight, part, tokens, split_len, float(eps),
+        x, out, inject_in, norm_weight, streams, squares, down, inject_weight, part, tokens, split_len,
         K=K, R=R, HC=hc, H=H, SPLITS_PER_STREAM=per_stream, BLOCK_M=HC_PROJ_BLOCK_M, BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k, NORM_BLOCK=min(triton.next_power_of_2(H), t.norm_block), NORM=norm is not None,
+        BLOCK_K=t.block_k, NORM=norm is not None,
         RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, INJECT=has_inject,
         LINES=l2_lines(split_len, down.dtype), num_warps=t.down_warps, **pdl(x))
     _hc_up_mix_kernel[(triton.cdiv(H, t.block_h), tokens)](
-        part, streams, rstd, norm_weight, up, mixed, inject if has_inject else mixed,
-        tokens, H=H, R=R, HC=hc, SPLITS=splits, HC_PAD=triton.next_power_of_2(hc),
+        part, streams, squares, norm_weight, up, mixed, inject if has_inject else mixed, tokens, float(eps),
+        H=H, R=R, HC=hc, SPLITS=splits, SPLITS_PER_STREAM=per_stream, SPS_PAD=triton.next_power_of_2(per_stream),
+        HC_PAD=triton.next_power_of_2(hc),
         R_CHUNK=min(t.r_chunk, triton.next_power_of_2(R)), BLOCK_H=t.block_h, INJECT=has_inject,
         NORM=norm is not None, LINES=l2_lines(R, up.dtype), num_warps=t.up_warps, **pdl(part))
     return mixed, streams, inject
