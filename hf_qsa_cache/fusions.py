@@ -28,6 +28,7 @@ FLAGS = {
     "qsa": ("hf_qsa_cache.ops.qsa", "FUSED_QSA"),
     "qsa_topk": ("hf_qsa_cache.ops.qsa", "FUSED_QSA_TOPK"),
     "qsa_writes": ("hf_qsa_cache.ops.row_writes", "FUSED_QSA_WRITES"),
+    "qsa_gate": ("hf_qsa_cache.ops.qsa", "FUSED_QSA_GATE"),
     # Not a fusion: `qsa_topk`'s kernel finds the k-th largest score by a radix search instead of a bisection.
     "qsa_topk_radix": ("hf_qsa_cache.ops.top_set_triton", "FUSED_RADIX_SEARCH"),
     "shared_expert": ("hf_qsa_cache.ops.experts", "FUSED_SHARED_EXPERT"),
@@ -43,9 +44,9 @@ FLAGS = {
 }
 # On only when named in HF_QSA_FUSED (or with "all"), not by default: built and tested on the CPU (the kernels under
 # the Triton interpreter) but not yet timed on a GPU (a new fusion starts here: rel_bias's one-dot form, qsa_writes,
-# hc_norm_proj's second form), or timed slower than what they replace (a graphed Qwen4Exp 8-layer step at 1 x 16384
+# qsa_gate, hc_norm_proj's second form), or timed slower than what they replace (a graphed Qwen4Exp 8-layer step at 1 x 16384
 # on the H200, benchmarks/RESULTS.md: qsa_topk_radix 1.31 against 1.20 ms).
-OFF_BY_DEFAULT: tuple[str, ...] = ("rel_bias", "hc_norm_proj", "qsa_topk_radix", "qsa_writes")
+OFF_BY_DEFAULT: tuple[str, ...] = ("rel_bias", "hc_norm_proj", "qsa_topk_radix", "qsa_writes", "qsa_gate")
 
 
 def requested(setting: str | None, off_by_default: tuple[str, ...] = OFF_BY_DEFAULT) -> set[str]:

@@ -49,7 +49,7 @@ from hf_qsa_cache.ops.ple import fuses_ple, ngram_embeddings, ngram_ids_torch, p
 from hf_qsa_cache.ops.prompt_experts import (
     grouped_experts_forward, runs_tiled_experts, tiled_experts, uses_prompt_experts,
 )
-from hf_qsa_cache.ops.qsa import qsa_index_step, sparse_paged_attention, sparse_paged_attention_probs
+from hf_qsa_cache.ops.qsa import gated_sparse_paged_attention, qsa_index_step, sparse_paged_attention_probs
 from hf_qsa_cache.ops.row_writes import RowWrites
 from hf_qsa_cache.ops.router import fuses_routing, route
 from hf_qsa_cache.rollback import gated_delta_keeping_states, step_history
@@ -78,8 +78,7 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
 
         idx = self.indexer
         query, key, value, index_qk = project(x, self.q_proj, self.k_proj, self.v_proj, idx.index_qk_proj)
-        query, gate = torch.chunk(query.view(n, -1, self.head_dim * 2), 2, dim=-1)
-        gate = torch.sigmoid(gate).reshape(n, -1)  # the sigmoid reads the strided half: no copy of it first
+        query, gate = torch.chunk(query.view(n, -1, self.head_dim * 2), 2, dim=-1)  # gate: logits, a strided half
         query = norm_rope(self.q_norm, query, cos, sin)
         key = norm_rope(self.k_norm, key.view(n, -1, self.head_dim), cos, sin)
         value = value.view(n, -1, self.head_dim)
@@ -97,15 +96,14 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
         pages = layer.kv.keys, layer.kv.values
         if records_grad(key, value):  # the pages keep values only; autograd needs this step's keys as computed
             pages = layer.kv.with_step_written(meta.slots["main"], key, value)
-        out = sparse_paged_attention(
-            query, *pages, meta.block_tables["main"], meta.token_row, selected, main.block_size, self.scaling,
+        out = gated_sparse_paged_attention(
+            query, *pages, meta.block_tables["main"], meta.token_row, selected, main.block_size, self.scaling, gate,
         )
         if attentions is not None:
             attentions.append(sparse_paged_attention_probs(
                 query, pages[0], meta.block_tables["main"], meta.token_row, selected, main.block_size, self.scaling,
                 meta.max_seq_len,
             ))
-        out = out.reshape(n, -1) * gate
         return project_alone(out, self.o_proj).view(B, L, -1)
 
     def _finish_group(self, pooled: torch.Tensor, first_pos: torch.Tensor, meta) -> torch.Tensor:

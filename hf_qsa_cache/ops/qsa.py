@@ -36,6 +36,9 @@ USE_TRITON = os.environ.get("HF_QSA_TRITON_QSA", "1") == "1"
 FUSED_QSA = fusion_enabled("qsa")
 # ``qsa_topk``: a selection's set of best groups in one launch, no sort (`top_group_set`).
 FUSED_QSA_TOPK = fusion_enabled("qsa_topk")
+# ``qsa_gate``: a decode step's output gate, ``sigmoid(gate) * attention``, in the merge of the attention's splits
+# (`gated_sparse_paged_attention`): two torch launches a QSA layer less.
+FUSED_QSA_GATE = fusion_enabled("qsa_gate")
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -425,6 +428,23 @@ def sparse_paged_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
         o = torch.einsum("nkgw,nwkd->nkgd", probs.to(v.dtype), v)
         out[start:end] = o.reshape(-1, num_heads, head_dim)
     return out
+
+
+def gated_sparse_paged_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                 block_table: torch.Tensor, token_row: torch.Tensor, positions: torch.Tensor,
+                                 block_size: int, scaling: float, gate: torch.Tensor) -> torch.Tensor:
+    """`sparse_paged_attention` times ``sigmoid(gate)`` (``gate`` ``[N, H, D]`` logits), ``[N, H * D]``: the
+    attention output rounded to its dtype, the sigmoid rounded alike, their product rounded, as the torch ops
+    round. With ``qsa_gate`` on CUDA the gate is applied where the attention's splits are merged."""
+    n = query.shape[0]
+    if (FUSED_QSA_GATE and _use_triton(query) and not records_grad(query, keys, values, gate)
+            and gate.stride(-1) == 1):
+        from .qsa_triton import sparse_paged_attention_triton
+
+        return sparse_paged_attention_triton(query, keys, values, block_table, token_row, positions, block_size,
+                                             scaling, gate=gate)
+    out = sparse_paged_attention(query, keys, values, block_table, token_row, positions, block_size, scaling)
+    return out.reshape(n, -1) * torch.sigmoid(gate).reshape(n, -1)
 
 
 def sparse_paged_attention_probs(query: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor,

@@ -174,13 +174,15 @@ def _sparse_paged_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_gn"])
 def _merge_splits_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_on, stride_oh, stride_od, num_splits,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    PDL: tl.constexpr = False,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, gate_ptr, stride_on, stride_oh, stride_od, stride_gn,
+    stride_gh, num_splits, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr,
+    D_PAD: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """One program per (token, query head): combine the splits' (max, sum, accumulator)."""
+    """One program per (token, query head): combine the splits' (max, sum, accumulator). With ``GATE``, the
+    output rounded to its dtype times ``sigmoid(gate)`` rounded alike, the product rounded (``qsa_gate``: the
+    torch ops' rounding, `qsa.gated_sparse_paged_attention`)."""
     pdl_begin(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -199,27 +201,34 @@ def _merge_splits_kernel(
     total = tl.sum(w * l, axis=0)
     o = tl.sum(w[:, None] * acc, axis=0)
     # A token with no valid position (a pad) writes zeros.
-    o = tl.where(total > 0, o / tl.where(total > 0, total, 1.0), 0.0)
-    tl.store(out_ptr + n * stride_on + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+    o = tl.where(total > 0, o / tl.where(total > 0, total, 1.0), 0.0).to(out_ptr.dtype.element_ty)
+    if GATE:
+        g = tl.load(gate_ptr + n * stride_gn + h * stride_gh + d, mask=d_ok, other=0.0).to(tl.float32)
+        g = tl.sigmoid(g).to(out_ptr.dtype.element_ty)
+        o = (o.to(tl.float32) * g.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + n * stride_on + h * stride_oh + d * stride_od, o, mask=d_ok)
 
 
 @on_device_of_first_tensor
 def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                                   block_table: torch.Tensor, token_row: torch.Tensor, positions: torch.Tensor,
-                                  block_size: int, scaling: float, *, num_splits: int | None = None) -> torch.Tensor:
+                                  block_size: int, scaling: float, *, num_splits: int | None = None,
+                                  gate: torch.Tensor | None = None) -> torch.Tensor:
     """`hf_qsa_cache.ops.qsa.sparse_paged_attention` in one launch, two when the width is split (see
-    there for shapes). ``num_splits`` overrides the launch policy (`attention_splits`)."""
+    there for shapes). ``num_splits`` overrides the launch policy (`attention_splits`). ``gate`` (``[N, H, D]``
+    logits, unit last stride): `qsa.gated_sparse_paged_attention`'s output ``[N, H * D]`` instead, the gate
+    applied by the merge where the width is split, else by torch after the launch."""
     n, num_heads, head_dim = query.shape
     num_kv = keys.shape[2]
     group = num_heads // num_kv
     width = positions.shape[1]
     out = torch.empty_like(query)
     if n == 0 or num_heads == 0:
-        return out
+        return _gated(out, gate, applied=False)
     # A slot is (block, offset) flattened; the store's leading two axes must be one strided axis.
     assert keys.stride(0) == block_size * keys.stride(1) and values.stride(0) == block_size * values.stride(1)
     if width == 0 or block_table.shape[1] == 0:
-        return out.zero_()
+        return _gated(out.zero_(), gate, applied=False)
     splits, split_len = attention_splits(n, num_kv, width, num_splits)
     if splits > 1:
         part_m = torch.empty(n, num_heads, splits, dtype=torch.float32, device=query.device)
@@ -240,13 +249,25 @@ def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, value
         BLOCK_W=attention_block_w(n), SPLIT=splits > 1, IEEE=query.dtype == torch.float32, WIDEN=INTERPRET,
         **attention_launch(n, splits), **pdl(query),
     )
+    gated = gate is not None and splits > 1
     if splits > 1:
+        assert gate is None or gate.stride(2) == 1, gate.stride()
+        gate_args = (gate, gate.stride(0), gate.stride(1)) if gated else (out, 0, 0)
         _merge_splits_kernel[(n, num_heads)](
-            part_m, part_l, part_acc, out, out.stride(0), out.stride(1), out.stride(2), splits,
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, S_PAD=triton.next_power_of_2(splits),
-            D_PAD=triton.next_power_of_2(head_dim), num_warps=4, **pdl(part_m),
+            part_m, part_l, part_acc, out, gate_args[0], out.stride(0), out.stride(1), out.stride(2), *gate_args[1:],
+            splits, NUM_HEADS=num_heads, HEAD_DIM=head_dim, S_PAD=triton.next_power_of_2(splits),
+            D_PAD=triton.next_power_of_2(head_dim), GATE=gated, num_warps=4, **pdl(part_m),
         )
-    return out
+    return _gated(out, gate, applied=gated)
+
+
+def _gated(out: torch.Tensor, gate: torch.Tensor | None, applied: bool) -> torch.Tensor:
+    """``out`` as `sparse_paged_attention_triton` returns it: unchanged without a gate, else ``[N, H * D]`` times
+    ``sigmoid(gate)`` (in torch unless the merge ``applied`` it)."""
+    if gate is None:
+        return out
+    n = out.shape[0]
+    return out.reshape(n, -1) if applied else out.reshape(n, -1) * torch.sigmoid(gate).reshape(n, -1)
 
 
 @triton.jit
