@@ -34,6 +34,7 @@ def test_kernels_under_interpreter():
 
 
 def main() -> int:
+    from fusion_helpers import fused_generate_mismatch
     from qwen4_helpers import left_pad, make_pair, random_prompts, tiny_config
 
     from hf_qsa_cache.ops import qsa_triton
@@ -43,7 +44,12 @@ def main() -> int:
 
     class _Merges:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: merges.append(kwargs["GATE"]) or kernel[grid](*args, **kwargs)
+            def launch(*args, **kwargs):
+                if kwargs["GATE"]:  # counted: the merges that apply the gate
+                    merges.append(grid)
+                return kernel[grid](*args, **kwargs)
+
+            return launch
 
     qsa_triton._merge_splits_kernel = _Merges()
     real_sigmoid = torch.sigmoid
@@ -64,7 +70,7 @@ def main() -> int:
             have = qsa_triton.sparse_paged_attention_triton(*case, num_splits=num_splits, gate=gate)
             splits, _ = qsa_triton.attention_splits(case[0].shape[0], 2, case[5].shape[1], num_splits)
             assert have.shape == want.shape and have.dtype == want.dtype
-            assert merges == ([True] if splits > 1 else []) and len(sigmoids) == (splits == 1), (merges, sigmoids)
+            assert len(merges) == (splits > 1) and len(sigmoids) == (splits == 1), (merges, sigmoids)
             torch.testing.assert_close(have.float(), want.float(), atol=atol, rtol=0)
             if tokens is None:
                 assert torch.equal(have[1], torch.zeros_like(have[1]))  # the pad
@@ -77,41 +83,15 @@ def main() -> int:
     # The tiny model with the gate in its decode steps' merges (decode tiles of 16, split one each).
     qsa._use_triton = lambda x: True  # the CUDA dispatch, on CPU tensors
     qsa_triton.ATTENTION_DECODE_BLOCK_W, qsa_triton.MIN_SPLIT_POSITIONS = 16, 1
-    merges.clear()
-    # Budget 32 (ratio 2): a selection 33 positions wide, three tiles of 16.
-    error = _generate_mismatch(make_pair(tiny_config(indexer_budget=32), seed=4)[1],
-                               *left_pad(random_prompts([61, 9, 37], seed=5)), merges)
+    # Budget 32 (ratio 2): a selection 33 positions wide, three tiles of 16. The same tokens, logits within fp32
+    # rounding (the sigmoid in another implementation).
+    error = fused_generate_mismatch(make_pair(tiny_config(indexer_budget=32), seed=4)[1],
+                                    *left_pad(random_prompts([61, 9, 37], seed=5)), "qsa_gate", merges, atol=1e-5)
     if error:
         print(f"generate: {error}")
         return 1
     print(f"all qsa gate cases ok ({cases})")
     return 0
-
-
-def _generate_mismatch(model, ids, mask, merges: list) -> str | None:
-    """Greedy generate() without, then with ``qsa_gate``: the fused run's merges apply the gate, the tokens are the
-    same and the logits within fp32 rounding (the sigmoid in another implementation)."""
-    from hf_qsa_cache.fusions import fused
-
-    def generate():
-        with torch.no_grad():
-            return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
-                                  eos_token_id=None, output_logits=True, return_dict_in_generate=True)
-
-    want = generate()
-    if any(merges):
-        return "the gate was applied with qsa_gate off"
-    merges.clear()
-    with fused(("qsa_gate",)):
-        have = generate()
-    if not any(merges):
-        return f"no merge applied the gate ({len(merges)} merges)"
-    if not torch.equal(have.sequences, want.sequences):
-        return f"tokens {have.sequences.tolist()} != {want.sequences.tolist()}"
-    for step, (h, w) in enumerate(zip(have.logits, want.logits, strict=True)):
-        if not torch.allclose(h, w, atol=1e-5, rtol=0):
-            return f"step {step}: logits differ by {(h - w).abs().max():.3g}"
-    return None
 
 
 if __name__ == "__main__":
