@@ -86,7 +86,7 @@ def main() -> int:
     # Budget 32 (ratio 2): a selection 33 positions wide, three tiles of 16. The same tokens, logits within fp32
     # rounding (the sigmoid in another implementation).
     error = fused_generate_mismatch(make_pair(tiny_config(indexer_budget=32), seed=4)[1],
-                                    *left_pad(random_prompts([61, 9, 37], seed=5)), "qsa_gate", merges, atol=1e-5)
+                                    *left_pad(random_prompts([14, 5, 9], seed=5)), "qsa_gate", merges, atol=1e-5)
     if error:
         print(f"generate: {error}")
         return 1
