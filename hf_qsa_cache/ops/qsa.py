@@ -52,8 +52,7 @@ def paged_rows(block_table: torch.Tensor, rows: torch.Tensor, index: torch.Tenso
 
 
 def qsa_index_step(q_index: torch.Tensor, raw_keys: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
-                   store, block_size: int, block_topk: int, finish_group,
-                   writes: RowWrites | None = None) -> torch.Tensor:
+                   store, block_size: int, block_topk: int, finish_group, writes: RowWrites) -> torch.Tensor:
     """One QSA layer's indexer for one forward: compress the groups this forward closes, commit the
     raw keys to the ring, select. Returns the selected positions (`score_and_select`).
 
@@ -63,7 +62,6 @@ def qsa_index_step(q_index: torch.Tensor, raw_keys: torch.Tensor, positions: tor
     norm and rotary). ``writes``: the layer's other writes of the step (its K/V), flushed with the indexer's in one
     launch where fused, before the selection reads the compressed keys.
     """
-    writes = RowWrites() if writes is None else writes
     r = store.ratio
     # Most decode steps close no group (one step in r does); when the host knows, skip the work.
     # The rows written below are the same in every QSA layer of the step: computed once per step.

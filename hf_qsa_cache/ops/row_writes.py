@@ -1,10 +1,11 @@
 """Whole-row writes into the cache's stores, gathered so that a layer's writes of one step go in one launch.
 
 A QSA layer's step writes five stores: its keys and values into the paged K/V, the compressed keys of the groups
-the step closes, and the newest raw index keys and their positions into the ring. In torch each is a
-``clamp_min`` and an ``index_copy_`` (nine launches a layer, most of them a microsecond or two of launch for a
-few kilobytes). `RowWrites` collects them; `RowWrites.flush` runs them in one launch where the ``qsa_writes``
-fusion is on (`row_writes_triton.write_rows_triton`), else one by one (`write_slots`, the specification).
+the step closes, and the newest raw index keys and their positions into the ring. In torch each is an
+``index_copy_`` after a ``clamp_min`` of its rows (eight launches a layer, writes that share their rows clamping
+once; each a microsecond or two for a few kilobytes). `RowWrites` collects them; `RowWrites.flush` runs them in
+one launch where the ``qsa_writes`` fusion is on (`row_writes_triton.write_rows_triton`), else one by one in
+torch (`write_slots` is the specification).
 """
 
 from __future__ import annotations

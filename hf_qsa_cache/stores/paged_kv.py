@@ -55,17 +55,13 @@ class PagedKV:
         shape = (-1, self.num_kv_heads, self.head_dim)
         return self.keys.view(shape), self.values.view(shape)
 
-    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              writes: RowWrites | None = None) -> None:
-        """keys/values ``[tokens, kv_heads, head_dim]``; added to ``writes`` (the caller flushes them) where given."""
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, writes: RowWrites) -> None:
+        """keys/values ``[tokens, kv_heads, head_dim]`` at ``slots``, added to ``writes`` (the caller flushes them)."""
         if not self.allocated:
             self.allocate(keys.device, keys.dtype)
         k, v = self.flat()
-        sink = RowWrites() if writes is None else writes
-        sink.add(k, slots, keys)
-        sink.add(v, slots, values)
-        if writes is None:
-            sink.flush()
+        writes.add(k, slots, keys)
+        writes.add(v, slots, values)
 
     def with_step_written(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         """``(keys, values)`` pages as `write` leaves them, built out of place so that they carry this step's
