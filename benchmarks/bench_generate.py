@@ -380,16 +380,16 @@ def commit() -> str:
 
 
 def choose_projections(one_token: str | None, alone_max_tokens: int | None) -> dict:
-    """Set the projections kernel's one-token tiles (``"dot"``: `linears_triton.ONE_TOKEN_TILES` as shipped,
-    ``"gemv"``: `ONE_TOKEN_GEMV_TILES`) and `linears.ALONE_MAX_TOKENS` for this process, where given; the
-    choices that differ from the defaults, as result keys."""
+    """Set the projections kernel's one-token tiles (``"gemv"``: the shipped `linears_triton.default_tiles`,
+    ``"dot"``: `ONE_TOKEN_DOT_TILES` for every reduction) and `linears.ALONE_MAX_TOKENS` for this process, where
+    given; the choices that differ from the defaults, as result keys."""
     from hf_qsa_cache.ops import linears, linears_triton
 
     chosen = {}
-    if one_token == "gemv":
-        linears_triton.ONE_TOKEN_TILES = linears_triton.ONE_TOKEN_GEMV_TILES
-        chosen["one_token_projections"] = "gemv"
-    if alone_max_tokens is not None:
+    if one_token == "dot":
+        linears_triton.ONE_TOKEN_TILES = linears_triton.ONE_TOKEN_WIDE_TILES = linears_triton.ONE_TOKEN_DOT_TILES
+        chosen["one_token_projections"] = "dot"
+    if alone_max_tokens is not None and alone_max_tokens != linears.ALONE_MAX_TOKENS:
         linears.ALONE_MAX_TOKENS = alone_max_tokens
         chosen["alone_max_tokens"] = alone_max_tokens
     return chosen
@@ -416,10 +416,10 @@ def main():
                         help="decode_ms_end_to_end from sampled calls (top-k 50) instead of greedy ones")
     parser.add_argument("--one-token-projections", choices=["dot", "gemv"], default=None,
                         help="the projections kernel's one-token tiles: its padded tl.dot ones or its GEMV form "
-                             "(default: linears_triton.ONE_TOKEN_TILES)")
+                             "(default: gemv, linears_triton.default_tiles)")
     parser.add_argument("--alone-max-tokens", type=int, default=None,
                         help="steps of at most this many tokens run a projection alone (o_proj, out_proj) in the "
-                             "projections kernel (default: linears.ALONE_MAX_TOKENS, 0: cuBLAS)")
+                             "projections kernel (default: linears.ALONE_MAX_TOKENS; 0: cuBLAS)")
     parser.add_argument("--jsonl", default=RESULTS)
     args = parser.parse_args()
     projection_choices = choose_projections(args.one_token_projections, args.alone_max_tokens)

@@ -6,7 +6,7 @@ graph, timed with the ``pdl`` setting off and on, and the chain's output compare
 The chain (bf16, one token, hidden 2048): `add_rms_norm_triton`, then Inkling's four input projections in one
 launch (`linears_triton`; each link its own weights, 13 MB, so that L2 does not keep them from the replay before),
 the query's output feeding the next link's norm: 2 kernels a link, 64 links. Variants: ``pdl`` off; on (early
-launch and the projections' weight prefetch); on with the projections' one-token GEMV tiles. ``us_per_kernel``
+launch and the projections' weight prefetch); on with the projections' one-token dot tiles. ``us_per_kernel``
 is a replay's time over its kernels; the gap early launch hides is the difference between the first two.
 """
 
@@ -52,13 +52,13 @@ def main() -> int:
     shipped = linears_triton.ONE_TOKEN_TILES
     results = {}
     for name, pdl, tiles in [("pdl off", False, shipped), ("pdl on", True, shipped),
-                             ("pdl on, GEMV tiles", True, linears_triton.ONE_TOKEN_GEMV_TILES)]:
+                             ("pdl on, dot tiles", True, linears_triton.ONE_TOKEN_DOT_TILES)]:
         linears_triton.ONE_TOKEN_TILES = tiles
         with fused(("pdl",), on=pdl):
             us, out = timed(x, norm_weight, weights)
         linears_triton.ONE_TOKEN_TILES = shipped
         results[name] = out
-        same = torch.equal(out, results["pdl off"]) if name != "pdl on, GEMV tiles" else None
+        same = torch.equal(out, results["pdl off"]) if name != "pdl on, dot tiles" else None
         print(json.dumps({"variant": name, "us_per_kernel": round(us, 3), "kernels": 2 * LINKS,
                           "same_as_pdl_off": same}), flush=True)
     ok = torch.equal(results["pdl on"], results["pdl off"])

@@ -30,10 +30,10 @@ from sweep_experts_tiles import graph_us  # noqa: E402
 
 CASES = {"gdn_in": (2048, [8192, 4096, 32, 32]), "qsa_in": (2048, [8192, 512, 512, 4224]),
          "inkling_in": (2048, [2048, 512, 512, 256]), "out_proj": (4096, [2048]), "inkling_o_proj": (2048, [2048])}
-TILES = [lt.TILES, (16, 128, 4), (16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 512, 8), (64, 128, 4), (64, 256, 8)]
+TILES = [lt.TILES, lt.ONE_TOKEN_DOT_TILES, (16, 128, 4), (16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 512, 8), (64, 128, 4), (64, 256, 8)]
 # The GEMV form (no tl.dot), one token only: rows per program x chunk x warps.
-GEMV_TILES = [lt.ONE_TOKEN_GEMV_TILES, (8, 512, 4, True), (16, 256, 4, True), (32, 512, 8, True), (8, 1024, 8, True),
-              (4, 1024, 4, True), (16, 1024, 8, True)]
+GEMV_TILES = [lt.ONE_TOKEN_TILES, lt.ONE_TOKEN_WIDE_TILES, (8, 512, 4, True), (16, 1024, 8, True), (2, 1024, 2, True),
+              (2, 2048, 4, True), (4, 2048, 4, True), (4, 2048, 8, True), (8, 2048, 8, True), (4, 512, 2, True)]
 COPIES, CALLS, BANDWIDTH = 4, 8, 4.25e12
 
 

@@ -47,14 +47,19 @@ def test_timed_calls_continue_the_prefilled_prompt(monkeypatch):
 def test_projection_choices_set_the_kernel_defaults_and_are_recorded(monkeypatch):
     from hf_qsa_cache.ops import linears, linears_triton
 
-    monkeypatch.setattr(linears_triton, "ONE_TOKEN_TILES", linears_triton.ONE_TOKEN_TILES)
+    for name in ("ONE_TOKEN_TILES", "ONE_TOKEN_WIDE_TILES"):
+        monkeypatch.setattr(linears_triton, name, getattr(linears_triton, name))
     monkeypatch.setattr(linears, "ALONE_MAX_TOKENS", linears.ALONE_MAX_TOKENS)
-    shipped = linears_triton.ONE_TOKEN_TILES
+    shipped = linears_triton.default_tiles(1, 2048), linears_triton.default_tiles(1, 4096)
+    assert all(tiles[3] for tiles in shipped)  # the GEMV form
     assert bench_generate.choose_projections(None, None) == {}
-    assert bench_generate.choose_projections("dot", None) == {}
-    assert linears_triton.ONE_TOKEN_TILES == shipped and linears.ALONE_MAX_TOKENS == 0
-    assert bench_generate.choose_projections("gemv", 1) == {"one_token_projections": "gemv", "alone_max_tokens": 1}
-    assert linears_triton.ONE_TOKEN_TILES == linears_triton.ONE_TOKEN_GEMV_TILES and linears.ALONE_MAX_TOKENS == 1
+    assert bench_generate.choose_projections("gemv", 1) == {}
+    assert (linears_triton.default_tiles(1, 2048), linears_triton.default_tiles(1, 4096)) == shipped
+    assert linears.ALONE_MAX_TOKENS == 1
+    assert bench_generate.choose_projections("dot", 0) == {"one_token_projections": "dot", "alone_max_tokens": 0}
+    dot = linears_triton.ONE_TOKEN_DOT_TILES
+    assert (linears_triton.default_tiles(1, 2048), linears_triton.default_tiles(1, 4096)) == (dot, dot)
+    assert linears.ALONE_MAX_TOKENS == 0
 
 
 def test_the_kernel_list_without_pdl_comes_from_a_step_captured_without_it(monkeypatch):

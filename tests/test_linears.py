@@ -24,11 +24,12 @@ from hf_qsa_cache.ops import linears_triton as lt
 from interpreter import count_launches, run_under_interpreter
 
 TILES = [(16, 16, 1), (32, 32, 2), None]
-GEMV_TILES = [(16, 16, 1, True), (4, 32, 2, True), lt.ONE_TOKEN_GEMV_TILES]  # one token, no tl.dot
+GEMV_TILES = [(16, 16, 1, True), (4, 32, 2, True), lt.ONE_TOKEN_WIDE_TILES]  # one token, no tl.dot (None: the policy's)
+DOT_TILES = [lt.ONE_TOKEN_DOT_TILES]
 
 
 def _tiles(tokens: int) -> list:
-    return TILES + (GEMV_TILES if tokens == 1 else [])
+    return TILES + (GEMV_TILES + DOT_TILES if tokens == 1 else [])
 
 
 def test_kernel_matches_the_specification_under_the_interpreter():
@@ -53,7 +54,7 @@ def _kernel_cases(launches) -> str | None:
                     where = f"rows={rows} T={tokens} {label} tiles={tiles}"
                     launches.clear()
                     have = lt.linears_triton(x, weights, tiles=tiles)
-                    block_n = (tiles or (lt.ONE_TOKEN_TILES if tokens == 1 else lt.TILES))[0]
+                    block_n = (tiles or lt.default_tiles(tokens, K))[0]
                     if len(launches) != 1 or launches[0][0] != sum(-(-n // block_n) for n in rows):
                         return f"{where}: launches {launches}"
                     try:
@@ -122,9 +123,9 @@ def _main() -> int:
         # A projection alone (o_proj, out_proj) through the kernel too, in decode steps (3 tokens): one launch
         # more in every layer of each step, the same tokens.
         grouped = len(launches)
-        linears.ALONE_MAX_TOKENS = 3
+        shipped, linears.ALONE_MAX_TOKENS = linears.ALONE_MAX_TOKENS, 3
         error = fused_generate_mismatch(model, ids, mask, "projections", launches, atol=1e-4)
-        linears.ALONE_MAX_TOKENS = 0
+        linears.ALONE_MAX_TOKENS = shipped
         layers, steps = model.config.num_hidden_layers, 4  # 5 new tokens: the prompt's forward, then 4 steps
         if error or len(launches) != grouped + layers * steps:
             print(f"{family} alone: {error or f'{len(launches)} launches, {grouped} + {layers} x {steps} expected'}")
@@ -200,6 +201,7 @@ def test_a_projection_alone_keeps_its_module_unless_asked(on_cuda, monkeypatch):
     calls = []
     module.register_forward_hook(lambda *args: calls.append(1))
     one_token = torch.randn(1, 1, 8)
+    monkeypatch.setattr(linears, "ALONE_MAX_TOKENS", 0)
     with torch.no_grad():
         linears.project_alone(one_token, module)
     assert calls == [1]  # ALONE_MAX_TOKENS 0: cuBLAS through the module, whatever the step

@@ -26,10 +26,12 @@ from . import keeps_own_forward, records_grad
 
 FUSED_PROJECTIONS = fusion_enabled("projections")
 MAX_FUSED_TOKENS = 16  # decode and verify steps; prompts keep cuBLAS's GEMMs
-# A projection alone (o_proj, GatedDeltaNet's out_proj) stays with cuBLAS, measured faster there (4096 -> 2048 at
-# one token: 8.9 us against 16.6 for the kernel's best dot tiles); `project_alone` gives it to the kernel for
-# steps of at most this many tokens (0: never). For timing the kernel's one-token GEMV form against cuBLAS.
-ALONE_MAX_TOKENS = 0
+# A projection alone (o_proj, GatedDeltaNet's out_proj) goes to the kernel for steps of at most this many tokens
+# (`project_alone`; 0: never), else to cuBLAS. One token: the kernel's GEMV form took Inkling's o_proj (2048 ->
+# 2048) in 2.7 us against cuBLAS's 5.3, and 4096 -> 2048 in 9.3 against 9.1 plus cuBLAS's split-K reduction
+# (`benchmarks/sweep_projections.py`, H200). More tokens: cuBLAS (8 tokens, 4096 -> 2048: 8.9 us against 23 for
+# the kernel's best dot tiles).
+ALONE_MAX_TOKENS = 1
 
 
 def _use_triton(x: torch.Tensor) -> bool:

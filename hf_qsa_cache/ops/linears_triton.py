@@ -23,18 +23,26 @@ from .triton_common import INTERPRET, dot, l2_lines, on_device_of_first_tensor, 
 
 MAX_WEIGHTS = 4
 MAX_TOKENS = 64  # the tokens sit in one tile of registers
-# Launch policy (shapes only): output rows per program, reduction chunk, warps. Graph-timed on the H200
-# (`benchmarks/sweep_projections.py`, bf16, hidden 2048, the three input-projection sets at 1, 8 and 16 tokens;
-# benchmarks/RESULTS.md): one token is best or near it with wider chunks (GatedDeltaNet's set 17.1 us against
-# cuBLAS's 27.4, Inkling's 11.5 against 23.4), more tokens with narrower ones (8 tokens: 19.7 against 29.1, QSA's
-# set 21.0 against 29.9). A single projection stays with cuBLAS (4096 -> 2048: 8.9 us against 16.6 at best).
-ONE_TOKEN_TILES = (32, 256, 4)
+# Launch policy (shapes only): output rows per program, reduction chunk, warps, and for one token the GEMV form
+# (a fourth element True: no tl.dot, see `_project_tile`). Graph-timed on the H200 (`benchmarks/sweep_projections.py`,
+# bf16, hidden 2048; benchmarks/RESULTS.md). One token: the GEMV form with 4 rows and chunks of 1024 read GatedDeltaNet's
+# input projections in 16.1 us (1.35x their bytes) where the dot tiles took 23.5 and cuBLAS 27.5, QSA's in 16.8
+# (27.5, 29.7), Inkling's in 6.3 (17.1, 23.4), Inkling's o_proj alone in 2.7 (cuBLAS 5.3); a 4096-wide reduction
+# (GatedDeltaNet's out_proj) is best with 8 rows at 8 warps, 9.3 us (cuBLAS 9.1, with a split-K reduction after it).
+# More tokens keep the dot tiles (8 tokens: 19.7 us against cuBLAS's 29.1 for GatedDeltaNet's set).
+ONE_TOKEN_TILES = (4, 1024, 4, True)
+ONE_TOKEN_WIDE_TILES = (8, 1024, 8, True)  # one token, reductions longer than `WIDE_K`
+WIDE_K = 2048
 TILES = (32, 128, 4)
-# One token without tl.dot (`_project_tile`'s GEMV form, a fourth element True): each lane keeps its products and
-# the rows are summed along the chunk once at the end, as the selected experts' one-token kernels do (their
-# gate-up reads its weights at 1.36x the bytes floor where this kernel's padded dots read at 3.5x). Not yet timed:
-# `benchmarks/sweep_projections.py` sweeps it beside the dot tiles.
-ONE_TOKEN_GEMV_TILES = (16, 512, 8, True)
+# The dot form for one token, timed against the above (`bench_generate.py --one-token-projections dot`).
+ONE_TOKEN_DOT_TILES = (32, 256, 4)
+
+
+def default_tiles(num_tokens: int, K: int) -> tuple:
+    """The launch policy's tiles for ``num_tokens`` tokens and reductions of ``K``."""
+    if num_tokens != 1:
+        return TILES
+    return ONE_TOKEN_TILES if K <= WIDE_K else ONE_TOKEN_WIDE_TILES
 
 
 @triton.jit
@@ -43,7 +51,8 @@ def _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w_ptr, o_ptr, block, ro
                   KEEP: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, GEMV: tl.constexpr):
     """Rows ``block * BLOCK_N ...`` of ``x @ w.T`` for weight ``w`` ``[rows, K]`` (contiguous) into ``o``
     ``[num_tokens, rows]`` (contiguous); with ``KEEP``, tokens whose ``keep`` flag is 0 read as zeros. ``GEMV``
-    (one token only): fp32 products kept per lane and summed along the chunk at the end, no tl.dot."""
+    (one token only): fp32 products kept per lane and summed along the chunk at the end, no tl.dot (a dot pads
+    the one token to 16 and reads the weights at about twice the rate of their bytes)."""
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < rows
     if GEMV:
@@ -123,8 +132,8 @@ def linears_triton(x: torch.Tensor, weights: list[torch.Tensor], keep: torch.Ten
     """``[x @ w.T for w in weights]`` for ``x`` ``[T, K]`` and 1 to `MAX_WEIGHTS` contiguous weights ``[N_i, K]``
     of ``x``'s dtype, in one launch; with ``keep`` ``[T]`` (bool), a token it marks False reads as zeros (its
     outputs are zeros: pads in GatedDeltaNet). ``tiles``: ``(rows per program, reduction chunk, warps)`` overriding
-    `ONE_TOKEN_TILES` / `TILES` (powers of two >= 16), or with a fourth element True the GEMV form for one token
-    (`ONE_TOKEN_GEMV_TILES`; powers of two, rows per program from 1)."""
+    `default_tiles` (the dot form: powers of two >= 16), or with a fourth element True the GEMV form for one token
+    (powers of two, rows per program from 1)."""
     num_tokens, K = x.shape
     if not 1 <= len(weights) <= MAX_WEIGHTS:
         raise ValueError(f"linears_triton takes 1 to {MAX_WEIGHTS} weights, got {len(weights)}")
@@ -136,7 +145,7 @@ def linears_triton(x: torch.Tensor, weights: list[torch.Tensor], keep: torch.Ten
                              f"{w.dtype} (contiguous: {w.is_contiguous()})")
     if keep is not None and keep.shape != (num_tokens,):
         raise ValueError(f"keep must have one flag per token ({num_tokens}), got shape {tuple(keep.shape)}")
-    block_n, block_k, warps, *gemv = tiles or (ONE_TOKEN_TILES if num_tokens == 1 else TILES)
+    block_n, block_k, warps, *gemv = tiles or default_tiles(num_tokens, K)
     gemv = bool(gemv and gemv[0])
     if gemv and num_tokens > 1:
         raise ValueError(f"the GEMV tiles take one token, got {num_tokens}")
