@@ -68,7 +68,10 @@ def main() -> None:
     configs = ([general] + [dict(general, bk=v) for v in (64, 256, 512)] + [dict(general, w=v) for v in (2, 8)]
                + [dict(general, gu=v) for v in (8, 32)] + [dict(general, dn=v) for v in (4, 8, 32)]
                + [dict(gu=16, dn=8, bk=256, w=4), dict(gu=16, dn=8, bk=512, w=8), dict(gu=8, dn=8, bk=256, w=4),
-                  dict(gu=32, dn=8, bk=256, w=8), dict(gu=16, dn=4, bk=512, w=4)])
+                  dict(gu=32, dn=8, bk=256, w=8), dict(gu=16, dn=4, bk=512, w=4)]
+               # few rows a program and long chunks, as the projections' one-token GEMV form
+               + [dict(gu=8, dn=4, bk=1024, w=4), dict(gu=4, dn=4, bk=1024, w=4), dict(gu=8, dn=8, bk=1024, w=8),
+                  dict(gu=4, dn=8, bk=512, w=4), dict(gu=8, dn=4, bk=512, w=4), dict(gu=4, dn=4, bk=512, w=2)])
     one_token = et.ONE_TOKEN_TILES
     for name, tokens, top_k, shared_kind in (("qwen", 1, 10, "vec"), ("qwen", 8, 10, "vec"),
                                              ("inkling", 1, 6, "two"), ("inkling", 8, 6, "two")):

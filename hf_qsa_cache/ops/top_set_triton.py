@@ -59,23 +59,32 @@ def _narrow(lo, hi, mid, count, k):
 
 
 @triton.jit
+def _counted_keys(base, start, num_groups, BLOCK: tl.constexpr):
+    """The chunk's keys with lanes past the row set to -2**31, which no bisection midpoint reaches (every midpoint
+    is above ``lo``'s start), so a round counts with one 32-bit compare a lane."""
+    key, valid = _keys(base, start, num_groups, BLOCK)
+    return tl.where(valid, key, -2147483648)
+
+
+@triton.jit
 def _kth_key_bisect(base, num_groups, k, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr):
-    """The ``k``-th largest key of the row by bisection over the 2**32 key values (32 rounds of counting)."""
+    """The ``k``-th largest key of the row by bisection over the 2**32 key values (32 rounds of counting). The
+    bounds are int64 (``hi`` starts at 2**31); a midpoint lies in [lo, hi), so it fits in int32."""
     lo = tl.zeros([], tl.int64) - 2147483648  # every key is >= lo: count = num_groups >= k
     hi = tl.zeros([], tl.int64) + 2147483648  # no key is >= hi
     if ONE_CHUNK:
-        key, valid = _keys(base, 0, num_groups, BLOCK)
+        key = _counted_keys(base, 0, num_groups, BLOCK)
         for _ in range(32):
             mid = (lo + hi) >> 1
-            count = tl.sum((valid & (key.to(tl.int64) >= mid)).to(tl.int32), axis=0)
+            count = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
             lo, hi = _narrow(lo, hi, mid, count, k)
     else:
         for _ in range(32):
             mid = (lo + hi) >> 1
             count = tl.zeros([], tl.int32)
             for start in range(0, num_groups, BLOCK):
-                key, valid = _keys(base, start, num_groups, BLOCK)
-                count += tl.sum((valid & (key.to(tl.int64) >= mid)).to(tl.int32), axis=0)
+                key = _counted_keys(base, start, num_groups, BLOCK)
+                count += tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
             lo, hi = _narrow(lo, hi, mid, count, k)
     return lo.to(tl.int32)
 
