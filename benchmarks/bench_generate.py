@@ -38,6 +38,7 @@ shapes are listed in benchmarks/RESULTS.md ("Benchmark shapes").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -395,6 +396,22 @@ def choose_projections(one_token: str | None, alone_max_tokens: int | None) -> d
     return chosen
 
 
+def choose_mix_tiles(one_token: str | None) -> dict:
+    """Set the hyper-connection projections' one-token tiles for this process (``"gemv"``:
+    `hyper_connection_triton.ONE_TOKEN_GEMV_MIX_TILES`; or a JSON object of `MixTiles` fields, as
+    `sweep_hc_tiles.py` prints its best), where given; the choice, as a result key."""
+    if one_token is None:
+        return {}
+    from hf_qsa_cache.ops import hyper_connection_triton as hct
+
+    if one_token == "gemv":
+        tiles = hct.ONE_TOKEN_GEMV_MIX_TILES
+    else:
+        tiles = hct.MixTiles(**json.loads(one_token))
+    hct.ONE_TOKEN_MIX_TILES = tiles
+    return {"one_token_mix_tiles": dataclasses.asdict(tiles)}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
@@ -420,9 +437,14 @@ def main():
     parser.add_argument("--alone-max-tokens", type=int, default=None,
                         help="steps of at most this many tokens run a projection alone (o_proj, out_proj) in the "
                              "projections kernel (default: linears.ALONE_MAX_TOKENS; 0: cuBLAS)")
+    parser.add_argument("--one-token-mix-tiles", default=None,
+                        help="the hyper-connection projections' one-token tiles: gemv "
+                             "(hyper_connection_triton.ONE_TOKEN_GEMV_MIX_TILES) or a JSON object of MixTiles "
+                             "fields (default: ONE_TOKEN_MIX_TILES)")
     parser.add_argument("--jsonl", default=RESULTS)
     args = parser.parse_args()
-    projection_choices = choose_projections(args.one_token_projections, args.alone_max_tokens)
+    projection_choices = {**choose_projections(args.one_token_projections, args.alone_max_tokens),
+                          **choose_mix_tiles(args.one_token_mix_tiles)}
 
     torch.manual_seed(0)
     dtype = torch.bfloat16

@@ -62,6 +62,21 @@ def test_projection_choices_set_the_kernel_defaults_and_are_recorded(monkeypatch
     assert linears.ALONE_MAX_TOKENS == 0
 
 
+def test_mix_tiles_choice_sets_the_one_token_tiles_and_is_recorded(monkeypatch):
+    from hf_qsa_cache.ops import hyper_connection_triton as hct
+
+    monkeypatch.setattr(hct, "ONE_TOKEN_MIX_TILES", hct.ONE_TOKEN_MIX_TILES)
+    shipped = hct.ONE_TOKEN_MIX_TILES
+    assert bench_generate.choose_mix_tiles(None) == {} and hct.ONE_TOKEN_MIX_TILES == shipped
+    assert bench_generate.choose_mix_tiles("gemv")["one_token_mix_tiles"]["gemv"] is True
+    assert hct.ONE_TOKEN_MIX_TILES == hct.ONE_TOKEN_GEMV_MIX_TILES
+    chosen = bench_generate.choose_mix_tiles('{"splits": 4, "block_n": 2, "block_k": 512, "down_warps": 2, '
+                                             '"block_h": 8, "r_chunk": 64, "up_warps": 4, "gemv": true}')
+    assert chosen == {"one_token_mix_tiles": {"splits": 4, "block_n": 2, "block_k": 512, "down_warps": 2,
+                                              "block_h": 8, "r_chunk": 64, "up_warps": 4, "gemv": True}}
+    assert hct.ONE_TOKEN_MIX_TILES == hct.MixTiles(4, 2, 512, 2, 8, 64, 4, True)
+
+
 def test_the_kernel_list_without_pdl_comes_from_a_step_captured_without_it(monkeypatch):
     """Under ``pdl`` a profiled kernel's time holds its wait for the kernel before: the benchmark lists the step's
     kernels again from a fresh cache whose graph is captured with early launch off, then turns it back on."""

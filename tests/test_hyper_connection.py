@@ -220,7 +220,12 @@ def _projection_cases() -> int:
 
     launches: list = []
     count_launches(hct, "_hc_down_kernel", launches)
+    count_launches(hct, "_hc_down_gemv_kernel", launches)
     count_launches(hct, "_hc_up_mix_kernel", launches)
+    # One token also in the down projection's GEMV form: small (several splits, 3 rows of 4 past R + hc, a partial
+    # chunk of 8) and the sweep's start.
+    gemv = [hct.MixTiles(splits=8, block_n=4, block_k=8, down_warps=2, block_h=16, r_chunk=16, up_warps=4, gemv=True),
+            hct.ONE_TOKEN_GEMV_MIX_TILES]
     cases = 0
     for hc, H, R in ((4, 24, 10), (3, 20, 40), (2, 16, 16)):
         for tokens in ((1,), (5,), (3, 6)):
@@ -231,12 +236,12 @@ def _projection_cases() -> int:
                 up = torch.randn(hc * H, R, generator=g).to(dtype)
                 inject_weight = (torch.randn(hc, hc * H, generator=g) / 4).to(dtype)
                 # Small tiles (several splits, a partial chunk), one split, and the measured defaults.
-                for tiles in (hct.MixTiles(splits=8, block_n=16, block_k=16, down_warps=4, block_h=16, r_chunk=16,
+                for tiles in [hct.MixTiles(splits=8, block_n=16, block_k=16, down_warps=4, block_h=16, r_chunk=16,
                                            up_warps=4),
                               hct.MixTiles(splits=1, block_n=16, block_k=128, down_warps=2, block_h=16, r_chunk=16,
-                                           up_warps=1), None):
+                                           up_warps=1), None] + (gemv if tokens == (1,) else []):
                     # None: the final mixer, no injection (with the small tiles only: the interpreter is slow)
-                    small = tiles is not None and tiles.splits == 8
+                    small = tiles is not None and tiles.splits == 8 and tiles.block_k <= 16
                     for weight in (inject_weight, None) if small else (inject_weight,):
                         launches.clear()
                         got = hct.mix_projections_triton(normed, down, up, weight, hc, tiles)
@@ -374,6 +379,17 @@ def test_the_final_mixer_fused_equals_upstreams_in_fp32(fused):
             mixed, _, none = hc_ops.gated_residual(mixer, streams, residual)
             assert none is None
             torch.testing.assert_close(mixed, mixer(whole), atol=2e-6, rtol=2e-6)
+
+
+def test_the_gemv_form_takes_one_token_of_normed_streams():
+    from hf_qsa_cache.ops import hyper_connection_triton as hct
+
+    tiles = hct.ONE_TOKEN_GEMV_MIX_TILES
+    down, up = torch.zeros(4, 32), torch.zeros(32, 4)
+    with pytest.raises(ValueError, match="one token of normed streams, got 2 tokens"):
+        hct.mix_projections_triton(torch.zeros(2, 32), down, up, None, 2, tiles)
+    with pytest.raises(ValueError, match="got 1 tokens with the norm inside"):
+        hct.norm_mix_projections_triton(torch.zeros(1, 32), torch.zeros(32), 1e-6, None, down, up, None, 2, tiles)
 
 
 def test_down_projection_tiles_below_tl_dot_size_are_refused():

@@ -154,6 +154,8 @@ class MixTiles:
     block_h: int
     r_chunk: int
     up_warps: int
+    # One token only: the down projection in the GEMV form (`_hc_down_gemv_kernel`), no tl.dot.
+    gemv: bool = False
 
 
 # Chosen by `benchmarks/sweep_hc_tiles.py` on an H200 (hidden 2048, 4 streams, low rank 320, bf16; graph-timed
@@ -167,6 +169,12 @@ MIX_TILES = MixTiles(splits=16, block_n=64, block_k=128, down_warps=4, block_h=3
 # `tests/test_kernel_resources.py`).
 ONE_TOKEN_NORM_MIX_TILES = replace(ONE_TOKEN_MIX_TILES, block_k=64, down_warps=8)
 NORM_MIX_TILES = replace(MIX_TILES, block_k=64, down_warps=8)
+# The down projection of one token in the GEMV form: the dot form pads the token to 16 rows, and the projections'
+# kernel measured its GEMV form 1.5 to 2.7x faster at one token (4 rows a program, chunks of 1024). Fewer input
+# splits also leave the up projection fewer partial sums to add (each of its programs reads all of them). The
+# start of `benchmarks/sweep_hc_tiles.py`'s one-token search; not yet timed, so not the default.
+ONE_TOKEN_GEMV_MIX_TILES = MixTiles(splits=8, block_n=4, block_k=1024, down_warps=4, block_h=16, r_chunk=128,
+                                    up_warps=8, gemv=True)
 
 
 @triton.jit
@@ -237,6 +245,34 @@ def _hc_down_kernel(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, squ
     tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
     if NORM and n_block == 0:
         tl.store(squares_ptr + s * num_tokens + m.to(tl.int64), squares, mask=m_ok)
+
+
+@triton.jit(do_not_specialize=["split_len"])
+def _hc_down_gemv_kernel(x_ptr, down_ptr, inject_w_ptr, part_ptr, split_len, K: tl.constexpr, R: tl.constexpr,
+                         HC: tl.constexpr, H: tl.constexpr, SPLITS_PER_STREAM: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, INJECT: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False):
+    """`_hc_down_kernel` for one token of normed streams: part[s, 0, n] = sum over the s-th input range of
+    x[k] * W[n, k], each lane keeping its fp32 products, summed along the chunk once at the end."""
+    n_block, s = tl.program_id(0), tl.program_id(1)
+    n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < (R + HC if INJECT else R)
+    c = s // SPLITS_PER_STREAM
+    lo = c * H + (s % SPLITS_PER_STREAM) * split_len
+    hi = tl.minimum(lo + split_len, c * H + H)
+    if PDL:
+        prefetch_rows_l2(down_ptr + lo, n, n < R, K, hi - lo, LINES)
+        if INJECT:
+            prefetch_rows_l2(inject_w_ptr + lo, n - R, n_ok & (n >= R), K, hi - lo, LINES)
+    pdl_begin(PDL)
+    rows = tl.where(n < R, down_ptr + n.to(tl.int64) * K, inject_w_ptr + (n - R).to(tl.int64) * K)
+    products = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < hi
+        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        products += w.to(tl.float32) * x[None, :]
+    tl.store(part_ptr + s * (R + HC) + n, tl.sum(products, axis=1), mask=n_ok)
 
 
 @triton.jit
@@ -350,7 +386,10 @@ def _mix(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: t
         t = tiles or (ONE_TOKEN_MIX_TILES if tokens == 1 else MIX_TILES)
     else:
         t = tiles or (ONE_TOKEN_NORM_MIX_TILES if tokens == 1 else NORM_MIX_TILES)
-    if t.block_k < 16 or t.block_n < 16:
+    if t.gemv and (tokens != 1 or norm is not None):
+        raise ValueError(f"the down projection's GEMV form takes one token of normed streams, got {tokens} tokens"
+                         f"{' with the norm inside' if norm is not None else ''}")
+    if not t.gemv and (t.block_k < 16 or t.block_n < 16):
         raise ValueError(f"the down projection's tiles must be at least 16 (tl.dot's smallest), got block_k "
                          f"{t.block_k}, block_n {t.block_n}")
     split_len = _split_len(H, hc, t)
@@ -359,12 +398,19 @@ def _mix(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: t
     part = torch.empty(splits, tokens, R + hc, dtype=torch.float32, device=x.device)
     squares = torch.empty(splits, tokens, dtype=torch.float32, device=x.device) if norm is not None else x  # (unread)
     m_blocks = triton.cdiv(tokens, HC_PROJ_BLOCK_M)
-    _hc_down_kernel[(triton.cdiv(R + (hc if has_inject else 0), t.block_n), splits, m_blocks)](
-        x, out, inject_in, norm_weight, streams, squares, down, inject_weight, part, tokens, split_len,
-        K=K, R=R, HC=hc, H=H, SPLITS_PER_STREAM=per_stream, BLOCK_M=HC_PROJ_BLOCK_M, BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k, NORM=norm is not None,
-        RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, INJECT=has_inject,
-        LINES=l2_lines(split_len, down.dtype), num_warps=t.down_warps, **pdl(x))
+    n_blocks = triton.cdiv(R + (hc if has_inject else 0), t.block_n)
+    if t.gemv:
+        _hc_down_gemv_kernel[(n_blocks, splits)](
+            x, down, inject_weight, part, split_len, K=K, R=R, HC=hc, H=H, SPLITS_PER_STREAM=per_stream,
+            BLOCK_N=t.block_n, BLOCK_K=t.block_k, INJECT=has_inject, LINES=l2_lines(split_len, down.dtype),
+            num_warps=t.down_warps, **pdl(x))
+    else:
+        _hc_down_kernel[(n_blocks, splits, m_blocks)](
+            x, out, inject_in, norm_weight, streams, squares, down, inject_weight, part, tokens, split_len,
+            K=K, R=R, HC=hc, H=H, SPLITS_PER_STREAM=per_stream, BLOCK_M=HC_PROJ_BLOCK_M, BLOCK_N=t.block_n,
+            BLOCK_K=t.block_k, NORM=norm is not None,
+            RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, INJECT=has_inject,
+            LINES=l2_lines(split_len, down.dtype), num_warps=t.down_warps, **pdl(x))
     _hc_up_mix_kernel[(triton.cdiv(H, t.block_h), tokens)](
         part, streams, squares, norm_weight, up, mixed, inject if has_inject else mixed, tokens, float(eps),
         H=H, R=R, HC=hc, SPLITS=splits, SPLITS_PER_STREAM=per_stream, SPS_PAD=triton.next_power_of_2(per_stream),
