@@ -11,8 +11,9 @@
 For each (batch x prompt length): prefill seconds, decode ms/step (median step) and peak GPU memory
 of upstream (`transformers.<Model>ForCausalLM`, its DynamicCache) and of ours (`modeling.<Model>`
 on `QSAPagedCache`) with CUDA-graph decode on and off. Every measurement is appended as one JSON
-line to ``benchmarks/results/h200.jsonl`` (keys: model, layers, impl, graphs, batch, prompt_len,
-new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, fused (the fusions on,
+line to ``benchmarks/results/h200.jsonl`` (``h100.jsonl`` on an H100; keys: model, layers, impl, graphs, batch,
+prompt_len, new_tokens, prefill_s, decode_ms_per_step, peak_gib, commit, gpu (the device's name; older lines
+have none and ran on an H200), fused (the fusions on,
 `hf_qsa_cache.fusions.active`; older lines hold the HF_QSA_FUSED setting, where "" meant none), plus
 status / floor_ms where known (with floor_lookup_rows: the lookup tables counted by the rows a step
 reads; lines without it counted them whole, see `benchmarks/floors.py`); ours adds loop (the decode
@@ -55,6 +56,12 @@ from hf_qsa_cache import QSAPagedCache, fusions
 from hf_qsa_cache.ops import triton_common
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "h200.jsonl")
+
+
+def results_file(gpu: str) -> str:
+    """Where a run on ``gpu`` (its CUDA name) appends its lines by default: ``results/h200.jsonl``, or
+    ``results/h100.jsonl`` on an H100 (its bandwidth, so its floor and times, differ)."""
+    return RESULTS.replace("h200.jsonl", "h100.jsonl") if "H100" in gpu else RESULTS
 
 
 def qwen4_exp_config(layers: int):
@@ -397,15 +404,15 @@ def choose_projections(one_token: str | None, alone_max_tokens: int | None) -> d
 
 
 def choose_mix_tiles(one_token: str | None) -> dict:
-    """Set the hyper-connection projections' one-token tiles for this process (``"gemv"``:
-    `hyper_connection_triton.ONE_TOKEN_GEMV_MIX_TILES`; or a JSON object of `MixTiles` fields, as
+    """Set the hyper-connection projections' one-token tiles for this process (``"dot"``:
+    `hyper_connection_triton.ONE_TOKEN_DOT_MIX_TILES`; or a JSON object of `MixTiles` fields, as
     `sweep_hc_tiles.py` prints its best), where given; the choice, as a result key."""
     if one_token is None:
         return {}
     from hf_qsa_cache.ops import hyper_connection_triton as hct
 
-    if one_token == "gemv":
-        tiles = hct.ONE_TOKEN_GEMV_MIX_TILES
+    if one_token == "dot":
+        tiles = hct.ONE_TOKEN_DOT_MIX_TILES
     else:
         tiles = hct.MixTiles(**json.loads(one_token))
     hct.ONE_TOKEN_MIX_TILES = tiles
@@ -438,10 +445,10 @@ def main():
                         help="steps of at most this many tokens run a projection alone (o_proj, out_proj) in the "
                              "projections kernel (default: linears.ALONE_MAX_TOKENS; 0: cuBLAS)")
     parser.add_argument("--one-token-mix-tiles", default=None,
-                        help="the hyper-connection projections' one-token tiles: gemv "
-                             "(hyper_connection_triton.ONE_TOKEN_GEMV_MIX_TILES) or a JSON object of MixTiles "
-                             "fields (default: ONE_TOKEN_MIX_TILES)")
-    parser.add_argument("--jsonl", default=RESULTS)
+                        help="the hyper-connection projections' one-token tiles: dot "
+                             "(hyper_connection_triton.ONE_TOKEN_DOT_MIX_TILES) or a JSON object of MixTiles "
+                             "fields (default: ONE_TOKEN_MIX_TILES, the GEMV form)")
+    parser.add_argument("--jsonl", default=None, help="append lines here (default: results_file of the GPU)")
     args = parser.parse_args()
     projection_choices = {**choose_projections(args.one_token_projections, args.alone_max_tokens),
                           **choose_mix_tiles(args.one_token_mix_tiles)}
@@ -484,6 +491,8 @@ def main():
     if upstream is not None:
         run(upstream, ids[:1], mask[:1], 4)
 
+    gpu = torch.cuda.get_device_name()
+    args.jsonl = args.jsonl or results_file(gpu)
     os.makedirs(os.path.dirname(args.jsonl), exist_ok=True)
     for case in args.cases:
         batch, length = (int(x) for x in case.split("x"))
@@ -491,7 +500,7 @@ def main():
         mask = torch.ones_like(ids)
         common = {"model": args.model, "layers": args.layers, "batch": batch, "prompt_len": length,
                   "new_tokens": args.new_tokens, "commit": sha, "prefill_chunk_tokens": ours.prefill_chunk_tokens,
-                  "fused": fusions.active(), **projection_choices}
+                  "fused": fusions.active(), "gpu": gpu, **projection_choices}
         if args.cache_len:
             common["cache_len"] = args.cache_len
         floor_ms = decode_bytes(ours, config, batch, length) / bandwidth * 1e3

@@ -5,10 +5,10 @@
 
 `hf_qsa_cache.ops.hyper_connection_triton.mix_projections_triton` takes a `MixTiles` (input splits, down
 projection's column block / reduction block / warps, up projection's column block / low-rank chunk / warps).
-Starting from `ONE_TOKEN_MIX_TILES`, each field in turn is set to each of its candidate values with the others
+Starting from `ONE_TOKEN_DOT_MIX_TILES`, each field in turn is set to each of its candidate values with the others
 held, and the fastest is kept (coordinate descent, two passes at one token, one more at 8 and 32 tokens
 starting from the one-token winner), then one pass at one token over the GEMV form of the down projection
-(``gemv=True``, no tl.dot) from `ONE_TOKEN_GEMV_MIX_TILES`. Shapes: hidden 2048, 4 streams, low rank 320 in bf16
+(``gemv=True``, no tl.dot) from `ONE_TOKEN_MIX_TILES`. Shapes: hidden 2048, 4 streams, low rank 320 in bf16
 (`bench_generate.py`'s Qwen4Exp). Each time is the mean of 16 calls recorded in one CUDA graph, replayed 5
 times, each call on its own weights and inputs (the 170 MB they read do not stay in L2). Each line also
 gives ``mix_with_linears`` (what ``hc`` runs without ``hc_proj``: three cuBLAS GEMMs around two kernels)
@@ -51,13 +51,13 @@ def main() -> None:
     K = HC * HIDDEN
     weights = [(rand(RANK, K, scale=0.02), rand(K, RANK, scale=0.1), rand(HC, K, scale=0.02)) for _ in range(CALLS)]
     floor_us = (2 * RANK + HC) * K * 2 / 4.25e12 * 1e6
-    best = hct.ONE_TOKEN_MIX_TILES
+    best = hct.ONE_TOKEN_DOT_MIX_TILES
     searches = [(1, 2, CANDIDATES), (8, 1, CANDIDATES), (32, 1, CANDIDATES), (1, 1, GEMV_CANDIDATES)]
     if "--gemv" in sys.argv[1:]:
         searches = searches[-1:]
     for tokens, passes, candidates in searches:
         if candidates is GEMV_CANDIDATES:
-            best = hct.ONE_TOKEN_GEMV_MIX_TILES
+            best = hct.ONE_TOKEN_MIX_TILES
         xs = [rand(tokens, K) for _ in range(CALLS)]
         want = hc_ops.mix_projections(xs[0].cpu(), *(w.cpu() for w in weights[0]), HC)[0]
         linears_us = graph_us([lambda i=i: hc_ops.mix_with_linears(xs[i], *weights[i], HC) for i in range(CALLS)])
@@ -75,7 +75,7 @@ def main() -> None:
             return seen[tiles]
 
         if candidates is GEMV_CANDIDATES:
-            measure(hct.ONE_TOKEN_MIX_TILES)  # the shipped one-token tiles, timed beside the search
+            measure(hct.ONE_TOKEN_DOT_MIX_TILES)  # the dot form's best, timed beside the search
         for _ in range(passes):
             for field, values in candidates.items():
                 for value in values:

@@ -68,8 +68,9 @@ def test_mix_tiles_choice_sets_the_one_token_tiles_and_is_recorded(monkeypatch):
     monkeypatch.setattr(hct, "ONE_TOKEN_MIX_TILES", hct.ONE_TOKEN_MIX_TILES)
     shipped = hct.ONE_TOKEN_MIX_TILES
     assert bench_generate.choose_mix_tiles(None) == {} and hct.ONE_TOKEN_MIX_TILES == shipped
-    assert bench_generate.choose_mix_tiles("gemv")["one_token_mix_tiles"]["gemv"] is True
-    assert hct.ONE_TOKEN_MIX_TILES == hct.ONE_TOKEN_GEMV_MIX_TILES
+    assert shipped.gemv
+    assert bench_generate.choose_mix_tiles("dot")["one_token_mix_tiles"]["gemv"] is False
+    assert hct.ONE_TOKEN_MIX_TILES == hct.ONE_TOKEN_DOT_MIX_TILES
     chosen = bench_generate.choose_mix_tiles('{"splits": 4, "block_n": 2, "block_k": 512, "down_warps": 2, '
                                              '"block_h": 8, "r_chunk": 64, "up_warps": 4, "gemv": true}')
     assert chosen == {"one_token_mix_tiles": {"splits": 4, "block_n": 2, "block_k": 512, "down_warps": 2,

@@ -225,7 +225,7 @@ def _projection_cases() -> int:
     # One token also in the down projection's GEMV form: small (several splits, 3 rows of 4 past R + hc, a partial
     # chunk of 8) and the sweep's start.
     gemv = [hct.MixTiles(splits=8, block_n=4, block_k=8, down_warps=2, block_h=16, r_chunk=16, up_warps=4, gemv=True),
-            hct.ONE_TOKEN_GEMV_MIX_TILES]
+            hct.ONE_TOKEN_MIX_TILES]
     cases = 0
     for hc, H, R in ((4, 24, 10), (3, 20, 40), (2, 16, 16)):
         for tokens in ((1,), (5,), (3, 6)):
@@ -384,7 +384,7 @@ def test_the_final_mixer_fused_equals_upstreams_in_fp32(fused):
 def test_the_gemv_form_takes_one_token_of_normed_streams():
     from hf_qsa_cache.ops import hyper_connection_triton as hct
 
-    tiles = hct.ONE_TOKEN_GEMV_MIX_TILES
+    tiles = hct.ONE_TOKEN_MIX_TILES
     down, up = torch.zeros(4, 32), torch.zeros(32, 4)
     with pytest.raises(ValueError, match="one token of normed streams, got 2 tokens"):
         hct.mix_projections_triton(torch.zeros(2, 32), down, up, None, 2, tiles)

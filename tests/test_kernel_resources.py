@@ -28,7 +28,7 @@ def test_no_kernel_of_a_one_token_step_spills():
     names = {r["kernel"] for r in compiled}
     # The decode step's kernels of every family are there (a case may stop after its launches, in host code that
     # reads the outputs the recorder left uncomputed; one that stopped before them would drop some).
-    assert {"_linears_kernel", "_gate_up_kernel", "_down_kernel", "_hc_down_kernel", "_hc_up_mix_kernel",
+    assert {"_linears_kernel", "_gate_up_kernel", "_down_kernel", "_hc_down_gemv_kernel", "_hc_up_mix_kernel",
             "_conv_add_rms_norm_kernel", "_attention_inputs_kernel", "_inkling_router_kernel", "_top_set_kernel",
             "_sparse_paged_attention_kernel", "_rel_attention_kernel", "_index_scores_kernel"} <= names
     spilling = [(r["kernel"], r["constants"]) for r in compiled if r["spill_loads"] + r["spill_stores"] > 0]
@@ -55,14 +55,14 @@ down, up = torch.randn(R, hc * H, generator=g).bfloat16(), torch.randn(hc * H, R
 inject_w = torch.randn(hc, hc * H, generator=g).bfloat16()
 calls = [(name, lambda tiles=tiles: hct.norm_mix_projections_triton(streams, weight, 1e-6, (out, inject), down, up,
                                                                      inject_w, hc, tiles))
-         for name, tiles in (("shared tiles", hct.ONE_TOKEN_MIX_TILES), ("norm tiles", None))]
+         for name, tiles in (("shared tiles", hct.ONE_TOKEN_DOT_MIX_TILES), ("norm tiles", None))]
 for row in kernel_resources.measure(calls):
     print(json.dumps(row))
 """
 
 
 def test_the_compiled_figures_tell_spills_apart():
-    """``hc_norm_proj``'s down projection with the tiles `mix_projections` uses (128 inputs a chunk, 4 warps)
+    """``hc_norm_proj``'s down projection with the dot form's one-token tiles (128 inputs a chunk, 4 warps)
     spills; with its own (64, 8 warps) it does not: one kernel, two compile-time configurations (the figures come
     from the compiler, not from the kernel's name)."""
     import json

@@ -158,23 +158,23 @@ class MixTiles:
     gemv: bool = False
 
 
-# Chosen by `benchmarks/sweep_hc_tiles.py` on an H200 (hidden 2048, 4 streams, low rank 320, bf16; graph-timed
-# per mixing): one token 11.2 us (the cuBLAS path 16.9 us), 8 tokens 18.9 us (22.7). One token has few
-# programs, so it splits the inputs finer and gives each up-projection program more warps.
-ONE_TOKEN_MIX_TILES = MixTiles(splits=32, block_n=64, block_k=128, down_warps=4, block_h=16, r_chunk=128, up_warps=8)
+# Chosen by `benchmarks/sweep_hc_tiles.py` (hidden 2048, 4 streams, low rank 320, bf16; graph-timed per mixing).
+# One token: the down projection in the GEMV form (`_hc_down_gemv_kernel`; the dot form pads the token to 16
+# rows), 8 rows a program in 8 input ranges of 1024, so the up projection adds 8 partial sums, not 32: 8.1 us a
+# mixing on an H100 against 9.8 for the dot form's best tiles (`ONE_TOKEN_DOT_MIX_TILES`, 11.2 us on an H200, the
+# cuBLAS path 16.9); a Qwen4Exp 40-layer decode step at 1 x 4096 4.63 ms against 4.74 on the same H100.
+# More tokens: the dot form, 8 tokens 18.9 us on an H200 (the cuBLAS path 22.7).
+ONE_TOKEN_MIX_TILES = MixTiles(splits=8, block_n=8, block_k=1024, down_warps=4, block_h=8, r_chunk=128, up_warps=4,
+                               gemv=True)
+ONE_TOKEN_DOT_MIX_TILES = MixTiles(splits=32, block_n=64, block_k=128, down_warps=4, block_h=16, r_chunk=128,
+                                   up_warps=8)
 MIX_TILES = MixTiles(splits=16, block_n=64, block_k=128, down_warps=4, block_h=32, r_chunk=64, up_warps=2)
 # ``hc_norm_proj``'s down projection adds the residual, sums the squares and scales by the norm's weight inside its
 # input loop: with the tiles above the compiler for sm_90 runs out of registers there (255 a thread, local loads
 # and stores); chunks of 64 inputs on 8 warps keep the same programs free of spills (`benchmarks/kernel_resources.py`,
 # `tests/test_kernel_resources.py`).
-ONE_TOKEN_NORM_MIX_TILES = replace(ONE_TOKEN_MIX_TILES, block_k=64, down_warps=8)
+ONE_TOKEN_NORM_MIX_TILES = replace(ONE_TOKEN_DOT_MIX_TILES, block_k=64, down_warps=8)
 NORM_MIX_TILES = replace(MIX_TILES, block_k=64, down_warps=8)
-# The down projection of one token in the GEMV form: the dot form pads the token to 16 rows, and the projections'
-# kernel measured its GEMV form 1.5 to 2.7x faster at one token (4 rows a program, chunks of 1024). Fewer input
-# splits also leave the up projection fewer partial sums to add (each of its programs reads all of them). The
-# start of `benchmarks/sweep_hc_tiles.py`'s one-token search; not yet timed, so not the default.
-ONE_TOKEN_GEMV_MIX_TILES = MixTiles(splits=8, block_n=4, block_k=1024, down_warps=4, block_h=16, r_chunk=128,
-                                    up_warps=8, gemv=True)
 
 
 @triton.jit
