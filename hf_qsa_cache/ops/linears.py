@@ -28,9 +28,10 @@ FUSED_PROJECTIONS = fusion_enabled("projections")
 MAX_FUSED_TOKENS = 16  # decode and verify steps; prompts keep cuBLAS's GEMMs
 # A projection alone (o_proj, GatedDeltaNet's out_proj) goes to the kernel for steps of at most this many tokens
 # (`project_alone`; 0: never), else to cuBLAS. One token: the kernel's GEMV form took Inkling's o_proj (2048 ->
-# 2048) in 2.7 us against cuBLAS's 5.3, and 4096 -> 2048 in 9.3 against 9.1 plus cuBLAS's split-K reduction
-# (`benchmarks/sweep_projections.py`, H200). More tokens: cuBLAS (8 tokens, 4096 -> 2048: 8.9 us against 23 for
-# the kernel's best dot tiles).
+# 2048) in 2.7 us against cuBLAS's 5.3 (partly from L2), and 4096 -> 2048 in 9.3 against 9.1 plus cuBLAS's split-K
+# reduction (`benchmarks/sweep_projections.py`, H200); with the one-token GEMV tiles, a Qwen4Exp 40-layer step at
+# 1 x 4096 took 4.74 ms against 5.09 with the dot tiles and this at 0 (an H100). More tokens: cuBLAS (8 tokens,
+# 4096 -> 2048: 8.9 us against 23 for the kernel's best dot tiles).
 ALONE_MAX_TOKENS = 1
 
 
