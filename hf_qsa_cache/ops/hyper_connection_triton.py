@@ -252,7 +252,9 @@ def _hc_down_gemv_kernel(x_ptr, down_ptr, inject_w_ptr, part_ptr, split_len, K: 
                          HC: tl.constexpr, H: tl.constexpr, SPLITS_PER_STREAM: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, INJECT: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False):
     """`_hc_down_kernel` for one token of normed streams: part[s, 0, n] = sum over the s-th input range of
-    x[k] * W[n, k], each lane keeping its fp32 products, summed along the chunk once at the end."""
+    x[k] * W[n, k], each lane keeping its fp32 products, summed along the chunk once at the end. Its rows, range
+    and prefetch are `_hc_down_kernel`'s, written out again: `tests/test_pdl.py` reads each kernel's own body for
+    what it does before waiting on the kernel before it."""
     n_block, s = tl.program_id(0), tl.program_id(1)
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < (R + HC if INJECT else R)
