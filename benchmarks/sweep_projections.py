@@ -35,7 +35,7 @@ TILES = [lt.TILES, lt.ONE_TOKEN_DOT_TILES, (16, 128, 4), (16, 256, 4), (16, 512,
 GEMV_TILES = [lt.ONE_TOKEN_TILES, lt.ONE_TOKEN_WIDE_TILES, (8, 512, 4, True), (16, 1024, 8, True), (2, 1024, 2, True),
               (2, 2048, 4, True), (4, 2048, 4, True), (4, 2048, 8, True), (8, 2048, 8, True), (4, 512, 2, True)]
 CALLS, BANDWIDTH = 16, 4.25e12
-# Each call reads other weights: enough copies that the calls of a replay read at least 3 x the H200's 50 MB of
+# Each call reads other weights: enough copies (at most one a call) that a replay reads about 3 x the H200's 50 MB of
 # L2 (4 copies of Inkling's o_proj, 34 MB, stayed in L2 and timed faster than DRAM allows).
 L2_BYTES = 50 << 20
 

@@ -211,3 +211,10 @@ def test_a_projection_alone_keeps_its_module_unless_asked(on_cuda, monkeypatch):
     with torch.no_grad():
         assert linears.project_alone(torch.randn(1, 2, 8), module).shape == (1, 2, 4)  # more tokens: the module
     assert calls == [1, 1]
+
+
+def test_the_launch_policy_takes_the_gemv_form_for_one_token_and_wider_programs_past_wide_k():
+    assert lt.default_tiles(1, lt.WIDE_K) == lt.ONE_TOKEN_TILES
+    assert lt.default_tiles(1, lt.WIDE_K + 1) == lt.ONE_TOKEN_WIDE_TILES
+    assert lt.ONE_TOKEN_TILES[3] and lt.ONE_TOKEN_WIDE_TILES[3]  # the GEMV form, no tl.dot
+    assert lt.default_tiles(2, 64) == lt.default_tiles(16, 4096) == lt.TILES
