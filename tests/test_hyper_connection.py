@@ -222,8 +222,8 @@ def _projection_cases() -> int:
     count_launches(hct, "_hc_down_kernel", launches)
     count_launches(hct, "_hc_down_gemv_kernel", launches)
     count_launches(hct, "_hc_up_mix_kernel", launches)
-    # One token also in the down projection's GEMV form: small (several splits, 3 rows of 4 past R + hc, a partial
-    # chunk of 8) and the sweep's start.
+    # One token also in the down projection's GEMV form: small (several splits, a last block of rows past R + hc, a
+    # partial chunk of 8) and the default.
     gemv = [hct.MixTiles(splits=8, block_n=4, block_k=8, down_warps=2, block_h=16, r_chunk=16, up_warps=4, gemv=True),
             hct.ONE_TOKEN_MIX_TILES]
     cases = 0
@@ -388,7 +388,7 @@ def test_the_gemv_form_takes_one_token_of_normed_streams():
     down, up = torch.zeros(4, 32), torch.zeros(32, 4)
     with pytest.raises(ValueError, match="one token of normed streams, got 2 tokens"):
         hct.mix_projections_triton(torch.zeros(2, 32), down, up, None, 2, tiles)
-    with pytest.raises(ValueError, match="got 1 tokens with the norm inside"):
+    with pytest.raises(ValueError, match="got 1 token with the norm inside"):
         hct.norm_mix_projections_triton(torch.zeros(1, 32), torch.zeros(32), 1e-6, None, down, up, None, 2, tiles)
 
 

@@ -389,8 +389,8 @@ def _mix(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: t
     else:
         t = tiles or (ONE_TOKEN_NORM_MIX_TILES if tokens == 1 else NORM_MIX_TILES)
     if t.gemv and (tokens != 1 or norm is not None):
-        raise ValueError(f"the down projection's GEMV form takes one token of normed streams, got {tokens} tokens"
-                         f"{' with the norm inside' if norm is not None else ''}")
+        raise ValueError(f"the down projection's GEMV form takes one token of normed streams, got {tokens} "
+                         f"token{'s' if tokens != 1 else ''}{' with the norm inside' if norm is not None else ''}")
     if not t.gemv and (t.block_k < 16 or t.block_n < 16):
         raise ValueError(f"the down projection's tiles must be at least 16 (tl.dot's smallest), got block_k "
                          f"{t.block_k}, block_n {t.block_n}")
