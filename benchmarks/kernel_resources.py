@@ -62,8 +62,10 @@ def record_launches(calls) -> list[dict]:
 
 
 def resources(entry: dict, early_launch: bool = False) -> dict:
-    """Compile one recorded launch for sm_90: registers a thread, stack bytes, shared memory, and the local
-    memory loads and stores (spills) of its SASS. ``early_launch``: the build the ``pdl`` setting launches (its
+    """Compile one recorded launch for sm_90: registers a thread, stack bytes, shared memory, the local memory
+    loads and stores (spills) of its SASS, and its global loads of 16 bytes (``wide_loads``: 8 bf16 values in one
+    access) and of 1 or 2 bytes (``narrow_loads``: one value an access, where the compiler could not tell that
+    neighbours are contiguous and aligned). ``early_launch``: the build the ``pdl`` setting launches (its
     wait, trigger and weight prefetches; the interpreter records the other)."""
     import triton.backends.nvidia as nvidia
 
@@ -78,7 +80,9 @@ def resources(entry: dict, early_launch: bool = False) -> dict:
     registers, stack, shared, local = (int(x) for x in found.groups())
     return {"registers": registers, "stack_bytes": stack, "shared_bytes": shared, "local_bytes": local,
             "spill_loads": len(re.findall(r"\bLDL(\.\w+)*\s", sass)),
-            "spill_stores": len(re.findall(r"\bSTL(\.\w+)*\s", sass))}
+            "spill_stores": len(re.findall(r"\bSTL(\.\w+)*\s", sass)),
+            "wide_loads": len(re.findall(r"\bLDG(\.\w+)*\.128\b", sass)),
+            "narrow_loads": len(re.findall(r"\bLDG(\.\w+)*\.[US](8|16)\b", sass))}
 
 
 def fused_kernel_calls(tokens: int):

@@ -33,6 +33,11 @@ def test_no_kernel_of_a_one_token_step_spills():
             "_sparse_paged_attention_kernel", "_rel_attention_kernel", "_index_scores_kernel"} <= names
     spilling = [(r["kernel"], r["constants"]) for r in compiled if r["spill_loads"] + r["spill_stores"] > 0]
     assert not spilling, spilling
+    # The kernels that stream weights at one token read them 16 bytes an access (a range length the compiler
+    # cannot see as a multiple of 8 made the mixing's down projection and the router read 2 bytes at a time).
+    weight_readers = {"_linears_kernel", "_hc_down_gemv_kernel", "_router_logits_kernel", "_gate_up_kernel"}
+    narrow = [(r["kernel"], r["wide_loads"]) for r in compiled if r["kernel"] in weight_readers and r["wide_loads"] < 4]
+    assert not narrow, narrow
     assert all(r["registers"] > 0 for r in compiled)
     # Compiled as the launcher specialises it: the keys' unit stride a constant, the token count (which the kernel
     # asks not to specialise, so that a new batch does not recompile) an argument although it is 1 here.

@@ -60,7 +60,8 @@ def _statements(fn: ast.FunctionDef) -> list[str]:
     return [ast.unparse(s) for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
 
 
-_INDEX_OPS = {"tl.program_id", "tl.cdiv", "tl.arange", "tl.static_range", "tl.minimum", ".to"}
+_INDEX_OPS = {"tl.program_id", "tl.cdiv", "tl.arange", "tl.static_range", "tl.minimum", ".to",
+              "tl.multiple_of"}  # (an alignment hint to the compiler: no access)
 _PREFETCHES = {"_prefetch_tile", "prefetch_rows_l2", "prefetch_l2"}
 
 

@@ -247,34 +247,54 @@ def _hc_down_kernel(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, squ
         tl.store(squares_ptr + s * num_tokens + m.to(tl.int64), squares, mask=m_ok)
 
 
-@triton.jit(do_not_specialize=["split_len"])
-def _hc_down_gemv_kernel(x_ptr, down_ptr, inject_w_ptr, part_ptr, split_len, K: tl.constexpr, R: tl.constexpr,
-                         HC: tl.constexpr, H: tl.constexpr, SPLITS_PER_STREAM: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, INJECT: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False):
+@triton.jit
+def _gemv_range(x_ptr, rows, n_ok, lo, hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FULL: tl.constexpr):
+    """``sum_k rows[n][k] * x[k]`` over ``k`` in ``[lo, hi)`` for the pointers ``rows`` ``[BLOCK_N]``, in fp32:
+    each lane keeps its products, summed along the chunk once at the end. ``FULL``: every chunk whole (the inputs
+    unmasked, so 8 in a row are read as one access)."""
+    products = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if FULL:
+            x = tl.load(x_ptr + k).to(tl.float32)
+            w = tl.load(rows[:, None] + k[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = k < hi
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        products += w.to(tl.float32) * x[None, :]
+    return tl.sum(products, axis=1)
+
+
+@triton.jit
+def _hc_down_gemv_kernel(x_ptr, down_ptr, inject_w_ptr, part_ptr, K: tl.constexpr, R: tl.constexpr,
+                         HC: tl.constexpr, H: tl.constexpr, SPLITS_PER_STREAM: tl.constexpr,
+                         SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FULL: tl.constexpr,
+                         INJECT: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False):
     """`_hc_down_kernel` for one token of normed streams: part[s, 0, n] = sum over the s-th input range of
     x[k] * W[n, k], each lane keeping its fp32 products, summed along the chunk once at the end. Its rows, range
     and prefetch are `_hc_down_kernel`'s, written out again: `tests/test_pdl.py` reads each kernel's own body for
-    what it does before waiting on the kernel before it."""
+    what it does before waiting on the kernel before it. The range's length is a compile-time value and, with
+    ``FULL`` (every range and chunk whole), the loads are masked by row only: the compiler then knows 8 inputs
+    in a row are contiguous, aligned and all read, and loads them as one 16-byte access (with a runtime length
+    it read the weights 2 bytes at a time)."""
     n_block, s = tl.program_id(0), tl.program_id(1)
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < (R + HC if INJECT else R)
     c = s // SPLITS_PER_STREAM
-    lo = c * H + (s % SPLITS_PER_STREAM) * split_len
-    hi = tl.minimum(lo + split_len, c * H + H)
+    lo = c * H + (s % SPLITS_PER_STREAM) * SPLIT_LEN
+    hi = tl.minimum(lo + SPLIT_LEN, c * H + H)
     if PDL:
         prefetch_rows_l2(down_ptr + lo, n, n < R, K, hi - lo, LINES)
         if INJECT:
             prefetch_rows_l2(inject_w_ptr + lo, n - R, n_ok & (n >= R), K, hi - lo, LINES)
     pdl_begin(PDL)
-    rows = tl.where(n < R, down_ptr + n.to(tl.int64) * K, inject_w_ptr + (n - R).to(tl.int64) * K)
-    products = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(lo, hi, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < hi
-        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        products += w.to(tl.float32) * x[None, :]
-    tl.store(part_ptr + s * (R + HC) + n, tl.sum(products, axis=1), mask=n_ok)
+    if (n_block + 1) * BLOCK_N <= R:  # rows of the down projection only: one base the compiler can follow
+        sums = _gemv_range(x_ptr, down_ptr + n.to(tl.int64) * K, n_ok, lo, hi, BLOCK_N, BLOCK_K, FULL)
+    else:
+        rows = tl.where(n < R, down_ptr + n.to(tl.int64) * K, inject_w_ptr + (n - R).to(tl.int64) * K)
+        sums = _gemv_range(x_ptr, rows, n_ok, lo, hi, BLOCK_N, BLOCK_K, FULL)
+    tl.store(part_ptr + s * (R + HC) + n, sums, mask=n_ok)
 
 
 @triton.jit
@@ -403,9 +423,9 @@ def _mix(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: t
     n_blocks = triton.cdiv(R + (hc if has_inject else 0), t.block_n)
     if t.gemv:
         _hc_down_gemv_kernel[(n_blocks, splits)](
-            x, down, inject_weight, part, split_len, K=K, R=R, HC=hc, H=H, SPLITS_PER_STREAM=per_stream,
-            BLOCK_N=t.block_n, BLOCK_K=t.block_k, INJECT=has_inject, LINES=l2_lines(split_len, down.dtype),
-            num_warps=t.down_warps, **pdl(x))
+            x, down, inject_weight, part, K=K, R=R, HC=hc, H=H, SPLITS_PER_STREAM=per_stream, SPLIT_LEN=split_len,
+            BLOCK_N=t.block_n, BLOCK_K=t.block_k, FULL=H % split_len == 0 and split_len % t.block_k == 0,
+            INJECT=has_inject, LINES=l2_lines(split_len, down.dtype), num_warps=t.down_warps, **pdl(x))
     else:
         _hc_down_kernel[(n_blocks, splits, m_blocks)](
             x, out, inject_in, norm_weight, streams, squares, down, inject_weight, part, tokens, split_len,
