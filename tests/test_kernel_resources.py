@@ -54,22 +54,23 @@ from hf_qsa_cache.ops import hyper_connection_triton as hct
 
 hc, H, R = 4, 2048, 320
 g = torch.Generator().manual_seed(0)
-streams, out = torch.randn(1, hc * H, generator=g).bfloat16(), torch.randn(1, H, generator=g).bfloat16()
-weight, inject = torch.randn(hc * H, generator=g).bfloat16(), torch.rand(1, hc, generator=g).bfloat16()
+normed = torch.randn(1, hc * H, generator=g).bfloat16()
 down, up = torch.randn(R, hc * H, generator=g).bfloat16(), torch.randn(hc * H, R, generator=g).bfloat16()
 inject_w = torch.randn(hc, hc * H, generator=g).bfloat16()
-calls = [(name, lambda tiles=tiles: hct.norm_mix_projections_triton(streams, weight, 1e-6, (out, inject), down, up,
-                                                                     inject_w, hc, tiles))
-         for name, tiles in (("shared tiles", hct.ONE_TOKEN_DOT_MIX_TILES), ("norm tiles", None))]
+# The one-token down projection's GEMV form keeps BLOCK_N x BLOCK_K fp32 products: 16 x 2048 on 4 warps is 256 a
+# thread, more than the registers hold; the default's 8 x 1024 is 64.
+too_wide = hct.MixTiles(splits=4, block_n=16, block_k=2048, down_warps=4, block_h=8, r_chunk=128, up_warps=4, gemv=True)
+calls = [(name, lambda tiles=tiles: hct.mix_projections_triton(normed, down, up, inject_w, hc, tiles))
+         for name, tiles in (("too wide", too_wide), ("default", None))]
 for row in kernel_resources.measure(calls):
     print(json.dumps(row))
 """
 
 
 def test_the_compiled_figures_tell_spills_apart():
-    """``hc_norm_proj``'s down projection with the dot form's one-token tiles (128 inputs a chunk, 4 warps)
-    spills; with its own (64, 8 warps) it does not: one kernel, two compile-time configurations (the figures come
-    from the compiler, not from the kernel's name)."""
+    """The hyper-connection mixing's one-token down projection with 16 rows of 2048 products on 4 warps spills;
+    with the default tiles (8 rows of 1024) it does not: one kernel, two compile-time configurations (the figures
+    come from the compiler, not from the kernel's name)."""
     import json
 
     code = SNIPPET.format(benchmarks=os.path.join(ROOT, "benchmarks"))
@@ -77,7 +78,7 @@ def test_the_compiled_figures_tell_spills_apart():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    down = {r["constants"]["BLOCK_K"]: r for r in rows if r.get("kernel") == "_hc_down_kernel"}
-    assert set(down) == {128, 64}
-    assert down[128]["spill_loads"] > 0 and down[128]["spill_stores"] > 0
-    assert down[64]["spill_loads"] == down[64]["spill_stores"] == down[64]["stack_bytes"] == 0
+    down = {r["constants"]["BLOCK_N"]: r for r in rows if r.get("kernel") == "_hc_down_gemv_kernel"}
+    assert set(down) == {16, 8}
+    assert down[16]["spill_loads"] > 0 and down[16]["spill_stores"] > 0
+    assert down[8]["spill_loads"] == down[8]["spill_stores"] == down[8]["stack_bytes"] == 0

@@ -170,9 +170,9 @@ ONE_TOKEN_DOT_MIX_TILES = MixTiles(splits=32, block_n=64, block_k=128, down_warp
                                    up_warps=8)
 MIX_TILES = MixTiles(splits=16, block_n=64, block_k=128, down_warps=4, block_h=32, r_chunk=64, up_warps=2)
 # ``hc_norm_proj``'s down projection adds the residual, sums the squares and scales by the norm's weight inside its
-# input loop: with the tiles above the compiler for sm_90 runs out of registers there (255 a thread, local loads
-# and stores); chunks of 64 inputs on 8 warps keep the same programs free of spills (`benchmarks/kernel_resources.py`,
-# `tests/test_kernel_resources.py`).
+# input loop: with the dot tiles above the compiler for sm_90 ran out of registers there (255 a thread, local loads
+# and stores; 218 and none since the loads became 16 bytes wide); chunks of 64 inputs on 8 warps take 88
+# (`benchmarks/kernel_resources.py`).
 ONE_TOKEN_NORM_MIX_TILES = replace(ONE_TOKEN_DOT_MIX_TILES, block_k=64, down_warps=8)
 NORM_MIX_TILES = replace(MIX_TILES, block_k=64, down_warps=8)
 
@@ -192,46 +192,27 @@ def _stream_tile(streams_ptr, out_ptr, inject_ptr, m, k, mk_ok, c, H: tl.constex
     return x
 
 
-@triton.jit(do_not_specialize=["num_tokens", "split_len"])
-def _hc_down_kernel(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, squares_ptr, down_ptr, inject_w_ptr,
-                    part_ptr, num_tokens, split_len,
-                    K: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, H: tl.constexpr,
-                    SPLITS_PER_STREAM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                    IEEE: tl.constexpr, WIDEN: tl.constexpr, INJECT: tl.constexpr, LINES: tl.constexpr,
-                    PDL: tl.constexpr = False):
-    """part[s, m, n] = sum over the s-th input range of x[m, k] * W[n, k], W = [down (R rows); inject (HC)]
-    (the injection rows only with ``INJECT``). The ranges split each stream's H inputs in SPLITS_PER_STREAM.
-
-    ``x`` is the normed streams, or with ``NORM`` the streams themselves (``hc_norm_proj``): each program then
-    adds the residual (``RESIDUAL``) and projects the values times the norm's weight, not yet divided by their
-    stream's RMS (a range lies in one stream, so `_hc_up_mix_kernel` scales each range's part by its stream's
-    1 / RMS); the first column block also writes its range of the new streams (``RESIDUAL``) and the sum of the
-    range's squares for each token (``squares[s, m]``), from which `_hc_up_mix_kernel` takes the RMS.
-    Launched early (``PDL``), the program first asks for its block of W to be fetched into L2."""
-    n_block, s, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = m < num_tokens, n < (R + HC if INJECT else R)
-    c = s // SPLITS_PER_STREAM  # the stream this range lies in
-    lo = c * H + (s % SPLITS_PER_STREAM) * split_len
-    hi = tl.minimum(lo + split_len, c * H + H)
-    if PDL:
-        prefetch_rows_l2(down_ptr + lo, n, n < R, K, hi - lo, LINES)
-        if INJECT:
-            prefetch_rows_l2(inject_w_ptr + lo, n - R, n_ok & (n >= R), K, hi - lo, LINES)
-    pdl_begin(PDL)
+@triton.jit
+def _down_tiles(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, rows, m, m_ok, n_ok, c, lo, hi,
+                write_streams, K: tl.constexpr, H: tl.constexpr, HC: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                IEEE: tl.constexpr, WIDEN: tl.constexpr, FULL: tl.constexpr):
+    """`_hc_down_kernel`'s pass over its input range ``[lo, hi)`` for the weight rows at ``rows`` (``[BLOCK_N]``
+    pointers): the products ``[BLOCK_M, BLOCK_N]`` and, with ``NORM``, each token's sum of squares (and with
+    ``write_streams`` the range of the new streams stored). ``FULL``: every chunk whole, so inputs are masked
+    against K, a compile-time bound (the same lanes as ``hi``): 8 contiguous inputs are then one 16-byte access."""
     squares = tl.zeros([BLOCK_M], tl.float32)
-    # Output rows 0..R-1 read the down projection, R..R+HC-1 the injection logits' weight.
-    rows = tl.where(n < R, down_ptr + n.to(tl.int64) * K, inject_w_ptr + (n - R).to(tl.int64) * K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < hi
+        if FULL:
+            k_ok = k < K
+        else:
+            k_ok = k < hi
         mk_ok = m_ok[:, None] & k_ok[None, :]
         if NORM:
             x = _stream_tile(x_ptr, out_ptr, inject_ptr, m, k, mk_ok, c, H, HC, RESIDUAL)
-            if RESIDUAL and n_block == 0:
+            if write_streams:
                 tl.store(streams_out_ptr + m.to(tl.int64)[:, None] * K + k[None, :],
                          x.to(streams_out_ptr.dtype.element_ty), mask=mk_ok)
             squares += tl.sum(x * x, axis=1)
@@ -241,6 +222,51 @@ def _hc_down_kernel(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, squ
             x = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + k[None, :], mask=mk_ok, other=0.0)
         w = tl.load(rows[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc += dot(x, w, IEEE, WIDEN)
+    return acc, squares
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _hc_down_kernel(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, squares_ptr, down_ptr, inject_w_ptr,
+                    part_ptr, num_tokens,
+                    K: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, H: tl.constexpr,
+                    SPLITS_PER_STREAM: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FULL: tl.constexpr, NORM: tl.constexpr,
+                    RESIDUAL: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, INJECT: tl.constexpr,
+                    LINES: tl.constexpr, PDL: tl.constexpr = False):
+    """part[s, m, n] = sum over the s-th input range of x[m, k] * W[n, k], W = [down (R rows); inject (HC)]
+    (the injection rows only with ``INJECT``). The ranges split each stream's H inputs in SPLITS_PER_STREAM.
+
+    ``x`` is the normed streams, or with ``NORM`` the streams themselves (``hc_norm_proj``): each program then
+    adds the residual (``RESIDUAL``) and projects the values times the norm's weight, not yet divided by their
+    stream's RMS (a range lies in one stream, so `_hc_up_mix_kernel` scales each range's part by its stream's
+    1 / RMS); the first column block also writes its range of the new streams (``RESIDUAL``) and the sum of the
+    range's squares for each token (``squares[s, m]``), from which `_hc_up_mix_kernel` takes the RMS.
+    Launched early (``PDL``), the program first asks for its block of W to be fetched into L2. The range's length
+    is a compile-time value and the down projection's row blocks take its base alone (the block holding the
+    injection rows selects between two bases): the compiler can then see 8 neighbouring weights as contiguous
+    and aligned, and reads them in one access (`_down_tiles`)."""
+    n_block, s, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = m < num_tokens, n < (R + HC if INJECT else R)
+    c = s // SPLITS_PER_STREAM  # the stream this range lies in
+    lo = c * H + (s % SPLITS_PER_STREAM) * SPLIT_LEN
+    hi = tl.minimum(lo + SPLIT_LEN, c * H + H)
+    if PDL:
+        prefetch_rows_l2(down_ptr + lo, n, n < R, K, hi - lo, LINES)
+        if INJECT:
+            prefetch_rows_l2(inject_w_ptr + lo, n - R, n_ok & (n >= R), K, hi - lo, LINES)
+    pdl_begin(PDL)
+    write_streams = RESIDUAL and n_block == 0
+    if (n_block + 1) * BLOCK_N <= R:  # rows of the down projection only
+        acc, squares = _down_tiles(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr,
+                                   down_ptr + n.to(tl.int64) * K, m, m_ok, n_ok, c, lo, hi, write_streams,
+                                   K, H, HC, BLOCK_M, BLOCK_N, BLOCK_K, NORM, RESIDUAL, IEEE, WIDEN, FULL)
+    else:  # output rows 0..R-1 read the down projection, R..R+HC-1 the injection logits' weight
+        rows = tl.where(n < R, down_ptr + n.to(tl.int64) * K, inject_w_ptr + (n - R).to(tl.int64) * K)
+        acc, squares = _down_tiles(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, rows, m, m_ok, n_ok,
+                                   c, lo, hi, write_streams, K, H, HC, BLOCK_M, BLOCK_N, BLOCK_K, NORM, RESIDUAL,
+                                   IEEE, WIDEN, FULL)
     out = part_ptr + (s * num_tokens + m.to(tl.int64))[:, None] * (R + HC) + n[None, :]
     tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
     if NORM and n_block == 0:
@@ -421,16 +447,16 @@ def _mix(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: t
     squares = torch.empty(splits, tokens, dtype=torch.float32, device=x.device) if norm is not None else x  # (unread)
     m_blocks = triton.cdiv(tokens, HC_PROJ_BLOCK_M)
     n_blocks = triton.cdiv(R + (hc if has_inject else 0), t.block_n)
+    full = H % split_len == 0 and split_len % t.block_k == 0  # every range and chunk whole
     if t.gemv:
         _hc_down_gemv_kernel[(n_blocks, splits)](
             x, down, inject_weight, part, K=K, R=R, HC=hc, H=H, SPLITS_PER_STREAM=per_stream, SPLIT_LEN=split_len,
-            BLOCK_N=t.block_n, BLOCK_K=t.block_k, FULL=H % split_len == 0 and split_len % t.block_k == 0,
-            INJECT=has_inject, LINES=l2_lines(split_len, down.dtype), num_warps=t.down_warps, **pdl(x))
+            BLOCK_N=t.block_n, BLOCK_K=t.block_k, FULL=full, INJECT=has_inject, LINES=l2_lines(split_len, down.dtype), num_warps=t.down_warps, **pdl(x))
     else:
         _hc_down_kernel[(n_blocks, splits, m_blocks)](
-            x, out, inject_in, norm_weight, streams, squares, down, inject_weight, part, tokens, split_len,
-            K=K, R=R, HC=hc, H=H, SPLITS_PER_STREAM=per_stream, BLOCK_M=HC_PROJ_BLOCK_M, BLOCK_N=t.block_n,
-            BLOCK_K=t.block_k, NORM=norm is not None,
+            x, out, inject_in, norm_weight, streams, squares, down, inject_weight, part, tokens,
+            K=K, R=R, HC=hc, H=H, SPLITS_PER_STREAM=per_stream, SPLIT_LEN=split_len, BLOCK_M=HC_PROJ_BLOCK_M,
+            BLOCK_N=t.block_n, BLOCK_K=t.block_k, FULL=full, NORM=norm is not None,
             RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, INJECT=has_inject,
             LINES=l2_lines(split_len, down.dtype), num_warps=t.down_warps, **pdl(x))
     _hc_up_mix_kernel[(triton.cdiv(H, t.block_h), tokens)](
