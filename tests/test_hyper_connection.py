@@ -220,7 +220,6 @@ def _projection_cases() -> int:
 
     launches: list = []
     count_launches(hct, "_hc_down_kernel", launches)
-    count_launches(hct, "_hc_down_gemv_kernel", launches)
     count_launches(hct, "_hc_up_mix_kernel", launches)
     # One token also in the down projection's GEMV form: small (several splits, a last block of rows past R + hc, a
     # partial chunk of 8) and the default.

@@ -16,7 +16,8 @@ projections (transformers' ``nn.Linear`` weights, read as they are):
 With ``hc_proj`` as well (on by default), a step of at most `HC_PROJ_MAX_TOKENS` tokens runs everything
 after `hc_norm` in two launches, `mix_projections`: the down and injection projections as one split-K pass
 over the normed streams, then the up projection with the gating and the mean over streams; the low-rank
-activations stay in fp32 between them. With ``hc_norm_proj`` too (off by default, not yet timed),
+activations stay in fp32 between them (one token: the down projection without tl.dot). With ``hc_norm_proj`` too
+(off by default: slower on the H200, benchmarks/RESULTS.md),
 `norm_mix_projections` also takes `hc_norm`'s work into those launches: the down projection adds the residual and
 projects the streams before their norm, summing each range's squares; the up projection takes each stream's RMS
 from those sums and scales the stream's share of the down projection by it. A mixing is two launches instead of
@@ -50,8 +51,8 @@ FUSED_HC_PROJ = fusion_enabled("hc_proj")
 HC_PROJ_MAX_TOKENS = 16
 # ``hc_norm_proj``: on top of ``hc_proj``, the residual add and the grouped norm inside the first of those two
 # launches (`norm_mix_projections`), one launch of `hc_norm` a mixing less (81 in a Qwen4Exp 40-layer step, 2.7
-# us each on an H200). Not yet timed: its first form (each down-projection program reading its whole stream for
-# the RMS first) made a 40-layer step 6.68 ms against 5.23.
+# us each on an H200). Slower on the H200 in both its forms: the first (each down-projection program reading its
+# whole stream for the RMS first) made a 40-layer step 6.68 ms against 5.23, the present one 5.74 against 4.62.
 FUSED_HC_NORM_PROJ = fusion_enabled("hc_norm_proj")
 
 

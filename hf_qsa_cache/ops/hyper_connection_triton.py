@@ -154,15 +154,16 @@ class MixTiles:
     block_h: int
     r_chunk: int
     up_warps: int
-    # One token only: the down projection in the GEMV form (`_hc_down_gemv_kernel`), no tl.dot.
+    # One token only: the down projection in the GEMV form (`_hc_down_kernel`'s ``GEMV``), no tl.dot.
     gemv: bool = False
 
 
 # Chosen by `benchmarks/sweep_hc_tiles.py` (hidden 2048, 4 streams, low rank 320, bf16; graph-timed per mixing).
-# One token: the down projection in the GEMV form (`_hc_down_gemv_kernel`; the dot form pads the token to 16
+# One token: the down projection in the GEMV form (`_hc_down_kernel`'s ``GEMV``; the dot form pads the token to 16
 # rows), 8 rows a program in 8 input ranges of 1024, so the up projection adds 8 partial sums, not 32: 8.1 us a
 # mixing on an H100 against 9.8 for the dot form's best tiles (`ONE_TOKEN_DOT_MIX_TILES`, 11.2 us on an H200, the
-# cuBLAS path 16.9); a Qwen4Exp 40-layer decode step at 1 x 4096 4.63 ms against 4.74 on the same H100.
+# cuBLAS path 16.9); a Qwen4Exp 40-layer decode step at 1 x 4096 4.63 ms against 4.74 on the same H100. (Timed
+# while its weights were still read 2 bytes at a time; `_down_tiles` reads them 16 bytes at a time since, untimed.)
 # More tokens: the dot form, 8 tokens 18.9 us on an H200 (the cuBLAS path 22.7).
 ONE_TOKEN_MIX_TILES = MixTiles(splits=8, block_n=8, block_k=1024, down_warps=4, block_h=8, r_chunk=128, up_warps=4,
                                gemv=True)
@@ -196,32 +197,43 @@ def _stream_tile(streams_ptr, out_ptr, inject_ptr, m, k, mk_ok, c, H: tl.constex
 def _down_tiles(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, rows, m, m_ok, n_ok, c, lo, hi,
                 write_streams, K: tl.constexpr, H: tl.constexpr, HC: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                IEEE: tl.constexpr, WIDEN: tl.constexpr, FULL: tl.constexpr):
+                IEEE: tl.constexpr, WIDEN: tl.constexpr, FULL: tl.constexpr, GEMV: tl.constexpr):
     """`_hc_down_kernel`'s pass over its input range ``[lo, hi)`` for the weight rows at ``rows`` (``[BLOCK_N]``
     pointers): the products ``[BLOCK_M, BLOCK_N]`` and, with ``NORM``, each token's sum of squares (and with
     ``write_streams`` the range of the new streams stored). ``FULL``: every chunk whole, so inputs are masked
-    against K, a compile-time bound (the same lanes as ``hi``): 8 contiguous inputs are then one 16-byte access."""
+    against K, a compile-time bound (the same lanes as ``hi``): 8 contiguous inputs are then one 16-byte access.
+    ``GEMV`` (one token of normed streams, ``BLOCK_M`` 1): no tl.dot, whose 16-row tiles would be padding; each
+    lane keeps its fp32 products, summed along the chunk once at the end."""
     squares = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GEMV:
+        products = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if FULL:
             k_ok = k < K
         else:
             k_ok = k < hi
-        mk_ok = m_ok[:, None] & k_ok[None, :]
-        if NORM:
-            x = _stream_tile(x_ptr, out_ptr, inject_ptr, m, k, mk_ok, c, H, HC, RESIDUAL)
-            if write_streams:
-                tl.store(streams_out_ptr + m.to(tl.int64)[:, None] * K + k[None, :],
-                         x.to(streams_out_ptr.dtype.element_ty), mask=mk_ok)
-            squares += tl.sum(x * x, axis=1)
-            scale = 1.0 + tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            x = (x * scale[None, :]).to(x_ptr.dtype.element_ty)
+        if GEMV:
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            products += w.to(tl.float32) * x[None, :]
         else:
-            x = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + k[None, :], mask=mk_ok, other=0.0)
-        w = tl.load(rows[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += dot(x, w, IEEE, WIDEN)
+            mk_ok = m_ok[:, None] & k_ok[None, :]
+            if NORM:
+                x = _stream_tile(x_ptr, out_ptr, inject_ptr, m, k, mk_ok, c, H, HC, RESIDUAL)
+                if write_streams:
+                    tl.store(streams_out_ptr + m.to(tl.int64)[:, None] * K + k[None, :],
+                             x.to(streams_out_ptr.dtype.element_ty), mask=mk_ok)
+                squares += tl.sum(x * x, axis=1)
+                scale = 1.0 + tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                x = (x * scale[None, :]).to(x_ptr.dtype.element_ty)
+            else:
+                x = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + k[None, :], mask=mk_ok, other=0.0)
+            w = tl.load(rows[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc += dot(x, w, IEEE, WIDEN)
+    if GEMV:
+        acc = tl.sum(products, axis=1)[None, :]
     return acc, squares
 
 
@@ -230,9 +242,9 @@ def _hc_down_kernel(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, squ
                     part_ptr, num_tokens,
                     K: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, H: tl.constexpr,
                     SPLITS_PER_STREAM: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FULL: tl.constexpr, NORM: tl.constexpr,
-                    RESIDUAL: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, INJECT: tl.constexpr,
-                    LINES: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FULL: tl.constexpr, GEMV: tl.constexpr,
+                    NORM: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+                    INJECT: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False):
     """part[s, m, n] = sum over the s-th input range of x[m, k] * W[n, k], W = [down (R rows); inject (HC)]
     (the injection rows only with ``INJECT``). The ranges split each stream's H inputs in SPLITS_PER_STREAM.
 
@@ -244,7 +256,7 @@ def _hc_down_kernel(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, squ
     Launched early (``PDL``), the program first asks for its block of W to be fetched into L2. The range's length
     is a compile-time value and the down projection's row blocks take its base alone (the block holding the
     injection rows selects between two bases): the compiler can then see 8 neighbouring weights as contiguous
-    and aligned, and reads them in one access (`_down_tiles`)."""
+    and aligned, and reads them in one access (`_down_tiles`). ``GEMV``: one token without tl.dot (`_down_tiles`)."""
     n_block, s, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -261,66 +273,16 @@ def _hc_down_kernel(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, squ
     if (n_block + 1) * BLOCK_N <= R:  # rows of the down projection only
         acc, squares = _down_tiles(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr,
                                    down_ptr + n.to(tl.int64) * K, m, m_ok, n_ok, c, lo, hi, write_streams,
-                                   K, H, HC, BLOCK_M, BLOCK_N, BLOCK_K, NORM, RESIDUAL, IEEE, WIDEN, FULL)
+                                   K, H, HC, BLOCK_M, BLOCK_N, BLOCK_K, NORM, RESIDUAL, IEEE, WIDEN, FULL, GEMV)
     else:  # output rows 0..R-1 read the down projection, R..R+HC-1 the injection logits' weight
         rows = tl.where(n < R, down_ptr + n.to(tl.int64) * K, inject_w_ptr + (n - R).to(tl.int64) * K)
         acc, squares = _down_tiles(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, rows, m, m_ok, n_ok,
                                    c, lo, hi, write_streams, K, H, HC, BLOCK_M, BLOCK_N, BLOCK_K, NORM, RESIDUAL,
-                                   IEEE, WIDEN, FULL)
+                                   IEEE, WIDEN, FULL, GEMV)
     out = part_ptr + (s * num_tokens + m.to(tl.int64))[:, None] * (R + HC) + n[None, :]
     tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
     if NORM and n_block == 0:
         tl.store(squares_ptr + s * num_tokens + m.to(tl.int64), squares, mask=m_ok)
-
-
-@triton.jit
-def _gemv_range(x_ptr, rows, n_ok, lo, hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FULL: tl.constexpr):
-    """``sum_k rows[n][k] * x[k]`` over ``k`` in ``[lo, hi)`` for the pointers ``rows`` ``[BLOCK_N]``, in fp32:
-    each lane keeps its products, summed along the chunk once at the end. ``FULL``: every chunk whole (the inputs
-    unmasked, so 8 in a row are read as one access)."""
-    products = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(lo, hi, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        if FULL:
-            x = tl.load(x_ptr + k).to(tl.float32)
-            w = tl.load(rows[:, None] + k[None, :], mask=n_ok[:, None], other=0.0)
-        else:
-            k_ok = k < hi
-            x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        products += w.to(tl.float32) * x[None, :]
-    return tl.sum(products, axis=1)
-
-
-@triton.jit
-def _hc_down_gemv_kernel(x_ptr, down_ptr, inject_w_ptr, part_ptr, K: tl.constexpr, R: tl.constexpr,
-                         HC: tl.constexpr, H: tl.constexpr, SPLITS_PER_STREAM: tl.constexpr,
-                         SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FULL: tl.constexpr,
-                         INJECT: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False):
-    """`_hc_down_kernel` for one token of normed streams: part[s, 0, n] = sum over the s-th input range of
-    x[k] * W[n, k], each lane keeping its fp32 products, summed along the chunk once at the end. Its rows, range
-    and prefetch are `_hc_down_kernel`'s, written out again: `tests/test_pdl.py` reads each kernel's own body for
-    what it does before waiting on the kernel before it. The range's length is a compile-time value and, with
-    ``FULL`` (every range and chunk whole), the loads are masked by row only: the compiler then knows 8 inputs
-    in a row are contiguous, aligned and all read, and loads them as one 16-byte access (with a runtime length
-    it read the weights 2 bytes at a time)."""
-    n_block, s = tl.program_id(0), tl.program_id(1)
-    n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < (R + HC if INJECT else R)
-    c = s // SPLITS_PER_STREAM
-    lo = c * H + (s % SPLITS_PER_STREAM) * SPLIT_LEN
-    hi = tl.minimum(lo + SPLIT_LEN, c * H + H)
-    if PDL:
-        prefetch_rows_l2(down_ptr + lo, n, n < R, K, hi - lo, LINES)
-        if INJECT:
-            prefetch_rows_l2(inject_w_ptr + lo, n - R, n_ok & (n >= R), K, hi - lo, LINES)
-    pdl_begin(PDL)
-    if (n_block + 1) * BLOCK_N <= R:  # rows of the down projection only: one base the compiler can follow
-        sums = _gemv_range(x_ptr, down_ptr + n.to(tl.int64) * K, n_ok, lo, hi, BLOCK_N, BLOCK_K, FULL)
-    else:
-        rows = tl.where(n < R, down_ptr + n.to(tl.int64) * K, inject_w_ptr + (n - R).to(tl.int64) * K)
-        sums = _gemv_range(x_ptr, rows, n_ok, lo, hi, BLOCK_N, BLOCK_K, FULL)
-    tl.store(part_ptr + s * (R + HC) + n, sums, mask=n_ok)
 
 
 @triton.jit
@@ -445,20 +407,15 @@ def _mix(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: t
     splits = hc * per_stream
     part = torch.empty(splits, tokens, R + hc, dtype=torch.float32, device=x.device)
     squares = torch.empty(splits, tokens, dtype=torch.float32, device=x.device) if norm is not None else x  # (unread)
-    m_blocks = triton.cdiv(tokens, HC_PROJ_BLOCK_M)
-    n_blocks = triton.cdiv(R + (hc if has_inject else 0), t.block_n)
-    full = H % split_len == 0 and split_len % t.block_k == 0  # every range and chunk whole
-    if t.gemv:
-        _hc_down_gemv_kernel[(n_blocks, splits)](
-            x, down, inject_weight, part, K=K, R=R, HC=hc, H=H, SPLITS_PER_STREAM=per_stream, SPLIT_LEN=split_len,
-            BLOCK_N=t.block_n, BLOCK_K=t.block_k, FULL=full, INJECT=has_inject, LINES=l2_lines(split_len, down.dtype), num_warps=t.down_warps, **pdl(x))
-    else:
-        _hc_down_kernel[(n_blocks, splits, m_blocks)](
-            x, out, inject_in, norm_weight, streams, squares, down, inject_weight, part, tokens,
-            K=K, R=R, HC=hc, H=H, SPLITS_PER_STREAM=per_stream, SPLIT_LEN=split_len, BLOCK_M=HC_PROJ_BLOCK_M,
-            BLOCK_N=t.block_n, BLOCK_K=t.block_k, FULL=full, NORM=norm is not None,
-            RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, INJECT=has_inject,
-            LINES=l2_lines(split_len, down.dtype), num_warps=t.down_warps, **pdl(x))
+    block_m = 1 if t.gemv else HC_PROJ_BLOCK_M
+    # Every range whole (a range is whole chunks: `_split_len`), so the loads need no mask along the inputs.
+    full = H % split_len == 0
+    _hc_down_kernel[(triton.cdiv(R + (hc if has_inject else 0), t.block_n), splits, triton.cdiv(tokens, block_m))](
+        x, out, inject_in, norm_weight, streams, squares, down, inject_weight, part, tokens,
+        K=K, R=R, HC=hc, H=H, SPLITS_PER_STREAM=per_stream, SPLIT_LEN=split_len, BLOCK_M=block_m,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, FULL=full, GEMV=t.gemv, NORM=norm is not None,
+        RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, INJECT=has_inject,
+        LINES=l2_lines(split_len, down.dtype), num_warps=t.down_warps, **pdl(x))
     _hc_up_mix_kernel[(triton.cdiv(H, t.block_h), tokens)](
         part, streams, squares, norm_weight, up, mixed, inject if has_inject else mixed, tokens, float(eps),
         H=H, R=R, HC=hc, SPLITS=splits, SPLITS_PER_STREAM=per_stream, SPS_PAD=triton.next_power_of_2(per_stream),

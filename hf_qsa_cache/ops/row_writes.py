@@ -23,7 +23,12 @@ def write_slots(store: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) 
     """``store[slot] = value`` for every token; slot -1 lands in the store's first row (a paged store's null block,
     never read). Stores keep values, not autograd history (a layer that reads this step's writes back takes
     `PagedKV.with_step_written`)."""
-    store.index_copy_(0, slots.clamp_min(0), values.detach().to(store.dtype))
+    _copy_rows(store, slots.clamp_min(0), values)
+
+
+def _copy_rows(store: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """`write_slots` at rows already clamped (none negative)."""
+    store.index_copy_(0, rows, values.detach().to(store.dtype))
 
 
 class RowWrites:
@@ -47,7 +52,7 @@ class RowWrites:
             for store, rows, values in pending:
                 if id(rows) not in clamped:
                     clamped[id(rows)] = rows.clamp_min(0)
-                store.index_copy_(0, clamped[id(rows)], values.detach().to(store.dtype))
+                _copy_rows(store, clamped[id(rows)], values)
 
 
 def _same_kind(a: torch.dtype, b: torch.dtype) -> bool:

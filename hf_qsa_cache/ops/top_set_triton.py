@@ -14,14 +14,16 @@ the set:
 A row that fits one block (up to `MAX_BLOCK` scores) is loaded once and held in registers; a longer one is
 read in chunks of ``BLOCK`` at every round (tests force small blocks). On the H200 the bisection takes 11.2 us
 a call at 1 x 4096 (1100 groups) and 30.0 us at 1 x 16384 (4400 groups, 47 us when 4096-score blocks made
-that row two chunks). A 16-way search (8 rounds, each counting 16 values in one pass) measured slower, 21.6 us at
+that row two chunks; timed when a round compared int64 keys and masked each lane, untimed since it compares
+int32 keys). A 16-way search (8 rounds, each counting 16 values in one pass) measured slower, 21.6 us at
 1 x 4096 (`benchmarks/RESULTS.md`).
 
 ``search="radix"`` finds ``T`` in 4 rounds instead of 32: each round takes a 256-bin histogram of the next 8 bits
 of the keys that still match the bits found so far (`tl.histogram`, one shared-memory count per key), and the
 bin where the ``k``-th largest falls gives those 8 bits. Each round is one pass and a scan of 256 counts where a
 bisection round is one pass and a block-wide sum: the 32 rounds' serial reductions are what a one-token call
-waits on. Not yet timed: on only with the ``qsa_topk_radix`` setting until a GPU run times it.
+waits on. Slower on the H200 with the defaults (a Qwen4Exp 8-layer step at 1 x 16384 1.31 against 1.20 ms): on
+only with the ``qsa_topk_radix`` setting.
 """
 
 from __future__ import annotations
