@@ -43,11 +43,11 @@ FLAGS = {
     "pdl": ("hf_qsa_cache.ops.triton_common", "FUSED_PDL"),
 }
 # On only when named in HF_QSA_FUSED (or with "all"), not by default: built and tested on the CPU (the kernels under
-# the Triton interpreter) but not yet timed against the default on one GPU (a new fusion starts here: rel_bias's
-# one-dot form), or timed slower than what they replace (benchmarks/RESULTS.md: a graphed Qwen4Exp 8-layer step at
-# 1 x 16384 on the H200 with qsa_topk_radix 1.31 against 1.20 ms; the 40-layer step at 1 x 4096 with hc_norm_proj's
-# second form 5.74 against 4.62 ms).
-OFF_BY_DEFAULT: tuple[str, ...] = ("rel_bias", "hc_norm_proj", "qsa_topk_radix")
+# the Triton interpreter) but not yet timed against the default on one GPU (a new fusion starts here), or timed
+# slower than what they replace (benchmarks/RESULTS.md: a graphed Qwen4Exp 8-layer step at 1 x 16384 on the H200
+# with qsa_topk_radix 1.31 against 1.20 ms; the 40-layer step at 1 x 4096 with hc_norm_proj's second form 5.74
+# against 4.62 ms).
+OFF_BY_DEFAULT: tuple[str, ...] = ("hc_norm_proj", "qsa_topk_radix")
 
 
 def requested(setting: str | None, off_by_default: tuple[str, ...] = OFF_BY_DEFAULT) -> set[str]:

@@ -137,7 +137,7 @@ def test_an_unknown_name_in_the_environment_is_refused_at_import():
 
 MEASURED = {"hc", "hc_proj", "gdn", "gdn_step", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
             "inkling_router", "prompt_experts", "projections", "ple", "conv_norm", "tiled_experts", "pdl", "qsa_writes",
-            "qsa_gate"}
+            "qsa_gate", "rel_bias"}
 
 
 def test_a_fusion_off_by_default_is_on_only_when_named():
@@ -150,9 +150,9 @@ def test_a_fusion_off_by_default_is_on_only_when_named():
     assert requested(" default , inkling_router", off_by_default=("inkling_router",)) == set(FLAGS)
 
 
-OFF_BY_DEFAULT = {"rel_bias", "hc_norm_proj", "qsa_topk_radix"}
+OFF_BY_DEFAULT = {"hc_norm_proj", "qsa_topk_radix"}
 SETTINGS = [(None, MEASURED), ("all", MEASURED | OFF_BY_DEFAULT), ("none", set()), ("", set()),
-            ("default,rel_bias", MEASURED | {"rel_bias"}), ("gdn,router", {"gdn", "router"})]
+            ("default,hc_norm_proj", MEASURED | {"hc_norm_proj"}), ("gdn,router", {"gdn", "router"})]
 
 
 @pytest.mark.parametrize("setting, expected", SETTINGS)
