@@ -419,17 +419,6 @@ def choose_mix_tiles(one_token: str | None) -> dict:
     return {"one_token_mix_tiles": dataclasses.asdict(tiles)}
 
 
-def choose_experts_down(at_once: str | None) -> dict:
-    """Set `experts_triton.ONE_TOKEN_DOWN_AT_ONCE` for this process (``"off"``: the loop over experts; or a JSON
-    list ``[columns, chunk, warps]``), where given; the choice, as a result key."""
-    if at_once is None:
-        return {}
-    from hf_qsa_cache.ops import experts_triton
-
-    experts_triton.ONE_TOKEN_DOWN_AT_ONCE = None if at_once == "off" else tuple(json.loads(at_once))
-    return {"experts_down_at_once": experts_triton.ONE_TOKEN_DOWN_AT_ONCE}
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
@@ -459,14 +448,10 @@ def main():
                         help="the hyper-connection projections' one-token tiles: dot "
                              "(hyper_connection_triton.ONE_TOKEN_DOT_MIX_TILES) or a JSON object of MixTiles "
                              "fields (default: ONE_TOKEN_MIX_TILES, the GEMV form)")
-    parser.add_argument("--experts-down-at-once", default=None,
-                        help="one token's experts down projection with all its experts in one tile: off, or a JSON "
-                             "list [columns, chunk, warps] (default: experts_triton.ONE_TOKEN_DOWN_AT_ONCE)")
     parser.add_argument("--jsonl", default=None, help="append lines here (default: results_file of the GPU)")
     args = parser.parse_args()
     projection_choices = {**choose_projections(args.one_token_projections, args.alone_max_tokens),
-                          **choose_mix_tiles(args.one_token_mix_tiles),
-                          **choose_experts_down(args.experts_down_at_once)}
+                          **choose_mix_tiles(args.one_token_mix_tiles)}
 
     torch.manual_seed(0)
     dtype = torch.bfloat16

@@ -72,12 +72,7 @@ def main() -> None:
                # few rows a program and long chunks, as the projections' one-token GEMV form
                + [dict(gu=8, dn=4, bk=1024, w=4), dict(gu=4, dn=4, bk=1024, w=4), dict(gu=8, dn=8, bk=1024, w=8),
                   dict(gu=4, dn=8, bk=512, w=4), dict(gu=8, dn=4, bk=512, w=4), dict(gu=4, dn=4, bk=512, w=2)])
-    one_token, down_at_once = et.ONE_TOKEN_TILES, et.ONE_TOKEN_DOWN_AT_ONCE
-    # The down kernel's all-experts-a-tile form (columns, chunk, warps), beside the shipped one-token tiles and
-    # the general ones (it is chosen by `ONE_TOKEN_DOWN_AT_ONCE` at one token; passed per call at eight).
-    at_once = [(4, 512, 8), (2, 512, 4), (4, 256, 4), (8, 256, 8), (2, 512, 8), (1, 512, 4), (4, 128, 4)]
-    configs += [dict(c, dao=a) for c in (dict(gu=one_token[0], dn=one_token[1], bk=one_token[2], w=one_token[3]),
-                                         dict(gu=16, dn=4, bk=512, w=4), general) for a in at_once]
+    one_token = et.ONE_TOKEN_TILES
     for name, tokens, top_k, shared_kind in (("qwen", 1, 10, "vec"), ("qwen", 8, 10, "vec"),
                                              ("inkling", 1, 6, "two"), ("inkling", 8, 6, "two")):
         xs = [rand(tokens, HIDDEN) for _ in range(CALLS)]
@@ -98,10 +93,8 @@ def main() -> None:
             for c in configs:
                 et.GATE_UP_BLOCK_N, et.DOWN_BLOCK_N, et.BLOCK_K, et.NUM_WARPS = c["gu"], c["dn"], c["bk"], c["w"]
                 et.ONE_TOKEN_TILES = (c["gu"], c["dn"], c["bk"], c["w"])
-                et.ONE_TOKEN_DOWN_AT_ONCE = None
                 calls = [lambda i=i: et.selected_experts_triton(xs[i], index[i], weights[i], gate_up, down, False,
-                                                                shared, down_at_once=c.get("dao"))
-                         for i in range(CALLS)]
+                                                                shared) for i in range(CALLS)]
                 us = graph_us(calls)
                 out = calls[0]()
                 first = out if first is None else first
@@ -110,7 +103,7 @@ def main() -> None:
         finally:
             et.GATE_UP_BLOCK_N, et.DOWN_BLOCK_N, et.BLOCK_K, et.NUM_WARPS = (general["gu"], general["dn"],
                                                                              general["bk"], general["w"])
-            et.ONE_TOKEN_TILES, et.ONE_TOKEN_DOWN_AT_ONCE = one_token, down_at_once
+            et.ONE_TOKEN_TILES = one_token
         if tokens == 1:  # the selected experts' bytes at the copy bandwidth measured by bench_generate.py
             print(json.dumps({"case": f"{name} T=1", "floor_us_approx": round(
                 top_k * 3 * INTER * HIDDEN * 2 / 4.25e12 * 1e6, 2)}))

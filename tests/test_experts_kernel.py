@@ -103,16 +103,12 @@ def _kernel_cases(experts_triton, launches) -> str | None:
                 with torch.no_grad():
                     upstream = moe.batched_mm_experts_forward(module, x, index, weights)
                 # Tiles smaller than and not dividing both sizes; also the default tiles (one reduction
-                # chunk) for one token, and narrow tiles with wide chunks for five; the down kernel's
-                # all-experts-a-tile form with its columns and chunk not dividing either size.
-                tiles = ([(16, 16, None)] + [(None, None, None)] * (num_tokens == 1) + [(8, 32, None)] *
-                         (num_tokens == 5) + [(16, 16, (16, 16, 2)), (None, None, (8, 64, 1))])
-                for block_n, block_k, at_once in tiles:
-                    label = (f"{family} {layout} T={num_tokens} fp32 block_n={block_n} block_k={block_k} "
-                             f"down_at_once={at_once}")
+                # chunk) for one token, and narrow tiles with wide chunks for five.
+                tiles = [(16, 16)] + [(None, None)] * (num_tokens == 1) + [(8, 32)] * (num_tokens == 5)
+                for block_n, block_k in tiles:
+                    label = f"{family} {layout} T={num_tokens} fp32 block_n={block_n} block_k={block_k}"
                     launches.clear()
-                    have = experts_triton.selected_experts_triton(*args, block_n=block_n, block_k=block_k,
-                                                                  down_at_once=at_once)
+                    have = experts_triton.selected_experts_triton(*args, block_n=block_n, block_k=block_k)
                     cases += 1
                     if len(launches) != 2 or launches[0][0] != num_tokens * 3 or launches[1][0] != num_tokens:
                         return f"{label}: launches {launches}"
@@ -180,11 +176,10 @@ def _check_shared(experts_triton, launches, label, args, upstream, tiles) -> str
     launches, the first over the routed and shared pairs, the second over the tokens."""
     want = selected.selected_experts_torch(*args)
     tokens, top_k, shared = args[1].shape[0], args[1].shape[1], args[-1].gate.shape[0]
-    for block_n, block_k, *at_once in tiles:
-        at_once = at_once[0] if at_once else None
-        where = f"{label} T={tokens} block_n={block_n} block_k={block_k} down_at_once={at_once}"
+    for block_n, block_k in tiles:
+        where = f"{label} T={tokens} block_n={block_n} block_k={block_k}"
         launches.clear()
-        have = experts_triton.selected_experts_triton(*args, block_n=block_n, block_k=block_k, down_at_once=at_once)
+        have = experts_triton.selected_experts_triton(*args, block_n=block_n, block_k=block_k)
         if len(launches) != 2 or launches[0][0] != tokens * (top_k + shared) or launches[1][0] != tokens:
             return f"{where}: launches {launches}"
         try:
@@ -211,7 +206,7 @@ def _shared_cases(experts_triton, launches) -> str | None:
             with torch.no_grad():
                 upstream = moe.batched_mm_experts_forward(module, x, index, weights) + torch.sigmoid(gate(x)) * mlp(x)
             error = _check_shared(experts_triton, launches, f"qwen4_exp shared {shared_inter}", args, upstream,
-                                  ((16, 16), (8, 32), (None, None), (16, 16, (16, 16, 2))))
+                                  ((16, 16), (8, 32), (None, None)))
             if error:
                 return error
     from transformers.models.inkling.modeling_inkling import InklingSharedExperts
@@ -231,8 +226,7 @@ def _shared_cases(experts_triton, launches) -> str | None:
         args = (x, index, weights, module.gate_up_proj.detach(), module.down_proj.detach(), False, shared)
         with torch.no_grad():
             upstream = moe.batched_mm_experts_forward(module, x, index, weights) + shared_experts(x, gammas=gammas)
-        error = _check_shared(experts_triton, launches, "inkling 2 shared", args, upstream,
-                              ((16, 16), (8, 32), (8, 32, (4, 16, 1))))
+        error = _check_shared(experts_triton, launches, "inkling 2 shared", args, upstream, ((16, 16), (8, 32)))
         if error:
             return error
     return None

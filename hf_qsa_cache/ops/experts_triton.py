@@ -49,9 +49,6 @@ BLOCK_K = 128  # reduction chunk (hidden size in the first kernel, intermediate 
 NUM_WARPS = 4
 # One token: few programs, so each must keep more bytes in flight (gate-up columns, down columns, chunk, warps).
 ONE_TOKEN_TILES = (16, 8, 512, 8)
-# One token's down projection with all its routed experts in one tile (`_down_kernel`'s ``AT_ONCE`` form):
-# (hidden columns a program, reduction chunk, warps); None keeps the loop over experts.
-ONE_TOKEN_DOWN_AT_ONCE: tuple[int, int, int] | None = None
 
 
 @triton.jit
@@ -143,7 +140,7 @@ def _down_kernel(
     num_experts, num_pairs,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
     SHARED_INTER: tl.constexpr, GATE_VECTOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    LINES: tl.constexpr, AT_ONCE: tl.constexpr = False, TOP_K_PAD: tl.constexpr = 1, PDL: tl.constexpr = False,
+    LINES: tl.constexpr, PDL: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -155,32 +152,14 @@ def _down_kernel(
     # As in the first kernel, one sum along the chunk at the end, over all the token's experts: each
     # expert's scratch row is scaled by its routing weight as it is loaded.
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    if AT_ONCE:
-        # All the token's routed experts as one [experts, BLOCK_N, BLOCK_K] tile a chunk: their ids and weights
-        # in one load, then every expert's rows requested together instead of one expert's after another's
-        # (each behind its own id load). A sentinel's lanes are masked: it reads nothing and adds nothing.
-        j = tl.arange(0, TOP_K_PAD)
-        e = tl.load(idx_ptr + t * stride_it + j * stride_ij, mask=j < TOP_K, other=-1).to(tl.int64)
-        valid = (j < TOP_K) & (e >= 0) & (e < num_experts)
-        w = tl.load(wt_ptr + t * stride_pt + j * stride_pj, mask=valid, other=0.0).to(tl.float32)
-        rows = d_ptr + tl.where(valid, e, 0)[:, None, None] * stride_de + n[None, :, None] * stride_dn
-        h_rows = h_ptr + (t * TOP_K + j)[:, None] * stride_ht
-        for k0 in range(0, INTER, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < INTER
-            h = tl.load(h_rows + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0) * w[:, None]
-            mask = valid[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
-            d = tl.load(rows + k[None, None, :] * stride_dk, mask=mask, other=0.0).to(tl.float32)
-            acc += tl.sum(d * h[:, None, :], axis=0)
-    else:
-        for j in range(TOP_K):
-            e = tl.load(idx_ptr + t * stride_it + j * stride_ij).to(tl.int64)
-            valid = (e >= 0) & (e < num_experts)
-            w = tl.load(wt_ptr + t * stride_pt + j * stride_pj).to(tl.float32)
-            hi = tl.where(valid, INTER, 0)  # a sentinel runs no iterations (its routing weight goes unused)
-            e = tl.where(valid, e, 0)
-            rows = d_ptr + e * stride_de + n[:, None] * stride_dn  # [BLOCK_N, 1]
-            acc = _add_down(acc, h_ptr + (t * TOP_K + j) * stride_ht, w, rows, stride_dk, n_ok, hi, INTER, BLOCK_K)
+    for j in range(TOP_K):
+        e = tl.load(idx_ptr + t * stride_it + j * stride_ij).to(tl.int64)
+        valid = (e >= 0) & (e < num_experts)
+        w = tl.load(wt_ptr + t * stride_pt + j * stride_pj).to(tl.float32)
+        hi = tl.where(valid, INTER, 0)  # a sentinel runs no iterations (its routing weight goes unused)
+        e = tl.where(valid, e, 0)
+        rows = d_ptr + e * stride_de + n[:, None] * stride_dn  # [BLOCK_N, 1]
+        acc = _add_down(acc, h_ptr + (t * TOP_K + j) * stride_ht, w, rows, stride_dk, n_ok, hi, INTER, BLOCK_K)
     if SHARED_INTER > 0:
         gated = 0.0
         if GATE_VECTOR:
@@ -215,13 +194,11 @@ def _block(value: int | None, default: int, name: str) -> int:
 @on_device_of_first_tensor
 def selected_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                             gate_up_proj: torch.Tensor, down_proj: torch.Tensor, transposed: bool = False,
-                            shared=None, *, block_n: int | None = None, block_k: int | None = None,
-                            down_at_once: tuple[int, int, int] | None = None) -> torch.Tensor:
+                            shared=None, *, block_n: int | None = None, block_k: int | None = None) -> torch.Tensor:
     """`hf_qsa_cache.ops.experts.selected_experts_torch` in two launches (see there for shapes, and for
     ``shared``: the shared expert's pairs follow the routed ones in the first kernel, and the second adds
     them to each token's sum). ``block_n`` / ``block_k`` (powers of two) override both kernels' column
-    tile and reduction chunk; ``down_at_once`` (columns, chunk, warps) runs the down kernel's all-experts-a-tile
-    form at any token count (by default `ONE_TOKEN_DOWN_AT_ONCE` at one token)."""
+    tile and reduction chunk."""
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[-1]
     num_experts = gate_up_proj.shape[0]
@@ -265,12 +242,6 @@ def selected_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tens
         BLOCK_N=gate_up_n, BLOCK_K=chunk, LINES=l2_lines(hidden, shared_gate.dtype) if shared_inter else 0,
         num_warps=warps, **pdl(hidden_states),
     )
-    if down_at_once is None and num_tokens == 1:
-        down_at_once = ONE_TOKEN_DOWN_AT_ONCE
-    down_warps = warps
-    if down_at_once is not None:
-        down_n, chunk, down_warps = down_at_once
-        down_n, chunk = _block(down_n, down_n, "down_at_once columns"), _block(chunk, chunk, "down_at_once chunk")
     _down_kernel[(num_tokens, triton.cdiv(hidden, down_n))](
         scratch, top_k_index, top_k_weights, down_proj, out, hidden_states, shared_vec, shared_down, token_weights,
         top_k_index.stride(0), top_k_index.stride(1), top_k_weights.stride(0), top_k_weights.stride(1),
@@ -280,7 +251,6 @@ def selected_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tens
         HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED=max(n_shared, 1), SHARED_INTER=shared_inter,
         GATE_VECTOR=gate_vector, BLOCK_N=down_n, BLOCK_K=chunk,
         LINES=l2_lines(shared_inter, shared_down.dtype) if shared_inter and shared_down.stride(-1) == 1 else 0,
-        AT_ONCE=down_at_once is not None, TOP_K_PAD=triton.next_power_of_2(top_k),
-        num_warps=down_warps, **pdl(scratch),
+        num_warps=warps, **pdl(scratch),
     )
     return out
