@@ -419,15 +419,16 @@ def choose_mix_tiles(one_token: str | None) -> dict:
     return {"one_token_mix_tiles": dataclasses.asdict(tiles)}
 
 
-def choose_route_launches(launches: int | None) -> dict:
-    """Route in two launches (the projection, then the routing) where ``launches`` is 2, as before
-    `router_triton.ONE_LAUNCH_MAX_TOKENS`; the choice, as a result key."""
-    if launches != 2:
+def choose_last_to_arrive(setting: str | None) -> dict:
+    """``"off"``: the routers' routing and Inkling's attention merge in launches of their own, as before
+    `triton_common.last_to_arrive` ran them in the last program of the launch before; the choice, as a result key."""
+    if setting != "off":
         return {}
-    from hf_qsa_cache.ops import router_triton
+    from hf_qsa_cache.ops import inkling_attention_triton, router_triton
 
     router_triton.ONE_LAUNCH_MAX_TOKENS = 0
-    return {"route_launches": 2}
+    inkling_attention_triton.MERGE_HERE_MAX_ROWS = 0
+    return {"last_to_arrive": "off"}
 
 
 def main():
@@ -459,14 +460,14 @@ def main():
                         help="the hyper-connection projections' one-token tiles: dot "
                              "(hyper_connection_triton.ONE_TOKEN_DOT_MIX_TILES) or a JSON object of MixTiles "
                              "fields (default: ONE_TOKEN_MIX_TILES, the GEMV form)")
-    parser.add_argument("--route-launches", type=int, choices=[1, 2], default=None,
-                        help="2: the routers' projection and routing in two launches (default: one, the routing in "
-                             "the projection's last programs)")
+    parser.add_argument("--last-to-arrive", choices=["on", "off"], default=None,
+                        help="off: the routers' routing and Inkling's attention merge in launches of their own "
+                             "(default: on, in the last program of the launch before)")
     parser.add_argument("--jsonl", default=None, help="append lines here (default: results_file of the GPU)")
     args = parser.parse_args()
     projection_choices = {**choose_projections(args.one_token_projections, args.alone_max_tokens),
                           **choose_mix_tiles(args.one_token_mix_tiles),
-                          **choose_route_launches(args.route_launches)}
+                          **choose_last_to_arrive(args.last_to_arrive)}
 
     torch.manual_seed(0)
     dtype = torch.bfloat16

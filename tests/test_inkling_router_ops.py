@@ -68,7 +68,8 @@ def _main() -> int:
     from hf_qsa_cache.ops import inkling_router_triton as irt
     from hf_qsa_cache.ops import router_triton
     from hf_qsa_cache.ops.inkling_router_triton import inkling_router_triton
-    from hf_qsa_cache.ops.triton_common import ARRIVAL_COUNTERS, arrival_counters
+    from hf_qsa_cache.ops.router_triton import ONE_LAUNCH_MAX_TOKENS
+    from hf_qsa_cache.ops.triton_common import arrival_counters
 
     launches = []
     for name in ("_inkling_route_kernel", "_inkling_router_kernel"):
@@ -79,7 +80,7 @@ def _main() -> int:
     # padded to a power of two; k = routed experts (all chosen); two shared; router rows past one block of
     # the projection (BLOCK_E), the last block full or partial; more tokens than the one-launch path's counters.
     for T, H, E, S, k in ((1, 40, 6, 1, 2), (5, 72, 13, 2, 4), (3, 16, 4, 2, 4), (1, 40, 19, 1, 3),
-                          (2, 48, 30, 2, 6), (ARRIVAL_COUNTERS + 1, 24, 6, 1, 2)):
+                          (2, 48, 30, 2, 6), (ONE_LAUNCH_MAX_TOKENS + 1, 24, 6, 1, 2)):
         for dtype in (torch.float32, torch.bfloat16):
             module = router_module(T + H, dtype, hidden_size=H, n_routed_experts=E, n_shared_experts=S,
                                    num_experts_per_tok=k)
@@ -97,7 +98,7 @@ def _main() -> int:
                 # One launch (the routing in each token's last projection program) while the counters last,
                 # which it leaves at 0 for the next launch; two past them.
                 error = _mismatch(have, want, dtype) or (
-                    f"launches {launches}" if len(launches) != (1 if T <= ARRIVAL_COUNTERS else 2) else None) or (
+                    f"launches {launches}" if len(launches) != (1 if T <= ONE_LAUNCH_MAX_TOKENS else 2) else None) or (
                     "counters left set" if arrival_counters(x.device).any() else None)
                 if error:
                     print(f"T={T} H={H} E={E} S={S} k={k} {dtype} {tiling}: {error}")

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from interpreter import run_under_interpreter
 
-from hf_qsa_cache.ops.triton_common import ARRIVAL_COUNTERS, arrival_counters, last_to_arrive
+from hf_qsa_cache.ops.triton_common import arrival_counters, last_to_arrive
 
 
 @triton.jit
@@ -36,7 +36,7 @@ def test_one_program_per_token_is_last_and_sees_every_part():
 
 def _main() -> int:
     counters = arrival_counters(torch.device("cpu"))
-    for tokens, (a, b) in ((1, (4, 2)), (ARRIVAL_COUNTERS, (2, 4)), (3, (1, 1))):
+    for tokens, (a, b) in ((1, (4, 2)), (16, (2, 4)), (3, (1, 1))):
         parts = torch.zeros(tokens, a * b)
         out = torch.full((tokens,), -1.0)
         fired = torch.zeros(tokens, dtype=torch.int32)

@@ -53,7 +53,8 @@ def test_triton_kernel_matches_torch():
 def _main() -> int:
     from hf_qsa_cache.ops import router_triton
     from hf_qsa_cache.ops.router_triton import route_triton
-    from hf_qsa_cache.ops.triton_common import ARRIVAL_COUNTERS, arrival_counters
+    from hf_qsa_cache.ops.router_triton import ONE_LAUNCH_MAX_TOKENS
+    from hf_qsa_cache.ops.triton_common import arrival_counters
 
     launches = []
     for name in ("_route_kernel", "_router_logits_kernel", "_route_topk_kernel"):
@@ -61,7 +62,7 @@ def _main() -> int:
     cases = 0
     # (tokens, hidden, experts, k): hidden not a multiple of the projection's chunk; 24 experts padded to 32
     # and past one block of router rows; k = E: all picked; more tokens than the one-launch path's counters.
-    for T, H, E, k in ((1, 40, 64, 10), (5, 72, 24, 3), (3, 16, 8, 8), (ARRIVAL_COUNTERS + 1, 24, 8, 2)):
+    for T, H, E, k in ((1, 40, 64, 10), (5, 72, 24, 3), (3, 16, 8, 8), (ONE_LAUNCH_MAX_TOKENS + 1, 24, 8, 2)):
         for dtype in (torch.float32, torch.bfloat16):
             g = torch.Generator().manual_seed(T * 100 + E + k)
             x = torch.randn(T, H, generator=g).to(dtype)
@@ -78,7 +79,7 @@ def _main() -> int:
                     where = (T, H, E, k, dtype, normalize, tiling)
                     # The split projection routes in its last programs (one launch) while the counters last,
                     # and leaves them at 0 for the next launch.
-                    one = tiling["split"] and T <= ARRIVAL_COUNTERS
+                    one = tiling["split"] and T <= ONE_LAUNCH_MAX_TOKENS
                     assert len(launches) == (2 if tiling["split"] and not one else 1), (where, launches)
                     assert not arrival_counters(x.device).any(), where
                     if dtype == torch.float32:

@@ -33,7 +33,7 @@ TARGET_PROGRAMS = 128  # the projection's programs a launch aims for (about one 
 SPLIT_PROJECTION_MAX_TOKENS = 16
 # Up to this many tokens both routers route in the projection's launch (`last_to_arrive`; 0: in a second launch,
 # as before, for comparison).
-ONE_LAUNCH_MAX_TOKENS = ARRIVAL_COUNTERS
+ONE_LAUNCH_MAX_TOKENS = SPLIT_PROJECTION_MAX_TOKENS
 
 
 @triton.jit

@@ -93,7 +93,9 @@ def last_to_arrive(counter_ptr, arrivals):
     return last
 
 
-ARRIVAL_COUNTERS = 16  # counters per device for `last_to_arrive` (one per token of a launch that uses them)
+# Counters per device for `last_to_arrive`: one per group of programs of a launch (a routed token, a (query tile,
+# KV head) of an attention launch); a launch with more groups takes the path without it.
+ARRIVAL_COUNTERS = 1024
 _arrival_counters: dict[torch.device, torch.Tensor] = {}
 
 
