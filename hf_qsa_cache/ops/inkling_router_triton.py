@@ -5,9 +5,9 @@
 2. `_inkling_route`: per token, the partial sums added up, then the choice scores, the top ``k``
    (`triton_common.top_k_picks`) and the log-sigmoid softmax over the chosen and shared experts, in registers.
 
-Up to `router_triton.ONE_LAUNCH_MAX_TOKENS` tokens (a decode or verify step) both are one launch, `_inkling_route_kernel`: the last
-program of a token's projection to finish (`triton_common.last_to_arrive`) routes it. More tokens (a prompt) take
-two launches, the second `_inkling_router_kernel`.
+Up to `router_triton.ONE_LAUNCH_MAX_TOKENS` tokens (a decode or verify step) both are one launch,
+`_inkling_route_kernel`: the last program of a token's projection to finish (`triton_common.last_to_arrive`)
+routes it. More tokens (a prompt) take two launches, the second `_inkling_router_kernel`.
 """
 
 from __future__ import annotations
@@ -93,9 +93,10 @@ def _inkling_route_kernel(
 def inkling_router_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, global_scale: torch.Tensor,
                           top_k: int, n_shared: int, route_scale: float, *, block_h: int = BLOCK_H,
                           splits: int | None = None):
-    """`inkling_router.route_inkling_torch`: one launch for up to `router_triton.ONE_LAUNCH_MAX_TOKENS` tokens (the
-    routing in the last program of each token's projection, `last_to_arrive`), else two. ``block_h`` and ``splits`` (hidden
-    ranges; None: enough for `TARGET_PROGRAMS`) are the projection's tiling (tests force them small)."""
+    """`inkling_router.route_inkling_torch`: one launch for up to `router_triton.ONE_LAUNCH_MAX_TOKENS` tokens
+    (the routing in the last program of each token's projection, `last_to_arrive`), else two. ``block_h`` and
+    ``splits`` (hidden ranges; None: enough for `TARGET_PROGRAMS`) are the projection's tiling (tests force them
+    small)."""
     T, H = x.shape
     rows = weight.shape[0]
     E = rows - n_shared
