@@ -62,7 +62,7 @@ def _statements(fn: ast.FunctionDef) -> list[str]:
 
 _INDEX_OPS = {"tl.program_id", "tl.cdiv", "tl.arange", "tl.static_range", "tl.minimum", ".to",
               "tl.multiple_of"}  # (an alignment hint to the compiler: no access)
-_PREFETCHES = {"_prefetch_tile", "prefetch_rows_l2", "prefetch_l2"}
+_PREFETCHES = {"_prefetch_tile", "prefetch_rows_l2", "prefetch_l2", "prefetch_range_rows"}
 
 
 def _calls(statements: list[str]) -> set[str]:

@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 
 from . import router_triton
-from .router_triton import BLOCK_H, project_range, projection_args, router_partials
+from .router_triton import BLOCK_H, prefetch_range_rows, project_range, projection_args, router_partials
 from .triton_common import (ARRIVAL_COUNTERS, arrival_counters, last_to_arrive, on_device_of_first_tensor, pdl,
-                            pdl_begin, prefetch_rows_l2, top_k_picks)
+                            pdl_begin, top_k_picks)
 
 
 @triton.jit
@@ -79,9 +79,7 @@ def _inkling_route_kernel(
 ):
     """The split projection, then the token's routing in the last of its programs to finish: one launch."""
     if PDL:  # launched early: the program's block of the weight into L2 while the kernel before runs
-        e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-        lo = tl.program_id(1) * split_len
-        prefetch_rows_l2(w_ptr + lo, e, e < ROWS, HIDDEN, tl.minimum(split_len, HIDDEN - lo), LINES)
+        prefetch_range_rows(w_ptr, split_len, HIDDEN, ROWS, BLOCK_E, LINES)
     pdl_begin(PDL)
     t = project_range(x_ptr, w_ptr, part_ptr, stride_xt, num_tokens, split_len, HIDDEN, ROWS, BLOCK_E, BLOCK_H)
     if last_to_arrive(count_ptr + t, tl.num_programs(0) * tl.num_programs(1)):

@@ -37,6 +37,16 @@ ONE_LAUNCH_MAX_TOKENS = SPLIT_PROJECTION_MAX_TOKENS
 
 
 @triton.jit
+def prefetch_range_rows(w_ptr, split_len, HIDDEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+                        LINES: tl.constexpr):
+    """`prefetch_rows_l2` of the block of the weight that this program of the split projection reads (program ids:
+    row block, range), asked for before the kernel's `pdl_begin`."""
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    lo = tl.program_id(1) * split_len
+    prefetch_rows_l2(w_ptr + lo, e, e < ROWS, HIDDEN, tl.minimum(split_len, HIDDEN - lo), LINES)
+
+
+@triton.jit
 def project_range(x_ptr, w_ptr, part_ptr, stride_xt, num_tokens, split_len,
                   HIDDEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
     """part[s, t, e] = sum over the s-th hidden range of x[t, h] * w[e, h] (fp32) for this program's block of rows
@@ -65,9 +75,7 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, stride_xt, num_tokens, split_l
                           HIDDEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
                           LINES: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # launched early: the program's block of the weight into L2 while the kernel before runs
-        e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-        lo = tl.program_id(1) * split_len
-        prefetch_rows_l2(w_ptr + lo, e, e < ROWS, HIDDEN, tl.minimum(split_len, HIDDEN - lo), LINES)
+        prefetch_range_rows(w_ptr, split_len, HIDDEN, ROWS, BLOCK_E, LINES)
     pdl_begin(PDL)
     project_range(x_ptr, w_ptr, part_ptr, stride_xt, num_tokens, split_len, HIDDEN, ROWS, BLOCK_E, BLOCK_H)
 
@@ -143,9 +151,7 @@ def _route_kernel(x_ptr, w_ptr, part_ptr, count_ptr, weights_ptr, experts_ptr, s
                   NORMALIZE: tl.constexpr, LOGITS_DTYPE: tl.constexpr, PDL: tl.constexpr = False):
     """The split projection, then the token's routing in the last of its programs to finish: one launch."""
     if PDL:  # launched early: the program's block of the weight into L2 while the kernel before runs
-        e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-        lo = tl.program_id(1) * split_len
-        prefetch_rows_l2(w_ptr + lo, e, e < ROWS, HIDDEN, tl.minimum(split_len, HIDDEN - lo), LINES)
+        prefetch_range_rows(w_ptr, split_len, HIDDEN, ROWS, BLOCK_E, LINES)
     pdl_begin(PDL)
     t = project_range(x_ptr, w_ptr, part_ptr, stride_xt, num_tokens, split_len, HIDDEN, ROWS, BLOCK_E, BLOCK_H)
     if last_to_arrive(count_ptr + t, tl.num_programs(0) * tl.num_programs(1)):
