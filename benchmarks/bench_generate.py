@@ -419,18 +419,6 @@ def choose_mix_tiles(one_token: str | None) -> dict:
     return {"one_token_mix_tiles": dataclasses.asdict(tiles)}
 
 
-def choose_last_to_arrive(setting: str | None) -> dict:
-    """``"off"``: the routers' routing and Inkling's attention merge in launches of their own, as before
-    `triton_common.last_to_arrive` ran them in the last program of the launch before; the choice, as a result key."""
-    if setting != "off":
-        return {}
-    from hf_qsa_cache.ops import inkling_attention_triton, router_triton
-
-    router_triton.ONE_LAUNCH_MAX_TOKENS = 0
-    inkling_attention_triton.MERGE_HERE_MAX_ROWS = 0
-    return {"last_to_arrive": "off"}
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
@@ -460,14 +448,10 @@ def main():
                         help="the hyper-connection projections' one-token tiles: dot "
                              "(hyper_connection_triton.ONE_TOKEN_DOT_MIX_TILES) or a JSON object of MixTiles "
                              "fields (default: ONE_TOKEN_MIX_TILES, the GEMV form)")
-    parser.add_argument("--last-to-arrive", choices=["on", "off"], default=None,
-                        help="off: the routers' routing and Inkling's attention merge in launches of their own "
-                             "(default: on, in the last program of the launch before)")
     parser.add_argument("--jsonl", default=None, help="append lines here (default: results_file of the GPU)")
     args = parser.parse_args()
     projection_choices = {**choose_projections(args.one_token_projections, args.alone_max_tokens),
-                          **choose_mix_tiles(args.one_token_mix_tiles),
-                          **choose_last_to_arrive(args.last_to_arrive)}
+                          **choose_mix_tiles(args.one_token_mix_tiles)}
 
     torch.manual_seed(0)
     dtype = torch.bfloat16

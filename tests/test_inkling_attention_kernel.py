@@ -20,7 +20,7 @@ import torch
 from hf_qsa_cache.blocks import BlockTable
 from hf_qsa_cache.metadata import build_step_metadata_torch
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention_torch
-from interpreter import count_launches, run_under_interpreter
+from interpreter import run_under_interpreter
 
 
 def make_case(seed: int, rows: list[tuple[int, int]], L: int, heads: int, kv_heads: int, head_dim: int,
@@ -190,37 +190,6 @@ def _check_out_of_shared_memory() -> str | None:
     return None
 
 
-def _check_where_splits_merge() -> str | None:
-    """Tiles of at most `MERGE_HERE_MAX_ROWS` query rows merge their splits in the attention's launch (the last
-    split to finish), leaving the counters at 0; wider tiles, or that limit at 0, launch the merge kernel. The
-    results above cover both ways (decode and one-token or two-token tiles merge in the launch); here the launches are
-    counted, with 8-token tiles launching the merge."""
-    from hf_qsa_cache.ops import inkling_attention_triton as kernel
-    from hf_qsa_cache.ops.triton_common import arrival_counters
-
-    launches = []
-    count_launches(kernel, "_merge_splits_kernel", launches)
-    decode = dict(rows=DECODE_ROWS, L=1, heads=8, kv_heads=2, head_dim=16, extent=12)
-    prefill = dict(rows=FULL_ROWS, L=20, heads=6, kv_heads=2, head_dim=16, extent=12)
-    limit = kernel.MERGE_HERE_MAX_ROWS
-    try:
-        for name, case, over, limit_now, merge_launches in (
-                ("decode, merged in the launch", decode, dict(block_n=16, num_splits=3), limit, 0),
-                ("decode, merge launch", decode, dict(block_n=16, num_splits=3), 0, 1),
-                ("prefill 8-token tiles", prefill, dict(block_m=8, block_n=16, num_splits=3), limit, 1)):
-            kernel.MERGE_HERE_MAX_ROWS = limit_now
-            launches.clear()
-            if err := _check(name, case, over):
-                return err
-            if len(launches) != merge_launches:
-                return f"{name}: {len(launches)} merge launches, not {merge_launches}"
-            if arrival_counters(torch.device("cpu")).any():
-                return f"{name}: counters left set"
-    finally:
-        kernel.MERGE_HERE_MAX_ROWS = limit
-    return None
-
-
 def _main() -> int:
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -230,8 +199,6 @@ def _main() -> int:
         print("TRITON_INTERPRET was not honoured")
         return 1
     failures = [err for name, case, over in CASES if (err := _check(name, case, over))]
-    if err := _check_where_splits_merge():
-        failures.append(err)
     if err := _check_out_of_shared_memory():
         failures.append(err)
     for err in failures:

@@ -29,15 +29,14 @@ def test_no_kernel_of_a_one_token_step_spills():
     # The decode step's kernels of every family are there (a case may stop after its launches, in host code that
     # reads the outputs the recorder left uncomputed; one that stopped before them would drop some).
     assert {"_linears_kernel", "_gate_up_kernel", "_down_kernel", "_hc_down_kernel", "_hc_up_mix_kernel",
-            "_conv_add_rms_norm_kernel", "_attention_inputs_kernel", "_inkling_route_kernel", "_top_set_kernel",
+            "_conv_add_rms_norm_kernel", "_attention_inputs_kernel", "_inkling_router_kernel", "_top_set_kernel",
             "_sparse_paged_attention_kernel", "_rel_attention_kernel", "_index_scores_kernel"} <= names
     spilling = [(r["kernel"], r["constants"]) for r in compiled if r["spill_loads"] + r["spill_stores"] > 0]
     assert not spilling, spilling
     # The kernels that stream weights at one token read them 16 bytes an access (a range length the compiler
     # cannot see as a multiple of 8 made the mixing's down projection and the router read 2 bytes at a time).
     # (The mixing's down projection in its one-token GEMV form; its dot form copies weights to shared memory.)
-    weight_readers = {"_linears_kernel", "_hc_down_kernel", "_route_kernel", "_inkling_route_kernel",
-                      "_gate_up_kernel"}
+    weight_readers = {"_linears_kernel", "_hc_down_kernel", "_router_logits_kernel", "_gate_up_kernel"}
     narrow = [(r["kernel"], r["wide_loads"]) for r in compiled if r["kernel"] in weight_readers
               and r["constants"].get("GEMV", True) and r["wide_loads"] < 4]
     assert not narrow, narrow

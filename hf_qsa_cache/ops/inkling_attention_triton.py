@@ -6,11 +6,8 @@ consecutive token columns of one row; all ``GROUP`` query heads of the KV head a
 tile's ``BLOCK_M * G_PAD`` rows, so every key tile is loaded once for the whole GQA group. Prefill
 runs one key split (the program writes the normalised output); decode (and any launch with too few
 programs to fill the GPU) splits the visible keys into ``num_splits`` contiguous ranges, each program
-writes its partial (running max, running sum, unnormalised accumulator), and the splits are merged: by the
-last split of a (query tile, KV head) to finish (`triton_common.last_to_arrive`) when the tile holds at most
-`MERGE_HERE_MAX_ROWS` query rows (a decode step), else by a second small kernel. Merged in the attention's own
-launch, a graphed decode step saves a launch a layer (with its start and gap) for one atomic and the last
-split's read of the partials from L2.
+writes its partial (running max, running sum, unnormalised accumulator), and a second small kernel
+merges the splits.
 
 Keys. A query at position ``p`` sees keys ``0 .. p`` (full layers) or ``p - window + 1 .. p``
 (sliding layers); a tile iterates only over the union of those ranges for its queries, in key tiles
@@ -47,17 +44,13 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import inkling_attention
-from .triton_common import (ARRIVAL_COUNTERS, INTERPRET, LOG2E, TL_DTYPES, arrival_counters, dot, last_to_arrive,
-                            on_device_of_first_tensor, pdl, pdl_begin, pow2)
+from .triton_common import INTERPRET, LOG2E, TL_DTYPES, dot, on_device_of_first_tensor, pdl, pdl_begin, pow2
 
 
 # Launch policy (all overridable per call through keyword arguments).
 PREFILL_ROWS = 128  # query rows (tokens x padded GQA group) per prefill tile
 PREFILL_BLOCK_N = 64  # keys per key tile
 DECODE_BLOCK_N = 64
-# Query rows (tokens x GQA heads) of a tile up to which its last split merges the splits in the attention's launch
-# (each row one merge, unrolled); 0: always the merge launch, as before (for comparison).
-MERGE_HERE_MAX_ROWS = 16
 # fp32 tiles take twice the shared memory: half the rows and keys per tile (at head_dim 128 the bf16 prefill
 # tiles in fp32 need 295 KB of the H200's 227 KB).
 WIDE_PREFILL_ROWS = 64
@@ -191,7 +184,7 @@ def _scan_new(acc, m, l, lo, hi, q, qpos, qtau, rel_rows, r_tile, proj_ptr, row_
 @triton.jit(do_not_specialize=["stab_b", "query_len", "num_q_tiles", "table_cols", "split_len"])
 def _rel_attention_kernel(
     q_ptr, k_ptr, v_ptr, rel_ptr, proj_ptr, kst_ptr, vst_ptr, table_ptr, slots_ptr, pos_ptr, prev_ptr,
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, count_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     sq_b, sq_l, sq_h, sq_d, sk_b, sk_l, sk_h, sk_d, sv_b, sv_l, sv_h, sv_d,
     skst_s, skst_h, skst_d, svst_s, svst_h, svst_d, stab_b,
     query_len, num_q_tiles, table_cols, block_size, window, extent, split_len,
@@ -200,7 +193,7 @@ def _rel_attention_kernel(
     G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, WINDOWED: tl.constexpr, LOG_SCALING: tl.constexpr,
     IEEE: tl.constexpr, WIDEN: tl.constexpr, REL_FROM_R: tl.constexpr, D_REL: tl.constexpr, DR_PAD: tl.constexpr,
-    R_DTYPE: tl.constexpr, MERGE_HERE: tl.constexpr = False, S_PAD: tl.constexpr = 1, PDL: tl.constexpr = False,
+    R_DTYPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl_begin(PDL)
     pid = tl.program_id(0)
@@ -312,40 +305,10 @@ def _rel_attention_kernel(
         tl.store(part_m_ptr + part, m, mask=row_ok)
         tl.store(part_l_ptr + part, l, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=omask)
-        if MERGE_HERE:  # the tile's last split to finish merges its rows' splits (no merge launch)
-            if last_to_arrive(count_ptr + pid * tl.num_programs(1) + kv, NUM_SPLITS):
-                for mi in tl.static_range(BLOCK_M):
-                    if c0 + mi < query_len:
-                        for gi in tl.static_range(GROUP):
-                            _merge_head(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
-                                        (b64 * query_len + c0 + mi) * NUM_HEADS + kv * GROUP + gi, HEAD_DIM,
-                                        NUM_SPLITS, S_PAD, D_PAD, WIDEN)
     else:
         out = tl.where(l[:, None] > 0, acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
         tl.store(out_ptr + (t * NUM_HEADS + head)[:, None] * HEAD_DIM + d[None, :],
                  _round(out, out_ptr.dtype.element_ty, WIDEN), mask=omask)
-
-
-@triton.jit
-def _merge_head(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, th,
-                HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                WIDEN: tl.constexpr):
-    """Row ``th`` (token x query head): the splits' (max, sum, accumulator) combined and written (the partials
-    read past L1: other programs of the launch may have written them, `last_to_arrive`)."""
-    s = tl.arange(0, S_PAD)
-    d = tl.arange(0, D_PAD)
-    s_ok = s < NUM_SPLITS
-    m = tl.load(part_m_ptr + th * NUM_SPLITS + s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(part_l_ptr + th * NUM_SPLITS + s, mask=s_ok, other=0.0, cache_modifier=".cg")
-    acc = tl.load(part_acc_ptr + (th * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
-                  mask=s_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0, cache_modifier=".cg")
-    top = tl.max(m, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.exp2(m - top)  # empty splits (max -inf) weigh 0
-    total = tl.sum(w * l, axis=0)
-    o = tl.sum(w[:, None] * acc, axis=0)
-    o = tl.where(total > 0, o / tl.where(total > 0, total, 1.0), 0.0)
-    tl.store(out_ptr + th * HEAD_DIM + d, _round(o, out_ptr.dtype.element_ty, WIDEN), mask=d < HEAD_DIM)
 
 
 @triton.jit
@@ -354,8 +317,21 @@ def _merge_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
                          D_PAD: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (token, query head): combine the splits' (max, sum, accumulator)."""
     pdl_begin(PDL)
-    _merge_head(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, tl.program_id(0).to(tl.int64), HEAD_DIM, NUM_SPLITS,
-                S_PAD, D_PAD, WIDEN)
+    th = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    s_ok = s < NUM_SPLITS
+    m = tl.load(part_m_ptr + th * NUM_SPLITS + s, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + th * NUM_SPLITS + s, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + (th * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
+                  mask=s_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    top = tl.max(m, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(m - top)  # empty splits (max -inf) weigh 0
+    total = tl.sum(w * l, axis=0)
+    o = tl.sum(w[:, None] * acc, axis=0)
+    o = tl.where(total > 0, o / tl.where(total > 0, total, 1.0), 0.0)
+    tl.store(out_ptr + th * HEAD_DIM + d, _round(o, out_ptr.dtype.element_ty, WIDEN), mask=d < HEAD_DIM)
 
 
 @on_device_of_first_tensor
@@ -470,12 +446,10 @@ def _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots
     if num_warps is None:
         num_warps = 8 if block_m * g_pad * d_pad >= 128 * 128 else 4
     grid = (B * num_q_tiles, Hkv, num_splits)
-    # The last split of each (query tile, KV head) merges, for tiles of few rows and while the counters last.
-    merge_here = num_splits > 1 and block_m * G <= MERGE_HERE_MAX_ROWS and grid[0] * grid[1] <= ARRIVAL_COUNTERS
     _rel_attention_kernel[grid](
         q, k, v, rel, proj.contiguous() if from_r else rel, key_store, value_store, table, slots.contiguous(),
         position.contiguous(),
-        prev_len.contiguous(), out, part_m, part_l, part_acc, arrival_counters(q.device) if merge_here else out,
+        prev_len.contiguous(), out, part_m, part_l, part_acc,
         *q.stride(), *k.stride(), *v.stride(),
         *key_store.stride(), *value_store.stride(), table.stride(0),
         L, num_q_tiles, table.shape[1], block_size, window if window is not None else 0, E, split_len,
@@ -483,10 +457,9 @@ def _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots
         NUM_HEADS=Hq, GROUP=G, HEAD_DIM=hd, G_PAD=g_pad, BLOCK_M=block_m, D_PAD=d_pad, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, WINDOWED=window is not None, LOG_SCALING=log_scaling is not None,
         IEEE=ieee, WIDEN=INTERPRET, REL_FROM_R=from_r, D_REL=d_rel, DR_PAD=pow2(d_rel), R_DTYPE=TL_DTYPES[rel.dtype],
-        MERGE_HERE=merge_here, S_PAD=triton.next_power_of_2(num_splits),
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl(q),
     )
-    if num_splits > 1 and not merge_here:
+    if num_splits > 1:
         _merge_splits_kernel[(T * Hq,)](
             part_m, part_l, part_acc, out, HEAD_DIM=hd, NUM_SPLITS=num_splits,
             S_PAD=triton.next_power_of_2(num_splits), D_PAD=triton.next_power_of_2(hd), WIDEN=INTERPRET,

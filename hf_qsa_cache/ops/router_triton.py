@@ -6,15 +6,10 @@ ranges of the hidden size, so that one token still spreads the weight read over 
 per token read a 65 x 2048 router alone in 60 us on the H200, against a few for the read; cuBLAS's GEMV
 took 5.0 us a Qwen4Exp layer). Partial sums in fp32, the weight read as stored.
 
-`_route_topk`: per token, the projection's partial sums added up (or the logits of a prompt's GEMM, one
-"partial") and rounded to the model's dtype as the projection's output would be, then softmax in fp32, top
-``k`` (`triton_common.top_k_picks`) and the renormalisation, in registers.
-
-A decode or verify step (up to `SPLIT_PROJECTION_MAX_TOKENS` tokens) routes in one launch, `_route_kernel`: the
-last program of a token's projection to finish (`triton_common.last_to_arrive`) adds up the partial sums and
-routes the token, instead of a second launch doing it (a launch and its gap, about 2-3 us a layer in a graphed
-step, against one atomic and a read of the partial sums from L2). A prompt takes the GEMM, then
-`_route_topk_kernel` on one warp (its reductions over 64 experts are warp shuffles).
+`_route_topk_kernel`: per token, the projection's partial sums added up (or the logits of a prompt's GEMM,
+one "partial") and rounded to the model's dtype as the projection's output would be, then softmax in fp32,
+top ``k`` (`triton_common.top_k_picks`) and the renormalisation, in registers. One warp: its reductions
+over 64 experts are warp shuffles, with no shared-memory round trips between the ``k`` picks.
 """
 
 from __future__ import annotations
@@ -23,41 +18,30 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import (ARRIVAL_COUNTERS, TL_DTYPES, arrival_counters, l2_lines, last_to_arrive,
-                            on_device_of_first_tensor, pdl, pdl_begin, prefetch_rows_l2, top_k_picks)
+from .triton_common import TL_DTYPES, l2_lines, on_device_of_first_tensor, pdl, pdl_begin, prefetch_rows_l2, top_k_picks
 
 BLOCK_E = 16  # experts (router rows) per program of the projection
 BLOCK_H = 256  # hidden columns per chunk of the projection
 TARGET_PROGRAMS = 128  # the projection's programs a launch aims for (about one per SM on an H100 / H200)
 # Up to this many tokens the projection is `router_partials` (a decode or verify step); more take the GEMM.
 SPLIT_PROJECTION_MAX_TOKENS = 16
-# Up to this many tokens both routers route in the projection's launch (`last_to_arrive`; 0: in a second launch,
-# as before, for comparison).
-ONE_LAUNCH_MAX_TOKENS = SPLIT_PROJECTION_MAX_TOKENS
 
 
-@triton.jit
-def prefetch_range_rows(w_ptr, split_len, HIDDEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-                        LINES: tl.constexpr):
-    """`prefetch_rows_l2` of the block of the weight that this program of the split projection reads (program ids:
-    row block, range), asked for before the kernel's `pdl_begin`."""
-    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    lo = tl.program_id(1) * split_len
-    prefetch_rows_l2(w_ptr + lo, e, e < ROWS, HIDDEN, tl.minimum(split_len, HIDDEN - lo), LINES)
-
-
-@triton.jit
-def project_range(x_ptr, w_ptr, part_ptr, stride_xt, num_tokens, split_len,
-                  HIDDEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
-    """part[s, t, e] = sum over the s-th hidden range of x[t, h] * w[e, h] (fp32) for this program's block of rows
-    (program ids: row block, range s, token t); returns t. (Called after the kernel's `pdl_begin`; before it, a
-    kernel launched early asks for the same block of the weight, `prefetch_rows_l2`.)"""
+@triton.jit(do_not_specialize=["stride_xt", "num_tokens", "split_len"])
+def _router_logits_kernel(x_ptr, w_ptr, part_ptr, stride_xt, num_tokens, split_len,
+                          HIDDEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                          LINES: tl.constexpr, PDL: tl.constexpr = False):
+    """part[s, t, e] = sum over the s-th hidden range of x[t, h] * w[e, h] (fp32). Launched early (``PDL``), the
+    program first asks for its block of the weight to be fetched into L2 (`triton_common.prefetch_rows_l2`)."""
     e_block, s, t = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     e = e_block * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < ROWS
-    # split_len is a multiple of BLOCK_H (`split_plan`): said to the compiler, which then reads 8 contiguous,
+    # split_len is a multiple of BLOCK_H (`router_partials`): said to the compiler, which then reads 8 contiguous,
     # aligned weights as one 16-byte access (not knowing it, it read them 2 bytes at a time)
     lo = tl.multiple_of(s * split_len, BLOCK_H)
+    if PDL:
+        prefetch_rows_l2(w_ptr + lo, e, e_ok, HIDDEN, tl.minimum(split_len, HIDDEN - lo), LINES)
+    pdl_begin(PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
     for h0 in range(lo, lo + split_len, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
@@ -67,39 +51,6 @@ def project_range(x_ptr, w_ptr, part_ptr, stride_xt, num_tokens, split_len,
                     other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     tl.store(part_ptr + (s * num_tokens + t) * ROWS + e, tl.sum(acc, axis=1), mask=e_ok)
-    return t
-
-
-@triton.jit(do_not_specialize=["stride_xt", "num_tokens", "split_len"])
-def _router_logits_kernel(x_ptr, w_ptr, part_ptr, stride_xt, num_tokens, split_len,
-                          HIDDEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                          LINES: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early: the program's block of the weight into L2 while the kernel before runs
-        prefetch_range_rows(w_ptr, split_len, HIDDEN, ROWS, BLOCK_E, LINES)
-    pdl_begin(PDL)
-    project_range(x_ptr, w_ptr, part_ptr, stride_xt, num_tokens, split_len, HIDDEN, ROWS, BLOCK_E, BLOCK_H)
-
-
-def split_plan(T: int, H: int, rows: int, block_h: int = BLOCK_H, splits: int | None = None) -> tuple[int, int, int]:
-    """``(block_h, split_len, splits)`` of the split projection of ``T`` tokens onto ``rows`` router rows: hidden
-    ranges of ``split_len`` (a multiple of ``block_h``), ``splits`` of them (None: enough for `TARGET_PROGRAMS`)."""
-    block_h = min(block_h, triton.next_power_of_2(H))
-    if splits is None:
-        splits = triton.cdiv(TARGET_PROGRAMS, triton.cdiv(rows, BLOCK_E) * T)
-    split_len = block_h * triton.cdiv(triton.cdiv(H, max(1, splits)), block_h)
-    return block_h, split_len, triton.cdiv(H, split_len)
-
-
-def projection_args(x: torch.Tensor, weight: torch.Tensor, block_h: int = BLOCK_H,
-                    splits: int | None = None) -> tuple[tuple, torch.Tensor, int, dict]:
-    """The split projection's grid, its fp32 partial sums ``[splits, T, rows]`` (to be written), its range length
-    and its compile-time sizes (`project_range`)."""
-    T, H = x.shape
-    rows = weight.shape[0]
-    block_h, split_len, splits = split_plan(T, H, rows, block_h, splits)
-    part = torch.empty(splits, T, rows, dtype=torch.float32, device=x.device)
-    sizes = dict(HIDDEN=H, ROWS=rows, BLOCK_E=BLOCK_E, BLOCK_H=block_h, LINES=l2_lines(H, weight.dtype))
-    return (triton.cdiv(rows, BLOCK_E), splits, T), part, split_len, sizes
 
 
 def router_partials(x: torch.Tensor, weight: torch.Tensor, block_h: int = BLOCK_H,
@@ -107,22 +58,31 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor, block_h: int = BLOCK_
     """``[splits, T, rows]`` fp32 partial sums of ``x [T, H] @ weight.T`` over ranges of the hidden size (one
     launch; ``T >= 1``). ``block_h`` and ``splits`` (None: enough for `TARGET_PROGRAMS`) are its tiling (tests
     force them small)."""
-    grid, part, split_len, sizes = projection_args(x, weight, block_h, splits)
-    _router_logits_kernel[grid](x, weight, part, x.stride(0), x.shape[0], split_len, **sizes, num_warps=4, **pdl(x))
+    T, H = x.shape
+    rows = weight.shape[0]
+    block_h = min(block_h, triton.next_power_of_2(H))
+    e_blocks = triton.cdiv(rows, BLOCK_E)
+    if splits is None:
+        splits = triton.cdiv(TARGET_PROGRAMS, e_blocks * T)
+    split_len = block_h * triton.cdiv(triton.cdiv(H, max(1, splits)), block_h)
+    splits = triton.cdiv(H, split_len)
+    part = torch.empty(splits, T, rows, dtype=torch.float32, device=x.device)
+    _router_logits_kernel[(e_blocks, splits, T)](
+        x, weight, part, x.stride(0), T, split_len, HIDDEN=H, ROWS=rows, BLOCK_E=BLOCK_E, BLOCK_H=block_h,
+        LINES=l2_lines(H, weight.dtype), num_warps=4, **pdl(x))
     return part
 
 
-@triton.jit
-def _route_topk(part_ptr, weights_ptr, experts_ptr, t, num_tokens, splits,
-                E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-                NORMALIZE: tl.constexpr, LOGITS_DTYPE: tl.constexpr):
-    """Token ``t``'s routing from the projection's ``splits`` partial sums (read past L1: another program of
-    the launch may have written them, `last_to_arrive`)."""
+@triton.jit(do_not_specialize=["num_tokens", "splits"])
+def _route_topk_kernel(part_ptr, weights_ptr, experts_ptr, num_tokens, splits,
+                       E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+                       NORMALIZE: tl.constexpr, LOGITS_DTYPE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
+    t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     x = tl.zeros([E_PAD], tl.float32)
     for split in range(splits):  # (a runtime count: a new batch size does not recompile)
-        x += tl.load(part_ptr + (split * num_tokens + t) * E + e, mask=e < E, other=0.0,
-                     cache_modifier=".cg").to(tl.float32)
+        x += tl.load(part_ptr + (split * num_tokens + t) * E + e, mask=e < E, other=0.0).to(tl.float32)
     x = x.to(LOGITS_DTYPE).to(tl.float32)  # the projection's output dtype
     x = tl.where(e < E, x, float("-inf"))
     p = tl.exp(x - tl.max(x, axis=0))
@@ -135,37 +95,12 @@ def _route_topk(part_ptr, weights_ptr, experts_ptr, t, num_tokens, splits,
     tl.store(experts_ptr + t * K + j, picked, mask=j < K)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "splits"])
-def _route_topk_kernel(part_ptr, weights_ptr, experts_ptr, num_tokens, splits,
-                       E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-                       NORMALIZE: tl.constexpr, LOGITS_DTYPE: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_begin(PDL)
-    _route_topk(part_ptr, weights_ptr, experts_ptr, tl.program_id(0).to(tl.int64), num_tokens, splits, E, E_PAD, K,
-                K_PAD, NORMALIZE, LOGITS_DTYPE)
-
-
-@triton.jit(do_not_specialize=["stride_xt", "num_tokens", "split_len", "splits"])
-def _route_kernel(x_ptr, w_ptr, part_ptr, count_ptr, weights_ptr, experts_ptr, stride_xt, num_tokens, split_len,
-                  splits, HIDDEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                  LINES: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-                  NORMALIZE: tl.constexpr, LOGITS_DTYPE: tl.constexpr, PDL: tl.constexpr = False):
-    """The split projection, then the token's routing in the last of its programs to finish: one launch."""
-    if PDL:  # launched early: the program's block of the weight into L2 while the kernel before runs
-        prefetch_range_rows(w_ptr, split_len, HIDDEN, ROWS, BLOCK_E, LINES)
-    pdl_begin(PDL)
-    t = project_range(x_ptr, w_ptr, part_ptr, stride_xt, num_tokens, split_len, HIDDEN, ROWS, BLOCK_E, BLOCK_H)
-    if last_to_arrive(count_ptr + t, tl.num_programs(0) * tl.num_programs(1)):
-        _route_topk(part_ptr, weights_ptr, experts_ptr, t, num_tokens, splits, ROWS, E_PAD, K, K_PAD, NORMALIZE,
-                    LOGITS_DTYPE)
-
-
 @on_device_of_first_tensor
 def route_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool, *,
                  split: bool | None = None, block_h: int = BLOCK_H,
                  splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`router.route_torch` on CUDA: for up to `SPLIT_PROJECTION_MAX_TOKENS` tokens (``split`` forces the
-    choice) the split projection with the routing in its last programs (`last_to_arrive`, one launch; two past
-    `ONE_LAUNCH_MAX_TOKENS` tokens), else the GEMM and the routing (two)."""
+    """`router.route_torch` in two launches: the projection (`router_partials` for up to
+    `SPLIT_PROJECTION_MAX_TOKENS` tokens, else the GEMM; ``split`` forces the choice), then the routing."""
     x, weight = x.contiguous(), weight.contiguous()
     T = x.shape[0]
     E = weight.shape[0]
@@ -173,17 +108,11 @@ def route_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: b
     experts = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     if not T:
         return weights, experts
-    routing = dict(E_PAD=triton.next_power_of_2(E), K=top_k, K_PAD=triton.next_power_of_2(top_k),
-                   NORMALIZE=normalize, LOGITS_DTYPE=TL_DTYPES[x.dtype])
-    split = split if split is not None else T <= SPLIT_PROJECTION_MAX_TOKENS
-    if split and T <= min(ONE_LAUNCH_MAX_TOKENS, ARRIVAL_COUNTERS):
-        grid, part, split_len, sizes = projection_args(x, weight, block_h, splits)
-        _route_kernel[grid](x, weight, part, arrival_counters(x.device), weights, experts, x.stride(0), T, split_len,
-                            grid[1], **sizes, **routing, num_warps=4, **pdl(x))
-        return weights, experts
-    if split:
+    if split if split is not None else T <= SPLIT_PROJECTION_MAX_TOKENS:
         part = router_partials(x, weight, block_h, splits)
     else:
         part = torch.nn.functional.linear(x, weight)[None]  # one "partial": the GEMM's logits, already rounded
-    _route_topk_kernel[(T,)](part, weights, experts, T, part.shape[0], E=E, **routing, num_warps=1, **pdl(part))
+    _route_topk_kernel[(T,)](part, weights, experts, T, part.shape[0], E=E, E_PAD=triton.next_power_of_2(E),
+                             K=top_k, K_PAD=triton.next_power_of_2(top_k), NORMALIZE=normalize,
+                             LOGITS_DTYPE=TL_DTYPES[x.dtype], num_warps=1, **pdl(part))
     return weights, experts

@@ -78,38 +78,6 @@ def prefetch_rows_l2(ptr, rows, row_ok, row_stride, row_len, LINES: tl.constexpr
     prefetch_l2(ptr + rows[:, None].to(tl.int64) * row_stride + j[None, :], row_ok[:, None] & (j < row_len)[None, :])
 
 
-@triton.jit
-def last_to_arrive(counter_ptr, arrivals):
-    """Whether this program is the last of the ``arrivals`` programs of a launch that call this on
-    ``counter_ptr`` (each once, after its stores): a launch's last step (a reduction of what its programs wrote)
-    then runs in that program instead of a launch of its own. The stores the others made before their call are
-    visible to the last program if it reads them past L1 (``cache_modifier=".cg"``). The last program sets the
-    counter back to 0, so one counter (`arrival_counters`) serves every later launch on the device: launches
-    that share a counter must not overlap (one stream, as a decode step runs)."""
-    tl.debug_barrier()  # every thread's stores of this program come before its arrival is counted (a release)
-    seen = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    last = seen == arrivals - 1
-    tl.atomic_xchg(counter_ptr, 0, mask=last, sem="relaxed", scope="gpu")
-    return last
-
-
-# Counters per device for `last_to_arrive`: one per group of programs of a launch (a routed token, a (query tile,
-# KV head) of an attention launch); a launch with more groups takes the path without it.
-ARRIVAL_COUNTERS = 1024
-_arrival_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device) -> torch.Tensor:
-    """The device's `ARRIVAL_COUNTERS` zeroed int32 counters for `last_to_arrive`, made once and kept (a recorded
-    CUDA graph holds their address); every launch leaves them at 0."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    counters = _arrival_counters.get(device)
-    if counters is None:
-        counters = _arrival_counters[device] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
-    return counters
-
-
 def l2_lines(row_len: int, dtype: torch.dtype) -> int:
     """`prefetch_rows_l2`'s ``LINES`` for rows of ``row_len`` elements of ``dtype``."""
     return triton.next_power_of_2(max(1, -(-row_len * dtype.itemsize // 128)))
