@@ -8,8 +8,8 @@ Cases (bf16, hidden 2048, `bench_generate.py`'s configs): Qwen4Exp's GatedDeltaN
 attention (q 2048, k 512, v 512, relative 256), and one projection alone (GatedDeltaNet's out_proj, 4096 ->
 2048; Inkling's o_proj, 2048 -> 2048), at 1, 8 and 16 tokens; at one token also the kernel's GEMV form (no
 tl.dot). Each time is the mean of 16 calls recorded in one CUDA graph, the calls rotating over 4 to 16 copies
-of the weights (about 150 MB or more in all, so that L2 does not keep them). ``floor_us``: the weights' bytes at 4.25 TB/s
-(the copy bandwidth `bench_generate.py` measured). ``max_err``: the largest difference from the fp32 math on
+of the weights (about 150 MB or more in all, so that L2 does not keep them). ``floor_us``: the weights' bytes at
+4.25 TB/s (the copy bandwidth `bench_generate.py` measured). ``max_err``: the largest difference from the fp32 math on
 the same bf16 values, first call.
 """
 
@@ -30,7 +30,8 @@ from sweep_experts_tiles import graph_us  # noqa: E402
 
 CASES = {"gdn_in": (2048, [8192, 4096, 32, 32]), "qsa_in": (2048, [8192, 512, 512, 4224]),
          "inkling_in": (2048, [2048, 512, 512, 256]), "out_proj": (4096, [2048]), "inkling_o_proj": (2048, [2048])}
-TILES = [lt.TILES, lt.ONE_TOKEN_DOT_TILES, (16, 128, 4), (16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 512, 8), (64, 128, 4), (64, 256, 8)]
+TILES = [lt.TILES, lt.ONE_TOKEN_DOT_TILES, (16, 128, 4), (16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 512, 8),
+         (64, 128, 4), (64, 256, 8)]
 # The GEMV form (no tl.dot), one token only: rows per program x chunk x warps.
 GEMV_TILES = [lt.ONE_TOKEN_TILES, lt.ONE_TOKEN_WIDE_TILES, (8, 512, 4, True), (16, 1024, 8, True), (2, 1024, 2, True),
               (2, 2048, 4, True), (4, 2048, 4, True), (4, 2048, 8, True), (8, 2048, 8, True), (4, 512, 2, True)]
@@ -51,7 +52,8 @@ def main() -> None:
         for tokens in (1, 8, 16):
             xs = [torch.randn(tokens, K, generator=gen).to(device, torch.bfloat16) for _ in range(CALLS)]
             exact = [xs[0].float() @ w.float().T for w in weights[0]]
-            case = {"case": name, "rows": rows, "K": K, "tokens": tokens, "floor_us": round(floor, 1), "copies": copies}
+            case = {"case": name, "rows": rows, "K": K, "tokens": tokens, "floor_us": round(floor, 1),
+                    "copies": copies}
 
             def report(path, fn, **extra):
                 us = graph_us([lambda i=i: fn(xs[i], weights[i % copies]) for i in range(CALLS)])

@@ -163,7 +163,8 @@ class MixTiles:
 # rows), 8 rows a program in 8 input ranges of 1024, so the up projection adds 8 partial sums, not 32: 8.1 us a
 # mixing on an H100 against 9.8 for the dot form's best tiles (`ONE_TOKEN_DOT_MIX_TILES`, 11.2 us on an H200, the
 # cuBLAS path 16.9); a Qwen4Exp 40-layer decode step at 1 x 4096 4.63 ms against 4.74 on the same H100. (Timed
-# while its weights were still read 2 bytes at a time; `_down_tiles` reads them 16 bytes at a time since, untimed.)
+# while its weights were still read 2 bytes at a time; with 16-byte reads, `_down_tiles`, timed only inside the
+# whole step since: 3.87 ms on the H200, `benchmarks/RESULTS.md`.)
 # More tokens: the dot form, 8 tokens 18.9 us on an H200 (the cuBLAS path 22.7).
 ONE_TOKEN_MIX_TILES = MixTiles(splits=8, block_n=8, block_k=1024, down_warps=4, block_h=8, r_chunk=128, up_warps=4,
                                gemv=True)
@@ -270,6 +271,8 @@ def _hc_down_kernel(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, squ
             prefetch_rows_l2(inject_w_ptr + lo, n - R, n_ok & (n >= R), K, hi - lo, LINES)
     pdl_begin(PDL)
     write_streams = RESIDUAL and n_block == 0
+    # Two calls, not one on a base chosen by an if: a value merged from two branches loses the alignment the
+    # compiler knows of each, and the down projection's blocks would read their weights 2 bytes at a time.
     if (n_block + 1) * BLOCK_N <= R:  # rows of the down projection only
         acc, squares = _down_tiles(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr,
                                    down_ptr + n.to(tl.int64) * K, m, m_ok, n_ok, c, lo, hi, write_streams,
