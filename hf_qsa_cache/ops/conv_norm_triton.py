@@ -18,34 +18,50 @@ from .triton_common import TL_DTYPES, on_device_of_first_tensor, pdl, pdl_begin
 
 
 @triton.jit
-def _conv_taps(x_ptr, t, c, cm, x_row, w_ptr, store_ptr, store_s0, store_s1, width, table_ptr, table_s0, table_cols,
-               slots_ptr, pos_ptr, prev_ptr, query_len, block_size, K: tl.constexpr):
-    """Token ``t``'s input at channels ``c`` (``cm``: real ones) plus its ``K`` taps, in fp32; writes the input to
-    the token's slot (a pad's slot -1 goes to the null block)."""
-    t64 = t.to(tl.int64)
+def _conv_history(t, c, cm, w_ptr, store_ptr, store_s0, store_s1, width, table_ptr, table_s0, table_cols, pos_ptr,
+                  prev_ptr, query_len, block_size, K: tl.constexpr):
+    """Token ``t``'s conv over its taps from the paged store (positions before the row's earlier length) at
+    channels ``c`` (``cm``: real ones), in fp32, taps from this step's input counting 0; with the token's
+    position and its row's earlier length (per lane). Reads only step metadata, weights and what earlier steps
+    stored: safe before `pdl_begin` (see there)."""
     row = t // query_len
     lanes = tl.zeros(c.shape, dtype=tl.int32)  # the token's scalars loaded per lane: masks stay vectors
     p = tl.load(pos_ptr + t + lanes)
     prev = tl.load(prev_ptr + row + lanes).to(tl.int64)
-    valid = p >= 0
     store_col = (c // width) * store_s1 + c % width
-    x_raw = tl.load(x_ptr + t64 * x_row + c, mask=cm, other=0.0)
     acc = tl.zeros(c.shape, dtype=tl.float32)
     for j in tl.static_range(K):
-        back = K - 1 - j
-        src = p - back
-        in_x = valid & (src >= prev)
-        in_store = valid & (src >= 0) & (src < prev)
+        src = p - (K - 1 - j)
+        in_store = (p >= 0) & (src >= 0) & (src < prev)
         w = tl.load(w_ptr + c * K + j, mask=cm, other=0.0).to(tl.float32)
-        tap_x = tl.load(x_ptr + (t64 - back) * x_row + c, mask=cm & in_x, other=0.0)
         safe = tl.maximum(src, 0)
         col = tl.minimum(safe // block_size, table_cols - 1)
         block = tl.load(table_ptr + row * table_s0 + col, mask=in_store, other=0).to(tl.int64)
         slot = block * block_size + safe % block_size
-        tap_s = tl.load(store_ptr + slot * store_s0 + store_col, mask=cm & in_store, other=0.0)
-        acc = acc + tl.where(in_x, tap_x.to(tl.float32), tap_s.to(tl.float32)) * w
+        tap = tl.load(store_ptr + slot * store_s0 + store_col, mask=cm & in_store, other=0.0)
+        acc = acc + tap.to(tl.float32) * w
+    return acc, p, prev
+
+
+@triton.jit
+def _conv_taps(history, x_ptr, t, c, cm, x_row, w_ptr, store_ptr, store_s0, store_s1, width, slots_ptr,
+               K: tl.constexpr):
+    """`_conv_history` plus the taps from this step's input ``x`` and the input itself (the conv's residual), in
+    fp32; writes the input to the token's slot (a pad's slot -1 goes to the null block). The sum runs in tap
+    order as one loop over all taps would: a token's store taps all precede its input taps."""
+    acc, p, prev = history
+    t64 = t.to(tl.int64)
+    lanes = tl.zeros(c.shape, dtype=tl.int32)
+    x_raw = tl.load(x_ptr + t64 * x_row + c, mask=cm, other=0.0)
+    for j in tl.static_range(K):
+        back = K - 1 - j
+        in_x = (p >= 0) & (p - back >= prev)
+        w = tl.load(w_ptr + c * K + j, mask=cm & in_x, other=0.0).to(tl.float32)
+        tap = tl.load(x_ptr + (t64 - back) * x_row + c, mask=cm & in_x, other=0.0)
+        acc = acc + tap.to(tl.float32) * w
     out_slot = tl.maximum(tl.load(slots_ptr + t + lanes), 0)
-    tl.store(store_ptr + out_slot * store_s0 + store_col, x_raw.to(store_ptr.dtype.element_ty), mask=cm)
+    tl.store(store_ptr + out_slot * store_s0 + (c // width) * store_s1 + c % width,
+             x_raw.to(store_ptr.dtype.element_ty), mask=cm)
     return acc + x_raw.to(tl.float32)
 
 
@@ -67,25 +83,31 @@ def _attention_inputs_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HD_PAD: tl.constexpr, K: tl.constexpr,
     Q_PRODUCT: tl.constexpr, K_PRODUCT: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    pdl_begin(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
     t64 = t.to(tl.int64)
     d = tl.arange(0, HD_PAD)
     dm = d < HD
     if g < HQ:
+        pdl_begin(PDL)
         x = tl.load(q_ptr + t64 * (HQ * HD) + g * HD + d, mask=dm, other=0.0)
         tl.store(q_out + t64 * (HQ * HD) + g * HD + d, _rms_normed(x, q_norm_ptr, d, dm, HD, q_eps, Q_PRODUCT),
                  mask=dm)
     elif g < HQ + HKV:
         c = (g - HQ) * HD + d
-        key = _conv_taps(k_ptr, t, c, dm, HKV * HD, k_conv_ptr, k_store, k_s0, k_s1, k_width, table_ptr, table_s0,
-                         table_cols, slots_ptr, pos_ptr, prev_ptr, query_len, block_size, K).to(k_ptr.dtype.element_ty)
+        history = _conv_history(t, c, dm, k_conv_ptr, k_store, k_s0, k_s1, k_width, table_ptr, table_s0, table_cols,
+                                pos_ptr, prev_ptr, query_len, block_size, K)
+        pdl_begin(PDL)
+        key = _conv_taps(history, k_ptr, t, c, dm, HKV * HD, k_conv_ptr, k_store, k_s0, k_s1, k_width, slots_ptr,
+                         K).to(k_ptr.dtype.element_ty)
         tl.store(k_out + t64 * (HKV * HD) + c, _rms_normed(key, k_norm_ptr, d, dm, HD, k_eps, K_PRODUCT), mask=dm)
     else:
         c = (g - HQ - HKV) * HD + d
-        value = _conv_taps(v_ptr, t, c, dm, HKV * HD, v_conv_ptr, v_store, v_s0, v_s1, v_width, table_ptr,
-                           table_s0, table_cols, slots_ptr, pos_ptr, prev_ptr, query_len, block_size, K)
+        history = _conv_history(t, c, dm, v_conv_ptr, v_store, v_s0, v_s1, v_width, table_ptr, table_s0, table_cols,
+                                pos_ptr, prev_ptr, query_len, block_size, K)
+        pdl_begin(PDL)
+        value = _conv_taps(history, v_ptr, t, c, dm, HKV * HD, v_conv_ptr, v_store, v_s0, v_s1, v_width, slots_ptr,
+                           K)
         tl.store(v_out + t64 * (HKV * HD) + c, value.to(v_out.dtype.element_ty), mask=dm)
 
 
@@ -96,13 +118,15 @@ def _conv_add_rms_norm_kernel(
     C: tl.constexpr, C_PAD: tl.constexpr, K: tl.constexpr, RESIDUAL: tl.constexpr, PRODUCT: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    pdl_begin(PDL)
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
     c = tl.arange(0, C_PAD)
     cm = c < C
-    h = _conv_taps(x_ptr, t, c, cm, C, conv_ptr, store_ptr, store_s0, store_s1, width, table_ptr, table_s0,
-                   table_cols, slots_ptr, pos_ptr, prev_ptr, query_len, block_size, K).to(h_ptr.dtype.element_ty)
+    history = _conv_history(t, c, cm, conv_ptr, store_ptr, store_s0, store_s1, width, table_ptr, table_s0, table_cols,
+                            pos_ptr, prev_ptr, query_len, block_size, K)
+    pdl_begin(PDL)
+    h = _conv_taps(history, x_ptr, t, c, cm, C, conv_ptr, store_ptr, store_s0, store_s1, width, slots_ptr,
+                   K).to(h_ptr.dtype.element_ty)
     if RESIDUAL:
         # As torch adds two tensors of the activations' dtype: in fp32, rounded once.
         h = (tl.load(residual_ptr + t64 * C + c, mask=cm, other=0.0).to(tl.float32) + h.to(tl.float32))

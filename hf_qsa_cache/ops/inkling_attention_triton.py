@@ -195,7 +195,6 @@ def _rel_attention_kernel(
     IEEE: tl.constexpr, WIDEN: tl.constexpr, REL_FROM_R: tl.constexpr, D_REL: tl.constexpr, DR_PAD: tl.constexpr,
     R_DTYPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    pdl_begin(PDL)
     pid = tl.program_id(0)
     b = pid // num_q_tiles
     tile = num_q_tiles - 1 - pid % num_q_tiles  # longest key ranges first
@@ -207,20 +206,8 @@ def _rel_attention_kernel(
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
 
-    # This forward's K/V go to their slots (pads and unallocated positions: the null block).
-    if split == 0:
-        tc = c0 + tl.arange(0, BLOCK_M)
-        t_ok = tc < query_len
-        wmask = t_ok[:, None] & d_ok[None, :]
-        slot = tl.maximum(tl.load(slots_ptr + b64 * query_len + tc, mask=t_ok, other=0), 0).to(tl.int64)
-        kk = tl.load(k_ptr + b64 * sk_b + tc[:, None] * sk_l + kv * sk_h + d[None, :] * sk_d, mask=wmask)
-        tl.store(kst_ptr + slot[:, None] * skst_s + kv * skst_h + d[None, :] * skst_d,
-                 kk.to(kst_ptr.dtype.element_ty), mask=wmask)
-        vv = tl.load(v_ptr + b64 * sv_b + tc[:, None] * sv_l + kv * sv_h + d[None, :] * sv_d, mask=wmask)
-        tl.store(vst_ptr + slot[:, None] * svst_s + kv * svst_h + d[None, :] * svst_d,
-                 vv.to(vst_ptr.dtype.element_ty), mask=wmask)
-
-    # Query rows: token c0 + i // G_PAD, head kv * GROUP + i % G_PAD.
+    # Query rows: token c0 + i // G_PAD, head kv * GROUP + i % G_PAD. Their positions and the key ranges come
+    # from the step's metadata, read before the wait (`pdl_begin`).
     i = tl.arange(0, BLOCK_M * G_PAD)
     col = c0 + i // G_PAD
     g = i % G_PAD
@@ -229,24 +216,6 @@ def _rel_attention_kernel(
     t = b64 * query_len + col
     qpos = tl.load(pos_ptr + t, mask=row_ok, other=-1).to(tl.int32)
     qpos = tl.where(row_ok, qpos, -1)
-    q = tl.load(q_ptr + b64 * sq_b + col[:, None] * sq_l + head[:, None] * sq_h + d[None, :] * sq_d,
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    qtau = tl.full([BLOCK_M * G_PAD], 1.0, tl.float32)
-    if LOG_SCALING:
-        n = (tl.maximum(qpos, 0) + 1).to(tl.float32)
-        qtau = 1.0 + alpha * tl.log(tl.maximum(n / n_floor, 1.0))
-        q = _round(q.to(tl.float32) * qtau[:, None], q.dtype, WIDEN)
-    if IEEE:
-        q = q.to(tl.float32)
-    if REL_FROM_R:  # rel_ptr holds r [B, L, Hq, D_REL]: the bias is computed per key tile
-        rel_rows = rel_ptr + (t * NUM_HEADS + head) * D_REL
-        j_ids = tl.arange(0, DR_PAD)
-        r_tile = tl.load(rel_rows[:, None] + j_ids[None, :], mask=row_ok[:, None] & (j_ids < D_REL)[None, :],
-                         other=0.0)
-    else:  # rel_ptr holds r @ P [B, L, Hq, E]: gathered
-        rel_rows = rel_ptr + (t * NUM_HEADS + head) * extent
-        r_tile = tl.zeros([BLOCK_M * G_PAD, DR_PAD], tl.float32)
-
     prev = tl.load(prev_ptr + b).to(tl.int32)
     last_pos = tl.load(pos_ptr + b64 * query_len + query_len - 1).to(tl.int32)
     q_hi = tl.max(qpos, axis=0) + 1  # keys end after the tile's last query (0 when all pads)
@@ -266,6 +235,38 @@ def _rel_attention_kernel(
         far_hi = k_lo
     else:
         far_hi = tl.maximum(k_lo, q_lo - extent + 1)
+
+    pdl_begin(PDL)
+    # This forward's K/V go to their slots (pads and unallocated positions: the null block).
+    if split == 0:
+        tc = c0 + tl.arange(0, BLOCK_M)
+        t_ok = tc < query_len
+        wmask = t_ok[:, None] & d_ok[None, :]
+        slot = tl.maximum(tl.load(slots_ptr + b64 * query_len + tc, mask=t_ok, other=0), 0).to(tl.int64)
+        kk = tl.load(k_ptr + b64 * sk_b + tc[:, None] * sk_l + kv * sk_h + d[None, :] * sk_d, mask=wmask)
+        tl.store(kst_ptr + slot[:, None] * skst_s + kv * skst_h + d[None, :] * skst_d,
+                 kk.to(kst_ptr.dtype.element_ty), mask=wmask)
+        vv = tl.load(v_ptr + b64 * sv_b + tc[:, None] * sv_l + kv * sv_h + d[None, :] * sv_d, mask=wmask)
+        tl.store(vst_ptr + slot[:, None] * svst_s + kv * svst_h + d[None, :] * svst_d,
+                 vv.to(vst_ptr.dtype.element_ty), mask=wmask)
+
+    q = tl.load(q_ptr + b64 * sq_b + col[:, None] * sq_l + head[:, None] * sq_h + d[None, :] * sq_d,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    qtau = tl.full([BLOCK_M * G_PAD], 1.0, tl.float32)
+    if LOG_SCALING:
+        n = (tl.maximum(qpos, 0) + 1).to(tl.float32)
+        qtau = 1.0 + alpha * tl.log(tl.maximum(n / n_floor, 1.0))
+        q = _round(q.to(tl.float32) * qtau[:, None], q.dtype, WIDEN)
+    if IEEE:
+        q = q.to(tl.float32)
+    if REL_FROM_R:  # rel_ptr holds r [B, L, Hq, D_REL]: the bias is computed per key tile
+        rel_rows = rel_ptr + (t * NUM_HEADS + head) * D_REL
+        j_ids = tl.arange(0, DR_PAD)
+        r_tile = tl.load(rel_rows[:, None] + j_ids[None, :], mask=row_ok[:, None] & (j_ids < D_REL)[None, :],
+                         other=0.0)
+    else:  # rel_ptr holds r @ P [B, L, Hq, E]: gathered
+        rel_rows = rel_ptr + (t * NUM_HEADS + head) * extent
+        r_tile = tl.zeros([BLOCK_M * G_PAD, DR_PAD], tl.float32)
 
     m = tl.full([BLOCK_M * G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M * G_PAD], tl.float32)

@@ -51,9 +51,15 @@ def pdl(tensor: torch.Tensor) -> dict:
 
 @triton.jit
 def pdl_begin(PDL: tl.constexpr):
-    """Called by every kernel before it touches memory (only index arithmetic and `prefetch_l2` hints come
-    before): with ``PDL``, wait until the previous kernel has finished and its writes are visible, then let the
-    next kernel launch (it waits in its own `pdl_begin` for this one to finish)."""
+    """Called by every kernel before it touches memory that the launch just before it may write: with ``PDL``,
+    wait until the previous kernel has finished and its writes are visible, then let the next kernel launch (it
+    waits in its own `pdl_begin` for this one to finish).
+
+    Since every kernel lets the next one launch only here, after its own wait, a kernel that starts finds every
+    launch but the one just before it finished and its writes visible. So before this call a kernel may read
+    what only earlier launches write: weights, the step's metadata (a launch of its own at the step's start,
+    never just before a kernel that reads it early) and what earlier steps stored (the conv taps of
+    `hf_qsa_cache.ops.conv_norm_triton`), besides `prefetch_l2` hints."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
