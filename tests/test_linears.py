@@ -4,7 +4,8 @@ with it in every attention and GatedDeltaNet layer.
 
 The kernel comparison runs this file as a script under the Triton interpreter (`interpreter.py`): one to four
 weights whose row counts and reduction size the forced tiles do not divide, 1, 3 and 17 tokens, a strided
-input, fp32 and bf16, the one-token GEMV form; then both models, also with the projections alone (o_proj,
+input, fp32 and bf16, the one-token GEMV form (its weights read before the early-launch wait or after: the same
+bits); then both models, also with the projections alone (o_proj,
 out_proj) through the kernel.
 """
 
@@ -78,6 +79,20 @@ def _kernel_cases(launches) -> str | None:
                         assert tokens == 1 or h[1].abs().max() == 0
                 except AssertionError as err:
                     return f"rows={rows} T={tokens} keep tiles={tiles}: {err}"
+            # One token: the GEMV form with its weight rows read before the wait (one or two chunks) gives the
+            # bits of the form that reads them after, in fp32 and bf16 (the same products summed in the same order).
+            if tokens == 1:
+                for dtype in (torch.float32, torch.bfloat16):
+                    xd, weights = x.to(dtype), _weights(rows, K, seed=9, dtype=dtype)
+                    for tiles in [(4, 32, 2, True), (8, 64, 1, True)]:
+                        if not lt.preloads_weights(K, tiles[1]):
+                            return f"tiles={tiles}: K={K} should be read before the wait"
+                        have = lt.linears_triton(xd, weights, tiles=tiles)
+                        lt.PRELOAD_WEIGHTS = False
+                        want = lt.linears_triton(xd, weights, tiles=tiles)
+                        lt.PRELOAD_WEIGHTS = True
+                        if any(not torch.equal(h, w) for h, w in zip(have, want, strict=True)):
+                            return f"rows={rows} {dtype} tiles={tiles}: preloaded weights give other bits"
             # bf16: each output within one bf16 step of the fp32 math on the same values (the interpreter
             # rounds casts towards zero: a whole step, not half of one).
             xh = wide[:, :K].to(torch.bfloat16)
@@ -218,3 +233,13 @@ def test_the_launch_policy_takes_the_gemv_form_for_one_token_and_wider_programs_
     assert lt.default_tiles(1, lt.WIDE_K + 1) == lt.ONE_TOKEN_WIDE_TILES
     assert lt.ONE_TOKEN_TILES[3] and lt.ONE_TOKEN_WIDE_TILES[3]  # the GEMV form, no tl.dot
     assert lt.default_tiles(2, 64) == lt.default_tiles(16, 4096) == lt.TILES
+
+
+def test_the_one_token_form_reads_its_weights_before_the_wait_up_to_two_chunks(monkeypatch):
+    # At the released widths: Inkling's and QSA's 2048-wide reductions in two chunks of 1024, GatedDeltaNet's
+    # 4096-wide out_proj (four chunks) asking for its rows in L2 instead.
+    assert lt.preloads_weights(2048, lt.ONE_TOKEN_TILES[1])
+    assert lt.preloads_weights(1024, 1024) and not lt.preloads_weights(2049, 1024)
+    assert not lt.preloads_weights(4096, lt.ONE_TOKEN_WIDE_TILES[1])
+    monkeypatch.setattr(lt, "PRELOAD_WEIGHTS", False)
+    assert not lt.preloads_weights(2048, 1024)

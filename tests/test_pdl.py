@@ -50,9 +50,11 @@ def test_every_kernel_waits_before_it_touches_memory():
         body = _statements(fn)
         assert "pdl_begin(PDL)" in body, f"{name} never calls pdl_begin(PDL)"
         before = body[:body.index("pdl_begin(PDL)")]
-        # Before the wait: index arithmetic, and prefetches of weights (hints: they read nothing into the kernel).
+        # Before the wait: index arithmetic, prefetches of weights (hints: they read nothing into the kernel) and
+        # the named early reads (what only earlier launches write).
         assert not _memory_access(before), f"{name} touches memory before pdl_begin(PDL): {before}"
-        assert _calls(before) <= _INDEX_OPS | _PREFETCHES, f"{name} calls {_calls(before)} before pdl_begin(PDL)"
+        assert _calls(before) <= _INDEX_OPS | _PREFETCHES | set(_EARLY_READS), \
+            f"{name} calls {_calls(before)} before pdl_begin(PDL)"
 
 
 def _statements(fn: ast.FunctionDef) -> list[str]:
@@ -62,7 +64,11 @@ def _statements(fn: ast.FunctionDef) -> list[str]:
 
 _INDEX_OPS = {"tl.program_id", "tl.cdiv", "tl.arange", "tl.static_range", "tl.minimum", ".to",
               "tl.multiple_of"}  # (an alignment hint to the compiler: no access)
-_PREFETCHES = {"_prefetch_tile", "prefetch_rows_l2", "prefetch_l2"}
+_PREFETCHES = {"prefetch_rows_l2", "prefetch_l2"}
+# The helpers a kernel may call before its wait, which read only what the launch just before it cannot write
+# (`triton_common.pdl_begin`): weights, the step's metadata, and what earlier steps stored. By module.
+_EARLY_READS = {"_conv_history": "conv_norm_triton.py", "_gemv_weights": "linears_triton.py",
+                "_key_ranges": "inkling_attention_triton.py"}
 
 
 def _calls(statements: list[str]) -> set[str]:
@@ -93,6 +99,27 @@ def test_the_prefetches_only_ask_for_lines():
         assert _calls(body) <= _INDEX_OPS | _PREFETCHES | {"tl.inline_asm_elementwise"}, (name, _calls(body))
         asm = [s for s in body if "inline_asm" in s]
         assert all("prefetch.global.L2" in s and "ld." not in s and "st." not in s for s in asm), asm
+
+
+def test_the_early_reads_only_read():
+    """The helpers called before the wait write nothing, wait for nothing, and read only through their pointer
+    arguments, which the kernels that call them pass weights, metadata and stores (never this step's inputs)."""
+    for name, module in _EARLY_READS.items():
+        tree = ast.parse(Path(REPO, "hf_qsa_cache", "ops", module).read_text())
+        fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+        body = _statements(fn)
+        assert not any(op in s for s in body for op in ("tl.store", "tl.atomic", "pdl_begin", "inline_asm")), name
+        assert _calls(body) <= _INDEX_OPS | {"tl.load", "tl.zeros", "tl.where", "tl.maximum", "tl.max", "tl.min",
+                                             "tl.static_range", "range"}, (name, _calls(body))
+    # The pointers they are given, at each call: none is a kernel's input from the launch before (its x, q, k, v).
+    for module in set(_EARLY_READS.values()):
+        tree = ast.parse(Path(REPO, "hf_qsa_cache", "ops", module).read_text())
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                 and n.func.id in _EARLY_READS]
+        assert calls, module
+        for call in calls:
+            names = {a.id for a in call.args if isinstance(a, ast.Name) and a.id.endswith("_ptr")}
+            assert not names & {"x_ptr", "q_ptr", "k_ptr", "v_ptr", "residual_ptr"}, (module, ast.unparse(call))
 
 
 def test_every_launch_passes_the_switch_and_the_option_together():

@@ -36,7 +36,7 @@ def _conv_history(t, c, cm, w_ptr, store_ptr, store_s0, store_s1, width, table_p
         w = tl.load(w_ptr + c * K + j, mask=cm, other=0.0).to(tl.float32)
         safe = tl.maximum(src, 0)
         col = tl.minimum(safe // block_size, table_cols - 1)
-        block = tl.load(table_ptr + row * table_s0 + col, mask=in_store, other=0).to(tl.int64)
+        block = tl.load(table_ptr + row * table_s0 + col, mask=cm & in_store, other=0).to(tl.int64)
         slot = block * block_size + safe % block_size
         tap = tl.load(store_ptr + slot * store_s0 + store_col, mask=cm & in_store, other=0.0)
         acc = acc + tap.to(tl.float32) * w
@@ -88,24 +88,25 @@ def _attention_inputs_kernel(
     t64 = t.to(tl.int64)
     d = tl.arange(0, HD_PAD)
     dm = d < HD
-    if g < HQ:
-        pdl_begin(PDL)
-        x = tl.load(q_ptr + t64 * (HQ * HD) + g * HD + d, mask=dm, other=0.0)
-        tl.store(q_out + t64 * (HQ * HD) + g * HD + d, _rms_normed(x, q_norm_ptr, d, dm, HD, q_eps, Q_PRODUCT),
-                 mask=dm)
-    elif g < HQ + HKV:
+    # The conv's store taps, before the wait: a key head's, a value head's, none for a query head.
+    if g < HQ + HKV:
         c = (g - HQ) * HD + d
-        history = _conv_history(t, c, dm, k_conv_ptr, k_store, k_s0, k_s1, k_width, table_ptr, table_s0, table_cols,
-                                pos_ptr, prev_ptr, query_len, block_size, K)
-        pdl_begin(PDL)
-        key = _conv_taps(history, k_ptr, t, c, dm, HKV * HD, k_conv_ptr, k_store, k_s0, k_s1, k_width, slots_ptr,
-                         K).to(k_ptr.dtype.element_ty)
-        tl.store(k_out + t64 * (HKV * HD) + c, _rms_normed(key, k_norm_ptr, d, dm, HD, k_eps, K_PRODUCT), mask=dm)
+        history = _conv_history(t, c, dm & (d * 0 + g >= HQ), k_conv_ptr, k_store, k_s0, k_s1, k_width, table_ptr,
+                                table_s0, table_cols, pos_ptr, prev_ptr, query_len, block_size, K)
     else:
         c = (g - HQ - HKV) * HD + d
         history = _conv_history(t, c, dm, v_conv_ptr, v_store, v_s0, v_s1, v_width, table_ptr, table_s0, table_cols,
                                 pos_ptr, prev_ptr, query_len, block_size, K)
-        pdl_begin(PDL)
+    pdl_begin(PDL)
+    if g < HQ:
+        x = tl.load(q_ptr + t64 * (HQ * HD) + g * HD + d, mask=dm, other=0.0)
+        tl.store(q_out + t64 * (HQ * HD) + g * HD + d, _rms_normed(x, q_norm_ptr, d, dm, HD, q_eps, Q_PRODUCT),
+                 mask=dm)
+    elif g < HQ + HKV:
+        key = _conv_taps(history, k_ptr, t, c, dm, HKV * HD, k_conv_ptr, k_store, k_s0, k_s1, k_width, slots_ptr,
+                         K).to(k_ptr.dtype.element_ty)
+        tl.store(k_out + t64 * (HKV * HD) + c, _rms_normed(key, k_norm_ptr, d, dm, HD, k_eps, K_PRODUCT), mask=dm)
+    else:
         value = _conv_taps(history, v_ptr, t, c, dm, HKV * HD, v_conv_ptr, v_store, v_s0, v_s1, v_width, slots_ptr,
                            K)
         tl.store(v_out + t64 * (HKV * HD) + c, value.to(v_out.dtype.element_ty), mask=dm)

@@ -179,6 +179,34 @@ def _scan_new(acc, m, l, lo, hi, q, qpos, qtau, rel_rows, r_tile, proj_ptr, row_
     return acc, m, l
 
 
+@triton.jit
+def _key_ranges(pos_ptr, prev_ptr, b, t, row_ok, query_len, split, split_len, window, extent,
+                WINDOWED: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """From the step's metadata (read before the wait, `pdl_begin`): the query rows' positions (-1: none), the
+    row's earlier length, its last position, and the keys ``[k_lo, k_hi)`` this program scans, the far ones (no
+    bias, no causal mask: without a window, keys up to the tile's first query - extent) below ``far_hi``."""
+    qpos = tl.load(pos_ptr + t, mask=row_ok, other=-1).to(tl.int32)
+    qpos = tl.where(row_ok, qpos, -1)
+    prev = tl.load(prev_ptr + b).to(tl.int32)
+    last_pos = tl.load(pos_ptr + b.to(tl.int64) * query_len + query_len - 1).to(tl.int32)
+    q_hi = tl.max(qpos, axis=0) + 1  # keys end after the tile's last query (0 when all pads)
+    q_lo = tl.min(tl.where(qpos >= 0, qpos, q_hi), axis=0)  # 0 when all pads: empty ranges
+    if WINDOWED:
+        k_lo = tl.maximum(q_lo - window + 1, 0)
+    else:
+        k_lo = q_hi * 0
+    if NUM_SPLITS > 1:
+        k_lo = k_lo + split * split_len
+        k_hi = tl.minimum(q_hi, k_lo + split_len)
+    else:
+        k_hi = q_hi
+    if WINDOWED:
+        far_hi = k_lo
+    else:
+        far_hi = tl.maximum(k_lo, q_lo - extent + 1)
+    return qpos, prev, last_pos, k_lo, k_hi, far_hi
+
+
 # Batch-varying sizes are not specialised, so a new batch, length or split width does not recompile.
 # Sizes that change with the cache or the step are not specialised (no recompilation per cache size).
 @triton.jit(do_not_specialize=["stab_b", "query_len", "num_q_tiles", "table_cols", "split_len"])
@@ -206,36 +234,15 @@ def _rel_attention_kernel(
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
 
-    # Query rows: token c0 + i // G_PAD, head kv * GROUP + i % G_PAD. Their positions and the key ranges come
-    # from the step's metadata, read before the wait (`pdl_begin`).
+    # Query rows: token c0 + i // G_PAD, head kv * GROUP + i % G_PAD.
     i = tl.arange(0, BLOCK_M * G_PAD)
     col = c0 + i // G_PAD
     g = i % G_PAD
     head = kv * GROUP + g
     row_ok = (col < query_len) & (g < GROUP)
     t = b64 * query_len + col
-    qpos = tl.load(pos_ptr + t, mask=row_ok, other=-1).to(tl.int32)
-    qpos = tl.where(row_ok, qpos, -1)
-    prev = tl.load(prev_ptr + b).to(tl.int32)
-    last_pos = tl.load(pos_ptr + b64 * query_len + query_len - 1).to(tl.int32)
-    q_hi = tl.max(qpos, axis=0) + 1  # keys end after the tile's last query (0 when all pads)
-    q_lo = tl.min(tl.where(qpos >= 0, qpos, q_hi), axis=0)  # 0 when all pads: empty ranges
-    if WINDOWED:
-        k_lo = tl.maximum(q_lo - window + 1, 0)
-    else:
-        k_lo = q_hi * 0
-    if NUM_SPLITS > 1:
-        k_lo = k_lo + split * split_len
-        k_hi = tl.minimum(q_hi, k_lo + split_len)
-    else:
-        k_hi = q_hi
-    # Without a window, keys up to q_lo - extent are "far" for every query of the tile: no bias,
-    # no causal mask. The rest are "near".
-    if WINDOWED:
-        far_hi = k_lo
-    else:
-        far_hi = tl.maximum(k_lo, q_lo - extent + 1)
-
+    qpos, prev, last_pos, k_lo, k_hi, far_hi = _key_ranges(pos_ptr, prev_ptr, b, t, row_ok, query_len, split,
+                                                            split_len, window, extent, WINDOWED, NUM_SPLITS)
     pdl_begin(PDL)
     # This forward's K/V go to their slots (pads and unallocated positions: the null block).
     if split == 0:

@@ -37,8 +37,18 @@ ONE_TOKEN_TILES = (4, 1024, 4, True)
 ONE_TOKEN_WIDE_TILES = (8, 1024, 8, True)  # one token, reductions longer than `WIDE_K`
 WIDE_K = 2048
 TILES = (32, 128, 4)
+# The one-token GEMV form reads its weight rows before its early-launch wait (`preloads_weights`); off, it asks
+# for them in L2 there and reads them after. Timed in `benchmarks/RESULTS.md`.
+PRELOAD_WEIGHTS = True
 # The dot form for one token, timed against the above (`bench_generate.py --one-token-projections dot`).
 ONE_TOKEN_DOT_TILES = (32, 256, 4)
+
+
+def preloads_weights(K: int, block_k: int) -> bool:
+    """Whether the one-token GEMV form loads its weight rows into registers before its early-launch wait (the
+    ``pdl`` setting): with ``PRELOAD_WEIGHTS`` on and a reduction of at most two chunks (the rows then take at
+    most 2 x ``block_k`` x rows-per-program values of registers a program)."""
+    return PRELOAD_WEIGHTS and K <= 2 * block_k
 
 
 def default_tiles(num_tokens: int, K: int) -> tuple:
@@ -46,6 +56,16 @@ def default_tiles(num_tokens: int, K: int) -> tuple:
     if num_tokens != 1:
         return TILES
     return ONE_TOKEN_TILES if K <= WIDE_K else ONE_TOKEN_WIDE_TILES
+
+
+@triton.jit
+def _gemv_chunk(x_ptr, stride_xk, keep_ptr, k, K: tl.constexpr, KEEP: tl.constexpr):
+    """The token's inputs at reduction indices ``k`` in fp32 (zeros past ``K``, or everywhere when its ``keep``
+    flag is 0)."""
+    x_ok = k < K
+    if KEEP:  # the token's flag, read by every lane
+        x_ok = x_ok & (tl.load(keep_ptr + k * 0, mask=x_ok, other=0) != 0)
+    return tl.load(x_ptr + k * stride_xk, mask=x_ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -62,10 +82,7 @@ def _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w_ptr, o_ptr, block, ro
         products = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            x_ok = k < K
-            if KEEP:  # the token's flag, read by every lane
-                x_ok = x_ok & (tl.load(keep_ptr + k * 0, mask=x_ok, other=0) != 0)
-            x = tl.load(x_ptr + k * stride_xk, mask=x_ok, other=0.0).to(tl.float32)
+            x = _gemv_chunk(x_ptr, stride_xk, keep_ptr, k, K, KEEP)
             w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=n_ok[:, None] & (k < K)[None, :],
                         other=0.0)
             products += w.to(tl.float32) * x[None, :]
@@ -90,42 +107,62 @@ def _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w_ptr, o_ptr, block, ro
 
 
 @triton.jit
-def _prefetch_tile(w_ptr, block, rows, K: tl.constexpr, BLOCK_N: tl.constexpr, LINES: tl.constexpr):
-    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    prefetch_rows_l2(w_ptr, n, n < rows, K, K, LINES)
+def _gemv_weights(w_ptr, n, n_ok, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weight rows ``n`` of a reduction of at most two chunks, as two ``[rows, BLOCK_K]`` tiles (the second the
+    first again when one chunk holds ``K``). Weights are never written in a step: read before the wait."""
+    k = tl.arange(0, BLOCK_K)
+    rows = w_ptr + n[:, None].to(tl.int64) * K
+    w_lo = tl.load(rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+    w_hi = w_lo
+    if K > BLOCK_K:
+        w_hi = tl.load(rows + BLOCK_K + k[None, :], mask=n_ok[:, None] & (BLOCK_K + k < K)[None, :], other=0.0)
+    return w_lo, w_hi
 
 
-@triton.jit(do_not_specialize=["num_tokens", "stride_xt"])
+@triton.jit
+def _gemv_preloaded(x_ptr, stride_xk, keep_ptr, weights, o_ptr, n, n_ok, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                    KEEP: tl.constexpr):
+    """`_project_tile`'s GEMV form on rows `_gemv_weights` read: the same products and sums, in the same order."""
+    w_lo, w_hi = weights
+    k = tl.arange(0, BLOCK_K)
+    products = w_lo.to(tl.float32) * _gemv_chunk(x_ptr, stride_xk, keep_ptr, k, K, KEEP)[None, :]
+    if K > BLOCK_K:
+        products += w_hi.to(tl.float32) * _gemv_chunk(x_ptr, stride_xk, keep_ptr, BLOCK_K + k, K, KEEP)[None, :]
+    tl.store(o_ptr + n, tl.sum(products, axis=1).to(o_ptr.dtype.element_ty), mask=n_ok)
+
+
+# Row counts are not specialised either: a weight of one row would make its count a constant, of another type than
+# the counts the program's weight is picked among.
+@triton.jit(do_not_specialize=["num_tokens", "stride_xt", "rows0", "rows1", "rows2", "rows3"])
 def _linears_kernel(x_ptr, keep_ptr, w0, w1, w2, w3, o0, o1, o2, o3, rows0, rows1, rows2, rows3, stride_xt,
                     stride_xk, num_tokens, K: tl.constexpr, COUNT: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KEEP: tl.constexpr, IEEE: tl.constexpr,
-                    WIDEN: tl.constexpr, GEMV: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False):
+                    WIDEN: tl.constexpr, GEMV: tl.constexpr, PRELOAD: tl.constexpr, LINES: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    # The weight this program's tile belongs to: its pointers, rows, and the tile's index within it.
     pid = tl.program_id(0)
     end0 = tl.cdiv(rows0, BLOCK_N)
     end1 = end0 + tl.cdiv(rows1, BLOCK_N)
     end2 = end1 + tl.cdiv(rows2, BLOCK_N)
-    if PDL:  # launched early: the tile's weight rows into L2 while the kernel before still runs
-        if pid < end0:
-            _prefetch_tile(w0, pid, rows0, K, BLOCK_N, LINES)
-        elif COUNT > 1 and pid < end1:
-            _prefetch_tile(w1, pid - end0, rows1, K, BLOCK_N, LINES)
-        elif COUNT > 2 and pid < end2:
-            _prefetch_tile(w2, pid - end1, rows2, K, BLOCK_N, LINES)
-        elif COUNT > 3:
-            _prefetch_tile(w3, pid - end2, rows3, K, BLOCK_N, LINES)
+    w_ptr, o_ptr, block, rows = w0, o0, pid, rows0
+    if COUNT > 1 and pid >= end0:
+        w_ptr, o_ptr, block, rows = w1, o1, pid - end0, rows1
+    if COUNT > 2 and pid >= end1:
+        w_ptr, o_ptr, block, rows = w2, o2, pid - end1, rows2
+    if COUNT > 3 and pid >= end2:
+        w_ptr, o_ptr, block, rows = w3, o3, pid - end2, rows3
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Launched early: the tile's weight rows into registers (one token) or asked for in L2, while the kernel
+    # before still runs.
+    if PRELOAD:
+        weights = _gemv_weights(w_ptr, n, n < rows, K, BLOCK_K)
+    elif PDL:
+        prefetch_rows_l2(w_ptr, n, n < rows, K, K, LINES)
     pdl_begin(PDL)
-    # The weight this program's tile belongs to: its pointers, rows, and the tile's index within it.
-    if pid < end0:
-        _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w0, o0, pid, rows0, num_tokens,
-                      K, BLOCK_T, BLOCK_N, BLOCK_K, KEEP, IEEE, WIDEN, GEMV)
-    elif COUNT > 1 and pid < end1:
-        _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w1, o1, pid - end0, rows1, num_tokens,
-                      K, BLOCK_T, BLOCK_N, BLOCK_K, KEEP, IEEE, WIDEN, GEMV)
-    elif COUNT > 2 and pid < end2:
-        _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w2, o2, pid - end1, rows2, num_tokens,
-                      K, BLOCK_T, BLOCK_N, BLOCK_K, KEEP, IEEE, WIDEN, GEMV)
-    elif COUNT > 3:
-        _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w3, o3, pid - end2, rows3, num_tokens,
+    if PRELOAD:
+        _gemv_preloaded(x_ptr, stride_xk, keep_ptr, weights, o_ptr, n, n < rows, K, BLOCK_K, KEEP)
+    else:
+        _project_tile(x_ptr, stride_xt, stride_xk, keep_ptr, w_ptr, o_ptr, block, rows, num_tokens,
                       K, BLOCK_T, BLOCK_N, BLOCK_K, KEEP, IEEE, WIDEN, GEMV)
 
 
@@ -165,7 +202,8 @@ def linears_triton(x: torch.Tensor, weights: list[torch.Tensor], keep: torch.Ten
     _linears_kernel[(programs,)](
         x, keep if keep is not None else x, *padded_w, *padded_o, *rows, x.stride(0), x.stride(1), num_tokens,
         K=K, COUNT=len(weights), BLOCK_T=pow2(num_tokens), BLOCK_N=block_n, BLOCK_K=block_k,
-        KEEP=keep is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, GEMV=gemv, LINES=l2_lines(K, x.dtype),
+        KEEP=keep is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, GEMV=gemv,
+        PRELOAD=gemv and preloads_weights(K, block_k), LINES=l2_lines(K, x.dtype),
         num_warps=warps, **pdl(x),
     )
     return outs
