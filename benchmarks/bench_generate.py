@@ -170,18 +170,19 @@ def prefilled(model, ids, mask, cache: QSAPagedCache) -> tuple[torch.Tensor, tor
     return first, torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
 
 
-def decode_ms_end_to_end(model, ids, mask, new_tokens: int, cache: QSAPagedCache, sample: bool = False) -> float:
+def decode_ms_end_to_end(model, ids, mask, new_tokens: int, cache: QSAPagedCache, sample: bool = False,
+                         calls: int = 3) -> float:
     """Milliseconds a decode step adds to a plain generate() call, as a user makes it (no stopping criterion
     or streamer, so our loop reads the host once, at the end). Each timed call continues a prompt the cache
     already holds (prefilled by an untimed call of one token), so a timed call's own prefill is one token:
-    the better of three calls of ``new_tokens`` against the better of three of one token, over
+    the best of ``calls`` calls of ``new_tokens`` against the best of as many of one token, over
     ``new_tokens - 1``. With ``sample``, sampled calls (top-k 50) instead of greedy ones. (Timing whole calls from the prompt put the prompt's prefill, and its run-to-run
     spread of tens of milliseconds, into both terms: at 16 new tokens that spread alone moved the figure by
     more than a millisecond a step.)"""
 
     best = {}
     for n in (1, new_tokens):
-        for _ in range(3):
+        for _ in range(calls):
             first, more = prefilled(model, ids, mask, cache)
             start = time.perf_counter()
             model.generate(first, attention_mask=more, past_key_values=cache, max_new_tokens=n, pad_token_id=0,
@@ -448,6 +449,8 @@ def main():
                         help="the hyper-connection projections' one-token tiles: dot "
                              "(hyper_connection_triton.ONE_TOKEN_DOT_MIX_TILES) or a JSON object of MixTiles "
                              "fields (default: ONE_TOKEN_MIX_TILES, the GEMV form)")
+    parser.add_argument("--end-to-end-calls", type=int, default=3,
+                        help="decode_ms_end_to_end: the best of this many calls (more where the host is noisy)")
     parser.add_argument("--jsonl", default=None, help="append lines here (default: results_file of the GPU)")
     args = parser.parse_args()
     projection_choices = {**choose_projections(args.one_token_projections, args.alone_max_tokens),
@@ -522,7 +525,8 @@ def main():
                 result.update(graphed_step_stats(ours, cache))
             if result.get("prefill_s") and result["prefill_s"] < 2:  # short prompts: two more prefills are cheap
                 result["decode_ms_end_to_end"] = decode_ms_end_to_end(ours, ids, mask, args.new_tokens, cache,
-                                                                      sample=args.sample)
+                                                                      sample=args.sample,
+                                                                      calls=args.end_to_end_calls)
                 if args.sample:
                     result["end_to_end_sampled"] = True
             stats = cache.memory_stats()

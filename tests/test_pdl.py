@@ -68,7 +68,8 @@ _PREFETCHES = {"prefetch_rows_l2", "prefetch_l2"}
 # The helpers a kernel may call before its wait, which read only what the launch just before it cannot write
 # (`triton_common.pdl_begin`): weights, the step's metadata, and what earlier steps stored. By module.
 _EARLY_READS = {"_conv_history": "conv_norm_triton.py", "_gemv_weights": "linears_triton.py",
-                "_key_ranges": "inkling_attention_triton.py"}
+                "_key_ranges": "inkling_attention_triton.py", "_router_weights": "router_triton.py",
+                "_store_keys_to_l2": "inkling_attention_triton.py"}
 
 
 def _calls(statements: list[str]) -> set[str]:
@@ -109,8 +110,8 @@ def test_the_early_reads_only_read():
         fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
         body = _statements(fn)
         assert not any(op in s for s in body for op in ("tl.store", "tl.atomic", "pdl_begin", "inline_asm")), name
-        assert _calls(body) <= _INDEX_OPS | {"tl.load", "tl.zeros", "tl.where", "tl.maximum", "tl.max", "tl.min",
-                                             "tl.static_range", "range"}, (name, _calls(body))
+        assert _calls(body) <= _INDEX_OPS | _PREFETCHES | {"tl.load", "tl.zeros", "tl.where", "tl.maximum", "tl.max",
+                                                           "tl.min", "tl.static_range", "range"}, (name, _calls(body))
     # The pointers they are given, at each call: none is a kernel's input from the launch before (its x, q, k, v).
     for module in set(_EARLY_READS.values()):
         tree = ast.parse(Path(REPO, "hf_qsa_cache", "ops", module).read_text())
@@ -248,7 +249,8 @@ def _asked(prefetched: list, kernel: str) -> list[int]:
 
 def _check_router_prefetch(prefetched: list) -> None:
     """Launched early, the router's projection asks for its weight only, all of it, whatever the split of the
-    hidden size: every line asked for starts inside the weight, and together they cover every byte of it."""
+    hidden size: every line asked for starts inside the weight, and together they cover every byte of it. Where
+    each range is one chunk (the policy's split of a 64-wide hidden size) it reads the rows instead: no request."""
     from hf_qsa_cache.ops import router_triton
 
     for dtype, H, block_h, splits in [(torch.float32, 100, 16, 3), (torch.bfloat16, 72, 16, 2),
@@ -257,7 +259,10 @@ def _check_router_prefetch(prefetched: list) -> None:
         del prefetched[:]
         part = router_triton.router_partials(x, weight, block_h, splits)
         torch.testing.assert_close(part.sum(0), x.float() @ weight.float().T, atol=1e-3, rtol=1e-3)
-        _assert_covers(_asked(prefetched, "_router_logits_kernel"), [weight], dtype)
+        if H == 64:
+            assert not _asked(prefetched, "_router_logits_kernel"), "one-chunk ranges read their rows early"
+        else:
+            _assert_covers(_asked(prefetched, "_router_logits_kernel"), [weight], dtype)
 
 
 def _assert_covers(asked: list[int], tensors: list[torch.Tensor], where) -> None:
@@ -321,6 +326,27 @@ def _check_shared_expert_prefetch(prefetched: list) -> None:
         assert _asked(prefetched, "_down_kernel") == sorted(_lines(shared.down) * T), dtype
 
 
+def _check_attention_prefetch(prefetched: list) -> None:
+    """Launched early, Inkling's decode attention asks for the key and value rows of exactly the earlier positions
+    each row attends to, each once (over key splits; a window, a row without a token, a fresh row)."""
+    import test_inkling_attention_kernel as cases
+
+    from hf_qsa_cache.ops.inkling_attention_triton import paged_rel_attention_triton
+
+    for window, splits in ((None, 3), (20, 2)):
+        args, counts = cases.make_case(5, cases.DECODE_ROWS, 1, 4, 2, 16, 12, window=window)
+        del prefetched[:]
+        paged_rel_attention_triton(**args, block_n=8, num_splits=splits)
+        want = []
+        for b, (prev, count) in enumerate(cases.DECODE_ROWS):
+            first = 0 if window is None else max(0, prev - window + 1)
+            for pos in range(first, prev if count else first):
+                slot = int(args["table"][b, pos // args["block_size"]]) * args["block_size"] + pos % args["block_size"]
+                want += [store[slot, h].data_ptr() for store in (args["key_store"], args["value_store"])
+                         for h in range(2)]
+        assert want and _asked(prefetched, "_rel_attention_kernel") == sorted(want), window
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
@@ -345,4 +371,5 @@ if __name__ == "__main__":
     _check_shared_expert_prefetch(prefetched)
     _check_router_prefetch(prefetched)
     _check_mixing_prefetch(prefetched)
+    _check_attention_prefetch(prefetched)
     print(f"early launch emulated ok: {summary} in the fused kernels' check")

@@ -80,6 +80,16 @@ def _main() -> int:
                                                    rtol=0, msg=lambda m: f"{where}: {m}")
                         torch.testing.assert_close(got[0].float(), want[0].float(), atol=2e-2, rtol=0)
                     cases += 1
+            # Ranges of one chunk read their weight rows before the early-launch wait: the bits of the loop that
+            # reads them after (the same products, summed in the same order).
+            from hf_qsa_cache.ops import router_triton
+
+            for block_h, splits in ((16, H), (8, None)):
+                early = router_triton.router_partials(x, weight, block_h, splits)
+                router_triton.PRELOAD_WEIGHTS = False
+                late = router_triton.router_partials(x, weight, block_h, splits)
+                router_triton.PRELOAD_WEIGHTS = True
+                assert torch.equal(early, late), (T, H, E, dtype, block_h, splits)
     print(f"all router kernel cases ok ({cases})")
     return 0
 

@@ -44,7 +44,9 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import inkling_attention
-from .triton_common import INTERPRET, LOG2E, TL_DTYPES, dot, on_device_of_first_tensor, pdl, pdl_begin, pow2
+from .triton_common import (
+    INTERPRET, LOG2E, TL_DTYPES, dot, l2_lines, on_device_of_first_tensor, pdl, pdl_begin, pow2, prefetch_l2,
+)
 
 
 # Launch policy (all overridable per call through keyword arguments).
@@ -207,6 +209,24 @@ def _key_ranges(pos_ptr, prev_ptr, b, t, row_ok, query_len, split, split_len, wi
     return qpos, prev, last_pos, k_lo, k_hi, far_hi
 
 
+@triton.jit
+def _store_keys_to_l2(kst_ptr, vst_ptr, table_row, lo, hi, kv, skst_s, skst_h, svst_s, svst_h, table_cols,
+                      block_size, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, LINES: tl.constexpr):
+    """Ask for the key and value rows of store positions ``[lo, hi)`` (earlier steps') in L2, through the block
+    table (step metadata): before the wait, so the scan after it finds them there (a hint, `prefetch_l2`; the rows'
+    features contiguous, ``LINES`` 128-byte lines to a row, `l2_lines`)."""
+    step: tl.constexpr = 1024 // kst_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
+    j = tl.arange(0, LINES) * step
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        kmask = kpos < hi
+        blk = tl.load(table_row + tl.minimum(kpos // block_size, table_cols - 1), mask=kmask, other=0).to(tl.int64)
+        kslot = blk * block_size + kpos % block_size
+        lines = kmask[:, None] & (j < HEAD_DIM)[None, :]
+        prefetch_l2(kst_ptr + kslot[:, None] * skst_s + kv * skst_h + j[None, :], lines)
+        prefetch_l2(vst_ptr + kslot[:, None] * svst_s + kv * svst_h + j[None, :], lines)
+
+
 # Batch-varying sizes are not specialised, so a new batch, length or split width does not recompile.
 # Sizes that change with the cache or the step are not specialised (no recompilation per cache size).
 @triton.jit(do_not_specialize=["stab_b", "query_len", "num_q_tiles", "table_cols", "split_len"])
@@ -221,7 +241,7 @@ def _rel_attention_kernel(
     G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, WINDOWED: tl.constexpr, LOG_SCALING: tl.constexpr,
     IEEE: tl.constexpr, WIDEN: tl.constexpr, REL_FROM_R: tl.constexpr, D_REL: tl.constexpr, DR_PAD: tl.constexpr,
-    R_DTYPE: tl.constexpr, PDL: tl.constexpr = False,
+    R_DTYPE: tl.constexpr, KEY_LINES: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     b = pid // num_q_tiles
@@ -243,6 +263,10 @@ def _rel_attention_kernel(
     t = b64 * query_len + col
     qpos, prev, last_pos, k_lo, k_hi, far_hi = _key_ranges(pos_ptr, prev_ptr, b, t, row_ok, query_len, split,
                                                             split_len, window, extent, WINDOWED, NUM_SPLITS)
+    table_row = table_ptr + b64 * stab_b
+    if PDL:  # launched early: this program's keys of earlier steps into L2 while the kernel before still runs
+        _store_keys_to_l2(kst_ptr, vst_ptr, table_row, k_lo, tl.minimum(k_hi, prev), kv, skst_s, skst_h, svst_s,
+                          svst_h, table_cols, block_size, HEAD_DIM, BLOCK_N, KEY_LINES)
     pdl_begin(PDL)
     # This forward's K/V go to their slots (pads and unallocated positions: the null block).
     if split == 0:
@@ -281,7 +305,6 @@ def _rel_attention_kernel(
 
     # Keys of earlier forwards (positions < prev_len) from the paged store, through the block table.
     store_hi = tl.minimum(k_hi, prev)
-    table_row = table_ptr + b64 * stab_b
     acc, m, l = _scan_store(acc, m, l, k_lo, tl.minimum(far_hi, store_hi), q, qpos, qtau,
                             rel_rows, r_tile, proj_ptr, row_ok,
                             kst_ptr, vst_ptr, table_row, skst_s, skst_h, skst_d, svst_s, svst_h, svst_d,
@@ -465,7 +488,7 @@ def _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots
         NUM_HEADS=Hq, GROUP=G, HEAD_DIM=hd, G_PAD=g_pad, BLOCK_M=block_m, D_PAD=d_pad, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, WINDOWED=window is not None, LOG_SCALING=log_scaling is not None,
         IEEE=ieee, WIDEN=INTERPRET, REL_FROM_R=from_r, D_REL=d_rel, DR_PAD=pow2(d_rel), R_DTYPE=TL_DTYPES[rel.dtype],
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl(q),
+        KEY_LINES=l2_lines(hd, key_store.dtype), num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl(q),
     )
     if num_splits > 1:
         _merge_splits_kernel[(T * Hq,)](

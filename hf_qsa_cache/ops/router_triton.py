@@ -25,31 +25,51 @@ BLOCK_H = 256  # hidden columns per chunk of the projection
 TARGET_PROGRAMS = 128  # the projection's programs a launch aims for (about one per SM on an H100 / H200)
 # Up to this many tokens the projection is `router_partials` (a decode or verify step); more take the GEMM.
 SPLIT_PROJECTION_MAX_TOKENS = 16
+# A program whose hidden range is one chunk reads its weight rows before its early-launch wait (the decode shapes:
+# 64 experts over a 2048 hidden size in ranges of 256); off, it asks for them in L2 there and reads them after.
+PRELOAD_WEIGHTS = True
+
+
+@triton.jit
+def _router_weights(w_ptr, e, e_ok, lo, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rows ``e`` of the router's weight at hidden columns ``lo ...`` (one chunk). Weights are never written in a
+    step: read before the wait."""
+    h = lo + tl.arange(0, BLOCK_H)
+    return tl.load(w_ptr + e[:, None].to(tl.int64) * HIDDEN + h[None, :], mask=e_ok[:, None] & (h < HIDDEN)[None, :],
+                   other=0.0)
 
 
 @triton.jit(do_not_specialize=["stride_xt", "num_tokens", "split_len"])
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, stride_xt, num_tokens, split_len,
                           HIDDEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                          LINES: tl.constexpr, PDL: tl.constexpr = False):
+                          ONE_CHUNK: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False):
     """part[s, t, e] = sum over the s-th hidden range of x[t, h] * w[e, h] (fp32). Launched early (``PDL``), the
-    program first asks for its block of the weight to be fetched into L2 (`triton_common.prefetch_rows_l2`)."""
+    program first reads its block of the weight where the range is one chunk (``ONE_CHUNK``: ``split_len`` is
+    ``BLOCK_H``), else asks for it in L2 (`triton_common.prefetch_rows_l2`)."""
     e_block, s, t = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     e = e_block * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < ROWS
     # split_len is a multiple of BLOCK_H (`router_partials`): said to the compiler, which then reads 8 contiguous,
     # aligned weights as one 16-byte access (not knowing it, it read them 2 bytes at a time)
     lo = tl.multiple_of(s * split_len, BLOCK_H)
-    if PDL:
+    if ONE_CHUNK:
+        w_chunk = _router_weights(w_ptr, e, e_ok, lo, HIDDEN, BLOCK_H)
+    elif PDL:
         prefetch_rows_l2(w_ptr + lo, e, e_ok, HIDDEN, tl.minimum(split_len, HIDDEN - lo), LINES)
     pdl_begin(PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
-    for h0 in range(lo, lo + split_len, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        h_ok = h < HIDDEN  # (split_len is a multiple of BLOCK_H)
-        x = tl.load(x_ptr + t * stride_xt + h, mask=h_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + e[:, None].to(tl.int64) * HIDDEN + h[None, :], mask=e_ok[:, None] & h_ok[None, :],
-                    other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+    if ONE_CHUNK:  # the loop's one pass, on the weights read above
+        h = lo + tl.arange(0, BLOCK_H)
+        x = tl.load(x_ptr + t * stride_xt + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
+        acc += w_chunk.to(tl.float32) * x[None, :]
+    else:
+        for h0 in range(lo, lo + split_len, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            h_ok = h < HIDDEN  # (split_len is a multiple of BLOCK_H)
+            x = tl.load(x_ptr + t * stride_xt + h, mask=h_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + e[:, None].to(tl.int64) * HIDDEN + h[None, :], mask=e_ok[:, None] & h_ok[None, :],
+                        other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
     tl.store(part_ptr + (s * num_tokens + t) * ROWS + e, tl.sum(acc, axis=1), mask=e_ok)
 
 
@@ -69,7 +89,7 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor, block_h: int = BLOCK_
     part = torch.empty(splits, T, rows, dtype=torch.float32, device=x.device)
     _router_logits_kernel[(e_blocks, splits, T)](
         x, weight, part, x.stride(0), T, split_len, HIDDEN=H, ROWS=rows, BLOCK_E=BLOCK_E, BLOCK_H=block_h,
-        LINES=l2_lines(H, weight.dtype), num_warps=4, **pdl(x))
+        ONE_CHUNK=PRELOAD_WEIGHTS and split_len == block_h, LINES=l2_lines(H, weight.dtype), num_warps=4, **pdl(x))
     return part
 
 
