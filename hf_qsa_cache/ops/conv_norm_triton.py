@@ -5,7 +5,8 @@ the next ``Hkv`` convolve and norm the key, the last ``Hkv`` convolve the value.
 one program per token over all its channels: the conv, the residual add, the norm. A conv's taps come from this
 step's input (positions at or past the row's earlier length) or from the paged store (earlier positions), as in
 `hf_qsa_cache.ops.inkling_sconv_triton`; each program also writes its token's input to the store. Taps read from
-the store belong to earlier steps, which no program of this launch writes.
+the store belong to earlier steps, which no program of this launch writes: with the step metadata and the conv
+weights they are read before the kernel's early-launch wait (`_conv_history`), the rest after it (`_conv_taps`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ any of the weights (the tiles of weight 0, then of weight 1, ...) reads its rows
 them with every token (``tl.dot``, tokens padded to 16: the products of bf16 values are exact in the fp32
 accumulator; fp32 weights use IEEE fp32 dots), rounding each output once. No scratch, no second launch.
 Launched early (the ``pdl`` setting), a program first asks for its tile's weight rows to be fetched into L2
-(`triton_common.prefetch_rows_l2`), then waits for the kernel before it, whose output it multiplies them with.
+(`triton_common.prefetch_rows_l2`), or for one token and a reduction of at most two chunks reads them into
+registers (`_gemv_weights`), then waits for the kernel before it, whose output it multiplies them with.
 """
 
 from __future__ import annotations
