@@ -23,8 +23,8 @@ def _conv_history(t, c, cm, w_ptr, store_ptr, store_s0, store_s1, width, table_p
                   prev_ptr, query_len, block_size, K: tl.constexpr):
     """Token ``t``'s conv over its taps from the paged store (positions before the row's earlier length) at
     channels ``c`` (``cm``: real ones), in fp32 (a tap from this step's input adds 0 here: `_conv_taps` adds it);
-    with the token's position and its row's earlier length (per lane). Reads only step metadata, weights and what earlier steps
-    stored: safe before `pdl_begin` (see there)."""
+    with the token's position and its row's earlier length (per lane). Reads only step metadata, weights and what
+    earlier steps stored: safe before `pdl_begin` (see there)."""
     row = t // query_len
     lanes = tl.zeros(c.shape, dtype=tl.int32)  # the token's scalars loaded per lane: masks stay vectors
     p = tl.load(pos_ptr + t + lanes)

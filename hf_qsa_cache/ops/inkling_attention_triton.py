@@ -45,7 +45,7 @@ from triton.runtime.errors import OutOfResources
 
 from . import inkling_attention
 from .triton_common import (
-    INTERPRET, LOG2E, TL_DTYPES, dot, l2_lines, on_device_of_first_tensor, pdl, pdl_begin, pow2, prefetch_l2,
+    INTERPRET, LOG2E, TL_DTYPES, dot, l2_lines, on_device_of_first_tensor, pdl, pdl_begin, pow2, prefetch_rows_l2,
 )
 
 
@@ -140,6 +140,13 @@ def _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, r_tile, proj_ptr, row
 
 
 @triton.jit
+def _store_slots(table_row, kpos, kmask, table_cols, block_size):
+    """The store slots of a row's key positions ``kpos`` (where ``kmask``), through its block table."""
+    blk = tl.load(table_row + tl.minimum(kpos // block_size, table_cols - 1), mask=kmask, other=0).to(tl.int64)
+    return blk * block_size + kpos % block_size
+
+
+@triton.jit
 def _scan_store(acc, m, l, lo, hi, q, qpos, qtau, rel_rows, r_tile, proj_ptr, row_ok, kst_ptr, vst_ptr, table_row,
                 skst_s, skst_h, skst_d, svst_s, svst_h, svst_d, table_cols, block_size, kv, d, d_ok,
                 qk_scale, window, extent, NEAR: tl.constexpr, WINDOWED: tl.constexpr,
@@ -149,9 +156,7 @@ def _scan_store(acc, m, l, lo, hi, q, qpos, qtau, rel_rows, r_tile, proj_ptr, ro
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < hi
-        logical = tl.minimum(kpos // block_size, table_cols - 1)
-        blk = tl.load(table_row + logical, mask=kmask, other=0).to(tl.int64)
-        kslot = blk * block_size + kpos % block_size
+        kslot = _store_slots(table_row, kpos, kmask, table_cols, block_size)
         lmask = kmask[:, None] & d_ok[None, :]
         k = tl.load(kst_ptr + kslot[:, None] * skst_s + kv * skst_h + d[None, :] * skst_d, mask=lmask, other=0.0)
         v = tl.load(vst_ptr + kslot[:, None] * svst_s + kv * svst_h + d[None, :] * svst_d, mask=lmask, other=0.0)
@@ -213,18 +218,14 @@ def _key_ranges(pos_ptr, prev_ptr, b, t, row_ok, query_len, split, split_len, wi
 def _store_keys_to_l2(kst_ptr, vst_ptr, table_row, lo, hi, kv, skst_s, skst_h, svst_s, svst_h, table_cols,
                       block_size, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, LINES: tl.constexpr):
     """Ask for the key and value rows of store positions ``[lo, hi)`` (earlier steps') in L2, through the block
-    table (step metadata): before the wait, so the scan after it finds them there (a hint, `prefetch_l2`; the rows'
-    features contiguous, ``LINES`` 128-byte lines to a row, `l2_lines`)."""
-    step: tl.constexpr = 1024 // kst_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
-    j = tl.arange(0, LINES) * step
+    table (step metadata): before the wait, so the scan after it finds them there (a hint; a row's features
+    contiguous, ``LINES`` from `l2_lines`)."""
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < hi
-        blk = tl.load(table_row + tl.minimum(kpos // block_size, table_cols - 1), mask=kmask, other=0).to(tl.int64)
-        kslot = blk * block_size + kpos % block_size
-        lines = kmask[:, None] & (j < HEAD_DIM)[None, :]
-        prefetch_l2(kst_ptr + kslot[:, None] * skst_s + kv * skst_h + j[None, :], lines)
-        prefetch_l2(vst_ptr + kslot[:, None] * svst_s + kv * svst_h + j[None, :], lines)
+        kslot = _store_slots(table_row, kpos, kmask, table_cols, block_size)
+        prefetch_rows_l2(kst_ptr + kv * skst_h, kslot, kmask, skst_s, HEAD_DIM, LINES)
+        prefetch_rows_l2(vst_ptr + kv * svst_h, kslot, kmask, svst_s, HEAD_DIM, LINES)
 
 
 # Batch-varying sizes are not specialised, so a new batch, length or split width does not recompile.
@@ -488,7 +489,8 @@ def _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots
         NUM_HEADS=Hq, GROUP=G, HEAD_DIM=hd, G_PAD=g_pad, BLOCK_M=block_m, D_PAD=d_pad, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, WINDOWED=window is not None, LOG_SCALING=log_scaling is not None,
         IEEE=ieee, WIDEN=INTERPRET, REL_FROM_R=from_r, D_REL=d_rel, DR_PAD=pow2(d_rel), R_DTYPE=TL_DTYPES[rel.dtype],
-        KEY_LINES=l2_lines(hd, key_store.dtype), num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl(q),
+        KEY_LINES=l2_lines(hd, key_store.dtype), num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}), **pdl(q),
     )
     if num_splits > 1:
         _merge_splits_kernel[(T * Hq,)](

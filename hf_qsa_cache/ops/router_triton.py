@@ -33,7 +33,7 @@ PRELOAD_WEIGHTS = True
 @triton.jit
 def _router_weights(w_ptr, e, e_ok, lo, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
     """Rows ``e`` of the router's weight at hidden columns ``lo ...`` (one chunk). Weights are never written in a
-    step: read before the wait."""
+    step: read before the wait where a program's range is one chunk, in its loop otherwise."""
     h = lo + tl.arange(0, BLOCK_H)
     return tl.load(w_ptr + e[:, None].to(tl.int64) * HIDDEN + h[None, :], mask=e_ok[:, None] & (h < HIDDEN)[None, :],
                    other=0.0)
@@ -58,18 +58,14 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, stride_xt, num_tokens, split_l
         prefetch_rows_l2(w_ptr + lo, e, e_ok, HIDDEN, tl.minimum(split_len, HIDDEN - lo), LINES)
     pdl_begin(PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
-    if ONE_CHUNK:  # the loop's one pass, on the weights read above
-        h = lo + tl.arange(0, BLOCK_H)
+    for h0 in range(lo, lo + split_len, BLOCK_H):  # (one pass with ONE_CHUNK, on the rows read above)
+        h = h0 + tl.arange(0, BLOCK_H)
         x = tl.load(x_ptr + t * stride_xt + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
-        acc += w_chunk.to(tl.float32) * x[None, :]
-    else:
-        for h0 in range(lo, lo + split_len, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            h_ok = h < HIDDEN  # (split_len is a multiple of BLOCK_H)
-            x = tl.load(x_ptr + t * stride_xt + h, mask=h_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + e[:, None].to(tl.int64) * HIDDEN + h[None, :], mask=e_ok[:, None] & h_ok[None, :],
-                        other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
+        if ONE_CHUNK:
+            w = w_chunk
+        else:
+            w = _router_weights(w_ptr, e, e_ok, h0, HIDDEN, BLOCK_H)
+        acc += w.to(tl.float32) * x[None, :]
     tl.store(part_ptr + (s * num_tokens + t) * ROWS + e, tl.sum(acc, axis=1), mask=e_ok)
 
 
