@@ -37,9 +37,6 @@ FLAGS = {
     "projections": ("hf_qsa_cache.ops.linears", "FUSED_PROJECTIONS"),
     "ple": ("hf_qsa_cache.ops.ple", "FUSED_PLE"),
     "conv_norm": ("hf_qsa_cache.ops.conv_norm", "FUSED_CONV_NORM"),
-    # Inkling: the previous layer's MLP conv, the residual add and the input norm computed by the projections'
-    # programs themselves (one token), not in a launch of their own.
-    "conv_norm_proj": ("hf_qsa_cache.ops.linears", "FUSED_CONV_NORM_PROJ"),
     "tiled_experts": ("hf_qsa_cache.ops.prompt_experts", "FUSED_TILED_EXPERTS"),
     "rel_bias": ("hf_qsa_cache.ops.inkling_attention", "FUSED_REL_BIAS"),
     # Not a fusion: every kernel launched with programmatic dependent launch (`ops.triton_common.pdl`).
@@ -50,7 +47,7 @@ FLAGS = {
 # slower than what they replace (benchmarks/RESULTS.md: a graphed Qwen4Exp 8-layer step at 1 x 16384 on the H200
 # with qsa_topk_radix 1.31 against 1.20 ms; the 40-layer step at 1 x 4096 with hc_norm_proj's second form 5.74
 # against 4.62 ms).
-OFF_BY_DEFAULT: tuple[str, ...] = ("hc_norm_proj", "qsa_topk_radix", "conv_norm_proj")
+OFF_BY_DEFAULT: tuple[str, ...] = ("hc_norm_proj", "qsa_topk_radix")
 
 
 def requested(setting: str | None, off_by_default: tuple[str, ...] = OFF_BY_DEFAULT) -> set[str]:

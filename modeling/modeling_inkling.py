@@ -51,9 +51,7 @@ from hf_qsa_cache.ops.conv_norm import attention_inputs, conv_add_rms_norm, fuse
 from hf_qsa_cache.ops.experts import inkling_shared_experts_to_fold, run_selected_experts
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention, paged_rel_attention_probs
 from hf_qsa_cache.ops.inkling_router import fuses_inkling_routing, route_inkling
-from hf_qsa_cache.ops.linears import (
-    ConvAddNorm, fuses_conv_norm_projections, project, project_alone, project_conv_norm,
-)
+from hf_qsa_cache.ops.linears import project, project_alone
 from hf_qsa_cache.ops.prompt_experts import (
     grouped_experts_forward, runs_tiled_experts, tiled_experts, uses_prompt_experts,
 )
@@ -153,20 +151,13 @@ class InklingPagedAttention(nn.Module):
         self.rel_logits_proj = InklingRelativeLogits(config.d_rel, self.rel_extent)
 
     @force_accelerate_hooks("rel_logits_proj")  # its `proj` parameter is read directly
-    def input_projections(self) -> tuple[nn.Linear, ...]:
-        return self.q_proj, self.k_proj, self.v_proj, self.r_proj
-
-    def forward(self, hidden_states: torch.Tensor | ConvAddNorm, cache: QSAPagedCache, meta: StepMetadata,
+    def forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata,
                 attentions: list | None = None) -> torch.Tensor:
-        """``hidden_states``: the normed input, or (`ConvAddNorm`) what the projections norm themselves
-        (`project_conv_norm`). ``attentions``: when a list, this layer appends its attention probabilities
-        ``[B, L, H, max_len]`` by key position (`paged_rel_attention_probs`)."""
+        """``attentions``: when a list, this layer appends its attention probabilities ``[B, L, H, max_len]``
+        by key position (`paged_rel_attention_probs`)."""
         B, L, _ = hidden_states.shape
         heads = (B, L, -1, self.head_dim)
-        if isinstance(hidden_states, ConvAddNorm):
-            query, key, value, relative = project_conv_norm(hidden_states, *self.input_projections())
-        else:
-            query, key, value, relative = project(hidden_states, *self.input_projections())
+        query, key, value, relative = project(hidden_states, self.q_proj, self.k_proj, self.v_proj, self.r_proj)
         if fuses_conv_norm(query, self.q_norm, self.k_norm, self.k_sconv, self.v_sconv):
             query, key, value = (t.view(heads) for t in attention_inputs(
                 query, key, value, self.k_sconv.taps(cache, meta, L), self.v_sconv.taps(cache, meta, L),
@@ -227,18 +218,9 @@ class InklingPagedDecoderLayer(GradientCheckpointingLayer):
                  defer_residual: bool):
         meta = cache.step_metadata(hidden_states.device)
         cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype)
-        # The previous layer's MLP conv and residual add and this norm: in the attention's projections where they
-        # can take it, else in one pass of their own where fused.
-        if (pending_conv is not None and attentions is None and not keeps_own_forward(self.self_attn)
-                and fuses_conv_norm_projections(hidden_states, pending_conv, self.input_layernorm,
-                                                self.self_attn.input_projections())):
-            pending = ConvAddNorm(hidden_states, pending_conv.taps(cache, meta, hidden_states.shape[1]), residual,
-                                  self.input_layernorm)
-            attn = self.self_attn(pending, cache, meta)
-            residual = pending.h
-        else:
-            residual, normed = conv_add_norm(pending_conv, hidden_states, residual, self.input_layernorm, cache, meta)
-            attn = self.self_attn(normed, cache, meta, attentions)
+        # The previous layer's MLP conv and residual add and this norm, in one pass where fused.
+        residual, normed = conv_add_norm(pending_conv, hidden_states, residual, self.input_layernorm, cache, meta)
+        attn = self.self_attn(normed, cache, meta, attentions)
         residual, normed = conv_add_norm(self.attn_sconv, attn, residual, self.post_attention_layernorm, cache, meta)
         out = self.mlp(normed)
         return (out, residual) if defer_residual else residual + self.mlp_sconv(out, cache, meta)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 
-import pytest
 import torch
 from fusion_helpers import assert_fused_generate_equals_default, fused_generate_mismatch
 from interpreter import count_launches, run_under_interpreter
@@ -99,66 +98,6 @@ def test_generate_with_the_fusion_equals_the_default(monkeypatch):
                                              atol=1e-5)
 
 
-def test_generate_with_the_norm_in_the_projections_equals_the_default(monkeypatch):
-    """The tiny Inkling model with ``conv_norm_proj`` on hands its layers' input norm to the attention's projections
-    (the specification on the CPU) in one-token steps: same tokens, same logits as the default path."""
-    import test_inkling as inkling
-
-    from hf_qsa_cache.ops import linears
-
-    _, model = inkling.make_pair(inkling.make_config(), seed=4)
-    for lengths in ([9], [15, 6, 11]):  # one row, and rows decoding together (each step: one token per row)
-        ids, mask = inkling.left_pad(inkling.make_prompts(lengths, seed=5))
-        if len(lengths) == 1:
-            assert_fused_generate_equals_default(monkeypatch, model, ids, mask, linears, "FUSED_CONV_NORM_PROJ",
-                                                 "conv_norm_linears_torch", atol=1e-5)
-        else:  # more than one token a step: the fused path never applies
-            monkeypatch.setattr(linears, "FUSED_CONV_NORM_PROJ", True)
-            calls = []
-            monkeypatch.setattr(linears, "conv_norm_linears_torch", lambda *a: calls.append(1))
-            with torch.no_grad():
-                model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
-            assert not calls
-
-
-def test_the_norm_in_the_projections_applies_only_where_it_can(monkeypatch):
-    from hf_qsa_cache.ops import linears
-
-    monkeypatch.setattr(linears, "FUSED_CONV_NORM_PROJ", True)
-    norm = _norm(8, torch.float32, 0)
-    conv = torch.nn.Conv1d(8, 8, 4, groups=8, bias=False)
-    projections = [torch.nn.Linear(8, n, bias=False) for n in (6, 2)]
-    x = torch.randn(1, 1, 8)
-    with torch.no_grad():
-        assert linears.fuses_conv_norm_projections(x, conv, norm, projections)
-        assert not linears.fuses_conv_norm_projections(torch.randn(1, 2, 8), conv, norm, projections)  # two tokens
-        assert not linears.fuses_conv_norm_projections(x, conv, norm, projections * 3)  # more than the slots
-        assert not linears.fuses_conv_norm_projections(x, conv, norm.to(torch.float64), projections)
-        handle = projections[1].register_forward_hook(lambda *a: None)
-        assert not linears.fuses_conv_norm_projections(x, conv, norm, projections)
-        handle.remove()
-    assert not linears.fuses_conv_norm_projections(x, conv, norm, projections)  # autograd records
-    monkeypatch.setattr(linears, "FUSED_CONV_NORM_PROJ", False)
-    with torch.no_grad():
-        assert not linears.fuses_conv_norm_projections(x, conv, norm, projections)
-
-
-def test_the_fused_projections_refuse_what_they_cannot_run():
-    from hf_qsa_cache.ops.linears_triton import conv_norm_linears_triton
-
-    x, taps, _, _ = _taps_case(0, [(3, 1)], 1, heads=3)
-    norm_weight, residual = torch.ones(3 * HEAD_DIM), torch.randn_like(x)
-    weights = [torch.randn(4, 3 * HEAD_DIM)]
-    with pytest.raises(ValueError, match="one token, got 2"):
-        conv_norm_linears_triton(torch.cat([x, x]), taps, residual, norm_weight, 1e-6, weights)
-    with pytest.raises(ValueError, match="at most two: reduction 15"):
-        conv_norm_linears_triton(x, taps, residual, norm_weight, 1e-6, weights, tiles=(2, 4, 1, True))
-    with pytest.raises(ValueError, match="GEMV tiles"):
-        conv_norm_linears_triton(x, taps, residual, norm_weight, 1e-6, weights, tiles=(16, 16, 4))
-    with pytest.raises(ValueError, match="the norm's weight"):
-        conv_norm_linears_triton(x, taps, residual, norm_weight.double(), 1e-6, weights)
-
-
 def test_fuses_only_steps_of_few_tokens_without_hooks_or_autograd(monkeypatch):
     monkeypatch.setattr(conv_norm, "FUSED_CONV_NORM", True)
     norm = _norm(8, torch.float32, 0)
@@ -232,54 +171,14 @@ def _kernel_cases() -> str | None:
     return None
 
 
-# One decode token: (length before the step) — a first token (no history), taps in the store across blocks.
-_ONE_TOKEN_ROWS = [[(0, 1)], [(13, 1)], [(2, 1)]]
-# (rows per program, reduction chunk): two chunks over the 15 channels, one chunk, rows split unevenly.
-_PROJECTION_TILES = [(2, 8), (4, 16), (1, 8)]
-
-
-def _conv_norm_projection_cases() -> str | None:
-    """`conv_norm_linears_triton` against its specification: the outputs, ``h`` and the conv store afterwards."""
-    from hf_qsa_cache.ops.linears import conv_norm_linears_torch
-    from hf_qsa_cache.ops.linears_triton import conv_norm_linears_triton
-
-    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 3e-2)):
-        norm = _norm(3 * HEAD_DIM, dtype, 5)
-        weights = [torch.randn(r, 3 * HEAD_DIM).to(dtype) for r in (7, 3, 5, 1)]
-        for seed, rows in enumerate(_ONE_TOKEN_ROWS):
-            x, taps, _, full = _taps_case(seed + 30, rows, 1, heads=3, dtype=dtype)
-            residual = torch.randn_like(x)
-            for tiles in _PROJECTION_TILES:
-                for count in (4, 1):
-                    outs = {}
-                    for name in ("want", "got"):
-                        copy = full.clone()
-                        args = (x, taps._replace(store=copy[:, :, 1: 1 + HEAD_DIM]), residual, norm.weight.detach(),
-                                1e-6, weights[:count])
-                        if name == "want":
-                            h, projected = conv_norm_linears_torch(*args)
-                        else:
-                            h, projected = conv_norm_linears_triton(*args, tiles=(*tiles, 1, True))
-                        outs[name] = (h, projected, copy)
-                    where = f"conv norm projections {dtype} rows={rows} tiles={tiles} weights={count}"
-                    got, want = outs["got"], outs["want"]
-                    for a, b in zip([got[0], *got[1]], [want[0], *want[1]], strict=True):
-                        if a.dtype != b.dtype or a.shape != b.shape:
-                            return f"{where}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
-                        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
-                    if not torch.equal(got[2], want[2]):
-                        return f"{where}: the stores differ afterwards"
-    return None
-
-
 def _main() -> int:
-    from hf_qsa_cache.ops import conv_norm_triton, linears, linears_triton
+    from hf_qsa_cache.ops import conv_norm_triton
 
     torch.set_num_threads(1)
     launches: list = []
     count_launches(conv_norm_triton, "_attention_inputs_kernel", launches)
     count_launches(conv_norm_triton, "_conv_add_rms_norm_kernel", launches)
-    error = _kernel_cases() or _conv_norm_projection_cases()
+    error = _kernel_cases()
     if error:
         print(error)
         return 1
@@ -287,19 +186,10 @@ def _main() -> int:
 
     conv_norm._use_triton = lambda x: True  # the CUDA dispatch, on CPU tensors
     model = inkling.make_pair(inkling.make_config(), seed=3)[1]
-    ids, mask = inkling.left_pad(inkling.make_prompts([5, 2], seed=4))
-    error = fused_generate_mismatch(model, ids, mask, "conv_norm", launches, atol=1e-4)
+    error = fused_generate_mismatch(model, *inkling.left_pad(inkling.make_prompts([5, 2], seed=4)), "conv_norm",
+                                    launches, atol=1e-4)
     if error:
         print(f"generate: {error}")
-        return 1
-    # One row decoding (the projections' norm takes one token): the fused launch against the default path's two.
-    linears._use_triton = lambda x: True
-    fused_launches: list = []
-    count_launches(linears_triton, "_conv_norm_linears_kernel", fused_launches)
-    ids, mask = inkling.left_pad(inkling.make_prompts([6], seed=5))
-    error = fused_generate_mismatch(model, ids, mask, "conv_norm_proj", fused_launches, atol=1e-4)
-    if error:
-        print(f"generate, the norm in the projections: {error}")
         return 1
     print("all conv norm cases ok")
     return 0

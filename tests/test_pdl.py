@@ -53,7 +53,7 @@ def test_every_kernel_waits_before_it_touches_memory():
         # Before the wait: index arithmetic, prefetches of weights (hints: they read nothing into the kernel) and
         # the named early reads (what only earlier launches write).
         assert not _memory_access(before), f"{name} touches memory before pdl_begin(PDL): {before}"
-        assert _calls(before) <= _INDEX_OPS | set(_INDEX_HELPERS) | _PREFETCHES | set(_EARLY_READS), \
+        assert _calls(before) <= _INDEX_OPS | _PREFETCHES | set(_EARLY_READS), \
             f"{name} calls {_calls(before)} before pdl_begin(PDL)"
 
 
@@ -64,8 +64,6 @@ def _statements(fn: ast.FunctionDef) -> list[str]:
 
 _INDEX_OPS = {"tl.program_id", "tl.cdiv", "tl.arange", "tl.static_range", "tl.minimum", ".to",
               "tl.multiple_of"}  # (an alignment hint to the compiler: no access)
-# Helpers of index arithmetic alone (`test_the_index_helpers_touch_no_memory`), by module.
-_INDEX_HELPERS = {"_program_weight": "linears_triton.py"}
 _PREFETCHES = {"prefetch_rows_l2", "prefetch_l2"}
 # The helpers a kernel may call before its wait, which read only what the launch just before it cannot write
 # (`triton_common.pdl_begin`): weights, the step's metadata, and what earlier steps stored. By module.
@@ -102,13 +100,6 @@ def test_the_prefetches_only_ask_for_lines():
         assert _calls(body) <= _INDEX_OPS | _PREFETCHES | {"tl.inline_asm_elementwise"}, (name, _calls(body))
         asm = [s for s in body if "inline_asm" in s]
         assert all("prefetch.global.L2" in s and "ld." not in s and "st." not in s for s in asm), asm
-
-
-def test_the_index_helpers_touch_no_memory():
-    for name, module in _INDEX_HELPERS.items():
-        tree = ast.parse(Path(REPO, "hf_qsa_cache", "ops", module).read_text())
-        body = _statements(next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name))
-        assert not _memory_access(body) and _calls(body) <= _INDEX_OPS | {"tl.cdiv"}, (name, _calls(body))
 
 
 def test_the_early_reads_only_read():

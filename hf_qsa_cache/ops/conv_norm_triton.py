@@ -45,11 +45,11 @@ def _conv_history(t, c, cm, w_ptr, store_ptr, store_s0, store_s1, width, table_p
 
 
 @triton.jit
-def _conv_taps(history, x_ptr, t, c, cm, x_row, w_ptr, store_ptr, store_s0, store_s1, width, slots_ptr, write,
+def _conv_taps(history, x_ptr, t, c, cm, x_row, w_ptr, store_ptr, store_s0, store_s1, width, slots_ptr,
                K: tl.constexpr):
     """`_conv_history` plus the taps from this step's input ``x`` and the input itself (the conv's residual), in
-    fp32; where ``write``, writes the input to the token's slot (a pad's slot -1 goes to the null block). The sum
-    runs in tap order as one loop over all taps would: a token's store taps all precede its input taps."""
+    fp32; writes the input to the token's slot (a pad's slot -1 goes to the null block). The sum runs in tap
+    order as one loop over all taps would: a token's store taps all precede its input taps."""
     acc, p, prev = history
     t64 = t.to(tl.int64)
     lanes = tl.zeros(c.shape, dtype=tl.int32)
@@ -62,7 +62,7 @@ def _conv_taps(history, x_ptr, t, c, cm, x_row, w_ptr, store_ptr, store_s0, stor
         acc = acc + tap.to(tl.float32) * w
     out_slot = tl.maximum(tl.load(slots_ptr + t + lanes), 0)
     tl.store(store_ptr + out_slot * store_s0 + (c // width) * store_s1 + c % width,
-             x_raw.to(store_ptr.dtype.element_ty), mask=cm & write)
+             x_raw.to(store_ptr.dtype.element_ty), mask=cm)
     return acc + x_raw.to(tl.float32)
 
 
@@ -71,14 +71,7 @@ def _rms_normed(h, w_ptr, d, dm, n, eps, PRODUCT: tl.constexpr):
     """``weight * norm(h)`` over ``h``'s ``n`` real lanes (masked lanes hold 0), with `add_rms_norm_torch`'s
     rounding: the normed value in ``h``'s dtype, the product in ``PRODUCT``."""
     widened = h.to(tl.float32)
-    return _scaled(h, tl.rsqrt(tl.sum(widened * widened, axis=0) / n + eps), w_ptr, d, dm, PRODUCT)
-
-
-@triton.jit
-def _scaled(h, inv_rms, w_ptr, d, dm, PRODUCT: tl.constexpr):
-    """``weight * (h * inv_rms)`` at lanes ``d`` with `_rms_normed`'s rounding (the scaled value in ``h``'s dtype,
-    the product in ``PRODUCT``): a norm whose sum of squares was taken over more than these lanes."""
-    normed = (h.to(tl.float32) * inv_rms).to(h.dtype)
+    normed = (widened * tl.rsqrt(tl.sum(widened * widened, axis=0) / n + eps)).to(h.dtype)
     w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
     return (w * normed.to(tl.float32)).to(PRODUCT)
 
@@ -112,11 +105,11 @@ def _attention_inputs_kernel(
                  mask=dm)
     elif g < HQ + HKV:
         key = _conv_taps(history, k_ptr, t, c, dm, HKV * HD, k_conv_ptr, k_store, k_s0, k_s1, k_width, slots_ptr,
-                         True, K).to(k_ptr.dtype.element_ty)
+                         K).to(k_ptr.dtype.element_ty)
         tl.store(k_out + t64 * (HKV * HD) + c, _rms_normed(key, k_norm_ptr, d, dm, HD, k_eps, K_PRODUCT), mask=dm)
     else:
         value = _conv_taps(history, v_ptr, t, c, dm, HKV * HD, v_conv_ptr, v_store, v_s0, v_s1, v_width, slots_ptr,
-                           True, K)
+                           K)
         tl.store(v_out + t64 * (HKV * HD) + c, value.to(v_out.dtype.element_ty), mask=dm)
 
 
@@ -134,7 +127,7 @@ def _conv_add_rms_norm_kernel(
     history = _conv_history(t, c, cm, conv_ptr, store_ptr, store_s0, store_s1, width, table_ptr, table_s0, table_cols,
                             pos_ptr, prev_ptr, query_len, block_size, K)
     pdl_begin(PDL)
-    h = _conv_taps(history, x_ptr, t, c, cm, C, conv_ptr, store_ptr, store_s0, store_s1, width, slots_ptr, True,
+    h = _conv_taps(history, x_ptr, t, c, cm, C, conv_ptr, store_ptr, store_s0, store_s1, width, slots_ptr,
                    K).to(h_ptr.dtype.element_ty)
     if RESIDUAL:
         # As torch adds two tensors of the activations' dtype: in fp32, rounded once.
@@ -144,7 +137,7 @@ def _conv_add_rms_norm_kernel(
     tl.store(out_ptr + t64 * C + c, _rms_normed(h, norm_ptr, c, cm, C, eps, PRODUCT), mask=cm)
 
 
-def conv_step_args(*taps) -> list:
+def _shared_step_args(*taps) -> list:
     """The block table, slots, positions, lengths and columns the convs of one launch share (refused otherwise)."""
     first = taps[0]
     for other in taps[1:]:
@@ -155,7 +148,7 @@ def conv_step_args(*taps) -> list:
             first.prev_len.contiguous(), first.query_len, first.block_size]
 
 
-def conv_stream_args(taps) -> list:
+def _stream_args(taps) -> list:
     store = taps.store
     if store.stride(2) != 1:
         raise ValueError("the conv store's channel dim must be contiguous")
@@ -175,7 +168,7 @@ def attention_inputs_triton(q, k, v, k_taps, v_taps, q_norm_weight, q_eps, k_nor
     if T:
         _attention_inputs_kernel[(T, hq + 2 * hkv)](
             q, k, v, q_out, k_out, v_out, q_norm_weight, k_norm_weight, float(q_eps), float(k_eps),
-            *conv_stream_args(k_taps), *conv_stream_args(v_taps), *conv_step_args(k_taps, v_taps),
+            *_stream_args(k_taps), *_stream_args(v_taps), *_shared_step_args(k_taps, v_taps),
             HQ=hq, HKV=hkv, HD=head_dim, HD_PAD=triton.next_power_of_2(head_dim), K=k_taps.weight.shape[1],
             Q_PRODUCT=TL_DTYPES[q_out.dtype], K_PRODUCT=TL_DTYPES[k_out.dtype], num_warps=num_warps, **pdl(q),
         )
@@ -194,7 +187,7 @@ def conv_add_rms_norm_triton(x, taps, residual, norm_weight, eps, *, num_warps: 
     if T:
         _conv_add_rms_norm_kernel[(T,)](
             x, x if residual is None else residual.contiguous(), h, out, norm_weight, float(eps),
-            *conv_stream_args(taps), *conv_step_args(taps),
+            *_stream_args(taps), *_shared_step_args(taps),
             C=C, C_PAD=triton.next_power_of_2(C), K=taps.weight.shape[1], RESIDUAL=residual is not None,
             PRODUCT=TL_DTYPES[out.dtype], num_warps=num_warps or min(16, max(1, C // 128)), **pdl(x),
         )

@@ -17,20 +17,14 @@ contiguous weight of the input's dtype on its device, and none has hooks or an o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..fusions import fusion_enabled
 from . import keeps_own_forward, records_grad
-from .conv_norm import conv_add_rms_norm_torch, fuses_conv_norm
-from .sconv import ConvTaps
 
 FUSED_PROJECTIONS = fusion_enabled("projections")
-FUSED_CONV_NORM_PROJ = fusion_enabled("conv_norm_proj")
-MAX_WEIGHTS = 4  # projections of one launch (the kernel's weight slots)
 MAX_FUSED_TOKENS = 16  # decode and verify steps; prompts keep cuBLAS's GEMMs
 # A projection alone (o_proj, GatedDeltaNet's out_proj) goes to the kernel for steps of at most this many tokens
 # (`project_alone`; 0: never), else to cuBLAS. One token: the kernel's GEMV form took Inkling's o_proj (2048 ->
@@ -57,13 +51,8 @@ def fuses_projections(x: torch.Tensor, modules) -> bool:
     """Whether `project` runs ``modules`` on ``x`` in one launch (see the module's docstring)."""
     if not (FUSED_PROJECTIONS and _use_triton(x)) or x.numel() > MAX_FUSED_TOKENS * x.shape[-1]:
         return False
-    return _weights_read_directly(x, modules)
+    from .linears_triton import MAX_WEIGHTS
 
-
-def _weights_read_directly(x: torch.Tensor, modules) -> bool:
-    """Whether a kernel may read the weights of ``modules`` in place of their forwards on ``x``: 1 to
-    ``MAX_WEIGHTS`` bias-free ``nn.Linear`` modules without hooks or wrappers, with plain contiguous weights of
-    ``x``'s dtype and device, autograd recording nothing."""
     if not 1 <= len(modules) <= MAX_WEIGHTS:
         return False
     for m in modules:
@@ -95,64 +84,3 @@ def project_alone(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     if not ALONE_MAX_TOKENS or x.numel() > ALONE_MAX_TOKENS * x.shape[-1]:
         return module(x)
     return project(x, module)[0]
-
-
-# ----------------------------------------------------------------------------- the norm before the projections
-@dataclass
-class ConvAddNorm:
-    """``norm(residual + short_conv(x))`` not yet computed: the input of projections that compute it themselves
-    (`project_conv_norm`, Inkling's attention after the previous layer's MLP conv and residual add). That call sets
-    ``h`` to ``residual + short_conv(x)``, the residual stream's next value."""
-
-    x: torch.Tensor  # [..., C]
-    taps: ConvTaps  # the conv's (`hf_qsa_cache.ops.sconv`)
-    residual: torch.Tensor  # [..., C]
-    norm: nn.Module  # an RMS norm with ``weight`` and ``variance_epsilon`` (transformers' ``InklingRMSNorm``)
-    h: torch.Tensor | None = None
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.x.shape
-
-
-def conv_norm_linears_torch(x: torch.Tensor, taps: ConvTaps, residual: torch.Tensor, norm_weight: torch.Tensor,
-                            eps: float, weights: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The specification: ``(h, [norm(h) @ w.T for w in weights])`` with ``h = residual + short_conv(x)``
-    (`hf_qsa_cache.ops.conv_norm.conv_add_rms_norm_torch`, then `linears_torch`); writes ``x`` to its conv
-    stream."""
-    h, normed = conv_add_rms_norm_torch(x, taps, residual, norm_weight, eps)
-    return h, linears_torch(normed, weights)
-
-
-def fuses_conv_norm_projections(x: torch.Tensor, conv: nn.Module, norm: nn.Module, modules) -> bool:
-    """Whether a step on ``x`` (``[..., C]``) may leave ``conv``, the residual add and ``norm`` to the projections
-    ``modules`` (`project_conv_norm`): the ``conv_norm_proj`` fusion on, one token, conv and norm fused
-    (`fuses_conv_norm`), the weights read directly, the norm's weight in ``x``'s dtype (the normed value is the
-    projections' input), and on CUDA one-token tiles of the GEMV form holding the reduction in two chunks (every
-    program computes the norm before its products). Off CUDA the specification runs."""
-    if not FUSED_CONV_NORM_PROJ or x.numel() != x.shape[-1] or norm.weight.dtype != x.dtype:
-        return False
-    if not fuses_conv_norm(x, conv, norm) or not _weights_read_directly(x, modules):
-        return False
-    if not _use_triton(x):
-        return True
-    from .linears_triton import default_tiles
-
-    _, block_k, _, *gemv = default_tiles(1, x.shape[-1])
-    return bool(gemv and gemv[0]) and x.shape[-1] <= 2 * block_k
-
-
-def project_conv_norm(pending: ConvAddNorm, *modules: nn.Module) -> list[torch.Tensor]:
-    """``[m(norm(h)) for m in modules]`` with ``h = residual + short_conv(x)`` of ``pending`` (one launch on CUDA,
-    callers check `fuses_conv_norm_projections`); sets ``pending.h``."""
-    shape = pending.x.shape
-    args = (pending.x.reshape(-1, shape[-1]), pending.taps, pending.residual.reshape(-1, shape[-1]),
-            pending.norm.weight, pending.norm.variance_epsilon, [m.weight for m in modules])
-    if _use_triton(pending.x):
-        from .linears_triton import conv_norm_linears_triton
-
-        h, outs = conv_norm_linears_triton(*args)
-    else:
-        h, outs = conv_norm_linears_torch(*args)
-    pending.h = h.view(shape)
-    return [o.view(*shape[:-1], o.shape[-1]) for o in outs]

@@ -20,10 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .linears import MAX_WEIGHTS
-from .conv_norm_triton import _conv_history, _conv_taps, _scaled, conv_step_args, conv_stream_args
 from .triton_common import INTERPRET, dot, l2_lines, on_device_of_first_tensor, pdl, pdl_begin, pow2, prefetch_rows_l2
 
+MAX_WEIGHTS = 4
 MAX_TOKENS = 64  # the tokens sit in one tile of registers
 # Launch policy (shapes only): output rows per program, reduction chunk, warps, and for one token the GEMV form
 # (a fourth element True: no tl.dot, see `_project_tile`). Graph-timed on the H200
@@ -133,11 +132,16 @@ def _gemv_preloaded(x_ptr, stride_xk, keep_ptr, weights, o_ptr, n, n_ok, K: tl.c
     tl.store(o_ptr + n, tl.sum(products, axis=1).to(o_ptr.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit
-def _program_weight(pid, w0, w1, w2, w3, o0, o1, o2, o3, rows0, rows1, rows2, rows3, COUNT: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
-    """The weight program ``pid``'s tile belongs to (the tiles of weight 0 come first, then weight 1's, ...): its
-    pointer, its output's, the tile's index within it, and its rows."""
+# Row counts are not specialised either: a weight of one row would make its count a constant, of another type than
+# the counts the program's weight is picked among.
+@triton.jit(do_not_specialize=["num_tokens", "stride_xt", "rows0", "rows1", "rows2", "rows3"])
+def _linears_kernel(x_ptr, keep_ptr, w0, w1, w2, w3, o0, o1, o2, o3, rows0, rows1, rows2, rows3, stride_xt,
+                    stride_xk, num_tokens, K: tl.constexpr, COUNT: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KEEP: tl.constexpr, IEEE: tl.constexpr,
+                    WIDEN: tl.constexpr, GEMV: tl.constexpr, PRELOAD: tl.constexpr, LINES: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    # The weight this program's tile belongs to: its pointers, rows, and the tile's index within it.
+    pid = tl.program_id(0)
     end0 = tl.cdiv(rows0, BLOCK_N)
     end1 = end0 + tl.cdiv(rows1, BLOCK_N)
     end2 = end1 + tl.cdiv(rows2, BLOCK_N)
@@ -148,19 +152,6 @@ def _program_weight(pid, w0, w1, w2, w3, o0, o1, o2, o3, rows0, rows1, rows2, ro
         w_ptr, o_ptr, block, rows = w2, o2, pid - end1, rows2
     if COUNT > 3 and pid >= end2:
         w_ptr, o_ptr, block, rows = w3, o3, pid - end2, rows3
-    return w_ptr, o_ptr, block, rows
-
-
-# Row counts are not specialised either: a weight of one row would make its count a constant, of another type than
-# the counts the program's weight is picked among.
-@triton.jit(do_not_specialize=["num_tokens", "stride_xt", "rows0", "rows1", "rows2", "rows3"])
-def _linears_kernel(x_ptr, keep_ptr, w0, w1, w2, w3, o0, o1, o2, o3, rows0, rows1, rows2, rows3, stride_xt,
-                    stride_xk, num_tokens, K: tl.constexpr, COUNT: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KEEP: tl.constexpr, IEEE: tl.constexpr,
-                    WIDEN: tl.constexpr, GEMV: tl.constexpr, PRELOAD: tl.constexpr, LINES: tl.constexpr,
-                    PDL: tl.constexpr = False):
-    w_ptr, o_ptr, block, rows = _program_weight(tl.program_id(0), w0, w1, w2, w3, o0, o1, o2, o3, rows0, rows1,
-                                                rows2, rows3, COUNT, BLOCK_N)
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     # Launched early: the tile's weight rows into registers (one token) or asked for in L2, while the kernel
     # before still runs.
@@ -185,9 +176,14 @@ def linears_triton(x: torch.Tensor, weights: list[torch.Tensor], keep: torch.Ten
     `default_tiles` (the dot form: powers of two >= 16), or with a fourth element True the GEMV form for one token
     (powers of two, rows per program from 1)."""
     num_tokens, K = x.shape
-    _check_weights(x, weights)
+    if not 1 <= len(weights) <= MAX_WEIGHTS:
+        raise ValueError(f"linears_triton takes 1 to {MAX_WEIGHTS} weights, got {len(weights)}")
     if num_tokens > MAX_TOKENS:
         raise ValueError(f"linears_triton takes at most {MAX_TOKENS} tokens, got {num_tokens}")
+    for w in weights:
+        if w.dim() != 2 or w.shape[1] != K or w.dtype != x.dtype or not w.is_contiguous():
+            raise ValueError(f"each weight must be contiguous [N, {K}] in {x.dtype}, got {tuple(w.shape)} "
+                             f"{w.dtype} (contiguous: {w.is_contiguous()})")
     if keep is not None and keep.shape != (num_tokens,):
         raise ValueError(f"keep must have one flag per token ({num_tokens}), got shape {tuple(keep.shape)}")
     block_n, block_k, warps, *gemv = tiles or default_tiles(num_tokens, K)
@@ -200,122 +196,15 @@ def linears_triton(x: torch.Tensor, weights: list[torch.Tensor], keep: torch.Ten
     outs = [torch.empty(num_tokens, w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
     if num_tokens == 0:
         return outs
-    programs, weight_args = _weight_args(weights, outs, block_n)
+    padded_w = weights + [weights[0]] * (MAX_WEIGHTS - len(weights))  # unused slots: never read (COUNT)
+    padded_o = outs + [outs[0]] * (MAX_WEIGHTS - len(weights))
+    rows = [w.shape[0] for w in weights] + [0] * (MAX_WEIGHTS - len(weights))
+    programs = sum(triton.cdiv(r, block_n) for r in rows)
     _linears_kernel[(programs,)](
-        x, keep if keep is not None else x, *weight_args, x.stride(0), x.stride(1), num_tokens,
+        x, keep if keep is not None else x, *padded_w, *padded_o, *rows, x.stride(0), x.stride(1), num_tokens,
         K=K, COUNT=len(weights), BLOCK_T=pow2(num_tokens), BLOCK_N=block_n, BLOCK_K=block_k,
         KEEP=keep is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, GEMV=gemv,
         PRELOAD=gemv and preloads_weights(K, block_k), LINES=l2_lines(K, x.dtype),
         num_warps=warps, **pdl(x),
     )
     return outs
-
-
-def _check_weights(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
-    if not 1 <= len(weights) <= MAX_WEIGHTS:
-        raise ValueError(f"the projections kernel takes 1 to {MAX_WEIGHTS} weights, got {len(weights)}")
-    for w in weights:
-        if w.dim() != 2 or w.shape[1] != x.shape[1] or w.dtype != x.dtype or not w.is_contiguous():
-            raise ValueError(f"each weight must be contiguous [N, {x.shape[1]}] in {x.dtype}, got {tuple(w.shape)} "
-                             f"{w.dtype} (contiguous: {w.is_contiguous()})")
-
-
-def _weight_args(weights: list[torch.Tensor], outs: list[torch.Tensor], block_n: int) -> tuple[int, list]:
-    """(programs, the kernels' weight, output and row-count arguments), unused slots padded (never read: COUNT)."""
-    padding = MAX_WEIGHTS - len(weights)
-    rows = [w.shape[0] for w in weights] + [0] * padding
-    programs = sum(triton.cdiv(r, block_n) for r in rows)
-    return programs, [*weights, *[weights[0]] * padding, *outs, *[outs[0]] * padding, *rows]
-
-
-# ----------------------------------------------------------------------------- with the norm before them
-@triton.jit(do_not_specialize=["rows0", "rows1", "rows2", "rows3", "table_s0", "table_cols", "query_len"])
-def _conv_norm_linears_kernel(
-    x_ptr, residual_ptr, h_ptr, norm_ptr, eps, conv_ptr, store_ptr, store_s0, store_s1, width,
-    table_ptr, table_s0, table_cols, slots_ptr, pos_ptr, prev_ptr, query_len, block_size,
-    w0, w1, w2, w3, o0, o1, o2, o3, rows0, rows1, rows2, rows3,
-    K: tl.constexpr, COUNT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAPS: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    pid = tl.program_id(0)
-    w_ptr, o_ptr, block, rows = _program_weight(pid, w0, w1, w2, w3, o0, o1, o2, o3, rows0, rows1, rows2, rows3,
-                                                COUNT, BLOCK_N)
-    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    t = pid * 0  # the one token
-    # Before the wait: the tile's weight rows, and the conv over the token's taps that earlier steps stored.
-    weights = _gemv_weights(w_ptr, n, n < rows, K, BLOCK_K)
-    history_lo = _conv_history(t, k, k < K, conv_ptr, store_ptr, store_s0, store_s1, width, table_ptr, table_s0,
-                               table_cols, pos_ptr, prev_ptr, query_len, block_size, TAPS)
-    history_hi = history_lo
-    if K > BLOCK_K:
-        history_hi = _conv_history(t, BLOCK_K + k, BLOCK_K + k < K, conv_ptr, store_ptr, store_s0, store_s1, width,
-                                   table_ptr, table_s0, table_cols, pos_ptr, prev_ptr, query_len, block_size, TAPS)
-    pdl_begin(PDL)
-    # Every program computes h and its norm for itself (a few thousand values, from L2); the first one also writes
-    # h and the token's conv input.
-    first = (k * 0 + pid) == 0  # per lane (a scalar flag in a mask fails under the interpreter)
-    h_lo = _conv_residual(history_lo, x_ptr, residual_ptr, h_ptr, t, k, k < K, K, conv_ptr, store_ptr, store_s0,
-                          store_s1, width, slots_ptr, first, TAPS)
-    squares = tl.sum(h_lo.to(tl.float32) * h_lo.to(tl.float32), axis=0)
-    h_hi = h_lo
-    if K > BLOCK_K:
-        h_hi = _conv_residual(history_hi, x_ptr, residual_ptr, h_ptr, t, BLOCK_K + k, BLOCK_K + k < K, K, conv_ptr,
-                              store_ptr, store_s0, store_s1, width, slots_ptr, first, TAPS)
-        squares += tl.sum(h_hi.to(tl.float32) * h_hi.to(tl.float32), axis=0)
-    inv_rms = tl.rsqrt(squares / K + eps)
-    # `_gemv_preloaded`'s products and sums on the normed chunks.
-    w_lo, w_hi = weights
-    x_dtype = h_ptr.dtype.element_ty
-    products = w_lo.to(tl.float32) * _scaled(h_lo, inv_rms, norm_ptr, k, k < K, x_dtype).to(tl.float32)[None, :]
-    if K > BLOCK_K:
-        products += (w_hi.to(tl.float32)
-                     * _scaled(h_hi, inv_rms, norm_ptr, BLOCK_K + k, BLOCK_K + k < K, x_dtype).to(tl.float32)[None, :])
-    tl.store(o_ptr + n, tl.sum(products, axis=1).to(o_ptr.dtype.element_ty), mask=n < rows)
-
-
-@triton.jit
-def _conv_residual(history, x_ptr, residual_ptr, h_ptr, t, c, cm, C, conv_ptr, store_ptr, store_s0, store_s1, width,
-                   slots_ptr, write, TAPS: tl.constexpr):
-    """``h = residual + short_conv(x)`` of token ``t`` at channels ``c``, rounded as `_conv_add_rms_norm_kernel`
-    rounds it (the conv's output, then the sum); where ``write``, stored to ``h`` and the input to its conv slot."""
-    x_dtype = h_ptr.dtype.element_ty
-    h = _conv_taps(history, x_ptr, t, c, cm, C, conv_ptr, store_ptr, store_s0, store_s1, width, slots_ptr, write,
-                   TAPS).to(x_dtype)
-    row = t.to(tl.int64) * C
-    h = (tl.load(residual_ptr + row + c, mask=cm, other=0.0).to(tl.float32) + h.to(tl.float32)).to(x_dtype)
-    tl.store(h_ptr + row + c, h, mask=cm & write)
-    return h
-
-
-@on_device_of_first_tensor
-def conv_norm_linears_triton(x: torch.Tensor, taps, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                             weights: list[torch.Tensor], *, tiles: tuple | None = None
-                             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """`hf_qsa_cache.ops.linears.conv_norm_linears_torch` for one token in one launch: ``h = residual +
-    short_conv(x)`` (``taps``: the conv's `hf_qsa_cache.ops.sconv.ConvTaps`), then ``[norm(h) @ w.T for w in
-    weights]``; returns ``(h, outputs)`` and writes ``x`` to its conv stream. Each program of the GEMV form computes
-    ``h`` and its norm itself before its products (`preloads_weights` tiles only: at most two chunks), which saves
-    the norm's own launch. ``tiles`` as `linears_triton`'s GEMV tiles."""
-    T, K = x.shape
-    if T != 1:
-        raise ValueError(f"conv_norm_linears_triton takes one token, got {T}")
-    _check_weights(x, weights)
-    if residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.shape != (K,) \
-            or norm_weight.dtype != x.dtype:
-        raise ValueError(f"residual must be {tuple(x.shape)} and the norm's weight ({K},), both in {x.dtype}; got "
-                         f"{tuple(residual.shape)} {residual.dtype} and {tuple(norm_weight.shape)} {norm_weight.dtype}")
-    block_n, block_k, warps, *gemv = tiles or default_tiles(1, K)
-    if not (gemv and gemv[0]) or K > 2 * block_k or block_n & (block_n - 1) or block_k & (block_k - 1):
-        raise ValueError(f"the fused norm needs GEMV tiles (powers of two) whose chunks hold the reduction in at most "
-                         f"two: reduction {K}, tiles {(block_n, block_k, warps, *gemv)}")
-    x, residual = x.contiguous(), residual.contiguous()
-    h = torch.empty_like(x)
-    outs = [torch.empty(1, w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
-    programs, weight_args = _weight_args(weights, outs, block_n)
-    _conv_norm_linears_kernel[(programs,)](
-        x, residual, h, norm_weight, float(eps), *conv_stream_args(taps), *conv_step_args(taps), *weight_args,
-        K=K, COUNT=len(weights), BLOCK_N=block_n, BLOCK_K=block_k, TAPS=taps.weight.shape[1], num_warps=warps,
-        **pdl(x),
-    )
-    return h, outs
