@@ -118,7 +118,8 @@ def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
     assert [getattr(m, f) for m, f in flags] == before
     assert set(FLAGS) == {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
                           "inkling_router", "prompt_experts", "projections", "ple", "conv_norm", "tiled_experts",
-                          "rel_bias", "pdl", "hc_norm_proj", "qsa_topk_radix", "gdn_step", "qsa_writes", "qsa_gate"}
+                          "rel_bias", "pdl", "hc_norm_proj", "qsa_topk_radix", "gdn_step", "qsa_writes", "qsa_gate",
+                          "token_log"}
     with pytest.raises(ValueError, match="unknown fusion"):
         with fused(("nope",)):
             pass
@@ -150,7 +151,7 @@ def test_a_fusion_off_by_default_is_on_only_when_named():
     assert requested(" default , inkling_router", off_by_default=("inkling_router",)) == set(FLAGS)
 
 
-OFF_BY_DEFAULT = {"hc_norm_proj", "qsa_topk_radix"}
+OFF_BY_DEFAULT = {"hc_norm_proj", "qsa_topk_radix", "token_log"}
 SETTINGS = [(None, MEASURED), ("all", MEASURED | OFF_BY_DEFAULT), ("none", set()), ("", set()),
             ("default,hc_norm_proj", MEASURED | {"hc_norm_proj"}), ("gdn,router", {"gdn", "router"})]
 

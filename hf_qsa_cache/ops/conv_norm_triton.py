@@ -67,12 +67,17 @@ def _conv_taps(history, x_ptr, t, c, cm, x_row, w_ptr, store_ptr, store_s0, stor
 
 
 @triton.jit
-def _rms_normed(h, w_ptr, d, dm, n, eps, PRODUCT: tl.constexpr):
-    """``weight * norm(h)`` over ``h``'s ``n`` real lanes (masked lanes hold 0), with `add_rms_norm_torch`'s
-    rounding: the normed value in ``h``'s dtype, the product in ``PRODUCT``."""
+def _norm_weight(w_ptr, d, dm):
+    """A norm's weight at lanes ``d``, in fp32. Weights are never written in a step: read before the wait."""
+    return tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rms_normed(h, w, n, eps, PRODUCT: tl.constexpr):
+    """``w * norm(h)`` over ``h``'s ``n`` real lanes (masked lanes hold 0; ``w`` from `_norm_weight`), with
+    `add_rms_norm_torch`'s rounding: the normed value in ``h``'s dtype, the product in ``PRODUCT``."""
     widened = h.to(tl.float32)
     normed = (widened * tl.rsqrt(tl.sum(widened * widened, axis=0) / n + eps)).to(h.dtype)
-    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
     return (w * normed.to(tl.float32)).to(PRODUCT)
 
 
@@ -89,7 +94,12 @@ def _attention_inputs_kernel(
     t64 = t.to(tl.int64)
     d = tl.arange(0, HD_PAD)
     dm = d < HD
-    # The conv's store taps, before the wait: a key head's, a value head's, none for a query head.
+    # Before the wait, the conv's store taps (a key head's, a value head's, none for a query head) and the norm's
+    # weight (a query head's, a key head's).
+    if g < HQ:
+        w = _norm_weight(q_norm_ptr, d, dm)
+    else:
+        w = _norm_weight(k_norm_ptr, d, dm)
     if g < HQ + HKV:
         c = (g - HQ) * HD + d
         history = _conv_history(t, c, dm & (d * 0 + g >= HQ), k_conv_ptr, k_store, k_s0, k_s1, k_width, table_ptr,
@@ -101,12 +111,12 @@ def _attention_inputs_kernel(
     pdl_begin(PDL)
     if g < HQ:
         x = tl.load(q_ptr + t64 * (HQ * HD) + g * HD + d, mask=dm, other=0.0)
-        tl.store(q_out + t64 * (HQ * HD) + g * HD + d, _rms_normed(x, q_norm_ptr, d, dm, HD, q_eps, Q_PRODUCT),
+        tl.store(q_out + t64 * (HQ * HD) + g * HD + d, _rms_normed(x, w, HD, q_eps, Q_PRODUCT),
                  mask=dm)
     elif g < HQ + HKV:
         key = _conv_taps(history, k_ptr, t, c, dm, HKV * HD, k_conv_ptr, k_store, k_s0, k_s1, k_width, slots_ptr,
                          K).to(k_ptr.dtype.element_ty)
-        tl.store(k_out + t64 * (HKV * HD) + c, _rms_normed(key, k_norm_ptr, d, dm, HD, k_eps, K_PRODUCT), mask=dm)
+        tl.store(k_out + t64 * (HKV * HD) + c, _rms_normed(key, w, HD, k_eps, K_PRODUCT), mask=dm)
     else:
         value = _conv_taps(history, v_ptr, t, c, dm, HKV * HD, v_conv_ptr, v_store, v_s0, v_s1, v_width, slots_ptr,
                            K)
@@ -126,6 +136,7 @@ def _conv_add_rms_norm_kernel(
     cm = c < C
     history = _conv_history(t, c, cm, conv_ptr, store_ptr, store_s0, store_s1, width, table_ptr, table_s0, table_cols,
                             pos_ptr, prev_ptr, query_len, block_size, K)
+    w = _norm_weight(norm_ptr, c, cm)
     pdl_begin(PDL)
     h = _conv_taps(history, x_ptr, t, c, cm, C, conv_ptr, store_ptr, store_s0, store_s1, width, slots_ptr,
                    K).to(h_ptr.dtype.element_ty)
@@ -134,7 +145,7 @@ def _conv_add_rms_norm_kernel(
         h = (tl.load(residual_ptr + t64 * C + c, mask=cm, other=0.0).to(tl.float32) + h.to(tl.float32))
         h = h.to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + t64 * C + c, h, mask=cm)
-    tl.store(out_ptr + t64 * C + c, _rms_normed(h, norm_ptr, c, cm, C, eps, PRODUCT), mask=cm)
+    tl.store(out_ptr + t64 * C + c, _rms_normed(h, w, C, eps, PRODUCT), mask=cm)
 
 
 def _shared_step_args(*taps) -> list:

@@ -1,4 +1,5 @@
-"""Triton version of `hf_qsa_cache.ops.rms_norm.add_rms_norm_torch` (same arithmetic and rounding points)."""
+"""Triton version of `hf_qsa_cache.ops.rms_norm.add_rms_norm_torch` (same arithmetic and rounding points). The norm's
+weight is read before the kernel's early-launch wait (`conv_norm_triton._norm_weight`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .conv_norm_triton import _norm_weight
 from .triton_common import TL_DTYPES, on_device_of_first_tensor, pdl, pdl_begin
 
 
@@ -13,10 +15,11 @@ from .triton_common import TL_DTYPES, on_device_of_first_tensor, pdl, pdl_begin
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, h_ptr, out_ptr, num_rows, eps,
                          D: tl.constexpr, D_PAD: tl.constexpr, RESIDUAL: tl.constexpr, PRODUCT: tl.constexpr,
                          PDL: tl.constexpr = False):
-    pdl_begin(PDL)
     r = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D_PAD)
     ok = d < D
+    w = _norm_weight(weight_ptr, d, ok)
+    pdl_begin(PDL)
     h = tl.load(x_ptr + r * D + d, mask=ok, other=0.0)
     if RESIDUAL:
         # torch adds in fp32 and rounds to the activations' dtype: the residual stream as stored.
@@ -25,7 +28,6 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, h_ptr, out_ptr, num_ro
         tl.store(h_ptr + r * D + d, h, mask=ok)
     widened = h.to(tl.float32)
     normed = (widened * tl.rsqrt(tl.sum(widened * widened, axis=0) / D + eps)).to(h_ptr.dtype.element_ty)
-    w = tl.load(weight_ptr + d, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + r * D + d, (w * normed.to(tl.float32)).to(PRODUCT), mask=ok)
 
 

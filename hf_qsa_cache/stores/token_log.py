@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.token_log import log_tokens
+
 
 class TokenLog:
     def __init__(self, max_rows: int, max_len: int):
@@ -26,10 +28,8 @@ class TokenLog:
             return
         if self.ids is None:
             self.ids = torch.zeros(self.max_rows + 1, self.max_len, dtype=torch.int32, device=input_ids.device)
-        position, token_row = position.to(self.ids.device), token_row.to(self.ids.device)
-        trash = self.max_rows * self.max_len
-        slot = torch.where(position >= 0, token_row.long() * self.max_len + position, trash)
-        self.ids.view(-1).index_copy_(0, slot, input_ids.reshape(-1).to(self.ids.device, torch.int32))
+        device = self.ids.device
+        log_tokens(self.ids, position.to(device), token_row.to(device), input_ids.to(device))
 
     def mismatched_rows(self, input_ids: torch.Tensor, lengths: list[int], columns: int) -> list[int]:
         """Rows whose held tokens are not the real tokens of ``input_ids[:, :columns]`` (left-padded: a
