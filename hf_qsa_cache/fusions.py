@@ -48,7 +48,7 @@ FLAGS = {
 # slower than what they replace (benchmarks/RESULTS.md: a graphed Qwen4Exp 8-layer step at 1 x 16384 on the H200
 # with qsa_topk_radix 1.31 against 1.20 ms; the 40-layer step at 1 x 4096 with hc_norm_proj's second form 5.74
 # against 4.62 ms).
-OFF_BY_DEFAULT: tuple[str, ...] = ("hc_norm_proj", "qsa_topk_radix", "token_log")
+OFF_BY_DEFAULT: tuple[str, ...] = ("hc_norm_proj", "qsa_topk_radix")
 
 
 def requested(setting: str | None, off_by_default: tuple[str, ...] = OFF_BY_DEFAULT) -> set[str]:

@@ -138,7 +138,7 @@ def test_an_unknown_name_in_the_environment_is_refused_at_import():
 
 MEASURED = {"hc", "hc_proj", "gdn", "gdn_step", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
             "inkling_router", "prompt_experts", "projections", "ple", "conv_norm", "tiled_experts", "pdl", "qsa_writes",
-            "qsa_gate", "rel_bias"}
+            "qsa_gate", "rel_bias", "token_log"}
 
 
 def test_a_fusion_off_by_default_is_on_only_when_named():
@@ -151,7 +151,7 @@ def test_a_fusion_off_by_default_is_on_only_when_named():
     assert requested(" default , inkling_router", off_by_default=("inkling_router",)) == set(FLAGS)
 
 
-OFF_BY_DEFAULT = {"hc_norm_proj", "qsa_topk_radix", "token_log"}
+OFF_BY_DEFAULT = {"hc_norm_proj", "qsa_topk_radix"}
 SETTINGS = [(None, MEASURED), ("all", MEASURED | OFF_BY_DEFAULT), ("none", set()), ("", set()),
             ("default,hc_norm_proj", MEASURED | {"hc_norm_proj"}), ("gdn,router", {"gdn", "router"})]
 
