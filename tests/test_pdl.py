@@ -63,7 +63,8 @@ def _statements(fn: ast.FunctionDef) -> list[str]:
 
 
 _INDEX_OPS = {"tl.program_id", "tl.cdiv", "tl.arange", "tl.static_range", "tl.minimum", ".to",
-              "tl.multiple_of"}  # (an alignment hint to the compiler: no access)
+              "tl.multiple_of",  # (an alignment hint to the compiler: no access)
+              "tl.zeros"}  # (registers only)
 _PREFETCHES = {"prefetch_rows_l2", "prefetch_l2"}
 # The helpers a kernel may call before its wait, which read only what the launch just before it cannot write
 # (`triton_common.pdl_begin`): weights, the step's metadata, and what earlier steps stored. By module.

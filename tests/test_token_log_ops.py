@@ -1,6 +1,6 @@
 """Writing a step's ids into the token log (`hf_qsa_cache.ops.token_log`): the specification against a loop over
-the tokens, a generate() whose log the fusion writes against the default's, and the kernel against the
-specification (as a script under the Triton interpreter, `interpreter.py`)."""
+the tokens, the dispatch, and under the Triton interpreter (as a script, `interpreter.py`) the kernel against the
+specification and a generate() whose log the kernel writes against the default's."""
 
 from __future__ import annotations
 
@@ -40,32 +40,18 @@ def test_the_specification_writes_each_real_token_at_its_row_and_position():
     assert (position < 0).any() and (position >= 0).any()
 
 
-def test_the_fused_write_leaves_the_log_the_default_does(monkeypatch):
-    """The tiny Inkling model's generate() and a continuation that the log checks, with the write routed through
-    the fused path (the specification on the CPU): the same log, and a wrong continuation is still refused."""
-    import test_inkling as inkling
+def test_the_write_goes_to_the_kernel_only_with_the_fusion_on_and_on_cuda(monkeypatch):
+    log, position, token_row, ids = _case(2, rows=2, width=3)
+    calls = []
+    monkeypatch.setattr(token_log, "log_tokens_torch", lambda *a: calls.append("torch"))
+    import hf_qsa_cache.ops.token_log_triton as kernel
 
-    from hf_qsa_cache import QSAPagedCache
-
-    _, model = inkling.make_pair(inkling.make_config(), seed=4)
-    ids, mask = inkling.left_pad(inkling.make_prompts([9, 4], seed=5))
-    logs = {}
-    for on in (False, True):
+    monkeypatch.setattr(kernel, "log_tokens_triton", lambda *a: calls.append("kernel"))
+    for on, cuda in ((True, False), (False, True), (True, True)):
         monkeypatch.setattr(token_log, "FUSED_TOKEN_LOG", on)
-        calls = []
-        monkeypatch.setattr(token_log, "_use_triton", lambda log: calls.append(1) or False)
-        cache = QSAPagedCache(model.config, 2, 32)
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
-                                 past_key_values=cache)
-        assert bool(calls) == on
-        logs[on] = cache.token_log.ids.clone()
-        wrong = out.clone()
-        wrong[0, -2] += 1
-        with torch.no_grad(), pytest.raises(ValueError, match="does not start with the tokens the cache holds"):
-            model.generate(torch.cat([wrong, wrong[:, -1:]], 1), max_new_tokens=1, do_sample=False, pad_token_id=0,
-                           past_key_values=cache, attention_mask=torch.cat([mask, torch.ones(2, 5)], 1).long())
-    assert torch.equal(logs[True][:-1], logs[False][:-1])
+        monkeypatch.setattr(token_log, "_use_triton", lambda t, cuda=cuda: cuda)
+        token_log.log_tokens(log, position, token_row, ids)
+    assert calls == ["torch", "torch", "kernel"]
 
 
 def test_the_kernel_refuses_mismatched_inputs():
@@ -99,6 +85,41 @@ def _main() -> int:
             return 1
     if launches != [(1,), (4,), (1,), (4,)]:  # ceil(tokens / 4) programs
         print(f"launches {launches}")
+        return 1
+    # A model's generate() with the kernel writing its log (on CPU tensors): the log a default run leaves, and a
+    # continuation that does not start with the held tokens is still refused.
+    import test_inkling as inkling
+
+    from hf_qsa_cache import QSAPagedCache
+
+    _, model = inkling.make_pair(inkling.make_config(), seed=4)
+    ids, mask = inkling.left_pad(inkling.make_prompts([9, 4], seed=5))
+    logs = {}
+    for fused in (False, True):
+        token_log.FUSED_TOKEN_LOG = fused
+        token_log._use_triton = lambda log: True
+        launches.clear()
+        cache = QSAPagedCache(model.config, 2, 32)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                 past_key_values=cache)
+            if bool(launches) != fused:
+                print(f"fused={fused}: {len(launches)} kernel launches")
+                return 1
+            logs[fused] = cache.token_log.ids.clone()
+            wrong = out.clone()
+            wrong[0, -2] += 1
+            try:
+                model.generate(torch.cat([wrong, wrong[:, -1:]], 1), max_new_tokens=1, do_sample=False,
+                               pad_token_id=0, past_key_values=cache,
+                               attention_mask=torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype)], 1))
+                print(f"fused={fused}: a wrong continuation was not refused")
+                return 1
+            except ValueError as err:
+                if "does not start with the tokens the cache holds" not in str(err):
+                    raise
+    if not torch.equal(logs[True][:-1], logs[False][:-1]):
+        print("generate: the kernel's log differs from the default's")
         return 1
     print("all token log cases ok")
     return 0

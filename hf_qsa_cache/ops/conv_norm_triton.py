@@ -98,8 +98,10 @@ def _attention_inputs_kernel(
     # weight (a query head's, a key head's).
     if g < HQ:
         w = _norm_weight(q_norm_ptr, d, dm)
-    else:
+    elif g < HQ + HKV:
         w = _norm_weight(k_norm_ptr, d, dm)
+    else:  # (a value head has no norm)
+        w = tl.zeros([HD_PAD], tl.float32)
     if g < HQ + HKV:
         c = (g - HQ) * HD + d
         history = _conv_history(t, c, dm & (d * 0 + g >= HQ), k_conv_ptr, k_store, k_s0, k_s1, k_width, table_ptr,
