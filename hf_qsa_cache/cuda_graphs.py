@@ -30,10 +30,10 @@ belong to one (cache, model) pair and stay valid across `QSAPagedCache.reset()`.
 Mixture-of-experts layers run transformers' experts implementation: ``grouped_mm`` by default, which
 `generate()` switches to ``batched_mm`` for its decode steps on a GPU. Graph steps run ``grouped_mm``
 where torch has a device kernel for it (bf16 on compute capability 9.x/10.x), which captures and reads
-each expert once; elsewhere (fp32 or fp16 weights, other GPUs) ``batched_mm`` (`graph_experts`). Graph
-steps of at most ``FUSED_EXPERTS_MAX_TOKENS`` tokens run ``hf_qsa_selected`` (`hf_qsa_cache.ops.experts`:
-Triton kernels reading only the selected experts' weights) in place of either, unless ``HF_QSA_FUSED``
-leaves ``experts`` out.
+each expert once; elsewhere (fp32 or fp16 weights, other GPUs) ``batched_mm``. Graph steps of at most
+``SELECTED_EXPERTS_MAX_TOKENS`` tokens run ``hf_qsa_selected`` (Triton kernels reading only the selected
+experts' weights) in place of either, unless ``HF_QSA_FUSED`` leaves ``experts`` out. The experts op chooses
+(`hf_qsa_cache.ops.experts.graph_experts`).
 
 Off with ``HF_QSA_CUDA_GRAPHS=0`` in the environment or ``model.use_cuda_graphs = False``.
 """
@@ -52,7 +52,8 @@ from pathlib import Path
 import torch
 
 from .cache import QSAPagedCache
-from .fusions import fusion_enabled
+# The experts a graph step runs are chosen by the experts op (`hf_qsa_cache.ops.experts.graph_experts`).
+from .ops.experts import TRANSFORMERS_EXPERTS, graph_experts, grouped_mm_captures  # noqa: F401
 
 
 # Longest verify step that gets graphs (one per length and bucket); longer ones run eagerly.
@@ -60,19 +61,6 @@ MAX_STEP_LEN = 8
 # Shortest reach a graph step is sized for (`reach_bucket`): below it, widths cost about the same, and
 # fewer reaches mean fewer captures.
 MIN_GRAPH_REACH = 4096
-# Most bytes of expert weights a graph step may gather for ``batched_mm`` (`graph_experts`); a bigger
-# step keeps the model's own experts implementation (and runs eagerly if that cannot be captured).
-BATCHED_EXPERTS_MAX_BYTES = 1 << 30
-# Most tokens of a graph step that runs ``hf_qsa_selected`` experts (the ``experts`` fusion,
-# `graph_experts`): its kernels read an expert's weights once per (token, selected expert) pair, though pairs
-# of one expert running together share its rows in L2. Graph-timed on the H200 (bf16, benchmark shapes, shared
-# experts included; benchmarks/RESULTS.md), against transformers' grouped GEMM on the routed experts alone:
-# Qwen4Exp top 10 at 8 tokens 101.6 against 176.3 us, at 16 tokens 166.4 against 217.7, at 32 tokens 290.4
-# against 226.7; Inkling top 6 at 32 tokens 223.4 against 222.9. So up to 16 tokens.
-FUSED_EXPERTS_MAX_TOKENS = 16
-FUSED_EXPERTS = fusion_enabled("experts")
-# transformers' own experts implementations, which graph steps may replace (`graph_experts`).
-TRANSFORMERS_EXPERTS = ("grouped_mm", "batched_mm")
 
 
 def enabled_by_default() -> bool:
@@ -340,72 +328,6 @@ def experts_family(configs: list) -> tuple:
     while this stays the same."""
     return tuple(sorted({"transformers" if c._experts_implementation in TRANSFORMERS_EXPERTS
                          else str(c._experts_implementation) for c in configs}))
-
-
-def grouped_mm_captures(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether transformers' ``grouped_mm`` experts can be captured in a CUDA graph.
-
-    They call torch's ``grouped_mm`` with per-expert offsets computed on the device. On CUDA, torch runs
-    its CUTLASS kernel only when inputs and output are bf16 on compute capability 9.x or 10.x
-    (``_grouped_mm_cuda``); anything else takes ``_grouped_mm_fallback``, which copies the offsets to
-    the host (``offs.cpu()``) and runs one matmul per expert. Inside a capture that copy raises
-    ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is
-    pinned"), and a graph could not hold it anyway: the group sizes (the routing) would be frozen at
-    the captured step's. Off CUDA nothing is captured (False).
-    """
-    if device.type != "cuda" or dtype != torch.bfloat16:
-        return False
-    return torch.cuda.get_device_capability(device)[0] in (9, 10)
-
-
-def graph_experts(model, experts: list, device: torch.device, tokens: int) -> str | None:
-    """The experts implementation a graph step of ``tokens`` tokens runs instead of the model's own, or
-    None to run the model's own.
-
-    Only transformers' two default implementations are replaced (`TRANSFORMERS_EXPERTS`: ``grouped_mm``,
-    and ``batched_mm``, which `generate()` switches to for its decode steps on a GPU); others chosen by the
-    user (``eager``, ...) are kept. The same choice applies to the step's eager runs (the first one, and
-    every one of a bucket that did not capture), so a graph and its eager run compute alike.
-
-    * Unless ``HF_QSA_FUSED`` leaves ``experts`` out, a step of at most `FUSED_EXPERTS_MAX_TOKENS` tokens
-      on CUDA whose experts modules it covers (`hf_qsa_cache.ops.experts.supports`) runs
-      ``hf_qsa_selected``: fixed shapes, no host copy, no gathered weights.
-    * Else ``grouped_mm`` where it can be captured (`grouped_mm_captures`), or where it runs the
-      ``tiled_experts`` kernels (`tiled_experts_run`), also in place of ``batched_mm``: it reads each expert's
-      weights once, where ``batched_mm`` copies them per (token, expert) pair (an Inkling step of 32 rows ran
-      1.9x faster, benchmarks/RESULTS.md).
-    * Else ``batched_mm``: it gathers each token's ``top_k`` expert matrices and runs batched matmuls, with
-      fixed shapes and no host copy. The gather holds ``tokens * top_k`` expert matrices of one layer at a
-      time; a step needing more than `BATCHED_EXPERTS_MAX_BYTES` keeps the model's own (a ``grouped_mm``
-      capture then fails once, `capture_failures`, and the step runs eagerly).
-    """
-    if not experts or any(config._experts_implementation not in TRANSFORMERS_EXPERTS for _, config in experts):
-        return None
-    if FUSED_EXPERTS and device.type == "cuda" and tokens <= FUSED_EXPERTS_MAX_TOKENS:
-        from .ops import experts as selected  # registers the implementation with transformers
-
-        if all(selected.supports(module) for module, _ in experts):
-            return selected.SELECTED_EXPERTS
-    module = experts[0][0]
-    weights = [w for w in (getattr(module, n, None) for n in ("gate_up_proj", "up_proj", "down_proj"))
-               if isinstance(w, torch.Tensor)]
-    if not weights:
-        return None
-    top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None) or len(weights[0])
-    if grouped_mm_captures(weights[0].dtype, device) or tiled_experts_run(experts, device, tokens * top_k):
-        return "grouped_mm"
-    per_pair = max(w[0].numel() for w in weights) * weights[0].element_size()
-    return "batched_mm" if tokens * top_k * per_pair <= BATCHED_EXPERTS_MAX_BYTES else None
-
-
-def tiled_experts_run(experts: list, device: torch.device, pairs: int) -> bool:
-    """Whether ``grouped_mm`` experts run the ``tiled_experts`` kernels for a step of ``pairs`` (token, expert)
-    pairs (`hf_qsa_cache.ops.prompt_experts`): captured in any dtype, where transformers' grouped GEMMs capture
-    in bf16 on Hopper and Blackwell only."""
-    from .ops import experts as selected
-    from .ops import prompt_experts
-
-    return prompt_experts.tiles_pairs(device.type == "cuda", pairs) and all(selected.supports(m) for m, _ in experts)
 
 
 @contextlib.contextmanager

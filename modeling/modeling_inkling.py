@@ -47,22 +47,15 @@ from hf_qsa_cache.generation import (
 from hf_qsa_cache.metadata import StepMetadata
 from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
-from hf_qsa_cache.ops.conv_norm import attention_inputs, conv_add_rms_norm, fuses_conv_norm
-from hf_qsa_cache.ops.experts import inkling_shared_experts_to_fold, run_selected_experts
+from hf_qsa_cache.ops.conv_norm import conv_add_norm, normed_attention_inputs
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention, paged_rel_attention_probs
-from hf_qsa_cache.ops.inkling_router import fuses_inkling_routing, route_inkling
 from hf_qsa_cache.ops.linears import project, project_alone
-from hf_qsa_cache.ops.prompt_experts import (
-    grouped_experts_forward, runs_tiled_experts, tiled_experts, uses_prompt_experts,
-)
-from hf_qsa_cache.ops import keeps_own_forward, records_grad
-from hf_qsa_cache.ops import rms_norm as rms_norm_ops
-from hf_qsa_cache.ops.rms_norm import add_rms_norm, rms_norm
+from hf_qsa_cache.ops.moe import inkling_moe
+from hf_qsa_cache.ops.rms_norm import defers_residual, normed_embedding
 from hf_qsa_cache.ops.sconv import ConvTaps, short_conv
 from hf_qsa_cache.stores.inkling import STREAM_ATTN, STREAM_K, STREAM_MLP, STREAM_V
 
 from .checkpoints import StrictLoadingMixin, use_upstream_conversions
-
 
 
 class InklingMoE(upstream.InklingMoE):
@@ -72,24 +65,7 @@ class InklingMoE(upstream.InklingMoE):
     experts through `hf_qsa_cache.ops.prompt_experts` where it applies. Otherwise upstream's forward."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        fused_routing = fuses_inkling_routing(self.gate, hidden_states)
-        tiled = runs_tiled_experts(self.experts, flat)
-        folded = inkling_shared_experts_to_fold(self, hidden_states, tiled)
-        prompt = folded is None and (tiled or uses_prompt_experts(self.experts, flat))
-        if not fused_routing and folded is None and not prompt:
-            return super().forward(hidden_states)
-        if fused_routing:
-            weights, indices, gammas = route_inkling(self.gate, hidden_states)
-        else:
-            _, weights, indices, gammas = self.gate(hidden_states)
-        if folded is not None:
-            shared = folded._replace(token_weights=gammas.reshape(flat.shape[0], -1))
-            run = tiled_experts if tiled else run_selected_experts
-            return run(self.experts, flat, indices, weights, shared).view(hidden_states.shape)
-        routed = (grouped_experts_forward(self.experts, flat, indices, weights) if prompt
-                  else self.experts(flat, indices, weights))
-        return routed.view(hidden_states.shape) + self.shared_experts(hidden_states, gammas=gammas)
+        return inkling_moe(self, hidden_states, super().forward)
 
 
 class InklingPagedShortConvolution(nn.Module):
@@ -156,16 +132,10 @@ class InklingPagedAttention(nn.Module):
         """``attentions``: when a list, this layer appends its attention probabilities ``[B, L, H, max_len]``
         by key position (`paged_rel_attention_probs`)."""
         B, L, _ = hidden_states.shape
-        heads = (B, L, -1, self.head_dim)
         query, key, value, relative = project(hidden_states, self.q_proj, self.k_proj, self.v_proj, self.r_proj)
-        if fuses_conv_norm(query, self.q_norm, self.k_norm, self.k_sconv, self.v_sconv):
-            query, key, value = (t.view(heads) for t in attention_inputs(
-                query, key, value, self.k_sconv.taps(cache, meta, L), self.v_sconv.taps(cache, meta, L),
-                self.q_norm, self.k_norm, self.head_dim))
-        else:
-            query = rms_norm(self.q_norm, query.view(heads))
-            key = rms_norm(self.k_norm, self.k_sconv(key, cache, meta).view(heads))
-            value = self.v_sconv(value, cache, meta).view(heads)
+        # The query's norm, the key's and value's short convs and the key's norm in one launch where fused.
+        query, key, value = normed_attention_inputs(query, key, value, self.q_norm, self.k_norm, self.k_sconv,
+                                                    self.v_sconv, cache, meta, self.head_dim)
         relative = relative.view(B, L, self.num_heads, -1)
 
         log_scaling = None
@@ -224,24 +194,6 @@ class InklingPagedDecoderLayer(GradientCheckpointingLayer):
         residual, normed = conv_add_norm(self.attn_sconv, attn, residual, self.post_attention_layernorm, cache, meta)
         out = self.mlp(normed)
         return (out, residual) if defer_residual else residual + self.mlp_sconv(out, cache, meta)
-
-
-def conv_add_norm(conv: InklingPagedShortConvolution | None, x: torch.Tensor, residual: torch.Tensor | None,
-                  norm: InklingRMSNorm, cache: QSAPagedCache, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(h, norm(h))`` with ``h = residual + conv(x)`` (``conv`` None: ``residual + x``; no residual: ``conv(x)``):
-    one launch where `fuses_conv_norm`, else the conv's forward and `add_rms_norm` (itself one launch where
-    fused)."""
-    if conv is not None and fuses_conv_norm(x, conv, norm):
-        return conv_add_rms_norm(x, conv.taps(cache, meta, x.shape[1]), residual, norm)
-    return add_rms_norm(norm, x if conv is None else conv(x, cache, meta), residual)
-
-
-def defers_residual(layer: InklingPagedDecoderLayer, hidden_states: torch.Tensor) -> bool:
-    """Whether the layer loop leaves ``layer``'s MLP conv and last residual add to the next norm's fused pass (two
-    launches a layer less with ``conv_norm``, one without): with the ``norm`` fusion on, autograd not recording
-    (activation checkpointing tracks only a layer's tensor arguments), and no hook on the layer (accelerate's, a
-    user's) that must see its output whole."""
-    return rms_norm_ops.FUSED_NORM and not records_grad(hidden_states) and not keeps_own_forward(layer)
 
 
 class InklingPagedPreTrainedModel(StrictLoadingMixin, InklingPreTrainedModel):
@@ -351,12 +303,7 @@ class InklingTextModel(InklingPagedPreTrainedModel):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``embed_tokens(input_ids)`` with its norm in one launch where fused (`rms_norm`); the module's own
         forward where it must run (a hook, an offloading wrapper)."""
-        embed = self.embed_tokens
-        if keeps_own_forward(embed, embed.weight):
-            return embed(input_ids)
-        rows = F.embedding(input_ids, embed.weight, embed.padding_idx, embed.max_norm, embed.norm_type,
-                           embed.scale_grad_by_freq, embed.sparse)
-        return rms_norm(embed.embed_norm, rows)
+        return normed_embedding(self.embed_tokens, self.embed_tokens.embed_norm, input_ids)
 
     def run_layers(self, inputs_embeds: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata,
                    all_hidden: list | None = None, attentions: list | None = None) -> torch.Tensor:

@@ -17,9 +17,7 @@ recurrence, never written), so each row's result is the one upstream computes on
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 from transformers.generation import GenerationMixin
 from transformers.integrations.accelerate import force_accelerate_hooks
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
@@ -38,20 +36,14 @@ from hf_qsa_cache.generation import (
 from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops import hyper_connection, records_grad
-from hf_qsa_cache.ops.experts import run_selected_experts, shared_expert_to_fold
-from hf_qsa_cache.ops.gated_delta import (
-    delta_gates, fuses_conv_prefill, fuses_conv_step, fuses_recurrent_step, gated_rms_norm,
-)
+from hf_qsa_cache.ops.gated_delta import recurrence, short_conv
 from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual
 from hf_qsa_cache.ops.linears import project, project_alone
+from hf_qsa_cache.ops.moe import qwen4_exp_moe
 from hf_qsa_cache.ops.norm_rope import norm_rope
-from hf_qsa_cache.ops.ple import fuses_ple, ngram_embeddings, ngram_ids_torch, ple_gate
-from hf_qsa_cache.ops.prompt_experts import (
-    grouped_experts_forward, runs_tiled_experts, tiled_experts, uses_prompt_experts,
-)
+from hf_qsa_cache.ops.ple import ple_layer
 from hf_qsa_cache.ops.qsa import gated_sparse_paged_attention, qsa_index_step, sparse_paged_attention_probs
 from hf_qsa_cache.ops.row_writes import RowWrites
-from hf_qsa_cache.ops.router import fuses_routing, route
 from hf_qsa_cache.rollback import gated_delta_keeping_states, step_history
 
 from .checkpoints import StrictLoadingMixin, use_upstream_conversions
@@ -139,46 +131,34 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
         meta = cache.step_metadata(hidden_states.device)
         weight = self.conv1d.weight.squeeze(1)
         kept = step_history(cache, state, hidden_states.device, B, L)  # rollback ring (speculative decoding)
-        pads = meta.leading_pads()
-        conv_step = fuses_conv_step(mixed_qkv, weight, self.activation, pads, meta.starts_fresh, kept)
-        if conv_step:
-            mixed_qkv = state.conv_step_in_place(mixed_qkv, weight, hidden_states.dtype)
-        elif fuses_conv_prefill(mixed_qkv, weight, self.activation, kept):
-            mixed_qkv = state.conv_prefill_in_place(mixed_qkv, weight, pads, meta.starts_fresh, hidden_states.dtype)
-        else:
-            window = state.window("conv", mixed_qkv, pads, meta.starts_fresh)
-            state.write_window("conv", window, kept)
-            mixed_qkv = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), None, groups=window.shape[1])
-            mixed_qkv = ACT2FN[self.activation](mixed_qkv).to(hidden_states.dtype).transpose(1, 2)
+        mixed_qkv, one_step = short_conv(state, mixed_qkv, weight, self.activation, meta.leading_pads(),
+                                         meta.starts_fresh, kept, hidden_states.dtype)
 
         query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         query = query.reshape(B, L, -1, self.head_k_dim)
         key = key.reshape(B, L, -1, self.head_k_dim)
         value = value.reshape(B, L, -1, self.head_v_dim)
-        if fuses_recurrent_step(self.norm, hidden_states, conv_step, self.A_log, self.dt_bias):
-            # One token a row: the gates, the recurrence (its state in place) and the gated norm in one launch.
-            core = state.recurrent_step_in_place(query[:, 0], key[:, 0], value[:, 0], b[:, 0], a[:, 0], self.A_log,
-                                                 self.dt_bias, valid[:, 0], z[:, 0], self.norm)
-            return project_alone(core.reshape(B, L, -1), self.out_proj)
-        beta, g = delta_gates(b, a, self.A_log, self.dt_bias, valid)  # zero on pads: no decay, no update
 
-        states = None
-        initial_state = state.initial_recurrent(B, meta.starts_fresh)
-        if kept is None:
-            rule = upstream.torch_recurrent_gated_delta_rule if L == 1 else upstream.torch_chunk_gated_delta_rule
-            core, last_state = rule(
-                query, key, value, g=g, beta=beta, initial_state=initial_state,
-                output_final_state=True, use_qk_l2norm_in_kernel=True,
-            )
-        else:
-            core, last_state, states = gated_delta_keeping_states(
-                upstream.torch_chunk_gated_delta_rule, upstream.torch_recurrent_gated_delta_rule, query, key, value,
-                g, beta, initial_state, keep=kept[0],
-            )
-        state.write_recurrent(last_state, kept, states)
+        def delta_rule(g, beta):  # upstream's recurrence over the step; the rollback ring keeps its states
+            states = None
+            initial_state = state.initial_recurrent(B, meta.starts_fresh)
+            if kept is None:
+                rule = upstream.torch_recurrent_gated_delta_rule if L == 1 else upstream.torch_chunk_gated_delta_rule
+                core, last_state = rule(
+                    query, key, value, g=g, beta=beta, initial_state=initial_state,
+                    output_final_state=True, use_qk_l2norm_in_kernel=True,
+                )
+            else:
+                core, last_state, states = gated_delta_keeping_states(
+                    upstream.torch_chunk_gated_delta_rule, upstream.torch_recurrent_gated_delta_rule, query, key,
+                    value, g, beta, initial_state, keep=kept[0],
+                )
+            state.write_recurrent(last_state, kept, states)
+            return core
 
-        core = gated_rms_norm(self.norm, core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return project_alone(core.reshape(B, L, -1), self.out_proj)
+        core = recurrence(state, self.norm, hidden_states, query, key, value, b, a, self.A_log, self.dt_bias, valid, z,
+                          one_step, delta_rule)
+        return project_alone(core, self.out_proj)
 
 
 class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
@@ -189,47 +169,15 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
         state = cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype).linear
         kept = step_history(cache, state, hidden_states.device, B, L)  # rollback ring (speculative decoding)
         meta = cache.step_metadata(hidden_states.device)
-        fused = fuses_ple(self, hidden_states)
-        if fused:  # the lookup and the gating in one launch each (hf_qsa_cache.ops.ple)
-            history = self._ngram_history(input_ids, state, kept, meta)
-            embeddings = ngram_embeddings(history, self.ple_embedding, L).to(hidden_states.dtype)
-            key, value = project(embeddings, self.key_proj, self.value_proj)
-            gated_value, gated_value_normed = ple_gate(key, value, hidden_states, valid, self)
-        else:
-            embeddings = self._ngram_embeddings(input_ids, state, kept, meta)
-            key_normed = self.norm_key(self.key_proj(embeddings)).unflatten(-1, (self.hc_count, self.hidden_size))
-            value = self.value_proj(embeddings)
-            query_normed = self.norm_query(hidden_states).unflatten(-1, (self.hc_count, self.hidden_size))
-            gate = (key_normed * query_normed).sum(dim=-1, keepdim=True) / self.hidden_size**0.5
-            gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-            gated_value = torch.sigmoid(gate) * value.unsqueeze(-2)
-            gated_value_normed = self.norm_conv(gated_value.flatten(-2))
-            gated_value = gated_value.flatten(-2)
-            gated_value = torch.where(valid[..., None], gated_value, 0)
-            gated_value_normed = torch.where(valid[..., None], gated_value_normed, 0)
-
-        leading_pads = meta.leading_pads()
-        if fused and L == 1 and leading_pads is None and not meta.starts_fresh and kept is None:
-            # The dilated conv's window shifts in place; the conv, silu and the sum in the same launch.
-            return state.conv_step_in_place(gated_value_normed.transpose(1, 2), self.conv1d.weight[:, 0],
-                                            hidden_states.dtype, "ple_conv", self.conv1d.dilation[0], gated_value)
-        window = state.window("ple_conv", gated_value_normed.transpose(1, 2), leading_pads, meta.starts_fresh)
-        state.write_window("ple_conv", window, kept)
-        conv = F.silu(self.conv1d(window)).transpose(1, 2)
-        return gated_value + conv
+        # The lookup and the gating in one launch each where fused (hf_qsa_cache.ops.ple).
+        history = self._ngram_history(input_ids, state, kept, meta)
+        return ple_layer(self, history, hidden_states, valid, state, kept, meta)
 
     def _ngram_history(self, input_ids, state, kept, meta):
         """``[cached ids | this step's ids]`` per row; the cache keeps its tail for the next step."""
         history = state.window("ngram_ids", input_ids.long(), meta.leading_pads(), meta.starts_fresh)
         state.write_window("ngram_ids", history, kept)
         return history
-
-    def _ngram_embeddings(self, input_ids, state, kept, meta):
-        emb = self.ple_embedding
-        ngram_ids = ngram_ids_torch(self._ngram_history(input_ids, state, kept, meta), emb, input_ids.shape[1])
-        weight = emb.ngram_embedding.weight
-        device = weight.device if weight.device.type != "meta" else ngram_ids.device
-        return emb.ngram_embedding(ngram_ids.to(device)).to(input_ids.device).flatten(-2)
 
 
 class Qwen4ExpTextSparseMoeBlock(upstream.Qwen4ExpTextSparseMoeBlock):
@@ -239,25 +187,7 @@ class Qwen4ExpTextSparseMoeBlock(upstream.Qwen4ExpTextSparseMoeBlock):
     `hf_qsa_cache.ops.prompt_experts` where it applies. Otherwise upstream's forward."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        fused_routing = fuses_routing(self.gate, hidden_states)
-        tiled = runs_tiled_experts(self.experts, x)
-        folded = shared_expert_to_fold(self, hidden_states, tiled)
-        prompt = folded is None and (tiled or uses_prompt_experts(self.experts, x))
-        if not fused_routing and folded is None and not prompt:
-            return super().forward(hidden_states)
-        if fused_routing:
-            weights, experts = route(x, self.gate.weight, self.gate.top_k, self.gate.norm_topk_prob)
-        else:
-            _, weights, experts = self.gate(x)
-        if folded is not None:
-            run = tiled_experts if tiled else run_selected_experts
-            out = run(self.experts, x, experts, weights, folded)
-        else:
-            routed = (grouped_experts_forward(self.experts, x, experts, weights) if prompt
-                      else self.experts(x, experts, weights))
-            out = routed + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out.reshape(hidden_states.shape)
+        return qwen4_exp_moe(self, hidden_states, super().forward)
 
 
 class Qwen4ExpTextDecoderLayer(upstream.Qwen4ExpTextDecoderLayer):
@@ -313,7 +243,7 @@ def defers_residual(layer: Qwen4ExpTextDecoderLayer, streams: torch.Tensor) -> b
     a layer less): with the ``hc`` fusion on, autograd not recording (the fused norm runs only then, and
     activation checkpointing tracks only a layer's tensor arguments), and nothing outside that must see the
     layer's output whole (`_output_seen`)."""
-    return hyper_connection.FUSED_HC and not records_grad(streams) and not _output_seen(layer)
+    return hyper_connection.defers_residual(layer, streams, _output_seen)
 
 
 def _output_seen(layer: nn.Module) -> bool:

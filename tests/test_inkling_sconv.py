@@ -95,7 +95,7 @@ _SCRIPT_CASES = [
 
 
 def _run_triton_cases() -> None:
-    from hf_qsa_cache.ops.inkling_sconv_triton import short_conv_triton
+    from hf_qsa_cache.ops.sconv_triton import short_conv_triton
 
     # Default tiles, and tiles forced small: token tiles that span rows and end past the last token,
     # several channel tiles.

@@ -15,3 +15,12 @@ def keeps_own_forward(module, *weights: torch.Tensor) -> bool:
     inside its forward), or weights that are not plain tensors (tensor parallel's DTensors)."""
     return (bool(module._forward_hooks or module._forward_pre_hooks) or hasattr(module, "_hf_hook")
             or any(type(w.data) is not torch.Tensor for w in weights))
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Whether an op on these tensors runs its Triton kernels: they all live on a CUDA device (elsewhere the torch
+    specification runs). Here, not in `triton_common`, so that the dispatch modules import without Triton."""
+    for t in tensors:
+        if not t.is_cuda:
+            return False
+    return True

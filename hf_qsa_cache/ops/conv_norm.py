@@ -21,17 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from ..fusions import fusion_enabled
-from . import keeps_own_forward, records_grad
-from .rms_norm import add_rms_norm_torch
+from . import fusions, keeps_own_forward, records_grad, use_triton
+from .rms_norm import add_rms_norm, add_rms_norm_torch, rms_norm
 from .sconv import ConvTaps, short_conv_torch
 
-FUSED_CONV_NORM = fusion_enabled("conv_norm")
 MAX_FUSED_TOKENS = 256
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda
 
 
 def attention_inputs_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_taps: ConvTaps, v_taps: ConvTaps,
@@ -58,7 +52,7 @@ def fuses_conv_norm(x: torch.Tensor, *modules: torch.nn.Module) -> bool:
     """Whether a step on ``x`` (``[..., C]``) runs the ``modules`` (the convs and norms of one fused launch) fused:
     the fusion on, at most `MAX_FUSED_TOKENS` tokens, no autograd, and no module whose own forward must run (a
     hook, an offloading wrapper: `keeps_own_forward`). Off CUDA the fused functions run their specifications."""
-    if not FUSED_CONV_NORM or x.numel() > MAX_FUSED_TOKENS * x.shape[-1]:
+    if not fusions.enabled("conv_norm") or x.numel() > MAX_FUSED_TOKENS * x.shape[-1]:
         return False
     params = [p for m in modules for p in m.parameters()]
     return not records_grad(x, *params) and not any(keeps_own_forward(m, *m.parameters())
@@ -70,7 +64,7 @@ def attention_inputs(q, k, v, k_taps: ConvTaps, v_taps: ConvTaps, q_norm, k_norm
     launch on CUDA (callers check `fuses_conv_norm`); ``q``, ``k``, ``v`` ``[..., width]``."""
     args = (q.reshape(-1, q.shape[-1]), k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]), k_taps, v_taps,
             q_norm.weight, q_norm.variance_epsilon, k_norm.weight, k_norm.variance_epsilon, head_dim)
-    if _use_triton(q):
+    if use_triton(q):
         from .conv_norm_triton import attention_inputs_triton
 
         return attention_inputs_triton(*args)
@@ -83,10 +77,35 @@ def conv_add_rms_norm(x: torch.Tensor, taps: ConvTaps, residual: torch.Tensor | 
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     res = None if residual is None else residual.reshape(flat.shape)
-    if _use_triton(x):
+    if use_triton(x):
         from .conv_norm_triton import conv_add_rms_norm_triton
 
         h, normed = conv_add_rms_norm_triton(flat, taps, res, norm.weight, norm.variance_epsilon)
     else:
         h, normed = conv_add_rms_norm_torch(flat, taps, res, norm.weight, norm.variance_epsilon)
     return h.view(shape), normed.view(shape)
+
+
+def normed_attention_inputs(query, key, value, q_norm, k_norm, k_conv, v_conv, cache, meta, head_dim: int):
+    """An Inkling attention's ``(query, key, value)`` ``[B, L, heads, head_dim]`` from its projections ``[B, L, width]``:
+    the query normed (``q_norm``), the key short-convolved (``k_conv``) and normed (``k_norm``), the value
+    short-convolved (``v_conv``); the convs write their inputs to their streams of ``cache``. One launch where
+    `fuses_conv_norm` (`attention_inputs`), else the convs' forwards and `rms_norm`."""
+    B, L = query.shape[:2]
+    heads = (B, L, -1, head_dim)
+    if fuses_conv_norm(query, q_norm, k_norm, k_conv, v_conv):
+        return tuple(t.view(heads) for t in attention_inputs(
+            query, key, value, k_conv.taps(cache, meta, L), v_conv.taps(cache, meta, L), q_norm, k_norm, head_dim))
+    query = rms_norm(q_norm, query.view(heads))
+    key = rms_norm(k_norm, k_conv(key, cache, meta).view(heads))
+    return query, key, v_conv(value, cache, meta).view(heads)
+
+
+def conv_add_norm(conv, x: torch.Tensor, residual: torch.Tensor | None, norm, cache,
+                  meta) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, norm(h))`` with ``h = residual + conv(x)`` (``conv`` None: ``residual + x``; no residual: ``conv(x)``),
+    for an Inkling short conv module ``conv`` (its stream in ``cache``) and ``InklingRMSNorm`` ``norm``: one launch
+    where `fuses_conv_norm`, else the conv's forward and `add_rms_norm` (itself one launch where fused)."""
+    if conv is not None and fuses_conv_norm(x, conv, norm):
+        return conv_add_rms_norm(x, conv.taps(cache, meta, x.shape[1]), residual, norm)
+    return add_rms_norm(norm, x if conv is None else conv(x, cache, meta), residual)

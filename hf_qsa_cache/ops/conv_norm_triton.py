@@ -4,7 +4,7 @@
 the next ``Hkv`` convolve and norm the key, the last ``Hkv`` convolve the value. `_conv_add_rms_norm_kernel` runs
 one program per token over all its channels: the conv, the residual add, the norm. A conv's taps come from this
 step's input (positions at or past the row's earlier length) or from the paged store (earlier positions), as in
-`hf_qsa_cache.ops.inkling_sconv_triton`; each program also writes its token's input to the store. Taps read from
+`hf_qsa_cache.ops.sconv_triton`; each program also writes its token's input to the store. Taps read from
 the store belong to earlier steps, which no program of this launch writes: with the step metadata and the conv
 weights they are read before the kernel's early-launch wait (`_conv_history`), the rest after it (`_conv_taps`).
 """
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import TL_DTYPES, on_device_of_first_tensor, pdl, pdl_begin
+from .triton_common import TL_DTYPES, norm_weight, on_device_of_first_tensor, pdl, pdl_begin
 
 
 @triton.jit
@@ -67,14 +67,8 @@ def _conv_taps(history, x_ptr, t, c, cm, x_row, w_ptr, store_ptr, store_s0, stor
 
 
 @triton.jit
-def _norm_weight(w_ptr, d, dm):
-    """A norm's weight at lanes ``d``, in fp32. Weights are never written in a step: read before the wait."""
-    return tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _rms_normed(h, w, n, eps, PRODUCT: tl.constexpr):
-    """``w * norm(h)`` over ``h``'s ``n`` real lanes (masked lanes hold 0; ``w`` from `_norm_weight`), with
+    """``w * norm(h)`` over ``h``'s ``n`` real lanes (masked lanes hold 0; ``w`` from `norm_weight`), with
     `add_rms_norm_torch`'s rounding: the normed value in ``h``'s dtype, the product in ``PRODUCT``."""
     widened = h.to(tl.float32)
     normed = (widened * tl.rsqrt(tl.sum(widened * widened, axis=0) / n + eps)).to(h.dtype)
@@ -97,9 +91,9 @@ def _attention_inputs_kernel(
     # Before the wait, the conv's store taps (a key head's, a value head's, none for a query head) and the norm's
     # weight (a query head's, a key head's).
     if g < HQ:
-        w = _norm_weight(q_norm_ptr, d, dm)
+        w = norm_weight(q_norm_ptr, d, dm)
     elif g < HQ + HKV:
-        w = _norm_weight(k_norm_ptr, d, dm)
+        w = norm_weight(k_norm_ptr, d, dm)
     else:  # (a value head has no norm)
         w = tl.zeros([HD_PAD], tl.float32)
     if g < HQ + HKV:
@@ -138,7 +132,7 @@ def _conv_add_rms_norm_kernel(
     cm = c < C
     history = _conv_history(t, c, cm, conv_ptr, store_ptr, store_s0, store_s1, width, table_ptr, table_s0, table_cols,
                             pos_ptr, prev_ptr, query_len, block_size, K)
-    w = _norm_weight(norm_ptr, c, cm)
+    w = norm_weight(norm_ptr, c, cm)
     pdl_begin(PDL)
     h = _conv_taps(history, x_ptr, t, c, cm, C, conv_ptr, store_ptr, store_s0, store_s1, width, slots_ptr,
                    K).to(h_ptr.dtype.element_ty)

@@ -37,13 +37,11 @@ from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.integrations import moe
 
-from ..fusions import fusion_enabled
-from . import keeps_own_forward, records_grad
+from . import fusions, keeps_own_forward, records_grad, use_triton
 
 SELECTED_EXPERTS = "hf_qsa_selected"
 # MoE blocks add their shared experts inside the selected-experts kernels (`shared_expert_to_fold`,
 # `inkling_shared_experts_to_fold`).
-FUSED_SHARED_EXPERT = fusion_enabled("shared_expert")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -125,10 +123,6 @@ def supports(module: nn.Module) -> bool:
     return e == e_down and two_i % 2 == 0 and two_i == 2 * i_down and hidden == h_down
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda
-
-
 def selected_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                              top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ``"hf_qsa_selected"`` experts implementation (an experts module's forward, as transformers calls
@@ -146,7 +140,7 @@ def run_selected_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_i
     nothing, else the torch specification."""
     args = (hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj, module.is_transposed,
             shared)
-    if _use_triton(hidden_states) and not records_grad(hidden_states, top_k_weights, *args[3:5], *(shared or ())):
+    if use_triton(hidden_states) and not records_grad(hidden_states, top_k_weights, *args[3:5], *(shared or ())):
         from .experts_triton import selected_experts_triton
 
         return selected_experts_triton(*args)
@@ -157,7 +151,7 @@ def _routed_kernels_fold(experts: nn.Module, tiled: bool) -> bool:
     """Whether the routed experts run kernels that take shared experts: the selected experts'
     (``hf_qsa_selected``: graph steps of few tokens, or a model set to it) or the tiled ones (``tiled``:
     `hf_qsa_cache.ops.prompt_experts.runs_tiled_experts`), on a module `supports` covers."""
-    return (FUSED_SHARED_EXPERT and (tiled or experts.config._experts_implementation == SELECTED_EXPERTS)
+    return (fusions.enabled("shared_expert") and (tiled or experts.config._experts_implementation == SELECTED_EXPERTS)
             and supports(experts))
 
 
@@ -201,6 +195,87 @@ def inkling_shared_experts_to_fold(block: nn.Module, x: torch.Tensor, tiled: boo
     if any(keeps_own_forward(m, *m.parameters(recurse=False)) for m in (experts, shared)):
         return None
     return SharedExpert(*weights)
+
+
+# ----------------------------------------------------------------------------- the experts of a graph step
+# transformers' own experts implementations, which graph steps may replace (`graph_experts`).
+TRANSFORMERS_EXPERTS = ("grouped_mm", "batched_mm")
+# Most bytes of expert weights a graph step may gather for ``batched_mm`` (`graph_experts`); a bigger
+# step keeps the model's own experts implementation (and runs eagerly if that cannot be captured).
+BATCHED_EXPERTS_MAX_BYTES = 1 << 30
+# Most tokens of a graph step that runs ``hf_qsa_selected`` experts (the ``experts`` fusion, `graph_experts`): its
+# kernels read an expert's weights once per (token, selected expert) pair, though pairs of one expert running
+# together share its rows in L2. Graph-timed against transformers' grouped GEMM (benchmarks/RESULTS.md), they won
+# up to 16 tokens and lost at 32.
+SELECTED_EXPERTS_MAX_TOKENS = 16
+# Most (token, expert) pairs the tiled experts take (the pairs' grouping ranks them in one program, and past a
+# few pairs per expert the grouped GEMMs' large tiles win).
+TILED_EXPERTS_MAX_PAIRS = 1024
+
+
+def tiles_pairs(on_cuda: bool, pairs: int) -> bool:
+    """Whether a step of ``pairs`` (token, expert) pairs runs the tiled kernels (the ``tiled_experts`` fusion on,
+    CUDA, few pairs): what `hf_qsa_cache.ops.prompt_experts` runs by, and graph steps choose their experts by."""
+    return fusions.enabled("tiled_experts") and on_cuda and pairs <= TILED_EXPERTS_MAX_PAIRS
+
+
+def grouped_mm_captures(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether transformers' ``grouped_mm`` experts can be captured in a CUDA graph.
+
+    They call torch's ``grouped_mm`` with per-expert offsets computed on the device. On CUDA, torch runs
+    its CUTLASS kernel only when inputs and output are bf16 on compute capability 9.x or 10.x
+    (``_grouped_mm_cuda``); anything else takes ``_grouped_mm_fallback``, which copies the offsets to
+    the host (``offs.cpu()``) and runs one matmul per expert. Inside a capture that copy raises
+    ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is
+    pinned"), and a graph could not hold it anyway: the group sizes (the routing) would be frozen at
+    the captured step's. Off CUDA nothing is captured (False).
+    """
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+def graph_experts(model, experts: list, device: torch.device, tokens: int) -> str | None:
+    """The experts implementation a graph step of ``tokens`` tokens runs instead of the model's own, or
+    None to run the model's own (``experts``: ``(module, config)`` of each experts module).
+
+    Only transformers' two default implementations are replaced (`TRANSFORMERS_EXPERTS`: ``grouped_mm``,
+    and ``batched_mm``, which `generate()` switches to for its decode steps on a GPU); others chosen by the
+    user (``eager``, ...) are kept. The same choice applies to the step's eager runs (the first one, and
+    every one of a bucket that did not capture), so a graph and its eager run compute alike.
+
+    * With the ``experts`` fusion on, a step of at most `SELECTED_EXPERTS_MAX_TOKENS` tokens on CUDA whose
+      experts modules `supports` covers runs ``hf_qsa_selected``: fixed shapes, no host copy, no gathered weights.
+    * Else ``grouped_mm`` where it can be captured (`grouped_mm_captures`), or where it runs the
+      ``tiled_experts`` kernels (`tiled_experts_run`), also in place of ``batched_mm``: it reads each expert's
+      weights once, where ``batched_mm`` copies them per (token, expert) pair (benchmarks/RESULTS.md).
+    * Else ``batched_mm``: it gathers each token's ``top_k`` expert matrices and runs batched matmuls, with
+      fixed shapes and no host copy. The gather holds ``tokens * top_k`` expert matrices of one layer at a
+      time; a step needing more than `BATCHED_EXPERTS_MAX_BYTES` keeps the model's own (a ``grouped_mm``
+      capture then fails once, and the step runs eagerly).
+    """
+    if not experts or any(config._experts_implementation not in TRANSFORMERS_EXPERTS for _, config in experts):
+        return None
+    if fusions.enabled("experts") and device.type == "cuda" and tokens <= SELECTED_EXPERTS_MAX_TOKENS:
+        if all(supports(module) for module, _ in experts):
+            return SELECTED_EXPERTS
+    module = experts[0][0]
+    weights = [w for w in (getattr(module, n, None) for n in ("gate_up_proj", "up_proj", "down_proj"))
+               if isinstance(w, torch.Tensor)]
+    if not weights:
+        return None
+    top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None) or len(weights[0])
+    if grouped_mm_captures(weights[0].dtype, device) or tiled_experts_run(experts, device, tokens * top_k):
+        return "grouped_mm"
+    per_pair = max(w[0].numel() for w in weights) * weights[0].element_size()
+    return "batched_mm" if tokens * top_k * per_pair <= BATCHED_EXPERTS_MAX_BYTES else None
+
+
+def tiled_experts_run(experts: list, device: torch.device, pairs: int) -> bool:
+    """Whether ``grouped_mm`` experts run the ``tiled_experts`` kernels for a step of ``pairs`` (token, expert)
+    pairs (`hf_qsa_cache.ops.prompt_experts`): captured in any dtype, where transformers' grouped GEMMs capture
+    in bf16 on Hopper and Blackwell only."""
+    return tiles_pairs(device.type == "cuda", pairs) and all(supports(m) for m, _ in experts)
 
 
 moe.ALL_EXPERTS_FUNCTIONS.register(SELECTED_EXPERTS, selected_experts_forward)

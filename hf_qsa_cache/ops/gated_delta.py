@@ -29,16 +29,13 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from ..fusions import fusion_enabled
-from . import keeps_own_forward, records_grad
+from . import fusions, keeps_own_forward, records_grad, use_triton
 
-FUSED_GDN = fusion_enabled("gdn")
-FUSED_GDN_STEP = fusion_enabled("gdn_step")
 GATE_ACTIVATIONS = ("sigmoid", "silu")  # what the fused norm knows
 
 
 def _fused(*tensors) -> bool:
-    return FUSED_GDN and tensors[0].is_cuda and not records_grad(*tensors) and all(
+    return fusions.enabled("gdn") and tensors[0].is_cuda and not records_grad(*tensors) and all(
         type(t.data) is torch.Tensor for t in tensors)
 
 
@@ -63,7 +60,7 @@ def delta_gates_torch(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_
 
 def gated_rms_norm(norm, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """``norm(x, gate)`` for transformers' ``Qwen4ExpTextRMSNormGated`` ``norm`` over rows ``[N, D]``."""
-    if (not FUSED_GDN or records_grad(x, gate, norm.weight) or norm.activation not in GATE_ACTIVATIONS
+    if (not fusions.enabled("gdn") or records_grad(x, gate, norm.weight) or norm.activation not in GATE_ACTIVATIONS
             or keeps_own_forward(norm, norm.weight)):
         return norm(x, gate)
     if x.is_cuda:
@@ -160,7 +157,7 @@ def keep_last_inputs(conv_state: torch.Tensor, x: torch.Tensor, leading_pads, fr
 def fuses_conv_prefill(x: torch.Tensor, weight: torch.Tensor, activation: str, kept) -> bool:
     """Whether a GatedDeltaNet step takes `conv_prefill`: no rollback history to record, SiLU, autograd not
     recording, a plain (not sharded) weight."""
-    return (FUSED_GDN and kept is None and activation == "silu" and not records_grad(x, weight)
+    return (fusions.enabled("gdn") and kept is None and activation == "silu" and not records_grad(x, weight)
             and type(weight) is torch.Tensor)
 
 
@@ -168,19 +165,15 @@ def fuses_conv_step(x: torch.Tensor, weight: torch.Tensor, activation: str, lead
                     kept) -> bool:
     """Whether a GatedDeltaNet step takes `conv_decode_step`: one token per row, no pads, rows that hold
     state, no rollback history to record, SiLU, autograd not recording, a plain (not sharded) weight."""
-    return (FUSED_GDN and x.shape[-1] == 1 and leading_pads is None and not fresh and kept is None
+    return (fusions.enabled("gdn") and x.shape[-1] == 1 and leading_pads is None and not fresh and kept is None
             and activation == "silu" and not records_grad(x, weight) and type(weight) is torch.Tensor)
-
-
-def _triton(x: torch.Tensor) -> bool:
-    return x.is_cuda
 
 
 def fuses_recurrent_step(norm, x: torch.Tensor, conv_fused: bool, *weights: torch.Tensor) -> bool:
     """Whether a GatedDeltaNet step takes `recurrent_step` after its fused conv (``conv_fused``: one token per row,
     no pads, rows that hold state, no rollback history): the ``gdn_step`` fusion on, autograd not recording, a
     gated norm whose activation the kernel knows and which keeps no forward of its own (hooks), plain weights."""
-    return (FUSED_GDN_STEP and conv_fused and norm.activation in GATE_ACTIVATIONS and not records_grad(x, *weights)
+    return (fusions.enabled("gdn_step") and conv_fused and norm.activation in GATE_ACTIVATIONS and not records_grad(x, *weights)
             and not keeps_own_forward(norm, norm.weight) and all(type(w.data) is torch.Tensor for w in weights))
 
 
@@ -192,7 +185,7 @@ def recurrent_step(state: torch.Tensor, query: torch.Tensor, key: torch.Tensor, 
     (fp32, updated in place). Returns the gated, normed output ``[B, Hv, Dv]`` in ``value``'s dtype: what
     `delta_gates`, upstream's recurrent delta rule (L2-normed queries and keys, each key head serving ``Hv / Hk``
     consecutive value heads) and `gated_rms_norm` give, in one launch on CUDA (`recurrent_step_torch`)."""
-    if _triton(state):
+    if use_triton(state):
         from .gated_delta_triton import recurrent_step_triton
 
         return recurrent_step_triton(state, query, key, value, b, a, A_log, dt_bias, valid, gate, norm_weight, eps,
@@ -222,3 +215,42 @@ def recurrent_step_torch(state: torch.Tensor, query: torch.Tensor, key: torch.Te
     state.copy_(s)
     out = (s * q[..., None]).sum(-2).to(value.dtype)
     return gated_rms_norm_torch(out, gate, norm_weight, eps, activation)
+
+
+def short_conv(state, x: torch.Tensor, weight: torch.Tensor, activation: str, leading_pads, fresh: bool, kept,
+               dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """A GatedDeltaNet step's causal depthwise conv over ``[last K-1 inputs | this step's real inputs]`` of ``x``
+    ``[B, C, L]`` (pads are zero and moved in front of the kept inputs), its window kept in ``state`` (the layer's
+    `LinearState`; ``kept``: the rollback ring, or None). Returns ``(out [B, L, C] in dtype, one_step)``, with
+    ``one_step`` True where the step took `conv_decode_step`'s path (what `recurrence` needs to know). The paths:
+    one token a row (`fuses_conv_step`, the window shifted in place), a prompt (`fuses_conv_prefill`), or the
+    torch ops."""
+    if fuses_conv_step(x, weight, activation, leading_pads, fresh, kept):
+        return state.conv_step_in_place(x, weight, dtype), True
+    if fuses_conv_prefill(x, weight, activation, kept):
+        return state.conv_prefill_in_place(x, weight, leading_pads, fresh, dtype), False
+    window = state.window("conv", x, leading_pads, fresh)
+    state.write_window("conv", window, kept)
+    out = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), None, groups=window.shape[1])
+    return ACT2FN[activation](out).to(dtype).transpose(1, 2), False
+
+
+def recurrence(state, norm, x: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, valid: torch.Tensor,
+               z: torch.Tensor, one_step: bool, delta_rule) -> torch.Tensor:
+    """A GatedDeltaNet step after its conv: the gated, normed output ``[B, L, Hv * Dv]`` for ``query``, ``key``
+    ``[B, L, Hk, Dk]``, ``value``, ``z`` ``[B, L, Hv, Dv]``, ``b``, ``a`` ``[B, L, Hv]`` and the real tokens ``valid``
+    (``x``: the layer's input, for autograd's check). One launch where `fuses_recurrent_step` (one token a row after
+    `short_conv`'s one-step path: gates, recurrence with ``state``'s recurrent state in place, gated norm); else
+    `delta_gates`, ``delta_rule(g, beta)`` (the model's recurrence over the step, which keeps the state: ``[B, L, Hv,
+    Dv]``) and `gated_rms_norm`."""
+    B, L = value.shape[:2]
+    if fuses_recurrent_step(norm, x, one_step, A_log, dt_bias):
+        core = state.recurrent_step_in_place(query[:, 0], key[:, 0], value[:, 0], b[:, 0], a[:, 0], A_log, dt_bias,
+                                             valid[:, 0], z[:, 0], norm)
+        return core.reshape(B, L, -1)
+    beta, g = delta_gates(b, a, A_log, dt_bias, valid)  # zero on pads: no decay, no update
+    core = delta_rule(g, beta)
+    head_v_dim = value.shape[-1]
+    core = gated_rms_norm(norm, core.reshape(-1, head_v_dim), z.reshape(-1, head_v_dim))
+    return core.reshape(B, L, -1)

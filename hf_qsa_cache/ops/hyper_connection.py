@@ -16,12 +16,7 @@ projections (transformers' ``nn.Linear`` weights, read as they are):
 With ``hc_proj`` as well (on by default), a step of at most `HC_PROJ_MAX_TOKENS` tokens runs everything
 after `hc_norm` in two launches, `mix_projections`: the down and injection projections as one split-K pass
 over the normed streams, then the up projection with the gating and the mean over streams; the low-rank
-activations stay in fp32 between them (one token: the down projection without tl.dot). With ``hc_norm_proj`` too
-(off by default: slower on the H200, benchmarks/RESULTS.md),
-`norm_mix_projections` also takes `hc_norm`'s work into those launches: the down projection adds the residual and
-projects the streams before their norm, summing each range's squares; the up projection takes each stream's RMS
-from those sums and scales the stream's share of the down projection by it. A mixing is two launches instead of
-three.
+activations stay in fp32 between them (one token: the down projection without tl.dot).
 
 Each computes in fp32 and rounds its outputs once (upstream rounds after every op in bf16: the results
 differ by bf16 rounding and are judged against fp32). The torch functions here are the specification
@@ -38,28 +33,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..fusions import fusion_enabled
-from . import keeps_own_forward, records_grad
+from . import fusions, keeps_own_forward, records_grad, use_triton
 
-FUSED_HC = fusion_enabled("hc")
 # ``hc_proj``: on top of ``hc``, a mixing's three projections inside two launches (`mix_projections`)
 # for steps of at most `HC_PROJ_MAX_TOKENS` tokens (decode and verify steps; prompts keep the GEMMs).
 # On an H200 (benchmarks/sweep_hc_tiles.py) the two launches take 11.2 / 18.9 / 41.5 us at 1 / 8 / 32
 # tokens against 16.9 / 22.7 / 23.8 us for the GEMMs' path: they win at 8 tokens and lose at 32; the switch
 # sits between (16 tokens itself not timed).
-FUSED_HC_PROJ = fusion_enabled("hc_proj")
 HC_PROJ_MAX_TOKENS = 16
-# ``hc_norm_proj``: on top of ``hc_proj``, the residual add and the grouped norm inside the first of those two
-# launches (`norm_mix_projections`), one launch of `hc_norm` a mixing less (81 in a Qwen4Exp 40-layer step, 2.7
-# us each on an H200). Slower on the H200 in both its forms: the first (each down-projection program reading its
-# whole stream for the RMS first) made a 40-layer step 6.68 ms against 5.23, the present one 5.74 against 4.62.
-FUSED_HC_NORM_PROJ = fusion_enabled("hc_norm_proj")
 
 
 def use_fused(module, x: torch.Tensor) -> bool:
     submodules = (module, module.hc_norm, module.input_mix_weight_down, module.input_mix_weight_up,
                   module.block_inject_weight)  # (no injection weight in the final mixer)
-    return (FUSED_HC and not records_grad(x) and module.hc_norm.weight.device == x.device
+    return (fusions.enabled("hc") and not records_grad(x) and module.hc_norm.weight.device == x.device
             and not any(keeps_own_forward(m, *m.parameters(recurse=False)) for m in submodules if m is not None))
 
 
@@ -68,7 +55,7 @@ def add_injection(streams: torch.Tensor, out: torch.Tensor, inject: torch.Tensor
     injection weight ``inject [..., hc]``. With the ``hc`` fusion on, one pass (``addcmul``, rounded once) where
     upstream writes the product, then reads it back for the sum: at a 16384-token prompt chunk that is 0.3 GB
     written and read again per layer, and at a decode step one launch less per layer."""
-    if not FUSED_HC:
+    if not fusions.enabled("hc"):
         return streams + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
     grouped = streams.unflatten(-1, (inject.shape[-1], -1))
     return torch.addcmul(grouped, out.unsqueeze(-2), inject.unsqueeze(-1)).flatten(-2)
@@ -89,10 +76,8 @@ def gated_residual(module, streams: torch.Tensor, residual: tuple | None = None)
     weights = (module.input_mix_weight_down.weight, module.input_mix_weight_up.weight,
                inject.weight if inject is not None else None)
     few_tokens = streams.numel() <= HC_PROJ_MAX_TOKENS * streams.shape[-1]
-    if FUSED_HC_PROJ and FUSED_HC_NORM_PROJ and few_tokens:
-        return norm_mix_projections(streams, module.hc_norm.weight, module.hc_norm.eps, residual, *weights, hc)
     streams, normed = hc_norm(streams, module.hc_norm.weight, hc, module.hc_norm.eps, residual)
-    mix = mix_projections if FUSED_HC_PROJ and few_tokens else mix_with_linears
+    mix = mix_projections if fusions.enabled("hc_proj") and few_tokens else mix_with_linears
     block_input, inject = mix(normed, *weights, hc)
     return block_input, streams, inject
 
@@ -107,17 +92,13 @@ def mix_with_linears(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor,
     return mix_streams(F.linear(low, up), normed, logits, hc)
 
 
-def _triton(x: torch.Tensor) -> bool:
-    return x.is_cuda
-
-
 # ----------------------------------------------------------------------------- the three fused ops
 def hc_norm(streams: torch.Tensor, weight: torch.Tensor, hc: int, eps: float,
             residual: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(streams, normed)``: ``streams [..., hc * H]`` (plus ``out [..., H] * inject [..., hc]`` per stream
     when ``residual = (out, inject)``, rounded to the streams' dtype), and its RMS norm over each stream's
     ``H`` features times ``1 + weight``, rounded to the streams' dtype."""
-    if _triton(streams):
+    if use_triton(streams):
         from .hyper_connection_triton import hc_norm_triton
 
         return hc_norm_triton(streams, weight, hc, eps, residual)
@@ -132,7 +113,7 @@ def hc_norm(streams: torch.Tensor, weight: torch.Tensor, hc: int, eps: float,
 
 def scaled_silu(x: torch.Tensor, scale: float) -> torch.Tensor:
     """``silu(x * scale)`` in fp32, rounded to ``x``'s dtype."""
-    if _triton(x):
+    if use_triton(x):
         from .hyper_connection_triton import scaled_silu_triton
 
         return scaled_silu_triton(x, scale)
@@ -144,7 +125,7 @@ def mix_streams(up: torch.Tensor, normed: torch.Tensor, inject_logits: torch.Ten
     """``(mixed [..., H], inject [..., hc])``: the mean over streams of ``sigmoid(up) * normed`` (both
     ``[..., hc * H]``) and ``2 sigmoid(inject_logits / hc)`` (None without logits), each rounded to
     ``normed``'s dtype."""
-    if _triton(normed):
+    if use_triton(normed):
         from .hyper_connection_triton import mix_streams_triton
 
         return mix_streams_triton(up, normed, inject_logits, hc)
@@ -162,7 +143,7 @@ def mix_projections(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor, 
     and `mix_streams` give, in fp32 from the loaded values on (one rounding per output, none between):
     ``low = silu(normed @ down.T / hc)``, ``mixed = mean_c(sigmoid(low @ up.T) * normed)`` over the streams,
     ``inject = 2 sigmoid(normed @ inject_weight.T / hc)``. Two launches on CUDA (the ``hc_proj`` fusion)."""
-    if _triton(normed):
+    if use_triton(normed):
         from .hyper_connection_triton import mix_projections_triton
 
         return mix_projections_triton(normed, down, up, inject_weight, hc)
@@ -172,19 +153,9 @@ def mix_projections(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor, 
     return mix_streams(low @ up.float().mT, normed, logits, hc)
 
 
-def norm_mix_projections(streams: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                         residual: tuple[torch.Tensor, torch.Tensor] | None, down: torch.Tensor, up: torch.Tensor,
-                         inject_weight: torch.Tensor | None,
-                         hc: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(mixed, streams, inject)``: `hc_norm` (the residual added when given), then `mix_projections` of the
-    normed streams. On CUDA the same two launches as `mix_projections` (``hc_norm_proj``): the down projection
-    projects the streams times the norm's weight before the division by their RMS, which the up projection applies
-    to each stream's share: the same values but for fp32 summation order and, in bf16, where the projected values
-    round (before the division, not after)."""
-    if _triton(streams):
-        from .hyper_connection_triton import norm_mix_projections_triton
-
-        return norm_mix_projections_triton(streams, norm_weight, eps, residual, down, up, inject_weight, hc)
-    streams, normed = hc_norm(streams, norm_weight, hc, eps, residual)
-    mixed, inject = mix_projections(normed, down, up, inject_weight, hc)
-    return mixed, streams, inject
+def defers_residual(layer, streams: torch.Tensor, output_seen) -> bool:
+    """Whether Qwen4Exp's layer loop leaves ``layer``'s MoE residual for the next layer's fused norm to add (one
+    launch a layer less): with the ``hc`` fusion on, autograd not recording (the fused norm runs only then, and
+    activation checkpointing tracks only a layer's tensor arguments), and nothing outside that must see the layer's
+    output whole (``output_seen(layer)``: a hook, an output recorder collecting hidden states)."""
+    return fusions.enabled("hc") and not records_grad(streams) and not output_seen(layer)

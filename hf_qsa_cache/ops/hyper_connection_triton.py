@@ -7,26 +7,17 @@ not specialised (a new batch bucket or prefill chunk does not recompile).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRET, dot, l2_lines, on_device_of_first_tensor, pdl, pdl_begin, prefetch_rows_l2
+from .triton_common import INTERPRET, dot, grouped_norm, l2_lines, on_device_of_first_tensor, pdl, pdl_begin, prefetch_rows_l2
 
 
 def _warps(elements: int) -> int:
     return 8 if elements >= 4096 else 4
-
-
-@triton.jit
-def grouped_norm(x, weight_ptr, c, h, ok, H: tl.constexpr, eps):
-    """RMS norm of each row (stream) of fp32 ``x`` ``[HC_PAD, BLOCK_H]`` over its ``H`` features, times ``1 + weight``
-    (``weight`` ``[hc * H]``, stream-major): the hyper-connection norm, and the PLE layer's grouped norms."""
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)
-    w = tl.load(weight_ptr + c[:, None] * H + h[None, :], mask=ok, other=0.0).to(tl.float32)
-    return x * rstd[:, None] * (1.0 + w)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -171,41 +162,17 @@ ONE_TOKEN_MIX_TILES = MixTiles(splits=8, block_n=8, block_k=1024, down_warps=4, 
 ONE_TOKEN_DOT_MIX_TILES = MixTiles(splits=32, block_n=64, block_k=128, down_warps=4, block_h=16, r_chunk=128,
                                    up_warps=8)
 MIX_TILES = MixTiles(splits=16, block_n=64, block_k=128, down_warps=4, block_h=32, r_chunk=64, up_warps=2)
-# ``hc_norm_proj``'s down projection adds the residual, sums the squares and scales by the norm's weight inside its
-# input loop: with the dot tiles above the compiler for sm_90 ran out of registers there (255 a thread, local loads
-# and stores; 218 and none since the loads became 16 bytes wide); chunks of 64 inputs on 8 warps take 88
-# (`benchmarks/kernel_resources.py`).
-ONE_TOKEN_NORM_MIX_TILES = replace(ONE_TOKEN_DOT_MIX_TILES, block_k=64, down_warps=8)
-NORM_MIX_TILES = replace(MIX_TILES, block_k=64, down_warps=8)
 
 
 @triton.jit
-def _stream_tile(streams_ptr, out_ptr, inject_ptr, m, k, mk_ok, c, H: tl.constexpr, HC: tl.constexpr,
-                 RESIDUAL: tl.constexpr):
-    """fp32 ``[BLOCK_M, BLOCK_K]`` of the streams at tokens ``m``, inputs ``k`` (all in stream ``c``): with
-    ``RESIDUAL``, plus the previous block's ``out * inject[c]``, rounded to the streams' dtype as `hc_norm`
-    stores them (its norm reads them rounded)."""
-    m64 = m.to(tl.int64)[:, None]
-    x = tl.load(streams_ptr + m64 * (HC * H) + k[None, :], mask=mk_ok, other=0.0).to(tl.float32)
-    if RESIDUAL:
-        out = tl.load(out_ptr + m64 * H + (k - c * H)[None, :], mask=mk_ok, other=0.0).to(tl.float32)
-        inject = tl.load(inject_ptr + m64 * HC + c, mask=mk_ok, other=0.0).to(tl.float32)
-        x = (x + out * inject).to(streams_ptr.dtype.element_ty).to(tl.float32)
-    return x
-
-
-@triton.jit
-def _down_tiles(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, rows, m, m_ok, n_ok, c, lo, hi,
-                write_streams, K: tl.constexpr, H: tl.constexpr, HC: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                IEEE: tl.constexpr, WIDEN: tl.constexpr, FULL: tl.constexpr, GEMV: tl.constexpr):
+def _down_tiles(x_ptr, rows, m, m_ok, n_ok, lo, hi, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, FULL: tl.constexpr,
+                GEMV: tl.constexpr):
     """`_hc_down_kernel`'s pass over its input range ``[lo, hi)`` for the weight rows at ``rows`` (``[BLOCK_N]``
-    pointers): the products ``[BLOCK_M, BLOCK_N]`` and, with ``NORM``, each token's sum of squares (and with
-    ``write_streams`` the range of the new streams stored). ``FULL``: every chunk whole, so inputs are masked
+    pointers): the products ``[BLOCK_M, BLOCK_N]``. ``FULL``: every chunk whole, so inputs are masked
     against K, a compile-time bound (the same lanes as ``hi``): 8 contiguous inputs are then one 16-byte access.
     ``GEMV`` (one token of normed streams, ``BLOCK_M`` 1): no tl.dot, whose 16-row tiles would be padding; each
     lane keeps its fp32 products, summed along the chunk once at the end."""
-    squares = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if GEMV:
         products = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -221,40 +188,25 @@ def _down_tiles(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, rows, m
             products += w.to(tl.float32) * x[None, :]
         else:
             mk_ok = m_ok[:, None] & k_ok[None, :]
-            if NORM:
-                x = _stream_tile(x_ptr, out_ptr, inject_ptr, m, k, mk_ok, c, H, HC, RESIDUAL)
-                if write_streams:
-                    tl.store(streams_out_ptr + m.to(tl.int64)[:, None] * K + k[None, :],
-                             x.to(streams_out_ptr.dtype.element_ty), mask=mk_ok)
-                squares += tl.sum(x * x, axis=1)
-                scale = 1.0 + tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-                x = (x * scale[None, :]).to(x_ptr.dtype.element_ty)
-            else:
-                x = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + k[None, :], mask=mk_ok, other=0.0)
+            x = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + k[None, :], mask=mk_ok, other=0.0)
             w = tl.load(rows[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc += dot(x, w, IEEE, WIDEN)
     if GEMV:
         acc = tl.sum(products, axis=1)[None, :]
-    return acc, squares
+    return acc
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _hc_down_kernel(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, squares_ptr, down_ptr, inject_w_ptr,
-                    part_ptr, num_tokens,
+def _hc_down_kernel(x_ptr, down_ptr, inject_w_ptr, part_ptr, num_tokens,
                     K: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, H: tl.constexpr,
                     SPLITS_PER_STREAM: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FULL: tl.constexpr, GEMV: tl.constexpr,
-                    NORM: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+                    IEEE: tl.constexpr, WIDEN: tl.constexpr,
                     INJECT: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False):
     """part[s, m, n] = sum over the s-th input range of x[m, k] * W[n, k], W = [down (R rows); inject (HC)]
     (the injection rows only with ``INJECT``). The ranges split each stream's H inputs in SPLITS_PER_STREAM.
 
-    ``x`` is the normed streams, or with ``NORM`` the streams themselves (``hc_norm_proj``): each program then
-    adds the residual (``RESIDUAL``) and projects the values times the norm's weight, not yet divided by their
-    stream's RMS (a range lies in one stream, so `_hc_up_mix_kernel` scales each range's part by its stream's
-    1 / RMS); the first column block also writes its range of the new streams (``RESIDUAL``) and the sum of the
-    range's squares for each token (``squares[s, m]``), from which `_hc_up_mix_kernel` takes the RMS.
-    Launched early (``PDL``), the program first asks for its block of W to be fetched into L2. The range's length
+    ``x`` is the normed streams. Launched early (``PDL``), the program first asks for its block of W to be fetched into L2. The range's length
     is a compile-time value and the down projection's row blocks take its base alone (the block holding the
     injection rows selects between two bases): the compiler can then see 8 neighbouring weights as contiguous
     and aligned, and reads them in one access (`_down_tiles`). ``GEMV``: one token without tl.dot (`_down_tiles`)."""
@@ -270,55 +222,29 @@ def _hc_down_kernel(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, squ
         if INJECT:
             prefetch_rows_l2(inject_w_ptr + lo, n - R, n_ok & (n >= R), K, hi - lo, LINES)
     pdl_begin(PDL)
-    write_streams = RESIDUAL and n_block == 0
     # Two calls, not one on a base chosen by an if: a value merged from two branches loses the alignment the
     # compiler knows of each, and the down projection's blocks would read their weights 2 bytes at a time.
     if (n_block + 1) * BLOCK_N <= R:  # rows of the down projection only
-        acc, squares = _down_tiles(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr,
-                                   down_ptr + n.to(tl.int64) * K, m, m_ok, n_ok, c, lo, hi, write_streams,
-                                   K, H, HC, BLOCK_M, BLOCK_N, BLOCK_K, NORM, RESIDUAL, IEEE, WIDEN, FULL, GEMV)
+        acc = _down_tiles(x_ptr, down_ptr + n.to(tl.int64) * K, m, m_ok, n_ok, lo, hi, K, BLOCK_M, BLOCK_N,
+                          BLOCK_K, IEEE, WIDEN, FULL, GEMV)
     else:  # output rows 0..R-1 read the down projection, R..R+HC-1 the injection logits' weight
         rows = tl.where(n < R, down_ptr + n.to(tl.int64) * K, inject_w_ptr + (n - R).to(tl.int64) * K)
-        acc, squares = _down_tiles(x_ptr, out_ptr, inject_ptr, norm_w_ptr, streams_out_ptr, rows, m, m_ok, n_ok,
-                                   c, lo, hi, write_streams, K, H, HC, BLOCK_M, BLOCK_N, BLOCK_K, NORM, RESIDUAL,
-                                   IEEE, WIDEN, FULL, GEMV)
+        acc = _down_tiles(x_ptr, rows, m, m_ok, n_ok, lo, hi, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, WIDEN, FULL,
+                          GEMV)
     out = part_ptr + (s * num_tokens + m.to(tl.int64))[:, None] * (R + HC) + n[None, :]
     tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
-    if NORM and n_block == 0:
-        tl.store(squares_ptr + s * num_tokens + m.to(tl.int64), squares, mask=m_ok)
-
-
-@triton.jit
-def _range_scales(squares_ptr, t, num_tokens, eps, H: tl.constexpr, HC: tl.constexpr, HC_PAD: tl.constexpr,
-                  SPLITS_PER_STREAM: tl.constexpr, SPS_PAD: tl.constexpr):
-    """1 / RMS of each stream of token ``t`` (``[HC_PAD]``, 0 past HC), from its ranges' sums of squares."""
-    c = tl.arange(0, HC_PAD)
-    j = tl.arange(0, SPS_PAD)
-    ok = (c < HC)[:, None] & (j < SPLITS_PER_STREAM)[None, :]
-    sq = tl.load(squares_ptr + (c[:, None] * SPLITS_PER_STREAM + j[None, :]) * num_tokens + t, mask=ok, other=0.0)
-    return tl.where(c < HC, tl.rsqrt(tl.sum(sq, axis=1) / H + eps), 0.0)
-
-
-@triton.jit
-def _pick(values, index, i):
-    """``values[i]`` of a 1-D tensor whose positions are ``index`` (a scalar from a tensor, without a gather)."""
-    return tl.sum(tl.where(index == i, values, 0.0), axis=0)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _hc_up_mix_kernel(part_ptr, x_ptr, squares_ptr, norm_w_ptr, up_ptr, mixed_ptr, inject_ptr, num_tokens, eps,
-                      H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr,
-                      SPLITS_PER_STREAM: tl.constexpr, SPS_PAD: tl.constexpr, HC_PAD: tl.constexpr,
+def _hc_up_mix_kernel(part_ptr, x_ptr, up_ptr, mixed_ptr, inject_ptr, num_tokens,
+                      H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, SPLITS: tl.constexpr, HC_PAD: tl.constexpr,
                       R_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, INJECT: tl.constexpr,
-                      NORM: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False):
+                      LINES: tl.constexpr, PDL: tl.constexpr = False):
     """mixed[t, h] = mean_c sigmoid(low[t] . W_up[c*H + h]) * normed[t, c*H + h], with low = silu(down / HC)
     summed from the splits. One program per (block of BLOCK_H columns, token): its HC_PAD * BLOCK_H weight
     rows (stream-major) are read once, in chunks of R_CHUNK of the low rank, as GEMVs (products summed
     along the chunk at the end; no tl.dot, whose 16-row tiles would be padding for one token). The first
-    column block also writes inject = 2 sigmoid(logits / HC). ``x`` is the normed streams, or with ``NORM`` the
-    streams: each stream's 1 / RMS comes from the sums of squares `_hc_down_kernel` wrote, scales that stream's
-    ranges of the down projection as they are summed, and norms the streams here (rounded as `hc_norm`
-    rounds). Launched early (``PDL``), the program first asks for its weight rows to be fetched into L2."""
+    column block also writes inject = 2 sigmoid(logits / HC). ``x`` is the normed streams. Launched early (``PDL``), the program first asks for its weight rows to be fetched into L2."""
     h_block, t = tl.program_id(0), tl.program_id(1).to(tl.int64)
     j = tl.arange(0, HC_PAD * BLOCK_H)
     stream, h = j // BLOCK_H, h_block * BLOCK_H + j % BLOCK_H
@@ -327,9 +253,6 @@ def _hc_up_mix_kernel(part_ptr, x_ptr, squares_ptr, norm_w_ptr, up_ptr, mixed_pt
     if PDL:
         prefetch_rows_l2(up_ptr, cols, ok, R, R, LINES)
     pdl_begin(PDL)
-    streams = tl.arange(0, HC_PAD)
-    if NORM:
-        rstd = _range_scales(squares_ptr, t, num_tokens, eps, H, HC, HC_PAD, SPLITS_PER_STREAM, SPS_PAD)
     dots = tl.zeros([HC_PAD * BLOCK_H, R_CHUNK], tl.float32)
     for r0 in range(0, R, R_CHUNK):
         r = r0 + tl.arange(0, R_CHUNK)
@@ -337,8 +260,6 @@ def _hc_up_mix_kernel(part_ptr, x_ptr, squares_ptr, norm_w_ptr, up_ptr, mixed_pt
         low = tl.zeros([R_CHUNK], tl.float32)
         for s in range(SPLITS):
             part = tl.load(part_ptr + (s * num_tokens + t) * (R + HC) + r, mask=r_ok, other=0.0)
-            if NORM:
-                part = part * _pick(rstd, streams, s // SPLITS_PER_STREAM)
             low += part
         low = low / HC
         low = low * tl.sigmoid(low)  # padded columns stay 0 and add nothing
@@ -346,10 +267,6 @@ def _hc_up_mix_kernel(part_ptr, x_ptr, squares_ptr, norm_w_ptr, up_ptr, mixed_pt
         dots += w.to(tl.float32) * low[None, :]
     gate = tl.sigmoid(tl.sum(dots, axis=1))
     x = tl.load(x_ptr + t * (HC * H) + cols, mask=ok, other=0.0).to(tl.float32)
-    if NORM:
-        col_rstd = tl.sum(tl.where(stream[:, None] == streams[None, :], rstd[None, :], 0.0), axis=1)
-        scale = 1.0 + tl.load(norm_w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        x = (x * col_rstd * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
     mixed = tl.sum(tl.reshape(tl.where(ok, gate * x, 0.0), (HC_PAD, BLOCK_H)), axis=0) / HC
     out_h = h_block * BLOCK_H + tl.arange(0, BLOCK_H)
     tl.store(mixed_ptr + t * H + out_h, mixed.to(mixed_ptr.dtype.element_ty), mask=out_h < H)
@@ -358,8 +275,6 @@ def _hc_up_mix_kernel(part_ptr, x_ptr, squares_ptr, norm_w_ptr, up_ptr, mixed_pt
         logits = tl.zeros([HC_PAD], tl.float32)
         for s in range(SPLITS):
             part = tl.load(part_ptr + (s * num_tokens + t) * (R + HC) + R + c, mask=c < HC, other=0.0)
-            if NORM:
-                part = part * _pick(rstd, streams, s // SPLITS_PER_STREAM)
             logits += part
         inject = 2.0 * tl.sigmoid(logits / HC)
         tl.store(inject_ptr + t * HC + c, inject.to(inject_ptr.dtype.element_ty), mask=c < HC)
@@ -372,12 +287,14 @@ def _split_len(H: int, hc: int, tiles: MixTiles) -> int:
     return tiles.block_k * triton.cdiv(triton.cdiv(H, per_stream), tiles.block_k)
 
 
-def _mix(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: torch.Tensor | None, hc: int,
-         tiles: MixTiles | None, norm: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The two launches of `mix_projections_triton` (``norm`` None: ``x`` is normed) and of
-    `norm_mix_projections_triton` (``norm = (weight, eps, residual)``: ``x`` is the streams). Returns
-    ``(mixed, streams, inject)``: the streams as after the residual."""
-    x = x.contiguous()
+@on_device_of_first_tensor
+def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor,
+                           inject_weight: torch.Tensor | None, hc: int,
+                           tiles: MixTiles | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`hyper_connection.mix_projections` in two launches (split-K down and injection projections, then the
+    up projection with the gating and the mean over streams), tiled by ``tiles`` (default: the measured
+    `ONE_TOKEN_MIX_TILES` or `MIX_TILES`; tests force them small)."""
+    x = normed.contiguous()
     down, up = down.contiguous(), up.contiguous()
     has_inject = inject_weight is not None  # (the final mixer has none)
     inject_weight = inject_weight.contiguous() if has_inject else down  # (unread without injection)
@@ -386,22 +303,12 @@ def _mix(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: t
     tokens = x.numel() // max(K, 1)
     mixed = torch.empty(*x.shape[:-1], H, dtype=x.dtype, device=x.device)
     inject = torch.empty(*x.shape[:-1], hc, dtype=x.dtype, device=x.device) if has_inject else None
-    norm_weight, eps, residual = norm if norm is not None else (x, 0.0, None)  # (unread without the norm)
-    if residual is not None:
-        out, inject_in = residual[0].contiguous(), residual[1].contiguous()
-        streams = torch.empty_like(x)
-    else:
-        out = inject_in = streams = x  # (out and inject unread; the streams unchanged, not written)
     if not tokens:
-        return mixed, streams, inject
+        return mixed, inject
 
-    if norm is None:
-        t = tiles or (ONE_TOKEN_MIX_TILES if tokens == 1 else MIX_TILES)
-    else:
-        t = tiles or (ONE_TOKEN_NORM_MIX_TILES if tokens == 1 else NORM_MIX_TILES)
-    if t.gemv and (tokens != 1 or norm is not None):
-        raise ValueError(f"the down projection's GEMV form takes one token of normed streams, got {tokens} "
-                         f"token{'s' if tokens != 1 else ''}{' with the norm inside' if norm is not None else ''}")
+    t = tiles or (ONE_TOKEN_MIX_TILES if tokens == 1 else MIX_TILES)
+    if t.gemv and tokens != 1:
+        raise ValueError(f"the down projection's GEMV form takes one token of normed streams, got {tokens} tokens")
     if not t.gemv and (t.block_k < 16 or t.block_n < 16):
         raise ValueError(f"the down projection's tiles must be at least 16 (tl.dot's smallest), got block_k "
                          f"{t.block_k}, block_n {t.block_n}")
@@ -409,41 +316,18 @@ def _mix(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject_weight: t
     per_stream = triton.cdiv(H, split_len)
     splits = hc * per_stream
     part = torch.empty(splits, tokens, R + hc, dtype=torch.float32, device=x.device)
-    squares = torch.empty(splits, tokens, dtype=torch.float32, device=x.device) if norm is not None else x  # (unread)
     block_m = 1 if t.gemv else HC_PROJ_BLOCK_M
     # Every range whole (a range is whole chunks: `_split_len`), so the loads need no mask along the inputs.
     full = H % split_len == 0
     _hc_down_kernel[(triton.cdiv(R + (hc if has_inject else 0), t.block_n), splits, triton.cdiv(tokens, block_m))](
-        x, out, inject_in, norm_weight, streams, squares, down, inject_weight, part, tokens,
+        x, down, inject_weight, part, tokens,
         K=K, R=R, HC=hc, H=H, SPLITS_PER_STREAM=per_stream, SPLIT_LEN=split_len, BLOCK_M=block_m,
-        BLOCK_N=t.block_n, BLOCK_K=t.block_k, FULL=full, GEMV=t.gemv, NORM=norm is not None,
-        RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, INJECT=has_inject,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, FULL=full, GEMV=t.gemv,
+        IEEE=x.dtype == torch.float32, WIDEN=INTERPRET, INJECT=has_inject,
         LINES=l2_lines(split_len, down.dtype), num_warps=t.down_warps, **pdl(x))
     _hc_up_mix_kernel[(triton.cdiv(H, t.block_h), tokens)](
-        part, streams, squares, norm_weight, up, mixed, inject if has_inject else mixed, tokens, float(eps),
-        H=H, R=R, HC=hc, SPLITS=splits, SPLITS_PER_STREAM=per_stream, SPS_PAD=triton.next_power_of_2(per_stream),
-        HC_PAD=triton.next_power_of_2(hc),
+        part, x, up, mixed, inject if has_inject else mixed, tokens,
+        H=H, R=R, HC=hc, SPLITS=splits, HC_PAD=triton.next_power_of_2(hc),
         R_CHUNK=min(t.r_chunk, triton.next_power_of_2(R)), BLOCK_H=t.block_h, INJECT=has_inject,
-        NORM=norm is not None, LINES=l2_lines(R, up.dtype), num_warps=t.up_warps, **pdl(part))
-    return mixed, streams, inject
-
-
-@on_device_of_first_tensor
-def mix_projections_triton(normed: torch.Tensor, down: torch.Tensor, up: torch.Tensor,
-                           inject_weight: torch.Tensor | None, hc: int,
-                           tiles: MixTiles | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`hyper_connection.mix_projections` in two launches (split-K down and injection projections, then the
-    up projection with the gating and the mean over streams), tiled by ``tiles`` (default: the measured
-    `ONE_TOKEN_MIX_TILES` or `MIX_TILES`; tests force them small)."""
-    mixed, _, inject = _mix(normed, down, up, inject_weight, hc, tiles, None)
+        LINES=l2_lines(R, up.dtype), num_warps=t.up_warps, **pdl(part))
     return mixed, inject
-
-
-@on_device_of_first_tensor
-def norm_mix_projections_triton(streams: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                                residual: tuple[torch.Tensor, torch.Tensor] | None, down: torch.Tensor,
-                                up: torch.Tensor, inject_weight: torch.Tensor | None, hc: int,
-                                tiles: MixTiles | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`hyper_connection.norm_mix_projections` in the same two launches as `mix_projections_triton`: the residual
-    add and the grouped norm inside the down projection's pass, no launch of `hc_norm`."""
-    return _mix(streams, down, up, inject_weight, hc, tiles, (norm_weight, float(eps), residual))

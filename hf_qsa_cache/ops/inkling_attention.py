@@ -17,12 +17,9 @@ chunks so a long prefill never builds a ``[T, T]`` tensor for all heads at once.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ..fusions import fusion_enabled
-from . import records_grad
+from . import fusions, records_grad, use_triton
 
 # Upper bound on elements of one chunk's score tensor.
 SCORE_BUDGET = 1 << 25
@@ -164,17 +161,12 @@ def _rel_softmax(q, k, r, proj, k_cached, cpos, position, scaling, window, log_s
         yield c0, c1, k0, torch.softmax(scores, dim=-1), kpos, allowed
 
 
-# On CUDA the Triton kernel (`inkling_attention_triton`, tested against the function above);
-# HF_QSA_TRITON_INKLING=0 in the environment keeps the torch op there too.
-USE_TRITON = os.environ.get("HF_QSA_TRITON_INKLING", "1") == "1"
-# The kernel computes a decode step's bias r @ P per key tile instead of a matmul before it (one launch a layer
-# less; `inkling_attention_triton`).
-FUSED_REL_BIAS = fusion_enabled("rel_bias")
-
-
 def paged_rel_attention(q, *args, **kwargs) -> torch.Tensor:
-    if USE_TRITON and q.is_cuda and not records_grad(q, *args[:4]):
+    """`paged_rel_attention_torch`'s op: on CUDA its Triton kernel (`inkling_attention_triton`, tested against it),
+    which with the ``rel_bias`` fusion computes a decode step's bias ``r @ P`` per key tile instead of a matmul
+    before it (one launch a layer less); elsewhere, or where autograd records, the torch function."""
+    if use_triton(q) and not records_grad(q, *args[:4]):
         from .inkling_attention_triton import paged_rel_attention_triton
 
-        return paged_rel_attention_triton(q, *args, **kwargs)
+        return paged_rel_attention_triton(q, *args, bias_in_kernel=fusions.enabled("rel_bias"), **kwargs)
     return paged_rel_attention_torch(q, *args, **kwargs)

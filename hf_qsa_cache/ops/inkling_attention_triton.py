@@ -25,7 +25,7 @@ touch this forward's slots: the write and the attention share one launch with no
 
 Scores. ``logit = tau * (q . k) * scaling + tau * rel[t, h, p_t - p_s]`` for ``0 <= p_t - p_s < E``,
 with ``rel = r @ P`` precomputed per query in ``r``'s dtype (``[B, L, Hq, E]``) and gathered per
-(query, key). A decode step (one token per query tile) with the ``rel_bias`` fusion computes it in the kernel
+(query, key). A decode step (one token per query tile) with ``bias_in_kernel`` (the ``rel_bias`` fusion) computes it in the kernel
 instead, for the distances of each key tile only: the tile's one query position makes every key's distance
 the same for all the tile's rows, so a key tile reads ``P``'s ``[d_rel, keys]`` block at those distances and
 multiplies it with the tile's ``r`` rows in one dot (fp32 accumulation), rounded once to ``r``'s dtype as the
@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from . import inkling_attention
 from .triton_common import (
     INTERPRET, LOG2E, TL_DTYPES, dot, l2_lines, on_device_of_first_tensor, pdl, pdl_begin, pow2, prefetch_rows_l2,
 )
@@ -390,7 +389,7 @@ def paged_rel_attention_triton(
     num_splits: int | None = None,  # key splits per query tile (None: launch policy)
     num_warps: int | None = None,
     num_stages: int | None = None,  # software pipelining depth of the key loop (None: Triton's default)
-    bias_in_kernel: bool | None = None,  # one-token tiles compute r @ P in the kernel (None: the rel_bias fusion)
+    bias_in_kernel: bool = False,  # one-token tiles compute r @ P in the kernel (the rel_bias fusion's path)
 ) -> torch.Tensor:
     """`paged_rel_attention_torch` in one launch (two when the keys are split); see the module doc."""
     B, L, Hq, hd = q.shape
@@ -410,8 +409,6 @@ def paged_rel_attention_triton(
     if block_n is None:
         block_n = WIDE_BLOCK_N if wide else DECODE_BLOCK_N if decode else PREFILL_BLOCK_N
     block_n = pow2(block_n)
-    if bias_in_kernel is None:
-        bias_in_kernel = inkling_attention.FUSED_REL_BIAS
     if bias_in_kernel and block_m == 1:  # every query tile one position: the kernel computes r @ P per key tile
         rel = r.contiguous()
     else:  # the bias profile of every query, rounded like the torch op: [B, L, Hq, E] in r's dtype

@@ -19,17 +19,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..fusions import fusion_enabled
-from . import keeps_own_forward, records_grad
-
-FUSED_INKLING_ROUTER = fusion_enabled("inkling_router")
+from . import fusions, keeps_own_forward, records_grad
 
 
 def fuses_inkling_routing(router, x: torch.Tensor) -> bool:
     """Whether the MoE block routes ``x`` with `route_inkling` instead of calling ``router``: the fusion on,
     autograd not recording, no hook on the router (``output_router_logits`` records through one), and at
     least one shared expert (the arithmetic below assumes it, as upstream's slicing does)."""
-    return (FUSED_INKLING_ROUTER and router.n_shared_experts > 0 and not records_grad(x, router.weight)
+    return (fusions.enabled("inkling_router") and router.n_shared_experts > 0 and not records_grad(x, router.weight)
             and not keeps_own_forward(router, router.weight, router.global_scale))
 
 

@@ -21,10 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fusions import fusion_enabled
-from . import keeps_own_forward, records_grad
+from . import fusions, keeps_own_forward, records_grad, use_triton
 
-FUSED_PROJECTIONS = fusion_enabled("projections")
 MAX_FUSED_TOKENS = 16  # decode and verify steps; prompts keep cuBLAS's GEMMs
 # A projection alone (o_proj, GatedDeltaNet's out_proj) goes to the kernel for steps of at most this many tokens
 # (`project_alone`; 0: never), else to cuBLAS. One token: the kernel's GEMV form took Inkling's o_proj (2048 ->
@@ -33,10 +31,6 @@ MAX_FUSED_TOKENS = 16  # decode and verify steps; prompts keep cuBLAS's GEMMs
 # 1 x 4096 took 4.74 ms against 5.09 with the dot tiles and this at 0 (an H100). More tokens: cuBLAS (8 tokens,
 # 4096 -> 2048: 8.9 us against 23 for the kernel's best dot tiles).
 ALONE_MAX_TOKENS = 1
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda
 
 
 def linears_torch(x: torch.Tensor, weights: list[torch.Tensor], keep: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -49,7 +43,7 @@ def linears_torch(x: torch.Tensor, weights: list[torch.Tensor], keep: torch.Tens
 
 def fuses_projections(x: torch.Tensor, modules) -> bool:
     """Whether `project` runs ``modules`` on ``x`` in one launch (see the module's docstring)."""
-    if not (FUSED_PROJECTIONS and _use_triton(x)) or x.numel() > MAX_FUSED_TOKENS * x.shape[-1]:
+    if not (fusions.enabled("projections") and use_triton(x)) or x.numel() > MAX_FUSED_TOKENS * x.shape[-1]:
         return False
     from .linears_triton import MAX_WEIGHTS
 

@@ -16,16 +16,13 @@ from __future__ import annotations
 import torch
 from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
 
-from ..fusions import fusion_enabled
-from . import keeps_own_forward, records_grad
-
-FUSED_NORM_ROPE = fusion_enabled("norm")
+from . import fusions, keeps_own_forward, records_grad
 
 
 def norm_rope(norm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``apply_rotary_pos_emb(norm(x), cos=cos, sin=sin, unsqueeze_dim=1)`` for ``x`` ``[N, H, D]`` and
     ``cos``, ``sin`` ``[N, rot]`` (``rot`` even, at most ``D``), ``norm`` transformers' ``Qwen4ExpTextRMSNorm``."""
-    if (not FUSED_NORM_ROPE or records_grad(x, norm.weight) or keeps_own_forward(norm, norm.weight)
+    if (not fusions.enabled("norm") or records_grad(x, norm.weight) or keeps_own_forward(norm, norm.weight)
             or norm.group_size is not None or not (x.dtype == cos.dtype == sin.dtype)):
         return norm_rope_torch(norm, x, cos, sin)
     if x.is_cuda:

@@ -26,11 +26,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
-from ..fusions import fusion_enabled
-from . import keeps_own_forward, records_grad
-
-FUSED_PLE = fusion_enabled("ple")
+from . import fusions, keeps_own_forward, records_grad, use_triton
+from .linears import project
 
 
 def fuses_ple(layer, hidden_states: torch.Tensor) -> bool:
@@ -41,13 +40,9 @@ def fuses_ple(layer, hidden_states: torch.Tensor) -> bool:
              (layer.norm_key, (layer.norm_key.weight,)), (layer.norm_query, (layer.norm_query.weight,)),
              (layer.norm_conv, (layer.norm_conv.weight,)), (layer.conv1d, (layer.conv1d.weight,)))
     weights = [w for _, ws in parts for w in ws]
-    return (FUSED_PLE and not records_grad(hidden_states, *weights)
+    return (fusions.enabled("ple") and not records_grad(hidden_states, *weights)
             and not any(keeps_own_forward(module, *ws) for module, ws in parts)
             and all(w.device == hidden_states.device for w in weights))
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda
 
 
 def ngram_ids_torch(history: torch.Tensor, emb, length: int) -> torch.Tensor:
@@ -72,7 +67,7 @@ def ngram_ids_torch(history: torch.Tensor, emb, length: int) -> torch.Tensor:
 def ngram_embeddings(history: torch.Tensor, emb, length: int) -> torch.Tensor:
     """``[B, length, heads * dim]``: the embedding rows of `ngram_ids_torch`, concatenated per token. One launch
     on CUDA (`ple_triton.ngram_embeddings_triton`)."""
-    if _use_triton(history):
+    if use_triton(history):
         from .ple_triton import ngram_embeddings_triton
 
         return ngram_embeddings_triton(history, emb, length)
@@ -86,7 +81,7 @@ def ple_gate(key: torch.Tensor, value: torch.Tensor, streams: torch.Tensor, vali
     tokens' ``valid`` mask (both outputs zero where False). One launch on CUDA."""
     args = (key, value, streams, valid, layer.norm_key.weight, layer.norm_query.weight, layer.norm_conv.weight,
             layer.hc_count, layer.norm_key.eps)
-    if _use_triton(key):
+    if use_triton(key):
         from .ple_triton import ple_gate_triton
 
         return ple_gate_triton(*args)
@@ -112,3 +107,51 @@ def ple_gate_torch(key: torch.Tensor, value: torch.Tensor, streams: torch.Tensor
     normed = grouped_norm(gated, conv_weight).flatten(-2).to(dtype)
     keep = valid[..., None]
     return torch.where(keep, gated, 0), torch.where(keep, normed, 0)
+
+
+def ple_layer(layer, history: torch.Tensor, hidden_states: torch.Tensor, valid: torch.Tensor, state, kept,
+              meta) -> torch.Tensor:
+    """Qwen4Exp's PLE layer on ``hidden_states`` ``[B, L, hc * H]`` (``layer``: transformers' module) given the n-gram
+    ``history`` ``[B, W]`` of the step's ids: the n-gram embeddings, their gating by the streams and the dilated
+    conv, its window kept in ``state`` (the layer's `LinearState`; ``kept``: the rollback ring, or None). Where
+    `fuses_ple`, the lookup and the gating in one launch each (`ngram_embeddings`, `ple_gate`), and a decode step's
+    conv, silu and sum in one more (the window shifted in place); else upstream's ops."""
+    L = hidden_states.shape[1]
+    fused = fuses_ple(layer, hidden_states)
+    if fused:
+        embeddings = ngram_embeddings(history, layer.ple_embedding, L).to(hidden_states.dtype)
+        key, value = project(embeddings, layer.key_proj, layer.value_proj)
+        gated_value, gated_value_normed = ple_gate(key, value, hidden_states, valid, layer)
+    else:
+        gated_value, gated_value_normed = _gated_values(layer, history, hidden_states, valid)
+    leading_pads = meta.leading_pads()
+    if fused and L == 1 and leading_pads is None and not meta.starts_fresh and kept is None:
+        # The dilated conv's window shifts in place; the conv, silu and the sum in the same launch.
+        return state.conv_step_in_place(gated_value_normed.transpose(1, 2), layer.conv1d.weight[:, 0],
+                                        hidden_states.dtype, "ple_conv", layer.conv1d.dilation[0], gated_value)
+    window = state.window("ple_conv", gated_value_normed.transpose(1, 2), leading_pads, meta.starts_fresh)
+    state.write_window("ple_conv", window, kept)
+    conv = F.silu(layer.conv1d(window)).transpose(1, 2)
+    return gated_value + conv
+
+
+def _gated_values(layer, history: torch.Tensor, hidden_states: torch.Tensor,
+                  valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ple_layer`'s ``(gated_value, gated_value_normed)`` by upstream's modules and ops (the path unfused)."""
+    emb = layer.ple_embedding
+    ngram_ids = ngram_ids_torch(history, emb, hidden_states.shape[1])
+    weight = emb.ngram_embedding.weight
+    device = weight.device if weight.device.type != "meta" else ngram_ids.device
+    embeddings = emb.ngram_embedding(ngram_ids.to(device)).to(history.device).flatten(-2)
+    hc, hidden = layer.hc_count, layer.hidden_size
+    key_normed = layer.norm_key(layer.key_proj(embeddings)).unflatten(-1, (hc, hidden))
+    value = layer.value_proj(embeddings)
+    query_normed = layer.norm_query(hidden_states).unflatten(-1, (hc, hidden))
+    gate = (key_normed * query_normed).sum(dim=-1, keepdim=True) / hidden**0.5
+    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+    gated_value = torch.sigmoid(gate) * value.unsqueeze(-2)
+    gated_value_normed = layer.norm_conv(gated_value.flatten(-2))
+    gated_value = gated_value.flatten(-2)
+    gated_value = torch.where(valid[..., None], gated_value, 0)
+    gated_value_normed = torch.where(valid[..., None], gated_value_normed, 0)
+    return gated_value, gated_value_normed

@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .hyper_connection_triton import grouped_norm
-from .triton_common import on_device_of_first_tensor, pdl, pdl_begin
+from .triton_common import grouped_norm, on_device_of_first_tensor, pdl, pdl_begin
 
 
 @triton.jit(do_not_specialize=["length", "width", "stride_hb"])

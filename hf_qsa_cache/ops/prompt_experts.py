@@ -34,29 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations import moe
 
-from ..fusions import fusion_enabled
-from . import keeps_own_forward, records_grad
-from .experts import SharedExpert, supports
-
-FUSED_PROMPT_EXPERTS = fusion_enabled("prompt_experts")
-FUSED_TILED_EXPERTS = fusion_enabled("tiled_experts")
-# Most (token, expert) pairs the tiled experts take (the pairs' grouping ranks them in one program, and past a
-# few pairs per expert the grouped GEMMs' large tiles win).
-TILED_EXPERTS_MAX_PAIRS = 1024
-
-
-def _use_tiled(x: torch.Tensor) -> bool:
-    return x.is_cuda
-
-
-def tiles_pairs(on_cuda: bool, pairs: int) -> bool:
-    """Whether a step of ``pairs`` (token, expert) pairs runs the tiled kernels (the fusion on, CUDA, few pairs);
-    also what graph steps choose their experts by (`hf_qsa_cache.cuda_graphs.graph_experts`)."""
-    return FUSED_TILED_EXPERTS and on_cuda and pairs <= TILED_EXPERTS_MAX_PAIRS
-
+from . import fusions, keeps_own_forward, records_grad, use_triton
+from .experts import SharedExpert, supports, tiles_pairs
 
 def _tiled_applies(x: torch.Tensor, top_k: int) -> bool:
-    return tiles_pairs(_use_tiled(x), x.shape[0] * top_k)
+    return tiles_pairs(use_triton(x), x.shape[0] * top_k)
 
 
 def runs_tiled_experts(experts: nn.Module, x: torch.Tensor) -> bool:
@@ -78,7 +60,7 @@ def tiled_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: t
 def uses_prompt_experts(experts: nn.Module, x: torch.Tensor) -> bool:
     """Whether an MoE block's experts run `grouped_experts_forward` on ``x`` ``[T, H]`` rather than their own
     forward."""
-    return (FUSED_PROMPT_EXPERTS and getattr(experts.config, "_experts_implementation", None) == "grouped_mm"
+    return (fusions.enabled("prompt_experts") and getattr(experts.config, "_experts_implementation", None) == "grouped_mm"
             and supports(experts) and not getattr(experts, "_is_expert_parallel", False) and x.dim() == 2
             and x.dtype == experts.gate_up_proj.dtype and not records_grad(x, experts.gate_up_proj, experts.down_proj)
             and not keeps_own_forward(experts, experts.gate_up_proj, experts.down_proj))

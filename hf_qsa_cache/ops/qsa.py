@@ -6,43 +6,33 @@ row's groups ``0 .. visible_blocks-1``, keeps the ``budget / r`` best, and alway
 open-group tail ``((p+1)//r)*r .. p``.
 
 At long context the selection ranks tile maxima instead of holding every score (`select_by_tile_maxima`,
-from ``FUSED_SELECT_MIN_GROUPS`` groups on the GPU).
+from ``SELECT_BY_TILES_MIN_GROUPS`` groups on the GPU).
 
 On CUDA the index scores and the sparse attention run as Triton kernels (`hf_qsa_cache.ops.qsa_triton`),
 tested against the torch functions here (under the Triton interpreter, on GPU by
-``benchmarks/check_qsa_kernels.py``, and inside whole models by ``benchmarks/gpu_checks.py``);
-``HF_QSA_TRITON_QSA=0`` in the environment keeps the torch functions.
+``benchmarks/check_qsa_kernels.py``, and inside whole models by ``benchmarks/gpu_checks.py``). The ranking of
+the best groups is `hf_qsa_cache.ops.top_set`.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-from ..metadata import StepMetadata
-from ..fusions import fusion_enabled
-from . import records_grad
+from . import fusions, records_grad, top_set, use_triton
 from .row_writes import RowWrites
+from .metadata import StepMetadata
+from .top_set import tile_maxima, top_group_set, top_groups_of_best_tiles
 
 # Upper bound on the elements one chunk of scores / gathered K/V may take (selection at long context
 # holds about 16 bytes per (token, group) in a chunk: 2 GiB at this bound).
 _CHUNK_ELEMENTS = 1 << 27
 
-# Triton kernels for CUDA tensors (read once, at import).
-USE_TRITON = os.environ.get("HF_QSA_TRITON_QSA", "1") == "1"
 # The QSA index arithmetic (group pooling, selected positions) in one launch each: ``qsa`` in `hf_qsa_cache.fusions`.
-FUSED_QSA = fusion_enabled("qsa")
 # ``qsa_topk``: a selection's set of best groups in one launch, no sort (`top_group_set`).
-FUSED_QSA_TOPK = fusion_enabled("qsa_topk")
 # ``qsa_gate``: a decode step's output gate, ``sigmoid(gate) * attention``, in the merge of the attention's splits
 # (`gated_sparse_paged_attention`): two torch launches a QSA layer less.
-FUSED_QSA_GATE = fusion_enabled("qsa_gate")
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    return USE_TRITON and x.is_cuda
 
 
 def paged_rows(block_table: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, rows_per_block: int) -> torch.Tensor:
@@ -84,7 +74,7 @@ def pool_groups(meta: StepMetadata, work: torch.Tensor, ratio: int, ring_keys: t
     """The mean raw key ``[W, Di]`` (fp32 mean, in ``raw_keys``' dtype) of each work group and the 3-axis
     position ``[W, 3]`` of its first token (`gather_group_raw_keys`). One launch where fused
     (the ``qsa`` fusion, `qsa_triton.pool_groups_triton`)."""
-    if FUSED_QSA and raw_keys.is_cuda and not records_grad(raw_keys):
+    if fusions.enabled("qsa") and raw_keys.is_cuda and not records_grad(raw_keys):
         from .qsa_triton import pool_groups_triton
 
         return pool_groups_triton(work, meta.prev_len, meta.count, meta.query_len, ratio, ring_keys, ring_positions,
@@ -146,10 +136,10 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
     k = min(block_topk, max_groups)
     by_tiles = selects_by_tiles(q_index, max_groups, k)
     # Tokens per chunk: what a chunk holds per token is its scores, or its tile maxima and candidates.
-    held = -(-max_groups // TOPK_TILE) + k * TOPK_TILE if by_tiles else max_groups
+    held = -(-max_groups // top_set.TOPK_TILE) + k * top_set.TOPK_TILE if by_tiles else max_groups
     step = max(1, _CHUNK_ELEMENTS // held)
     scores_fn = index_scores_torch
-    if _use_triton(q_index):
+    if use_triton(q_index):
         from .qsa_triton import index_scores_triton as scores_fn
     chosen = []
     for start in range(0, n, step):
@@ -166,9 +156,9 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
 
 def selects_by_tiles(q_index: torch.Tensor, max_groups: int, k: int) -> bool:
     """Whether `score_and_select` ranks tile maxima (`select_by_tile_maxima`) instead of every score: with the
-    Triton kernels, from ``FUSED_SELECT_MIN_GROUPS`` groups on (where it measured faster), and where the
+    Triton kernels, from ``SELECT_BY_TILES_MIN_GROUPS`` groups on (where it measured faster), and where the
     groups make at least two tiles per pick."""
-    return _use_triton(q_index) and max_groups >= FUSED_SELECT_MIN_GROUPS and max_groups >= 2 * k * TOPK_TILE
+    return use_triton(q_index) and max_groups >= SELECT_BY_TILES_MIN_GROUPS and max_groups >= 2 * k * top_set.TOPK_TILE
 
 
 def select_by_tile_maxima(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
@@ -182,9 +172,9 @@ def select_by_tile_maxima(q_index: torch.Tensor, compressed: torch.Tensor, block
     Equal to `top_groups` of the scores up to the order of fp32 sums: the tile maxima and the candidates'
     scores come from two kernels, so a near-tie (not an exact one) may resolve differently, as it may
     between the Triton and torch scores."""
-    tile = tile or TOPK_TILE
+    tile = tile or top_set.TOPK_TILE
     args = (q_index, compressed, block_table, token_row, visible_blocks, rows_per_block)
-    if _use_triton(q_index):
+    if use_triton(q_index):
         from .qsa_triton import candidate_scores_triton, index_scores_triton
 
         maxima = index_scores_triton(*args, max_groups, tile=tile)
@@ -200,7 +190,7 @@ def selected_positions(groups: torch.Tensor, visible: torch.Tensor, position: to
     ``visible`` count), -1 up to ``block_topk`` groups, then the open-group tail ``((p+1)//r)*r .. p`` of its
     ``position`` ``p`` (-1 where shorter, and everywhere for a pad, ``p = -1``). One launch where fused
     (the ``qsa`` fusion, `qsa_triton.selected_positions_triton`)."""
-    if FUSED_QSA and groups.is_cuda:
+    if fusions.enabled("qsa") and groups.is_cuda:
         from .qsa_triton import selected_positions_triton
 
         return selected_positions_triton(groups, visible, position, ratio, block_topk)
@@ -215,132 +205,9 @@ def selected_positions(groups: torch.Tensor, visible: torch.Tensor, position: to
     return torch.cat([tokens, pad, tail], dim=1)
 
 
-def top_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices ``[N, k]`` of the ``k`` best groups per row of ``scores`` ``[N, G]``, best first.
-
-    Among equal scores the lower group index wins (relu makes exact zero ties common; upstream leaves
-    ties to ``torch.topk``). Many groups per pick (long contexts) take `top_groups_two_level`; other
-    large eager calls on CUDA take `top_groups_by_value`, which syncs with the host; the rest (decode
-    steps, which CUDA graphs capture, and the CPU) take `top_groups_packed`. All give the same result.
-    """
-    groups = scores.shape[-1]
-    if (scores.is_cuda and scores.numel() >= _FAST_TOPK_ELEMENTS and groups < 8 * k * TOPK_TILE
-            and not torch.cuda.is_current_stream_capturing()):
-        return top_groups_by_value(scores, k)
-    if groups >= 2 * k * TOPK_TILE:
-        return top_groups_two_level(scores, k)
-    return top_groups_packed(scores, k)
-
-
-# Below this many scores the packed top-k is cheap enough (and needs no host sync).
-_FAST_TOPK_ELEMENTS = 1 << 22
-# From this many groups a Triton selection writes tile maxima instead of scores (`select_by_tile_maxima`).
-# On an H200 (k = 512, tiles of 16, 2048 tokens of a prefill chunk) it took 14.0 against 17.0 ms at
-# 262144 groups (a 1M-token context), 5.7 against 5.1 at 65536, and lost below (benchmarks/check_qsa_kernels.py).
-FUSED_SELECT_MIN_GROUPS = 1 << 17
-# Groups per tile of the two-level top-k. On an H200 (k = 512) it beats the packed top-k from
-# 2 * k tiles and the float one from about 8 * k tiles (1.9 vs 2.8 ms at 512 x 262144 scores; 4.1 vs
-# 3.4 ms at 4096 x 32768).
-TOPK_TILE = 16
-
-
-def _pack(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordering (score, lower group) pairs: score bits high, reversed group index low. The
-    scores are ``>= 0`` or ``-inf``, whose float32 bit patterns order as signed integers."""
-    keys = (scores + 0.0).view(torch.int32).long()  # + 0.0 turns a -0.0 into 0.0
-    return keys.mul_(1 << 32).add_((1 << 31) - 1 - groups)
-
-
-def _unpack(keys: torch.Tensor) -> torch.Tensor:
-    return (1 << 31) - 1 - (keys & 0xFFFFFFFF)
-
-
-def top_groups_packed(scores: torch.Tensor, k: int, best_first: bool = True) -> torch.Tensor:
-    """`top_groups` as one top-k over packed int64 keys: exact, no host sync. With ``best_first=False`` the
-    same ``k`` groups in no particular order (a caller that only needs the set skips the top-k's sort)."""
-    groups = scores.shape[-1]
-    if groups >= 1 << 31:
-        raise ValueError(f"top_groups packs group indices in 31 bits; got {groups} groups")
-    keys = _pack(scores, torch.arange(groups, device=scores.device))
-    return _unpack(keys.topk(k, dim=-1, sorted=best_first).values)
-
-
-def top_group_set(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The groups of `top_groups` (the ``k`` best of each row of ``scores [N, G]``, the lower group first
-    among equal scores) in ascending order: the set a selection needs, whose order only changes the order
-    of the attention's sums. Where fused (``qsa_topk``) on CUDA, fewer than `top_groups_two_level`'s
-    ``2 * k * TOPK_TILE`` groups take one launch that never sorts (`top_set_triton.top_set_triton`: a
-    bisection for the ``k``-th best score, where torch's top-k sorts the whole row: 27.5 + 13.1 us a QSA
-    layer of a decode step at 1 x 4096 on an H200); otherwise `top_groups`, sorted by group."""
-    if _fuses_top_set(scores, k):
-        from .top_set_triton import top_set_triton
-
-        return top_set_triton(scores, k)
-    return top_groups(scores, k).sort(dim=-1).values
-
-
-def _fuses_top_set(scores: torch.Tensor, k: int) -> bool:
-    return (FUSED_QSA_TOPK and _use_triton(scores) and scores.dim() == 2 and scores.dtype == torch.float32
-            and scores.shape[-1] < 2 * k * TOPK_TILE)
-
-
-def top_groups_by_value(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """`top_groups` from a float32 top-k (half the passes of the packed one over 64-bit keys).
-
-    The float top-k is exact but for the order of ties: the selected set can differ only in a row
-    whose ``k``-th score equals a score left out. Such rows (counted with one host sync) are redone
-    packed; the ``k`` winners of every row are then ordered by (score, lower group).
-    """
-    values, index = scores.topk(k, dim=-1, sorted=False)
-    kth = values.min(dim=-1, keepdim=True).values
-    tie_left_out = (scores == kth).sum(dim=-1) > (values == kth).sum(dim=-1)
-    redo = tie_left_out.nonzero().flatten()
-    if redo.numel():
-        index[redo] = top_groups_packed(scores[redo], k)
-        values[redo] = scores[redo].gather(1, index[redo])
-    return _unpack(_pack(values, index).sort(dim=-1, descending=True).values)
-
-
-def top_groups_two_level(scores: torch.Tensor, k: int, tile: int = TOPK_TILE) -> torch.Tensor:
-    """`top_groups` over ``k`` tiles of ``tile`` groups instead of all groups: exact, no host sync.
-
-    Order tiles by their best (score, lower group), i.e. by (tile max, lower tile). If a group ``x``
-    is among the ``k`` best groups, its tile is among the ``k`` best tiles: otherwise ``k`` tiles beat
-    it, and the best group of each beats ``x``, ``k`` groups ahead of ``x``. So the ``k`` best groups
-    of the ``k * tile`` groups of the best tiles are the ``k`` best of all. At long context that is a
-    small share of the groups (``G / tile`` tile maxima, then ``k * tile`` candidates).
-    """
-    groups = scores.shape[1]
-
-    def candidate_scores(candidates: torch.Tensor) -> torch.Tensor:
-        # Groups past the end (in a partial tile) score -inf.
-        picked = scores.gather(1, candidates.clamp_max(groups - 1))
-        return picked.masked_fill(candidates >= groups, float("-inf"))
-
-    return top_groups_of_best_tiles(tile_maxima(scores, tile), candidate_scores, k, tile)
-
-
-def tile_maxima(scores: torch.Tensor, tile: int) -> torch.Tensor:
-    """``[N, ceil(G / tile)]``: the best score of each tile of ``tile`` consecutive groups (a last tile
-    may be partial)."""
-    n, groups = scores.shape
-    whole = groups // tile
-    maxima = scores[:, :whole * tile].unflatten(1, (whole, tile)).amax(dim=-1)
-    if groups % tile:  # a last, partial tile
-        maxima = torch.cat([maxima, scores[:, whole * tile:].amax(dim=-1, keepdim=True)], dim=1)
-    return maxima
-
-
-def top_groups_of_best_tiles(maxima: torch.Tensor, candidate_scores, k: int, tile: int) -> torch.Tensor:
-    """The second level of `top_groups_two_level`: from the tile maxima ``[N, T]``, the ``k`` best groups
-    of the ``k`` best tiles, best first; ``candidate_scores(candidates [N, k * tile])`` gives those
-    groups' scores, ``-inf`` for a group past the end (a partial last tile)."""
-    # Only the set of best tiles matters (their candidates are ranked below): no sort here.
-    tiles = top_groups_packed(maxima, min(k, maxima.shape[1]), best_first=False)
-    candidates = (tiles[:, :, None] * tile + torch.arange(tile, device=maxima.device)).flatten(1)
-    # A group past the end scores -inf under a higher index than every real group, so it loses to
-    # all of them; at least k real candidates exist.
-    return _unpack(_pack(candidate_scores(candidates), candidates).topk(k, dim=-1, sorted=True).values)
+# From this many groups a Triton selection writes tile maxima instead of scores (`select_by_tile_maxima`): from
+# there on the tile path measured faster on the H200 (benchmarks/check_qsa_kernels.py, RESULTS.md), below it lost.
+SELECT_BY_TILES_MIN_GROUPS = 1 << 17
 
 
 def index_scores_torch(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
@@ -413,7 +280,7 @@ def sparse_paged_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
     logical positions in the query's row (-1 = unused). Returns ``[N, H, D]``. A query with no
     valid position (a pad) returns zeros.
     """
-    if _use_triton(query) and not records_grad(query, keys, values):
+    if use_triton(query) and not records_grad(query, keys, values):
         from .qsa_triton import sparse_paged_attention_triton
 
         return sparse_paged_attention_triton(query, keys, values, block_table, token_row, positions, block_size,
@@ -435,7 +302,7 @@ def gated_sparse_paged_attention(query: torch.Tensor, keys: torch.Tensor, values
     attention output rounded to its dtype, the sigmoid rounded alike, their product rounded, as the torch ops
     round. With ``qsa_gate`` on CUDA the gate is applied where the attention's splits are merged."""
     n = query.shape[0]
-    if (FUSED_QSA_GATE and _use_triton(query) and not records_grad(query, keys, values, gate)
+    if (fusions.enabled("qsa_gate") and use_triton(query) and not records_grad(query, keys, values, gate)
             and gate.stride(-1) == 1):
         from .qsa_triton import sparse_paged_attention_triton
 

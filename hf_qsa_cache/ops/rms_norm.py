@@ -11,17 +11,15 @@ normed value rounded before the weight multiplies it, as upstream.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from ..fusions import fusion_enabled
-from . import keeps_own_forward, records_grad
-
-FUSED_NORM = fusion_enabled("norm")
+from . import fusions, keeps_own_forward, records_grad
 
 
 def add_rms_norm(norm, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, norm(h))`` with ``h = residual + x`` (``h = x`` without a residual) for transformers'
     ``InklingRMSNorm`` ``norm``."""
-    if (not FUSED_NORM or records_grad(x, residual, norm.weight) or keeps_own_forward(norm, norm.weight)
+    if (not fusions.enabled("norm") or records_grad(x, residual, norm.weight) or keeps_own_forward(norm, norm.weight)
             or (residual is not None and residual.dtype != x.dtype)):
         h = x if residual is None else residual + x
         return h, norm(h)
@@ -44,3 +42,22 @@ def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     widened = h.float()
     normed = widened * torch.rsqrt(widened.pow(2).mean(-1, keepdim=True) + eps)
     return h, weight * normed.to(h.dtype)
+
+
+def defers_residual(layer, hidden_states: torch.Tensor) -> bool:
+    """Whether Inkling's layer loop leaves ``layer``'s MLP conv and last residual add to the next norm's fused pass
+    (two launches a layer less with ``conv_norm``, one without): with the ``norm`` fusion on, autograd not recording
+    (activation checkpointing tracks only a layer's tensor arguments), and no hook on the layer (accelerate's, a
+    user's) that must see its output whole."""
+    return fusions.enabled("norm") and not records_grad(hidden_states) and not keeps_own_forward(layer)
+
+
+def normed_embedding(embed, norm, input_ids: torch.Tensor) -> torch.Tensor:
+    """``norm(embed(input_ids))`` for an embedding module ``embed`` and its ``InklingRMSNorm`` ``norm``: the rows
+    looked up directly and normed by `rms_norm` (one launch where fused), or the embedding's own forward where it
+    must run (a hook, an offloading wrapper: `keeps_own_forward`)."""
+    if keeps_own_forward(embed, embed.weight):
+        return embed(input_ids)
+    rows = F.embedding(input_ids, embed.weight, embed.padding_idx, embed.max_norm, embed.norm_type,
+                       embed.scale_grad_by_freq, embed.sparse)
+    return rms_norm(norm, rows)

@@ -1,5 +1,5 @@
 """Triton version of `hf_qsa_cache.ops.rms_norm.add_rms_norm_torch` (same arithmetic and rounding points). The norm's
-weight is read before the kernel's early-launch wait (`conv_norm_triton._norm_weight`)."""
+weight is read before the kernel's early-launch wait (`triton_common.norm_weight`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .conv_norm_triton import _norm_weight
-from .triton_common import TL_DTYPES, on_device_of_first_tensor, pdl, pdl_begin
+from .triton_common import TL_DTYPES, norm_weight, on_device_of_first_tensor, pdl, pdl_begin
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -18,7 +17,7 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, h_ptr, out_ptr, num_ro
     r = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D_PAD)
     ok = d < D
-    w = _norm_weight(weight_ptr, d, ok)
+    w = norm_weight(weight_ptr, d, ok)
     pdl_begin(PDL)
     h = tl.load(x_ptr + r * D + d, mask=ok, other=0.0)
     if RESIDUAL:

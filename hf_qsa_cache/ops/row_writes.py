@@ -5,31 +5,17 @@ the step closes, and the newest raw index keys and their positions into the ring
 ``index_copy_`` after a ``clamp_min`` of its rows (eight launches a layer, writes that share their rows clamping
 once; each a microsecond or two for a few kilobytes). `RowWrites` collects them; `RowWrites.flush` runs them in
 one launch where the ``qsa_writes`` fusion is on (`row_writes_triton.write_rows_triton`), else one by one in
-torch (`write_slots` is the specification).
+torch (`row_writes_ref.write_slots` is the specification).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..fusions import fusion_enabled
-from . import records_grad
+from . import fusions, records_grad
+from .row_writes_ref import MAX_TARGETS, copy_rows, row_layout, write_slots
 
-FUSED_QSA_WRITES = fusion_enabled("qsa_writes")
-MAX_TARGETS = 5  # stores one launch writes (a QSA layer's five)
-
-
-def write_slots(store: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """``store[slot] = value`` for every token; slot -1 lands in the store's first row (a paged store's null block,
-    never read). Stores keep values, not autograd history (a layer that reads this step's writes back takes
-    `PagedKV.with_step_written`)."""
-    _copy_rows(store, slots.clamp_min(0), values)
-
-
-def _copy_rows(store: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """`write_slots` at rows already clamped (none negative)."""
-    store.index_copy_(0, rows, values.detach().to(store.dtype))
-
+__all__ = ["MAX_TARGETS", "RowWrites", "fuses_row_writes", "row_layout", "write_slots"]
 
 class RowWrites:
     """Pending ``store[rows] = values`` writes (`write_slots` each), run in the order added by `flush`. A caller
@@ -52,22 +38,12 @@ class RowWrites:
             for store, rows, values in pending:
                 if id(rows) not in clamped:
                     clamped[id(rows)] = rows.clamp_min(0)
-                _copy_rows(store, clamped[id(rows)], values)
+                copy_rows(store, clamped[id(rows)], values)
 
 
 def _same_kind(a: torch.dtype, b: torch.dtype) -> bool:
     """Whether the kernel's cast of a ``b`` value into an ``a`` store is torch's: the same dtype, or integers."""
     return a == b or not (a.is_floating_point or b.is_floating_point)
-
-
-def row_layout(t: torch.Tensor) -> tuple[int, int] | None:
-    """``(row stride, column stride)`` of ``t`` read as rows of ``t[0].numel()`` elements, or None where a row is
-    not one strided run (a row of several dimensions must be contiguous)."""
-    if t.dim() == 2:
-        return t.stride(0), t.stride(1)
-    if t.dim() > 2 and (t.shape[0] == 0 or t[0].is_contiguous()):
-        return t.stride(0), 1
-    return None
 
 
 def _on_gpu(store: torch.Tensor) -> bool:
@@ -78,7 +54,7 @@ def fuses_row_writes(pending) -> bool:
     """Whether `RowWrites.flush` takes one launch: the ``qsa_writes`` fusion on, CUDA tensors, at most
     `MAX_TARGETS` writes, no autograd history to drop, each value cast as torch casts it (no float rounding), and
     each store's and value's rows single strided runs (a store's contiguous)."""
-    return (FUSED_QSA_WRITES and 0 < len(pending) <= MAX_TARGETS
+    return (fusions.enabled("qsa_writes") and 0 < len(pending) <= MAX_TARGETS
             and all(_on_gpu(store) and rows.device == store.device and values.device == store.device
                     and values.shape[1:] == store.shape[1:] and _same_kind(store.dtype, values.dtype)
                     and not records_grad(values) and row_layout(store) is not None and row_layout(store)[1] == 1

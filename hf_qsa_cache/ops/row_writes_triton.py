@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .row_writes import MAX_TARGETS, row_layout
+from .row_writes_ref import MAX_TARGETS, row_layout
 from .triton_common import on_device_of_first_tensor, pdl, pdl_begin
 
 BLOCK = 512  # elements of a row per copy (a QSA layer's K or V row at 2 x 256 in one)

@@ -83,7 +83,7 @@ def short_conv_torch(
 
 def short_conv(x, weight, store, table, block_size, slots, position, prev_len, query_len):
     if x.is_cuda and not records_grad(x, weight):
-        from .inkling_sconv_triton import short_conv_triton
+        from .sconv_triton import short_conv_triton
 
         return short_conv_triton(x, weight, store, table, block_size, slots, position, prev_len, query_len)
     return short_conv_torch(x, weight, store, table, block_size, slots, position, prev_len, query_len)

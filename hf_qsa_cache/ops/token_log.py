@@ -14,13 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fusions import fusion_enabled
-
-FUSED_TOKEN_LOG = fusion_enabled("token_log")
-
-
-def _use_triton(log: torch.Tensor) -> bool:
-    return log.is_cuda
+from . import fusions, use_triton
 
 
 def log_tokens_torch(log: torch.Tensor, position: torch.Tensor, token_row: torch.Tensor,
@@ -36,7 +30,7 @@ def log_tokens_torch(log: torch.Tensor, position: torch.Tensor, token_row: torch
 
 def log_tokens(log: torch.Tensor, position: torch.Tensor, token_row: torch.Tensor, input_ids: torch.Tensor) -> None:
     """`log_tokens_torch`, in one launch on CUDA where the fusion is on."""
-    if FUSED_TOKEN_LOG and _use_triton(log):
+    if fusions.enabled("token_log") and use_triton(log):
         from .token_log_triton import log_tokens_triton
 
         log_tokens_triton(log, position, token_row, input_ids)

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fusions import fusion_enabled
+from . import fusions
 
 LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * LOG2E)
 # The Triton interpreter multiplies bf16 dot operands as their raw 16-bit patterns; under it the
@@ -25,7 +25,6 @@ TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 # the launch gap and start-up of each (about a microsecond inside a CUDA graph) are then hidden behind the kernel
 # before. Every kernel of this package takes the ``PDL`` switch and calls `pdl_begin` before it touches memory,
 # so a kernel launched early never reads a predecessor's output or overwrites its input too soon.
-FUSED_PDL = fusion_enabled("pdl")
 
 
 @functools.cache
@@ -45,7 +44,7 @@ def pdl(tensor: torch.Tensor) -> dict:
     `pdl_begin`) and ``launch_pdl`` (Triton's launch option), both on exactly when the ``pdl`` setting is on and
     the device supports it (never under the interpreter). One never goes without the other: a kernel launched
     early that does not wait would race the kernel before it."""
-    on = FUSED_PDL and not INTERPRET and _pdl_supported(tensor.device)
+    on = fusions.enabled("pdl") and not INTERPRET and _pdl_supported(tensor.device)
     return {"PDL": on, "launch_pdl": on}
 
 
@@ -63,6 +62,21 @@ def pdl_begin(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def norm_weight(w_ptr, d, dm):
+    """A norm's weight at lanes ``d``, in fp32. Weights are never written in a step: read before the wait."""
+    return tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def grouped_norm(x, weight_ptr, c, h, ok, H: tl.constexpr, eps):
+    """RMS norm of each row (stream) of fp32 ``x`` ``[HC_PAD, BLOCK_H]`` over its ``H`` features, times ``1 + weight``
+    (``weight`` ``[hc * H]``, stream-major): the hyper-connection norm, and the PLE layer's grouped norms."""
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)
+    w = tl.load(weight_ptr + c[:, None] * H + h[None, :], mask=ok, other=0.0).to(tl.float32)
+    return x * rstd[:, None] * (1.0 + w)
 
 
 @triton.jit
