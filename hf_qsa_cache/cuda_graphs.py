@@ -137,7 +137,8 @@ class DecodeGraphs:
         self._forget_stale_graphs(model)
         # The rows the step overwrites in place are copied aside inside the recorded step (`_recorded`):
         # one graph launch instead of a host launch per state tensor.
-        with cache.transaction(rows, length, attention_mask, copy_rows=False) as (prev, counts):
+        with cache.transaction(rows, length, attention_mask, copy_rows=False) as step:
+            prev, counts = step.prev, step.counts
             self.steps_seen = cache.steps_started
             # Changed table entries land before the step reads them; a table that moved (another
             # device) invalidates the graphs recorded against its old address.
@@ -150,17 +151,14 @@ class DecodeGraphs:
             if entry is None:
                 entry = self.buckets[shape] = self._new_bucket(*shape, ptrs)
             self._fill(entry, prev, counts, input_ids, position_ids)
-            try:
-                if entry.graph is not None:
-                    entry.graph.replay()  # a launch runs whole (its copy included) or raises before running
-                    cache.rows_copied_aside(size)
-                    logits = entry.logits[:rows].clone()
-                elif self.record and not entry.eager:
-                    logits = self._run_and_capture(entry)[:rows].clone()
-                else:
-                    logits = self._eager(entry)[:rows].clone()
-            finally:
-                cache.clear_step_metadata()
+            if entry.graph is not None:
+                entry.graph.replay()  # a launch runs whole (its copy included) or raises before running
+                step.rows_saved(size)
+                logits = entry.logits[:rows].clone()
+            elif self.record and not entry.eager:
+                logits = self._run_and_capture(entry)[:rows].clone()
+            else:
+                logits = self._eager(entry)[:rows].clone()
         return logits
 
     def _forget_stale_graphs(self, model) -> None:
@@ -224,7 +222,7 @@ class DecodeGraphs:
     def _eager(self, entry: _Bucket) -> torch.Tensor:
         """The recorded step run eagerly; the transaction learns of the copy once it has run."""
         self.cache.copy_rows_aside(entry.ids.shape[0])
-        self.cache.rows_copied_aside(entry.ids.shape[0])
+        self.cache.open_step.rows_saved(entry.ids.shape[0])
         return self._body(entry)
 
     def _body(self, entry: _Bucket, tables: dict[str, torch.Tensor] | None = None) -> torch.Tensor:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from .blocks import NULL_BLOCK
+
 
 def step_history(cache, state, device, num_rows: int, query_len: int):
     """``(m, slots)`` for a linear-state store that keeps rollback history, else None. The same for every
@@ -62,9 +64,10 @@ def gated_delta_keeping_states(chunk_rule, recurrent_rule, query, key, value, g,
 
 def rollback_floor(cache, row: int) -> int:
     """The shortest length ``row`` can be cropped to on a Qwen4Exp cache (ring history and QSA ring)."""
+    rows = cache.rows
     if cache.num_speculative_tokens == 0:
-        return cache.lengths[row]
-    return max(0, cache._crop_floor[row], cache.lengths[row] - cache.num_speculative_tokens)
+        return rows.lengths[row]
+    return max(0, rows.crop_floor[row], rows.lengths[row] - cache.num_speculative_tokens)
 
 
 def check_linear_rollback(cache, drop: int) -> None:
@@ -89,9 +92,60 @@ def restore_linear_states(cache, new_lengths: list[int]) -> None:
     rows = list(range(cache.num_rows))
     for b in rows:
         # What the ring held before this crop bounds every later crop until the row grows past it.
-        cache._crop_floor[b] = max(cache._crop_floor[b], cache.lengths[b] - cache.num_speculative_tokens)
+        cache.rows.raise_crop_floor(b, cache.lengths[b] - cache.num_speculative_tokens)
     plans: dict = {}  # the index tensors, built once per device for every layer's store
     for layer in cache.layers:
         linear = layer.stores.get("linear")
         if linear is not None:
             linear.restore(rows, new_lengths, plans)
+
+
+def _check_windows(cache, drop: int) -> None:
+    """Raise unless every windowed table still holds what rows ``drop`` tokens shorter read next: windowed
+    tables keep ``num_speculative_tokens`` positions beyond what the next query reads, no more."""
+    for name, table in cache.tables.items():
+        if table.window is None:
+            continue
+        reach = table.window - cache.num_speculative_tokens
+        for b in range(cache.num_rows):
+            new_len = cache.lengths[b] - drop
+            lo = max(0, new_len - reach + 1)
+            needed = table.rows[b][lo // table.block_size: -(-new_len // table.block_size)]
+            if lo < new_len and NULL_BLOCK in needed:
+                raise ValueError(
+                    f"cannot drop {drop} tokens: row {b} needs position {lo} of the {name} window, already "
+                    f"freed (the cache keeps num_speculative_tokens={cache.num_speculative_tokens} extra)"
+                )
+
+
+def crop_rows(cache, drop: int) -> None:
+    """Every row of ``cache`` drops its last ``drop`` (> 0) tokens. Paged stores roll back by shortening (they
+    are addressed by position); Qwen4Exp's per-row states are copied back from their rollback ring. Refused
+    before anything changes if a row is too short or the cache kept too little."""
+    if drop > cache.columns_seen:
+        raise ValueError(f"cannot drop {drop} tokens, the cache holds {cache.columns_seen} columns")
+    for b in range(cache.num_rows):
+        if cache.lengths[b] < drop:
+            raise ValueError(f"row {b} holds {cache.lengths[b]} tokens, cannot drop {drop}")
+    qwen = cache.model_family == "qwen4_exp"
+    if qwen:
+        check_linear_rollback(cache, drop)
+    _check_windows(cache, drop)
+    if qwen:
+        before = cache.rows.snapshot()
+        try:
+            restore_linear_states(cache, [cache.lengths[b] - drop for b in range(cache.num_rows)])
+        except BaseException as error:
+            # Some layers may hold the cropped state already: put every layer back to the current lengths
+            # (the ring holds the state after each row's last position, which the checks above guarantee),
+            # or refuse further steps.
+            try:
+                restore_linear_states(cache, cache.lengths[: cache.num_rows])
+                cache.rows.restore(before)  # the floors before this crop (restoring raises them)
+            except BaseException:
+                cache.mark_unusable(f"a crop failed half way ({type(error).__name__}: {error})")
+            raise
+    cache.rows.shorten(drop)
+    for b in range(cache.num_rows):
+        for table in cache.tables.values():
+            table.truncate(b, cache.lengths[b])

@@ -49,6 +49,6 @@ def sample_points(total: int, dense_until: int, spread: int) -> list[int]:
 def host_state(cache) -> tuple:
     """Everything host-side a later step reads: lengths, rows, columns, crop floors, block tables, pools."""
     return (
-        list(cache.lengths), cache.num_rows, cache.columns_seen, list(cache._crop_floor),
+        list(cache.lengths), cache.num_rows, cache.columns_seen, list(cache.rows.crop_floor),
         {n: ([list(r) for r in t.rows], list(t.base), sorted(t.free)) for n, t in cache.tables.items()},
     )

@@ -188,7 +188,7 @@ def test_fault_anywhere_in_a_step_leaves_the_cache_as_it_was(qwen, ink, family, 
 
 
 def same_but_crop_floor(state, other) -> bool:
-    """Host states equal except for the crop floors (an aborted step raises them: see transaction.py)."""
+    """Host states equal except for the crop floors (an aborted step raises them: see hf_qsa_cache/step.py)."""
     return state[:3] + state[4:] == other[:3] + other[4:]
 
 

@@ -78,7 +78,7 @@ def test_small_chunks_and_copied_metadata_match_upstream(pair, monkeypatch):
 
     ref, ours = pair
     monkeypatch.setattr(qsa, "_CHUNK_ELEMENTS", 64)
-    monkeypatch.setattr(QSAPagedCache, "step_metadata", lambda self, device: self._step.to(device))
+    monkeypatch.setattr(QSAPagedCache, "step_metadata", lambda self, device: self.metadata.current.to(device))
     prompts = random_prompts([29, 7, 18], seed=6)
     ids, mask = left_pad(prompts)
     out = _generate(ours, ids, mask, QSAPagedCache(ours.config, max_batch_size=3, max_cache_len=64, block_size=4))

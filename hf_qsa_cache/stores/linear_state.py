@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import torch
 
+from .base import Store, tensor_bytes
 from ..ops.gated_delta import causal_window, conv_decode_step, conv_prefill, recurrent_step
 
 
-class LinearAttentionState:
-    table = None  # dense per row, not paged
+class LinearAttentionState(Store):
+    """Dense per row (``table`` None): nothing here is paged."""
 
     def __init__(self, max_rows: int, conv_dim: int, conv_kernel: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, ple_channels: int = 0, ple_window: int = 0, ngram_context: int = 0,
@@ -40,13 +41,8 @@ class LinearAttentionState:
         # Copies of the live state, taken before a step writes (`hf_qsa_cache.transaction`).
         self.saved: dict[str, torch.Tensor] = {}
 
-    @property
-    def allocated(self) -> bool:
-        return self.conv is not None
-
-    @property
-    def dtype(self) -> torch.dtype | None:
-        return None if self.conv is None else self.conv.dtype
+    def _marker(self) -> torch.Tensor | None:
+        return self.conv
 
     def allocate(self, device, dtype) -> None:
         live = {"conv": torch.zeros(self.conv_shape, device=device, dtype=dtype),
@@ -184,9 +180,6 @@ class LinearAttentionState:
         """``(live, saved)`` pairs, row-major: the state a step overwrites in place, and its copy."""
         return [(live, self.saved[name]) for name, live in self._live().items()]
 
-    def paged_tensors(self) -> list[torch.Tensor]:
-        return []
-
     def row_tensors(self) -> list[torch.Tensor]:
         rings = [r.view(self.max_rows + 1, self.history, *r.shape[1:]) for r in self.rings.values()]
         return [t for t in (self.conv, self.recurrent, self.ple_conv, self.ngram_ids) if t is not None] + rings
@@ -208,14 +201,11 @@ class LinearAttentionState:
             self.ngram_ids.index_fill_(0, rows, self.eos_token_id)
 
     def nbytes(self) -> dict[str, int]:
-        def size(t):
-            return 0 if t is None else t.numel() * t.element_size()
-
         return {
-            "linear_conv": size(self.conv),
-            "linear_recurrent": size(self.recurrent),
-            "ple_conv": size(self.ple_conv),
-            "ple_ngram": size(self.ngram_ids),
-            "rollback_headroom": sum(size(r) for r in self.rings.values()),
-            "step_undo": sum(size(t) for t in self.saved.values()),
+            "linear_conv": tensor_bytes(self.conv),
+            "linear_recurrent": tensor_bytes(self.recurrent),
+            "ple_conv": tensor_bytes(self.ple_conv),
+            "ple_ngram": tensor_bytes(self.ngram_ids),
+            "rollback_headroom": tensor_bytes(*self.rings.values()),
+            "step_undo": tensor_bytes(*self.saved.values()),
         }

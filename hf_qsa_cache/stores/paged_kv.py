@@ -9,16 +9,10 @@ from __future__ import annotations
 import torch
 
 from ..ops.row_writes import RowWrites
+from .base import Store, grown_pool, tensor_bytes
 
 
-def grown_pool(pool: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """``pool`` (``[blocks, ...]``) with ``num_blocks`` blocks: the held ones copied, the new ones zero."""
-    bigger = pool.new_zeros((num_blocks, *pool.shape[1:]))
-    bigger[: pool.shape[0]] = pool
-    return bigger
-
-
-class PagedKV:
+class PagedKV(Store):
     def __init__(self, table: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
         self.table = table
         self.num_blocks = num_blocks
@@ -28,13 +22,8 @@ class PagedKV:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
-    @property
-    def allocated(self) -> bool:
-        return self.keys is not None
-
-    @property
-    def dtype(self) -> torch.dtype | None:
-        return None if self.keys is None else self.keys.dtype
+    def _marker(self) -> torch.Tensor | None:
+        return self.keys
 
     def allocate(self, device, dtype) -> None:
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -74,15 +63,15 @@ class PagedKV:
     def paged_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.keys, self.values) if t is not None]
 
-    def row_tensors(self) -> list[torch.Tensor]:
-        return []
-
-    def inplace_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return []  # paged by position: a step writes only past its rows' lengths
-
-    def reset(self) -> None:
-        pass  # stale blocks are unreachable once the tables are reset
+    # Paged by position: a step writes only past its rows' lengths (no in-place rows), and stale blocks are
+    # unreachable once the tables are reset (nothing to reset).
 
     def nbytes(self) -> dict[str, int]:
-        size = sum(t.numel() * t.element_size() for t in self.paged_tensors())
-        return {"attention_kv": size}
+        return {"attention_kv": tensor_bytes(self.keys, self.values)}
+
+
+class SlidingKV(PagedKV):
+    """Paged K/V of sliding-window layers (reported apart from the full layers' K/V)."""
+
+    def nbytes(self) -> dict[str, int]:
+        return {"sliding_kv": tensor_bytes(self.keys, self.values)}

@@ -14,16 +14,10 @@ import torch
 
 from ..ops.qsa import paged_rows
 from ..ops.row_writes import RowWrites
-from .paged_kv import grown_pool
+from .base import Store, grown_pool, tensor_bytes
 
 
-def ring_capacity(ratio: int, num_speculative_tokens: int) -> int:
-    """Whole groups covering the open group plus the speculative tokens written before acceptance."""
-    span = ratio + num_speculative_tokens
-    return ratio * -(-span // ratio)
-
-
-class QSAIndexStore:
+class QSAIndexStore(Store):
     def __init__(self, table: str, num_blocks: int, block_size: int, ratio: int, max_rows: int, capacity: int,
                  index_head_dim: int):
         self.table = table
@@ -40,13 +34,8 @@ class QSAIndexStore:
         self.saved_keys: torch.Tensor | None = None
         self.saved_positions: torch.Tensor | None = None
 
-    @property
-    def allocated(self) -> bool:
-        return self.compressed is not None
-
-    @property
-    def dtype(self) -> torch.dtype | None:
-        return None if self.compressed is None else self.compressed.dtype
+    def _marker(self) -> torch.Tensor | None:
+        return self.compressed
 
     def allocate(self, device, dtype) -> None:
         ring_rows = (self.max_rows + 1) * self.capacity
@@ -113,15 +102,11 @@ class QSAIndexStore:
             self.ring_positions.view(self.max_rows + 1, self.capacity, 3),
         ]
 
-    def reset(self) -> None:
-        pass  # ring rows are rewritten before they are read; compressed rows follow the tables
+    # Nothing to reset: ring rows are rewritten before they are read; compressed rows follow the tables.
 
     def nbytes(self) -> dict[str, int]:
-        def size(t):
-            return 0 if t is None else t.numel() * t.element_size()
-
         return {
-            "qsa_ring": size(self.ring_keys) + size(self.ring_positions),
-            "qsa_compressed": size(self.compressed),
-            "step_undo": size(self.saved_keys) + size(self.saved_positions),
+            "qsa_ring": tensor_bytes(self.ring_keys, self.ring_positions),
+            "qsa_compressed": tensor_bytes(self.compressed),
+            "step_undo": tensor_bytes(self.saved_keys, self.saved_positions),
         }

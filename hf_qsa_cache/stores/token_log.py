@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 
 from ..ops.token_log import log_tokens
+from .base import Store, tensor_bytes
 
 
-class TokenLog:
+class TokenLog(Store):
     def __init__(self, max_rows: int, max_len: int):
         self.max_rows = max_rows
         self.max_len = max_len
@@ -27,9 +28,19 @@ class TokenLog:
             self.complete = False
             return
         if self.ids is None:
-            self.ids = torch.zeros(self.max_rows + 1, self.max_len, dtype=torch.int32, device=input_ids.device)
+            self.allocate(input_ids.device)
         device = self.ids.device
         log_tokens(self.ids, position.to(device), token_row.to(device), input_ids.to(device))
+
+    def _marker(self) -> torch.Tensor | None:
+        return self.ids
+
+    def allocate(self, device, dtype: torch.dtype | None = None) -> None:
+        """int32 ids whatever the model's dtype (on the device of the embeddings, at the first write)."""
+        self.ids = torch.zeros(self.max_rows + 1, self.max_len, dtype=torch.int32, device=device)
+
+    def deallocate(self) -> None:
+        self.ids = None
 
     def mismatched_rows(self, input_ids: torch.Tensor, lengths: list[int], columns: int) -> list[int]:
         """Rows whose held tokens are not the real tokens of ``input_ids[:, :columns]`` (left-padded: a
@@ -57,7 +68,7 @@ class TokenLog:
         return [] if self.ids is None else [self.ids]
 
     def nbytes(self) -> dict[str, int]:
-        return {"token_log": 0 if self.ids is None else self.ids.numel() * self.ids.element_size()}
+        return {"token_log": tensor_bytes(self.ids)}
 
     def reset(self) -> None:
         self.complete = True

@@ -1,0 +1,324 @@
+"""One step of a `QSAPagedCache`: its plan, and the transaction that lands it whole or not at all.
+
+A step is planned (`plan_step`: validation, nothing changes), begun (blocks reserved, rows advanced, the
+state it overwrites in place copied aside), and ends with exactly one of `Step.commit` or `Step.abort`.
+A plan is a list of pieces, one ``(row, start, count)`` span of real tokens per row; the steps of
+`generate()` and of the continuous-batching loop are rectangles (rows ``0 .. B-1``, ``L`` columns each,
+left-padded), the shape the step metadata is built for today.
+
+What a step changes, and its one way back:
+
+* the rows' host state (`hf_qsa_cache.rows.Rows`): a snapshot taken before anything changes, put back whole;
+* block tables: each table journals the blocks the step reserves (`BlockTable.begin_step`), and blocks
+  that fall out of a window are only released at commit, so an abort finds every block where it was;
+* paged stores (attention K/V, QSA compressed keys, Inkling conv taps) and the token log: a step writes
+  them only at positions past its rows' old lengths, which nothing reads once the lengths are back;
+* stores overwritten in place (GatedDeltaNet / PLE state and windows, the QSA raw-key ring): the step's
+  rows are copied aside before the first write (one batched copy) and copied back on abort;
+* the speculative rollback rings (Qwen4Exp): not copied. An aborted step may have overwritten entries a
+  crop would read, so after an abort a row cannot be cropped to its current length or below (a crop of
+  rejected drafts after a retried verify step never goes there: the verified token stays).
+
+A cache that held nothing before the step is reset instead (exact and cheaper). If taking the step back
+fails itself, the cache refuses every further step with an error that names ``reset()``; the original
+error is what the caller sees.
+
+A model's forward may run several steps (the chunks of a long prompt): `ForwardScope` makes the whole
+call land or not (`QSAPagedCache.forward_scope`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from .metadata import StepMetadata
+from .padding import host_step_columns
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``count`` real tokens of ``row``, at logical positions ``start .. start + count - 1``."""
+
+    row: int
+    start: int
+    count: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What a step will do: rows ``0 .. len(prev) - 1``, ``query_len`` columns each; row ``b`` holds
+    ``prev[b]`` tokens before the step and takes ``counts[b]`` real ones."""
+
+    query_len: int
+    prev: list[int]
+    counts: list[int]
+
+    @property
+    def rows(self) -> int:
+        return len(self.prev)
+
+    @property
+    def new_lengths(self) -> list[int]:
+        return list(map(operator.add, self.prev, self.counts))
+
+    @property
+    def pieces(self) -> list[Piece]:
+        return [Piece(b, p, c) for b, (p, c) in enumerate(zip(self.prev, self.counts))]
+
+
+# ---------------------------------------------------------------------- planning (nothing changes)
+def row_counts(rows, batch_size: int, query_len: int, attention_mask: torch.Tensor | None) -> list[int]:
+    """Real tokens per row in a forward of ``[batch_size, query_len]`` (the mask's last ``query_len`` columns).
+
+    Within the step a row's pads must come before its real tokens (the models reorder any other mask to
+    that layout first: `hf_qsa_cache.padding`); the columns before the step may hold pads anywhere (a
+    right-padded prompt, then tokens generated after the pads). A row that holds tokens may have pads in
+    a step: its state continues at its real length."""
+    if attention_mask is None:
+        return [query_len] * batch_size
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
+        raise ValueError(
+            f"attention_mask must be 2-D [batch, length] with batch {batch_size}, got {tuple(attention_mask.shape)}"
+        )
+    if attention_mask.shape[1] < query_len:
+        raise ValueError(
+            f"attention_mask covers {attention_mask.shape[1]} columns, fewer than the {query_len} input tokens"
+        )
+    if query_len == 1 and 0 not in rows.lengths[:batch_size]:  # no row starts in this step
+        # generate() appends a 1 for every row at every step; trusting it keeps decode free of host syncs.
+        return [1] * batch_size
+    mask = host_step_columns(attention_mask, query_len).to(torch.int64)  # read once (step_order shares it)
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 and 1")
+    steps = mask[:, 1:] - mask[:, :-1]
+    bad = (steps < 0).any(dim=1).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(
+            f"the step's attention_mask columns are not left-padded: row {bad[0]} has a real token before a "
+            "pad (the models reorder such masks before the step: hf_qsa_cache.padding.step_order)"
+        )
+    return mask.sum(dim=1).tolist()
+
+
+def why_not_fits(cache, new_lengths: list[int], what: str = "this step") -> str | None:
+    """None if rows ``0, 1, ...`` of ``cache`` can grow to ``new_lengths`` (``max_cache_len``, every block
+    pool), else what stands in the way."""
+    if new_lengths and max(new_lengths) > cache.max_cache_len:
+        b, need = next((b, n) for b, n in enumerate(new_lengths) if n > cache.max_cache_len)
+        return f"row {b} needs {need} slots, cache holds max_cache_len={cache.max_cache_len}"
+    for name, table in cache.tables.items():
+        need = table.blocks_needed_rows(new_lengths)
+        if need > len(table.free):
+            return (f"{name} block pool: {what} needs {need} free blocks of {table.block_size} tokens, "
+                    f"{len(table.free)} are free (num_blocks={table.num_blocks})")
+    return None
+
+
+def plan_step(cache, batch_size: int, query_len: int, attention_mask: torch.Tensor | None) -> StepPlan:
+    """Validate a forward of ``[batch_size, query_len]`` tokens on ``cache`` and plan it; changes nothing."""
+    cache.check_usable()
+    rows = cache.rows
+    if query_len < 1 or batch_size < 1:
+        raise ValueError(f"a step needs at least one row and one token, got input of shape [{batch_size}, {query_len}]")
+    if batch_size > cache.max_batch_size:
+        raise ValueError(f"batch of {batch_size} rows exceeds max_batch_size={cache.max_batch_size}")
+    if rows.managed:
+        if batch_size > rows.count:
+            raise ValueError(f"a step over {batch_size} rows, the cache holds {rows.count} (move_rows admits rows)")
+    elif rows.columns > 0 and batch_size != rows.count:
+        raise ValueError(
+            f"the cache holds a batch of {rows.count} rows in flight, got {batch_size}; call reset() first"
+        )
+    plan = StepPlan(query_len, rows.lengths[:batch_size], row_counts(rows, batch_size, query_len, attention_mask))
+    problem = why_not_fits(cache, plan.new_lengths)
+    if problem is not None:
+        raise ValueError(problem)
+    return plan
+
+
+# ---------------------------------------------------------------------- the transaction
+class Step:
+    """One planned step of ``cache``: `begin`, then exactly one of `commit` or `abort`."""
+
+    def __init__(self, cache, plan: StepPlan):
+        self.cache = cache
+        self.plan = plan
+        self.rows_before = cache.rows.snapshot()
+        # Managed rows (continuous batching) are never reset wholesale: the other rows hold live requests.
+        self.started_empty = cache.rows.columns == 0 and not cache.rows.managed
+        self.saved_rows = 0  # rows of in-place state copied aside (0: nothing to copy back)
+
+    @property
+    def prev(self) -> list[int]:
+        return self.plan.prev
+
+    @property
+    def counts(self) -> list[int]:
+        return self.plan.counts
+
+    def begin(self, copy_rows: bool = True, rope_deltas: list[int | None] | None = None) -> None:
+        """Make the step's room: fresh stores for a cache that held nothing, the in-place rows copied aside
+        (``copy_rows=False``: the caller copies them inside a recorded CUDA graph and says so through
+        `rows_saved`), blocks reserved, the rows advanced. On error the caller aborts."""
+        cache, plan = self.cache, self.plan
+        for table in cache.tables.values():
+            table.begin_step(plan.rows)
+        if self.started_empty:
+            cache.reset_stores()  # rows start fresh: zero GDN/PLE state, EOS n-gram context
+        if copy_rows:
+            cache.copy_rows_aside(plan.rows)
+            self.rows_saved(plan.rows)
+        new_lengths = plan.new_lengths
+        for table in cache.tables.values():
+            table.reserve_rows(new_lengths)
+        cache.rows.advance(new_lengths, plan.query_len, rope_deltas)
+
+    def rows_saved(self, rows: int) -> None:
+        """``rows`` rows of in-place state were copied aside: an abort copies them back."""
+        if not self.started_empty:  # an abort resets the cache: nothing to copy back
+            self.saved_rows = rows
+
+    def commit(self) -> None:
+        """The step landed: release blocks that fell out of the windows."""
+        rows = self.cache.rows
+        for table in self.cache.tables.values():
+            table.commit_step(rows.lengths[: rows.count])
+
+    def abort(self) -> None:
+        """Put the cache back as it was before the step (see the module docstring)."""
+        cache = self.cache
+        cache.rows.restore(self.rows_before)
+        for table in cache.tables.values():
+            table.rollback_step()
+        cache.clear_step_metadata()
+        try:
+            if self.started_empty:
+                cache.reset()
+                return
+            if self.saved_rows:
+                cache.copy_rows_back(self.saved_rows)
+        except BaseException as error:  # the original error is the one the caller sees
+            cache.mark_unusable(f"a forward failed and taking it back failed too ({type(error).__name__}: {error})")
+            return
+        if cache.keeps_rollback_history:
+            # The step may have overwritten ring entries a crop would read: no crop to the current length or below.
+            rows = cache.rows
+            for b in range(rows.count):
+                rows.raise_crop_floor(b, rows.lengths[b] + 1)
+
+
+class ForwardScope:
+    """One call of a model's forward (its steps, the LM head, the loss): the steps it runs land only if the
+    whole call returns. A step ends `pending` inside a scope; the next step of the call commits it first
+    (`land_pending`), and the scope commits the last one when the call returns."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.columns_before = cache.rows.columns
+        self.pending: Step | None = None  # the call's last step, not landed yet
+
+    def land_pending(self) -> None:
+        if self.pending is not None:
+            self.pending.commit()
+            self.pending = None
+
+    def failed(self) -> None:
+        """The call raised: take the pending step back; if earlier chunks of the call landed, a cache that was
+        empty before the call is reset, any other refuses further steps until `reset()`."""
+        cache = self.cache
+        if self.pending is not None:
+            self.pending.abort()
+        if cache.rows.columns != self.columns_before:  # earlier steps of this call landed
+            if self.columns_before == 0:
+                cache.reset()
+            else:
+                cache.mark_unusable("a forward failed after some of its chunks landed")
+
+
+# ---------------------------------------------------------------------- what the layers read, and the undo copies
+def canonical_device(device) -> torch.device:
+    """``cuda`` and ``cuda:<current>`` name the same device; key per-device copies by one name."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class MetadataSlot:
+    """The metadata of the step in flight, which every layer reads (copied once per device, for split models)."""
+
+    def __init__(self):
+        self.current: StepMetadata | None = None
+        self._by_device: dict[torch.device, StepMetadata] = {}
+
+    def set(self, meta: StepMetadata, device: torch.device) -> None:
+        self.current = meta
+        self._by_device = {canonical_device(device): meta}
+
+    def clear(self) -> None:
+        self.current = None
+        self._by_device = {}
+
+    def on(self, device: torch.device) -> StepMetadata:
+        if self.current is None:
+            raise RuntimeError("no step in progress: the model must run inside cache.step()")
+        device = canonical_device(device)
+        meta = self._by_device.get(device)
+        if meta is None:
+            meta = self._by_device[device] = self.current.to(device)
+        return meta
+
+    @contextlib.contextmanager
+    def replaying(self, meta: StepMetadata):
+        """Run a layer of the step ``meta`` describes. A no-op inside that step; after it (activation
+        checkpointing recomputes layers during backward) the step's metadata is put back for the layer's run.
+        The recompute writes the values the step wrote, to the same slots."""
+        if self.current is meta:
+            yield
+            return
+        saved = self.current, self._by_device
+        self.current, self._by_device = meta, {}
+        try:
+            yield
+        finally:
+            self.current, self._by_device = saved
+
+
+class UndoCopies:
+    """Views of the first rows of every state a step overwrites in place, and of their copies, one pair of
+    lists per (device, dtype): torch's foreach copy batches a list of one dtype into a few launches and copies
+    a mixed list one tensor at a time. Kept per row count (building ~100 views costs more host time than a
+    graphed decode step can spare); dropped whenever a store is allocated."""
+
+    def __init__(self, layers: list):
+        self._layers = layers  # the cache's `LayerState`s (not the cache: a runner-free cache frees without gc)
+        self._views: dict[int, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
+
+    def clear(self) -> None:
+        self._views.clear()
+
+    def views(self, rows: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        views = self._views.get(rows)
+        if views is None:
+            groups: dict[tuple, tuple[list, list]] = {}
+            for store in (store for layer in self._layers for store in layer.stores.values()):
+                for state, copy in store.inplace_rows():
+                    live, saved = groups.setdefault((state.device, state.dtype), ([], []))
+                    live.append(state[:rows])
+                    saved.append(copy[:rows])
+            views = self._views[rows] = list(groups.values())
+        return views
+
+    def copy_aside(self, rows: int) -> None:
+        with torch.no_grad():  # cached state is never differentiated (and foreach copies refuse int64 under grad)
+            for live, saved in self.views(rows):
+                torch._foreach_copy_(saved, live)
+
+    def copy_back(self, rows: int) -> None:
+        with torch.no_grad():
+            for live, saved in self.views(rows):
+                torch._foreach_copy_(live, saved)
