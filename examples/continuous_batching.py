@@ -2,7 +2,12 @@
 
 A stream of requests of mixed lengths runs through `model.generate_batch` (one background loop: rows
 that finish give their blocks back, new requests start at once, prompts are prefilled in chunks between
-decode steps). Prints throughput, and checks a few requests against `generate()` on the prompt alone.
+decode steps). Prints throughput, then checks every request against our `generate()` on its prompt alone:
+one OK line, or the first differing token of each request and exit status 1.
+
+Not against transformers' own class: at this small config (4 index heads) a prompt can hold index scores of
+exactly zero that tie at the QSA top-k boundary, and transformers and this package keep different groups
+there (request 14 of the default 24 does), so tokens can part after a while without either being wrong.
 
     python examples/continuous_batching.py [--requests 24] [--device cuda] [--dtype bfloat16]
 """
@@ -15,17 +20,24 @@ import time
 import torch
 from generate_qwen4_exp import small_config
 from transformers import ContinuousBatchingConfig, GenerationConfig
+from verdict import compare, greedy
 
 from modeling import Qwen4ExpForCausalLM
 
 
-def main():
+def alone(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Our greedy tokens for each prompt alone (a plain `generate()` of one unpadded row)."""
+    device = next(model.parameters()).device
+    return [greedy(model, new_tokens, torch.tensor([p], device=device)) for p in prompts]
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--rows", type=int, default=8, help="requests in flight (max_requests_per_batch)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     torch.manual_seed(0)
     model = Qwen4ExpForCausalLM(small_config()).to(args.device, getattr(torch, args.dtype)).eval()
@@ -44,12 +56,9 @@ def main():
     print(f"{len(results)} requests, {tokens} new tokens in {elapsed:.2f} s: {tokens / elapsed:.1f} tokens/s "
           f"({args.rows} in flight)")
 
-    same = True
-    for i in (0, len(prompts) // 2, len(prompts) - 1):
-        prompt = torch.tensor([prompts[i]], device=args.device)
-        alone = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=generation_config)
-        same &= results[f"req_{i}"].generated_tokens == alone[0, prompt.shape[1]:].tolist()
-    print(f"requests equal generate() on their prompt alone: {same}")
+    got = [results[f"req_{i}"].generated_tokens if f"req_{i}" in results else [] for i in range(len(prompts))]
+    compare("continuous batching", got, alone(model, prompts, generation_config.max_new_tokens),
+            "our generate() on each prompt alone")
 
 
 if __name__ == "__main__":

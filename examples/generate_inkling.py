@@ -1,6 +1,8 @@
 """Greedy generation with a small random Inkling on a paged `QSAPagedCache`.
 
-A ragged, left-padded batch; prints the generated ids, tokens/s and the cache's memory stats.
+A ragged, left-padded batch; prints the generated ids, tokens/s and the cache's memory stats, then checks every
+row against transformers' own `InklingForCausalLM` holding the same weights, on that row alone, unpadded, fp32 on
+the CPU. Prints one OK line, or the first differing token of each row and exits with status 1.
 
     python examples/generate_inkling.py [--device cuda] [--new-tokens 32]
 """
@@ -12,10 +14,12 @@ import json
 import time
 
 import torch
+import transformers
 from transformers import InklingTextConfig
 
 from hf_qsa_cache import QSAPagedCache
 from modeling import InklingForCausalLM
+from verdict import compare, greedy, transformers_twin, unpadded
 
 
 def small_config() -> InklingTextConfig:
@@ -31,11 +35,11 @@ def small_config() -> InklingTextConfig:
     )
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--new-tokens", type=int, default=32)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     torch.manual_seed(0)
     config = small_config()
@@ -66,6 +70,11 @@ def main() -> None:
     print(f"{generated.numel() / seconds:.1f} tokens/s ({generated.numel()} tokens in {seconds:.2f} s, "
           f"prefill included)")
     print(json.dumps(cache.memory_stats(), indent=2))
+
+    twin = transformers_twin(model, transformers.InklingForCausalLM)
+    want = [greedy(twin, args.new_tokens, row) for row in unpadded(input_ids, attention_mask)]
+    compare("inkling", generated.tolist(), want,
+            "transformers' InklingForCausalLM (same weights, fp32, CPU) on each row alone, unpadded")
 
 
 if __name__ == "__main__":

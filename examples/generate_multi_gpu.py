@@ -2,7 +2,7 @@
 
 (a) One model split across all visible GPUs with an accelerate device map; each layer's cache
     stores live on that layer's GPU, and greedy tokens are checked against a one-GPU run
-    (with no GPU there is nothing to split or compare, and it says so):
+    (with fewer than two GPUs there is nothing to split: it says so and exits 0):
 
         python examples/generate_multi_gpu.py split [--model inkling]
 
@@ -19,6 +19,8 @@
 
         torchrun --nproc_per_node 2 examples/generate_multi_gpu.py tp [--model inkling]
         torchrun --nproc_per_node 2 examples/generate_multi_gpu.py tp+ep
+
+Each mode prints one OK line on rank 0, or the first differing token of each row and exits with status 1.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import argparse
 import copy
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -37,6 +38,7 @@ from accelerate import dispatch_model, infer_auto_device_map
 from accelerate.utils import get_balanced_memory
 
 from hf_qsa_cache import QSAPagedCache
+from verdict import compare
 
 
 def build(model_name: str):
@@ -72,41 +74,32 @@ def generate(model, batch: list[list[int]], new_tokens: int, device) -> list[lis
 
 
 def split(args) -> None:
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        print(f"SKIP: split needs at least 2 CUDA devices to split the model over, found {gpus}")
+        return
     model = build(args.model)
     batch = prompts(args.prompts, model.config.vocab_size)
-    gpus = torch.cuda.device_count()
-    if gpus == 0:
-        device_map = {"": "cpu"}
-        first = "cpu"
-    else:
-        max_memory = get_balanced_memory(model, no_split_module_classes=model._no_split_modules,
-                                         max_memory={i: "60GiB" for i in range(gpus)})
-        device_map = infer_auto_device_map(model, max_memory=max_memory,
-                                           no_split_module_classes=model._no_split_modules)
-        first = 0
-    reference = None
-    if gpus:
-        single = copy.deepcopy(model).to("cuda:0")
-        reference = generate(single, batch, args.new_tokens, "cuda:0")
-        del single
-        torch.cuda.empty_cache()
-        for i in range(gpus):
-            torch.cuda.reset_peak_memory_stats(i)
+    max_memory = get_balanced_memory(model, no_split_module_classes=model._no_split_modules,
+                                     max_memory={i: "60GiB" for i in range(gpus)})
+    device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=model._no_split_modules)
+    single = copy.deepcopy(model).to("cuda:0")
+    reference = generate(single, batch, args.new_tokens, "cuda:0")
+    del single
+    torch.cuda.empty_cache()
+    for i in range(gpus):
+        torch.cuda.reset_peak_memory_stats(i)
     dispatch_model(model, device_map=device_map)
     start = time.perf_counter()
-    tokens = generate(model, batch, args.new_tokens, first)
+    tokens = generate(model, batch, args.new_tokens, 0)
     elapsed = time.perf_counter() - start
     print(f"devices used: {sorted(set(str(d) for d in device_map.values()))}")
     print(f"{len(batch) * args.new_tokens / elapsed:.1f} tokens/s")
     for i in range(gpus):
         print(f"  cuda:{i} peak memory {torch.cuda.max_memory_allocated(i) / 2**20:.1f} MiB")
-    if reference is None:
-        print("no GPU visible: ran on the CPU, one device, nothing to compare against")
-    else:
-        note = " (one GPU visible: nothing was split)" if gpus == 1 else ""
-        print(f"tokens identical to a one-GPU run: {tokens == reference}{note}")
     for i, row in enumerate(tokens[:4]):
         print(f"row {i}: {row}")
+    compare(f"{args.model} split over {gpus} GPUs", tokens, reference, "the same model on one GPU (cuda:0)")
 
 
 def data_parallel(args) -> None:
@@ -139,7 +132,6 @@ def data_parallel(args) -> None:
         dist.barrier()
         dist.destroy_process_group()
 
-    same = True
     if rank == 0:
         ordered = [row for _, row in sorted(item for part in gathered for item in part)]
         setup = f"backend {backend}, {world} processes" if world > 1 else "one plain process (no launcher)"
@@ -148,16 +140,14 @@ def data_parallel(args) -> None:
             print(f"  rank {r} took {len(part)} prompt(s): {[i for i, _ in part]}")
         print(f"{len(batch) * args.new_tokens / elapsed:.1f} tokens/s")
         reference = generate(model, batch, args.new_tokens, device)  # all prompts, this process alone
-        same = ordered == reference
-        print(f"tokens identical to a one-process run: {same}")
         for i, row in enumerate(ordered[:4]):
             print(f"row {i}: {row}")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"backend": backend, "world_size": world, "ranks": [[i for i, _ in part] for part in gathered],
                            "tokens": ordered, "reference": reference}, f)
-    if not same:
-        sys.exit(1)
+        compare(f"data parallel over {world} process(es)", ordered, reference,
+                "one process generating every prompt in one batch")
 
 
 def tensor_parallel(args) -> None:
@@ -180,26 +170,24 @@ def tensor_parallel(args) -> None:
         # or a rank that exits first can abort the group under its peer.
         dist.barrier()
         dist.destroy_process_group()
-    same = True
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"{args.mode} over {world} process(es) on {device.type}: {len(batch) * args.new_tokens / elapsed:.1f} tokens/s")
         if experts is not None:
             local = experts.to_local().shape if hasattr(experts, "to_local") else experts.shape
             print(f"experts' gate/up weights on this rank: {tuple(local)} of {tuple(experts.shape)}")
-        same = tokens == generate(reference.to(device), batch, args.new_tokens, device)
-        print(f"tokens identical to a one-process run: {same}")
-    if not same:
-        sys.exit(1)
+        compare(f"{args.model} {args.mode} over {world} process(es)", tokens,
+                generate(reference.to(device), batch, args.new_tokens, device),
+                "the same weights in one process")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["split", "data-parallel", "tp", "tp+ep"])
     parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--out", default=None, help="data-parallel: rank 0 writes the tokens here as JSON")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     {"split": split, "data-parallel": data_parallel}.get(args.mode, tensor_parallel)(args)
 
 

@@ -1,4 +1,9 @@
-"""Generate with a small random Qwen4Exp on QSAPagedCache (no downloads).
+"""Generate with a small random Qwen4Exp on QSAPagedCache (no downloads), and check the tokens.
+
+A ragged, left-padded batch; prints the generated ids, tokens/s and the cache's memory stats. Then every row is
+checked: in fp32, against transformers' own `Qwen4ExpForCausalLM` holding the same weights, on that row alone,
+unpadded, on the CPU; in another dtype (no exact reference there), against our `generate()` on that row alone.
+Prints one OK line, or the first differing token of each row and exits with status 1.
 
     python examples/generate_qwen4_exp.py [--device cuda] [--dtype bfloat16]
 """
@@ -9,10 +14,12 @@ import argparse
 import time
 
 import torch
+import transformers
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
 
 from hf_qsa_cache import QSAPagedCache
 from modeling import Qwen4ExpForCausalLM
+from verdict import compare, greedy, transformers_twin, unpadded
 
 
 def small_config() -> Qwen4ExpTextConfig:
@@ -31,12 +38,12 @@ def small_config() -> Qwen4ExpTextConfig:
     )
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--new-tokens", type=int, default=24)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
 
     torch.manual_seed(0)
@@ -65,6 +72,16 @@ def main():
         print(f"  {name:18s} {size / 1024:9.1f} KiB")
     for name, table in stats["tables"].items():
         print(f"  table {name}: {table}")
+
+    rows = unpadded(input_ids, attention_mask)
+    if dtype == torch.float32:
+        reference = "transformers' Qwen4ExpForCausalLM (same weights, fp32, CPU) on each row alone, unpadded"
+        twin = transformers_twin(model, transformers.Qwen4ExpForCausalLM)
+        want = [greedy(twin, args.new_tokens, row) for row in rows]
+    else:
+        reference = f"our generate() on each row alone, unpadded ({args.dtype})"
+        want = [greedy(model, args.new_tokens, row) for row in rows]
+    compare("qwen4_exp", new.tolist(), want, reference)
 
 
 if __name__ == "__main__":
