@@ -535,7 +535,7 @@ def main():
             if result.get("prefill_s"):
                 result["prefill_peak_share"] = flops / result["prefill_s"] / H200_BF16_PEAK
             del cache
-            if graphs and "status" not in result and triton_common.FUSED_PDL and result.get("prefill_s", 99) < 2:
+            if graphs and "status" not in result and fusions.enabled("pdl") and result.get("prefill_s", 99) < 2:
                 result["graph_top_kernels_without_pdl"] = kernels_without_pdl(ours, config, ids, mask)
             rows.append({**common, "impl": "paged", "graphs": graphs, "loop": loop, **result, "floor_ms": floor_ms,
                          "floor_lookup_rows": True})

@@ -73,7 +73,10 @@ def main():
         torch.set_num_threads(args.threads)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    inkling_attention.USE_TRITON = args.ops == "triton"
+    if args.ops == "torch":  # the attention's torch specification on CUDA too, in place of the dispatch's kernel
+        from modeling import modeling_inkling
+
+        modeling_inkling.paged_rel_attention = inkling_attention.paged_rel_attention_torch
     from qwen4_helpers import left_pad
 
     dev, F = args.device, args.forced

@@ -34,7 +34,7 @@ from hf_qsa_cache.ops import experts_triton, gated_delta_triton, hyper_connectio
 from hf_qsa_cache.ops import inkling_router_triton, norm_rope_triton, qsa_triton, rms_norm_triton  # noqa: E402
 from hf_qsa_cache.ops import linears, linears_triton, prompt_experts_triton, router_triton  # noqa: E402
 from hf_qsa_cache.ops import conv_norm, conv_norm_triton, ple, ple_triton, top_set_triton  # noqa: E402
-from hf_qsa_cache.ops import row_writes, row_writes_triton  # noqa: E402
+from hf_qsa_cache.ops import row_writes, row_writes_triton, top_set  # noqa: E402
 from hf_qsa_cache import fusions  # noqa: E402
 from hf_qsa_cache.ops.sconv import ConvTaps  # noqa: E402
 
@@ -102,12 +102,6 @@ def cases(device, dtype, tokens: int, small: bool):
     # What ``hc`` runs without ``hc_proj`` (GEMMs around two kernels): its time beside the line above.
     yield ("mix_with_linears (for its time)",
            lambda: hyper_connection.mix_with_linears(normed, down, up_w, inject_w, hc), spec, 0.05)
-    # ``hc_norm_proj``: the residual and the norm inside those two launches (against `hc_norm` + the line above).
-    yield ("norm_mix_projections (+ residual)",
-           lambda: hyper_connection_triton.norm_mix_projections_triton(streams, weight, 1e-6, (out, inject), down,
-                                                                       up_w, inject_w, hc),
-           lambda: _cpu(hyper_connection.norm_mix_projections, streams, weight, 1e-6, (out, inject), down, up_w,
-                        inject_w, hc), 0.02)
     b, a = rand(1, tokens, Hv, scale=3), rand(1, tokens, Hv, scale=3)
     A_log, dt_bias = rand(Hv), rand(Hv)
     valid = torch.ones(1, tokens, dtype=torch.bool, device=device)
@@ -227,16 +221,12 @@ def cases(device, dtype, tokens: int, small: bool):
     scores[:, ::5] = float("-inf")
     pick = 10 if small else 512
     yield ("top_set", lambda: top_set_triton.top_set_triton(scores, pick),
-           lambda: _cpu(lambda s: qsa.top_groups(s, pick).sort(dim=-1).values, scores), 0)
-    yield ("top_groups on device", lambda: qsa.top_groups(scores, pick).sort(dim=-1).values,
-           lambda: _cpu(lambda s: qsa.top_groups(s, pick).sort(dim=-1).values, scores), 0)
+           lambda: _cpu(lambda s: top_set.top_groups(s, pick).sort(dim=-1).values, scores), 0)
+    yield ("top_groups on device", lambda: top_set.top_groups(scores, pick).sort(dim=-1).values,
+           lambda: _cpu(lambda s: top_set.top_groups(s, pick).sort(dim=-1).values, scores), 0)
     long_scores = torch.relu(rand(tokens, 50 if small else 4400, dt=torch.float32))  # a 17600-token reach
     yield ("top_set 4400 groups", lambda: top_set_triton.top_set_triton(long_scores, pick),
-           lambda: _cpu(lambda s: qsa.top_groups(s, pick).sort(dim=-1).values, long_scores), 0)
-    # The radix search (4 rounds of 8-bit histograms, off by default) beside the bisection of the two lines above.
-    for label, rows in (("top_set radix", scores), ("top_set radix 4400 groups", long_scores)):
-        yield (label, lambda rows=rows: top_set_triton.top_set_triton(rows, pick, search="radix"),
-               lambda rows=rows: _cpu(lambda s: qsa.top_groups(s, pick).sort(dim=-1).values, rows), 0)
+           lambda: _cpu(lambda s: top_set.top_groups(s, pick).sort(dim=-1).values, long_scores), 0)
     # A graph step of 32 tokens' (token, expert) pairs grouped by expert ("torch on device": the path it replaces).
     pair_ids = torch.randint(0, E, (5 * k if small else 32 * k,), generator=g).to(device)
     yield ("pair_order", lambda: prompt_experts_triton.pair_order_triton(pair_ids, E),

@@ -36,6 +36,7 @@ import torch  # noqa: E402
 from hf_qsa_cache.blocks import BlockTable  # noqa: E402
 from hf_qsa_cache.metadata import build_step_metadata_torch  # noqa: E402
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention_torch  # noqa: E402
+from hf_qsa_cache import fusions  # noqa: E402
 from hf_qsa_cache.ops import inkling_attention, inkling_attention_triton  # noqa: E402
 from hf_qsa_cache.ops.inkling_attention_triton import paged_rel_attention_triton  # noqa: E402
 
@@ -133,15 +134,16 @@ def check(name: str, layer: str, rows, dtype, device) -> bool:
     iters = 1 if TINY else (3 if L > 1 else 20)
     label = f"{name:24s} {layer:7s} {str(dtype).removeprefix('torch.'):8s}"
     have_args = {**args, "key_store": args["key_store"].clone(), "value_store": args["value_store"].clone()}
-    have = paged_rel_attention_triton(**have_args)
-    t_kernel = time_ms(lambda: paged_rel_attention_triton(**have_args), iters if TINY else 50)
+    have = paged_rel_attention_triton(**have_args, bias_in_kernel=fusions.enabled("rel_bias"))
+    t_kernel = time_ms(lambda: paged_rel_attention_triton(**have_args, bias_in_kernel=fusions.enabled("rel_bias")),
+                       iters if TINY else 50)
     extra = ""
     if L == 1 and not TINY:
         t_one = time_ms(lambda: paged_rel_attention_triton(**have_args, num_splits=1), 20)
         extra = f"  (one split {t_one:.3f} ms)"
     if L == 1:  # the other way of computing the bias (the rel_bias fusion on or off), checked below too
         other_args = {**args, "key_store": args["key_store"].clone(), "value_store": args["value_store"].clone()}
-        in_kernel = not inkling_attention.FUSED_REL_BIAS
+        in_kernel = not fusions.enabled("rel_bias")
         other = paged_rel_attention_triton(**other_args, bias_in_kernel=in_kernel)
         if not TINY:
             t_other = time_ms(lambda: paged_rel_attention_triton(**other_args, bias_in_kernel=in_kernel), 50)

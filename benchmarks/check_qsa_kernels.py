@@ -22,9 +22,8 @@ import sys
 import torch
 import triton.testing
 
-from hf_qsa_cache.ops import qsa, qsa_triton
+from hf_qsa_cache.ops import qsa, qsa_triton, top_set
 
-qsa.USE_TRITON = False  # the module functions below must run the torch reference
 
 BLOCK_SIZE = 64
 RATIO = 4
@@ -65,7 +64,7 @@ def _attention_args(n: int, dtype, g: torch.Generator, device) -> tuple:
 def check_attention(n: int, dtype, g: torch.Generator, device) -> bool:
     args = _attention_args(n, dtype, g, device)
     num_kv, width = args[1].shape[2], args[5].shape[1]
-    want = qsa.sparse_paged_attention(*args)
+    want = qsa.sparse_paged_attention_torch(*args)
     have = qsa_triton.sparse_paged_attention_triton(*args)
     err = (have.float() - want.float()).abs().max().item()
     atol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -78,7 +77,7 @@ def check_attention(n: int, dtype, g: torch.Generator, device) -> bool:
         ok = ok and err <= atol
         t_one = _bench(lambda: qsa_triton.sparse_paged_attention_triton(*args, num_splits=1))
         extra = f" (1 split: {t_one:9.1f}us)"
-    t_ref = _bench(lambda: qsa.sparse_paged_attention(*args))
+    t_ref = _bench(lambda: qsa.sparse_paged_attention_torch(*args))
     t_tri = _bench(lambda: qsa_triton.sparse_paged_attention_triton(*args))
     print(f"attention N={n:5d} {dtype!s:14s} splits={splits:2d} max_err={err:.2e} torch={t_ref:9.1f}us "
           f"triton={t_tri:9.1f}us{extra} speedup={t_ref / t_tri:6.2f}x {'ok' if ok else 'MISMATCH'}")
@@ -189,7 +188,7 @@ def check_top_groups(n: int, groups: int, g: torch.Generator, device, k: int = 5
     scores = torch.randn(n, groups, generator=g).relu_().to(device)
     visible = groups - n // 4 + torch.arange(n, device=device) // 4
     scores.masked_fill_(torch.arange(groups, device=device)[None, :] >= visible[:, None], float("-inf"))
-    want = qsa.top_groups_packed(scores, k)
+    want = top_set.top_groups_packed(scores, k)
     ok = True
     times = []
     for name in ("top_groups_packed", "top_groups_by_value", "top_groups_two_level"):
@@ -344,12 +343,11 @@ def check_selection(n: int, groups: int, g: torch.Generator, device, k: int = 51
     meta = build_step_metadata_torch(prev, count, n, {"main": table}, {"main": BLOCK_SIZE},
                                      QSAGeometry(RATIO, RATIO), prev.tolist(), count.tolist())
     args = (q_index, compressed, meta, "main", BLOCK_SIZE, RATIO, k)
-    saved = qsa.USE_TRITON, qsa.FUSED_SELECT_MIN_GROUPS, qsa.TOPK_TILE, qsa_triton.SCORES_GROUPS_MAJOR
-    qsa.USE_TRITON = True
+    saved = qsa.SELECT_BY_TILES_MIN_GROUPS, top_set.TOPK_TILE, qsa_triton.SCORES_GROUPS_MAJOR
     try:
         def run(by_tiles: bool, tile: int, groups_major: bool) -> torch.Tensor:
-            qsa.FUSED_SELECT_MIN_GROUPS = 0 if by_tiles else 1 << 40
-            qsa.TOPK_TILE, qsa_triton.SCORES_GROUPS_MAJOR = tile, groups_major
+            qsa.SELECT_BY_TILES_MIN_GROUPS = 0 if by_tiles else 1 << 40
+            top_set.TOPK_TILE, qsa_triton.SCORES_GROUPS_MAJOR = tile, groups_major
             return qsa.score_and_select(*args)
 
         want = run(False, 16, False)
@@ -379,7 +377,7 @@ def check_selection(n: int, groups: int, g: torch.Generator, device, k: int = 51
                             f"{f' ({len(rows)} near-ties)' if rows else ''}{' MISMATCH' if bad else ''}")
         print(f"selection N={n:5d} G={groups:6d} k={k} " + " ".join(line) + f" {'ok' if ok else 'MISMATCH'}")
     finally:
-        qsa.USE_TRITON, qsa.FUSED_SELECT_MIN_GROUPS, qsa.TOPK_TILE, qsa_triton.SCORES_GROUPS_MAJOR = saved
+        qsa.SELECT_BY_TILES_MIN_GROUPS, top_set.TOPK_TILE, qsa_triton.SCORES_GROUPS_MAJOR = saved
     return ok
 
 

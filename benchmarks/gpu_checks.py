@@ -181,10 +181,10 @@ def check_long_rows():
         ok &= check_rows("qwen4_exp long rows", upstream, gpu, q.random_prompts([61, 9, 37], seed=5), block_size=4)
         # The long-context selection (tile maxima, then the best tiles' groups scored again), forced on from a
         # few groups with tiles of 2: budget 8 (4 groups) takes it from 16 groups, i.e. 32 positions.
-        from hf_qsa_cache.ops import qsa
+        from hf_qsa_cache.ops import qsa, top_set
 
-        saved_select = qsa.FUSED_SELECT_MIN_GROUPS, qsa.TOPK_TILE
-        qsa.FUSED_SELECT_MIN_GROUPS, qsa.TOPK_TILE = 0, 2
+        saved_select = qsa.SELECT_BY_TILES_MIN_GROUPS, top_set.TOPK_TILE
+        qsa.SELECT_BY_TILES_MIN_GROUPS, top_set.TOPK_TILE = 0, 2
         try:
             upstream, ours = q.make_pair(q.tiny_config(), seed=8)
             gpu = copy.deepcopy(ours).cuda()
@@ -192,7 +192,7 @@ def check_long_rows():
             ok &= check_rows("qwen4_exp long rows, selection from tile maxima", upstream, gpu,
                              q.random_prompts([61, 9, 37], seed=9), block_size=4)
         finally:
-            qsa.FUSED_SELECT_MIN_GROUPS, qsa.TOPK_TILE = saved_select
+            qsa.SELECT_BY_TILES_MIN_GROUPS, top_set.TOPK_TILE = saved_select
         upstream, ours = ink.make_pair(ink.make_config(), seed=6)
         gpu = copy.deepcopy(ours).cuda()
         gpu.prefill_chunk_tokens = 40

@@ -12,6 +12,7 @@ from qwen4_helpers import make_pair, random_prompts
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import bench_generate  # noqa: E402
 
+from hf_qsa_cache import fusions
 from hf_qsa_cache import QSAPagedCache  # noqa: E402
 
 
@@ -88,16 +89,16 @@ def test_the_kernel_list_without_pdl_comes_from_a_step_captured_without_it(monke
     seen = {}
 
     def run(model, ids, mask, new_tokens, cache):
-        seen.update(run_pdl=triton_common.FUSED_PDL, new_tokens=new_tokens, room=cache.max_cache_len - ids.shape[1])
+        seen.update(run_pdl=fusions.enabled("pdl"), new_tokens=new_tokens, room=cache.max_cache_len - ids.shape[1])
 
     def stats(model, cache):
-        seen["stats_pdl"] = triton_common.FUSED_PDL
+        seen["stats_pdl"] = fusions.enabled("pdl")
         return {"graph_top_kernels": [["_linears_kernel", 1, 2.0]]}
 
-    monkeypatch.setattr(triton_common, "FUSED_PDL", True)
+    monkeypatch.setitem(fusions.STATE, "pdl", True)
     monkeypatch.setattr(bench_generate, "run", run)
     monkeypatch.setattr(bench_generate, "graphed_step_stats", stats)
     listed = bench_generate.kernels_without_pdl(model, model.config, ids, torch.ones_like(ids))
     assert listed == [["_linears_kernel", 1, 2.0]]
     assert seen == {"run_pdl": False, "new_tokens": 1, "room": 16, "stats_pdl": False}
-    assert triton_common.FUSED_PDL
+    assert fusions.enabled("pdl")

@@ -24,6 +24,7 @@ import torch
 from qwen4_helpers import left_pad, make_pair, random_prompts
 from transformers.integrations import moe
 
+from hf_qsa_cache import fusions
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache import cuda_graphs
 from hf_qsa_cache.cuda_graphs import (
@@ -161,12 +162,10 @@ def test_grouped_mm_captures_only_where_torch_has_its_kernel(monkeypatch):
 
 
 def test_graph_experts_choice(monkeypatch):
-    from hf_qsa_cache import cuda_graphs
+    from hf_qsa_cache.ops import experts as experts_ops
 
-    from hf_qsa_cache.ops import prompt_experts
-
-    monkeypatch.setattr(cuda_graphs, "FUSED_EXPERTS", False)  # the choice without the fused experts
-    monkeypatch.setattr(prompt_experts, "FUSED_TILED_EXPERTS", False)  # nor the tiled ones (on by default)
+    monkeypatch.setitem(fusions.STATE, "experts", False)  # the choice without the fused experts
+    monkeypatch.setitem(fusions.STATE, "tiled_experts", False)  # nor the tiled ones (on by default)
     _, model = make_pair(seed=7)
     experts = experts_modules(model)
     assert len(experts) == 4 and model.config._experts_implementation == "grouped_mm"
@@ -182,7 +181,7 @@ def test_graph_experts_choice(monkeypatch):
     gate_up = experts[0][0].gate_up_proj
     pair = gate_up[0].numel() * 4  # fp32 bytes of one expert's largest matrix, per token and routed expert
     top_k = model.config.num_experts_per_tok
-    monkeypatch.setattr(cuda_graphs, "BATCHED_EXPERTS_MAX_BYTES", 8 * top_k * pair)
+    monkeypatch.setattr(experts_ops, "BATCHED_EXPERTS_MAX_BYTES", 8 * top_k * pair)
     assert graph_experts(model, experts, cuda, 8) == "batched_mm" and graph_experts(model, experts, cuda, 9) is None
     # generate()'s decode steps on a GPU run batched_mm (transformers' `_optimize_model_for_decode`): graph
     # steps run grouped_mm instead where it captures, else batched_mm within the bound.
@@ -193,11 +192,11 @@ def test_graph_experts_choice(monkeypatch):
     assert graph_experts(model, experts, cuda, 1) == graph_experts(model, experts, cuda, 9) == "grouped_mm"
     model.to(torch.float32)
     # With the tiled experts, whose kernels capture in any dtype: grouped_mm up to their pairs' bound.
-    monkeypatch.setattr(prompt_experts, "FUSED_TILED_EXPERTS", True)
-    monkeypatch.setattr(prompt_experts, "TILED_EXPERTS_MAX_PAIRS", 8 * top_k)
+    monkeypatch.setitem(fusions.STATE, "tiled_experts", True)
+    monkeypatch.setattr(experts_ops, "TILED_EXPERTS_MAX_PAIRS", 8 * top_k)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert graph_experts(model, experts, cuda, 8) == "grouped_mm" and graph_experts(model, experts, cuda, 9) is None
-    monkeypatch.setattr(prompt_experts, "FUSED_TILED_EXPERTS", False)
+    monkeypatch.setitem(fusions.STATE, "tiled_experts", False)
     # An implementation the user chose is kept.
     model.set_experts_implementation("eager")
     assert graph_experts(model, experts, cuda, 1) is None
@@ -213,7 +212,7 @@ def test_graph_steps_run_batched_mm_and_restore_the_models_experts(family, monke
         model = _ink_model()
         ids, mask = inkling.left_pad(inkling.make_prompts([11, 4, 8], seed=10))
     # The prompt runs the model's own experts function (not our prompt path, which would run in its place).
-    monkeypatch.setattr(prompt_experts, "FUSED_PROMPT_EXPERTS", False)
+    monkeypatch.setitem(fusions.STATE, "prompt_experts", False)
     calls = []
     for name in ("batched_mm", "grouped_mm"):
         run = moe.ALL_EXPERTS_FUNCTIONS[name]

@@ -12,6 +12,7 @@ from interpreter import count_launches, run_under_interpreter
 from test_inkling_sconv import _case as sconv_case, _dense_reference
 from transformers.models.inkling.modeling_inkling import InklingRMSNorm
 
+from hf_qsa_cache import fusions
 from hf_qsa_cache.ops import conv_norm
 from hf_qsa_cache.ops.sconv import ConvTaps
 
@@ -94,12 +95,12 @@ def test_generate_with_the_fusion_equals_the_default(monkeypatch):
     _, model = inkling.make_pair(inkling.make_config(), seed=4)
     ids, mask = inkling.left_pad(inkling.make_prompts([15, 6, 11], seed=5))
     for function in ("attention_inputs_torch", "conv_add_rms_norm_torch"):
-        assert_fused_generate_equals_default(monkeypatch, model, ids, mask, conv_norm, "FUSED_CONV_NORM", function,
+        assert_fused_generate_equals_default(monkeypatch, model, ids, mask, conv_norm, "conv_norm", function,
                                              atol=1e-5)
 
 
 def test_fuses_only_steps_of_few_tokens_without_hooks_or_autograd(monkeypatch):
-    monkeypatch.setattr(conv_norm, "FUSED_CONV_NORM", True)
+    monkeypatch.setitem(fusions.STATE, "conv_norm", True)
     norm = _norm(8, torch.float32, 0)
     x = torch.randn(1, conv_norm.MAX_FUSED_TOKENS, 8)
     with torch.no_grad():
@@ -109,7 +110,7 @@ def test_fuses_only_steps_of_few_tokens_without_hooks_or_autograd(monkeypatch):
         assert not conv_norm.fuses_conv_norm(x, norm)
         handle.remove()
     assert not conv_norm.fuses_conv_norm(x, norm)  # autograd records the norm's weight
-    monkeypatch.setattr(conv_norm, "FUSED_CONV_NORM", False)
+    monkeypatch.setitem(fusions.STATE, "conv_norm", False)
     with torch.no_grad():
         assert not conv_norm.fuses_conv_norm(x, norm)
 
@@ -184,7 +185,7 @@ def _main() -> int:
         return 1
     import test_inkling as inkling
 
-    conv_norm._use_triton = lambda x: True  # the CUDA dispatch, on CPU tensors
+    conv_norm.use_triton = lambda *x: True  # the CUDA dispatch, on CPU tensors
     model = inkling.make_pair(inkling.make_config(), seed=3)[1]
     error = fused_generate_mismatch(model, *inkling.left_pad(inkling.make_prompts([5, 2], seed=4)), "conv_norm",
                                     launches, atol=1e-4)

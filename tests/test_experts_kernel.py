@@ -24,6 +24,7 @@ from transformers.integrations import moe
 from transformers.models.inkling.modeling_inkling import InklingExperts
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextExperts
 
+from hf_qsa_cache import fusions
 from hf_qsa_cache import cuda_graphs
 from hf_qsa_cache.cuda_graphs import capture_key, experts_modules, graph_experts
 from hf_qsa_cache.ops import experts as selected
@@ -284,7 +285,7 @@ def _main() -> int:
     launches: list = []
     count_launches(experts_triton, "_gate_up_kernel", launches)
     count_launches(experts_triton, "_down_kernel", launches)
-    selected._use_triton = lambda x: True  # the CUDA dispatch, on CPU tensors
+    selected.use_triton = lambda *x: True  # the CUDA dispatch, on CPU tensors
     error = _kernel_cases(experts_triton, launches) or _shared_cases(experts_triton, launches)
     if error:
         print(error)
@@ -377,7 +378,7 @@ def test_experts_it_does_not_cover_run_batched_mm(monkeypatch):
     assert selected.supports(base) and selected.supports(transposed(base))
     assert selected.supports(experts_module("inkling"))
     monkeypatch.setattr(selected, "selected_experts_torch", lambda *a: 1 / 0)
-    monkeypatch.setattr(selected, "_use_triton", lambda x: 1 / 0)
+    monkeypatch.setattr(selected, "use_triton", lambda x: 1 / 0)
     for name, module in _unsupported_variants(base):
         assert not selected.supports(module), name
         if name == "no gate":
@@ -406,17 +407,17 @@ def test_graph_steps_run_selected_experts_only_when_asked(monkeypatch):
     experts = experts_modules(model)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    most = cuda_graphs.FUSED_EXPERTS_MAX_TOKENS
-    monkeypatch.setattr(prompt_experts, "FUSED_TILED_EXPERTS", False)  # on by default; its own case below
-    monkeypatch.setattr(cuda_graphs, "FUSED_EXPERTS", False)
+    most = selected.SELECTED_EXPERTS_MAX_TOKENS
+    monkeypatch.setitem(fusions.STATE, "tiled_experts", False)  # on by default; its own case below
+    monkeypatch.setitem(fusions.STATE, "experts", False)
     assert graph_experts(model, experts, cuda, 1) == "batched_mm"  # fp32: grouped_mm cannot be captured
-    monkeypatch.setattr(cuda_graphs, "FUSED_EXPERTS", True)  # HF_QSA_FUSED=experts
+    monkeypatch.setitem(fusions.STATE, "experts", True)  # HF_QSA_FUSED=experts
     assert graph_experts(model, experts, cuda, 1) == graph_experts(model, experts, cuda, most) == "hf_qsa_selected"
     assert graph_experts(model, experts, cuda, most + 1) == "batched_mm"  # too many tokens: as before
-    monkeypatch.setattr(prompt_experts, "FUSED_TILED_EXPERTS", True)  # more tokens: the tiled kernels, any dtype
+    monkeypatch.setitem(fusions.STATE, "tiled_experts", True)  # more tokens: the tiled kernels, any dtype
     assert graph_experts(model, experts, cuda, most + 1) == "grouped_mm"
     assert graph_experts(model, experts, cuda, 1) == "hf_qsa_selected"
-    monkeypatch.setattr(prompt_experts, "FUSED_TILED_EXPERTS", False)
+    monkeypatch.setitem(fusions.STATE, "tiled_experts", False)
     assert graph_experts(model, experts, cpu, 1) == "batched_mm"  # not on CUDA: as before
     key = capture_key(model, experts, cuda, graph_experts(model, experts, cuda, 1), 4, 1)
     assert key[2] == "hf_qsa_selected" and key != capture_key(model, experts, cuda, "batched_mm", 4, 1)
@@ -427,15 +428,15 @@ def test_graph_steps_run_selected_experts_only_when_asked(monkeypatch):
     assert graph_experts(model, experts, cuda, most + 1) == "grouped_mm"
     model.set_experts_implementation("grouped_mm")
     assert graph_experts(model, experts, cuda, most + 1) == "grouped_mm"
-    monkeypatch.setattr(cuda_graphs, "FUSED_EXPERTS", False)
+    monkeypatch.setitem(fusions.STATE, "experts", False)
     assert graph_experts(model, experts, cuda, 1) == "grouped_mm"
     model.to(torch.float32)
-    monkeypatch.setattr(cuda_graphs, "FUSED_EXPERTS", True)  # HF_QSA_FUSED=experts
+    monkeypatch.setitem(fusions.STATE, "experts", True)  # HF_QSA_FUSED=experts
     # Experts the kernels do not cover keep the earlier choice; so does an implementation the user chose.
     monkeypatch.setattr(experts[0][0], "act_fn", ACT2FN["gelu_pytorch_tanh"])
     assert graph_experts(model, experts, cuda, 1) == "batched_mm"
     monkeypatch.undo()
-    monkeypatch.setattr(cuda_graphs, "FUSED_EXPERTS", True)  # HF_QSA_FUSED=experts
+    monkeypatch.setitem(fusions.STATE, "experts", True)  # HF_QSA_FUSED=experts
     model.set_experts_implementation("eager")
     assert graph_experts(model, experts, cuda, 1) is None
 
@@ -447,7 +448,7 @@ if __name__ == "__main__":
 def test_the_shared_expert_is_folded_only_where_it_may_be(monkeypatch):
     # The fusion on and hf_qsa_selected running: folded. A hook on any of the modules it would skip, autograd
     # recording, the fusion off, or another experts implementation: upstream's modules run.
-    monkeypatch.setattr(selected, "FUSED_SHARED_EXPERT", True)
+    monkeypatch.setitem(fusions.STATE, "shared_expert", True)
     model = make_pair(seed=7)[1]
     model.set_experts_implementation(selected.SELECTED_EXPERTS)
     block = model.model.layers[0].mlp
@@ -465,7 +466,7 @@ def test_the_shared_expert_is_folded_only_where_it_may_be(monkeypatch):
         model.set_experts_implementation("grouped_mm")
         assert selected.shared_expert_to_fold(block, x) is None
         model.set_experts_implementation(selected.SELECTED_EXPERTS)
-        monkeypatch.setattr(selected, "FUSED_SHARED_EXPERT", False)
+        monkeypatch.setitem(fusions.STATE, "shared_expert", False)
         assert selected.shared_expert_to_fold(block, x) is None
 
 
@@ -479,9 +480,9 @@ def test_a_block_with_its_shared_expert_folded_equals_upstreams_block(monkeypatc
     x = torch.randn(2, 3, model.config.hidden_size)
     with torch.no_grad():
         want = type(block).__mro__[1].forward(block, x)  # transformers' own block forward
-        monkeypatch.setattr(router, "FUSED_ROUTER", route_fused)
-        monkeypatch.setattr(inkling_router, "FUSED_INKLING_ROUTER", route_fused)
-        monkeypatch.setattr(selected, "FUSED_SHARED_EXPERT", True)
+        monkeypatch.setitem(fusions.STATE, "router", route_fused)
+        monkeypatch.setitem(fusions.STATE, "inkling_router", route_fused)
+        monkeypatch.setitem(fusions.STATE, "shared_expert", True)
         model.set_experts_implementation(selected.SELECTED_EXPERTS)
         calls = []
         shared_type = type(shared_module(model))
@@ -493,7 +494,7 @@ def test_a_block_with_its_shared_expert_folded_equals_upstreams_block(monkeypatc
 
 
 def test_inkling_shared_experts_are_folded_only_where_they_may_be(monkeypatch):
-    monkeypatch.setattr(selected, "FUSED_SHARED_EXPERT", True)
+    monkeypatch.setitem(fusions.STATE, "shared_expert", True)
     model = inkling.make_pair(inkling.make_config(), seed=9)[1]
     model.set_experts_implementation(selected.SELECTED_EXPERTS)
     block = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))

@@ -11,7 +11,7 @@ from qwen4_helpers import left_pad, make_pair, random_prompts
 
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.cuda_graphs import graphs_of
-from hf_qsa_cache.fusions import FLAGS, fused
+from hf_qsa_cache.fusions import FUSIONS, fused
 from hf_qsa_cache.ops import experts, gated_delta, hyper_connection, norm_rope, rms_norm
 
 
@@ -98,31 +98,29 @@ def test_modules_with_hooks_run_their_own_forward(all_fused, monkeypatch):
         assert calls == [], f"{type(module).__name__}: the fused path ran on a hooked module"
 
 
-def test_every_opt_in_name_has_a_flag_and_fused_restores_them():
-    """The names HF_QSA_FUSED accepts all switch a flag; `fused` sets and restores them, and refuses unknown ones."""
-    from hf_qsa_cache import cuda_graphs
-    from hf_qsa_cache.ops import inkling_router, linears, prompt_experts, qsa, router
+def test_fused_switches_the_registry_and_restores_it():
+    """`fused` sets the named switches (or all) for a block and restores them after; it refuses unknown names, as
+    `enabled` does."""
+    from hf_qsa_cache import fusions
 
-    flags = [(hyper_connection, "FUSED_HC"), (gated_delta, "FUSED_GDN"), (rms_norm, "FUSED_NORM"),
-             (norm_rope, "FUSED_NORM_ROPE"), (cuda_graphs, "FUSED_EXPERTS"), (router, "FUSED_ROUTER"),
-             (qsa, "FUSED_QSA"), (experts, "FUSED_SHARED_EXPERT"), (inkling_router, "FUSED_INKLING_ROUTER"),
-             (prompt_experts, "FUSED_PROMPT_EXPERTS"), (linears, "FUSED_PROJECTIONS"),
-             (prompt_experts, "FUSED_TILED_EXPERTS")]
-    before = [getattr(m, f) for m, f in flags]
+    before = dict(fusions.STATE)
     with fused(("all",)):
-        assert all(getattr(m, f) for m, f in flags)
+        assert all(fusions.enabled(n) for n in FUSIONS) and fusions.active() == "all"
         with fused(("hc", "norm"), on=False):
-            assert not hyper_connection.FUSED_HC and not rms_norm.FUSED_NORM and not norm_rope.FUSED_NORM_ROPE
-            assert gated_delta.FUSED_GDN
-        assert all(getattr(m, f) for m, f in flags)
-    assert [getattr(m, f) for m, f in flags] == before
-    assert set(FLAGS) == {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
-                          "inkling_router", "prompt_experts", "projections", "ple", "conv_norm", "tiled_experts",
-                          "rel_bias", "pdl", "hc_norm_proj", "qsa_topk_radix", "gdn_step", "qsa_writes", "qsa_gate",
-                          "token_log"}
+            assert not fusions.enabled("hc") and not fusions.enabled("norm") and fusions.enabled("gdn")
+            assert "hc" not in fusions.active().split(",")
+        assert all(fusions.enabled(n) for n in FUSIONS)
+    assert fusions.STATE == before
+    assert set(FUSIONS) == {"hc", "hc_proj", "gdn", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
+                            "inkling_router", "prompt_experts", "projections", "ple", "conv_norm", "tiled_experts",
+                            "rel_bias", "pdl", "gdn_step", "qsa_writes", "qsa_gate", "token_log"}
     with pytest.raises(ValueError, match="unknown fusion"):
         with fused(("nope",)):
             pass
+    with pytest.raises(KeyError):
+        fusions.enabled("nope")
+    with fused(("all",), on=False):
+        assert fusions.active() == "none"
 
 
 def test_an_unknown_name_in_the_environment_is_refused_at_import():
@@ -133,41 +131,40 @@ def test_an_unknown_name_in_the_environment_is_refused_at_import():
     env = dict(os.environ, HF_QSA_FUSED="hc,nrom")
     proc = subprocess.run([sys.executable, "-c", "import hf_qsa_cache"], env=env, capture_output=True, text=True)
     assert proc.returncode != 0 and "unknown fusion(s) ['nrom']" in proc.stderr
-    assert "known: hc, hc_proj, hc_norm_proj, gdn, gdn_step" in proc.stderr
+    assert "known: hc, hc_proj, gdn, gdn_step" in proc.stderr
 
 
-MEASURED = {"hc", "hc_proj", "gdn", "gdn_step", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
-            "inkling_router", "prompt_experts", "projections", "ple", "conv_norm", "tiled_experts", "pdl", "qsa_writes",
-            "qsa_gate", "rel_bias", "token_log"}
+DEFAULT_SET = {"hc", "hc_proj", "gdn", "gdn_step", "norm", "experts", "router", "qsa", "qsa_topk", "shared_expert",
+               "inkling_router", "prompt_experts", "projections", "ple", "conv_norm", "tiled_experts", "pdl",
+               "qsa_writes", "qsa_gate", "rel_bias", "token_log"}
 
 
 def test_a_fusion_off_by_default_is_on_only_when_named():
-    from hf_qsa_cache.fusions import FLAGS, requested
+    from hf_qsa_cache.fusions import requested
 
-    assert requested(None, off_by_default=("inkling_router",)) == set(FLAGS) - {"inkling_router"}
-    assert requested("all", off_by_default=("inkling_router",)) == {"all"}
-    assert requested("inkling_router,hc", off_by_default=("inkling_router",)) == {"inkling_router", "hc"}
-    assert requested("default", off_by_default=("inkling_router",)) == set(FLAGS) - {"inkling_router"}
-    assert requested(" default , inkling_router", off_by_default=("inkling_router",)) == set(FLAGS)
+    table = {**FUSIONS, "inkling_router": False}
+    assert requested(None, table) == set(FUSIONS) - {"inkling_router"}
+    assert requested("all", table) == set(FUSIONS)
+    assert requested("inkling_router,hc", table) == {"inkling_router", "hc"}
+    assert requested("default", table) == set(FUSIONS) - {"inkling_router"}
+    assert requested(" default , inkling_router", table) == set(FUSIONS)
 
 
-OFF_BY_DEFAULT = {"hc_norm_proj", "qsa_topk_radix"}
-SETTINGS = [(None, MEASURED), ("all", MEASURED | OFF_BY_DEFAULT), ("none", set()), ("", set()),
-            ("default,hc_norm_proj", MEASURED | {"hc_norm_proj"}), ("gdn,router", {"gdn", "router"})]
+SETTINGS = [(None, DEFAULT_SET), ("all", DEFAULT_SET), ("none", set()), ("", set()),
+            ("default,rel_bias", DEFAULT_SET), ("gdn,router", {"gdn", "router"})]
 
 
 @pytest.mark.parametrize("setting, expected", SETTINGS)
-def test_each_setting_turns_on_its_fusions(monkeypatch, setting, expected):
+def test_each_setting_turns_on_its_fusions(setting, expected):
     from hf_qsa_cache import fusions
 
-    monkeypatch.setattr(fusions, "_REQUESTED", fusions.requested(setting))
-    assert {n for n in fusions.FLAGS if fusions.fusion_enabled(n)} == expected
+    assert fusions.requested(setting) == expected
 
 
 @pytest.mark.parametrize("setting, expected", [SETTINGS[0], SETTINGS[-1]])
-def test_the_environment_sets_the_flags_at_import(setting, expected):
-    """In a fresh process (the flags are set when the op modules are imported): unset, the measured fusions; a
-    comma list, those only."""
+def test_the_environment_sets_the_switches_at_import(setting, expected):
+    """In a fresh process (the registry parses HF_QSA_FUSED when imported): unset, the default set; a comma list,
+    those only."""
     import os
     import subprocess
     import sys
@@ -175,7 +172,7 @@ def test_the_environment_sets_the_flags_at_import(setting, expected):
     env = {k: v for k, v in os.environ.items() if k != "HF_QSA_FUSED"}
     if setting is not None:
         env["HF_QSA_FUSED"] = setting
-    script = ("from hf_qsa_cache.fusions import FLAGS, _places\n"
-              "print(sorted(n for n in FLAGS if all(getattr(m, f) for m, f in _places([n]))))")
+    script = ("from hf_qsa_cache import fusions\n"
+              "print(sorted(n for n in fusions.FUSIONS if fusions.enabled(n)))")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == str(sorted(expected))

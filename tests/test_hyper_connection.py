@@ -14,6 +14,7 @@ from fusion_helpers import assert_fused_generate_equals_default
 from interpreter import run_under_interpreter
 from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
 
+from hf_qsa_cache import fusions
 from hf_qsa_cache.ops import hyper_connection as hc_ops
 
 
@@ -37,7 +38,7 @@ def _streams(config, tokens=(2, 3), seed=1, dtype=torch.float32):
 
 @pytest.fixture
 def fused(monkeypatch):
-    monkeypatch.setattr(hc_ops, "FUSED_HC", True)
+    monkeypatch.setitem(fusions.STATE, "hc", True)
 
 
 def test_fused_mixing_equals_upstream_in_fp32(fused):
@@ -61,7 +62,7 @@ def test_fused_mixing_in_bf16_is_no_further_from_fp32_than_upstream(fused, monke
     the low-rank activations not at all)."""
     from qwen4_helpers import tiny_config
 
-    monkeypatch.setattr(hc_ops, "FUSED_HC_PROJ", projections)
+    monkeypatch.setitem(fusions.STATE, "hc_proj", projections)
     config = tiny_config(hidden_size=64)
     exact = _mixing(config)
     low = _mixing(config, dtype=torch.bfloat16)
@@ -98,20 +99,17 @@ def test_generate_with_fused_mixing_equals_the_default(monkeypatch):
 
     _, model = make_pair(seed=3)
     ids, mask = left_pad(random_prompts([23, 9, 17], seed=4))
-    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, hc_ops, "FUSED_HC", "mix_streams", atol=2e-5)
+    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, hc_ops, "hc", "mix_streams", atol=2e-5)
 
 
-@pytest.mark.parametrize("norm_proj", [False, True])
 @pytest.mark.parametrize("tokens", [(2, 3), (1, hc_ops.HC_PROJ_MAX_TOKENS + 1)])
-def test_fused_projections_equal_upstream_in_fp32(fused, monkeypatch, tokens, norm_proj):
+def test_fused_projections_equal_upstream_in_fp32(fused, monkeypatch, tokens):
     """``hc_proj`` on: steps of few tokens run `mix_projections` (the three projections fused), longer ones
-    the GEMMs; with ``hc_norm_proj`` too, the few tokens' norm and projections run as one op,
-    `norm_mix_projections`; all equal upstream's module."""
+    the GEMMs; both equal upstream's module."""
     from qwen4_helpers import tiny_config
 
-    monkeypatch.setattr(hc_ops, "FUSED_HC_PROJ", True)
-    monkeypatch.setattr(hc_ops, "FUSED_HC_NORM_PROJ", norm_proj)
-    calls = {"mix_projections": [], "norm_mix_projections": []}
+    monkeypatch.setitem(fusions.STATE, "hc_proj", True)
+    calls = {"mix_projections": []}
     for name, seen in calls.items():
         real = getattr(hc_ops, name)
         monkeypatch.setattr(hc_ops, name, lambda *a, real=real, seen=seen: seen.append(1) or real(*a))
@@ -124,29 +122,17 @@ def test_fused_projections_equal_upstream_in_fp32(fused, monkeypatch, tokens, no
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=2e-6, rtol=2e-6)
     few = tokens[0] * tokens[1] <= hc_ops.HC_PROJ_MAX_TOKENS
-    assert len(calls["mix_projections"]) == int(few)  # (on the CPU `norm_mix_projections` calls it)
-    assert len(calls["norm_mix_projections"]) == int(few and norm_proj)
+    assert len(calls["mix_projections"]) == int(few)
 
 
 def test_generate_with_fused_projections_equals_the_default(monkeypatch):
     from qwen4_helpers import left_pad, make_pair, random_prompts
 
-    monkeypatch.setattr(hc_ops, "FUSED_HC", True)
+    monkeypatch.setitem(fusions.STATE, "hc", True)
     _, model = make_pair(seed=3)
     ids, mask = left_pad(random_prompts([23, 9, 17], seed=4))
-    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, hc_ops, "FUSED_HC_PROJ", "mix_projections",
+    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, hc_ops, "hc_proj", "mix_projections",
                                          atol=2e-5)
-
-
-def test_generate_with_the_norm_in_the_projections_equals_the_default(monkeypatch):
-    from qwen4_helpers import left_pad, make_pair, random_prompts
-
-    monkeypatch.setattr(hc_ops, "FUSED_HC", True)
-    monkeypatch.setattr(hc_ops, "FUSED_HC_PROJ", True)
-    _, model = make_pair(seed=3)
-    ids, mask = left_pad(random_prompts([23, 9, 17], seed=4))
-    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, hc_ops, "FUSED_HC_NORM_PROJ",
-                                         "norm_mix_projections", atol=0.0)
 
 
 # ----------------------------------------------------------------------------- triton vs torch
@@ -188,20 +174,20 @@ def _main() -> int:
                 torch.testing.assert_close(mixed.float(), want_mixed.float(), atol=tol, rtol=tol)
                 cases += 3
     cases += _projection_cases()
-    cases += _norm_projection_cases()
-    # The tiny model with the mixing's kernels (prompts and decode steps): ``hc_norm_proj`` gives the same
-    # tokens as ``hc_proj`` alone, logits within fp32 rounding (the norm's sums in another order).
+    # The tiny model with the mixing's kernels (prompts and decode steps): ``hc_proj`` gives the same tokens as
+    # ``hc`` alone, logits within fp32 rounding.
     from fusion_helpers import fused_generate_mismatch
     from interpreter import count_launches
     from qwen4_helpers import left_pad, make_pair, random_prompts
 
     from hf_qsa_cache.ops import hyper_connection_triton as hct
 
-    hc_ops._triton = lambda x: True  # the CUDA dispatch, on CPU tensors
+    hc_ops.use_triton = lambda *x: True  # the CUDA dispatch, on CPU tensors
+    fusions.STATE["hc_proj"] = False
     launches: list = []
     count_launches(hct, "_hc_down_kernel", launches)
     error = fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)),
-                                    "hc_norm_proj", launches, atol=1e-4)
+                                    "hc_proj", launches, atol=1e-4)
     if error:
         print(f"generate: {error}")
         return 1
@@ -260,48 +246,6 @@ def _assert_outputs_close(got: tuple, want: tuple, tol: float) -> None:
             torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
 
 
-def _norm_projection_cases() -> int:
-    """`norm_mix_projections_triton` (``hc_norm_proj``) against the torch spec (`hc_norm`, then `mix_projections`),
-    with and without the residual and the injection: each stream cut in two ranges (the last shorter, each range's
-    sum of squares its own), token blocks past 16, streams padded (3 to 4); and
-    with the measured tiles. Two launches, no `hc_norm`."""
-    from interpreter import count_launches
-
-    from hf_qsa_cache.ops import hyper_connection_triton as hct
-
-    launches = {name: [] for name in ("_hc_down_kernel", "_hc_up_mix_kernel", "_hc_norm_kernel")}
-    for name, grids in launches.items():
-        count_launches(hct, name, grids)
-    small = hct.MixTiles(splits=8, block_n=16, block_k=16, down_warps=4, block_h=16, r_chunk=16, up_warps=4)
-    cases = 0
-    for hc, H, R in ((4, 24, 10), (3, 20, 40)):
-        for tokens in ((1,), (3, 6)):
-            for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)):
-                g = torch.Generator().manual_seed(hc * 100 + H + R + len(tokens))
-                streams = (torch.randn(*tokens, hc * H, generator=g) * 2).to(dtype)
-                out = torch.randn(*tokens, H, generator=g).to(dtype)
-                inject = (torch.rand(*tokens, hc, generator=g) * 2).to(dtype)
-                norm_weight = torch.randn(hc * H, generator=g).to(dtype)
-                down = (torch.randn(R, hc * H, generator=g) / 4).to(dtype)
-                up = torch.randn(hc * H, R, generator=g).to(dtype)
-                inject_weight = (torch.randn(hc, hc * H, generator=g) / 4).to(dtype)
-                for tiles, residual, weight in ((small, (out, inject), inject_weight), (small, None, inject_weight),
-                                                (small, (out, inject), None), (None, (out, inject), inject_weight)):
-                    for grids in launches.values():
-                        grids.clear()
-                    got = hct.norm_mix_projections_triton(streams, norm_weight, 1e-6, residual, down, up, weight, hc,
-                                                          tiles)
-                    want = hc_ops.norm_mix_projections(streams, norm_weight, 1e-6, residual, down, up, weight, hc)
-                    assert {name: len(grids) for name, grids in launches.items()} == {
-                        "_hc_down_kernel": 1, "_hc_up_mix_kernel": 1, "_hc_norm_kernel": 0}
-                    assert (got[2] is None) == (weight is None) == (want[2] is None)
-                    if residual is None:
-                        assert got[1] is streams  # the streams pass through unchanged, not copied
-                    _assert_outputs_close(got, want, tol)
-                    cases += 1
-    return cases
-
-
 if __name__ == "__main__":
     sys.exit(_main())
 
@@ -310,7 +254,7 @@ if __name__ == "__main__":
 def test_the_residual_is_upstreams_unfused_and_rounded_once_fused(fused, monkeypatch):
     """`add_injection`: with ``hc`` off, upstream's ops (product rounded, then the sum); on, one pass rounded
     once (bf16, where the two differ)."""
-    monkeypatch.setattr(hc_ops, "FUSED_HC", fused)
+    monkeypatch.setitem(fusions.STATE, "hc", fused)
     g = torch.Generator().manual_seed(0)
     streams, out = torch.randn(5, 3 * 8, generator=g).bfloat16(), torch.randn(5, 8, generator=g).bfloat16()
     inject = torch.rand(5, 3, generator=g).bfloat16() * 2
@@ -337,7 +281,7 @@ def test_the_layer_loop_leaves_each_moe_residual_to_the_next_layers_norm(monkeyp
     monkeypatch.setattr(ours, "add_injection", lambda *a: calls.append(1) or real(*a))
     runs = {}
     for on in (False, True):
-        monkeypatch.setattr(hc_ops, "FUSED_HC", on)
+        monkeypatch.setitem(fusions.STATE, "hc", on)
         calls.clear()
         with torch.no_grad():
             logits = model(ids, attention_mask=mask).logits
@@ -387,8 +331,6 @@ def test_the_gemv_form_takes_one_token_of_normed_streams():
     down, up = torch.zeros(4, 32), torch.zeros(32, 4)
     with pytest.raises(ValueError, match="one token of normed streams, got 2 tokens"):
         hct.mix_projections_triton(torch.zeros(2, 32), down, up, None, 2, tiles)
-    with pytest.raises(ValueError, match="got 1 token with the norm inside"):
-        hct.norm_mix_projections_triton(torch.zeros(1, 32), torch.zeros(32), 1e-6, None, down, up, None, 2, tiles)
 
 
 def test_down_projection_tiles_below_tl_dot_size_are_refused():

@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from hf_qsa_cache import fusions
 from hf_qsa_cache.blocks import BlockTable
 from hf_qsa_cache.metadata import build_step_metadata_torch
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention_torch
@@ -221,20 +222,22 @@ def test_case_tables_evict_below_the_window():
 
 
 def test_the_rel_bias_fusion_picks_the_bias_path(monkeypatch):
-    """Unasked, the kernel computes the bias itself exactly when the ``rel_bias`` fusion is on and query tiles hold
-    one token (decode); otherwise it gathers ``r @ P`` (the launch itself is stubbed: no kernel runs here)."""
+    """The dispatch has the kernel compute the bias itself exactly when the ``rel_bias`` fusion is on and query tiles
+    hold one token (decode); otherwise it gathers ``r @ P``; the kernel alone, unasked, gathers it (the launch
+    itself is stubbed: no kernel runs here)."""
     from hf_qsa_cache.ops import inkling_attention
     from hf_qsa_cache.ops import inkling_attention_triton as kernel
 
     in_kernel = []
     monkeypatch.setattr(kernel, "_launch", lambda *args: in_kernel.append(args[4] is not None))
+    monkeypatch.setattr(inkling_attention, "use_triton", lambda *t: True)  # the CUDA dispatch, on CPU tensors
     decode, _ = make_case(0, DECODE_ROWS, L=1, heads=4, kv_heads=2, head_dim=16, extent=12)
     prefill, _ = make_case(0, FULL_ROWS, L=20, heads=4, kv_heads=2, head_dim=16, extent=12)
     for flag in (False, True):
-        monkeypatch.setattr(inkling_attention, "FUSED_REL_BIAS", flag)
-        kernel.paged_rel_attention_triton(**decode)
-        kernel.paged_rel_attention_triton(**prefill)
-    kernel.paged_rel_attention_triton(**decode, bias_in_kernel=False)  # asked: the flag does not count
+        monkeypatch.setitem(fusions.STATE, "rel_bias", flag)
+        inkling_attention.paged_rel_attention(**decode)
+        inkling_attention.paged_rel_attention(**prefill)
+    kernel.paged_rel_attention_triton(**decode)  # unasked: r @ P gathered
     assert in_kernel == [False, False, True, False, False]
 
 

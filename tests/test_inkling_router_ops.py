@@ -13,6 +13,7 @@ from fusion_helpers import assert_fused_generate_equals_default
 from interpreter import run_under_interpreter
 from transformers.models.inkling.modeling_inkling import InklingTopkRouter
 
+from hf_qsa_cache import fusions
 from hf_qsa_cache.ops import inkling_router
 
 
@@ -48,10 +49,10 @@ def test_spec_is_transformers_router(dtype):
 def test_block_and_generate_with_the_fused_path_equal_upstreams(monkeypatch):
     _, model = inkling.make_pair(inkling.make_config(), seed=5)
     ids, mask = inkling.left_pad(inkling.make_prompts([11, 4, 8], seed=6))
-    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, inkling_router, "FUSED_INKLING_ROUTER",
+    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, inkling_router, "inkling_router",
                                          "route_inkling_torch", atol=1e-5)
     # Recording router logits hooks the routers: from then on they run their own forward.
-    monkeypatch.setattr(inkling_router, "FUSED_INKLING_ROUTER", True)
+    monkeypatch.setitem(fusions.STATE, "inkling_router", True)
     block = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate"))
     x = torch.randn(2, 3, model.config.hidden_size)
     with torch.no_grad():

@@ -20,6 +20,7 @@ from fusion_helpers import fused_generate_mismatch
 from qwen4_helpers import left_pad, make_pair, random_prompts
 from torch import nn
 
+from hf_qsa_cache import fusions
 from hf_qsa_cache.ops import linears
 from hf_qsa_cache.ops import linears_triton as lt
 from interpreter import count_launches, run_under_interpreter
@@ -126,7 +127,7 @@ def _main() -> int:
     # Both tiny models: decode steps (3 rows: 3 tokens) run the kernel in every attention and GatedDeltaNet
     # layer; prompts (more than MAX_FUSED_TOKENS tokens) keep the modules. Same tokens, logits within fp32
     # rounding of the default.
-    linears._use_triton = lambda x: True  # the CUDA dispatch, on CPU tensors
+    linears.use_triton = lambda *x: True  # the CUDA dispatch, on CPU tensors
     models = {"qwen4_exp": (make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8))),
               "inkling": (inkling.make_pair(inkling.make_config(), seed=3)[1],
                           *inkling.left_pad(inkling.make_prompts([9, 4, 7], seed=4)))}
@@ -156,8 +157,8 @@ if __name__ == "__main__":
 # ----------------------------------------------------------------------------- when it applies (no kernel)
 @pytest.fixture
 def on_cuda(monkeypatch):
-    monkeypatch.setattr(linears, "FUSED_PROJECTIONS", True)
-    monkeypatch.setattr(linears, "_use_triton", lambda x: True)
+    monkeypatch.setitem(fusions.STATE, "projections", True)
+    monkeypatch.setattr(linears, "use_triton", lambda x: True)
 
 
 def test_fuses_only_plain_bias_free_linears_of_few_tokens(on_cuda, monkeypatch):
@@ -175,7 +176,7 @@ def test_fuses_only_plain_bias_free_linears_of_few_tokens(on_cuda, monkeypatch):
         b.weight.data = torch.randn(8, 6).t()  # not contiguous
         assert not linears.fuses_projections(x, (a, b))
     assert not linears.fuses_projections(x, (a,))  # autograd records: the kernel has no backward
-    monkeypatch.setattr(linears, "FUSED_PROJECTIONS", False)
+    monkeypatch.setitem(fusions.STATE, "projections", False)
     with torch.no_grad():
         assert not linears.fuses_projections(x, (a,))
 

@@ -42,7 +42,7 @@ def test_generate_with_the_fused_path_equals_the_default(monkeypatch):
 
     _, model = make_pair(seed=8)
     ids, mask = left_pad(random_prompts([24, 10, 17], seed=9))
-    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, ops, "FUSED_NORM_ROPE", "norm_rope_written_out",
+    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, ops, "norm", "norm_rope_written_out",
                                          atol=1e-5)
 
 

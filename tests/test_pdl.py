@@ -149,7 +149,7 @@ def test_the_switch_is_on_only_where_asked_and_supported(monkeypatch):
     monkeypatch.setattr(triton_common, "_pdl_supported", lambda device: device.type == "cuda")
     monkeypatch.setattr(triton_common, "INTERPRET", False)
     for setting, tensor, want in [(False, gpu, False), (True, gpu, True), (True, torch.zeros(1), False)]:
-        monkeypatch.setattr(triton_common, "FUSED_PDL", setting)
+        monkeypatch.setitem(fusions.STATE, "pdl", setting)
         assert triton_common.pdl(tensor) == {"PDL": want, "launch_pdl": want}
     monkeypatch.setattr(triton_common, "INTERPRET", True)
     assert triton_common.pdl(gpu) == {"PDL": False, "launch_pdl": False}
@@ -164,13 +164,12 @@ def test_the_switch_is_on_only_where_asked_and_supported(monkeypatch):
 def test_the_setting_is_named_pdl_and_on_by_default():
     from hf_qsa_cache import fusions
 
-    assert "pdl" in fusions.FLAGS and "pdl" not in fusions.OFF_BY_DEFAULT
+    assert fusions.FUSIONS["pdl"]
     assert "pdl" in fusions.requested(None)
     from hf_qsa_cache.ops import triton_common
 
     with fusions.fused(("pdl",)):
-        assert triton_common.FUSED_PDL
-    assert triton_common.FUSED_PDL == fusions.fusion_enabled("pdl")
+        assert fusions.enabled("pdl")
 
 
 def test_kernels_wait_once_per_program_when_launched_early():
@@ -192,7 +191,7 @@ def _emulate_early_launch():
     prefetched = []
     cuda_extra.gdc_wait = lambda *a, **k: counts.__setitem__("wait", counts["wait"] + 1)
     cuda_extra.gdc_launch_dependents = lambda *a, **k: counts.__setitem__("trigger", counts["trigger"] + 1)
-    triton_common.INTERPRET, triton_common.FUSED_PDL = False, True
+    triton_common.INTERPRET, fusions.STATE["pdl"] = False, True
     triton_common._pdl_supported = lambda device: True
     launches = []
     InterpreterBuilder.create_inline_asm = _record_prefetch(prefetched, launches)

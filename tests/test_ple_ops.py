@@ -14,6 +14,7 @@ from fusion_helpers import assert_fused_generate_equals_default, fused_generate_
 from interpreter import count_launches, run_under_interpreter
 from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
 
+from hf_qsa_cache import fusions
 from hf_qsa_cache.ops import ple
 
 
@@ -85,14 +86,14 @@ def test_generate_with_the_fused_ple_equals_the_default(monkeypatch):
     steps = []  # the windows whose one-token steps ran in place: the PLE conv's only with the fusion on
     real = LinearAttentionState.conv_step_in_place
     monkeypatch.setattr(LinearAttentionState, "conv_step_in_place",
-                        lambda self, x, w, dtype, name="conv", *a: steps.append((ple.FUSED_PLE, name)) or real(
+                        lambda self, x, w, dtype, name="conv", *a: steps.append((fusions.enabled("ple"), name)) or real(
                             self, x, w, dtype, name, *a))
-    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, ple, "FUSED_PLE", "ple_gate_torch", atol=2e-5)
+    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, ple, "ple", "ple_gate_torch", atol=2e-5)
     assert (True, "ple_conv") in steps and (False, "ple_conv") not in steps
 
 
 def test_hooks_and_autograd_keep_upstreams_ops(monkeypatch):
-    monkeypatch.setattr(ple, "FUSED_PLE", True)
+    monkeypatch.setitem(fusions.STATE, "ple", True)
     layer = _ple_layer()
     x = torch.randn(1, 2, layer.hc_count * layer.hidden_size)
     assert not ple.fuses_ple(layer, x)  # training: the weights record
@@ -101,7 +102,7 @@ def test_hooks_and_autograd_keep_upstreams_ops(monkeypatch):
         handle = layer.norm_query.register_forward_hook(lambda *a: None)
         assert not ple.fuses_ple(layer, x)
         handle.remove()
-        monkeypatch.setattr(ple, "FUSED_PLE", False)
+        monkeypatch.setitem(fusions.STATE, "ple", False)
         assert not ple.fuses_ple(layer, x)
 
 
@@ -173,7 +174,7 @@ def _main() -> int:
     # default path, logits within fp32 rounding.
     from qwen4_helpers import left_pad, make_pair, random_prompts
 
-    ple._use_triton = lambda x: True  # the CUDA dispatch, on CPU tensors
+    ple.use_triton = lambda *x: True  # the CUDA dispatch, on CPU tensors
     error = fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)), "ple",
                                     launches, atol=1e-4)
     if error:

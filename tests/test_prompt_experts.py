@@ -13,6 +13,7 @@ from interpreter import count_launches, run_under_interpreter
 from test_fault_injection import _prompts, ink, qwen  # noqa: F401 (fixtures)
 from transformers.integrations import moe
 
+from hf_qsa_cache import fusions
 from hf_qsa_cache.ops import prompt_experts
 
 
@@ -62,7 +63,7 @@ def test_sum_by_token_sums_each_tokens_rows_where_they_lie():
 def test_generate_with_the_fused_path_equals_the_default(family, qwen, ink, monkeypatch):  # noqa: F811
     model = qwen if family == "qwen4_exp" else ink
     ids, mask = _prompts(family)
-    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, prompt_experts, "FUSED_PROMPT_EXPERTS",
+    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, prompt_experts, "prompt_experts",
                                          "weighted_silu_mul_torch", atol=1e-5)
 
 
@@ -154,10 +155,12 @@ def test_tiled_experts_run_only_with_the_fusion_on_a_gpu_and_few_pairs(monkeypat
 
     monkeypatch.setattr(prompt_experts_triton, "tiled_experts_triton",
                         lambda *a: calls.append(a[1].numel()) or prompt_experts.tiled_experts_torch(*a))
-    monkeypatch.setattr(prompt_experts, "_use_tiled", lambda x: True)
-    monkeypatch.setattr(prompt_experts, "TILED_EXPERTS_MAX_PAIRS", 8)
+    from hf_qsa_cache.ops import experts as experts_ops
+
+    monkeypatch.setattr(prompt_experts, "use_triton", lambda *x: True)
+    monkeypatch.setattr(experts_ops, "TILED_EXPERTS_MAX_PAIRS", 8)
     for on in (False, True):
-        monkeypatch.setattr(prompt_experts, "FUSED_TILED_EXPERTS", on)
+        monkeypatch.setitem(fusions.STATE, "tiled_experts", on)
         for tokens in (4, 5):  # 8 pairs, then 10
             x = torch.randn(tokens, hidden)
             index, weights = _routing(tokens, 2, num_experts, seed=tokens)

@@ -81,7 +81,7 @@ def main() -> int:
     assert empty.shape == (case[0].shape[0], 2 * 2 * 16) and not empty.any()
     torch.sigmoid = real_sigmoid
     # The tiny model with the gate in its decode steps' merges (decode tiles of 16, split one each).
-    qsa._use_triton = lambda x: True  # the CUDA dispatch, on CPU tensors
+    qsa.use_triton = lambda *x: True  # the CUDA dispatch, on CPU tensors
     qsa_triton.ATTENTION_DECODE_BLOCK_W, qsa_triton.MIN_SPLIT_POSITIONS = 16, 1
     # Budget 32 (ratio 2): a selection 33 positions wide, three tiles of 16. The same tokens, logits within fp32
     # rounding (the sigmoid in another implementation).

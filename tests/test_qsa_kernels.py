@@ -263,12 +263,12 @@ def _check_selection(seed: int, num_heads: int, head_dim: int, ratio: int, dtype
         return "near-tie"
     args = (q_index, compressed, meta, "main", block_size, ratio, topk)
     want = qsa.score_and_select(*args)
-    original = qsa._use_triton
-    qsa._use_triton = lambda x: True  # the CUDA dispatch, on CPU tensors
+    original = qsa.use_triton
+    qsa.use_triton = lambda *x: True  # the CUDA dispatch, on CPU tensors
     try:
         have = qsa.score_and_select(*args)
     finally:
-        qsa._use_triton = original
+        qsa.use_triton = original
     if not torch.equal(want, have):
         return f"selection case {seed}: torch {want.tolist()}\n triton {have.tolist()}"
     return None
@@ -537,8 +537,10 @@ def _selection_by_tiles_cases(qsa_triton) -> str | None:
     chunks of a few tokens) gives exactly the torch selection: it must launch the candidate kernel."""
     launches: list = []
     count_launches(qsa_triton, "_candidate_scores_kernel", launches)
-    saved = qsa.FUSED_SELECT_MIN_GROUPS, qsa.TOPK_TILE, qsa._CHUNK_ELEMENTS
-    qsa.FUSED_SELECT_MIN_GROUPS, qsa.TOPK_TILE, qsa._CHUNK_ELEMENTS = 0, 2, 40
+    from hf_qsa_cache.ops import top_set
+
+    saved = qsa.SELECT_BY_TILES_MIN_GROUPS, top_set.TOPK_TILE, qsa._CHUNK_ELEMENTS
+    qsa.SELECT_BY_TILES_MIN_GROUPS, top_set.TOPK_TILE, qsa._CHUNK_ELEMENTS = 0, 2, 40
     try:
         for i, (num_heads, head_dim, ratio, dtype) in enumerate(SCORE_SHAPES):
             seed = 900 + 50 * i
@@ -551,7 +553,7 @@ def _selection_by_tiles_cases(qsa_triton) -> str | None:
             if len(launches) < 2:  # one per chunk of a few tokens
                 return f"by tiles case {i}: {len(launches)} candidate launches, the tile path was not taken"
     finally:
-        qsa.FUSED_SELECT_MIN_GROUPS, qsa.TOPK_TILE, qsa._CHUNK_ELEMENTS = saved
+        qsa.SELECT_BY_TILES_MIN_GROUPS, top_set.TOPK_TILE, qsa._CHUNK_ELEMENTS = saved
     return None
 
 

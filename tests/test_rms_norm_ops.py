@@ -12,6 +12,7 @@ from fusion_helpers import assert_fused_generate_equals_default
 from interpreter import run_under_interpreter
 from transformers.models.inkling.modeling_inkling import InklingRMSNorm
 
+from hf_qsa_cache import fusions
 from hf_qsa_cache.ops import rms_norm
 
 
@@ -40,7 +41,7 @@ def test_generate_with_the_fused_path_equals_the_default(monkeypatch):
 
     _, model = inkling.make_pair(inkling.make_config(), seed=4)
     ids, mask = inkling.left_pad(inkling.make_prompts([15, 6, 11], seed=5))
-    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, rms_norm, "FUSED_NORM", "add_rms_norm_torch",
+    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, rms_norm, "norm", "add_rms_norm_torch",
                                          atol=1e-5)
 
 
@@ -90,7 +91,7 @@ def test_the_layer_loop_leaves_each_mlp_residual_to_the_next_norm(monkeypatch):
     layers = len(model.model.layers)
     logits = {}
     for on in (False, True):
-        monkeypatch.setattr(rms_norm, "FUSED_NORM", on)
+        monkeypatch.setitem(fusions.STATE, "norm", on)
         deferred.clear()
         with torch.no_grad():
             logits[on] = model(ids, attention_mask=mask).logits

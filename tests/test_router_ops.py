@@ -13,6 +13,7 @@ from fusion_helpers import assert_fused_generate_equals_default
 from interpreter import run_under_interpreter
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextTopKRouter
 
+from hf_qsa_cache import fusions
 from hf_qsa_cache.ops import router
 
 
@@ -37,10 +38,10 @@ def test_generate_with_the_fused_path_equals_the_default(monkeypatch):
 
     _, model = make_pair(seed=10)
     ids, mask = left_pad(random_prompts([21, 9, 14], seed=11))
-    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, router, "FUSED_ROUTER", "route_torch",
+    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, router, "router", "route_torch",
                                          atol=1e-5)
     # Recording router logits hooks the routers: from then on they run their own forward.
-    monkeypatch.setattr(router, "FUSED_ROUTER", True)
+    monkeypatch.setitem(fusions.STATE, "router", True)
     with torch.no_grad():
         model(ids, attention_mask=mask, output_router_logits=True)
     assert not router.fuses_routing(model.model.layers[0].mlp.gate, ids.float())

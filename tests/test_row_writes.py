@@ -9,6 +9,7 @@ import sys
 import torch
 from interpreter import run_under_interpreter
 
+from hf_qsa_cache import fusions
 from hf_qsa_cache.ops import row_writes
 from hf_qsa_cache.ops.row_writes import RowWrites, fuses_row_writes, write_slots
 
@@ -67,8 +68,8 @@ def test_writes_run_in_the_order_added():
 
 
 def test_one_launch_only_for_writes_it_copies_as_torch(monkeypatch):
-    monkeypatch.setattr(row_writes, "FUSED_QSA_WRITES", True)
-    monkeypatch.setattr(row_writes, "_on_gpu", lambda store: True)
+    monkeypatch.setitem(fusions.STATE, "qsa_writes", True)
+    monkeypatch.setattr(row_writes, "use_triton", lambda *t: True)
     targets = _targets(seed=1)
     assert fuses_row_writes(targets)
     assert not fuses_row_writes([])
@@ -79,7 +80,7 @@ def test_one_launch_only_for_writes_it_copies_as_torch(monkeypatch):
     assert not fuses_row_writes([(store, rows, values.transpose(1, 2))])  # a value row not one strided run
     assert not fuses_row_writes([(store, rows[:, None], values)])
     assert not fuses_row_writes([(store, rows, values.requires_grad_())])
-    monkeypatch.setattr(row_writes, "FUSED_QSA_WRITES", False)
+    monkeypatch.setitem(fusions.STATE, "qsa_writes", False)
     assert not fuses_row_writes(targets)
 
 
@@ -109,7 +110,7 @@ def main() -> int:
                 assert torch.equal(have, expected), (seed, n, count)
             cases += 1
     # The tiny model with its QSA layers' writes in one launch each: the same bits as the torch writes.
-    row_writes._on_gpu = lambda store: True  # the CUDA dispatch, on CPU tensors
+    row_writes.use_triton = lambda *t: True  # the CUDA dispatch, on CPU tensors
     launches: list = []
     count_launches(row_writes_triton, "_write_rows_kernel", launches)
     error = fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)), "qsa_writes",

@@ -10,6 +10,7 @@ import pytest
 import torch
 from interpreter import count_launches, run_under_interpreter
 
+from hf_qsa_cache import fusions
 from hf_qsa_cache.ops import token_log
 
 
@@ -48,8 +49,8 @@ def test_the_write_goes_to_the_kernel_only_with_the_fusion_on_and_on_cuda(monkey
 
     monkeypatch.setattr(kernel, "log_tokens_triton", lambda *a: calls.append("kernel"))
     for on, cuda in ((True, False), (False, True), (True, True)):
-        monkeypatch.setattr(token_log, "FUSED_TOKEN_LOG", on)
-        monkeypatch.setattr(token_log, "_use_triton", lambda t, cuda=cuda: cuda)
+        monkeypatch.setitem(fusions.STATE, "token_log", on)
+        monkeypatch.setattr(token_log, "use_triton", lambda t, cuda=cuda: cuda)
         token_log.log_tokens(log, position, token_row, ids)
     assert calls == ["torch", "torch", "kernel"]
 
@@ -96,8 +97,8 @@ def _main() -> int:
     ids, mask = inkling.left_pad(inkling.make_prompts([9, 4], seed=5))
     logs = {}
     for fused in (False, True):
-        token_log.FUSED_TOKEN_LOG = fused
-        token_log._use_triton = lambda log: True
+        fusions.STATE["token_log"] = fused
+        token_log.use_triton = lambda *log: True
         launches.clear()
         cache = QSAPagedCache(model.config, 2, 32)
         with torch.no_grad():

@@ -1,4 +1,4 @@
-"""The set of a QSA selection's best groups (`qsa.top_group_set`) and its one-launch Triton kernel
+"""The set of a QSA selection's best groups (`top_set.top_group_set`) and its one-launch Triton kernel
 (`top_set_triton`, the ``qsa_topk`` fusion).
 
 The kernel runs this file as a script under the Triton interpreter (`interpreter.py`) against the torch
@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from hf_qsa_cache.ops import qsa
+from hf_qsa_cache import fusions
+from hf_qsa_cache.ops import top_set as top_set_ops
 from fusion_helpers import fused_generate_mismatch
 from interpreter import count_launches, run_under_interpreter
 
@@ -31,7 +32,7 @@ def test_top_group_set_is_the_stable_best_k_in_ascending_order(seed):
     scores = torch.randint(0, 4, (5, groups), generator=g).float()
     scores[torch.rand(5, groups, generator=g) < 0.2] = float("-inf")
     k = int(torch.randint(1, groups + 1, (1,), generator=g))
-    assert torch.equal(qsa.top_group_set(scores, k), _stable_best(scores, k))
+    assert torch.equal(top_set_ops.top_group_set(scores, k), _stable_best(scores, k))
 
 
 def test_kernel_matches_the_specification_under_the_interpreter():
@@ -47,13 +48,11 @@ def _rows(g: torch.Generator, n: int, groups: int) -> torch.Tensor:
     return scores
 
 
-def _cases(launches: list, search: str) -> str | None:
-    """Every case with the k-th largest key found by ``search`` (each of `top_set_triton.SEARCHES`)."""
-    from functools import partial
-
+def _cases(launches: list) -> str | None:
+    """Every case of the kernel against the specification."""
     from hf_qsa_cache.ops import top_set_triton as ts
 
-    top_set = partial(ts.top_set_triton, search=search)
+    top_set = ts.top_set_triton
     g = torch.Generator().manual_seed(0)
     for n, groups in ((1, 1), (3, 5), (4, 33), (3, 64), (5, 200)):
         wide = _rows(g, n, groups + 3)
@@ -65,7 +64,7 @@ def _cases(launches: list, search: str) -> str | None:
                 for block in blocks:
                     launches.clear()
                     have = top_set(scores, k, block=block)
-                    where = f"{search}: n={n} G={groups} k={k} {label} block={block}"
+                    where = f"n={n} G={groups} k={k} {label} block={block}"
                     if len(launches) != 1 or have.dtype != torch.int64 or not torch.equal(have, want):
                         return f"{where}: launches {len(launches)}, {have.tolist()} != {want.tolist()}"
     # Ties across a chunk boundary: 12 equal scores over chunks of 4, k cutting through them.
@@ -76,16 +75,16 @@ def _cases(launches: list, search: str) -> str | None:
     for k in (3, 5, 15):  # inside the first chunk, cutting the ties in a later one, all the ties
         have = top_set(scores, k, block=4)
         if not torch.equal(have, _stable_best(scores, k)):
-            return f"{search}: chunk-straddling ties k={k}: {have.tolist()}"
+            return f"chunk-straddling ties k={k}: {have.tolist()}"
     # Sixteen scores one float step apart (shuffled): the search must narrow to a single key value.
     close = torch.tensor(1.0) + torch.arange(16) * (torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)) - 1.0)
     close = close[torch.randperm(16, generator=g)][None]
     for k in (1, 5, 15):
         have = top_set(close, k)
         if not torch.equal(have, _stable_best(close, k)):
-            return f"{search}: scores one step apart, k={k}: {have.tolist()}"
-    # Keys that share their top 24 bits and differ in the last 8, and keys 256 apart (their last 8 bits equal): the
-    # radix search's last round decides; and keys far apart, decided in its first.
+            return f"scores one step apart, k={k}: {have.tolist()}"
+    # Keys that share their top 24 bits and differ in the last 8, keys 256 apart (their last 8 bits equal), and keys
+    # far apart.
     base = torch.tensor(3.0).view(torch.int32)
     for spread in (torch.arange(40) * 3, torch.arange(40) * 256 + 7):
         near = (base + spread).view(torch.float32)[torch.randperm(40, generator=g)][None]
@@ -94,7 +93,7 @@ def _cases(launches: list, search: str) -> str | None:
             for k in (1, 17, rows.shape[1]):
                 have = top_set(rows, k, block=16)
                 if not torch.equal(have, _stable_best(rows, k)):
-                    return f"{search}: keys {spread[1].item()} apart, k={k}: {have.tolist()}"
+                    return f"keys {spread[1].item()} apart, k={k}: {have.tolist()}"
     for bad in (0, 21):
         try:
             top_set(scores, bad)
@@ -116,30 +115,21 @@ def _main() -> int:
         return 1
     launches: list = []
     count_launches(ts, "_top_set_kernel", launches)
-    for search in ts.SEARCHES:
-        error = _cases(launches, search)
-        if error:
-            print(error)
-            return 1
-    try:
-        ts.top_set_triton(torch.zeros(1, 4), 2, search="sort")
-        print("an unknown search was not refused")
+    error = _cases(launches)
+    if error:
+        print(error)
         return 1
-    except ValueError as err:
-        if "'sort'" not in str(err):
-            print(f"the error does not name the search: {err}")
-            return 1
     # The tiny Qwen4Exp (4 of up to 7 groups kept: the selection is active) with the kernel in every QSA
     # layer: the same selected sets as the torch path, so the same logits bit for bit.
     from qwen4_helpers import left_pad, make_pair, random_prompts
 
-    qsa._fuses_top_set = lambda scores, k: qsa.FUSED_QSA_TOPK  # the CUDA dispatch, on CPU tensors
-    for ts.FUSED_RADIX_SEARCH in (False, True):
-        error = fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)),
-                                        "qsa_topk", launches, atol=None)
-        if error:
-            print(f"generate (radix search {ts.FUSED_RADIX_SEARCH}): {error}")
-            return 1
+    top_set_ops._fuses_top_set = lambda scores, k: fusions.enabled("qsa_topk")  # the CUDA dispatch, on CPU tensors
+    fusions.STATE["qsa_topk"] = False  # the torch path first
+    error = fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)),
+                                    "qsa_topk", launches, atol=None)
+    if error:
+        print(f"generate: {error}")
+        return 1
     print("all top set cases ok")
     return 0
 

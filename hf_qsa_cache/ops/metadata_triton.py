@@ -1,6 +1,6 @@
 """Step metadata in one Triton launch.
 
-Produces exactly what `hf_qsa_cache.ops.metadata.build_step_metadata_torch` produces (same tensors,
+Produces exactly what `hf_qsa_cache.ops.metadata_ref.build_step_metadata_torch` produces (same tensors,
 same dtypes) without any host<->device synchronisation: every output size comes from host ints
 (``num_rows``, ``query_len`` and `max_compress_work`).
 
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .metadata import QSAGeometry, StepMetadata, host_fields, max_compress_work
+from .metadata_ref import QSAGeometry, StepMetadata, host_fields, max_compress_work
 from .triton_common import on_device_of_first_tensor, pdl, pdl_begin
 
 # Block tables are passed as separate pointer arguments, specialised on how many are used.

@@ -22,7 +22,7 @@ import torch
 
 from . import fusions, records_grad, top_set, use_triton
 from .row_writes import RowWrites
-from .metadata import StepMetadata
+from .metadata_ref import StepMetadata
 from .top_set import tile_maxima, top_group_set, top_groups_of_best_tiles
 
 # Upper bound on the elements one chunk of scores / gathered K/V may take (selection at long context
@@ -285,6 +285,13 @@ def sparse_paged_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
 
         return sparse_paged_attention_triton(query, keys, values, block_table, token_row, positions, block_size,
                                              scaling)
+    return sparse_paged_attention_torch(query, keys, values, block_table, token_row, positions, block_size, scaling)
+
+
+def sparse_paged_attention_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                 block_table: torch.Tensor, token_row: torch.Tensor, positions: torch.Tensor,
+                                 block_size: int, scaling: float) -> torch.Tensor:
+    """`sparse_paged_attention`'s specification (what the CPU runs)."""
     n, num_heads, head_dim = query.shape
     out = torch.zeros_like(query)
     for start, end, probs, slots in _selected_softmax(query, keys, block_table, token_row, positions, block_size,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fusions, records_grad
+from . import fusions, records_grad, use_triton
 from .row_writes_ref import MAX_TARGETS, copy_rows, row_layout, write_slots
 
 __all__ = ["MAX_TARGETS", "RowWrites", "fuses_row_writes", "row_layout", "write_slots"]
@@ -46,16 +46,12 @@ def _same_kind(a: torch.dtype, b: torch.dtype) -> bool:
     return a == b or not (a.is_floating_point or b.is_floating_point)
 
 
-def _on_gpu(store: torch.Tensor) -> bool:
-    return store.is_cuda
-
-
 def fuses_row_writes(pending) -> bool:
     """Whether `RowWrites.flush` takes one launch: the ``qsa_writes`` fusion on, CUDA tensors, at most
     `MAX_TARGETS` writes, no autograd history to drop, each value cast as torch casts it (no float rounding), and
     each store's and value's rows single strided runs (a store's contiguous)."""
     return (fusions.enabled("qsa_writes") and 0 < len(pending) <= MAX_TARGETS
-            and all(_on_gpu(store) and rows.device == store.device and values.device == store.device
+            and all(use_triton(store) and rows.device == store.device and values.device == store.device
                     and values.shape[1:] == store.shape[1:] and _same_kind(store.dtype, values.dtype)
                     and not records_grad(values) and row_layout(store) is not None and row_layout(store)[1] == 1
                     and row_layout(values) is not None and rows.dim() == 1 and rows.numel() == values.shape[0]
