@@ -27,10 +27,13 @@ from transformers.cache_utils import Cache
 
 from .blocks import default_num_blocks
 from .layout import build_layout, model_family, rollback_costs_nothing, state_geometry, text_config
-from .metadata import StepMetadata, build_step_metadata_torch
+from .metadata import StepMetadata
 from .rollback import crop_rows
-from .rows import Rows
-from .step import ForwardScope, MetadataSlot, Step, UndoCopies, canonical_device, plan_step, why_not_fits
+from .rows import Rows, move_rows, select_rows
+from .validation import check_continues, check_model, check_request
+from .step import (
+    ForwardScope, MetadataSlot, Step, UndoCopies, forward_scope, graph_step_metadata, plan_step, transaction, why_not_fits,
+)
 from .stores.layer_state import LayerState
 from .stores.token_log import TokenLog
 
@@ -40,30 +43,6 @@ __all__ = ["QSAPagedCache", "LayerState", "model_family", "rollback_costs_nothin
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def build_step_metadata(prev_len: torch.Tensor, *args, **kwargs) -> StepMetadata:
-    """A step's metadata: one Triton launch on CUDA, the torch specification elsewhere (same arguments
-    as `hf_qsa_cache.metadata.build_step_metadata_torch`)."""
-    if prev_len.is_cuda:
-        from .ops.metadata_triton import build_step_metadata_triton
-
-        return build_step_metadata_triton(prev_len, *args, **kwargs)
-    return build_step_metadata_torch(prev_len, *args, **kwargs)
-
-
-class _IndicesByDevice:
-    """Row-index lists as long tensors, each made once per device (a row move touches every store's tensors)."""
-
-    def __init__(self):
-        self._made: dict[tuple[int, torch.device], tuple[list[int], torch.Tensor]] = {}
-
-    def __call__(self, rows: list[int], device: torch.device) -> torch.Tensor:
-        key = (id(rows), device)
-        made = self._made.get(key)
-        if made is None or made[0] is not rows:
-            made = self._made[key] = (rows, torch.tensor(rows, dtype=torch.long, device=device))
-        return made[1]
 
 
 class QSAPagedCache(Cache):
@@ -131,12 +110,12 @@ class QSAPagedCache(Cache):
         self._checked_model: tuple | None = None  # (config, dtype) last accepted by check_model
         self._unusable: str | None = None  # why the cache must be reset() before further use
         # Qwen4Exp with num_speculative_tokens: per-position state kept for crop (rollback.py)
-        self.keeps_rollback_history = any(getattr(store, "history", 0) for store in self._layer_stores())
+        self.keeps_rollback_history = any(getattr(store, "history", 0) for store in self.layer_stores())
         self.graph_runners = weakref.WeakKeyDictionary()  # model -> its CUDA-graph runner (cuda_graphs.py)
         self._main_pool_follows_length = num_blocks is None  # `grow` enlarges a main pool it sized itself
         self._generate_may_grow = False  # set on a cache generate() built: a later call may `grow` it
         if self.device is not None:
-            for store in self._layer_stores():
+            for store in self.layer_stores():
                 store.allocate(self.device, self.dtype)
 
     # ------------------------------------------------------------------ the rows' state (owned by `self.rows`)
@@ -168,12 +147,12 @@ class QSAPagedCache(Cache):
     def next_positions(self, rows: int) -> list[int]:
         return self.rows.next_positions(rows)
 
-    def _layer_stores(self) -> list:
+    def layer_stores(self) -> list:
         return [store for layer in self.layers for store in layer.stores.values()]
 
-    def _all_stores(self) -> list:
+    def all_stores(self) -> list:
         """Every layer's stores, then the cache's own token log."""
-        return [*self._layer_stores(), self.token_log]
+        return [*self.layer_stores(), self.token_log]
 
     # ------------------------------------------------------------------ validation
     def check_usable(self) -> None:
@@ -198,100 +177,26 @@ class QSAPagedCache(Cache):
     def check_request(self, prompt_lengths: list[int], max_new_tokens: int) -> None:
         """Raise before any forward unless rows of ``prompt_lengths`` real tokens can each add
         ``max_new_tokens`` more (what `generate()` checks before its prefill)."""
-        self.check_usable()
-        if len(prompt_lengths) > self.max_batch_size:
-            raise ValueError(f"batch of {len(prompt_lengths)} rows exceeds max_batch_size={self.max_batch_size}")
-        for b, n in enumerate(prompt_lengths):
-            if n == 0:
-                raise ValueError(f"row {b} of attention_mask has no real token (all zeros): nothing to generate from")
-            if n + max_new_tokens > self.max_cache_len:
-                raise ValueError(
-                    f"row {b} needs {n + max_new_tokens} slots ({n} prompt tokens + max_new_tokens={max_new_tokens}), "
-                    f"cache holds max_cache_len={self.max_cache_len}"
-                )
-        problem = self.why_not_fits([max(self.lengths[b], n + max_new_tokens) for b, n in enumerate(prompt_lengths)],
-                                    what="this generate() call")
-        if problem is not None:
-            raise ValueError(problem)
+        check_request(self, prompt_lengths, max_new_tokens)
 
     def check_model(self, config, dtype: torch.dtype) -> None:
-        """Raise unless a model of ``config`` running in ``dtype`` lays out its state as this cache does.
-        Checked once per (model config, dtype), before the first step changes anything."""
-        if self._checked_model is not None and self._checked_model[0] is config and self._checked_model[1] == dtype:
-            return
-        theirs = state_geometry(text_config(config))
-        for field in dict.fromkeys([*self.geometry, *theirs]):
-            mine, other = self.geometry.get(field), theirs.get(field)
-            if mine != other:
-                raise ValueError(f"the cache was built for {field}={mine!r}, the model has {field}={other!r}")
-        held = self.dtype or next((s.dtype for s in self._layer_stores() if s.allocated), None)
-        if held is not None and held != dtype and self.dtype is None and self.columns_seen == 0:
-            # Built to follow the model, and empty (new or reset): follow it into its new dtype.
-            self.undo.clear()
-            for store in self._layer_stores():
-                store.deallocate()
-        elif held is not None and held != dtype:
-            if self.dtype is None:
-                raise ValueError(
-                    f"the cache holds state of a model that ran in dtype={held}, this one runs in dtype={dtype}: "
-                    f"call cache.reset() first (an empty cache built without device/dtype follows the model)"
-                )
-            raise ValueError(
-                f"the cache holds state in dtype={held}, the model runs in dtype={dtype}: build the cache with "
-                f"dtype={dtype} (or without device/dtype, to follow the model)"
-            )
-        self._checked_model = (config, dtype)
+        """Raise unless a model of ``config`` running in ``dtype`` lays out its state as this cache does
+        (`validation.check_model`); checked once per (model config, dtype)."""
+        if self._checked_model is None or self._checked_model[0] is not config or self._checked_model[1] != dtype:
+            check_model(self, config, dtype)
+            self._checked_model = (config, dtype)
 
     def check_continues(self, input_ids: torch.Tensor) -> None:
-        """Raise, naming `reset()`, unless ``input_ids`` ``[B, W]`` (a new `generate()` call's whole input)
-        extends what the cache holds: the same rows, more columns, and the held tokens first. transformers
-        feeds a passed cache only the columns past what it holds, so anything else would silently continue
-        the old sequences. Once per `generate()` call (one host sync)."""
-        if self.columns_seen == 0:
-            return
-        rows, width = input_ids.shape[:2]
-        if rows != self.num_rows:
-            raise ValueError(f"the cache holds {self.num_rows} rows of an earlier call, this call has {rows}: "
-                             f"call cache.reset() before a new batch")
-        if width <= self.columns_seen:
-            raise ValueError(f"the cache holds {self.columns_seen} columns of an earlier call and input_ids has "
-                             f"{width}, so it does not continue them: call cache.reset() before a new prompt")
-        bad = self.token_log.mismatched_rows(input_ids, self.lengths[:rows], self.columns_seen)
-        if bad:
-            raise ValueError(f"row {bad[0]} of input_ids does not start with the tokens the cache holds for it: "
-                             f"call cache.reset() before a new prompt")
+        """Raise, naming `reset()`, unless ``input_ids`` (a new `generate()` call's whole input) extends what the
+        cache holds (`validation.check_continues`)."""
+        check_continues(self, input_ids)
 
     # ------------------------------------------------------------------ steps (`hf_qsa_cache.step`)
-    @contextlib.contextmanager
     def transaction(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None,
                     copy_rows: bool = True, rope_deltas: list[int | None] | None = None):
-        """``with cache.transaction(B, L, mask) as step:`` one step, as a transaction (`hf_qsa_cache.step`).
-
-        Validates first (nothing changes on error), then begins the `Step` (``step.prev``: each row's length
-        before it, ``step.counts``: its real tokens in it). The step lands only if the block exits normally;
-        any exception takes every change back. ``rope_deltas``: each row's RoPE offset after this step (None
-        keeps a row's). ``copy_rows=False``: the caller copies the rows aside itself, inside a recorded CUDA
-        graph (`copy_rows_aside`), and says so with ``step.rows_saved(rows)`` once that copy has run."""
-        if self._open is not None:
-            raise RuntimeError("a step of this cache is already in flight (steps do not nest)")
-        if self._scope is not None:
-            self._scope.land_pending()  # the previous chunk of this forward lands first
-        step = self._open = Step(self, plan_step(self, batch_size, query_len, attention_mask))
-        self.steps_started += 1
-        try:
-            step.begin(copy_rows=copy_rows, rope_deltas=rope_deltas)
-            yield step
-        except BaseException:
-            self._open = None
-            step.abort()
-            raise
-        finally:
-            self.metadata.clear()
-        self._open = None
-        if self._scope is not None:
-            self._scope.pending = step  # lands when the model's whole forward returns
-        else:
-            step.commit()
+        """``with cache.transaction(B, L, mask) as step:`` one step, as a transaction (`hf_qsa_cache.step.transaction`:
+        validated first; ``step.prev`` and ``step.counts``; lands only if the block exits normally)."""
+        return transaction(self, batch_size, query_len, attention_mask, copy_rows, rope_deltas)
 
     @contextlib.contextmanager
     def step(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None, device: torch.device,
@@ -300,54 +205,21 @@ class QSAPagedCache(Cache):
         block exits normally (`transaction`). ``input_ids`` (None for a forward from embeddings) are logged
         for `check_continues`."""
         with self.transaction(batch_size, query_len, attention_mask, rope_deltas=rope_deltas) as step:
-            device = canonical_device(device)
-            lengths = torch.tensor([step.prev, step.counts], dtype=torch.int32)  # one host-to-device copy a step
-            if device.type == "cuda":
-                lengths = lengths.to(device, non_blocking=True)
-            block_tables = {name: t.device_table(batch_size, device) for name, t in self.tables.items()}
-            block_sizes = {name: t.block_size for name, t in self.tables.items()}
-            meta = build_step_metadata(lengths[0], lengths[1], query_len, block_tables, block_sizes, self.qsa,
-                                       step.prev, step.counts)
-            self.metadata.set(meta, device)
+            meta = step.build_metadata(device)
             self.log_tokens(meta, input_ids)
             yield meta
 
     def graph_step_metadata(self, lengths: torch.Tensor, query_len: int,
                             block_tables: dict[str, torch.Tensor] | None = None, reach: int | None = None
                             ) -> StepMetadata:
-        """Metadata of a step whose lengths (``[2, rows]``: before the step, real tokens) sit in a device
-        buffer, so that the same launches serve every replay of a CUDA graph: no host copies of the lengths,
-        shapes sized for ``reach`` tokens per row (default: the cache's capacity; the caller guarantees no
-        row holds more after the step). ``block_tables``: the device tables to read (default: the
-        persistent ones, brought up to date)."""
-        reach = self.max_cache_len if reach is None else reach
-        rows = lengths.shape[1]
-        if block_tables is None:
-            block_tables = {name: t.device_table(rows, lengths.device) for name, t in self.tables.items()}
-        block_sizes = {name: t.block_size for name, t in self.tables.items()}
-        meta = build_step_metadata(lengths[0], lengths[1], query_len, block_tables, block_sizes, self.qsa, None,
-                                   None, max_seq_len=reach)
-        self.metadata.set(meta, lengths.device)
-        return meta
+        """Metadata of a step whose lengths (``[2, rows]``) sit in a device buffer, for every replay of a CUDA
+        graph (`hf_qsa_cache.step.graph_step_metadata`)."""
+        return graph_step_metadata(self, lengths, query_len, block_tables, reach)
 
-    @contextlib.contextmanager
     def forward_scope(self):
         """``with cache.forward_scope():`` one call of a model's forward: the steps it runs land only if the
-        whole call returns (`hf_qsa_cache.step.ForwardScope`); a failed call's landed chunks reset a cache
-        that was empty before it, and make any other refuse further steps until `reset()`. Scopes nest:
-        only the outermost one counts."""
-        if self._scope is not None:
-            yield
-            return
-        scope = self._scope = ForwardScope(self)
-        try:
-            yield
-        except BaseException:
-            self._scope = None
-            scope.failed()
-            raise
-        self._scope = None
-        scope.land_pending()
+        whole call returns (`hf_qsa_cache.step.forward_scope`)."""
+        return forward_scope(self)
 
     def log_tokens(self, meta: StepMetadata, input_ids: torch.Tensor | None) -> None:
         self.token_log.write(meta.position, meta.token_row, input_ids)
@@ -373,7 +245,7 @@ class QSAPagedCache(Cache):
 
     def reset_stores(self) -> None:
         """Every allocated store back to the state a fresh row starts from."""
-        for store in self._layer_stores():
+        for store in self.layer_stores():
             if store.allocated:
                 store.reset()
 
@@ -406,7 +278,7 @@ class QSAPagedCache(Cache):
 
     @property
     def is_initialized(self) -> bool:
-        return any(store.allocated for store in self._layer_stores())
+        return any(store.allocated for store in self.layer_stores())
 
     @property
     def is_croppable(self) -> bool:
@@ -488,81 +360,14 @@ class QSAPagedCache(Cache):
         """Keep rows ``indices`` (in that order); the others give their blocks back."""
         self.select_rows([int(i) for i in torch.as_tensor(indices).flatten().tolist()])
 
-    def _check_idle(self) -> None:
-        if self._open is not None:
-            raise RuntimeError("cannot move rows while a step is in flight")
-        self.check_usable()
-
     def select_rows(self, src: list[int]) -> None:
-        """Row ``i`` becomes a copy of row ``src[i]``; rows past ``len(src)`` are released.
-
-        Everything is checked first (row indices, ``max_batch_size``, free blocks for the copies), and the
-        device data is gathered before anything is written, so a refusal changes nothing.
-        """
-        self._check_idle()
-        n, held = len(src), self.num_rows
-        if not 1 <= n <= self.max_batch_size:
-            raise ValueError(f"the cache can hold 1 to max_batch_size={self.max_batch_size} rows, asked for {n}")
-        if any(not 0 <= s < held for s in src):
-            raise ValueError(f"row indices must lie in [0, {held}) (rows the cache holds), got {src}")
-        for name, table in self.tables.items():
-            need, have = table.blocks_for_select(src, held), len(table.free)
-            if need > have:
-                raise ValueError(f"{name} block pool: copying rows needs {need} more free blocks of "
-                                 f"{table.block_size} tokens, {have} are free (num_blocks={table.num_blocks})")
-        indices = _IndicesByDevice()
-        gathered = [(t, t.index_select(0, indices(src, t.device)))  # read everything before the first write
-                    for store in self._all_stores() for t in store.row_tensors()]
-        plans = {name: table.select_rows(src, held) for name, table in self.tables.items()}
-        self.rows.select(src)
-        try:
-            for name, (old, new) in plans.items():
-                for store in self._layer_stores():
-                    if new and store.table == name and store.allocated:
-                        for t in store.paged_tensors():
-                            t.index_copy_(0, indices(new, t.device), t.index_select(0, indices(old, t.device)))
-            for t, data in gathered:
-                t[:n] = data
-        except BaseException as error:
-            self.mark_unusable(f"copying rows failed half way ({type(error).__name__}: {error})")
-            raise
+        """Row ``i`` becomes a copy of row ``src[i]``; rows past ``len(src)`` are released (`rows.select_rows`)."""
+        select_rows(self, src)
 
     def move_rows(self, src: list[int]) -> None:
-        """Place rows one by one (continuous batching): row ``i`` becomes row ``src[i]``, or a fresh, empty row
-        for a new sequence where ``src[i] == -1``; rows no entry names are released (their blocks return to
-        the pools). Paged data does not move (blocks change owner); per-row state (GatedDeltaNet / PLE state,
-        QSA ring, token log) is copied for the rows that change place only, one gather per tensor. Afterwards
-        a forward may cover any prefix of the rows (`check_step`), and a failed step leaves every row as it was.
-
-        Everything is checked first; a failure while copying refuses further steps, naming `reset()`.
-        """
-        self._check_idle()
-        held = self.num_rows
-        kept = [s for s in src if s != -1]
-        if len(src) > self.max_batch_size:
-            raise ValueError(f"the cache can hold up to max_batch_size={self.max_batch_size} rows, asked for {len(src)}")
-        if any(not 0 <= s < held for s in kept) or len(set(kept)) != len(kept):
-            raise ValueError(f"entries must be distinct rows in [0, {held}) or -1 (a fresh row), got {src}")
-        moved = [i for i, s in enumerate(src) if s not in (i, -1)]  # only rows that change place are copied
-        gathered = []  # read every moved row before the first write
-        if moved:
-            sources, indices = [src[i] for i in moved], _IndicesByDevice()
-            gathered = [(t, indices(moved, t.device), t.index_select(0, indices(sources, t.device)))
-                        for store in self._all_stores() for t in store.row_tensors()]
-        try:  # from the first change on, a failure refuses further steps (naming reset())
-            for table in self.tables.values():
-                table.move_rows(src, held)
-            self.rows.move(src)
-            for t, rows, data in gathered:
-                t.index_copy_(0, rows, data)
-            fresh = [i for i, s in enumerate(src) if s == -1]
-            if fresh:
-                for store in self._layer_stores():
-                    if store.allocated:
-                        store.reset_rows(fresh)
-        except BaseException as error:
-            self.mark_unusable(f"moving rows failed half way ({type(error).__name__}: {error})")
-            raise
+        """Place rows one by one (continuous batching): row ``i`` becomes row ``src[i]``, or a fresh row where
+        ``src[i] == -1``; rows no entry names are released (`rows.move_rows`)."""
+        move_rows(self, src)
 
     # ------------------------------------------------------------------ capacity and memory
     def grow(self, max_cache_len: int) -> None:
@@ -588,7 +393,7 @@ class QSAPagedCache(Cache):
             follows = table.window is not None or self._main_pool_follows_length
             need = default_num_blocks(self.max_batch_size, table.block_size, max_cache_len, table.window)
             pools[name] = max(table.num_blocks, need) if follows else table.num_blocks
-        for store in self._layer_stores():
+        for store in self.layer_stores():
             if store.table is not None:
                 store.resize_blocks(pools[store.table])
         self.token_log.grow(max_cache_len)
@@ -601,7 +406,7 @@ class QSAPagedCache(Cache):
     def memory_stats(self) -> dict:
         """Bytes per store (summed over layers) and block usage per table."""
         bytes_per_store: dict[str, int] = {}
-        for store in self._all_stores():
+        for store in self.all_stores():
             for key, size in store.nbytes().items():
                 if size:
                     bytes_per_store[key] = bytes_per_store.get(key, 0) + size

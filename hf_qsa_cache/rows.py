@@ -14,12 +14,15 @@ and for the batch: ``count`` (rows in flight), ``columns`` (the rectangular leng
 
 Every per-row field is named in `PER_ROW`: selecting, moving, releasing, snapshotting and restoring rows
 treat them all alike, so a new field is one entry there. The device data of a row (paged blocks, per-row
-tensors) is owned by the block tables and the stores; this object never touches it.
+tensors) is owned by the block tables and the stores; `select_rows` and `move_rows` place rows on a cache:
+they check everything, gather the device data, then change the tables, the `Rows` and the stores together.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -102,3 +105,98 @@ class Rows:
 
     def __repr__(self):
         return f"Rows(count={self.count}, columns={self.columns}, lengths={self.lengths[:self.count]})"
+
+
+# ---------------------------------------------------------------------- placing rows on a cache
+class _IndicesByDevice:
+    """Row-index lists as long tensors, each made once per device (a row move touches every store's tensors)."""
+
+    def __init__(self):
+        self._made: dict[tuple[int, torch.device], tuple[list[int], torch.Tensor]] = {}
+
+    def __call__(self, rows: list[int], device: torch.device) -> torch.Tensor:
+        key = (id(rows), device)
+        made = self._made.get(key)
+        if made is None or made[0] is not rows:
+            made = self._made[key] = (rows, torch.tensor(rows, dtype=torch.long, device=device))
+        return made[1]
+
+
+def _check_idle(cache) -> None:
+    if cache.open_step is not None:
+        raise RuntimeError("cannot move rows while a step is in flight")
+    cache.check_usable()
+
+
+def select_rows(cache, src: list[int]) -> None:
+    """Row ``i`` of ``cache`` becomes a copy of row ``src[i]``; rows past ``len(src)`` are released (beam search).
+
+    Everything is checked first (row indices, ``max_batch_size``, free blocks for the copies), and the device
+    data is gathered before anything is written, so a refusal changes nothing; a failure while writing refuses
+    further steps, naming `reset()`.
+    """
+    _check_idle(cache)
+    n, held = len(src), cache.rows.count
+    if not 1 <= n <= cache.max_batch_size:
+        raise ValueError(f"the cache can hold 1 to max_batch_size={cache.max_batch_size} rows, asked for {n}")
+    if any(not 0 <= s < held for s in src):
+        raise ValueError(f"row indices must lie in [0, {held}) (rows the cache holds), got {src}")
+    for name, table in cache.tables.items():
+        need, have = table.blocks_for_select(src, held), len(table.free)
+        if need > have:
+            raise ValueError(f"{name} block pool: copying rows needs {need} more free blocks of "
+                             f"{table.block_size} tokens, {have} are free (num_blocks={table.num_blocks})")
+    indices = _IndicesByDevice()
+    gathered = [(t, t.index_select(0, indices(src, t.device)))  # read everything before the first write
+                for store in cache.all_stores() for t in store.row_tensors()]
+    plans = {name: table.select_rows(src, held) for name, table in cache.tables.items()}
+    cache.rows.select(src)
+    try:
+        for name, (old, new) in plans.items():
+            for store in cache.layer_stores():
+                if new and store.table == name and store.allocated:
+                    for t in store.paged_tensors():  # a copied row's blocks are copied into its new blocks
+                        t.index_copy_(0, indices(new, t.device), t.index_select(0, indices(old, t.device)))
+        for t, data in gathered:
+            t[:n] = data
+    except BaseException as error:
+        cache.mark_unusable(f"copying rows failed half way ({type(error).__name__}: {error})")
+        raise
+
+
+def move_rows(cache, src: list[int]) -> None:
+    """Place rows one by one (continuous batching): row ``i`` of ``cache`` becomes row ``src[i]``, or a fresh,
+    empty row for a new sequence where ``src[i] == -1``; rows no entry names are released (their blocks return
+    to the pools). Paged data does not move (blocks change owner); per-row state (GatedDeltaNet / PLE state,
+    QSA ring, token log) is copied for the rows that change place only, one gather per tensor. Afterwards a
+    forward may cover any prefix of the rows, and a failed step leaves every row as it was.
+
+    Everything is checked first; a failure while copying refuses further steps, naming `reset()`.
+    """
+    _check_idle(cache)
+    held = cache.rows.count
+    kept = [s for s in src if s != -1]
+    if len(src) > cache.max_batch_size:
+        raise ValueError(f"the cache can hold up to max_batch_size={cache.max_batch_size} rows, asked for {len(src)}")
+    if any(not 0 <= s < held for s in kept) or len(set(kept)) != len(kept):
+        raise ValueError(f"entries must be distinct rows in [0, {held}) or -1 (a fresh row), got {src}")
+    moved = [i for i, s in enumerate(src) if s not in (i, -1)]  # only rows that change place are copied
+    gathered = []  # read every moved row before the first write
+    if moved:
+        sources, indices = [src[i] for i in moved], _IndicesByDevice()
+        gathered = [(t, indices(moved, t.device), t.index_select(0, indices(sources, t.device)))
+                    for store in cache.all_stores() for t in store.row_tensors()]
+    try:  # from the first change on, a failure refuses further steps (naming reset())
+        for table in cache.tables.values():
+            table.move_rows(src, held)
+        cache.rows.move(src)
+        for t, rows, data in gathered:
+            t.index_copy_(0, rows, data)
+        fresh = [i for i, s in enumerate(src) if s == -1]
+        if fresh:
+            for store in cache.layer_stores():
+                if store.allocated:
+                    store.reset_rows(fresh)
+    except BaseException as error:
+        cache.mark_unusable(f"moving rows failed half way ({type(error).__name__}: {error})")
+        raise

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .metadata import StepMetadata
+from .metadata import StepMetadata, build_step_metadata_torch
 from .padding import host_step_columns
 
 
@@ -68,6 +68,34 @@ class StepPlan:
     @property
     def pieces(self) -> list[Piece]:
         return [Piece(b, p, c) for b, (p, c) in enumerate(zip(self.prev, self.counts))]
+
+
+def build_step_metadata(prev_len: torch.Tensor, *args, **kwargs) -> StepMetadata:
+    """A step's metadata: one Triton launch on CUDA, the torch specification elsewhere (same arguments as
+    `hf_qsa_cache.metadata.build_step_metadata_torch`)."""
+    if prev_len.is_cuda:
+        from .ops.metadata_triton import build_step_metadata_triton
+
+        return build_step_metadata_triton(prev_len, *args, **kwargs)
+    return build_step_metadata_torch(prev_len, *args, **kwargs)
+
+
+def graph_step_metadata(cache, lengths: torch.Tensor, query_len: int,
+                        block_tables: dict[str, torch.Tensor] | None = None, reach: int | None = None) -> StepMetadata:
+    """Metadata of a step of ``cache`` whose lengths (``[2, rows]``: before the step, real tokens) sit in a
+    device buffer, so that the same launches serve every replay of a CUDA graph: no host copies of the
+    lengths, shapes sized for ``reach`` tokens per row (default: the cache's capacity; the caller guarantees
+    no row holds more after the step). ``block_tables``: the device tables to read (default: the persistent
+    ones, brought up to date). The layers read it from ``cache.metadata``."""
+    reach = cache.max_cache_len if reach is None else reach
+    rows = lengths.shape[1]
+    if block_tables is None:
+        block_tables = {name: t.device_table(rows, lengths.device) for name, t in cache.tables.items()}
+    block_sizes = {name: t.block_size for name, t in cache.tables.items()}
+    meta = build_step_metadata(lengths[0], lengths[1], query_len, block_tables, block_sizes, cache.qsa, None,
+                               None, max_seq_len=reach)
+    cache.metadata.set(meta, lengths.device)
+    return meta
 
 
 # ---------------------------------------------------------------------- planning (nothing changes)
@@ -177,6 +205,21 @@ class Step:
             table.reserve_rows(new_lengths)
         cache.rows.advance(new_lengths, plan.query_len, rope_deltas)
 
+    def build_metadata(self, device: torch.device) -> StepMetadata:
+        """The step's metadata on ``device`` (the step's lengths copied once from the host), which the layers
+        then read from ``cache.metadata``."""
+        cache, plan = self.cache, self.plan
+        device = canonical_device(device)
+        lengths = torch.tensor([plan.prev, plan.counts], dtype=torch.int32)  # one host-to-device copy a step
+        if device.type == "cuda":
+            lengths = lengths.to(device, non_blocking=True)
+        block_tables = {name: t.device_table(plan.rows, device) for name, t in cache.tables.items()}
+        block_sizes = {name: t.block_size for name, t in cache.tables.items()}
+        meta = build_step_metadata(lengths[0], lengths[1], plan.query_len, block_tables, block_sizes, cache.qsa,
+                                   plan.prev, plan.counts)
+        cache.metadata.set(meta, device)
+        return meta
+
     def rows_saved(self, rows: int) -> None:
         """``rows`` rows of in-place state were copied aside: an abort copies them back."""
         if not self.started_empty:  # an abort resets the cache: nothing to copy back
@@ -237,6 +280,61 @@ class ForwardScope:
                 cache.reset()
             else:
                 cache.mark_unusable("a forward failed after some of its chunks landed")
+
+
+@contextlib.contextmanager
+def transaction(cache, batch_size: int, query_len: int, attention_mask: torch.Tensor | None, copy_rows: bool = True,
+                rope_deltas: list[int | None] | None = None):
+    """``with transaction(cache, B, L, mask) as step:`` one step of ``cache``, as a transaction.
+
+    Validates first (`plan_step`: nothing changes on error), then begins the `Step` (``step.prev``: each row's
+    length before it, ``step.counts``: its real tokens in it). The step lands only if the block exits
+    normally; any exception (host code, metadata, a layer, a graph replay) takes every change back. Inside a
+    forward scope it lands with the scope. ``rope_deltas``: each row's RoPE offset after this step (None keeps
+    a row's). ``copy_rows=False``: the caller copies the rows aside itself, inside a recorded CUDA graph
+    (`QSAPagedCache.copy_rows_aside`), and says so with ``step.rows_saved(rows)`` once that copy has run.
+    """
+    if cache._open is not None:
+        raise RuntimeError("a step of this cache is already in flight (steps do not nest)")
+    scope = cache._scope
+    if scope is not None:
+        scope.land_pending()  # the previous chunk of this forward lands first
+    step = cache._open = Step(cache, plan_step(cache, batch_size, query_len, attention_mask))
+    cache.steps_started += 1
+    try:
+        step.begin(copy_rows=copy_rows, rope_deltas=rope_deltas)
+        yield step
+    except BaseException:
+        cache._open = None
+        step.abort()
+        raise
+    finally:
+        cache.metadata.clear()
+    cache._open = None
+    if scope is not None:
+        scope.pending = step  # lands when the model's whole forward returns
+    else:
+        step.commit()
+
+
+@contextlib.contextmanager
+def forward_scope(cache):
+    """``with forward_scope(cache):`` one call of a model's forward (`ForwardScope`). If the call raises, the
+    pending step is taken back; if earlier chunks of the call landed, a cache that was empty before the call
+    is reset, any other refuses further steps until `reset()` (landed chunks cannot be taken back). Scopes
+    nest: only the outermost one counts."""
+    if cache._scope is not None:
+        yield
+        return
+    scope = cache._scope = ForwardScope(cache)
+    try:
+        yield
+    except BaseException:
+        cache._scope = None
+        scope.failed()
+        raise
+    cache._scope = None
+    scope.land_pending()
 
 
 # ---------------------------------------------------------------------- what the layers read, and the undo copies
