@@ -10,6 +10,7 @@ the largest difference and the time of both, one line per kernel.
 Shapes are those of `bench_generate.py`'s configs at a decode step of ``--tokens`` tokens (hidden 2048, 4
 hyper-connection streams, 32 GatedDeltaNet value heads of 128, QSA heads of 256 and index heads of 128 with a
 quarter rotated, 64 experts of 512 routed 10 per token). ``--small`` shrinks them for the interpreter.
+tests/gpu/test_gpu_fused_kernels.py runs the same comparisons (`compared`) at 1, 8 and 32 tokens, untimed.
 """
 
 from __future__ import annotations
@@ -259,6 +260,12 @@ def cases(device, dtype, tokens: int, small: bool):
                               keep)), 0.02)
 
 
+def compared(device, dtype, tokens: int, small: bool):
+    """``(name, kernel call, largest difference, tolerance)`` per fused kernel: its output against its spec's."""
+    for name, kernel, spec, tol in cases(device, dtype, tokens, small):
+        yield name, kernel, _diff(kernel(), spec()), tol
+
+
 def _experts_inputs(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, rand, g, device):
     """A step's experts arguments (`prompt_experts.tiled_experts_torch`): hidden states, routing (distinct experts
     per token, weights summing to 1), the experts' weights (untransposed), two shared experts with their weights
@@ -479,9 +486,7 @@ def main(argv=None) -> list[dict]:
         return [{"ok": True}]
     dtype = torch.bfloat16
     rows = []
-    for name, kernel, spec, tol in cases(device, dtype, args.tokens, args.small):
-        got, want = kernel(), spec()
-        diff = _diff(got, want)
+    for name, kernel, diff, tol in compared(device, dtype, args.tokens, args.small):
         row = {"kernel": name, "tokens": args.tokens, "max_diff": diff, "ok": diff <= tol,
                "kernel_us": round(_time(kernel, device, args.repeat), 1)}
         rows.append(row)

@@ -14,7 +14,8 @@ windowed table (blocks below the window are the null block) on sliding layers.
 One line per case: max error relative to the largest output, whether the stores agree, and the times
 of the torch op and the kernel (CUDA events). Decode cases run the kernel both ways of computing the relative
 bias (the ``rel_bias`` fusion off and on): the error is the worse of the two, and the other way's time is
-shown. Exits non-zero when a bound is exceeded. ``--split-sweep`` graph-times the decode steps at each split
+shown. Exits non-zero when a bound is exceeded. The same comparisons at the real shapes, untimed, are the tests of
+tests/gpu/test_gpu_inkling_attention.py (`REAL_CASES`). ``--split-sweep`` graph-times the decode steps at each split
 count and, at the policy's count, with the bias computed in the kernel.
 """
 
@@ -40,6 +41,16 @@ from hf_qsa_cache import fusions  # noqa: E402
 from hf_qsa_cache.ops import inkling_attention, inkling_attention_triton  # noqa: E402
 from hf_qsa_cache.ops.inkling_attention_triton import paged_rel_attention_triton  # noqa: E402
 
+# name, layer, rows as (prev_len, count), dtype
+REAL_CASES = [
+    ("decode 1 x 131072", "full", [(131072, 1)], torch.bfloat16),
+    ("decode 1 x 131072", "sliding", [(131072, 1)], torch.bfloat16),
+    ("decode 8 x 4096", "full", [(4096, 1)] * 8, torch.bfloat16),
+    ("decode 8 x 4096", "sliding", [(4096, 1)] * 8, torch.bfloat16),
+    ("decode 8 x 4096", "full", [(4096, 1)] * 8, torch.float32),
+    ("prefill 4096 over 8192", "full", [(8192, 4096)], torch.bfloat16),
+    ("prefill 4096 over 8192", "sliding", [(8192, 4096)], torch.bfloat16),
+]
 if TINY:
     # Small key tiles and splits, so the tiny decode cases take the split path like the real ones.
     inkling_attention_triton.DECODE_BLOCK_N = 16
@@ -58,15 +69,7 @@ if TINY:
 else:
     HEADS, KV_HEADS, HEAD_DIM, D_REL, REL_EXTENT, WINDOW, BLOCK_SIZE = 16, 4, 128, 16, 1024, 512, 64
     LOG_SCALING = (128000.0, 0.1)
-    CASES = [
-        ("decode 1 x 131072", "full", [(131072, 1)], torch.bfloat16),
-        ("decode 1 x 131072", "sliding", [(131072, 1)], torch.bfloat16),
-        ("decode 8 x 4096", "full", [(4096, 1)] * 8, torch.bfloat16),
-        ("decode 8 x 4096", "sliding", [(4096, 1)] * 8, torch.bfloat16),
-        ("decode 8 x 4096", "full", [(4096, 1)] * 8, torch.float32),
-        ("prefill 4096 over 8192", "full", [(8192, 4096)], torch.bfloat16),
-        ("prefill 4096 over 8192", "sliding", [(8192, 4096)], torch.bfloat16),
-    ]
+    CASES = REAL_CASES
 BOUND = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
 
 
@@ -128,7 +131,7 @@ def time_ms(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def check(name: str, layer: str, rows, dtype, device) -> bool:
+def check(name: str, layer: str, rows, dtype, device, timed: bool = True) -> bool:
     args = make_inputs(layer, rows, dtype, device)
     L = args["q"].shape[1]
     iters = 1 if TINY else (3 if L > 1 else 20)
@@ -136,16 +139,16 @@ def check(name: str, layer: str, rows, dtype, device) -> bool:
     have_args = {**args, "key_store": args["key_store"].clone(), "value_store": args["value_store"].clone()}
     have = paged_rel_attention_triton(**have_args, bias_in_kernel=fusions.enabled("rel_bias"))
     t_kernel = time_ms(lambda: paged_rel_attention_triton(**have_args, bias_in_kernel=fusions.enabled("rel_bias")),
-                       iters if TINY else 50)
+                       iters if TINY else 50) if timed else float("nan")
     extra = ""
-    if L == 1 and not TINY:
+    if L == 1 and not TINY and timed:
         t_one = time_ms(lambda: paged_rel_attention_triton(**have_args, num_splits=1), 20)
         extra = f"  (one split {t_one:.3f} ms)"
     if L == 1:  # the other way of computing the bias (the rel_bias fusion on or off), checked below too
         other_args = {**args, "key_store": args["key_store"].clone(), "value_store": args["value_store"].clone()}
         in_kernel = not fusions.enabled("rel_bias")
         other = paged_rel_attention_triton(**other_args, bias_in_kernel=in_kernel)
-        if not TINY:
+        if not TINY and timed:
             t_other = time_ms(lambda: paged_rel_attention_triton(**other_args, bias_in_kernel=in_kernel), 50)
             extra += f"  (bias {'in kernel' if in_kernel else 'by matmul'} {t_other:.3f} ms)"
     try:
@@ -164,8 +167,7 @@ def check(name: str, layer: str, rows, dtype, device) -> bool:
                                                            (have_args["value_store"], want_args["value_store"])))
     del want
     try:
-        t_torch = time_ms(lambda: paged_rel_attention_torch(**want_args), iters)
-        torch_time = f"{t_torch:9.3f} ms"
+        torch_time = f"{time_ms(lambda: paged_rel_attention_torch(**want_args), iters):9.3f} ms" if timed else "-"
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         torch_time = "      OOM"

@@ -8,6 +8,7 @@ launch (`linears_triton`; each link its own weights, 13 MB, so that L2 does not 
 the query's output feeding the next link's norm: 2 kernels a link, 64 links. Variants: ``pdl`` off; on (early
 launch and the projections' weight prefetch); on with the projections' one-token dot tiles. ``us_per_kernel``
 is a replay's time over its kernels; the gap early launch hides is the difference between the first two.
+tests/gpu/test_gpu_pdl.py checks the first two variants' outputs equal.
 """
 
 from __future__ import annotations
@@ -42,21 +43,34 @@ def timed(x, norm_weight, weights) -> tuple[float, torch.Tensor]:
     return us / (2 * LINKS), held["out"].clone()
 
 
-def main() -> int:
-    device = torch.device("cuda")
+def inputs(device) -> tuple:
+    """The chain's input, its norm weight and each link's four projection weights (bf16)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, HIDDEN, generator=gen).to(device, torch.bfloat16)
     norm_weight = (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(device, torch.bfloat16)
     weights = [[(torch.randn(n, HIDDEN, generator=gen) * 0.02).to(device, torch.bfloat16) for n in ROWS]
                for _ in range(LINKS)]
+    return x, norm_weight, weights
+
+
+def variant(pdl: bool, tiles, *chain_inputs) -> tuple[float, torch.Tensor]:
+    """`timed` with the ``pdl`` setting on or off and the projections' one-token tiles ``tiles``."""
+    shipped = linears_triton.ONE_TOKEN_TILES
+    linears_triton.ONE_TOKEN_TILES = tiles
+    try:
+        with fused(("pdl",), on=pdl):
+            return timed(*chain_inputs)
+    finally:
+        linears_triton.ONE_TOKEN_TILES = shipped
+
+
+def main() -> int:
+    chain_inputs = inputs(torch.device("cuda"))
     shipped = linears_triton.ONE_TOKEN_TILES
     results = {}
     for name, pdl, tiles in [("pdl off", False, shipped), ("pdl on", True, shipped),
                              ("pdl on, dot tiles", True, linears_triton.ONE_TOKEN_DOT_TILES)]:
-        linears_triton.ONE_TOKEN_TILES = tiles
-        with fused(("pdl",), on=pdl):
-            us, out = timed(x, norm_weight, weights)
-        linears_triton.ONE_TOKEN_TILES = shipped
+        us, out = variant(pdl, tiles, *chain_inputs)
         results[name] = out
         same = torch.equal(out, results["pdl off"]) if name != "pdl on, dot tiles" else None
         print(json.dumps({"variant": name, "us_per_kernel": round(us, 3), "kernels": 2 * LINKS,

@@ -10,7 +10,8 @@ program too), and one decode token over 262144 groups (a 1M-token context). Then
 launch sweep of the prefill index scores, the whole selection of a prefill chunk (scores written then
 ranked, against tile maxima with the best tiles rescored) from decode to a 1M-token context, and a launch
 sweep of the prefill sparse attention (alone with ``--attention-sweep``). One line per case (max error,
-torch and Triton times from triton.testing.do_bench), then PASS or FAIL. ``--decode-sweep``: the decode sparse
+torch and Triton times from triton.testing.do_bench), then PASS or FAIL. The same comparisons, untimed, are the
+tests of tests/gpu/test_gpu_qsa_kernels.py (the case lists below). ``--decode-sweep``: the decode sparse
 attention (1 and 8 tokens) at positions per tile x split counts x warps x pipelining stages, graph-timed as in a
 decode step."""
 
@@ -24,12 +25,26 @@ import triton.testing
 
 from hf_qsa_cache.ops import qsa, qsa_triton, top_set
 
-
 BLOCK_SIZE = 64
 RATIO = 4
 GROUPS = 4096
 SEQ_LEN = GROUPS * RATIO
 NUM_ROWS = 8
+
+# Sparse attention: (tokens, dtype).
+ATTENTION_CASES = [(1, torch.bfloat16), (8, torch.bfloat16), (4096, torch.bfloat16), (8, torch.float32)]
+# Index scores: (tokens, dtype, groups, one row). Tokens of 8 rows; prefill chunks of one row (token tiles share key
+# loads), decode in a 1M-token context, and the real long-context selection chunk: 512 tokens of one row over
+# 262144 groups (1M tokens).
+SCORES_CASES = [(1, torch.bfloat16, GROUPS, False), (8, torch.bfloat16, GROUPS, False),
+                (4096, torch.bfloat16, GROUPS, False), (8, torch.float32, GROUPS, False),
+                (4096, torch.bfloat16, 4096, True), (4096, torch.bfloat16, 32768, True),
+                (1, torch.bfloat16, 262144, True), (512, torch.bfloat16, 262144, True)]
+# The top-k paths: (tokens, groups).
+TOP_GROUPS_CASES = [(4096, 32768), (512, 262144)]
+# Scores written then ranked, against tile maxima and the best tiles' groups scored again: (tokens, groups) of
+# decode and prefill chunks at 64k, 128k, 256k and 1M tokens of context.
+SELECTION_CASES = [(1, 32768), (1, 262144), (4096, 16384), (4096, 32768), (2048, 65536), (2048, 262144)]
 
 
 def _table(g: torch.Generator, device, num_rows: int = NUM_ROWS, seq_len: int = SEQ_LEN) -> tuple[torch.Tensor, int]:
@@ -61,7 +76,7 @@ def _attention_args(n: int, dtype, g: torch.Generator, device) -> tuple:
     return query, keys, values, table, token_row, positions, BLOCK_SIZE, 1.0 / math.sqrt(head_dim)
 
 
-def check_attention(n: int, dtype, g: torch.Generator, device) -> bool:
+def check_attention(n: int, dtype, g: torch.Generator, device, timed: bool = True) -> bool:
     args = _attention_args(n, dtype, g, device)
     num_kv, width = args[1].shape[2], args[5].shape[1]
     want = qsa.sparse_paged_attention_torch(*args)
@@ -75,16 +90,20 @@ def check_attention(n: int, dtype, g: torch.Generator, device) -> bool:
         single = qsa_triton.sparse_paged_attention_triton(*args, num_splits=1)
         err = max(err, (single.float() - want.float()).abs().max().item())
         ok = ok and err <= atol
-        t_one = _bench(lambda: qsa_triton.sparse_paged_attention_triton(*args, num_splits=1))
-        extra = f" (1 split: {t_one:9.1f}us)"
-    t_ref = _bench(lambda: qsa.sparse_paged_attention_torch(*args))
-    t_tri = _bench(lambda: qsa_triton.sparse_paged_attention_triton(*args))
-    print(f"attention N={n:5d} {dtype!s:14s} splits={splits:2d} max_err={err:.2e} torch={t_ref:9.1f}us "
-          f"triton={t_tri:9.1f}us{extra} speedup={t_ref / t_tri:6.2f}x {'ok' if ok else 'MISMATCH'}")
+        if timed:
+            t_one = _bench(lambda: qsa_triton.sparse_paged_attention_triton(*args, num_splits=1))
+            extra = f" (1 split: {t_one:9.1f}us)"
+    if timed:
+        t_ref = _bench(lambda: qsa.sparse_paged_attention_torch(*args))
+        t_tri = _bench(lambda: qsa_triton.sparse_paged_attention_triton(*args))
+        extra = f" torch={t_ref:9.1f}us triton={t_tri:9.1f}us{extra} speedup={t_ref / t_tri:6.2f}x"
+    print(f"attention N={n:5d} {dtype!s:14s} splits={splits:2d} max_err={err:.2e} (bound {atol:.0e}){extra} "
+          f"{'ok' if ok else 'MISMATCH'}")
     return ok
 
 
-def check_scores(n: int, dtype, g: torch.Generator, device, groups: int = GROUPS, one_row: bool = False) -> bool:
+def check_scores(n: int, dtype, g: torch.Generator, device, groups: int = GROUPS, one_row: bool = False,
+                 timed: bool = True) -> bool:
     """Tokens of ``NUM_ROWS`` rows with random visible counts, or (``one_row``) the last ``n`` tokens
     of one row of ``groups * RATIO`` positions (a prefill chunk, or decode when n is 1)."""
     heads, head_dim, topk = 32, 128, 512
@@ -125,19 +144,21 @@ def check_scores(n: int, dtype, g: torch.Generator, device, groups: int = GROUPS
         ok = ok and torch.equal(finite, torch.isfinite(single))
         ok = ok and (single[finite] - want[finite]).abs().max().item() <= 1e-5 * scale + 1e-4
         del single
-        t_one = _bench(lambda: qsa_triton.index_scores_triton(*args, block_m=1))
-        extra = f" (block_m=1: {t_one:9.1f}us)"
+        if timed:
+            t_one = _bench(lambda: qsa_triton.index_scores_triton(*args, block_m=1))
+            extra = f" (block_m=1: {t_one:9.1f}us)"
     del want, have
-    if n == 1:  # decode: time the other orientation too
+    if n == 1 and timed:  # decode: time the other orientation too
         t_other = _bench(lambda: qsa_triton.index_scores_triton(
             *args, groups_major=not qsa_triton.SCORES_GROUPS_MAJOR))
         extra = f" (groups_major={not qsa_triton.SCORES_GROUPS_MAJOR}: {t_other:9.1f}us)"
-    t_ref = _bench(lambda: qsa.index_scores_torch(*args))
-    t_tri = _bench(lambda: qsa_triton.index_scores_triton(*args))
+    if timed:
+        t_ref = _bench(lambda: qsa.index_scores_torch(*args))
+        t_tri = _bench(lambda: qsa_triton.index_scores_triton(*args))
+        extra = f" torch={t_ref:9.1f}us triton={t_tri:9.1f}us{extra} speedup={t_ref / t_tri:6.2f}x"
     print(f"scores    N={n:5d} G={groups:6d} {'1 row ' if one_row else f'{NUM_ROWS} rows'} {dtype!s:14s} "
           f"block_m={block_m} max_err={err:.2e} (|s|<={scale:.1f}) "
-          f"selections differ={int(differs.sum())} (near-ties {int((differs & near_tie).sum())}) "
-          f"torch={t_ref:9.1f}us triton={t_tri:9.1f}us{extra} speedup={t_ref / t_tri:6.2f}x "
+          f"selections differ={int(differs.sum())} (near-ties {int((differs & near_tie).sum())}){extra} "
           f"{'ok' if ok else 'MISMATCH'}")
     return ok
 
@@ -157,32 +178,22 @@ def main() -> int:
         print("PASS" if ok else "FAIL")
         return 0 if ok else 1
     ok = True
-    for n in (1, 8, 4096):
-        ok &= check_attention(n, torch.bfloat16, g, device)
-    ok &= check_attention(8, torch.float32, g, device)
-    for n in (1, 8, 4096):
-        ok &= check_scores(n, torch.bfloat16, g, device)
-    ok &= check_scores(8, torch.float32, g, device)
-    # Prefill chunks of one row (token tiles share key loads), and decode in a 1M-token context.
-    for groups in (4096, 32768):
-        ok &= check_scores(4096, torch.bfloat16, g, device, groups=groups, one_row=True)
-    ok &= check_scores(1, torch.bfloat16, g, device, groups=262144, one_row=True)
-    # The real long-context selection chunk: 512 tokens of one row over 262144 groups (1M tokens).
-    ok &= check_scores(512, torch.bfloat16, g, device, groups=262144, one_row=True)
-    for n, groups in ((4096, 32768), (512, 262144)):
+    for n, dtype in ATTENTION_CASES:
+        ok &= check_attention(n, dtype, g, device)
+    for n, dtype, groups, one_row in SCORES_CASES:
+        ok &= check_scores(n, dtype, g, device, groups=groups, one_row=one_row)
+    for n, groups in TOP_GROUPS_CASES:
         ok &= check_top_groups(n, groups, g, device)
-    for n, groups in ((4096, 32768), (512, 262144)):
+    for n, groups in TOP_GROUPS_CASES:
         ok &= sweep_scores(n, groups, g, device)
-    # Scores written then ranked, against tile maxima and the best tiles' groups scored again: decode and
-    # prefill chunks at 64k, 128k, 256k and 1M tokens of context.
-    for n, groups in ((1, 32768), (1, 262144), (4096, 16384), (4096, 32768), (2048, 65536), (2048, 262144)):
+    for n, groups in SELECTION_CASES:
         ok &= check_selection(n, groups, g, device)
     ok &= sweep_attention(4096, g, device)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
 
-def check_top_groups(n: int, groups: int, g: torch.Generator, device, k: int = 512) -> bool:
+def check_top_groups(n: int, groups: int, g: torch.Generator, device, k: int = 512, timed: bool = True) -> bool:
     """The three top-k paths of the selection on prefill-like scores (relu-zero ties, a causal -inf
     tail per token): same groups, and their times."""
     scores = torch.randn(n, groups, generator=g).relu_().to(device)
@@ -192,10 +203,11 @@ def check_top_groups(n: int, groups: int, g: torch.Generator, device, k: int = 5
     ok = True
     times = []
     for name in ("top_groups_packed", "top_groups_by_value", "top_groups_two_level"):
-        fn = getattr(qsa, name)
+        fn = getattr(top_set, name)
         same = torch.equal(fn(scores, k), want)
         ok &= same
-        times.append(f"{name.removeprefix('top_groups_')}={_bench(lambda: fn(scores, k)):8.1f}us{'' if same else ' MISMATCH'}")
+        t = f"={_bench(lambda: fn(scores, k)):8.1f}us" if timed else ""
+        times.append(f"{name.removeprefix('top_groups_')}{t}{'' if same else ' MISMATCH'}")
     print(f"top-k     N={n:5d} G={groups:6d} k={k} " + " ".join(times) + f" {'ok' if ok else 'MISMATCH'}")
     return ok
 
@@ -326,7 +338,7 @@ def sweep_decode_attention(n: int, g: torch.Generator, device, calls: int = 16) 
     return ok
 
 
-def check_selection(n: int, groups: int, g: torch.Generator, device, k: int = 512) -> bool:
+def check_selection(n: int, groups: int, g: torch.Generator, device, k: int = 512, timed: bool = True) -> bool:
     """The whole selection of a prefill chunk (`score_and_select`: the last ``n`` tokens of one row of
     ``groups * RATIO`` positions), scores written then ranked, against tile maxima with the best tiles'
     groups scored again (tiles of 8, 16, 32 groups), each with both dot orientations. Selections must
@@ -371,9 +383,9 @@ def check_selection(n: int, groups: int, g: torch.Generator, device, k: int = 51
                     s = scores[r, diff]
                     bad += int(((s - kth[r]).abs() > 1e-5 * kth[r].abs() + 1e-6).any())
                 ok &= bad == 0
-                t = _bench(lambda: run(by_tiles, tile, groups_major))
+                t = f"={_bench(lambda: run(by_tiles, tile, groups_major)):8.1f}us" if timed else ""
                 name = f"tiles of {tile}" if by_tiles else "scores"
-                line.append(f"{name}{' gm' if groups_major else ''}={t:8.1f}us"
+                line.append(f"{name}{' gm' if groups_major else ''}{t}"
                             f"{f' ({len(rows)} near-ties)' if rows else ''}{' MISMATCH' if bad else ''}")
         print(f"selection N={n:5d} G={groups:6d} k={k} " + " ".join(line) + f" {'ok' if ok else 'MISMATCH'}")
     finally:

@@ -1,0 +1,37 @@
+"""The GPU checks: kernels against their torch specification at the benchmark shapes, and whole models on the
+CUDA path against transformers. Every test here is marked ``gpu`` and skipped where no CUDA device is visible:
+
+    python -m pytest -m gpu -n 0 tests/gpu
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+# The benchmark scripts whose shapes and comparisons these tests share (`bench_generate`'s configs,
+# `check_fused_kernels`' cases, ...), importable by name as the scripts import each other.
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+if BENCHMARKS not in sys.path:
+    sys.path.append(BENCHMARKS)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none visible)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fp32_means_fp32():
+    """No TF32 in fp32 matmuls and convolutions (the comparisons' bounds are fp32's), restored afterwards."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -1,0 +1,60 @@
+"""One decode step and one verify step of each model (the benchmark configs, bf16) captured in a CUDA graph: a
+capture that fails fails here with its traceback (the graphed runner itself only warns and falls back to eager).
+
+    python -m pytest -m gpu -n 0 tests/gpu/test_gpu_capture.py
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache.cuda_graphs import capture_failures, graphs_of
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def bf16_default():
+    """bf16 as the default dtype while a test builds and runs its model (the benchmark's setting)."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    yield
+    torch.set_default_dtype(saved)
+
+
+@functools.cache
+def model(name: str):
+    from bench_generate import inkling_config, qwen4_exp_config
+
+    from modeling import InklingForCausalLM, Qwen4ExpForCausalLM
+
+    cls, config = {"inkling": (InklingForCausalLM, inkling_config(6)),
+                   "qwen4_exp": (Qwen4ExpForCausalLM, qwen4_exp_config(4))}[name]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return cls(config).eval(), config
+
+
+@pytest.mark.parametrize("step_len", [1, 4], ids=["decode-step", "verify-step-of-4"])
+@pytest.mark.parametrize("name", ["inkling", "qwen4_exp"])
+@torch.no_grad()
+def test_step_is_captured(name, step_len, bf16_default):
+    net, config = model(name)
+    cache = QSAPagedCache(config, max_batch_size=2, max_cache_len=1024, num_speculative_tokens=3)
+    net(torch.randint(2, 1000, (2, 600), device="cuda"), past_key_values=cache, logits_to_keep=1)
+    runner = graphs_of(net, cache, torch.device("cuda", torch.cuda.current_device()))
+    tokens = torch.randint(2, 1000, (2, step_len), device="cuda")
+    # As the runner's own step does, but capture errors raised here rather than remembered and run eagerly.
+    with cache.transaction(2, step_len, None, copy_rows=False) as step:
+        prev, counts = step.prev, step.counts
+        ptrs = {n: t.device_table(2, runner.device).data_ptr() for n, t in cache.tables.items()}
+        reach = runner.reach_bucket(max(p + c for p, c in zip(prev, counts)))
+        entry = runner._new_bucket(2, step_len, reach, ptrs)
+        assert not entry.eager, f"this step failed to capture before: {capture_failures(net)[entry.key]}"
+        runner._fill(entry, prev, counts, tokens, None)
+        runner._warm_up(entry)  # eager first, on a side stream: compiles the kernels
+        runner._capture(entry)
