@@ -2,7 +2,7 @@
 
 `build_layout` reads a model's text config and returns a `CacheLayout`: the block tables (`TableSpec`) and,
 for every decoder layer, the specs of its stores. Each spec knows the bytes it costs (``page_bytes`` for a
-block of its table, ``row_bytes`` for a dense per-row state) and builds its store. This module is the one
+block of its table, ``dense_bytes`` for the state it keeps per row) and builds its store. This module is the one
 place that knows the two families' layouts and the default block sizes.
 
 Qwen4Exp (``indexed_attention`` / ``linear_attention`` layers): one ``"main"`` table pages the QSA layers'
@@ -133,7 +133,7 @@ class FullAttentionSpec:
     def page_bytes(self, dtype: torch.dtype) -> int:
         return 2 * self.block_size * self.kv_heads * self.head_dim * _itemsize(dtype)
 
-    def row_bytes(self, dtype: torch.dtype) -> int:
+    def dense_bytes(self, max_rows: int, dtype: torch.dtype) -> int:
         return 0
 
     def build(self, max_rows: int) -> Store:
@@ -163,9 +163,9 @@ class QSAIndexSpec:
     def page_bytes(self, dtype: torch.dtype) -> int:
         return self.block_size // self.compress_ratio * self.index_head_dim * _itemsize(dtype)
 
-    def row_bytes(self, dtype: torch.dtype) -> int:
+    def dense_bytes(self, max_rows: int, dtype: torch.dtype) -> int:
         per_key = self.index_head_dim * _itemsize(dtype) + 3 * 8  # the key, its int64 positions
-        return 2 * self.ring_capacity * per_key  # live and undo copy
+        return 2 * (max_rows + 1) * self.ring_capacity * per_key  # live (a spare row takes pads) and undo copy
 
     def build(self, max_rows: int) -> Store:
         return QSAIndexStore(self.table, self.num_blocks, self.block_size, self.compress_ratio, max_rows,
@@ -187,7 +187,7 @@ class ConvTapsSpec:
         head_width = 2 * self.head_dim + 2 * (self.hidden_size // self.kv_heads)
         return self.block_size * self.kv_heads * head_width * _itemsize(dtype)
 
-    def row_bytes(self, dtype: torch.dtype) -> int:
+    def dense_bytes(self, max_rows: int, dtype: torch.dtype) -> int:
         return 0
 
     def build(self, max_rows: int) -> Store:
@@ -215,11 +215,12 @@ class LinearStateSpec:
     def page_bytes(self, dtype: torch.dtype) -> int:
         return 0
 
-    def row_bytes(self, dtype: torch.dtype) -> int:
+    def dense_bytes(self, max_rows: int, dtype: torch.dtype) -> int:
         item = _itemsize(dtype)
-        live = (self.conv_dim * (self.conv_kernel - 1) * item + self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
-                + self.ple_channels * self.ple_window * item + self.ngram_context * 8)
-        return live * 2 + live * self.history  # live, the step's undo copy, the rollback ring
+        row = (self.conv_dim * (self.conv_kernel - 1) * item + self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
+               + self.ple_channels * self.ple_window * item + self.ngram_context * 8)
+        # live and the step's undo copy per row; the rollback ring keeps `history` states a row, and a spare row
+        return 2 * max_rows * row + (max_rows + 1) * self.history * row
 
     def build(self, max_rows: int) -> Store:
         return LinearAttentionState(max_rows, self.conv_dim, self.conv_kernel, self.num_v_heads, self.head_k_dim,
@@ -245,9 +246,14 @@ class CacheLayout:
         return sum(spec.page_bytes(dtype) for layer in self.layers for spec in layer.stores.values()
                    if spec.table == table)
 
-    def bytes_per_row(self, dtype: torch.dtype) -> int:
-        """What the dense per-row state of one row costs over every layer (paged state excluded)."""
-        return sum(spec.row_bytes(dtype) for layer in self.layers for spec in layer.stores.values())
+    def dense_bytes(self, max_rows: int, dtype: torch.dtype) -> int:
+        """What the state kept per row (not paged) costs over every layer for ``max_rows`` rows."""
+        return sum(spec.dense_bytes(max_rows, dtype) for layer in self.layers for spec in layer.stores.values())
+
+    def nbytes(self, max_rows: int, dtype: torch.dtype) -> int:
+        """What every layer's stores allocate (the token log excluded): whole pools plus the per-row state."""
+        paged = sum(self.bytes_per_block(name, dtype) * table.num_blocks for name, table in self.tables.items())
+        return paged + self.dense_bytes(max_rows, dtype)
 
 
 # ---------------------------------------------------------------------- the families
