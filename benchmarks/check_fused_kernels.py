@@ -35,7 +35,7 @@ from hf_qsa_cache.ops import experts_triton, gated_delta_triton, hyper_connectio
 from hf_qsa_cache.ops import inkling_router_triton, norm_rope_triton, qsa_triton, rms_norm_triton  # noqa: E402
 from hf_qsa_cache.ops import linears, linears_triton, prompt_experts_triton, router_triton  # noqa: E402
 from hf_qsa_cache.ops import conv_norm, conv_norm_triton, ple, ple_triton, top_set_triton  # noqa: E402
-from hf_qsa_cache.ops import row_writes, row_writes_triton, top_set  # noqa: E402
+from hf_qsa_cache.ops import row_writes, row_writes_triton, selected_positions_triton, top_set  # noqa: E402
 from hf_qsa_cache import fusions  # noqa: E402
 from hf_qsa_cache.ops.sconv import ConvTaps  # noqa: E402
 
@@ -201,7 +201,7 @@ def cases(device, dtype, tokens: int, small: bool):
     groups = torch.stack([torch.randperm(64, generator=g)[:16] for _ in range(tokens)]).to(device)
     visible = torch.full((tokens,), 40, device=device)
     position = torch.full((tokens,), 163, device=device)
-    yield ("selected_positions", lambda: qsa_triton.selected_positions_triton(groups, visible, position, 4, 16),
+    yield ("selected_positions", lambda: selected_positions_triton.selected_positions_triton(groups, visible, position, 4, 16),
            lambda: _cpu(qsa.selected_positions, groups, visible, position, 4, 16), 0)
     # ``qsa_writes``: a QSA layer's cache writes of a step in one launch (keys, values, a closed group's compressed
     # key, the ring's raw keys and int64 positions; a pad's slot -1 included): the stores after them compared.

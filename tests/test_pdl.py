@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from hf_qsa_cache import fusions
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -68,7 +70,7 @@ _INDEX_OPS = {"tl.program_id", "tl.cdiv", "tl.arange", "tl.static_range", "tl.mi
 _PREFETCHES = {"prefetch_rows_l2", "prefetch_l2"}
 # The helpers a kernel may call before its wait, which read only what the launch just before it cannot write
 # (`triton_common.pdl_begin`): weights, the step's metadata, and what earlier steps stored. By module.
-_EARLY_READS = {"_conv_history": "conv_norm_triton.py", "_norm_weight": "conv_norm_triton.py",
+_EARLY_READS = {"_conv_history": "conv_norm_triton.py", "norm_weight": "triton_common.py",
                 "_gemv_weights": "linears_triton.py",
                 "_key_ranges": "inkling_attention_triton.py", "_router_weights": "router_triton.py",
                 "_store_keys_to_l2": "inkling_attention_triton.py", "_store_slots": "inkling_attention_triton.py"}

@@ -221,7 +221,7 @@ def _main() -> int:
     launches: list = []
     count_launches(prompt_experts_triton, "_tiled_gate_up_kernel", launches)
     count_launches(prompt_experts_triton, "_tiled_down_kernel", launches)
-    prompt_experts._use_tiled = lambda x: True
+    prompt_experts.use_triton = lambda *x: True
     for name, model, (ids, mask) in (
             ("inkling", inkling.make_pair(inkling.make_config(), seed=3)[1],
              inkling.left_pad(inkling.make_prompts([7, 3], seed=4))),

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from hf_qsa_cache.ops import qsa
+from hf_qsa_cache.ops import qsa, top_set
 from interpreter import count_launches, run_under_interpreter
 
 
@@ -164,7 +164,7 @@ def test_selection_by_tile_maxima_equals_the_top_k_of_the_scores(shape, tile):
     from all scores, relu-zero ties included (one head: about half the scores are exact zeros)."""
     case = scores_case(8, *shape, num_tokens=12)
     k = 70 // (2 * tile)  # at least two tiles per pick
-    want = qsa.top_groups(qsa.index_scores_torch(*case), k)
+    want = top_set.top_groups(qsa.index_scores_torch(*case), k)
     assert torch.equal(qsa.select_by_tile_maxima(*case, k, tile), want)
 
 
@@ -432,6 +432,8 @@ def _main() -> int:
     finally:
         qsa_triton.ATTENTION_DECODE_BLOCK_W = default_decode_w
         qsa_triton._sparse_paged_attention_kernel = kernel
+    from hf_qsa_cache.ops import selected_positions_triton
+
     # The selection's index arithmetic: groups at and past the visible count, fewer groups than block_topk,
     # none at all, pads (position -1), positions at and around group boundaries, and ratios 1, 2 and 4.
     for i, (ratio, block_topk, k) in enumerate([(4, 5, 5), (2, 6, 3), (4, 3, 0), (1, 4, 4), (2, 2, 1)]):
@@ -442,7 +444,7 @@ def _main() -> int:
         position = torch.randint(-1, 50, (n,), generator=g)
         position[:3] = torch.tensor([-1, 4 * ratio - 1, 4 * ratio])
         want = qsa.selected_positions(groups, visible, position, ratio, block_topk)
-        have = qsa_triton.selected_positions_triton(groups, visible, position, ratio, block_topk)
+        have = selected_positions_triton.selected_positions_triton(groups, visible, position, ratio, block_topk)
         if not torch.equal(have, want):
             print(f"selected positions case {i} (ratio {ratio}, block_topk {block_topk}, k {k}):\n{have}\n{want}")
             return 1
@@ -537,8 +539,6 @@ def _selection_by_tiles_cases(qsa_triton) -> str | None:
     chunks of a few tokens) gives exactly the torch selection: it must launch the candidate kernel."""
     launches: list = []
     count_launches(qsa_triton, "_candidate_scores_kernel", launches)
-    from hf_qsa_cache.ops import top_set
-
     saved = qsa.SELECT_BY_TILES_MIN_GROUPS, top_set.TOPK_TILE, qsa._CHUNK_ELEMENTS
     qsa.SELECT_BY_TILES_MIN_GROUPS, top_set.TOPK_TILE, qsa._CHUNK_ELEMENTS = 0, 2, 40
     try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_qsa_cache.ops import qsa
-from hf_qsa_cache.ops.qsa import top_groups
+from hf_qsa_cache.ops import top_set
+from hf_qsa_cache.ops.top_set import top_groups
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -39,8 +39,8 @@ def test_top_groups_by_value_equals_the_packed_top_k(seed):
     scores[:3] = torch.randint(0, 3, (3, groups), generator=g).float()  # rows full of ties
     scores[torch.rand(6, groups, generator=g) < 0.2] = float("-inf")
     k = int(torch.randint(1, groups + 1, (1,), generator=g))
-    expected = qsa.top_groups_packed(scores, k)
-    assert torch.equal(qsa.top_groups_by_value(scores, k), expected)
+    expected = top_set.top_groups_packed(scores, k)
+    assert torch.equal(top_set.top_groups_by_value(scores, k), expected)
     assert torch.equal(expected, scores.sort(dim=-1, descending=True, stable=True).indices[:, :k])
 
 
@@ -59,11 +59,11 @@ def test_top_groups_two_level_equals_the_packed_top_k(seed, monkeypatch):
     scores[torch.arange(groups)[None, :] >= visible[:, None]] = float("-inf")
     k = int(torch.randint(1, groups + 1, (1,), generator=g))
     tile = int(torch.randint(1, 9, (1,), generator=g))
-    expected = qsa.top_groups_packed(scores, k)
-    assert torch.equal(qsa.top_groups_two_level(scores, k, tile), expected)
+    expected = top_set.top_groups_packed(scores, k)
+    assert torch.equal(top_set.top_groups_two_level(scores, k, tile), expected)
     assert torch.equal(expected, scores.sort(dim=-1, descending=True, stable=True).indices[:, :k])
 
-    packed = qsa.top_groups_packed
+    packed = top_set.top_groups_packed
 
     def shuffled_when_unordered(s, k, best_first=True):
         picked = packed(s, k, best_first)
@@ -72,13 +72,13 @@ def test_top_groups_two_level_equals_the_packed_top_k(seed, monkeypatch):
         order = torch.rand(picked.shape, generator=g).argsort(dim=-1)
         return picked.gather(1, order)
 
-    monkeypatch.setattr(qsa, "top_groups_packed", shuffled_when_unordered)
-    assert torch.equal(qsa.top_groups_two_level(scores, k, tile), expected)
+    monkeypatch.setattr(top_set, "top_groups_packed", shuffled_when_unordered)
+    assert torch.equal(top_set.top_groups_two_level(scores, k, tile), expected)
 
 
 def test_top_groups_takes_the_two_level_path_for_many_groups(monkeypatch):
     calls = []
-    two_level = qsa.top_groups_two_level
-    monkeypatch.setattr(qsa, "top_groups_two_level", lambda s, k: calls.append(k) or two_level(s, k))
-    scores = torch.rand(3, 2 * 4 * qsa.TOPK_TILE + 5)
-    assert torch.equal(top_groups(scores, 4), qsa.top_groups_packed(scores, 4)) and calls == [4]
+    two_level = top_set.top_groups_two_level
+    monkeypatch.setattr(top_set, "top_groups_two_level", lambda s, k: calls.append(k) or two_level(s, k))
+    scores = torch.rand(3, 2 * 4 * top_set.TOPK_TILE + 5)
+    assert torch.equal(top_groups(scores, 4), top_set.top_groups_packed(scores, 4)) and calls == [4]

@@ -88,13 +88,13 @@ def test_small_chunks_and_copied_metadata_match_upstream(pair, monkeypatch):
 def test_selection_from_tile_maxima_matches_upstream(pair, monkeypatch):
     """The long-context selection (tile maxima ranked, the best tiles' groups scored again), forced on from
     a few groups with tiles of 2, inside whole generate() calls: the same rows as upstream."""
-    from hf_qsa_cache.ops import qsa
+    from hf_qsa_cache.ops import qsa, top_set
 
     ref, ours = pair
     calls = []
     real = qsa.select_by_tile_maxima
-    monkeypatch.setattr(qsa, "TOPK_TILE", 2)
-    monkeypatch.setattr(qsa, "selects_by_tiles", lambda q, groups, k: groups >= 2 * k * qsa.TOPK_TILE)
+    monkeypatch.setattr(top_set, "TOPK_TILE", 2)
+    monkeypatch.setattr(qsa, "selects_by_tiles", lambda q, groups, k: groups >= 2 * k * top_set.TOPK_TILE)
     monkeypatch.setattr(qsa, "select_by_tile_maxima", lambda *a: calls.append(1) or real(*a))
     prompts = random_prompts([29, 7, 18], seed=8)
     ids, mask = left_pad(prompts)

@@ -11,9 +11,8 @@ to the activations' dtype, the residual sum rounded, the normed value rounded be
 The fused kernels run one program per token (and per head for `attention_inputs`): for steps of at most
 `MAX_FUSED_TOKENS` tokens (decode and verify steps); a prompt keeps the tiled conv kernel and the norm kernel.
 
-On by default since measured on the H200 (`benchmarks/RESULTS.md`): the graphed decode step of Inkling 6 layers
-launches 90 kernels against 120 at 1 x 16384 (GPU busy 495 against 510 us) and 216 against 246 at 32 x 2048
-(1786 against 1864 us), both kernels equal to their specifications in bf16 and the models within the fp32
+On by default: the graphed decode step launches fewer kernels and keeps the GPU busy for less time
+(`benchmarks/RESULTS.md`), both kernels equal to their specifications in bf16 and the models within the fp32
 tolerances of upstream.
 """
 
@@ -87,10 +86,10 @@ def conv_add_rms_norm(x: torch.Tensor, taps: ConvTaps, residual: torch.Tensor | 
 
 
 def normed_attention_inputs(query, key, value, q_norm, k_norm, k_conv, v_conv, cache, meta, head_dim: int):
-    """An Inkling attention's ``(query, key, value)`` ``[B, L, heads, head_dim]`` from its projections ``[B, L, width]``:
-    the query normed (``q_norm``), the key short-convolved (``k_conv``) and normed (``k_norm``), the value
-    short-convolved (``v_conv``); the convs write their inputs to their streams of ``cache``. One launch where
-    `fuses_conv_norm` (`attention_inputs`), else the convs' forwards and `rms_norm`."""
+    """An Inkling attention's ``(query, key, value)`` ``[B, L, heads, head_dim]`` from its projections
+    ``[B, L, width]``: the query normed (``q_norm``), the key short-convolved (``k_conv``) and normed (``k_norm``),
+    the value short-convolved (``v_conv``); the convs write their inputs to their streams of ``cache``. One launch
+    where `fuses_conv_norm` (`attention_inputs`), else the convs' forwards and `rms_norm`."""
     B, L = query.shape[:2]
     heads = (B, L, -1, head_dim)
     if fuses_conv_norm(query, q_norm, k_norm, k_conv, v_conv):

@@ -185,8 +185,8 @@ def attention_inputs_triton(q, k, v, k_taps, v_taps, q_norm_weight, q_eps, k_nor
 @on_device_of_first_tensor
 def conv_add_rms_norm_triton(x, taps, residual, norm_weight, eps, *, num_warps: int | None = None):
     """`conv_norm.conv_add_rms_norm_torch` in one launch, one program per token (``num_warps`` a program;
-    default one warp per 128 channels, at most 16: at hidden 2048 on the H200 16 warps took 3.9 us a launch
-    against 4.7 with 4, at 1 and 32 tokens alike, `benchmarks/check_fused_kernels.py --conv-norm-sweep`)."""
+    default one warp per 128 channels, at most 16: the widest setting was the fastest at one and at 32 tokens,
+    `benchmarks/check_fused_kernels.py --conv-norm-sweep`)."""
     T, C = x.shape
     x = x.contiguous()
     h = torch.empty_like(x)

@@ -29,9 +29,8 @@ output. Both weight layouts are the same kernels with other strides. The token c
 grids (and per-token strides, not specialised), so a new batch size does not recompile. The tiles were
 swept on the H200 at the benchmark shapes (hidden 2048, intermediate 512, 64 experts, top 10 or 6, shared
 experts folded in; graph-timed, experts rotating so that L2 does not hold them): a one-token step (batch-1
-decode) is fastest with wide reduction chunks and narrow down tiles, 28.8 us against 39.0 for Qwen4Exp and
-21.2 against 32.9 for Inkling (the bytes floor is 14.8 and 8.9); at 8 tokens the general tiles stay best
-(`benchmarks/RESULTS.md`). ``block_n`` / ``block_k`` override both per call.
+decode) is fastest with wide reduction chunks and narrow down tiles, for both models; at 8 tokens the general
+tiles stay best (`benchmarks/RESULTS.md`). ``block_n`` / ``block_k`` override both per call.
 """
 
 from __future__ import annotations

@@ -173,7 +173,8 @@ def fuses_recurrent_step(norm, x: torch.Tensor, conv_fused: bool, *weights: torc
     """Whether a GatedDeltaNet step takes `recurrent_step` after its fused conv (``conv_fused``: one token per row,
     no pads, rows that hold state, no rollback history): the ``gdn_step`` fusion on, autograd not recording, a
     gated norm whose activation the kernel knows and which keeps no forward of its own (hooks), plain weights."""
-    return (fusions.enabled("gdn_step") and conv_fused and norm.activation in GATE_ACTIVATIONS and not records_grad(x, *weights)
+    return (fusions.enabled("gdn_step") and conv_fused and norm.activation in GATE_ACTIVATIONS
+            and not records_grad(x, *weights)
             and not keeps_own_forward(norm, norm.weight) and all(type(w.data) is torch.Tensor for w in weights))
 
 

@@ -37,9 +37,8 @@ from . import fusions, keeps_own_forward, records_grad, use_triton
 
 # ``hc_proj``: on top of ``hc``, a mixing's three projections inside two launches (`mix_projections`)
 # for steps of at most `HC_PROJ_MAX_TOKENS` tokens (decode and verify steps; prompts keep the GEMMs).
-# On an H200 (benchmarks/sweep_hc_tiles.py) the two launches take 11.2 / 18.9 / 41.5 us at 1 / 8 / 32
-# tokens against 16.9 / 22.7 / 23.8 us for the GEMMs' path: they win at 8 tokens and lose at 32; the switch
-# sits between (16 tokens itself not timed).
+# The two launches beat the GEMMs' path at 8 tokens and lose at 32 (benchmarks/sweep_hc_tiles.py); the switch
+# sits between.
 HC_PROJ_MAX_TOKENS = 16
 
 

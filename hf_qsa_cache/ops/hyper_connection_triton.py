@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRET, dot, grouped_norm, l2_lines, on_device_of_first_tensor, pdl, pdl_begin, prefetch_rows_l2
+from .triton_common import (
+    INTERPRET, dot, grouped_norm, l2_lines, on_device_of_first_tensor, pdl, pdl_begin, prefetch_rows_l2,
+)
 
 
 def _warps(elements: int) -> int:
@@ -151,12 +153,9 @@ class MixTiles:
 
 # Chosen by `benchmarks/sweep_hc_tiles.py` (hidden 2048, 4 streams, low rank 320, bf16; graph-timed per mixing).
 # One token: the down projection in the GEMV form (`_hc_down_kernel`'s ``GEMV``; the dot form pads the token to 16
-# rows), 8 rows a program in 8 input ranges of 1024, so the up projection adds 8 partial sums, not 32: 8.1 us a
-# mixing on an H100 against 9.8 for the dot form's best tiles (`ONE_TOKEN_DOT_MIX_TILES`, 11.2 us on an H200, the
-# cuBLAS path 16.9); a Qwen4Exp 40-layer decode step at 1 x 4096 4.63 ms against 4.74 on the same H100. (Timed
-# while its weights were still read 2 bytes at a time; with 16-byte reads, `_down_tiles`, timed only inside the
-# whole step since: 3.87 ms on the H200, `benchmarks/RESULTS.md`.)
-# More tokens: the dot form, 8 tokens 18.9 us on an H200 (the cuBLAS path 22.7).
+# rows), 8 rows a program in 8 input ranges of 1024, so the up projection adds 8 partial sums, not 32: faster than
+# the dot form's best tiles (`ONE_TOKEN_DOT_MIX_TILES`) and than the cuBLAS path, per mixing and in the whole
+# decode step (`benchmarks/RESULTS.md`). More tokens: the dot form, faster than the cuBLAS path at 8 tokens.
 ONE_TOKEN_MIX_TILES = MixTiles(splits=8, block_n=8, block_k=1024, down_warps=4, block_h=8, r_chunk=128, up_warps=4,
                                gemv=True)
 ONE_TOKEN_DOT_MIX_TILES = MixTiles(splits=32, block_n=64, block_k=128, down_warps=4, block_h=16, r_chunk=128,
@@ -206,7 +205,8 @@ def _hc_down_kernel(x_ptr, down_ptr, inject_w_ptr, part_ptr, num_tokens,
     """part[s, m, n] = sum over the s-th input range of x[m, k] * W[n, k], W = [down (R rows); inject (HC)]
     (the injection rows only with ``INJECT``). The ranges split each stream's H inputs in SPLITS_PER_STREAM.
 
-    ``x`` is the normed streams. Launched early (``PDL``), the program first asks for its block of W to be fetched into L2. The range's length
+    ``x`` is the normed streams. Launched early (``PDL``), the program first asks for its block of W to be fetched
+    into L2. The range's length
     is a compile-time value and the down projection's row blocks take its base alone (the block holding the
     injection rows selects between two bases): the compiler can then see 8 neighbouring weights as contiguous
     and aligned, and reads them in one access (`_down_tiles`). ``GEMV``: one token without tl.dot (`_down_tiles`)."""
@@ -244,7 +244,8 @@ def _hc_up_mix_kernel(part_ptr, x_ptr, up_ptr, mixed_ptr, inject_ptr, num_tokens
     summed from the splits. One program per (block of BLOCK_H columns, token): its HC_PAD * BLOCK_H weight
     rows (stream-major) are read once, in chunks of R_CHUNK of the low rank, as GEMVs (products summed
     along the chunk at the end; no tl.dot, whose 16-row tiles would be padding for one token). The first
-    column block also writes inject = 2 sigmoid(logits / HC). ``x`` is the normed streams. Launched early (``PDL``), the program first asks for its weight rows to be fetched into L2."""
+    column block also writes inject = 2 sigmoid(logits / HC). ``x`` is the normed streams. Launched early (``PDL``),
+    the program first asks for its weight rows to be fetched into L2."""
     h_block, t = tl.program_id(0), tl.program_id(1).to(tl.int64)
     j = tl.arange(0, HC_PAD * BLOCK_H)
     stream, h = j // BLOCK_H, h_block * BLOCK_H + j % BLOCK_H

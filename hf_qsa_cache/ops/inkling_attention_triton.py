@@ -25,9 +25,9 @@ touch this forward's slots: the write and the attention share one launch with no
 
 Scores. ``logit = tau * (q . k) * scaling + tau * rel[t, h, p_t - p_s]`` for ``0 <= p_t - p_s < E``,
 with ``rel = r @ P`` precomputed per query in ``r``'s dtype (``[B, L, Hq, E]``) and gathered per
-(query, key). A decode step (one token per query tile) with ``bias_in_kernel`` (the ``rel_bias`` fusion) computes it in the kernel
-instead, for the distances of each key tile only: the tile's one query position makes every key's distance
-the same for all the tile's rows, so a key tile reads ``P``'s ``[d_rel, keys]`` block at those distances and
+(query, key). A decode step (one token per query tile) with ``bias_in_kernel`` (the ``rel_bias`` fusion) computes
+it in the kernel instead, for the distances of each key tile only: the tile's one query position makes every key's
+distance the same for all the tile's rows, so a key tile reads ``P``'s ``[d_rel, keys]`` block at those distances and
 multiplies it with the tile's ``r`` rows in one dot (fp32 accumulation), rounded once to ``r``'s dtype as the
 matmul rounds. That saves the step one launch (the matmul) a layer and the ``[Hq, E]`` profile's round trip
 through memory. With log scaling, ``tau`` is computed in the kernel and rounded into q and the
@@ -61,9 +61,9 @@ WIDE_BLOCK_N = 32
 _TILES_THAT_FIT: dict[tuple, tuple[int, int]] = {}
 # Split the keys until a launch has about TARGET_PROGRAMS programs, giving every split at least MIN_SPLIT_KEYS
 # keys. Graph-timed on the H200 at the benchmark's Inkling decode steps (`check_inkling_attention.py
-# --split-sweep`, bf16): this picks the best split count of each (1 x 16384: 64 splits for the full layer, 25.7
-# against 43.9 us with the earlier 512 / 1024; 8 for a sliding layer's 512 keys, 12.2 against 26.2 unsplit;
-# 32 x 2048: 2 splits for both kinds, 61.4 against 76.5 and 23.1 against 27.6 us).
+# --split-sweep`, bf16): this picks the best split count of each (1 x 16384: 64 splits for the full layer, 8 for a
+# sliding layer's 512 keys; 32 x 2048: 2 splits for both kinds), each faster than the earlier 512 / 1024 and
+# than no split.
 TARGET_PROGRAMS = 256
 MIN_SPLIT_KEYS = 64
 MAX_SPLITS = 128
@@ -229,6 +229,7 @@ def _store_keys_to_l2(kst_ptr, vst_ptr, table_row, lo, hi, kv, skst_s, skst_h, s
 
 # Batch-varying sizes are not specialised, so a new batch, length or split width does not recompile.
 # Sizes that change with the cache or the step are not specialised (no recompilation per cache size).
+# Longer than 100 lines: one loop body over the key tiles, which helper calls would split at the cost of speed.
 @triton.jit(do_not_specialize=["stab_b", "query_len", "num_q_tiles", "table_cols", "split_len"])
 def _rel_attention_kernel(
     q_ptr, k_ptr, v_ptr, rel_ptr, proj_ptr, kst_ptr, vst_ptr, table_ptr, slots_ptr, pos_ptr, prev_ptr,

@@ -6,9 +6,8 @@ module's output. With the fusion on, on CUDA, for a step of at most `MAX_FUSED_T
 weights read in place); otherwise each module's own forward (upstream's ops, hooks and all). The torch
 specification beside the kernel is `linears_torch`.
 
-On by default since measured on the H200 (benchmarks/RESULTS.md): in the graphed batch-1 decode step of
-Qwen4Exp 40 layers the GPU is busy 5830 us against 6153 us with cuBLAS's projections (1222 against 1342 kernels),
-with the same largest error against fp32.
+On by default: in the graphed batch-1 decode step the GPU is busy for less time than with cuBLAS's projections,
+with fewer kernels and the same largest error against fp32 (benchmarks/RESULTS.md).
 
 The fused path applies when autograd records nothing, every module is a bias-free ``nn.Linear`` with a plain,
 contiguous weight of the input's dtype on its device, and none has hooks or an offloading wrapper
@@ -25,11 +24,10 @@ from . import fusions, keeps_own_forward, records_grad, use_triton
 
 MAX_FUSED_TOKENS = 16  # decode and verify steps; prompts keep cuBLAS's GEMMs
 # A projection alone (o_proj, GatedDeltaNet's out_proj) goes to the kernel for steps of at most this many tokens
-# (`project_alone`; 0: never), else to cuBLAS. One token: the kernel's GEMV form took Inkling's o_proj (2048 ->
-# 2048) in 2.7 us against cuBLAS's 5.3 (partly from L2), and 4096 -> 2048 in 9.3 against 9.1 plus cuBLAS's split-K
-# reduction (`benchmarks/sweep_projections.py`, H200); with the one-token GEMV tiles, a Qwen4Exp 40-layer step at
-# 1 x 4096 took 4.74 ms against 5.09 with the dot tiles and this at 0 (an H100). More tokens: cuBLAS (8 tokens,
-# 4096 -> 2048: 8.9 us against 23 for the kernel's best dot tiles).
+# (`project_alone`; 0: never), else to cuBLAS. One token: the kernel's GEMV form beats cuBLAS on a 2048-wide
+# reduction and ties it on a 4096-wide one (where cuBLAS adds a split-K reduction launch), and the whole step is
+# faster with it (`benchmarks/sweep_projections.py`, benchmarks/RESULTS.md). More tokens: cuBLAS, faster than the
+# kernel's best dot tiles.
 ALONE_MAX_TOKENS = 1
 
 

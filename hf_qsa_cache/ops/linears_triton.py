@@ -27,13 +27,10 @@ MAX_TOKENS = 64  # the tokens sit in one tile of registers
 # Launch policy (shapes only): output rows per program, reduction chunk, warps, and for one token the GEMV form
 # (a fourth element True: no tl.dot, see `_project_tile`). Graph-timed on the H200
 # (`benchmarks/sweep_projections.py`, bf16, hidden 2048; benchmarks/RESULTS.md). One token: the GEMV form with 4 rows
-# and chunks of 1024 read GatedDeltaNet's input projections in 16.1 us (1.35x their bytes) where the dot tiles took
-# 23.5 and cuBLAS 27.5, QSA's in 16.8 (27.5, 29.7), Inkling's in 6.3 (17.1, 23.4), Inkling's o_proj alone in 2.7
-# (cuBLAS 5.3; these two partly from L2, the sweep then rotating over too few copies); a 4096-wide reduction
-# (GatedDeltaNet's out_proj) is best with 8 rows at 8 warps, 9.3 us (cuBLAS 9.1, with a split-K reduction after it).
-# In the graphed steps: a Qwen4Exp 40-layer step at 1 x 4096 4.74 ms against 5.09 with the dot tiles and cuBLAS for
-# projections alone (an H100).
-# More tokens keep the dot tiles (8 tokens: 19.7 us against cuBLAS's 29.1 for GatedDeltaNet's set).
+# and chunks of 1024 read every model's sets of input projections faster than the dot tiles and than cuBLAS (close
+# to the time their bytes take); a 4096-wide reduction (GatedDeltaNet's out_proj) is best with 8 rows at 8 warps,
+# level with cuBLAS and its split-K reduction. The graphed steps are faster with these tiles than with the dot
+# tiles. More tokens keep the dot tiles, faster than cuBLAS at 8 tokens.
 ONE_TOKEN_TILES = (4, 1024, 4, True)
 ONE_TOKEN_WIDE_TILES = (8, 1024, 8, True)  # one token, reductions longer than `WIDE_K`
 WIDE_K = 2048

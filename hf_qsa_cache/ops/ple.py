@@ -1,12 +1,12 @@
 """Qwen4Exp's PLE layer with its n-gram lookup and its gating in one launch each (``ple`` in
-`hf_qsa_cache.fusions`; on by default: in the graphed decode step of Qwen4Exp 8 layers at 1 x 16384 on the H200,
-with `conv_norm`, 244 kernels against 339 and 1.28 ms a step against 1.46, `benchmarks/RESULTS.md`).
+`hf_qsa_cache.fusions`; on by default: the graphed decode step launches far fewer kernels and takes less time,
+`benchmarks/RESULTS.md`).
 
 transformers' PLE layer hashes each token's n-grams into rows of an embedding (the shifts that stop at an
 end-of-sequence token, the multiply-xor hashes, one remainder per head, the lookup: about 50 launches a
 step), projects the rows to one key per hyper-connection stream and one value, gates the value by each
-normed key against its normed stream, norms the gated values and masks pads (about 40 more): 102 kernels
-for the one PLE layer in a Qwen4Exp decode step on the H200 (`benchmarks/profile_decode_step.py`). Here:
+normed key against its normed stream, norms the gated values and masks pads (about 40 more): about a hundred
+kernels for the one PLE layer in a Qwen4Exp decode step (`benchmarks/profile_decode_step.py`). Here:
 
 * `ngram_embeddings`: each token's hashed rows looked up from the window of ids the cache keeps (one
   launch; integer arithmetic, so the same rows as upstream's);

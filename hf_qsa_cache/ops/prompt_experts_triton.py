@@ -121,8 +121,8 @@ def pair_order_triton(expert_ids: torch.Tensor, num_experts: int,
 # ----------------------------------------------------------------------------- experts tiled by expert
 # Launch policy (shapes only; tests force them small): (pairs per tile, output columns per program, reduction
 # chunk, warps) of each kernel. Graph-timed on the H200 (`benchmarks/check_fused_kernels.py --experts-sweep`, Inkling's
-# experts, bf16): the fastest of the swept tilings at 8 to 64 tokens, 4-7% ahead of a 128-wide chunk for gate-up
-# (137.8 against 143.3 us at 32 tokens); the down kernel's tiling changes little.
+# experts, bf16): the fastest of the swept tilings at 8 to 64 tokens, ahead of a 128-wide chunk for gate-up; the
+# down kernel's tiling changes little.
 TILED_GATE_UP = (16, 32, 256, 4)
 TILED_DOWN = (16, 64, 128, 4)
 

@@ -22,6 +22,7 @@ import torch
 
 from . import fusions, records_grad, top_set, use_triton
 from .row_writes import RowWrites
+from .selected_positions import selected_positions
 from .metadata_ref import StepMetadata
 from .top_set import tile_maxima, top_group_set, top_groups_of_best_tiles
 
@@ -181,28 +182,6 @@ def select_by_tile_maxima(q_index: torch.Tensor, compressed: torch.Tensor, block
         return top_groups_of_best_tiles(maxima, lambda c: candidate_scores_triton(*args, c), k, tile)
     maxima = index_tile_maxima_torch(*args, max_groups, tile)
     return top_groups_of_best_tiles(maxima, lambda c: candidate_scores_torch(*args, c), k, tile)
-
-
-def selected_positions(groups: torch.Tensor, visible: torch.Tensor, position: torch.Tensor, ratio: int,
-                       block_topk: int) -> torch.Tensor:
-    """A token's selected positions ``[N, block_topk*r + r - 1]`` from its best groups ``groups`` ``[N, k]``
-    (``k <= block_topk``, ascending): each group's ``r`` tokens (-1 for a group at or past the token's
-    ``visible`` count), -1 up to ``block_topk`` groups, then the open-group tail ``((p+1)//r)*r .. p`` of its
-    ``position`` ``p`` (-1 where shorter, and everywhere for a pad, ``p = -1``). One launch where fused
-    (the ``qsa`` fusion, `qsa_triton.selected_positions_triton`)."""
-    if fusions.enabled("qsa") and groups.is_cuda:
-        from .qsa_triton import selected_positions_triton
-
-        return selected_positions_triton(groups, visible, position, ratio, block_topk)
-    n, k = groups.shape
-    device = groups.device
-    blocks = torch.where(groups < visible.long()[:, None], groups, -1)
-    tokens = blocks[:, :, None] * ratio + torch.arange(ratio, device=device)
-    tokens = torch.where(blocks[:, :, None] >= 0, tokens, -1).reshape(n, k * ratio)
-    pad = torch.full((n, (block_topk - k) * ratio), -1, dtype=torch.long, device=device)
-    tail = ((position.clamp_min(0) + 1) // ratio * ratio)[:, None] + torch.arange(ratio - 1, device=device)
-    tail = torch.where((tail <= position[:, None]) & (position[:, None] >= 0), tail, -1)
-    return torch.cat([tokens, pad, tail], dim=1)
 
 
 # From this many groups a Triton selection writes tile maxima instead of scores (`select_by_tile_maxima`): from

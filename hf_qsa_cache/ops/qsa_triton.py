@@ -39,16 +39,14 @@ ATTENTION_BLOCK_W = 64  # selected positions per tile
 # with the decode warps and stages below, settings of their own that `check_qsa_kernels.py --decode-sweep` times.
 ATTENTION_DECODE_BLOCK_W = 64
 ATTENTION_DECODE_MAX_TOKENS = 16
-# One split per program (prefill): 2 warps gathered K/V at 5.4 TB/s on an H200, 4 warps (the earlier
-# setting, kept for split launches of more tokens) at under 3.3 (benchmarks/check_qsa_kernels.py
-# --attention-sweep: 4096 tokens x 2051 positions, 3.0 against 7.2 ms).
+# One split per program (prefill): 2 warps gather K/V faster than 4 (the earlier setting, kept for split launches
+# of more tokens; benchmarks/check_qsa_kernels.py --attention-sweep).
 ATTENTION_NUM_WARPS = 2
 ATTENTION_SPLIT_NUM_WARPS = 4
 ATTENTION_NUM_STAGES = 3
 # Decode steps: 8 warps and no pipelining. A split of a decode step holds one or two tiles, so there is no loop
-# for stages to overlap, only their shared memory to pay. Graph-timed on the H200 (`check_qsa_kernels.py
-# --decode-sweep`, 2051 positions, 2 KV heads of 256): one token 9.0 us with 33 splits of one tile against 21.0
-# with 17 splits of two at 4 warps and 3 stages; 8 tokens 18.4 us with 17 splits against 31.1.
+# for stages to overlap, only their shared memory to pay; more splits of one tile each beat fewer of two
+# (`check_qsa_kernels.py --decode-sweep`).
 ATTENTION_DECODE_NUM_WARPS = 8
 ATTENTION_DECODE_NUM_STAGES = 1
 TARGET_PROGRAMS = 512  # split the width until a launch has about this many programs ...
@@ -60,16 +58,16 @@ SCORES_BLOCK_G = 64  # compressed groups per key tile
 SCORES_PREFILL_TOKENS = 64  # from this many tokens on (prefill), ...
 SCORES_PREFILL_BLOCK_M = 8  # ... a program scores this many consecutive tokens (x heads: the dot's rows)
 SCORES_TARGET_PROGRAMS = 1024  # split the groups across programs until a launch has about this many
-# From sweeps on an H200 (benchmarks/check_qsa_kernels.py) on one row's prefill chunk (4096 tokens over
-# 32768 groups, 512 over 262144): 8 tokens x 32 heads, 64 groups, 8 warps, 3 stages, groups-major.
+# The best of the sweeps (benchmarks/check_qsa_kernels.py) on one row's prefill chunk: 8 tokens x 32 heads,
+# 64 groups, 8 warps, 3 stages, groups-major.
 SCORES_NUM_WARPS = 8
 SCORES_NUM_STAGES = 3
-# One token per program (decode) keeps the setting measured before the groups-major sweep: tokens x heads
-# as the dot's rows, 4 warps (141 against 158 us for one token over 262144 groups).
+# One token per program (decode) keeps the setting chosen before the groups-major sweep: tokens x heads
+# as the dot's rows, 4 warps.
 SCORES_DECODE_NUM_WARPS = 4
 # The dot's orientation: with the compressed groups as its rows (and tokens x heads as its columns) the
-# sum over heads stays within a warp; with tokens x heads as its rows it crosses warps. Groups-major, 8
-# warps ran 454 TFLOP/s on both prefill shapes above, the other orientation's best setting 235.
+# sum over heads stays within a warp; with tokens x heads as its rows it crosses warps (slower in every
+# setting of the sweep).
 SCORES_GROUPS_MAJOR = True
 # Columns of a groups-major dot (tokens x padded heads) at most: 512 gave wrong scores on the H200
 # (the interpreter's were right); a wider tile takes the other orientation.
@@ -505,48 +503,6 @@ def candidate_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, blo
         NUM_HEADS=num_heads, H_PAD=pow2(num_heads), HEAD_DIM=head_dim, D_PAD=pow2(head_dim),
         BLOCK_C=CANDIDATES_BLOCK, IEEE=ieee, WIDEN=INTERPRET, num_warps=4, **pdl(q_index),
     )
-    return out
-
-
-@triton.jit(do_not_specialize=["num_tokens", "k"])
-def _selected_positions_kernel(groups_ptr, visible_ptr, position_ptr, out_ptr, num_tokens, k,
-                               stride_gn, stride_gk, stride_on,
-                               RATIO: tl.constexpr, SELECTED: tl.constexpr, WIDTH: tl.constexpr,
-                               W_PAD: tl.constexpr, PDL: tl.constexpr = False):
-    """One program per token: its row of `selected_positions` (``SELECTED = block_topk * r`` group tokens,
-    then ``r - 1`` tail tokens)."""
-    pdl_begin(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, W_PAD)
-    p = tl.load(position_ptr + t).to(tl.int64)
-    visible = tl.load(visible_ptr + t).to(tl.int64)
-    # Group tokens: column c is token c % r of the (c // r)-th best group.
-    j = c // RATIO
-    listed = c < k * RATIO
-    g = tl.load(groups_ptr + t * stride_gn + j * stride_gk, mask=listed, other=-1).to(tl.int64)
-    group_token = tl.where(listed & (g >= 0) & (g < visible), g * RATIO + c % RATIO, -1)
-    # Open-group tail: ((p + 1) // r) * r + i for i < r - 1, up to p.
-    i = c - SELECTED
-    tail = (tl.maximum(p, 0) + 1) // RATIO * RATIO + i
-    tail = tl.where((tail <= p) & (p >= 0), tail, -1)
-    out = tl.where(c < SELECTED, group_token, tail)
-    tl.store(out_ptr + t * stride_on + c, out, mask=c < WIDTH)
-
-
-@on_device_of_first_tensor
-def selected_positions_triton(groups: torch.Tensor, visible: torch.Tensor, position: torch.Tensor, ratio: int,
-                              block_topk: int) -> torch.Tensor:
-    """`hf_qsa_cache.ops.qsa.selected_positions` in one launch."""
-    n, k = groups.shape
-    width = block_topk * ratio + ratio - 1
-    out = torch.empty(n, width, dtype=torch.long, device=groups.device)
-    if n and width:
-        _selected_positions_kernel[(n,)](
-            groups, visible.contiguous(), position.contiguous(), out, n, k,
-            groups.stride(0), groups.stride(1) if k else 1, out.stride(0),
-            RATIO=ratio, SELECTED=block_topk * ratio, WIDTH=width, W_PAD=triton.next_power_of_2(width),
-            num_warps=4, **pdl(groups),
-        )
     return out
 
 

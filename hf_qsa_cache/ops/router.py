@@ -21,7 +21,8 @@ from . import fusions, keeps_own_forward, records_grad
 def fuses_routing(router, x: torch.Tensor) -> bool:
     """Whether the MoE block routes ``x`` with `route` instead of calling ``router``: the fusion on,
     autograd not recording, and no hook on the router (``output_router_logits`` records its outputs through one)."""
-    return fusions.enabled("router") and not records_grad(x, router.weight) and not keeps_own_forward(router, router.weight)
+    return (fusions.enabled("router") and not records_grad(x, router.weight)
+            and not keeps_own_forward(router, router.weight))
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

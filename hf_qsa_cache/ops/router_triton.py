@@ -3,8 +3,8 @@ and the split projection that Inkling's router (`inkling_router_triton`) shares.
 
 `router_partials`: a router's projection for a few tokens, split over experts (rows of ``BLOCK_E``) and over
 ranges of the hidden size, so that one token still spreads the weight read over many programs (one program
-per token read a 65 x 2048 router alone in 60 us on the H200, against a few for the read; cuBLAS's GEMV
-took 5.0 us a Qwen4Exp layer). Partial sums in fp32, the weight read as stored.
+per token took many times longer than the read itself, and than cuBLAS's GEMV). Partial sums in fp32, the weight
+read as stored.
 
 `_route_topk_kernel`: per token, the projection's partial sums added up (or the logits of a prompt's GEMM,
 one "partial") and rounded to the model's dtype as the projection's output would be, then softmax in fp32,

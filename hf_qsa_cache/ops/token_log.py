@@ -2,12 +2,11 @@
 where fused (``token_log`` in `hf_qsa_cache.fusions`).
 
 In torch the write is six small launches (the pad test, two casts, the slot arithmetic, the select) and the
-``index_copy_``: seven of the 84 launches of Inkling's graphed 6-layer decode step, whose other launches are each a
-layer's fused kernel. `log_tokens_torch` is the specification; on CUDA
+``index_copy_``: a noticeable share of the launches of Inkling's graphed decode step, whose other launches are each
+a layer's fused kernel. `log_tokens_torch` is the specification; on CUDA
 `hf_qsa_cache.ops.token_log_triton.log_tokens_triton` does it in one launch.
 
-On by default since measured on the H200 (benchmarks/RESULTS.md, graphed batch-1 steps end to end): Inkling 6 layers
-at 1 x 16384 0.397 against 0.409 ms (77 against 84 kernels), Qwen4Exp 8 layers 0.962 against 0.979 ms.
+On by default: the graphed batch-1 steps of both models are faster end to end with it (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

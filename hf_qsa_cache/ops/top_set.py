@@ -62,8 +62,8 @@ def top_group_set(scores: torch.Tensor, k: int) -> torch.Tensor:
     among equal scores) in ascending order: the set a selection needs, whose order only changes the order
     of the attention's sums. Where fused (``qsa_topk``) on CUDA, fewer than `top_groups_two_level`'s
     ``2 * k * TOPK_TILE`` groups take one launch that never sorts (`top_set_triton.top_set_triton`: a
-    bisection for the ``k``-th best score, where torch's top-k sorts the whole row: 27.5 + 13.1 us a QSA
-    layer of a decode step at 1 x 4096 on an H200); otherwise `top_groups`, sorted by group."""
+    bisection for the ``k``-th best score, where torch's top-k sorts the whole row and gathers); otherwise
+    `top_groups`, sorted by group."""
     if _fuses_top_set(scores, k):
         from .top_set_triton import top_set_triton
 

@@ -1,9 +1,8 @@
-"""Triton version of `hf_qsa_cache.ops.qsa.top_group_set`: the ``k`` best of each row of float32 scores, as a
+"""Triton version of `hf_qsa_cache.ops.top_set.top_group_set`: the ``k`` best of each row of float32 scores, as a
 set (ascending index), the lower index first among equal scores. One program per row, no sort.
 
 torch's ``topk`` of a few hundred out of a few thousand groups sorts the whole row (a radix sort and a
-gather: 27.5 + 13.1 us a QSA layer of a 1 x 4096 decode step on an H200). What the selection needs is only
-the set:
+gather). What the selection needs is only the set:
 
 1. Each score becomes an int32 key whose signed order is the float order (a -0.0 made 0.0 first).
 2. A bisection over the 2**32 key values finds the ``k``-th largest key ``T``: the largest value with at
@@ -12,11 +11,8 @@ the set:
    running count along the row); each kept index is written at its rank along the row.
 
 A row that fits one block (up to `MAX_BLOCK` scores) is loaded once and held in registers; a longer one is
-read in chunks of ``BLOCK`` at every round (tests force small blocks). On the H200 the bisection takes 11.2 us
-a call at 1 x 4096 (1100 groups) and 30.0 us at 1 x 16384 (4400 groups, 47 us when 4096-score blocks made
-that row two chunks; timed when a round compared int64 keys and masked each lane, untimed since it compares
-int32 keys). A 16-way search (8 rounds, each counting 16 values in one pass) measured slower, 21.6 us at
-1 x 4096 (`benchmarks/RESULTS.md`).
+read in chunks of ``BLOCK`` at every round (tests force small blocks). A 16-way search (8 rounds, each counting 16
+values in one pass) was slower than this bisection (`benchmarks/RESULTS.md`).
 """
 
 from __future__ import annotations
