@@ -35,7 +35,33 @@ def run_under_interpreter(script: str, expect: str, timeout: int = 600, args: tu
         assert status == 0, f"{Path(script).name} under the interpreter failed:\n{output}"
         assert expect in output, output
         if os.environ.get("TRITON_INTERPRET") != "1":  # this process has Triton's compiler, not the interpreter
-            assert kernel_compile.compile_logged(log) > 0, f"{Path(script).name} launched no project kernel"
+            assert kernel_compile.compile_logged(log, _COMPILED) > 0, f"{Path(script).name} launched no project kernel"
+
+
+# The launch structures this test process has compiled already (`kernel_compile.structure`): each is compiled once
+# however many scripts or cases launch it.
+_COMPILED: set[str] = set()
+
+
+def run_case_under_interpreter(script: str, case: str, timeout: int = 600) -> None:
+    """Run one case of a kernel test file under the interpreter (`run_under_interpreter`): the file, run with
+    ``--case NAME``, runs that case alone (`case_main`) and prints ``case NAME ok``. A pytest item per case, each a
+    forked child of the one interpreter server."""
+    run_under_interpreter(script, f"case {case} ok", timeout, args=("--case", case))
+
+
+def case_main(run) -> int:
+    """A kernel test file's ``__main__`` under the interpreter: ``run(name)`` for the case named after ``--case``
+    (None, or what differs); prints ``case NAME ok`` when it passes."""
+    import sys
+
+    case = sys.argv[sys.argv.index("--case") + 1]
+    error = run(case)
+    if error:
+        print(f"case {case}: {error}")
+        return 1
+    print(f"case {case} ok")
+    return 0
 
 
 class _Server:

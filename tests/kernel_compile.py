@@ -169,14 +169,19 @@ def structure(entry: dict) -> str:
     return json.dumps({**entry, "constants": constants}, sort_keys=True)
 
 
-def compile_logged(path: str) -> int:
-    """Compile every launch logged at ``path``; fails naming each kernel that does not compile."""
+def compile_logged(path: str, done: set[str] | None = None) -> int:
+    """Compile every launch logged at ``path`` (but those whose `structure` is in ``done``, which gets the ones
+    compiled here); fails naming each kernel that does not compile. Returns how many distinct launches it read."""
     with open(path) as f:
-        entries = list({structure(e): e for e in map(json.loads, filter(str.strip, f))}.values())
+        entries = {structure(e): e for e in map(json.loads, filter(str.strip, f))}
+    done = set() if done is None else done
     failures = []
-    for entry in entries:
+    for key, entry in entries.items():
+        if key in done:
+            continue
         try:
             compile_for_gpu(entry)
+            done.add(key)
         except Exception as error:  # noqa: BLE001 - every failure is reported below
             failures.append(f"{entry['module']}.{entry['name']} {entry['constants']}: "
                             f"{type(error).__name__}: {str(error)[-1500:]}")

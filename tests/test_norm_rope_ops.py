@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from fusion_helpers import assert_fused_generate_equals_default
-from interpreter import run_under_interpreter
+from interpreter import case_main, run_case_under_interpreter
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextRMSNorm
 
 from hf_qsa_cache.ops import norm_rope as ops
@@ -46,29 +46,32 @@ def test_generate_with_the_fused_path_equals_the_default(monkeypatch):
                                          atol=1e-5)
 
 
-def test_triton_kernel_matches_torch():
-    run_under_interpreter(__file__, "all norm rope kernel cases ok")
+# bf16: the normed value, both products and their sum each round once.
+DTYPES = {"fp32": (torch.float32, 2e-6), "bf16": (torch.bfloat16, 3.2e-2)}
+SHAPES = {"1x3x24-rot12": (1, 3, 24, 12), "4x2x16-rot16": (4, 2, 16, 16), "3x1x20-rot8": (3, 1, 20, 8)}
+KERNEL_CASES = [f"{d}-{shape}" for d in DTYPES for shape in SHAPES]
 
 
-def _main() -> int:
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_triton_kernel_matches_torch(case):
+    run_case_under_interpreter(__file__, case)
+
+
+def _kernel_case(case: str) -> None:
+    """The kernel against the written-out norm and rotary at one dtype and shape, on a contiguous input and on the
+    first half of each head's row of a wider projection (as a QSA query is laid out)."""
     from hf_qsa_cache.ops.norm_rope_triton import norm_rope_triton
 
-    cases = 0
-    # bf16: the normed value, both products and their sum each round once.
-    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 3.2e-2)):
-        for n, H, D, rot in ((1, 3, 24, 12), (4, 2, 16, 16), (3, 1, 20, 8)):
-            norm, x, cos, sin = _case(n, H, D, rot, dtype, seed=n + D)
-            # As laid out and as a QSA query is: the first half of each head's row of a wider projection.
-            wide = torch.cat([x, torch.randn_like(x.float()).to(dtype)], dim=-1)
-            for label, xs in (("contiguous", x), ("strided", torch.chunk(wide, 2, dim=-1)[0])):
-                got = norm_rope_triton(xs, norm.weight.detach(), norm.eps, cos, sin)
-                want = ops.norm_rope_written_out(x, norm.weight.detach(), norm.eps, cos, sin)
-                assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous(), label
-                torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"{label} {m}")
-                cases += 1
-    print(f"all norm rope kernel cases ok ({cases})")
-    return 0
+    dtype_name, shape_name = case.split("-", 1)
+    (dtype, tol), (n, H, D, rot) = DTYPES[dtype_name], SHAPES[shape_name]
+    norm, x, cos, sin = _case(n, H, D, rot, dtype, seed=n + D)
+    wide = torch.cat([x, torch.randn_like(x.float()).to(dtype)], dim=-1)
+    for label, xs in (("contiguous", x), ("strided", torch.chunk(wide, 2, dim=-1)[0])):
+        got = norm_rope_triton(xs, norm.weight.detach(), norm.eps, cos, sin)
+        want = ops.norm_rope_written_out(x, norm.weight.detach(), norm.eps, cos, sin)
+        assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous(), label
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"{label} {m}")
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(case_main(_kernel_case))

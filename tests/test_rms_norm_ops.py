@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from fusion_helpers import assert_fused_generate_equals_default
-from interpreter import run_under_interpreter
+from interpreter import case_main, run_case_under_interpreter
 from transformers.models.inkling.modeling_inkling import InklingRMSNorm
 
 from hf_qsa_cache import fusions
@@ -45,33 +45,36 @@ def test_generate_with_the_fused_path_equals_the_default(monkeypatch):
                                          atol=1e-5)
 
 
-def test_triton_kernel_matches_torch():
-    run_under_interpreter(__file__, "all rms norm kernel cases ok")
+# bf16: the sum, the normed value and its product with the weight each round once: up to three units.
+DTYPES = {"fp32": (torch.float32, 1e-6), "bf16": (torch.bfloat16, 2.4e-2)}
+SHAPES = {"1x24": (1, 24), "3x2x16": (3, 2, 16), "5x20": (5, 20)}
+KERNEL_CASES = [f"{d}-{shape}" for d in DTYPES for shape in SHAPES]
 
 
-def _main() -> int:
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_triton_kernel_matches_torch(case):
+    run_case_under_interpreter(__file__, case)
+
+
+def _kernel_case(case: str) -> None:
+    """The kernel against the torch function at one dtype and shape, with and without a residual."""
     from hf_qsa_cache.ops.rms_norm_triton import add_rms_norm_triton
 
-    cases = 0
-    # bf16: the sum, the normed value and its product with the weight each round once: up to three units.
-    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2.4e-2)):
-        for shape in ((1, 24), (3, 2, 16), (5, 20)):
-            norm = _norm(shape[-1], dtype, seed=shape[-1])
-            g = torch.Generator().manual_seed(len(shape) * 10 + shape[-1])
-            x, residual = (torch.randn(*shape, generator=g).to(dtype) * 3 for _ in range(2))
-            for res in (None, residual):
-                got = add_rms_norm_triton(x, res, norm.weight.detach(), 1e-6)
-                want = rms_norm.add_rms_norm_torch(x, res, norm.weight.detach(), 1e-6)
-                for a, b in zip(got, want):
-                    assert a.dtype == b.dtype and a.shape == b.shape
-                    torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
-                cases += 1
-    print(f"all rms norm kernel cases ok ({cases})")
-    return 0
+    dtype_name, shape_name = case.split("-")
+    (dtype, tol), shape = DTYPES[dtype_name], SHAPES[shape_name]
+    norm = _norm(shape[-1], dtype, seed=shape[-1])
+    g = torch.Generator().manual_seed(len(shape) * 10 + shape[-1])
+    x, residual = (torch.randn(*shape, generator=g).to(dtype) * 3 for _ in range(2))
+    for res in (None, residual):
+        got = add_rms_norm_triton(x, res, norm.weight.detach(), 1e-6)
+        want = rms_norm.add_rms_norm_torch(x, res, norm.weight.detach(), 1e-6)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(case_main(_kernel_case))
 
 
 def test_the_layer_loop_leaves_each_mlp_residual_to_the_next_norm(monkeypatch):
