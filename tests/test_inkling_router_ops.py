@@ -10,7 +10,7 @@ import pytest
 import test_inkling as inkling
 import torch
 from fusion_helpers import assert_fused_generate_equals_default
-from interpreter import run_under_interpreter
+from interpreter import case_main, run_case_under_interpreter
 from transformers.models.inkling.modeling_inkling import InklingTopkRouter
 
 from hf_qsa_cache import fusions
@@ -61,38 +61,39 @@ def test_block_and_generate_with_the_fused_path_equal_upstreams(monkeypatch):
     assert not inkling_router.fuses_inkling_routing(block.gate, x)
 
 
-def test_triton_kernel_matches_torch():
-    run_under_interpreter(__file__, "all inkling router kernel cases ok")
+# (tokens, hidden, routed experts, shared, top k): hidden not a multiple of the chunk; experts + shared padded to a
+# power of two; k = routed experts (all chosen); two shared; router rows past one block of the projection (BLOCK_E),
+# the last block full or partial.
+SHAPES = {"1x40-6e1s-top2": (1, 40, 6, 1, 2), "5x72-13e2s-top4": (5, 72, 13, 2, 4), "3x16-4e2s-top4": (3, 16, 4, 2, 4),
+          "1x40-19e1s-top3": (1, 40, 19, 1, 3), "2x48-30e2s-top6": (2, 48, 30, 2, 6)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+KERNEL_CASES = [f"{shape}-{d}" for shape in SHAPES for d in DTYPES]
 
 
-def _main() -> int:
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_triton_kernel_matches_torch(case):
+    run_case_under_interpreter(__file__, case)
+
+
+def _kernel_case(case: str) -> str | None:
+    """The kernel against `route_inkling_torch` at one shape and dtype, with the projection's tiling by the launch
+    policy, then hidden ranges of one chunk each (several splits, the last one short), then one range."""
     from hf_qsa_cache.ops.inkling_router_triton import inkling_router_triton
 
-    cases = 0
-    # (tokens, hidden, routed experts, shared, top k): hidden not a multiple of the chunk; experts + shared
-    # padded to a power of two; k = routed experts (all chosen); two shared; router rows past one block of
-    # the projection (BLOCK_E), the last block full or partial.
-    for T, H, E, S, k in ((1, 40, 6, 1, 2), (5, 72, 13, 2, 4), (3, 16, 4, 2, 4), (1, 40, 19, 1, 3),
-                          (2, 48, 30, 2, 6)):
-        for dtype in (torch.float32, torch.bfloat16):
-            module = router_module(T + H, dtype, hidden_size=H, n_routed_experts=E, n_shared_experts=S,
-                                   num_experts_per_tok=k)
-            x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dtype)
-            args = (x, module.weight.detach(), module.e_score_correction_bias, module.global_scale.detach(), k, S,
-                    module.route_scale)
-            want = inkling_router.route_inkling_torch(*args)
-            # The projection's tiling: the launch policy, then hidden ranges of one chunk each (several
-            # splits, the last one short), then one range (one split).
-            tilings = ({}, {"block_h": 16, "splits": H}, {"block_h": 32, "splits": 1})
-            for tiling in tilings:
-                have = inkling_router_triton(*args, **tiling)
-                cases += 1
-                error = _mismatch(have, want, dtype)
-                if error:
-                    print(f"T={T} H={H} E={E} S={S} k={k} {dtype} {tiling}: {error}")
-                    return 1
-    print(f"{cases} cases\nall inkling router kernel cases ok")
-    return 0
+    torch.set_num_threads(1)
+    shape_name, dtype_name = case.rsplit("-", 1)
+    (T, H, E, S, k), dtype = SHAPES[shape_name], DTYPES[dtype_name]
+    module = router_module(T + H, dtype, hidden_size=H, n_routed_experts=E, n_shared_experts=S,
+                           num_experts_per_tok=k)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dtype)
+    args = (x, module.weight.detach(), module.e_score_correction_bias, module.global_scale.detach(), k, S,
+            module.route_scale)
+    want = inkling_router.route_inkling_torch(*args)
+    for tiling in ({}, {"block_h": 16, "splits": H}, {"block_h": 32, "splits": 1}):
+        error = _mismatch(inkling_router_triton(*args, **tiling), want, dtype)
+        if error:
+            return f"{tiling}: {error}"
+    return None
 
 
 def _mismatch(have, want, dtype) -> str | None:
@@ -108,5 +109,4 @@ def _mismatch(have, want, dtype) -> str | None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    sys.exit(_main())
+    sys.exit(case_main(_kernel_case))
