@@ -27,9 +27,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import modeling.modeling_inkling as inkling  # noqa: E402
+import hf_qsa_cache.ops.conv_norm as conv_norm  # noqa: E402
 
-# name -> what the Inkling layers call instead (same arguments, the inputs returned).
+# name -> what Inkling's layers run instead (same arguments, the inputs returned): the names are the functions of
+# `hf_qsa_cache.ops.conv_norm` that its dispatch (`conv_add_norm`, `normed_attention_inputs`) calls.
 DROPS = {
     "conv_add_rms_norm": lambda x, taps, residual, norm: (x, x),
     "attention_inputs": lambda q, k, v, *rest: (q, k, v),
@@ -42,14 +43,14 @@ def dropped(names):
     unknown = set(names) - set(DROPS)
     if unknown:
         raise ValueError(f"unknown op(s) {sorted(unknown)}; known: {', '.join(DROPS)}")
-    saved = {name: getattr(inkling, name) for name in names}
+    saved = {name: getattr(conv_norm, name) for name in names}
     try:
         for name in names:
-            setattr(inkling, name, DROPS[name])
+            setattr(conv_norm, name, DROPS[name])
         yield
     finally:
         for name, real in saved.items():
-            setattr(inkling, name, real)
+            setattr(conv_norm, name, real)
 
 
 def main(argv=None):

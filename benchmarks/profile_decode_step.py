@@ -85,8 +85,10 @@ def label_modules(model) -> list:
 
 
 # Functions whose launches the table also lists per call (each fusion's unit of work), where the model calls them.
-OPS = {"modeling.modeling_qwen4_exp": ("gated_residual", "delta_gates", "gated_rms_norm", "norm_rope"),
-       "modeling.modeling_inkling": ("add_rms_norm", "rms_norm"),
+# Each name is patched in the module whose code calls it.
+OPS = {"modeling.modeling_qwen4_exp": ("gated_residual", "norm_rope"),
+       "hf_qsa_cache.ops.gated_delta": ("delta_gates", "gated_rms_norm"),
+       "hf_qsa_cache.ops.rms_norm": ("add_rms_norm", "rms_norm"),
        "hf_qsa_cache.ops.qsa": ("selected_positions", "pool_groups")}
 
 

@@ -78,8 +78,7 @@ def lean_inputs(candidates: torch.Tensor, step_length: int, kwargs: dict) -> dic
     """What transformers' ``prepare_inputs_for_generation`` returns for a round after the first of a text-only
     call whose kwargs are `LEAN_KEYS` and whose ids already sit on the model's device: the round's last
     ``step_length`` ids and positions, the rest passed on. Without its per-round clone of the ids, its device
-    lookups and its checks of what this call cannot hold (about 70 us of host time a token on a CPU,
-    benchmarks/RESULTS.md)."""
+    lookups and its checks of what this call cannot hold: host work a graphed decode step cannot hide."""
     inputs = {"input_ids": candidates[:, -step_length:]}
     for key in ("past_key_values", "use_cache", "attention_mask", "logits_to_keep"):
         if kwargs.get(key) is not None:
