@@ -96,9 +96,9 @@ def build(name: str, layers: int | None, device: str, tiny: bool, all_experts: b
         if tests not in sys.path:
             sys.path.insert(0, tests)
         if name == "qwen4_exp":
-            from qwen4_helpers import make_pair, tiny_config as make_config
+            from helpers.qwen4 import make_pair, tiny_config as make_config
         else:
-            from test_inkling import make_config, make_pair
+            from helpers.inkling import make_config, make_pair
         base = make_config()
         overrides = {"num_hidden_layers": layers, "layer_types": base.layer_types[:layers]} if layers else {}
         if all_experts:

@@ -33,13 +33,13 @@ from hf_qsa_cache.ops import inkling_attention  # noqa: E402
 
 def build(args, seed: int):
     if args.family == "inkling":
-        import test_inkling as ink
+        import helpers.inkling as ink
 
         config = ink.make_config(**{**dict(hidden_size=256, sliding_window_size=200, rel_extent=64,
                                            max_position_embeddings=8192), **eval(args.kw)})
         upstream, ours = ink.make_pair(config, seed=seed, std=args.std)
     else:
-        import qwen4_helpers as q
+        import helpers.qwen4 as q
 
         config = q.tiny_config(**{"max_position_embeddings": 8192, **eval(args.kw)})
         upstream, ours = q.make_pair(config, seed=seed)
@@ -77,7 +77,7 @@ def main():
         from modeling import modeling_inkling
 
         modeling_inkling.paged_rel_attention = inkling_attention.paged_rel_attention_torch
-    from qwen4_helpers import left_pad
+    from helpers.qwen4 import left_pad
 
     dev, F = args.device, args.forced
     lens = [int(x) for x in args.lens.split(",")]

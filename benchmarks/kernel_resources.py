@@ -39,7 +39,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from kernel_compile import compile_launch, record_into  # noqa: E402
+from helpers.kernel_compile import compile_launch, record_into  # noqa: E402
 
 def record_launches(calls) -> list[dict]:
     """Run ``calls`` (``(name, function)`` pairs whose functions launch kernels) with every launch of a project

@@ -11,5 +11,23 @@ try:
 except RuntimeError:  # only allowed before any inter-op work has started
     pass
 
-# Test helpers live beside the tests.
+# The tests' shared helpers (`tests/helpers`) are imported as `helpers`.
 sys.path.insert(0, os.path.dirname(__file__))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    """A tiny Qwen4Exp of ours (random weights, fp32, eval): `helpers.qwen4.tiny_config`."""
+    from helpers.qwen4 import make_pair
+
+    return make_pair(seed=3)[1]
+
+
+@pytest.fixture(scope="module")
+def ink():
+    """A tiny Inkling of ours (random weights, fp32, eval): `helpers.inkling.make_config`."""
+    from helpers import inkling
+
+    return inkling.make_pair(inkling.make_config(), seed=4)[1]

@@ -17,6 +17,10 @@ import torch
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 if BENCHMARKS not in sys.path:
     sys.path.append(BENCHMARKS)
+# The CPU model tests whose builders the model checks reuse (`test_training`, `test_multimodal_*`).
+MODEL_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
+if MODEL_TESTS not in sys.path:
+    sys.path.append(MODEL_TESTS)
 
 
 def pytest_collection_modifyitems(config, items):

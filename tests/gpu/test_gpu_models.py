@@ -27,8 +27,8 @@ import copy
 import pytest
 import torch
 
-import qwen4_helpers as q
-import test_inkling as ink
+import helpers.qwen4 as q
+import helpers.inkling as ink
 from hf_qsa_cache import QSAPagedCache
 
 pytestmark = pytest.mark.gpu

@@ -1,0 +1,16 @@
+"""A short run of the model-based stress test (tests/helpers/stress.py) per family; the long runs' figures are in
+benchmarks/RESULTS.md."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.stress import Stress
+
+
+@pytest.mark.parametrize("family, seed", [("qwen4_exp", 0), ("inkling", 1)])
+def test_random_operations_match_the_reference(family, seed):
+    stress = Stress(family, seed)
+    stress.run(ops=40)
+    assert stress.checked > 20
+    assert {"decode", "verify", "crop"} <= set(stress.counts), stress.counts
+    assert any(k.endswith("+fault") for k in stress.counts), stress.counts

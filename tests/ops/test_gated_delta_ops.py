@@ -1,0 +1,303 @@
+"""GatedDeltaNet's fused gates and gated output norm (`hf_qsa_cache.ops.gated_delta`): the written-out
+norm against transformers' module, the model with the fused path on against the default, and the Triton
+kernels against the torch functions (as a script under the Triton interpreter, `interpreter.py`)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from helpers.fusions import assert_fused_generate_equals_default
+from helpers.interpreter import run_under_interpreter
+from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextRMSNormGated
+
+from hf_qsa_cache.ops import gated_delta
+
+
+def _norm(D, activation, dtype, seed=0):
+    torch.manual_seed(seed)
+    norm = Qwen4ExpTextRMSNormGated(D, eps=1e-6, activation=activation)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.5)
+    return norm.to(dtype)
+
+
+@pytest.mark.parametrize("activation", ["sigmoid", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_written_out_norm_is_transformers_module(activation, dtype):
+    norm = _norm(24, activation, dtype)
+    g = torch.Generator().manual_seed(1)
+    x, gate = (torch.randn(7, 24, generator=g).to(dtype) * 3 for _ in range(2))
+    with torch.no_grad():
+        assert torch.equal(gated_delta.gated_rms_norm_torch(x, gate, norm.weight, 1e-6, activation), norm(x, gate))
+
+
+def test_generate_with_the_fused_path_equals_the_default(monkeypatch):
+    from helpers.qwen4 import left_pad, make_pair, random_prompts
+
+    _, model = make_pair(seed=5)
+    ids, mask = left_pad(random_prompts([19, 7, 26], seed=6))
+    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, gated_delta, "gdn",
+                                         "gated_rms_norm_torch", atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_decode_step_is_the_window_path(dtype):
+    """`conv_decode_step` (what one-token steps run when fused) against the store's window path: the same
+    output and the same kept inputs afterwards, over steps that shift every tap out."""
+    import torch.nn.functional as F
+
+    from hf_qsa_cache.stores.linear_state import LinearAttentionState
+
+    B, C, K = 3, 10, 4
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(C, K, generator=g).to(dtype)
+    stores = []
+    for _ in range(2):
+        store = LinearAttentionState(4, C, K, 2, 4, 4)
+        store.allocate("cpu", dtype)
+        store.conv[:B] = torch.randn(B, C, K - 1, generator=torch.Generator().manual_seed(3)).to(dtype)
+        stores.append(store)
+    windowed, fused = stores
+    for step in range(K + 1):
+        x = torch.randn(B, C, 1, generator=g).to(dtype)
+        window = windowed.window("conv", x, None)
+        windowed.write_window("conv", window, None)
+        want = F.silu(F.conv1d(window.to(dtype), weight.unsqueeze(1), None, groups=C)).to(dtype).transpose(1, 2)
+        got = fused.conv_step_in_place(x, weight, dtype)
+        tol = 1e-6 if dtype == torch.float32 else 1.6e-2  # bf16: the conv sum's order, then one rounding
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m: f"step {step}: {m}")
+        assert torch.equal(fused.conv[:B], windowed.conv[:B]), f"step {step}: kept inputs differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dilated_conv_decode_step_is_the_ple_window_path(dtype):
+    """The PLE layer's dilated conv (taps 3 inputs apart) plus its residual, in place, against the window path
+    the layer runs otherwise, over steps that shift every kept input out."""
+    import torch.nn.functional as F
+
+    from hf_qsa_cache.stores.linear_state import LinearAttentionState
+
+    B, C, K, dilation = 2, 12, 4, 3
+    g = torch.Generator().manual_seed(5)
+    conv = torch.nn.Conv1d(C, C, K, groups=C, dilation=dilation, bias=False).to(dtype)
+    stores = []
+    for _ in range(2):
+        store = LinearAttentionState(4, 8, 4, 2, 4, 4, ple_channels=C, ple_window=(K - 1) * dilation)
+        store.allocate("cpu", dtype)
+        store.ple_conv[:B] = torch.randn(B, C, (K - 1) * dilation, generator=torch.Generator().manual_seed(6)).to(dtype)
+        stores.append(store)
+    windowed, fused = stores
+    for step in range((K - 1) * dilation + 2):
+        x = torch.randn(B, C, 1, generator=g).to(dtype)
+        residual = torch.randn(B, 1, C, generator=g).to(dtype)
+        window = windowed.window("ple_conv", x, None)
+        windowed.write_window("ple_conv", window, None)
+        with torch.no_grad():
+            want = residual + F.silu(conv(window)).transpose(1, 2)
+        got = fused.conv_step_in_place(x, conv.weight.detach()[:, 0], dtype, "ple_conv", dilation, residual)
+        tol = 1e-6 if dtype == torch.float32 else 1.6e-2
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m: f"step {step}: {m}")
+        assert torch.equal(fused.ple_conv[:B], windowed.ple_conv[:B]), f"step {step}: kept inputs differ"
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_keep_last_inputs_is_the_window_tail(fresh):
+    """`keep_last_inputs` (what the fused prefill conv keeps, from the step's tail only) against the last
+    columns of the whole window, for steps shorter and longer than the window, with and without pads
+    (none, a few, more than the tail, every column)."""
+    g = torch.Generator().manual_seed(4)
+    for K in (2, 4):
+        for L in range(1, 8):
+            B, C = 5, 3
+            state = torch.randn(B, C, K - 1, generator=g)
+            x = torch.randn(B, C, L, generator=g)
+            for pads in (None, torch.tensor([0, 1, L // 2, max(L - 1, 0), L])):
+                want = gated_delta.causal_window(state, x, pads, fresh)[..., -(K - 1):]
+                got = state.clone()
+                gated_delta.keep_last_inputs(got, x, pads, fresh)
+                assert torch.equal(got, want), (K, L, pads)
+
+
+def _recurrent_inputs(B, Hk, Hv, Dk, Dv, dtype, seed, pads=(0,)):
+    """One token per row as the model hands them over: query, key and value views into one conv output row
+    (strided), the gates' inputs, a pad row or two, a recurrent state that has seen tokens."""
+    g = torch.Generator().manual_seed(seed)
+    mixed = torch.randn(B, 2 * Hk * Dk + Hv * Dv + 3, generator=g).to(dtype)  # 3 spare columns: row stride != width
+    query = mixed[:, : Hk * Dk].unflatten(-1, (Hk, Dk))
+    key = mixed[:, Hk * Dk: 2 * Hk * Dk].unflatten(-1, (Hk, Dk))
+    value = mixed[:, 2 * Hk * Dk: 2 * Hk * Dk + Hv * Dv].unflatten(-1, (Hv, Dv))
+    b = (torch.randn(B, Hv, generator=g) * 3).to(dtype)
+    a = (torch.rand(B, Hv, generator=g) * 50 - 25).to(dtype)  # both sides of softplus's threshold
+    A_log, dt_bias = torch.randn(Hv, generator=g).to(dtype), torch.randn(Hv, generator=g).to(dtype)
+    valid = torch.ones(B, dtype=torch.bool)
+    valid[list(pads)] = False
+    gate = (torch.randn(B, Hv, Dv, generator=g) * 2).to(dtype)
+    state = torch.randn(B, Hv, Dk, Dv, generator=g) * 0.5
+    return state, query, key, value, b, a, A_log, dt_bias, valid, gate
+
+
+@pytest.mark.parametrize("activation", ["sigmoid", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recurrent_step_spec_is_upstreams_ops(activation, dtype):
+    """`recurrent_step_torch` against what the model runs without it: the gates, transformers' recurrent delta
+    rule (two value heads per key head) and the gated norm module, on rows with a pad."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import torch_recurrent_gated_delta_rule
+
+    state, query, key, value, b, a, A_log, dt_bias, valid, gate = _recurrent_inputs(3, 2, 4, 6, 5, dtype, seed=1)
+    norm = _norm(5, activation, dtype, seed=2)
+    before = state.clone()
+    with torch.no_grad():
+        got = gated_delta.recurrent_step_torch(state, query, key, value, b, a, A_log, dt_bias, valid, gate,
+                                               norm.weight, 1e-6, activation)
+        beta, g = gated_delta.delta_gates_torch(b[:, None], a[:, None], A_log, dt_bias, valid[:, None])
+        core, last = torch_recurrent_gated_delta_rule(query[:, None], key[:, None], value[:, None], g=g, beta=beta,
+                                                      initial_state=before, output_final_state=True,
+                                                      use_qk_l2norm_in_kernel=True)
+        want = norm(core[:, 0].reshape(-1, 5), gate.reshape(-1, 5)).view(3, 4, 5)
+    assert got.dtype == want.dtype == dtype
+    torch.testing.assert_close(state, last, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(state[0], before[0])  # the pad row neither decays nor writes
+    assert not torch.equal(state[1], before[1])
+
+
+def test_generate_with_the_recurrent_step_equals_the_default(monkeypatch):
+    from helpers.qwen4 import left_pad, make_pair, random_prompts
+
+    _, model = make_pair(seed=5)
+    ids, mask = left_pad(random_prompts([19, 7, 26], seed=6))
+    assert_fused_generate_equals_default(monkeypatch, model, ids, mask, gated_delta, "gdn_step",
+                                         "recurrent_step_torch", atol=1e-5)
+
+
+def test_triton_kernels_match_torch():
+    run_under_interpreter(__file__, "all gated delta kernel cases ok")
+
+
+def _main() -> int:
+    from hf_qsa_cache.ops.gated_delta_triton import delta_gates_triton, gated_rms_norm_triton
+
+    cases = 0
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1.6e-2)):  # bf16: two units in the last place
+        for B, L, H in ((1, 1, 5), (3, 4, 8)):
+            g = torch.Generator().manual_seed(B * 10 + H)
+            b = (torch.randn(B, L, H, generator=g) * 4).to(dtype)
+            a = (torch.rand(B, L, H, generator=g) * 60 - 30).to(dtype)  # both sides of softplus's threshold
+            A_log = torch.randn(H, generator=g).to(dtype)
+            dt_bias = torch.randn(H, generator=g).to(dtype)
+            valid = torch.rand(B, L, generator=g) > 0.3
+            valid[-1, 0] = False  # at least one pad
+            got = delta_gates_triton(b, a, A_log, dt_bias, valid)
+            want = gated_delta.delta_gates(b, a, A_log, dt_bias, valid)
+            for x, y in zip(got, want):
+                assert x.dtype == y.dtype and x.shape == y.shape
+                torch.testing.assert_close(x.float(), y.float(), atol=tol, rtol=tol)
+            assert (got[1][~valid] == 0).all() and (got[0][~valid] == 0).all()
+            cases += 1
+        for D in (24, 16):
+            for activation in ("sigmoid", "silu"):
+                norm = _norm(D, activation, dtype, seed=D)
+                g = torch.Generator().manual_seed(D)
+                x, gate = (torch.randn(9, D, generator=g).to(dtype) * 3 for _ in range(2))
+                got = gated_rms_norm_triton(x, gate, norm.weight.detach(), 1e-6, activation)
+                with torch.no_grad():
+                    want = norm(x, gate)
+                assert got.dtype == want.dtype
+                # Three rounding points in bf16 (normed, times the weight, times the gate): up to three units.
+                rounding = 1.5 * tol if dtype == torch.bfloat16 else tol
+                torch.testing.assert_close(got.float(), want.float(), atol=rounding, rtol=rounding)
+                cases += 1
+    from hf_qsa_cache.ops.gated_delta_triton import conv_decode_step_triton
+
+    for x_dtype, state_dtype, tol in ((torch.float32, torch.float32, 1e-6), (torch.bfloat16, torch.bfloat16, 1.6e-2),
+                                      (torch.bfloat16, torch.float32, 1.6e-2)):
+        # 300 channels: two blocks, the second partial; dilation 3 with a residual: the PLE layer's conv.
+        for B, C, K, dilation in ((1, 300, 4, 1), (3, 24, 2, 1), (2, 40, 3, 1), (2, 40, 4, 3), (1, 300, 2, 2)):
+            g = torch.Generator().manual_seed(B * 100 + C + K)
+            state = torch.randn(B, C, (K - 1) * dilation, generator=g).to(state_dtype)
+            x = torch.randn(B, 1, C, generator=g).to(x_dtype).transpose(1, 2)  # [B, C, 1], strided as in the model
+            weight = torch.randn(C, K, generator=g).to(x_dtype)
+            residual = torch.randn(B, 1, C, generator=g).to(x_dtype) if dilation > 1 else None
+            mine, theirs = state.clone(), state.clone()
+            got = conv_decode_step_triton(mine, x, weight, x_dtype, dilation, residual)
+            want = gated_delta.conv_decode_step(theirs, x, weight, x_dtype, dilation, residual)
+            assert got.shape == want.shape == (B, 1, C) and got.dtype == want.dtype
+            # With a residual, bf16 rounds twice (the silu, the sum): where the two cancel, the silu's unit in
+            # the last place (up to 0.016 for terms below 4, truncated here, rounded on the CPU) stays absolute.
+            out_tol = 5e-2 if residual is not None and x_dtype == torch.bfloat16 else tol
+            torch.testing.assert_close(got.float(), want.float(), atol=out_tol, rtol=tol)
+            # The interpreter truncates its fp32 -> bf16 casts where a GPU rounds: one unit apart at most.
+            torch.testing.assert_close(mine.float(), theirs.float(), atol=tol, rtol=tol)
+            cases += 1
+    from hf_qsa_cache.ops.gated_delta_triton import conv_prefill_triton
+
+    # The prefill conv: blocks forced small (4 columns x 16 channels) so rows, column blocks and channel blocks
+    # all split, the last of each partial; pads before, inside and past the kept window; fresh rows.
+    for x_dtype, state_dtype, tol in ((torch.float32, torch.float32, 1e-6), (torch.bfloat16, torch.bfloat16, 1.6e-2),
+                                      (torch.bfloat16, torch.float32, 1.6e-2)):
+        for B, C, L, K, pads in ((3, 40, 7, 4, [0, 2, 5]), (2, 24, 2, 4, [1, 0]), (1, 16, 9, 2, None),
+                                 (2, 20, 5, 3, None), (3, 33, 6, 4, [6, 0, 3])):
+            for fresh in (False, True):
+                g = torch.Generator().manual_seed(B * 100 + C + L + K)
+                state = torch.randn(B, C, K - 1, generator=g).to(state_dtype)
+                x = torch.randn(B, L, C, generator=g).to(x_dtype).transpose(1, 2)  # [B, C, L], strided as in the model
+                weight = torch.randn(C, K, generator=g).to(x_dtype)
+                leading = None if pads is None else torch.tensor(pads)
+                mine, theirs = state.clone(), state.clone()
+                got = conv_prefill_triton(mine, x, weight, leading, fresh, x_dtype, block_t=4, block_c=16)
+                gated_delta.keep_last_inputs(mine, x, leading, fresh)
+                want = gated_delta.conv_prefill_torch(theirs, x, weight, leading, fresh, x_dtype)
+                assert got.shape == want.shape == (B, L, C) and got.dtype == want.dtype
+                torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+                assert torch.equal(mine, theirs)
+                cases += 1
+    cases += _recurrent_step_cases()
+    # The tiny model with the recurrent step's kernel in its decode steps: the same tokens as without it, logits
+    # within fp32 rounding (the kernel's sums in another order).
+    from helpers.fusions import fused_generate_mismatch
+    from helpers.interpreter import count_launches
+    from helpers.qwen4 import left_pad, make_pair, random_prompts
+
+    from hf_qsa_cache.ops import gated_delta_triton
+
+    gated_delta.use_triton = lambda *x: True  # the CUDA dispatch, on CPU tensors
+    launches: list = []
+    count_launches(gated_delta_triton, "_recurrent_step_kernel", launches)
+    error = fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)), "gdn_step",
+                                    launches, atol=1e-4)
+    if error:
+        print(f"generate: {error}")
+        return 1
+    print(f"all gated delta kernel cases ok ({cases})")
+    return 0
+
+
+def _recurrent_step_cases() -> int:
+    """`recurrent_step_triton` against the torch specification: head dims below and past a power of two (masked
+    lanes), one and two value heads per key head, pad rows, strided inputs; the state updated in place alike."""
+    from hf_qsa_cache.ops.gated_delta_triton import recurrent_step_triton
+
+    cases = 0
+    # bf16: beta is rounded to bf16 (the interpreter truncates that cast where a GPU rounds, one unit apart in the
+    # state's write), then the output rounds and the norm's three rounding points follow (`gated_rms_norm`'s bound).
+    for dtype, tol, state_tol in ((torch.float32, 2e-6, 2e-6), (torch.bfloat16, 2.4e-2, 1e-2)):
+        for B, Hk, Hv, Dk, Dv, pads in ((3, 2, 4, 12, 20, (1,)), (1, 3, 3, 16, 8, ()), (2, 1, 2, 8, 16, (0, 1))):
+            for activation in ("sigmoid", "silu"):
+                inputs = _recurrent_inputs(B, Hk, Hv, Dk, Dv, dtype, seed=B + Hv + Dk, pads=pads)
+                norm_w = _norm(Dv, activation, dtype, seed=Dv).weight.detach()
+                mine, theirs = inputs[0].clone(), inputs[0].clone()
+                got = recurrent_step_triton(mine, *inputs[1:], norm_w, 1e-6, activation)
+                want = gated_delta.recurrent_step_torch(theirs, *inputs[1:], norm_w, 1e-6, activation)
+                assert got.shape == want.shape == (B, Hv, Dv) and got.dtype == want.dtype
+                torch.testing.assert_close(mine, theirs, atol=state_tol, rtol=state_tol)
+                torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+                for row in pads:
+                    assert torch.equal(mine[row], inputs[0][row])
+                cases += 1
+    return cases
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

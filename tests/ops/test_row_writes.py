@@ -1,0 +1,126 @@
+"""`hf_qsa_cache.ops.row_writes`: a layer's cache writes gathered, flushed one by one (torch) or in one launch
+(``qsa_writes``), against `write_slots` (the specification); the kernel as a script under the Triton interpreter
+(`interpreter.py`)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from helpers.interpreter import run_under_interpreter
+
+from hf_qsa_cache import fusions
+from hf_qsa_cache.ops import row_writes
+from hf_qsa_cache.ops.row_writes import RowWrites, fuses_row_writes, write_slots
+
+
+def _targets(seed: int, n: int = 5):
+    """A QSA layer's five writes at small shapes, each in its own layout: keys and values ``[n, 2, 8]`` (the values
+    a strided view into a wider projection output), fp32 group keys whose rows hold pads (-1), ring keys split from
+    a wider tensor, int32 positions read transposed into an int64 ring. Returns ``[(store, rows, values)]``."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(24, generator=g)[:n]
+    slots[n // 2] = -1  # a pad: the null block's first row
+    keys = torch.randn(n, 2, 8, generator=g).to(torch.bfloat16)
+    projected = torch.randn(n, 40, generator=g).to(torch.bfloat16)
+    values = projected[:, 8:24].view(n, 2, 8)
+    group_rows = torch.tensor([5, -1, 2][: max(1, n - 2)], dtype=torch.int64)
+    group_keys = torch.randn(group_rows.numel(), 12, generator=g)
+    ring_rows = torch.randperm(30, generator=g)[:n]
+    index_qk = torch.randn(n, 44, generator=g).to(torch.bfloat16)
+    positions = torch.randint(0, 1000, (3, n), generator=g, dtype=torch.int32).t()
+    return [
+        (torch.randn(24, 2, 8, generator=g).to(torch.bfloat16), slots, keys),
+        (torch.randn(24, 2, 8, generator=g).to(torch.bfloat16), slots, values),
+        (torch.randn(8, 12, generator=g), group_rows, group_keys),
+        (torch.randn(30, 12, generator=g).to(torch.bfloat16), ring_rows, index_qk[:, 32:]),
+        (torch.randint(0, 9, (30, 3), generator=g), ring_rows, positions),
+    ]
+
+
+def _spec(targets):
+    stores = [store.clone() for store, _, _ in targets]
+    for store, (_, rows, values) in zip(stores, targets):
+        write_slots(store, rows, values)
+    return stores
+
+
+def test_the_torch_flush_writes_each_store_as_the_specification():
+    targets = _targets(seed=0)
+    want = _spec(targets)
+    writes = RowWrites()
+    stores = [store.clone() for store, _, _ in targets]
+    for store, (_, rows, values) in zip(stores, targets):
+        writes.add(store, rows, values)
+    assert all(torch.equal(s, t) for s, (t, _, _) in zip(stores, targets))  # nothing written before the flush
+    writes.flush()
+    assert all(torch.equal(s, w) for s, w in zip(stores, want)) and not writes.pending
+    assert stores[4].dtype == torch.int64 and torch.equal(stores[4][targets[4][1]], targets[4][2].long())
+
+
+def test_writes_run_in_the_order_added():
+    store = torch.zeros(4, 2)
+    writes = RowWrites()
+    writes.add(store, torch.tensor([1]), torch.ones(1, 2))
+    writes.add(store, torch.tensor([1]), torch.full((1, 2), 2.0))
+    writes.flush()
+    assert store[1].tolist() == [2.0, 2.0]
+
+
+def test_one_launch_only_for_writes_it_copies_as_torch(monkeypatch):
+    monkeypatch.setitem(fusions.STATE, "qsa_writes", True)
+    monkeypatch.setattr(row_writes, "use_triton", lambda *t: True)
+    targets = _targets(seed=1)
+    assert fuses_row_writes(targets)
+    assert not fuses_row_writes([])
+    assert not fuses_row_writes(targets + targets[:1])  # more than MAX_TARGETS
+    store, rows, values = targets[0]
+    assert not fuses_row_writes([(store, rows, values.float())])  # a float cast the kernel would round otherwise
+    assert not fuses_row_writes([(store.transpose(1, 2), rows, values)])  # a store's rows not contiguous
+    assert not fuses_row_writes([(store, rows, values.transpose(1, 2))])  # a value row not one strided run
+    assert not fuses_row_writes([(store, rows[:, None], values)])
+    assert not fuses_row_writes([(store, rows, values.requires_grad_())])
+    monkeypatch.setitem(fusions.STATE, "qsa_writes", False)
+    assert not fuses_row_writes(targets)
+
+
+def test_kernel_under_interpreter():
+    run_under_interpreter(__file__, "all row write cases ok")
+
+
+def main() -> int:
+    from helpers.fusions import fused_generate_mismatch
+    from helpers.interpreter import count_launches
+    from helpers.qwen4 import left_pad, make_pair, random_prompts
+
+    from hf_qsa_cache.ops import row_writes_triton
+
+    row_writes_triton.BLOCK = 8  # rows of 12 and 16 elements in two chunks, 3 in a masked one
+    cases = 0
+    for seed, n in ((0, 5), (1, 3), (2, 1)):
+        targets = _targets(seed, n)
+        for count in range(1, len(targets) + 1):
+            chosen = targets[:count]
+            if count == 3:  # a write of no rows beside the others
+                chosen = [*targets[:2], (targets[2][0], targets[2][1][:0], targets[2][2][:0])]
+            want = _spec(chosen)
+            stores = [store.clone() for store, _, _ in chosen]
+            row_writes_triton.write_rows_triton([(s, r, v) for s, (_, r, v) in zip(stores, chosen)])
+            for have, expected in zip(stores, want):
+                assert torch.equal(have, expected), (seed, n, count)
+            cases += 1
+    # The tiny model with its QSA layers' writes in one launch each: the same bits as the torch writes.
+    row_writes.use_triton = lambda *t: True  # the CUDA dispatch, on CPU tensors
+    launches: list = []
+    count_launches(row_writes_triton, "_write_rows_kernel", launches)
+    error = fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)), "qsa_writes",
+                                    launches, atol=None)
+    if error:
+        print(f"generate: {error}")
+        return 1
+    print(f"all row write cases ok ({cases}, {len(launches)} launches in generate)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

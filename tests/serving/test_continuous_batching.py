@@ -1,0 +1,340 @@
+"""Continuous batching (`generate_batch`, `init_continuous_batching`) on both families against transformers'
+own classes on each prompt alone (fp32, CPU, greedy unless said otherwise).
+
+Pools are tiny and token budgets small so that the engine preempts, chunks prompts inside QSA groups,
+windows and conv spans, admits requests while others decode, and gives everything back.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from helpers.qwen4 import make_pair as qwen_pair
+from helpers.qwen4 import tiny_config as qwen_config
+from helpers.qwen4 import collect_results, random_prompts
+from helpers.inkling import make_config as inkling_config
+from helpers.inkling import make_pair as inkling_pair
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching.requests import RequestStatus
+
+from hf_qsa_cache import QSAPagedCache
+
+NEW = 6
+LENGTHS = [23, 9, 17, 30, 5, 14]
+
+
+@pytest.fixture(scope="module", params=["qwen4_exp", "inkling"])
+def family(request):
+    ref, ours = qwen_pair() if request.param == "qwen4_exp" else inkling_pair(inkling_config())
+    # generate() falls back to the model's eos when a GenerationConfig leaves it unset; continuous batching (as
+    # transformers') treats unset as no eos. Compare like with like: no eos unless a test sets one.
+    ref.generation_config.eos_token_id = ours.generation_config.eos_token_id = None
+    return request.param, ref, ours
+
+
+_alone_cache: dict = {}
+
+
+def _alone(ref, prompt, new=NEW, eos=None):
+    # The key holds the model itself, not its id: a module-scoped model freed after its tests could hand its id
+    # to the next family's model, which would then read the first family's tokens.
+    key = (ref, tuple(prompt), new, eos)
+    if key not in _alone_cache:
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                               max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        _alone_cache[key] = out[0, len(prompt):].tolist()
+    return _alone_cache[key]
+
+
+def _greedy(new=NEW, **kwargs):
+    return GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+
+
+def _pools_full(cache: QSAPagedCache) -> bool:
+    return all(len(t.free) == t.num_blocks - 1 for t in cache.tables.values()) and cache.num_rows == 0
+
+
+def test_generate_batch_equals_each_prompt_alone_with_preemption_and_small_chunks(family):
+    name, ref, ours = family
+    prompts = random_prompts(LENGTHS, vocab=90, seed=3)
+    # 3 rows, 5-token prefill budget (chunks end inside QSA groups of 2, Inkling windows of 6 and conv
+    # spans of 4), a pool too small for three long rows at once: preemption must happen.
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=12, max_batch_tokens=5, max_requests_per_batch=3)
+    with ours.continuous_batching_context_manager(_greedy(), continuous_batching_config=config) as manager:
+        ids = manager.add_requests(prompts)
+        results = collect_results(manager, len(prompts))
+        stats = dict(manager.stats)
+        cache = manager.cache
+    for request_id, prompt in zip(ids, prompts):
+        result = results[request_id]
+        assert result.status == RequestStatus.FINISHED and result.error is None
+        assert result.prompt_ids == prompt
+        assert result.generated_tokens == _alone(ref, prompt), request_id
+    assert stats["preemptions"] > 0 and stats["prefill_steps"] > len(prompts)
+    assert stats["most_rows"] == 3
+    assert _pools_full(cache)
+
+
+def test_requests_arriving_while_others_decode(family):
+    name, ref, ours = family
+    prompts = random_prompts([19, 7, 26, 11], vocab=90, seed=5)
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=8, max_requests_per_batch=4)
+    with ours.continuous_batching_context_manager(_greedy(new=10), continuous_batching_config=config) as manager:
+        first = manager.add_request(prompts[0], max_new_tokens=10, streaming=True)
+        assert next(manager.request_id_iter(first)).status == RequestStatus.DECODING
+        late = [manager.add_request(prompt, max_new_tokens=10) for prompt in prompts[1:]]
+        results = {}
+        while len(results) < len(prompts):
+            result = manager.get_result(timeout=60)
+            if result.is_finished():
+                results[result.request_id] = result
+    for request_id, prompt in zip([first, *late], prompts):
+        assert results[request_id].generated_tokens == _alone(ref, prompt, new=10), request_id
+
+
+def test_eos_ends_requests_on_different_steps(family):
+    name, ref, ours = family
+    prompts = random_prompts([12, 21, 8], vocab=90, seed=7)
+    eos = _alone(ref, prompts[1])[2]  # the second prompt's third token ends it; the others wherever it appears
+    expected = [_alone(ref, p, eos=eos) for p in prompts]
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=16, max_requests_per_batch=3)
+    results = ours.generate_batch(prompts, GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
+                                                            pad_token_id=0), config)
+    got = [results[f"req_{i}"].generated_tokens for i in range(3)]
+    assert got == expected
+    assert len({len(g) for g in got}) > 1  # they ended on different steps
+
+
+def test_cancel_mid_prefill_and_mid_decode(family):
+    name, ref, ours = family
+    prompts = random_prompts([100, 8, 12], vocab=90, seed=9)
+    # One-token prefill budget: the long prompt is mid-prefill for about 50 steps (margin on a busy machine).
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=1, max_requests_per_batch=3)
+    with ours.continuous_batching_context_manager(_greedy(new=60), continuous_batching_config=config) as manager:
+        decoding_id = manager.add_request(prompts[1], max_new_tokens=60, streaming=True)  # prefilled first (FIFO)
+        long_id = manager.add_request(prompts[0], max_new_tokens=60)
+        keep_id = manager.add_request(prompts[2], max_new_tokens=NEW)
+        progress = next(manager.request_id_iter(decoding_id))  # it decodes: a streamed token arrived
+        assert progress.status == RequestStatus.DECODING and len(progress.generated_tokens) >= 1
+        manager.cancel_request(long_id)
+        manager.cancel_request(decoding_id)
+        finals = {}
+        deadline = time.time() + 60
+        while len(finals) < 3 and time.time() < deadline:
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                finals[result.request_id] = result
+        cache = manager.cache
+    assert finals[long_id].status == RequestStatus.FAILED and finals[long_id].error == "cancelled"
+    assert len(finals[long_id].generated_tokens) == 0  # cancelled before its prompt was in
+    assert finals[decoding_id].status == RequestStatus.FAILED and 1 <= len(finals[decoding_id].generated_tokens) < 60
+    assert finals[keep_id].generated_tokens == _alone(ref, prompts[2])
+    assert _pools_full(cache)
+
+
+def test_a_request_that_cannot_fit_alone_fails_and_the_others_go_on(family):
+    name, ref, ours = family
+    prompts = random_prompts([10, 40, 7], vocab=90, seed=11)
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=9, max_batch_tokens=64, max_requests_per_batch=2)
+    results = ours.generate_batch(prompts, _greedy(), config)
+    assert results["req_1"].status == RequestStatus.FAILED
+    assert "cannot fit even alone" in results["req_1"].error and "block pool" in results["req_1"].error
+    for i in (0, 2):
+        assert results[f"req_{i}"].generated_tokens == _alone(ref, prompts[i])
+
+
+def test_a_failed_step_fails_its_requests_only(family, monkeypatch):
+    """A prefill step that raises fails the requests it carried; the request decoding beside it and a request
+    submitted afterwards are exact, and the pools come back full."""
+    name, ref, ours = family
+    from hf_qsa_cache.serving.runner import ModelRunner
+
+    prompts = random_prompts([15, 9, 20, 11], vocab=90, seed=13)
+    armed = {"on": False}
+    forward = ModelRunner._forward
+
+    def failing(self, rows, ids, mask):
+        if armed["on"] and mask is not None:  # the next prefill step
+            armed["on"] = False
+            raise RuntimeError("injected fault")
+        return forward(self, rows, ids, mask)
+
+    monkeypatch.setattr(ModelRunner, "_forward", failing)
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=3)
+    with ours.continuous_batching_context_manager(_greedy(new=12), continuous_batching_config=config) as manager:
+        first = manager.add_request(prompts[0], max_new_tokens=12, streaming=True)
+        next(manager.request_id_iter(first))  # it decodes
+        armed["on"] = True
+        doomed = manager.add_requests(prompts[1:3], max_new_tokens=12)
+        finals = {}
+        while len(finals) < 3:
+            result = manager.get_result(timeout=60)
+            if result.is_finished():
+                finals[result.request_id] = result
+        after = manager.add_request(prompts[3], max_new_tokens=12)
+        finals[after] = next(r for r in manager.request_id_iter(after) if r.is_finished())
+        cache, stats = manager.cache, dict(manager.stats)
+    assert stats["failed_steps"] == 1
+    for request_id in doomed:
+        assert finals[request_id].status == RequestStatus.FAILED and "injected fault" in finals[request_id].error
+    assert finals[first].generated_tokens == _alone(ref, prompts[0], new=12)
+    assert finals[after].generated_tokens == _alone(ref, prompts[3], new=12)
+    assert _pools_full(cache)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batching(family):
+    name, ref, ours = family
+    prompts = random_prompts([12, 18, 7], vocab=90, seed=15)
+    sample = GenerationConfig(max_new_tokens=8, do_sample=True, temperature=0.9, top_k=20, top_p=0.9,
+                              eos_token_id=None, pad_token_id=0)
+
+    def run(seed, rows, budget):
+        config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=budget, max_requests_per_batch=rows, seed=seed,
+                                          return_logprobs=True)
+        return ours.generate_batch(prompts, sample, config)
+
+    a, b, c, other = run(0, 3, 16), run(0, 3, 16), run(0, 1, 4), run(1, 3, 16)
+    tokens = lambda results: [r.generated_tokens for r in results.values()]  # noqa: E731
+    assert tokens(a) == tokens(b) == tokens(c)  # same seed: same tokens, however the requests were batched
+    assert tokens(a) != tokens(other)
+    assert all(len(r.logprobs) == 8 and all(lp <= 0 for lp in r.logprobs) for r in a.values())
+
+
+def test_return_sequences_streaming_and_result_order(family):
+    name, ref, ours = family
+    prompts = random_prompts([11, 16], vocab=90, seed=17)
+    top1 = GenerationConfig(max_new_tokens=NEW, do_sample=True, top_k=1, num_return_sequences=2, eos_token_id=None,
+                            pad_token_id=0)  # sampling from the top token only: greedy, with two sequences
+    results = ours.generate_batch(prompts, top1, ContinuousBatchingConfig(page_size=4, max_requests_per_batch=4))
+    assert list(results) == ["req_0__child#0", "req_0", "req_1__child#0", "req_1"]
+    for i, prompt in enumerate(prompts):
+        assert results[f"req_{i}"].generated_tokens == results[f"req_{i}__child#0"].generated_tokens == \
+            _alone(ref, prompt)
+    with ours.continuous_batching_context_manager(_greedy(), continuous_batching_config=ContinuousBatchingConfig(
+            page_size=4)) as manager:
+        request_id = manager.add_request(prompts[0], streaming=True)
+        stream = list(manager.request_id_iter(request_id))
+    assert [len(r.generated_tokens) for r in stream] == list(range(1, NEW + 1))
+    assert stream[-1].is_finished() and stream[-1].generated_tokens == _alone(ref, prompts[0])
+
+
+def test_bad_requests_are_refused_with_the_limit():
+    ref, ours = qwen_pair(qwen_config(max_position_embeddings=40))
+    manager = ours.init_continuous_batching(_greedy(), ContinuousBatchingConfig(page_size=4))
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 96\).*got 500"):
+        manager.add_request([3, 500])
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        manager.add_request([])
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1, got 0"):
+        manager.add_request([3, 4], max_new_tokens=0)
+    unlimited = ours.generate_batch([[3, 4, 5]], GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0),
+                                    ContinuousBatchingConfig(page_size=4))  # no max_new_tokens: up to the row's room
+    assert len(unlimited["req_0"].generated_tokens) == ours.config.max_position_embeddings - 3 + 1
+    with pytest.raises(ValueError, match="scheduler_type must be 'fifo' or 'prefill_first'"):
+        ours.init_continuous_batching(_greedy(), ContinuousBatchingConfig(page_size=4, scheduler_type="lifo"))
+
+
+def test_move_rows_hands_blocks_over_without_copying(family):
+    name, ref, ours = family
+    prompts = random_prompts([13, 6], vocab=90, seed=19)
+    cache = QSAPagedCache(ours.config, max_batch_size=3, max_cache_len=40, block_size=4)
+    cache.move_rows([-1, -1])
+    ids = torch.zeros(2, 13, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, 13 - len(p):], mask[b, 13 - len(p):] = torch.tensor(p), 1
+    with torch.no_grad():
+        ours(ids, attention_mask=mask, past_key_values=cache)
+        main = cache.tables["main"]
+        held = [list(main.rows[0]), list(main.rows[1])]
+        cache.move_rows([1, -1, 0])  # swap, with a fresh row in the middle
+        assert [list(main.rows[i]) for i in (0, 2)] == [held[1], held[0]] and main.rows[1] == []
+        assert cache.lengths[:3] == [6, 0, 13]
+        fresh = random_prompts([9], vocab=90, seed=21)[0]
+        step = torch.zeros(3, 9, dtype=torch.long)
+        step_mask = torch.zeros_like(step)
+        step[0, -1], step[1], step[2, -1] = 5, torch.tensor(fresh), 7
+        step_mask[0, -1], step_mask[1], step_mask[2, -1] = 1, 1, 1
+        logits = ours(step, attention_mask=step_mask, past_key_values=cache).logits[:, -1]
+        expect = [ref(torch.tensor([p])).logits[0, -1] for p in (prompts[1] + [5], fresh, prompts[0] + [7])]
+    for got, want in zip(logits, expect):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    cache.move_rows([])
+    assert _pools_full(cache)
+
+
+def test_prefill_first_scheduling_gives_the_same_tokens(family):
+    name, ref, ours = family
+    prompts = random_prompts([21, 6, 13, 27], vocab=90, seed=23)
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=7, max_requests_per_batch=2,
+                                      scheduler_type="prefill_first")
+    results = ours.generate_batch(prompts, _greedy(), config)
+    for i, prompt in enumerate(prompts):
+        assert results[f"req_{i}"].generated_tokens == _alone(ref, prompt)
+
+
+def test_manager_lifecycle_persistent_hard_stop_and_iteration(family):
+    name, ref, ours = family
+    prompts = random_prompts([10, 15, 8], vocab=90, seed=25)
+    config = ContinuousBatchingConfig(page_size=4, max_requests_per_batch=2)
+    # A persistent manager is kept on the model and reused by the next call, its cache with it.
+    first = ours.generate_batch(prompts[:1], _greedy(), config, persistent_manager=True)
+    manager = ours._cached_continuous_batching_manager
+    second = ours.generate_batch(prompts[1:], _greedy(), config, persistent_manager=True)
+    assert ours.init_continuous_batching() is manager
+    ours.destroy_cached_continuous_batching_manager()
+    assert not hasattr(ours, "_cached_continuous_batching_manager")
+    assert first["req_0"].generated_tokens == _alone(ref, prompts[0])
+    assert [r.generated_tokens for r in second.values()] == [_alone(ref, p) for p in prompts[1:]]
+    # Iterating the manager yields every result; a hard stop fails what is left and gives the rows back.
+    manager = ours.init_continuous_batching(_greedy(new=200), config)
+    manager.start()
+    ids = manager.add_requests(prompts, max_new_tokens=200)
+    seen = next(iter(manager))
+    manager.stop(block=True, hard_stop=True)
+    results = {seen.request_id: seen}
+    while (result := manager.get_result(timeout=0.5)) is not None:
+        results[result.request_id] = result
+    assert set(ids) <= set(results)
+    assert any(r.status == RequestStatus.FAILED and "hard_stop" in r.error for r in results.values())
+    assert _pools_full(manager.cache) and not manager.is_running()
+
+
+def test_prefill_chunks_serve_the_oldest_first_within_budget_and_padding():
+    from hf_qsa_cache.serving.requests import Request
+    from hf_qsa_cache.serving.scheduler import Scheduler
+
+    def chunks(pending, budget):
+        scheduler = Scheduler(max_rows=8, max_batch_tokens=budget, prefill_first=False)
+        scheduler.rows = [Request(f"r{i}", [5] * n, 4, frozenset()) for i, n in enumerate(pending)]
+        return scheduler.prefill_chunks()
+
+    assert chunks([30, 5, 9], budget=8) == [8]  # the oldest takes the whole budget
+    assert chunks([4, 4, 2, 4], budget=10) == [4, 4]  # a third row of 4 columns would exceed the budget
+    assert chunks([8, 2, 8, 8], budget=100) == [8, 2, 8, 8]  # pads 6 of 32 columns
+    assert chunks([8, 2, 2, 2], budget=100) == [8, 2, 2]  # pads 12 of 24; a fourth short row: 18 of 32
+    assert chunks([1, 1], budget=4) == []  # rows with one pending token decode; nothing to prefill
+
+
+def test_a_request_that_fills_the_row_exactly_runs():
+    """prompt + max_new_tokens - 1 == max_cache_len: the row never holds more (its last token is not fed)."""
+    ref, ours = qwen_pair(qwen_config(max_position_embeddings=24))
+    ref.generation_config.eos_token_id = ours.generation_config.eos_token_id = None
+    prompt = random_prompts([20], vocab=90, seed=27)[0]
+    results = ours.generate_batch([prompt], _greedy(new=5), ContinuousBatchingConfig(page_size=4))
+    assert results["req_0"].status == RequestStatus.FINISHED
+    assert results["req_0"].generated_tokens == _alone(ref, prompt, new=5)
+    # Without workload hints the rows hold max_position_embeddings tokens: a 24-token prompt still gets its
+    # one new token (never fed), one more new token does not fit.
+    full = random_prompts([24], vocab=90, seed=29)[0]
+    with ours.continuous_batching_context_manager(_greedy(new=6), continuous_batching_config=ContinuousBatchingConfig(
+            page_size=4)) as manager:
+        one = manager.add_request(full, max_new_tokens=1)
+        done = next(r for r in manager.request_id_iter(one) if r.is_finished())
+        too_many = manager.add_request(prompt, max_new_tokens=6)
+        result = next(r for r in manager.request_id_iter(too_many) if r.is_finished())
+    assert done.status == RequestStatus.FINISHED and done.generated_tokens == _alone(ref, full, new=1)
+    assert result.status == RequestStatus.FAILED and "needs 25 slots" in result.error
