@@ -227,7 +227,6 @@ def _store_keys_to_l2(kst_ptr, vst_ptr, table_row, lo, hi, kv, skst_s, skst_h, s
         prefetch_rows_l2(vst_ptr + kv * svst_h, kslot, kmask, svst_s, HEAD_DIM, LINES)
 
 
-# Batch-varying sizes are not specialised, so a new batch, length or split width does not recompile.
 # Sizes that change with the cache or the step are not specialised (no recompilation per cache size).
 # Longer than 100 lines: one loop body over the key tiles, which helper calls would split at the cost of speed.
 @triton.jit(do_not_specialize=["stab_b", "query_len", "num_q_tiles", "table_cols", "split_len"])
