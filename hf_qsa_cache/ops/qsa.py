@@ -121,8 +121,9 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
     """Selected token positions ``[B*L, block_topk*r + r - 1]`` (-1 = unused), selected blocks first.
 
     q_index: ``[B*L, Hi, Di]`` normed and rotated index queries; compressed: ``[num_blocks, block_size/r, Di]``.
-    Score of group b: ``sum_h relu(q_h . k_b) / sqrt(Di)``, top ``min(block_topk, visible)`` kept;
-    among equal scores the lower group index wins (upstream leaves ties to ``torch.topk``).
+    Score of group b: ``sum_h relu(q_h . k_b) / sqrt(Di)``, top ``min(block_topk, visible)`` kept. Among equal
+    scores at the cut, the CPU keeps what transformers' ``torch.topk`` over the token's visible groups keeps
+    (`top_set.top_group_set_as_topk`); CUDA keeps the lower group index.
     """
     n = q_index.shape[0]
     device = q_index.device
@@ -150,7 +151,7 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
         if by_tiles:
             groups = select_by_tile_maxima(*args, max_groups, k).sort(dim=-1).values
         else:
-            groups = top_group_set(scores_fn(*args, max_groups), k)
+            groups = top_group_set(scores_fn(*args, max_groups), k, visible[start:end])
         chosen.append(selected_positions(groups, visible[start:end], pos[start:end], ratio, block_topk))
     return chosen[0] if len(chosen) == 1 else torch.cat(chosen, dim=0)
 

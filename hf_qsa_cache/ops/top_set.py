@@ -2,8 +2,9 @@
 `top_group_set`, the op the selection calls (one Triton launch with the ``qsa_topk`` fusion on CUDA,
 `top_set_triton`).
 
-Among equal scores the lower group index wins (relu makes exact zero ties common; upstream leaves ties to
-``torch.topk``).
+Ties (relu makes exact-zero scores common): on the CPU a selection keeps the groups ``torch.topk`` keeps when called
+as transformers' indexer calls it, over each token's visible groups alone (`top_group_set_as_topk`); on CUDA (the
+Triton path, and `top_groups`) the lower group index wins among equal scores.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ TOPK_TILE = 16
 def top_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices ``[N, k]`` of the ``k`` best groups per row of ``scores`` ``[N, G]``, best first.
 
-    Among equal scores the lower group index wins (relu makes exact zero ties common; upstream leaves
-    ties to ``torch.topk``). Many groups per pick (long contexts) take `top_groups_two_level`; other
+    Among equal scores the lower group index wins (relu makes exact zero ties common; the CPU's selection
+    then picks as ``torch.topk`` does, `top_group_set_as_topk`). Many groups per pick (long contexts) take `top_groups_two_level`; other
     large eager calls on CUDA take `top_groups_by_value`, which syncs with the host; the rest (decode
     steps, which CUDA graphs capture, and the CPU) take `top_groups_packed`. All give the same result.
     """
@@ -57,18 +58,49 @@ def top_groups_packed(scores: torch.Tensor, k: int, best_first: bool = True) -> 
     return _unpack(keys.topk(k, dim=-1, sorted=best_first).values)
 
 
-def top_group_set(scores: torch.Tensor, k: int) -> torch.Tensor:
+def top_group_set(scores: torch.Tensor, k: int, visible: torch.Tensor | None = None) -> torch.Tensor:
     """The groups of `top_groups` (the ``k`` best of each row of ``scores [N, G]``, the lower group first
     among equal scores) in ascending order: the set a selection needs, whose order only changes the order
     of the attention's sums. Where fused (``qsa_topk``) on CUDA, fewer than `top_groups_two_level`'s
     ``2 * k * TOPK_TILE`` groups take one launch that never sorts (`top_set_triton.top_set_triton`: a
     bisection for the ``k``-th best score, where torch's top-k sorts the whole row and gathers); otherwise
-    `top_groups`, sorted by group."""
+    `top_groups`, sorted by group.
+
+    ``visible [N]``: the groups each row scores (the rest are ``-inf``). Given, on the CPU, ties resolve as
+    transformers' indexer resolves them (`top_group_set_as_topk`)."""
     if _fuses_top_set(scores, k):
         from .top_set_triton import top_set_triton
 
         return top_set_triton(scores, k)
+    if visible is not None and not scores.is_cuda:
+        return top_group_set_as_topk(scores, visible, k)
     return top_groups(scores, k).sort(dim=-1).values
+
+
+def top_group_set_as_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """The groups ``torch.topk`` keeps of each row of ``scores [N, G]`` called as transformers' indexer calls it:
+    on a tensor of the row's ``visible [N]`` first scores alone, ``min(k, visible)`` of them. Ascending; a row
+    with fewer than ``k`` visible groups is completed with groups at or past ``visible`` (a selection drops them).
+
+    ``torch.topk`` leaves the order of equal values to its implementation (on the CPU a partial sort or an
+    nth-element over the row, whose picks among ties depend on the row's length and every value in it), so a
+    wider row (``-inf`` past ``visible``) can keep other tied groups. Any rule picks the same set unless the
+    ``k``-th best score equals one left out: `top_groups` ranks every row, and only such rows are ranked again,
+    one ``torch.topk`` per distinct width (rows of one width side by side, which picks as one row alone does).
+    """
+    groups = top_groups(scores, k)
+    picked = scores.gather(1, groups)
+    kth = picked.amin(dim=-1, keepdim=True)
+    widths = visible.long()
+    # Rows with more visible groups than picks whose k-th score ties a score left out (a finite k-th: the k picks
+    # are visible groups there).
+    redo = ((widths > k) & ((scores == kth).sum(dim=-1) > (picked == kth).sum(dim=-1))).nonzero().flatten()
+    if redo.numel():
+        redo_widths = widths[redo]
+        for width in redo_widths.unique().tolist():
+            rows = redo[redo_widths == width]
+            groups[rows] = scores[rows, :width].topk(k, dim=-1).indices
+    return groups.sort(dim=-1).values
 
 
 def _fuses_top_set(scores: torch.Tensor, k: int) -> bool:
