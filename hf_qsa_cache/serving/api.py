@@ -10,7 +10,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
-from .manager import ContinuousBatchingManager
+from .manager import ContinuousBatchingManager, vocab_size
+from .requests import check_max_new_tokens, check_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,13 @@ class ContinuousBatchingMixin:
         max_new_tokens = kwargs.pop("max_new_tokens", None)
         if kwargs:
             raise TypeError(f"generate_batch got unexpected keyword arguments {sorted(kwargs)} (max_new_tokens is the one)")
-        max_new_tokens = config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        # The requests' arguments are checked before the manager sizes its cache from them.
+        if max_new_tokens is None:
+            max_new_tokens = check_max_new_tokens(config.max_new_tokens, "GenerationConfig.max_new_tokens")
+        else:
+            max_new_tokens = check_max_new_tokens(max_new_tokens)
+        vocab = vocab_size(self)
+        inputs = [check_prompt(p, vocab, f"inputs[{i}]") for i, p in enumerate(inputs)]
         hints = WorkloadHints(max_prompt_length=max(len(p) for p in inputs),
                               max_generated_length=max_new_tokens or 0, num_requests=len(inputs) * copies)
         results: dict[str, GenerationOutput] = {}

@@ -20,7 +20,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from ..cache import QSAPagedCache
-from .requests import Request, Sampling
+from .requests import Request, Sampling, check_eos, check_max_new_tokens, check_prompt
 from .runner import ModelRunner
 from .scheduler import Scheduler
 
@@ -81,6 +81,7 @@ class ContinuousBatchingManager:
         # What the loop did (for tests, benchmarks and curious users).
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "preemptions": 0, "failed_steps": 0, "most_rows": 0}
         self.warmed_up = False
+        self._warned_unbounded = False  # a request bounded only by its row's room was reported (once)
         self._graphs_before = getattr(model, "use_cuda_graphs", True)
 
     # ------------------------------------------------------------------ lifecycle
@@ -144,23 +145,23 @@ class ContinuousBatchingManager:
                              f"ConditionalGeneration class for images, video or audio")
         if kwargs:
             _warn_once(f"add_request ignores {sorted(kwargs)} (per-request logits processors are not supported)")
-        prompt = [int(t) for t in input_ids]
-        vocab = self.model.config.get_text_config().vocab_size if hasattr(self.model.config, "get_text_config") \
-            else self.model.config.vocab_size
-        if not prompt:
-            raise ValueError("a request needs at least one prompt token, got an empty input_ids")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids must lie in [0, {vocab}) (vocab_size), got {bad[0]}")
-        max_new_tokens = max_new_tokens if max_new_tokens is not None else self.generation_config.max_new_tokens
+        # Every argument checked before anything is queued (a ValueError naming it and its value).
+        prompt = check_prompt(input_ids, vocab_size(self.model))
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {request_id!r}")
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
+        if max_new_tokens is None:
+            max_new_tokens = check_max_new_tokens(self.generation_config.max_new_tokens,
+                                                  "GenerationConfig.max_new_tokens")
+        eos = check_eos(eos_token_id if eos_token_id is not None else self.generation_config.eos_token_id)
         if max_new_tokens is None:  # as transformers: no limit but eos, here the row's capacity
             max_new_tokens = max(1, self.cache.max_cache_len - len(prompt) + 1)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
-        if eos_token_id is None:
-            eos_token_id = self.generation_config.eos_token_id
-        eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
-        eos = frozenset(int(e) for e in eos if e is not None and int(e) >= 0)
+            if not eos and not self._warned_unbounded:
+                self._warned_unbounded = True
+                logger.warning(
+                    "a request has neither max_new_tokens nor an eos token: it generates until its cache row is "
+                    "full (max_cache_len=%d, %d new tokens for a prompt of %d); pass max_new_tokens to bound it",
+                    self.cache.max_cache_len, max_new_tokens, len(prompt))
         with self._lock:
             if request_id is None:
                 request_id = f"req_{self._counter}"
@@ -343,6 +344,11 @@ class ContinuousBatchingManager:
         self.scheduler.release(request)
         self.runner.forget(request)
         self.output_queue.put(request.output())
+
+
+def vocab_size(model) -> int:
+    config = model.config
+    return config.get_text_config().vocab_size if hasattr(config, "get_text_config") else config.vocab_size
 
 
 _warned: set[str] = set()

@@ -3,10 +3,52 @@ prompt carries (encoded by the runner when the request first runs)."""
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_max_new_tokens(value, name: str = "max_new_tokens") -> int | None:
+    """``value`` as an int (None stays None: no bound but eos and the row's room); a `ValueError` naming
+    ``name`` and the value unless it is an integer >= 1."""
+    if value is None:
+        return None
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def check_prompt(input_ids, vocab_size: int, name: str = "input_ids") -> list[int]:
+    """A request's prompt as a list of ints; a `ValueError` naming ``name`` and the value unless it is a
+    non-empty sequence of integer token ids in ``[0, vocab_size)``."""
+    if hasattr(input_ids, "tolist"):  # a tensor or an array
+        input_ids = input_ids.tolist()
+    if isinstance(input_ids, (str, bytes)) or not hasattr(input_ids, "__iter__"):
+        raise ValueError(f"{name} must be a list of token ids, got {input_ids!r}")
+    prompt = list(input_ids)
+    if not prompt:
+        raise ValueError(f"a request needs at least one prompt token, got an empty {name}")
+    for token in prompt:
+        if not _is_int(token):
+            raise ValueError(f"{name} must hold integer token ids, got {token!r}")
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"token ids must lie in [0, {vocab_size}) (vocab_size), got {token} in {name}")
+    return [int(t) for t in prompt]
+
+
+def check_eos(eos_token_id) -> frozenset[int]:
+    """The eos ids (one id, a list of ids, or None); negative ids mean none, as in transformers' configs."""
+    eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set, frozenset)) else [eos_token_id]
+    for e in eos:
+        if e is not None and not _is_int(e):
+            raise ValueError(f"eos_token_id must be an integer or a list of integers, got {eos_token_id!r}")
+    return frozenset(int(e) for e in eos if e is not None and e >= 0)
 
 
 @dataclass(frozen=True)
