@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
+import threading
 import warnings
 
 import torch
@@ -13,6 +15,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from . import decode_loop, lookup_decoding
 from .cache import QSAPagedCache
 from .padding import as_padding_mask, step_order
+from .validation import check_request
 from .speculative import (
     DraftBudget, adapt_prompt_lookup, assistant_schedule, cap_heuristic_drafts, check_headroom, draft_tokens_bound,
     overshoot,
@@ -24,15 +27,51 @@ FORWARD_CACHE_HEADROOM = 256
 _warned_cache_implementation: list[str] = []  # the warnings below are said once per process
 _warned_checkpointing: list[bool] = []
 
+# transformers' generate() warns on every batch whose last mask column holds a pad ("right-padding was
+# detected"): its own decoder-only models would continue such rows from the pad. Ours continue each row from its
+# real length (`hf_qsa_cache.padding`), so inside a generate() of our classes that warning is dropped; for any
+# other model it still prints.
+_RIGHT_PADDING_WARNING = "A decoder-only architecture is being used, but right-padding was detected"
+_inside_our_generate = threading.local()
+
+
+class _DropRightPaddingWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(_inside_our_generate, "depth", 0) and str(record.msg).startswith(_RIGHT_PADDING_WARNING):
+            return False
+        return True
+
+
+logging.getLogger("transformers.generation.utils").addFilter(_DropRightPaddingWarning())
+
 
 def check_token_ids(input_ids, vocab_size: int) -> None:
     """Refuse token ids outside the vocabulary before anything runs (one host sync: done for prompts and
-    multi-token steps, not for single-token decode steps, whose tokens come from the model's own logits)."""
+    multi-token steps, not for single-token decode steps, whose tokens come from the model's own logits; a bad
+    id there fails in the embedding lookup, before the step opens, and `lands_whole` says why)."""
     if input_ids is None or input_ids.numel() == 0 or input_ids.shape[-1] == 1:
         return
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab_size:
         raise ValueError(f"token ids must lie in [0, {vocab_size}) (vocab_size), got {high if high >= vocab_size else low}")
+
+
+def raise_if_out_of_vocabulary(model, input_ids, error: IndexError) -> None:
+    """After ``error`` (an `IndexError` out of a forward): raise a `ValueError` naming the vocabulary size if
+    ``input_ids`` holds an id outside it. A one-token step's ids are not checked up front (`check_token_ids`:
+    a host read per decode step); such an id fails in the embedding lookup, before the step opens (the cache
+    is untouched), and this says why instead of a bare "index out of range"."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.numel() == 0:
+        return
+    config = model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab_size = getattr(config, "vocab_size", None)
+    if vocab_size is None:
+        return
+    bad = input_ids[(input_ids < 0) | (input_ids >= vocab_size)]
+    if bad.numel():
+        raise ValueError(f"token ids must lie in [0, {vocab_size}) (vocab_size), got {int(bad.flatten()[0])}"
+                         ) from error
 
 
 def cache_for_bare_forward(config, batch_size: int, length: int, use_cache) -> QSAPagedCache:
@@ -52,9 +91,10 @@ def forward_cache(model, past_key_values, batch_size: int, length: int, use_cach
             f"{type(model).__name__} keeps its state in a QSAPagedCache, got {type(past_key_values).__name__} "
             "as past_key_values"
         )
-    if model.training and getattr(model, "gradient_checkpointing", False) and (
-            past_key_values is not None or use_cache):
-        if not _warned_checkpointing:
+    if model.training and getattr(model, "gradient_checkpointing", False):
+        # Said only to a caller who passed a cache or use_cache=True (``use_cache`` is the caller's value, None
+        # when not given): one who passed neither loses nothing.
+        if (past_key_values is not None or use_cache) and not _warned_checkpointing:
             warnings.warn("activation checkpointing reruns layers during backward: this forward runs on a "
                           "throwaway cache (use_cache=False, past_key_values not used)", stacklevel=3)
             _warned_checkpointing.append(True)
@@ -92,17 +132,38 @@ def lands_whole(forward):
 
     `torch.compile` does not trace into it (`COMPILE_SKIPPED`): a user's ``torch.compile(model.forward)``
     runs the forward eagerly, with the same results, instead of tracing it call after call."""
-    position = list(inspect.signature(forward).parameters).index("past_key_values")
+    names = list(inspect.signature(forward).parameters)
+    position = names.index("past_key_values")
+    ids_position = names.index("input_ids") if "input_ids" in names else None
 
     @functools.wraps(forward)
     def wrapper(*args, **kwargs):
         cache = kwargs.get("past_key_values", args[position] if len(args) > position else None)
-        if not isinstance(cache, QSAPagedCache):
-            return forward(*args, **kwargs)
-        with cache.forward_scope():
-            return forward(*args, **kwargs)
+        try:
+            if not isinstance(cache, QSAPagedCache):
+                return forward(*args, **kwargs)
+            with cache.forward_scope():
+                return forward(*args, **kwargs)
+        except IndexError as error:
+            ids = kwargs.get("input_ids")
+            if ids is None and ids_position is not None and len(args) > ids_position:
+                ids = args[ids_position]
+            raise_if_out_of_vocabulary(args[0], ids, error)
+            raise
 
     return torch.compiler.disable(wrapper, reason=COMPILE_SKIPPED)
+
+
+def asked_new_tokens(generation_config, held: int, extra: int) -> str:
+    """The new tokens a row must hold, in the caller's words: ``held`` is one less than they asked for (the last
+    generated token is never fed back), ``extra`` the speculative verification's overshoot."""
+    if generation_config.max_new_tokens is not None and generation_config.max_new_tokens == held + 1:
+        words = f"max_new_tokens={generation_config.max_new_tokens} - 1: the last new token is never fed back"
+    else:
+        words = f"{held} new tokens up to max_length={generation_config.max_length}, the last one never fed back"
+    if extra:
+        words += f"; + {extra} to verify drafts past the end"
+    return words
 
 
 class PagedCacheGenerationMixin:
@@ -127,7 +188,11 @@ class PagedCacheGenerationMixin:
         if isinstance(cache, QSAPagedCache) and isinstance(ids, torch.Tensor) and ids.dim() == 2 \
                 and not ids.is_floating_point():
             cache.check_continues(ids)
-        return super().generate(inputs, *args, **kwargs)
+        _inside_our_generate.depth = getattr(_inside_our_generate, "depth", 0) + 1  # (`_DropRightPaddingWarning`)
+        try:
+            return super().generate(inputs, *args, **kwargs)
+        finally:
+            _inside_our_generate.depth -= 1
 
     def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
         # transformers numbers real tokens by the mask and gives pads 0, then adds 1 to the last column every
@@ -197,7 +262,8 @@ class PagedCacheGenerationMixin:
             if prompt is not None and new_tokens >= 0:
                 if cache._generate_may_grow:
                     grow_for_request(cache, max(prompt, default=0) + new_tokens + extra)
-                cache.check_request(prompt, new_tokens + extra)
+                check_request(cache, prompt, new_tokens + extra,
+                              asked=asked_new_tokens(generation_config, new_tokens, extra))
         return super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )

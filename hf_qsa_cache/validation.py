@@ -8,9 +8,11 @@ import torch
 from .layout import state_geometry, text_config
 
 
-def check_request(cache, prompt_lengths: list[int], max_new_tokens: int) -> None:
+def check_request(cache, prompt_lengths: list[int], max_new_tokens: int, asked: str | None = None) -> None:
     """Raise before any forward unless rows of ``prompt_lengths`` real tokens can each add
-    ``max_new_tokens`` more (what `generate()` checks before its prefill)."""
+    ``max_new_tokens`` more (what `generate()` checks before its prefill). ``asked``: those new tokens in the
+    caller's words, for the message (default ``max_new_tokens=<max_new_tokens>``)."""
+    asked = asked if asked is not None else f"max_new_tokens={max_new_tokens}"
     cache.check_usable()
     if len(prompt_lengths) > cache.max_batch_size:
         raise ValueError(f"batch of {len(prompt_lengths)} rows exceeds max_batch_size={cache.max_batch_size}")
@@ -19,7 +21,7 @@ def check_request(cache, prompt_lengths: list[int], max_new_tokens: int) -> None
             raise ValueError(f"row {b} of attention_mask has no real token (all zeros): nothing to generate from")
         if n + max_new_tokens > cache.max_cache_len:
             raise ValueError(
-                f"row {b} needs {n + max_new_tokens} slots ({n} prompt tokens + max_new_tokens={max_new_tokens}), "
+                f"row {b} needs {n + max_new_tokens} slots ({n} prompt tokens + {asked}), "
                 f"cache holds max_cache_len={cache.max_cache_len}"
             )
     problem = cache.why_not_fits([max(cache.lengths[b], n + max_new_tokens) for b, n in enumerate(prompt_lengths)],
