@@ -280,7 +280,8 @@ def test_generate_refuses_what_cannot_fit_before_the_prefill(qwen, ink, family, 
     cache = QSAPagedCache(model.config, 3, longest + NEW - 2, block_size=4)
     calls = _fail_on_call(monkeypatch, model.model, 0)  # counts forwards, never fails
     with pytest.raises(ValueError, match=rf"needs {longest + NEW - 1} slots \({longest} prompt tokens \+ "
-                                         rf"max_new_tokens={NEW - 1}\), cache holds max_cache_len={longest + NEW - 2}"):
+                                         rf"max_new_tokens={NEW} - 1: the last new token is never fed back\), "
+                                         rf"cache holds max_cache_len={longest + NEW - 2}"):
         _generate(model, ids, mask, cache)
     assert not calls and cache.columns_seen == 0
     # A pool too small for the request is refused up front as well.
