@@ -151,3 +151,53 @@ def test_other_4d_masks_are_refused_with_what_is_supported(family):
     bidirectional = mask.bool()[:, None, None, :].expand(-1, 1, ids.shape[1], -1)
     with pytest.raises(ValueError, match="must be a causal mask with padding.*row 0, query 0, key 1.*2-D padding mask"):
         ours(ids, attention_mask=bidirectional)
+
+
+# A real token in column 0 followed by pads: the pads must read that token's output (the reorder's "latest real
+# column" is 0 there, a value a careless test for "no real token yet" would take for absent).
+def test_right_padded_row_of_one_token_generates_as_alone(family):
+    ref, ours = family
+    prompts = random_prompts([7, 1, 4], vocab=90, seed=12)
+    ids, mask = _layout(prompts, "right")
+    with torch.no_grad():
+        logits = ours(ids, attention_mask=mask, use_cache=False).logits
+        out = ours.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                            eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+        for b, p in enumerate(prompts):
+            alone = ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None,
+                                 output_logits=True, return_dict_in_generate=True)
+            # the last column (a pad for rows 1 and 2) predicts the row's next token
+            torch.testing.assert_close(logits[b, -1], _alone(ref, p)[-1], rtol=1e-4, atol=1e-4)
+            assert out.sequences[b, ids.shape[1]:].tolist() == alone.sequences[0, len(p):].tolist(), b
+            torch.testing.assert_close(torch.stack([s[b] for s in out.logits]), torch.stack(alone.logits)[:, 0],
+                                       rtol=1e-4, atol=1e-4)
+
+
+def test_a_chunk_whose_only_real_token_is_first(family):
+    """A step on rows that hold tokens, where one row's only real token is the step's first column (pads after
+    it) and another's is the last: every row's last column equals the row alone, and decoding continues."""
+    ref, ours = family
+    first = random_prompts([9, 5, 12], vocab=90, seed=13)
+    second = random_prompts([1, 3, 1], vocab=90, seed=14)
+    cache = QSAPagedCache(ours.config, max_batch_size=3, max_cache_len=32, block_size=4)
+    ids1, mask1 = _layout(first, "left")
+    width = 4
+    layouts = [torch.tensor([0]), torch.tensor([0, 1, 2]), torch.tensor([3])]
+    ids2 = torch.zeros(3, width, dtype=torch.long)
+    mask2 = torch.zeros_like(ids2)
+    for b, cols in enumerate(layouts):
+        ids2[b, cols] = torch.tensor(second[b])
+        mask2[b, cols] = 1
+    with torch.no_grad():
+        ours(ids1, attention_mask=mask1, past_key_values=cache)
+        mask12 = torch.cat([mask1, mask2], 1)
+        logits = ours(ids2, attention_mask=mask12, past_key_values=cache).logits
+        for b in range(3):
+            torch.testing.assert_close(logits[b, -1], _alone(ref, first[b] + second[b])[-1], rtol=1e-4, atol=1e-4)
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        logits = ours(nxt, attention_mask=torch.cat([mask12, torch.ones(3, 1, dtype=torch.long)], 1),
+                      past_key_values=cache).logits
+    for b in range(3):
+        expect = _alone(ref, first[b] + second[b] + [int(nxt[b])])[-1]
+        torch.testing.assert_close(logits[b, -1], expect, rtol=1e-4, atol=1e-4)
