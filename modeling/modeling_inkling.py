@@ -39,7 +39,7 @@ from transformers.models.inkling.modeling_inkling import (
 from transformers.utils import can_return_tuple
 
 from hf_qsa_cache import QSAPagedCache
-from hf_qsa_cache.attentions import by_key_column
+from hf_qsa_cache.attentions import StepWeights, keeps_caller_columns, returns_weights, step_columns
 from hf_qsa_cache.cuda_graphs import decode_graphs_for
 from hf_qsa_cache.generation import (
     PagedCacheGenerationMixin, check_token_ids, forward_cache, lands_whole,
@@ -48,7 +48,8 @@ from hf_qsa_cache.metadata import StepMetadata
 from hf_qsa_cache.padding import runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops.conv_norm import conv_add_norm, normed_attention_inputs
-from hf_qsa_cache.ops.inkling_attention import paged_rel_attention, paged_rel_attention_probs
+from hf_qsa_cache.ops import records_grad
+from hf_qsa_cache.ops.inkling_attention import _cached_slots, paged_rel_attention, paged_rel_attention_probs
 from hf_qsa_cache.ops.linears import project, project_alone
 from hf_qsa_cache.ops.moe import inkling_moe
 from hf_qsa_cache.ops.rms_norm import defers_residual, normed_embedding
@@ -128,9 +129,10 @@ class InklingPagedAttention(nn.Module):
 
     @force_accelerate_hooks("rel_logits_proj")  # its `proj` parameter is read directly
     def forward(self, hidden_states: torch.Tensor, cache: QSAPagedCache, meta: StepMetadata,
-                attentions: list | None = None) -> torch.Tensor:
-        """``attentions``: when a list, this layer appends its attention probabilities ``[B, L, H, max_len]``
-        by key position (`paged_rel_attention_probs`)."""
+                attentions: StepWeights | None = None) -> torch.Tensor:
+        """``attentions``: when given, this layer appends its attention probabilities ``[B, H, L, W]`` in the
+        caller's columns (`paged_rel_attention_probs`, `hf_qsa_cache.attentions`); while autograd records, its
+        output is computed from them."""
         B, L, _ = hidden_states.shape
         query, key, value, relative = project(hidden_states, self.q_proj, self.k_proj, self.v_proj, self.r_proj)
         # The query's norm, the key's and value's short convs and the key's norm in one launch where fused.
@@ -143,19 +145,47 @@ class InklingPagedAttention(nn.Module):
             log_scaling = (float(self.config.log_scaling_n_floor), float(self.config.log_scaling_alpha))
         kv = cache.layers[self.layer_idx].kv
         keys, values = kv.flat()
+        table, block_size = meta.block_tables[self.kv_table], cache.tables[self.kv_table].block_size
+        weights = None
         if attentions is not None:  # before the op below writes this step's keys to the store
-            attentions.append(paged_rel_attention_probs(
-                query, key, relative, self.rel_logits_proj.proj, keys, meta.block_tables[self.kv_table],
-                cache.tables[self.kv_table].block_size, meta.position, meta.prev_len, _prev_len_bound(meta),
-                meta.max_seq_len, scaling=self.scaling, window=self.sliding_window, log_scaling=log_scaling,
+            weights = attentions.columns.to_caller(paged_rel_attention_probs(
+                query, key, relative, self.rel_logits_proj.proj, keys, table, block_size, meta.position,
+                meta.prev_len, _prev_len_bound(meta), meta.max_seq_len, scaling=self.scaling,
+                window=self.sliding_window, log_scaling=log_scaling,
             ))
+            attentions.append(weights)
         out = paged_rel_attention(
-            query, key, value, relative, self.rel_logits_proj.proj, keys, values,
-            meta.block_tables[self.kv_table], cache.tables[self.kv_table].block_size,
+            query, key, value, relative, self.rel_logits_proj.proj, keys, values, table, block_size,
             meta.slots[self.kv_table], meta.position, meta.prev_len, _prev_len_bound(meta),
             scaling=self.scaling, window=self.sliding_window, log_scaling=log_scaling,
         )
+        if weights is not None and records_grad(weights):
+            # The output from the weights returned, as transformers' eager attention computes it, so that it
+            # depends on them (the op above still wrote this step's keys and values to the store).
+            values_at = self._values_by_position(value, values, table, block_size, meta)
+            out = attentions.columns.output(weights, attentions.columns.values_at(values_at),
+                                            meta.position.view(B, L) >= 0).reshape(B, L, -1)
         return project_alone(out, self.o_proj)
+
+    def _values_by_position(self, value: torch.Tensor, store: torch.Tensor, table: torch.Tensor, block_size: int,
+                            meta: StepMetadata):
+        """A function of positions ``[B, W]`` giving the values ``[B, W, Hkv, D]`` this step may attend there: the
+        store's (earlier forwards', within the window on a sliding layer) and this step's ``value`` ``[B, L, Hkv,
+        D]`` (with its autograd history); zeros elsewhere."""
+        B, L = value.shape[:2]
+        cslot, cpos = _cached_slots(table, block_size, meta.prev_len, _prev_len_bound(meta), self.sliding_window)
+        span = meta.max_seq_len + 1  # one extra position takes what is no position (-1), then is dropped
+        by_position = value.new_zeros(B, span, *value.shape[2:])
+        spare = lambda pos: torch.where(pos >= 0, pos, span - 1).long()  # noqa: E731
+        by_position = by_position.index_put((torch.arange(B, device=value.device)[:, None], spare(cpos)),
+                                            store[cslot].to(value.dtype))
+        by_position = by_position.index_put((torch.arange(B, device=value.device)[:, None],
+                                             spare(meta.position.view(B, L))), value)
+
+        def at(position: torch.Tensor) -> torch.Tensor:
+            return by_position[torch.arange(B, device=value.device)[:, None], position.clamp_max(span - 2)]
+
+        return at
 
 
 class InklingPagedDecoderLayer(GradientCheckpointingLayer):
@@ -247,8 +277,9 @@ class InklingTextModel(InklingPagedPreTrainedModel):
 
     @can_return_tuple  # outermost: the decorators below reorder the output's fields
     @lands_whole
+    @keeps_caller_columns  # attention weights come back in the caller's columns from the layers themselves
     @runs_any_padding(per_token={"input_ids": -1, "inputs_embeds": 1, "token_ids": -1},
-                      outputs={"last_hidden_state": (1, 0), "hidden_states": (1, 0), "attentions": (2, 0, -1)})
+                      outputs={"last_hidden_state": (1, 0), "hidden_states": (1, 0)})
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -284,14 +315,17 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         cache.check_model(self.config, inputs_embeds.dtype)
 
         all_hidden = [] if output_hidden_states else None
-        attentions = [] if output_attentions else None
+        weights = output_attentions and returns_weights(self.config)
+        attentions = None
         logged = input_ids if input_ids is not None else token_ids
         with cache.step(B, L, attention_mask, inputs_embeds.device, logged) as meta:
+            if weights:  # as upstream: every layer, [B, heads, L, the mask's columns]
+                attentions = StepWeights(step_columns(attention_mask, B, L, meta.max_seq_len, inputs_embeds.device))
             hidden_states = self.run_layers(inputs_embeds, cache, meta, all_hidden, attentions)
         if output_hidden_states:  # as upstream: the last entry is the final-normed state (MTP drafts from it)
             all_hidden = tuple(all_hidden[:-1]) + (hidden_states,)
-        if output_attentions:  # as upstream: every layer, [B, heads, L, the mask's columns]
-            attentions = tuple(by_key_column(a.transpose(1, 2), attention_mask) for a in attentions)
+        if output_attentions:  # an empty tuple where transformers' attention returns no weights
+            attentions = tuple(attentions or ())
         return MoeModelOutputWithPast(
             last_hidden_state=hidden_states,
             past_key_values=cache if use_cache else None,

@@ -28,7 +28,7 @@ from transformers.utils import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, _active_collector, capture_outputs
 
 from hf_qsa_cache import QSAPagedCache
-from hf_qsa_cache.attentions import by_key_column
+from hf_qsa_cache.attentions import StepWeights, keeps_caller_columns, returns_weights, step_columns
 from hf_qsa_cache.cuda_graphs import decode_graphs_for
 from hf_qsa_cache.generation import (
     PagedCacheGenerationMixin, check_token_ids, forward_cache, lands_whole,
@@ -42,7 +42,9 @@ from hf_qsa_cache.ops.linears import project, project_alone
 from hf_qsa_cache.ops.moe import qwen4_exp_moe
 from hf_qsa_cache.ops.norm_rope import norm_rope
 from hf_qsa_cache.ops.ple import ple_layer
-from hf_qsa_cache.ops.qsa import gated_sparse_paged_attention, qsa_index_step, sparse_paged_attention_probs
+from hf_qsa_cache.ops.qsa import (
+    gated_sparse_paged_attention, paged_rows, qsa_index_step, sparse_paged_attention_probs,
+)
 from hf_qsa_cache.ops.row_writes import RowWrites
 from hf_qsa_cache.rollback import gated_delta_keeping_states, step_history
 
@@ -57,9 +59,10 @@ def _eos_id(config) -> int:
 class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
     """Gated GQA restricted to the tokens the QSA indexer selects, over paged K/V."""
 
-    def forward(self, hidden_states, cos, sin, positions3, cache: QSAPagedCache, attentions: list | None = None):
-        """``attentions``: when a list, this layer appends its attention probabilities ``[B*L, H, max_len]``
-        by key position (`sparse_paged_attention_probs`)."""
+    def forward(self, hidden_states, cos, sin, positions3, cache: QSAPagedCache, attentions: StepWeights | None = None):
+        """``attentions``: when given, this layer appends its attention probabilities ``[B, H, L, W]`` in the
+        caller's columns (`sparse_paged_attention_probs`, `hf_qsa_cache.attentions`); while autograd records, its
+        output is computed from them."""
         B, L, _ = hidden_states.shape
         n = B * L
         meta = cache.step_metadata(hidden_states.device)
@@ -88,15 +91,35 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
         pages = layer.kv.keys, layer.kv.values
         if records_grad(key, value):  # the pages keep values only; autograd needs this step's keys as computed
             pages = layer.kv.with_step_written(meta.slots["main"], key, value)
-        out = gated_sparse_paged_attention(
-            query, *pages, meta.block_tables["main"], meta.token_row, selected, main.block_size, self.scaling, gate,
-        )
-        if attentions is not None:
-            attentions.append(sparse_paged_attention_probs(
-                query, pages[0], meta.block_tables["main"], meta.token_row, selected, main.block_size, self.scaling,
-                meta.max_seq_len,
-            ))
+        if attentions is None:
+            out = gated_sparse_paged_attention(
+                query, *pages, meta.block_tables["main"], meta.token_row, selected, main.block_size, self.scaling,
+                gate,
+            )
+        else:
+            out = self._attention_returning_weights(query, pages, selected, gate, meta, main.block_size, attentions,
+                                                   B, L)
         return project_alone(out, self.o_proj).view(B, L, -1)
+
+    def _attention_returning_weights(self, query, pages, selected, gate, meta, block_size: int,
+                                     attentions: StepWeights, B: int, L: int) -> torch.Tensor:
+        """The attention output ``[B*L, H*D]``, its weights appended to ``attentions`` in the caller's columns.
+        While autograd records, the output is the returned weights times the values (`StepColumns.output`), so
+        that it depends on them as transformers' eager attention does; otherwise the usual op computes it."""
+        main = meta.block_tables["main"]
+        probs = sparse_paged_attention_probs(query, pages[0], main, meta.token_row, selected, block_size,
+                                             self.scaling, meta.max_seq_len)
+        columns = attentions.columns
+        weights = columns.to_caller(probs.view(B, L, *probs.shape[1:]))
+        attentions.append(weights)
+        if not records_grad(weights):
+            return gated_sparse_paged_attention(query, *pages, main, meta.token_row, selected, block_size,
+                                                self.scaling, gate)
+        flat_values = pages[1].view(-1, self.config.num_key_value_heads, self.head_dim)
+        rows = meta.token_row.view(B, L)[:, :1].long()
+        values = columns.values_at(lambda position: flat_values[paged_rows(main, rows, position, block_size)])
+        out = columns.output(weights, values, meta.valid.view(B, L))
+        return out.reshape(B * L, -1) * torch.sigmoid(gate).reshape(B * L, -1)
 
     def _finish_group(self, pooled: torch.Tensor, first_pos: torch.Tensor, meta) -> torch.Tensor:
         """A closed group's compressed key: its mean raw key, normed, rotated at its first position. The
@@ -298,8 +321,8 @@ def step_position_ids(position_ids: torch.Tensor, B: int, L: int) -> torch.Tenso
 # What a step with pads after real tokens reorders (`runs_any_padding`): inputs -> column dim; outputs ->
 # (column dim, batch dim[, key column dim]).
 TOKEN_INPUTS = {"input_ids": -1, "inputs_embeds": 1, "position_ids": -1, "ple_input_ids": -1}
-TOKEN_OUTPUTS = {"last_hidden_state": (1, 0), "hidden_states": (1, 0), "router_logits": (1, 0),
-                 "attentions": (2, 0, -1)}
+# (Attention weights come back in the caller's columns from the layers themselves: `hf_qsa_cache.attentions`.)
+TOKEN_OUTPUTS = {"last_hidden_state": (1, 0), "hidden_states": (1, 0), "router_logits": (1, 0)}
 
 
 class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
@@ -325,10 +348,11 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
 
     @can_return_tuple  # outermost: the decorators below reorder and fill the output's fields
     @lands_whole
+    @keeps_caller_columns
     @runs_any_padding(per_token=TOKEN_INPUTS, outputs=TOKEN_OUTPUTS)
     @capture_outputs
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, ple_input_ids=None, rope_deltas=None,
+                inputs_embeds=None, use_cache=None, ple_input_ids=None, rope_deltas=None, output_attentions=None,
                 **kwargs) -> MoeModelOutputWithPast:
         """``rope_deltas``: each row's multimodal RoPE offset after this step (`QSAPagedCache.rope_deltas`; set
         by the multimodal model for the rows whose media this step carries, None entries keep a row's)."""
@@ -346,15 +370,16 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         # Without a cache from the caller the forward still runs on paged state, sized for this call.
         cache, use_cache = forward_cache(self, past_key_values, B, L, use_cache)
         cache.check_model(self.config, inputs_embeds.dtype)
-        output_attentions = kwargs.get("output_attentions")
         if output_attentions is None:
             output_attentions = getattr(self.config, "output_attentions", False)
-        attentions = [] if output_attentions else None
+        weights = output_attentions and returns_weights(self.config)
+        attentions = None
         with cache.step(B, L, attention_mask, inputs_embeds.device, token_ids, rope_deltas) as meta:
+            if weights:  # as upstream: QSA layers only, [B, heads, L, the mask's columns]
+                attentions = StepWeights(step_columns(attention_mask, B, L, meta.max_seq_len, inputs_embeds.device))
             hidden_states = self.run_layers(inputs_embeds, ple_input_ids, position_ids, meta, cache, attentions)
-        if attentions is not None:  # as upstream: QSA layers only, [B, heads, L, the mask's columns]
-            attentions = tuple(by_key_column(a.view(B, L, *a.shape[1:]).transpose(1, 2), attention_mask)
-                               for a in attentions)
+        if output_attentions:  # an empty tuple where transformers' attention returns no weights
+            attentions = tuple(attentions or ())
         return MoeModelOutputWithPast(
             last_hidden_state=hidden_states, past_key_values=cache if use_cache is not False else None,
             attentions=attentions,

@@ -35,7 +35,8 @@ class Family:
         else:
             self.ref, self.ours = inkling_pair(inkling_config())
             self.prompts = inkling_prompts([14, 5, 9])
-        self.ref.set_attn_implementation("eager")  # sdpa returns no attention weights
+        self.ref.set_attn_implementation("eager")  # sdpa returns no attention weights (nor do ours)
+        self.ours.set_attn_implementation("eager")
         self._alone = {}
 
     def upstream_alone(self, b: int):
@@ -147,3 +148,103 @@ def test_assisted_decoding_returns_attentions(family):
     for step, (a_step, p_step) in enumerate(zip(assisted.attentions, plain.attentions)):
         for layer, (a, p) in enumerate(zip(a_step, p_step)):
             torch.testing.assert_close(a, p, **TOL, msg=lambda m: f"step {step} layer {layer}: {m}")
+
+
+# ----------------------------------------------------------------------------- autograd
+@pytest.mark.parametrize("kind", ["left", "right", "middle"])
+def test_returned_weights_are_on_the_outputs_autograd_path(family, kind):
+    """As transformers' eager attention: a backward from the output alone (``last_hidden_state[0, 0, 0]``, a real
+    token's or not) reaches the returned weights, so ``retain_grad()`` on them gets a gradient, of any padding."""
+    ids, mask = _layout(family.prompts, kind)
+    out = family.ours.model(ids, attention_mask=mask, output_attentions=True)
+    assert all(a.requires_grad for a in out.attentions)
+    with torch.no_grad():  # the output computed from the weights equals the layers' usual op's, and so do they
+        plain = family.ours.model(ids, attention_mask=mask, output_attentions=True)
+    real = mask.bool()
+    torch.testing.assert_close(out.last_hidden_state[real], plain.last_hidden_state[real], **TOL)
+    for a, p in zip(out.attentions, plain.attentions):
+        torch.testing.assert_close(a, p, **TOL)
+    for a in out.attentions:
+        a.retain_grad()
+    row = int(mask[:, -1].nonzero()[0])  # a row whose last column is real: its output reads every layer
+    out.last_hidden_state[row, -1].sum().backward()
+    for layer, a in enumerate(out.attentions):
+        assert a.grad is not None, f"layer {layer}"
+        assert a.grad[row, :, -1].abs().sum() > 0, f"layer {layer}: no gradient reached the last query's weights"
+
+
+def _param_grads(model, loss_of) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss_of(model).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_gradients_through_the_returned_weights_equal_upstreams(family):
+    """A loss on the logits and on the returned weights themselves: every parameter's gradient equals upstream's
+    (eager, fp32) on the same unpadded prompt."""
+    prompt = family.prompts[0][None]
+
+    def loss_of(model):
+        out = model(prompt, output_attentions=True)
+        weighted = sum((a * torch.linspace(0, 1, a.shape[-1])).sum() for a in out.attentions)
+        return out.logits.logsumexp(-1).sum() + weighted
+
+    want = _param_grads(family.ref, loss_of)
+    have = _param_grads(family.ours, loss_of)
+    assert want.keys() == have.keys()
+    for name in want:
+        torch.testing.assert_close(have[name], want[name], rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_no_weights_and_no_extra_work_without_grad(family, monkeypatch):
+    """Without autograd the output runs the layers' usual attention op (the weights are a side computation)."""
+    from hf_qsa_cache import attentions as module
+
+    calls = []
+    real = module.StepColumns.output
+    monkeypatch.setattr(module.StepColumns, "output", lambda *a: calls.append(1) or real(*a))
+    ids, mask = _layout(family.prompts, "right")
+    with torch.no_grad():
+        out = family.ours(ids, attention_mask=mask, output_attentions=True)
+    assert out.attentions and not calls
+    family.ours(ids, attention_mask=mask, output_attentions=True)
+    assert calls
+
+
+# ----------------------------------------------------------------------------- other attention implementations
+@pytest.mark.parametrize("name", ["qwen4_exp", "inkling"])
+def test_sdpa_returns_what_transformers_returns(name):
+    """With ``attn_implementation="sdpa"`` (transformers' default) transformers returns no weights (an empty
+    tuple) and the same outputs: so do ours, on a left-padded batch, in forward and generate()."""
+    if name == "qwen4_exp":
+        ref, ours = qwen_pair()
+        ids, mask = _layout([torch.tensor(p) for p in random_prompts([25, 12, 21])], "left")
+    else:
+        ref, ours = inkling_pair(inkling_config())
+        ids, mask = _layout(inkling_prompts([14, 5, 9]), "left")
+    for model in (ref, ours):
+        model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask, output_attentions=True)
+        have = ours(ids, attention_mask=mask, output_attentions=True)
+        text = ours.model(ids, attention_mask=mask, output_attentions=True)
+    assert want.attentions == () and have.attentions == () and text.attentions == ()
+    # Rows without pads (upstream's padded Inkling rows count pads in their log scaling: module docstring).
+    whole = mask.all(dim=1)
+    assert whole.any()
+    torch.testing.assert_close(have.logits[whole], want.logits[whole], rtol=1e-4, atol=1e-4)  # upstream: sdpa
+    kwargs = dict(attention_mask=mask, max_new_tokens=2, do_sample=False, return_dict_in_generate=True,
+                  output_attentions=True, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        assert ours.generate(ids, **kwargs).attentions == ref.generate(ids, **kwargs).attentions == ((), ())
+
+
+def test_text_model_forward_names_output_attentions():
+    """transformers' common tests pass ``output_attentions`` only to a forward that names it (its signature, or
+    its typed kwargs): both text models name it."""
+    import inspect
+
+    from modeling import InklingTextModel, Qwen4ExpTextModel
+
+    for cls in (Qwen4ExpTextModel, InklingTextModel):
+        assert "output_attentions" in inspect.signature(cls.forward).parameters, cls.__name__
