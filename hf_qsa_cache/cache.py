@@ -192,11 +192,10 @@ class QSAPagedCache(Cache):
         check_continues(self, input_ids)
 
     # ------------------------------------------------------------------ steps (`hf_qsa_cache.step`)
-    def transaction(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None,
-                    copy_rows: bool = True, rope_deltas: list[int | None] | None = None):
-        """``with cache.transaction(B, L, mask) as step:`` one step, as a transaction (`hf_qsa_cache.step.transaction`:
-        validated first; ``step.prev`` and ``step.counts``; lands only if the block exits normally)."""
-        return transaction(self, batch_size, query_len, attention_mask, copy_rows, rope_deltas)
+    # ``with cache.transaction(B, L, mask) as step:`` one step as a transaction (`hf_qsa_cache.step.transaction`:
+    # validated first; ``step.prev`` and ``step.counts``; lands only if the block exits normally). Bound directly:
+    # no wrapper call on the decode step's host path.
+    transaction = transaction
 
     @contextlib.contextmanager
     def step(self, batch_size: int, query_len: int, attention_mask: torch.Tensor | None, device: torch.device,
@@ -216,10 +215,9 @@ class QSAPagedCache(Cache):
         graph (`hf_qsa_cache.step.graph_step_metadata`)."""
         return graph_step_metadata(self, lengths, query_len, block_tables, reach)
 
-    def forward_scope(self):
-        """``with cache.forward_scope():`` one call of a model's forward: the steps it runs land only if the
-        whole call returns (`hf_qsa_cache.step.forward_scope`)."""
-        return forward_scope(self)
+    # ``with cache.forward_scope():`` one call of a model's forward: its steps land only if the whole call returns
+    # (`hf_qsa_cache.step.forward_scope`).
+    forward_scope = forward_scope
 
     def log_tokens(self, meta: StepMetadata, input_ids: torch.Tensor | None) -> None:
         self.token_log.write(meta.position, meta.token_row, input_ids)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,14 +56,12 @@ class StepPlan:
     query_len: int
     prev: list[int]
     counts: list[int]
+    rows: int = field(init=False)
+    new_lengths: list[int] = field(init=False)  # each row's length after the step
 
-    @property
-    def rows(self) -> int:
-        return len(self.prev)
-
-    @property
-    def new_lengths(self) -> list[int]:
-        return list(map(operator.add, self.prev, self.counts))
+    def __post_init__(self):  # computed once: the host part of a decode step is on its critical path
+        object.__setattr__(self, "rows", len(self.prev))
+        object.__setattr__(self, "new_lengths", list(map(operator.add, self.prev, self.counts)))
 
     @property
     def pieces(self) -> list[Piece]:
@@ -200,10 +198,9 @@ class Step:
         if copy_rows:
             cache.copy_rows_aside(plan.rows)
             self.rows_saved(plan.rows)
-        new_lengths = plan.new_lengths
         for table in cache.tables.values():
-            table.reserve_rows(new_lengths)
-        cache.rows.advance(new_lengths, plan.query_len, rope_deltas)
+            table.reserve_rows(plan.new_lengths)
+        cache.rows.advance(plan.new_lengths, plan.query_len, rope_deltas)
 
     def build_metadata(self, device: torch.device) -> StepMetadata:
         """The step's metadata on ``device`` (the step's lengths copied once from the host), which the layers
