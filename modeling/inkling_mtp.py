@@ -20,7 +20,7 @@ import re
 
 from torch import nn
 from transformers.cache_utils import MtpCache
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.generation.candidate_generator import MTPCandidateGenerator
 from transformers.modeling_layers import MtpLayer, MtpModel
 from transformers.modeling_utils import PreTrainedModel
@@ -57,9 +57,15 @@ class InklingMtpModel(MtpModel):
         return MTP_WEIGHTS
 
     def get_weight_conversions(self, main_model):
-        # transformers finds the checkpoint layout of MTP weights by class name ("MtpModel"), and skips classes
-        # defined outside the library: name it explicitly.
-        return (get_checkpoint_conversion_mapping("MtpModel") or []) + super().get_weight_conversions(main_model)
+        # transformers finds the checkpoint layout of MTP weights by class name ("MtpModel") and skips classes
+        # defined outside the library unless their name is registered: register ours with the mapping in effect.
+        # The conversions then come in transformers' order: MTP layers numbered after the main model's
+        # (``layers.{num_hidden_layers + k}.``) renamed to ``layers.{k}.mtp_block.`` first, then the MTP layout
+        # (which moves ``eh_proj``/``enorm``/``hnorm`` back out of ``mtp_block``), then the main model's.
+        mapping = get_checkpoint_conversion_mapping("MtpModel")
+        if mapping is not None:
+            register_checkpoint_conversion_mapping(type(self).__name__, mapping, overwrite=True)
+        return super().get_weight_conversions(main_model)
 
 
 class InklingMTPCandidateGenerator(MTPCandidateGenerator):

@@ -1,9 +1,13 @@
-"""Checkpoints saved by transformers' own classes load into ours, completely or not at all.
+"""Checkpoints saved by transformers' own classes load into ours as into theirs.
 
 transformers saves Qwen4Exp experts one tensor per expert and the n-gram table in shards, and
 converts back on load; our classes must get the same conversions, under sharding, bf16 and
-accelerate disk offload. A checkpoint lacking a weight, or holding one we do not map, must raise
-instead of leaving random weights; MTP heads and vision/audio towers are ignored.
+accelerate disk offload. Weights a checkpoint lacks are initialised and reported as transformers does
+(`test_loading_rules.py`); what raises is what transformers refuses (a conversion that fails, a weight
+of another shape) and, beyond transformers, weights present under a name that was not converted while
+the same module's parameters are missing. MTP heads and vision/audio towers are not part of the text
+model; Inkling's MTP layers load into the drafting model (`modeling/inkling_mtp.py`) in every layout
+transformers' `MtpModel` loads.
 """
 
 from __future__ import annotations
@@ -11,18 +15,24 @@ from __future__ import annotations
 import glob
 import os
 
+import re
+
 import pytest
 import helpers.inkling as inkling
 import torch
 import transformers
+import transformers.conversion_mapping as conversion_mapping
 from helpers.qwen4 import left_pad, random_prompts, randomize_, tiny_config, upstream_generate
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import InklingTextConfig, Qwen4ExpTextConfig
+from transformers.generation.candidate_generator import MTPCandidateGenerator
+from transformers.modeling_layers import MtpModel
 
 from hf_qsa_cache import QSAPagedCache
 from modeling import InklingForCausalLM, Qwen4ExpForCausalLM
-from modeling.checkpoints import IGNORED_CHECKPOINT_KEYS
+from modeling.checkpoints import IGNORED_CHECKPOINT_KEYS, CheckpointLoadingError
+from modeling.inkling_mtp import InklingMtpModel
 
 NEW = 8
 FAMILIES = ["qwen4_exp", "inkling"]
@@ -192,37 +202,71 @@ def test_bfloat16_load_is_complete(tmp_path, family):
     _assert_same_weights(ours, reference.state_dict())
 
 
-# ----------------------------------------------------------------------------- incomplete checkpoints
-@pytest.mark.parametrize("family, dropped, named", [
-    ("qwen4_exp", "model.layers.3.self_attn.indexer.index_qk_proj.weight",
-     "model.layers.3.self_attn.indexer.index_qk_proj.weight"),
-    ("qwen4_exp", "model.layers.1.mlp.experts.2.up_proj.weight", "model.layers.1.mlp.experts.gate_up_proj"),
-    ("qwen4_exp", "model.layers.0.ple.ple_embedding.ngram_embedding.shard_5.weight",
-     "model.layers.0.ple.ple_embedding.ngram_embedding.weight"),
-    ("qwen4_exp", "lm_head.weight", "lm_head.weight"),  # untied here: the head must come from the checkpoint
-    ("inkling", "model.layers.4.mlp.experts.down_proj", "model.layers.4.mlp.experts.down_proj"),
-    ("inkling", "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight"),
-    ("inkling", "model.layers.1.self_attn.k_sconv.conv1d.weight", "model.layers.1.self_attn.k_sconv.conv1d.weight"),
+# ----------------------------------------------------------------------------- what raises
+@pytest.mark.parametrize("dropped, named", [
+    pytest.param("model.layers.1.mlp.experts.2.up_proj.weight", "model.layers.1.mlp.experts.gate_up_proj",
+                 id="one-expert-of-fused-experts"),
+    pytest.param("model.layers.0.ple.ple_embedding.ngram_embedding.shard_5.weight",
+                 "model.layers.0.ple.ple_embedding.ngram_embedding.weight", id="one-shard-of-ngram-table"),
 ])
-def test_missing_weight_raises_naming_it(tmp_path, family, dropped, named):
-    _upstream(family).save_pretrained(tmp_path)
+def test_weight_failing_to_convert_raises_naming_it(tmp_path, dropped, named):
+    """A conversion missing one of its sources: transformers refuses (RuntimeError, the keys only in its log);
+    ours refuses with an error that is that RuntimeError and a ValueError naming the weight."""
+    _upstream("qwen4_exp").save_pretrained(tmp_path)
     tensors = _checkpoint(tmp_path)
     del tensors[dropped]
     _rewrite(tmp_path, tensors)
+    with pytest.raises(RuntimeError):
+        transformers.Qwen4ExpForCausalLM.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="randomly initialised") as error:
-        OURS[family].from_pretrained(tmp_path)
+        Qwen4ExpForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(error.value, RuntimeError) and isinstance(error.value, CheckpointLoadingError)
     assert f"  {named}\n" in str(error.value) + "\n"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_unmapped_checkpoint_weight_raises_naming_it(tmp_path, family):
+def test_unregistered_conversion_raises_naming_the_weights(tmp_path, monkeypatch):
+    """The case that bit users: without our registration of transformers' conversions, our class sees the
+    per-expert and per-shard names on disk (present, loading nothing) and the fused parameters missing."""
+    _upstream("qwen4_exp").save_pretrained(tmp_path)
+    monkeypatch.setattr(conversion_mapping, "USER_REGISTERED_MAPPINGS", set())
+    with pytest.raises(CheckpointLoadingError, match="names that map to no parameter") as error:
+        Qwen4ExpForCausalLM.from_pretrained(tmp_path)
+    named = dict(line.strip().split(" <- ") for line in str(error.value).splitlines()[1:])
+    saved = sorted(_checkpoint(tmp_path))
+    for layer in range(_qwen4_upstream().config.num_hidden_layers):
+        # Both fused parameters of the experts module are named with every per-expert tensor of that module.
+        experts = f"model.layers.{layer}.mlp.experts."
+        per_expert = [key for key in saved if key.startswith(experts)]
+        assert len(per_expert) == 3 * 4  # gate, up and down of 4 experts
+        for fused in ("gate_up_proj", "down_proj"):
+            assert named.pop(experts + fused).split(", ") == per_expert
+    table = "model.layers.0.ple.ple_embedding.ngram_embedding."
+    assert named.pop(table + "weight").split(", ") == [key for key in saved if key.startswith(table + "shard_")]
+    assert not named  # nothing else: every other weight loaded under its own name
+
+
+@pytest.mark.parametrize("family, weight, stored_as", [
+    pytest.param("qwen4_exp", "model.layers.1.self_attn.q_proj.weight",
+                 "model.decoder.layers.1.self_attn.q_proj.weight", id="qwen4_exp-other-prefix"),
+    pytest.param("inkling", "model.layers.2.self_attn.r_proj.weight",
+                 "model.language_model.layers.2.self_attn.r_proj.weight", id="inkling-other-prefix"),
+    pytest.param("inkling", "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.kernel",
+                 id="inkling-other-leaf"),
+    pytest.param("qwen4_exp", "model.layers.0.linear_attn.dt_bias", "model.layers.0.linear_attn.dt_bias.weight",
+                 id="qwen4_exp-one-level-down"),
+])
+def test_weight_under_unconverted_name_raises_naming_both(tmp_path, family, weight, stored_as):
+    """transformers reports the parameter missing and the stored name unexpected, and runs the parameter
+    randomly initialised; ours refuses, naming both."""
     _upstream(family).save_pretrained(tmp_path)
     tensors = _checkpoint(tmp_path)
-    tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(3)
+    tensors[stored_as] = tensors.pop(weight)
     _rewrite(tmp_path, tensors)
-    with pytest.raises(ValueError, match="map to no parameter") as error:
+    _, info = getattr(transformers, OURS[family].__name__).from_pretrained(tmp_path, output_loading_info=True)
+    assert info["missing_keys"] == {weight} and info["unexpected_keys"] == {stored_as}
+    with pytest.raises(CheckpointLoadingError) as error:
         OURS[family].from_pretrained(tmp_path)
-    assert "\n  model.layers.0.mlp.extra.weight" in str(error.value)
+    assert f"\n  {weight} <- {stored_as}" in str(error.value)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
