@@ -27,13 +27,13 @@ is remembered on the model (`capture_failures`): every later cache (each generat
 one) runs steps of that shape eagerly at once instead of paying the failed capture again. Graphs
 belong to one (cache, model) pair and stay valid across `QSAPagedCache.reset()`.
 
-Mixture-of-experts layers run transformers' experts implementation: ``grouped_mm`` by default, which
-`generate()` switches to ``batched_mm`` for its decode steps on a GPU. Graph steps run ``grouped_mm``
-where torch has a device kernel for it (bf16 on compute capability 9.x/10.x), which captures and reads
-each expert once; elsewhere (fp32 or fp16 weights, other GPUs) ``batched_mm``. Graph steps of at most
-``SELECTED_EXPERTS_MAX_TOKENS`` tokens run ``hf_qsa_selected`` (Triton kernels reading only the selected
-experts' weights) in place of either, unless ``HF_QSA_FUSED`` leaves ``experts`` out. The experts op chooses
-(`hf_qsa_cache.ops.experts.graph_experts`).
+Mixture-of-experts layers run the model's experts implementation. Under our default (``hf_qsa``), graph steps
+of at most ``SELECTED_EXPERTS_MAX_TOKENS`` tokens run ``hf_qsa_selected`` (Triton kernels reading only the
+selected experts' weights) unless ``HF_QSA_FUSED`` leaves ``experts`` out; larger ones our own grouped path
+where it captures (its tiled kernels, or torch's grouped GEMM in bf16 on compute capability 9.x/10.x), else
+transformers' ``batched_mm``. The experts op chooses (`hf_qsa_cache.ops.experts.graph_experts`). An
+implementation the user chose (``eager``, ``batched_mm``, ``grouped_mm``, ...) runs as chosen in graph steps too
+(transformers' `generate()` switches ``grouped_mm`` to ``batched_mm`` for its decode steps on a GPU).
 
 Off with ``HF_QSA_CUDA_GRAPHS=0`` in the environment or ``model.use_cuda_graphs = False``.
 """
@@ -321,11 +321,9 @@ def experts_modules(model) -> list[tuple[torch.nn.Module, object]]:
 
 
 def experts_family(configs: list) -> tuple:
-    """The experts implementations these configs name, with transformers' two defaults as one (`generate()`
-    switches between them, and `graph_experts` treats them alike): a recorded step's experts choice holds
-    while this stays the same."""
-    return tuple(sorted({"transformers" if c._experts_implementation in TRANSFORMERS_EXPERTS
-                         else str(c._experts_implementation) for c in configs}))
+    """The experts implementations these configs name: a recorded step's experts hold while this stays the same
+    (each chosen implementation runs as chosen, so another choice drops the recorded steps)."""
+    return tuple(sorted({str(c._experts_implementation) for c in configs}))
 
 
 @contextlib.contextmanager

@@ -51,6 +51,7 @@ from hf_qsa_cache.ops.conv_norm import conv_add_norm, normed_attention_inputs
 from hf_qsa_cache.ops import records_grad
 from hf_qsa_cache.ops.inkling_attention import _cached_slots, paged_rel_attention, paged_rel_attention_probs
 from hf_qsa_cache.ops.linears import project, project_alone
+from hf_qsa_cache.ops.experts import default_experts_implementation
 from hf_qsa_cache.ops.moe import inkling_moe
 from hf_qsa_cache.ops.rms_norm import defers_residual, normed_embedding
 from hf_qsa_cache.ops.sconv import ConvTaps, short_conv
@@ -62,8 +63,8 @@ from .checkpoints import StrictLoadingMixin, use_upstream_conversions
 class InklingMoE(upstream.InklingMoE):
     """transformers' MoE block (same modules and parameters); its router, projection included, runs as one
     launch where fused (`hf_qsa_cache.ops.inkling_router`), and its shared experts inside the selected or
-    tiled experts' kernels where folded (`hf_qsa_cache.ops.experts.inkling_shared_experts_to_fold`), and prompts'
-    experts through `hf_qsa_cache.ops.prompt_experts` where it applies. Otherwise upstream's forward."""
+    tiled experts' kernels where folded (`hf_qsa_cache.ops.experts.inkling_shared_experts_to_fold`), and its experts
+    as the config's experts implementation says (`hf_qsa_cache.ops.moe`). Otherwise upstream's forward."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return inkling_moe(self, hidden_states, super().forward)
@@ -233,6 +234,12 @@ class InklingPagedPreTrainedModel(StrictLoadingMixin, InklingPreTrainedModel):
     _can_record_outputs = {}
     # The experts are transformers' own `InklingExperts`, so their implementation can be chosen as upstream.
     _can_set_experts_implementation_cached_value = True
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        """Ours (``"hf_qsa"``, `hf_qsa_cache.ops.experts.OURS`) unless the user names another, which transformers
+        checks and which then runs as named."""
+        return default_experts_implementation(requested_experts) or super().get_correct_experts_implementation(
+            requested_experts)
 
     def _init_weights(self, module):
         super()._init_weights(module)

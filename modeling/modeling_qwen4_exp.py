@@ -39,6 +39,7 @@ from hf_qsa_cache.ops import hyper_connection, records_grad
 from hf_qsa_cache.ops.gated_delta import recurrence, short_conv
 from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual
 from hf_qsa_cache.ops.linears import project, project_alone
+from hf_qsa_cache.ops.experts import default_experts_implementation
 from hf_qsa_cache.ops.moe import qwen4_exp_moe
 from hf_qsa_cache.ops.norm_rope import norm_rope
 from hf_qsa_cache.ops.ple import ple_layer
@@ -206,8 +207,8 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
 class Qwen4ExpTextSparseMoeBlock(upstream.Qwen4ExpTextSparseMoeBlock):
     """transformers' MoE block (same modules and parameters); its routing, projection included, runs
     as two launches where fused (`hf_qsa_cache.ops.router`), its shared expert inside the selected or tiled
-    experts' kernels where folded (`hf_qsa_cache.ops.experts.shared_expert_to_fold`), and prompts' experts through
-    `hf_qsa_cache.ops.prompt_experts` where it applies. Otherwise upstream's forward."""
+    experts' kernels where folded (`hf_qsa_cache.ops.experts.shared_expert_to_fold`), and its experts as the
+    config's experts implementation says (`hf_qsa_cache.ops.moe`). Otherwise upstream's forward."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return qwen4_exp_moe(self, hidden_states, super().forward)
@@ -289,6 +290,12 @@ class Qwen4ExpPreTrainedModel(StrictLoadingMixin, upstream.Qwen4ExpPreTrainedMod
     # apply unchanged; attention never goes through the attention-function registry.
     _can_set_experts_implementation_cached_value = True
     _can_set_attn_implementation_cached_value = True
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        """Ours (``"hf_qsa"``, `hf_qsa_cache.ops.experts.OURS`) unless the user names another, which transformers
+        checks and which then runs as named."""
+        return default_experts_implementation(requested_experts) or super().get_correct_experts_implementation(
+            requested_experts)
     # Upstream marks Qwen4Exp stateful, which makes generate() refuse assisted decoding. A QSAPagedCache with
     # num_speculative_tokens rolls every state back exactly (hf_qsa_cache/rollback.py), and generate()
     # builds (or checks) the cache with that headroom.

@@ -17,9 +17,20 @@ The math, for token ``t`` and its experts ``e_j = top_k_index[t, j]``, weights `
 An expert id outside ``[0, num_experts)`` (the sentinel of expert parallelism) contributes zero.
 Everything runs in fp32 from the loaded values on; only the output is rounded.
 
-`selected_experts_forward` is registered as the transformers experts implementation
-``"hf_qsa_selected"`` when this module is imported: ``model.set_experts_implementation("hf_qsa_selected")``
-after ``import hf_qsa_cache.ops.experts``. It runs the Triton kernels on CUDA tensors and
+Two transformers experts implementations are registered when this module is imported:
+
+* ``"hf_qsa"`` (`OURS`, `ours_experts_forward`): our models' default (`default_experts_implementation`). A
+  block's steps run the fused routing and our experts paths where they apply (`hf_qsa_cache.ops.moe`: the grouped
+  path of `hf_qsa_cache.ops.prompt_experts`, its tiled kernels, the shared experts folded in), CUDA-graph steps
+  `graph_experts`' choice; where none applies (autograd recording, experts it does not cover), transformers'
+  ``grouped_mm`` function itself.
+* ``"hf_qsa_selected"`` (`selected_experts_forward`), below.
+
+A name the user chooses (the config's ``experts_implementation``, ``from_pretrained(experts_implementation=...)``,
+``model.set_experts_implementation(...)``) is honoured: ``eager``, ``batched_mm``, ``grouped_mm`` run
+transformers' implementation registered under that name, in every step (graph steps included).
+
+``model.set_experts_implementation("hf_qsa_selected")`` runs the selected experts everywhere. It runs the Triton kernels on CUDA tensors and
 `selected_experts_torch` elsewhere (and when autograd records: the kernels have no backward). Experts it
 does not cover (biases, a post-expert norm, interleaved gate/up columns, an activation other than SiLU,
 a custom ``_apply_gate``, non-float weights) run transformers' ``batched_mm`` instead, so it is
@@ -40,6 +51,7 @@ from transformers.integrations import moe
 from . import fusions, keeps_own_forward, records_grad, use_triton
 
 SELECTED_EXPERTS = "hf_qsa_selected"
+OURS = "hf_qsa"
 # MoE blocks add their shared experts inside the selected-experts kernels (`shared_expert_to_fold`,
 # `inkling_shared_experts_to_fold`).
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -134,6 +146,42 @@ def selected_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
     return run_selected_experts(self, hidden_states, top_k_index, top_k_weights)
 
 
+def default_experts_implementation(requested: str | None) -> str | None:
+    """Our models' experts implementation for what the user ``requested``: `OURS` when nothing was (transformers'
+    own default would be ``grouped_mm``), else None: transformers checks and applies the request (and refuses an
+    unknown name as for its own models)."""
+    return OURS if requested is None or requested == OURS else None
+
+
+def runs_ours(experts: nn.Module) -> bool:
+    """Whether an experts module runs `OURS` (the model's default, not a user's choice)."""
+    return getattr(getattr(experts, "config", None), "_experts_implementation", None) == OURS
+
+
+def grouped_path_applies(experts: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `OURS` runs ``x`` ``[T, H]`` through `hf_qsa_cache.ops.prompt_experts.grouped_experts_forward` (the
+    ``prompt_experts`` fusion on, an experts module `supports` covers, no expert parallelism, plain weights in
+    ``x``'s dtype, autograd not recording); else transformers' ``grouped_mm``."""
+    if not (fusions.enabled("prompt_experts") and supports(experts) and x.dim() == 2):
+        return False
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    return (not getattr(experts, "_is_expert_parallel", False) and x.dtype == gate_up.dtype
+            and type(gate_up.data) is torch.Tensor and type(down.data) is torch.Tensor
+            and not records_grad(x, gate_up, down))
+
+
+def ours_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"hf_qsa"`` experts implementation (`OURS`): our grouped path where it applies (`grouped_path_applies`),
+    else transformers' ``grouped_mm`` function (called directly: a user's change to the registry's
+    ``grouped_mm`` entry is theirs, not ours)."""
+    if grouped_path_applies(self, hidden_states):
+        from .prompt_experts import grouped_experts_forward
+
+        return grouped_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    return moe.grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
 def run_selected_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor, shared: SharedExpert | None = None) -> torch.Tensor:
     """The math above for a `supports`-ed experts ``module``: the Triton kernels on CUDA when autograd records
@@ -198,7 +246,7 @@ def inkling_shared_experts_to_fold(block: nn.Module, x: torch.Tensor, tiled: boo
 
 
 # ----------------------------------------------------------------------------- the experts of a graph step
-# transformers' own experts implementations, which graph steps may replace (`graph_experts`).
+# transformers' own experts implementations that graph steps choose among under `OURS` (`graph_experts`).
 TRANSFORMERS_EXPERTS = ("grouped_mm", "batched_mm")
 # Most bytes of expert weights a graph step may gather for ``batched_mm`` (`graph_experts`); a bigger
 # step keeps the model's own experts implementation (and runs eagerly if that cannot be captured).
@@ -239,22 +287,23 @@ def graph_experts(model, experts: list, device: torch.device, tokens: int) -> st
     """The experts implementation a graph step of ``tokens`` tokens runs instead of the model's own, or
     None to run the model's own (``experts``: ``(module, config)`` of each experts module).
 
-    Only transformers' two default implementations are replaced (`TRANSFORMERS_EXPERTS`: ``grouped_mm``,
-    and ``batched_mm``, which `generate()` switches to for its decode steps on a GPU); others chosen by the
-    user (``eager``, ...) are kept. The same choice applies to the step's eager runs (the first one, and
-    every one of a bucket that did not capture), so a graph and its eager run compute alike.
+    Only our default (`OURS`) is replaced; an implementation the user chose (``eager``, ``batched_mm``,
+    ``grouped_mm``, ``hf_qsa_selected``, ...) runs as chosen (a ``grouped_mm`` that cannot be captured fails its
+    capture once and its steps run eagerly; `generate()` on a GPU runs decode steps with ``batched_mm``, as
+    transformers switches it). The same choice applies to the step's eager runs (the first one, and every one of
+    a bucket that did not capture), so a graph and its eager run compute alike.
 
     * With the ``experts`` fusion on, a step of at most `SELECTED_EXPERTS_MAX_TOKENS` tokens on CUDA whose
       experts modules `supports` covers runs ``hf_qsa_selected``: fixed shapes, no host copy, no gathered weights.
-    * Else ``grouped_mm`` where it can be captured (`grouped_mm_captures`), or where it runs the
-      ``tiled_experts`` kernels (`tiled_experts_run`), also in place of ``batched_mm``: it reads each expert's
-      weights once, where ``batched_mm`` copies them per (token, expert) pair (benchmarks/RESULTS.md).
+    * Else our own (None) where its grouped GEMMs can be captured (`grouped_mm_captures`), or where it runs the
+      ``tiled_experts`` kernels (`tiled_experts_run`): it reads each expert's weights once, where ``batched_mm``
+      copies them per (token, expert) pair (benchmarks/RESULTS.md).
     * Else ``batched_mm``: it gathers each token's ``top_k`` expert matrices and runs batched matmuls, with
       fixed shapes and no host copy. The gather holds ``tokens * top_k`` expert matrices of one layer at a
-      time; a step needing more than `BATCHED_EXPERTS_MAX_BYTES` keeps the model's own (a ``grouped_mm``
-      capture then fails once, and the step runs eagerly).
+      time; a step needing more than `BATCHED_EXPERTS_MAX_BYTES` keeps the model's own (its capture then
+      fails once, and the step runs eagerly).
     """
-    if not experts or any(config._experts_implementation not in TRANSFORMERS_EXPERTS for _, config in experts):
+    if not experts or any(config._experts_implementation != OURS for _, config in experts):
         return None
     if fusions.enabled("experts") and device.type == "cuda" and tokens <= SELECTED_EXPERTS_MAX_TOKENS:
         if all(supports(module) for module, _ in experts):
@@ -266,16 +315,17 @@ def graph_experts(model, experts: list, device: torch.device, tokens: int) -> st
         return None
     top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None) or len(weights[0])
     if grouped_mm_captures(weights[0].dtype, device) or tiled_experts_run(experts, device, tokens * top_k):
-        return "grouped_mm"
+        return None
     per_pair = max(w[0].numel() for w in weights) * weights[0].element_size()
     return "batched_mm" if tokens * top_k * per_pair <= BATCHED_EXPERTS_MAX_BYTES else None
 
 
 def tiled_experts_run(experts: list, device: torch.device, pairs: int) -> bool:
-    """Whether ``grouped_mm`` experts run the ``tiled_experts`` kernels for a step of ``pairs`` (token, expert)
+    """Whether our experts (`OURS`) run the ``tiled_experts`` kernels for a step of ``pairs`` (token, expert)
     pairs (`hf_qsa_cache.ops.prompt_experts`): captured in any dtype, where transformers' grouped GEMMs capture
     in bf16 on Hopper and Blackwell only."""
     return tiles_pairs(device.type == "cuda", pairs) and all(supports(m) for m, _ in experts)
 
 
 moe.ALL_EXPERTS_FUNCTIONS.register(SELECTED_EXPERTS, selected_experts_forward)
+moe.ALL_EXPERTS_FUNCTIONS.register(OURS, ours_experts_forward)

@@ -9,9 +9,10 @@ graph whose replay runs the recorded step eagerly into the logits buffer.
 * A failed capture is paid once per model and shape: every later cache (each generate() call builds
   one) runs that step eagerly at once, without trying again or warning again; another model, dtype
   or experts implementation tries again; a shape that captures keeps its graph when another fails.
-* Graph steps run ``batched_mm`` experts where transformers' default ``grouped_mm`` cannot be captured
-  (fp32 or fp16, or a GPU without torch's grouped-GEMM kernel), the model's own implementation
-  everywhere else, and each config's implementation is restored after the step (also when it fails).
+* Under our default experts (``hf_qsa``) graph steps run ``batched_mm`` where our grouped path cannot be
+  captured (fp32 or fp16 without the tiled kernels, or a GPU without torch's grouped-GEMM kernel), ours
+  everywhere else; an implementation the user chose runs as chosen; each config's implementation is
+  restored after the step (also when it fails).
 """
 
 from __future__ import annotations
@@ -31,13 +32,18 @@ from hf_qsa_cache.cuda_graphs import (
     DecodeGraphs, capture_failures, experts_modules, graph_experts, graphs_of, grouped_mm_captures,
 )
 from hf_qsa_cache.ops import prompt_experts
+from hf_qsa_cache.ops.experts import OURS
 
 CAPTURE_ERROR = ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor "
                  "is pinned")
 
 
 def _ink_model():
-    return inkling.make_pair(inkling.make_config(), seed=9)[1]
+    """Ours with our default experts (`make_pair` shares its config with the upstream twin, whose construction
+    writes transformers' own default, ``grouped_mm``, into it)."""
+    model = inkling.make_pair(inkling.make_config(), seed=9)[1]
+    model.set_experts_implementation(OURS)
+    return model
 
 
 @pytest.fixture
@@ -167,39 +173,35 @@ def test_graph_experts_choice(monkeypatch):
     monkeypatch.setitem(fusions.STATE, "experts", False)  # the choice without the fused experts
     monkeypatch.setitem(fusions.STATE, "tiled_experts", False)  # nor the tiled ones (on by default)
     _, model = make_pair(seed=7)
+    model.set_experts_implementation(experts_ops.OURS)  # the default (make_pair's upstream twin set its own)
     experts = experts_modules(model)
-    assert len(experts) == 4 and model.config._experts_implementation == "grouped_mm"
+    assert len(experts) == 4
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert graph_experts(model, experts, cuda, 1) == "batched_mm"  # fp32
+    assert graph_experts(model, experts, cuda, 1) == "batched_mm"  # fp32: our grouped GEMMs cannot be captured
     model.to(torch.bfloat16)
-    assert graph_experts(model, experts, cuda, 1) == "grouped_mm"  # bf16 on Hopper: grouped_mm captures
+    assert graph_experts(model, experts, cuda, 1) is None  # bf16 on Hopper: ours captures
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert graph_experts(model, experts, cuda, 1) == "batched_mm"
     model.to(torch.float32)
-    # A step gathering more expert weights than allowed keeps grouped_mm (and fails its capture once).
+    # A step gathering more expert weights than allowed keeps ours (and fails its capture once).
     gate_up = experts[0][0].gate_up_proj
     pair = gate_up[0].numel() * 4  # fp32 bytes of one expert's largest matrix, per token and routed expert
     top_k = model.config.num_experts_per_tok
     monkeypatch.setattr(experts_ops, "BATCHED_EXPERTS_MAX_BYTES", 8 * top_k * pair)
     assert graph_experts(model, experts, cuda, 8) == "batched_mm" and graph_experts(model, experts, cuda, 9) is None
-    # generate()'s decode steps on a GPU run batched_mm (transformers' `_optimize_model_for_decode`): graph
-    # steps run grouped_mm instead where it captures, else batched_mm within the bound.
-    model.set_experts_implementation("batched_mm")
-    assert graph_experts(model, experts, cuda, 8) == "batched_mm" and graph_experts(model, experts, cuda, 9) is None
-    model.to(torch.bfloat16)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert graph_experts(model, experts, cuda, 1) == graph_experts(model, experts, cuda, 9) == "grouped_mm"
-    model.to(torch.float32)
-    # With the tiled experts, whose kernels capture in any dtype: grouped_mm up to their pairs' bound.
+    monkeypatch.undo()
+    monkeypatch.setitem(fusions.STATE, "experts", False)
+    # With the tiled experts, whose kernels capture in any dtype: ours up to their pairs' bound.
     monkeypatch.setitem(fusions.STATE, "tiled_experts", True)
     monkeypatch.setattr(experts_ops, "TILED_EXPERTS_MAX_PAIRS", 8 * top_k)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert graph_experts(model, experts, cuda, 8) == "grouped_mm" and graph_experts(model, experts, cuda, 9) is None
-    monkeypatch.setitem(fusions.STATE, "tiled_experts", False)
-    # An implementation the user chose is kept.
-    model.set_experts_implementation("eager")
-    assert graph_experts(model, experts, cuda, 1) is None
+    assert graph_experts(model, experts, cuda, 8) is None and graph_experts(model, experts, cuda, 9) == "batched_mm"
+    # An implementation the user chose runs as chosen, whatever the step.
+    monkeypatch.setitem(fusions.STATE, "experts", True)
+    for name in ("eager", "batched_mm", "grouped_mm", experts_ops.SELECTED_EXPERTS):
+        model.set_experts_implementation(name)
+        assert all(graph_experts(model, experts, cuda, t) is None for t in (1, 8, 9)), name
     assert graph_experts(torch.nn.Linear(2, 2), [], cuda, 1) is None  # no experts
 
 
@@ -211,8 +213,8 @@ def test_graph_steps_run_batched_mm_and_restore_the_models_experts(family, monke
     else:
         model = _ink_model()
         ids, mask = inkling.left_pad(inkling.make_prompts([11, 4, 8], seed=10))
-    # The prompt runs the model's own experts function (not our prompt path, which would run in its place).
-    monkeypatch.setitem(fusions.STATE, "prompt_experts", False)
+    model.set_experts_implementation(OURS)  # the default (make_pair's upstream twin set its own)
+    monkeypatch.setitem(fusions.STATE, "prompt_experts", False)  # ours then runs transformers' grouped_mm function
     calls = []
     for name in ("batched_mm", "grouped_mm"):
         run = moe.ALL_EXPERTS_FUNCTIONS[name]
@@ -222,24 +224,25 @@ def test_graph_steps_run_batched_mm_and_restore_the_models_experts(family, monke
     runner = graphs_of(model, cache, "cpu", record=False)
     with torch.no_grad():
         logits = model(ids, attention_mask=mask, past_key_values=cache).logits
-        assert set(calls) == {"grouped_mm"}
+        assert not calls  # ours calls the function itself, not the registry's entry
         calls.clear()
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
         runner.step(nxt, None, mask)
         assert set(calls) == {"batched_mm"} and runner.buckets[4, 1, 64].experts == "batched_mm"
-        assert model.config._experts_implementation == "grouped_mm"
+        assert model.config._experts_implementation == OURS
         # A step that fails inside the layers still gives the model its own experts back.
         monkeypatch.setattr(model, "_decode_logits", lambda *a: 1 / 0)
         with pytest.raises(ZeroDivisionError):
             runner.step(nxt, None, torch.cat([mask, torch.ones_like(nxt)], dim=1))
-        assert model.config._experts_implementation == "grouped_mm"
+        assert model.config._experts_implementation == OURS
 
 
 def test_graph_steps_follow_the_experts_the_user_chooses_later(monkeypatch):
     """A recorded step keeps the experts it ran; choosing others (`set_experts_implementation`) drops the
-    recorded steps, while generate()'s own switch between grouped_mm and batched_mm keeps them."""
+    recorded steps, and the chosen implementation runs as chosen."""
     _, model = make_pair(seed=7)
+    model.set_experts_implementation(OURS)
     ids, mask = left_pad(random_prompts([25, 9, 19], seed=8))
     cache = QSAPagedCache(model.config, 4, 64, block_size=4)
     runner = graphs_of(model, cache, "cpu", record=False)
@@ -251,14 +254,16 @@ def test_graph_steps_follow_the_experts_the_user_chooses_later(monkeypatch):
                                 lambda *a, run=run, name=name, **k: (calls.append(name), run(*a, **k))[1])
     with torch.no_grad():
         nxt = model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
-        for step, implementation in enumerate(("grouped_mm", "batched_mm", "eager")):
+        for step, implementation in enumerate((OURS, "batched_mm", "eager")):
             model.set_experts_implementation(implementation)
             first = runner.buckets.get((4, 1, 64))
             calls.clear()
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
             nxt = runner.step(nxt, None, mask)[:, -1].argmax(-1, keepdim=True)
             entry = runner.buckets[4, 1, 64]
-            if implementation == "batched_mm":  # generate()'s decode switch: the same recorded step
-                assert entry is first and entry.experts == "batched_mm" and calls == ["batched_mm"] * 4
-            if implementation == "eager":  # the user's choice: recorded anew, running the model's own
+            if implementation == OURS:  # ours on the CPU: transformers' batched_mm in graph steps
+                assert entry.experts == "batched_mm" and calls == ["batched_mm"] * 4
+            if implementation == "batched_mm":  # the user's choice: recorded anew, running it as chosen
+                assert entry is not first and entry.experts is None and calls == ["batched_mm"] * 4
+            if implementation == "eager":
                 assert entry is not first and entry.experts is None and "batched_mm" not in calls
