@@ -36,6 +36,21 @@ def tiny_config(**overrides) -> Qwen4ExpTextConfig:
     return Qwen4ExpTextConfig(**kwargs)
 
 
+
+# Few index heads: a group's index score, the sum over heads of relu(q . k), is exactly zero whenever every head's
+# product is negative, which few heads make common, and such zeros tie at the top-k cut (where transformers keeps
+# the groups its torch.topk keeps). By name: 4 heads with the index geometry of examples/generate_qwen4_exp.py's
+# small_config (budget 32, ratio 4: 8 groups kept, active from 36 tokens); 2 heads with tiny_config's.
+FEW_INDEX_HEADS = {
+    "4-index-heads": dict(indexer_n_heads=4, indexer_budget=32, indexer_compress_ratio=4),
+    "2-index-heads": dict(indexer_n_heads=2),
+}
+
+
+def few_index_heads_config(name: str, **overrides) -> Qwen4ExpTextConfig:
+    """`tiny_config` with one of the `FEW_INDEX_HEADS` index settings."""
+    return tiny_config(**{**FEW_INDEX_HEADS[name], **overrides})
+
 def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.3) -> None:
     """Every float parameter random (upstream init zeroes norms and the PLE conv, which would hide bugs)."""
     gen = torch.Generator().manual_seed(seed)

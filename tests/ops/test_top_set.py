@@ -35,6 +35,33 @@ def test_top_group_set_is_the_stable_best_k_in_ascending_order(seed):
     assert torch.equal(top_set_ops.top_group_set(scores, k), _stable_best(scores, k))
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_cpu_selection_keeps_what_torch_topk_keeps_over_the_visible_groups(seed):
+    """Rows full of exact ties (relu zeros, few distinct values) and ``-inf`` past each row's visible groups: the
+    CPU's set is what ``torch.topk`` keeps on each row's visible scores alone, as transformers' indexer calls it
+    (``min(k, visible)`` of them; a row with fewer visible groups than ``k`` keeps them all). The cases must hold
+    rows where that differs from the lower index among ties, and rows where the wider row would pick otherwise."""
+    g = torch.Generator().manual_seed(100 + seed)
+    n, groups = 24, int(torch.randint(6, 120, (1,), generator=g))
+    k = int(torch.randint(1, groups // 2 + 1, (1,), generator=g))
+    scores = torch.relu(torch.randn(n, groups, generator=g))
+    scores[: n // 2] = torch.randint(0, 3, (n // 2, groups), generator=g).float()  # few values: ties everywhere
+    visible = torch.randint(0, groups + 1, (n,), generator=g)
+    scores[torch.arange(groups)[None, :] >= visible[:, None]] = float("-inf")
+    have = top_set_ops.top_group_set(scores, k, visible)
+    assert have.shape == (n, k) and torch.equal(have, have.sort(dim=-1).values)
+    differs_from_lower = differs_from_wide = 0
+    for row in range(n):
+        width = int(visible[row])
+        kept = set(have[row].tolist()) & set(range(width))
+        want = set(scores[row, :width].clone().topk(min(k, width)).indices.tolist())
+        assert kept == want, (row, width, k)
+        if width > k:
+            differs_from_lower += want != set(_stable_best(scores[row:row + 1, :width], k)[0].tolist())
+            differs_from_wide += want != set(scores[row].topk(k).indices.tolist())
+    assert differs_from_lower > 0 and differs_from_wide > 0, (differs_from_lower, differs_from_wide)
+
+
 def test_kernel_matches_the_specification_under_the_interpreter():
     run_under_interpreter(__file__, "all top set cases ok")
 
