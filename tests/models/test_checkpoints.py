@@ -305,3 +305,68 @@ def test_state_dict_matches_upstream_at_released_config(family):
     expected = {key: tuple(value.shape) for key, value in upstream.state_dict().items()}
     assert {key: tuple(value.shape) for key, value in ours.state_dict().items()} == expected
     assert any(".mlp.experts.gate_up_proj" in key for key in expected)
+
+
+# ----------------------------------------------------------------------------- Inkling MTP checkpoints
+def _mtp_layout(key: str, layout: str, num_hidden_layers: int) -> str:
+    """The checkpoint name of an `MtpModel` parameter ``key`` in ``layout`` (without the ``model.mtp.`` prefix)."""
+    if layout == "numbered-after-main":  # layers.{num_hidden_layers + k}, the block's weights beside eh_proj & co
+        key = re.sub(r"^layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + num_hidden_layers}.", key)
+        return key.replace(".mtp_block.", ".")
+    if layout == "inkling-release":  # the decoder block under transformer_block, Inkling's names for the rest
+        for ours, theirs in ((".mtp_block.", ".transformer_block."), (".eh_proj.", ".input_proj."),
+                             (".enorm.", ".embed_norm."), (".hnorm.", ".hidden_norm.")):
+            key = key.replace(ours, theirs)
+        return re.sub(r"^shared_post_norm\.", "chain_norm.", key)
+    return key  # "mtp-model": MtpModel's own parameter names
+
+
+@pytest.mark.parametrize("layout", ["mtp-model", "numbered-after-main", "inkling-release"])
+def test_inkling_mtp_checkpoint_drafts_as_upstream(tmp_path, layout, monkeypatch):
+    """A checkpoint of transformers' InklingForCausalLM with two MTP layers (random weights, in each layout
+    transformers' `MtpModel` loads): our MTP model loads exactly the saved weights, and generate(use_mtp=True)
+    drafts what transformers' MTP drafting drafts, round by round, and gives the tokens of plain greedy."""
+    config = inkling.make_config(num_mtp_layers=2, vocab_size=8, chain_hidden_post_norm=layout == "inkling-release")
+    upstream, _ = inkling.make_pair(config, seed=1)
+    mtp = MtpModel(upstream, 2)
+    shared = ("embed_tokens", "shared_head")  # the main model's embedding and head
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in mtp.named_parameters():
+            if not name.startswith(shared):
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.2 if "norm" in name else 0.3))
+    mtp_weights = {k: v for k, v in mtp.state_dict().items() if not k.startswith(shared)}
+    assert any(k.startswith("shared_post_norm.") for k in mtp_weights) == (layout == "inkling-release")
+    stored = {f"model.mtp.{_mtp_layout(k, layout, config.num_hidden_layers)}": v for k, v in mtp_weights.items()}
+    upstream.save_pretrained(tmp_path, state_dict={**upstream.state_dict(), **stored})
+
+    theirs = transformers.InklingForCausalLM.from_pretrained(tmp_path).eval()
+    ours, info = InklingForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]  # MTP weights are not the main model's
+    loaded = InklingMtpModel.from_pretrained(ours.eval(), device_map={"": "cpu"}).state_dict()
+    their_loaded = MtpModel.from_pretrained(theirs, device_map={"": "cpu"}).state_dict()
+    for key, value in mtp_weights.items():
+        assert torch.equal(loaded[key], value) and torch.equal(their_loaded[key], value), key
+
+    drafts = []  # (which model, candidate ids) per round
+    get_candidates = MTPCandidateGenerator.get_candidates
+
+    def logged(generator, *args, **kwargs):
+        candidates, logits = get_candidates(generator, *args, **kwargs)
+        drafts.append((type(generator) is MTPCandidateGenerator, candidates.tolist()))
+        return candidates, logits
+
+    monkeypatch.setattr(MTPCandidateGenerator, "get_candidates", logged)
+    ids = torch.randint(3, 8, (1, 12), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, pad_token_id=0,
+                  eos_token_id=None)
+    with torch.no_grad():
+        plain = ours.generate(ids, **kwargs)
+        drafted = ours.generate(ids, use_mtp=True, **kwargs)
+        upstream_drafted = theirs.generate(ids, use_mtp=True, **kwargs)
+    assert drafted.tolist() == plain.tolist() == upstream_drafted.tolist()
+    ours_drafts = [c for upstream_generator, c in drafts if not upstream_generator]
+    assert ours_drafts == [c for upstream_generator, c in drafts if upstream_generator]
+    # Some drafts are accepted (fewer rounds than new tokens) and some rejected (more rounds than if each round
+    # took all its drafts and one token more: 3 tokens a round after the first).
+    assert 16 // 3 + 1 < len(ours_drafts) < 16
