@@ -5,8 +5,8 @@ n-gram embedding shards concatenated, a ``model.language_model.`` prefix dropped
 save, with conversions looked up by class name, then ``config.model_type``. But
 `get_model_conversion_mapping` skips every class defined outside the ``transformers.`` package
 (``is_custom_code()``) unless its class name or model_type was registered with
-`register_checkpoint_conversion_mapping`. Unregistered, our classes see the on-disk names, report
-the converted weights as missing and keep them at random init. `use_upstream_conversions`
+`register_checkpoint_conversion_mapping`. Unregistered, our classes would see the on-disk names and
+report the converted weights missing (a load `StrictLoadingMixin` refuses). `use_upstream_conversions`
 registers the model_type with transformers' own mapping, unchanged: our classes then load and save
 the layout transformers' classes do, and transformers' classes behave as before.
 
