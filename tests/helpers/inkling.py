@@ -10,6 +10,8 @@ from transformers import InklingTextConfig
 
 from modeling import InklingForCausalLM
 
+from .qwen4 import own_config
+
 WINDOW = 6
 KERNEL = 4
 BLOCK = 4
@@ -39,7 +41,7 @@ def make_pair(config, seed=0, std=0.3):
         for name, p in upstream.named_parameters():
             if "norm" not in name and "global_scale" not in name:
                 p.normal_(0.0, std)  # large enough that logits are far from flat
-    ours = InklingForCausalLM(config).eval()
+    ours = InklingForCausalLM(own_config(config)).eval()
     ours.load_state_dict(upstream.state_dict(), strict=True)
     return upstream, ours
 

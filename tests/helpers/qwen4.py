@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import transformers
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
@@ -67,13 +69,21 @@ def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.3) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
 
+def own_config(config):
+    """A copy of ``config`` for our model: building transformers' model writes its default experts
+    implementation into the config it is given, which ours would then take for the user's choice."""
+    own = copy.deepcopy(config)
+    own._experts_implementation_internal = None
+    return own
+
+
 def make_pair(config=None, seed: int = 0):
     """(upstream model, our model) with identical weights, fp32, eval."""
     config = config or tiny_config()
     torch.manual_seed(seed)
     ref = transformers.Qwen4ExpForCausalLM(config).eval()
     randomize_(ref, seed)
-    ours = Qwen4ExpForCausalLM(config).eval()
+    ours = Qwen4ExpForCausalLM(own_config(config)).eval()
     missing, unexpected = ours.load_state_dict(ref.state_dict(), strict=True)
     assert not missing and not unexpected
     return ref, ours
