@@ -198,7 +198,7 @@ def run_selected_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_i
 def _routed_kernels_fold(experts: nn.Module, tiled: bool) -> bool:
     """Whether the routed experts run kernels that take shared experts: the selected experts'
     (``hf_qsa_selected``: graph steps of few tokens, or a model set to it) or the tiled ones (``tiled``:
-    `hf_qsa_cache.ops.prompt_experts.runs_tiled_experts`), on a module `supports` covers."""
+    `hf_qsa_cache.ops.moe.runs_tiled`), on a module `supports` covers."""
     return (fusions.enabled("shared_expert") and (tiled or experts.config._experts_implementation == SELECTED_EXPERTS)
             and supports(experts))
 

@@ -14,8 +14,8 @@ and the sum reads each token's rows where they lie (`sum_by_token`): the same ma
 
 (transformers rounds ``silu(gate) * up`` and ``w * down @ h`` to bf16 before the sum: the results differ by
 bf16 rounding, judged against fp32.) `grouped_experts_forward` runs it for an experts module `supports`
-covers, the experts set to ``grouped_mm`` (the default), no expert parallelism, no hooks, autograd not
-recording. The torch functions are the specification; `prompt_experts_triton` holds the kernels.
+covers, under our default experts implementation (`hf_qsa_cache.ops.experts.OURS`: when
+`hf_qsa_cache.ops.experts.grouped_path_applies`). The torch functions are the specification; `prompt_experts_triton` holds the kernels.
 
 For few pairs (graph steps of more than 16 tokens, short prompts: up to `TILED_EXPERTS_MAX_PAIRS`) the grouped
 GEMMs' tiles are mostly padding and their setup is launches of its own. The ``tiled_experts`` fusion (on by default:
@@ -24,7 +24,7 @@ checked and faster on the H200, `benchmarks/RESULTS.md`) runs them as two Triton
 expert's pairs (16 at a time), the routing weight applied to the activation, the down projection's rows kept
 in fp32 and summed per token by `sum_by_token`'s kernel; a block's shared experts run as more programs of
 the same kernels (one row per token), where upstream runs them as modules of their own
-(`tiled_experts_torch` is the specification, `runs_tiled_experts` says when a block takes it).
+(`tiled_experts_torch` is the specification, `hf_qsa_cache.ops.moe.runs_tiled` says when a block takes it).
 """
 
 from __future__ import annotations
@@ -41,12 +41,6 @@ def _tiled_applies(x: torch.Tensor, top_k: int) -> bool:
     return tiles_pairs(use_triton(x), x.shape[0] * top_k)
 
 
-def runs_tiled_experts(experts: nn.Module, x: torch.Tensor) -> bool:
-    """Whether an MoE block's experts run `tiled_experts` on ``x`` ``[T, H]`` (then its shared experts may run in the
-    same kernels: `hf_qsa_cache.ops.experts.shared_expert_to_fold`)."""
-    return _tiled_applies(x, experts.config.num_experts_per_tok) and uses_prompt_experts(experts, x)
-
-
 def tiled_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor, shared: SharedExpert | None = None) -> torch.Tensor:
     """`tiled_experts_torch`'s math for a `supports`-ed experts ``module`` (and ``shared`` experts), by the Triton
@@ -55,16 +49,6 @@ def tiled_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: t
 
     return tiled_experts_triton(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
                                 module.is_transposed, shared)
-
-
-def uses_prompt_experts(experts: nn.Module, x: torch.Tensor) -> bool:
-    """Whether an MoE block's experts run `grouped_experts_forward` on ``x`` ``[T, H]`` rather than their own
-    forward."""
-    return (fusions.enabled("prompt_experts")
-            and getattr(experts.config, "_experts_implementation", None) == "grouped_mm"
-            and supports(experts) and not getattr(experts, "_is_expert_parallel", False) and x.dim() == 2
-            and x.dtype == experts.gate_up_proj.dtype and not records_grad(x, experts.gate_up_proj, experts.down_proj)
-            and not keeps_own_forward(experts, experts.gate_up_proj, experts.down_proj))
 
 
 def grouped_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
