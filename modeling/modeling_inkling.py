@@ -307,8 +307,6 @@ class InklingTextModel(InklingPagedPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() != 2):
             raise ValueError("attention_mask must be a 2-D [batch, length] padding mask")
-        if use_cache is None:
-            use_cache = getattr(self.config, "use_cache", True)
         if output_hidden_states is None:
             output_hidden_states = getattr(self.config, "output_hidden_states", False)
         if output_attentions is None:
@@ -318,7 +316,10 @@ class InklingTextModel(InklingPagedPreTrainedModel):
             inputs_embeds = self.embed(input_ids)
         B, L = inputs_embeds.shape[:2]
 
+        # forward_cache tells an unasked use_cache (None) from an asked one; the config's default comes after.
         cache, use_cache = forward_cache(self, past_key_values, B, L, use_cache)
+        if use_cache is None:
+            use_cache = getattr(self.config, "use_cache", True)
         cache.check_model(self.config, inputs_embeds.dtype)
 
         all_hidden = [] if output_hidden_states else None

@@ -90,12 +90,7 @@ def _checkpointed_loss(model, **kwargs):
     return [str(w.message) for w in caught if "throwaway cache" in str(w.message)]
 
 
-@pytest.mark.parametrize("family", [
-    "qwen4_exp",
-    pytest.param("inkling", marks=pytest.mark.xfail(
-        strict=True, reason="Inkling's text model resolves use_cache=None to config.use_cache before forward_cache "
-                            "sees it, so an unasked use_cache reads as asked")),
-])
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
 def test_activation_checkpointing_warns_of_the_throwaway_cache_only_when_asked_for_one(family, monkeypatch):
     _, ours = qwen_pair(seed=2) if family == "qwen4_exp" else inkling_pair(inkling_config(), seed=2)
     monkeypatch.setattr(generation, "_warned_checkpointing", [])
