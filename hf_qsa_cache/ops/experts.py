@@ -17,14 +17,14 @@ The math, for token ``t`` and its experts ``e_j = top_k_index[t, j]``, weights `
 An expert id outside ``[0, num_experts)`` (the sentinel of expert parallelism) contributes zero.
 Everything runs in fp32 from the loaded values on; only the output is rounded.
 
-Two transformers experts implementations are registered when this module is imported:
+Two transformers experts implementations are ours:
 
-* ``"hf_qsa"`` (`OURS`, `ours_experts_forward`): our models' default (`default_experts_implementation`). A
+* ``"hf_qsa"`` (`OURS`, `hf_qsa_cache.ops.prompt_experts.ours_experts_forward`, registered there): our models' default (`default_experts_implementation`). A
   block's steps run the fused routing and our experts paths where they apply (`hf_qsa_cache.ops.moe`: the grouped
   path of `hf_qsa_cache.ops.prompt_experts`, its tiled kernels, the shared experts folded in), CUDA-graph steps
   `graph_experts`' choice; where none applies (autograd recording, experts it does not cover), transformers'
   ``grouped_mm`` function itself.
-* ``"hf_qsa_selected"`` (`selected_experts_forward`), below.
+* ``"hf_qsa_selected"`` (`selected_experts_forward`, registered when this module is imported), below.
 
 A name the user chooses (the config's ``experts_implementation``, ``from_pretrained(experts_implementation=...)``,
 ``model.set_experts_implementation(...)``) is honoured: ``eager``, ``batched_mm``, ``grouped_mm`` run
@@ -168,18 +168,6 @@ def grouped_path_applies(experts: nn.Module, x: torch.Tensor) -> bool:
     return (not getattr(experts, "_is_expert_parallel", False) and x.dtype == gate_up.dtype
             and type(gate_up.data) is torch.Tensor and type(down.data) is torch.Tensor
             and not records_grad(x, gate_up, down))
-
-
-def ours_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                         top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The ``"hf_qsa"`` experts implementation (`OURS`): our grouped path where it applies (`grouped_path_applies`),
-    else transformers' ``grouped_mm`` function (called directly: a user's change to the registry's
-    ``grouped_mm`` entry is theirs, not ours)."""
-    if grouped_path_applies(self, hidden_states):
-        from .prompt_experts import grouped_experts_forward
-
-        return grouped_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    return moe.grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
 def run_selected_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -328,4 +316,3 @@ def tiled_experts_run(experts: list, device: torch.device, pairs: int) -> bool:
 
 
 moe.ALL_EXPERTS_FUNCTIONS.register(SELECTED_EXPERTS, selected_experts_forward)
-moe.ALL_EXPERTS_FUNCTIONS.register(OURS, ours_experts_forward)

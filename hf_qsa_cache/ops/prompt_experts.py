@@ -35,7 +35,7 @@ from torch import nn
 from transformers.integrations import moe
 
 from . import fusions, keeps_own_forward, records_grad, use_triton
-from .experts import SharedExpert, supports, tiles_pairs
+from .experts import OURS, SharedExpert, grouped_path_applies, supports, tiles_pairs
 
 def _tiled_applies(x: torch.Tensor, top_k: int) -> bool:
     return tiles_pairs(use_triton(x), x.shape[0] * top_k)
@@ -152,3 +152,17 @@ def tiled_experts_torch(hidden_states: torch.Tensor, top_k_index: torch.Tensor, 
             h = (F.silu(xs @ shared.gate[s].float().mT) * (xs @ shared.up[s].float().mT) * weight)
             out = out + h.to(hidden_states.dtype).float() @ shared.down[s].float().mT
     return out.to(hidden_states.dtype)
+
+
+def ours_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"hf_qsa"`` experts implementation (`OURS`): our grouped path where it applies (`grouped_path_applies`),
+    else transformers' ``grouped_mm`` function (called directly: a user's change to the registry's
+    ``grouped_mm`` entry is theirs, not ours)."""
+    if grouped_path_applies(self, hidden_states):
+        return grouped_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    return moe.grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+# Registered here, beside the path it runs (the experts module is imported by this one).
+moe.ALL_EXPERTS_FUNCTIONS.register(OURS, ours_experts_forward)

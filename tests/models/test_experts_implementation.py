@@ -21,6 +21,7 @@ from helpers.qwen4 import left_pad, random_prompts, randomize_, tiny_config
 from transformers.integrations import moe
 
 from hf_qsa_cache.ops import experts as experts_ops
+from hf_qsa_cache.ops import prompt_experts
 from modeling import InklingForCausalLM, Qwen4ExpForCausalLM
 
 NAMES = ["eager", "batched_mm", "grouped_mm"]
@@ -87,7 +88,7 @@ class Spies:
     def __enter__(self):
         self.mocks = {"batched_mm": Mock(wraps=moe.batched_mm_experts_forward),
                       "grouped_mm": Mock(wraps=moe.grouped_mm_experts_forward),
-                      experts_ops.OURS: Mock(wraps=experts_ops.ours_experts_forward)}
+                      experts_ops.OURS: Mock(wraps=prompt_experts.ours_experts_forward)}
         # (and in the registry's own mapping, which an earlier test's monkeypatch may have left filled)
         self._patches = [patch.dict(moe.ALL_EXPERTS_FUNCTIONS._global_mapping, self.mocks),
                          patch.dict(moe.ALL_EXPERTS_FUNCTIONS._local_mapping, self.mocks)]
