@@ -5,10 +5,12 @@ against the specifications (as a script under the Triton interpreter, `interpret
 from __future__ import annotations
 
 import sys
+from functools import partial
 
+import pytest
 import torch
 from helpers.fusions import assert_fused_generate_equals_default, fused_generate_mismatch
-from helpers.interpreter import count_launches, run_under_interpreter
+from helpers.interpreter import case_main, count_launches, run_case_under_interpreter
 from test_inkling_sconv import _case as sconv_case, _dense_reference
 from transformers.models.inkling.modeling_inkling import InklingRMSNorm
 
@@ -115,86 +117,99 @@ def test_fuses_only_steps_of_few_tokens_without_hooks_or_autograd(monkeypatch):
         assert not conv_norm.fuses_conv_norm(x, norm)
 
 
-def test_triton_kernels_match_torch():
-    run_under_interpreter(__file__, "all conv norm cases ok")
-
-
 # Rows as (length before the step, tokens in it): prompts in the step, decode tokens, pads, taps that
-# reach back across blocks into the store.
-_CASES = [
-    ([(0, 5), (6, 3), (2, 1), (9, 4)], 6),
-    ([(13, 1), (3, 1), (0, 1)], 1),
-    ([(20, 2), (1, 2)], 2),
-]
+# reach back across blocks into the store; each layout's seed is its place in this table.
+LAYOUTS = {
+    "prompts-4rows-L6": ([(0, 5), (6, 3), (2, 1), (9, 4)], 6),
+    "decode-3rows-L1": ([(13, 1), (3, 1), (0, 1)], 1),
+    "deep-2rows-L2": ([(20, 2), (1, 2)], 2),
+}
+# bf16: the conv rounds once, the normed value once, its product once (and the residual sum once).
+DTYPES = {"fp32": (torch.float32, 2e-6), "bf16": (torch.bfloat16, 3e-2)}
 
 
-def _kernel_cases() -> str | None:
-    from hf_qsa_cache.ops.conv_norm_triton import attention_inputs_triton, conv_add_rms_norm_triton
+def _attention_inputs_case(dtype, tol, seed: int, rows, L: int) -> str | None:
+    """`attention_inputs_triton` against the specification: the query, key and value, and both stores afterwards."""
+    from hf_qsa_cache.ops.conv_norm_triton import attention_inputs_triton
 
-    # bf16: the conv rounds once, the normed value once, its product once (and the residual sum once).
-    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 3e-2)):
-        q_norm, k_norm = _norm(HEAD_DIM, dtype, 1), _norm(HEAD_DIM, dtype, 2)
-        wide_norm = _norm(3 * HEAD_DIM, dtype, 3)
-        for seed, (rows, L) in enumerate(_CASES):
-            k, k_taps, _, k_full = _taps_case(seed, rows, L, heads=2, dtype=dtype)
-            v, v_taps, _, v_full = _taps_case(seed + 10, rows, L, heads=2, dtype=dtype)
-            v_taps = _shared(k_taps, v_taps)
-            q = torch.randn(k.shape[0], 3 * HEAD_DIM).to(dtype)
-            stores = {}
-            for name in ("want", "got"):
-                k_copy, v_copy = k_full.clone(), v_full.clone()
-                args = (q, k, v, k_taps._replace(store=k_copy[:, :, 1: 1 + HEAD_DIM]),
-                        v_taps._replace(store=v_copy[:, :, 1: 1 + HEAD_DIM]), q_norm.weight.detach(), 1e-6,
-                        k_norm.weight.detach(), 1e-5, HEAD_DIM)
-                run = conv_norm.attention_inputs_torch if name == "want" else attention_inputs_triton
-                stores[name] = (run(*args), k_copy, v_copy)
-            for a, b in zip(stores["got"][0], stores["want"][0]):
-                if a.dtype != b.dtype or a.shape != b.shape:
-                    return (f"attention inputs {dtype} rows={rows}: {a.dtype}{tuple(a.shape)} != "
-                            f"{b.dtype}{tuple(b.shape)}")
-                torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
-            for a, b in zip(stores["got"][1:], stores["want"][1:]):
-                if not torch.equal(a, b):
-                    return f"attention inputs {dtype} rows={rows}: the stores differ afterwards"
-            x, taps, _, full = _taps_case(seed + 20, rows, L, heads=3, dtype=dtype)
-            residual = torch.randn_like(x)
-            for res in (None, residual):
-                outs = {}
-                for name in ("want", "got"):
-                    copy = full.clone()
-                    args = (x, taps._replace(store=copy[:, :, 1: 1 + HEAD_DIM]), res, wide_norm.weight.detach(), 1e-6)
-                    run = conv_norm.conv_add_rms_norm_torch if name == "want" else conv_add_rms_norm_triton
-                    outs[name] = (*run(*args), copy)
-                for a, b in zip(outs["got"][:2], outs["want"][:2]):
-                    torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
-                if not torch.equal(outs["got"][2], outs["want"][2]):
-                    return f"conv add norm {dtype} rows={rows}: the stores differ afterwards"
+    q_norm, k_norm = _norm(HEAD_DIM, dtype, 1), _norm(HEAD_DIM, dtype, 2)
+    k, k_taps, _, k_full = _taps_case(seed, rows, L, heads=2, dtype=dtype)
+    v, v_taps, _, v_full = _taps_case(seed + 10, rows, L, heads=2, dtype=dtype)
+    v_taps = _shared(k_taps, v_taps)
+    q = torch.randn(k.shape[0], 3 * HEAD_DIM).to(dtype)
+    stores = {}
+    for name in ("want", "got"):
+        k_copy, v_copy = k_full.clone(), v_full.clone()
+        args = (q, k, v, k_taps._replace(store=k_copy[:, :, 1: 1 + HEAD_DIM]),
+                v_taps._replace(store=v_copy[:, :, 1: 1 + HEAD_DIM]), q_norm.weight.detach(), 1e-6,
+                k_norm.weight.detach(), 1e-5, HEAD_DIM)
+        run = conv_norm.attention_inputs_torch if name == "want" else attention_inputs_triton
+        stores[name] = (run(*args), k_copy, v_copy)
+    for a, b in zip(stores["got"][0], stores["want"][0]):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"{a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+    for a, b in zip(stores["got"][1:], stores["want"][1:]):
+        if not torch.equal(a, b):
+            return "the stores differ afterwards"
     return None
 
 
-def _main() -> int:
+def _conv_add_norm_case(dtype, tol, seed: int, rows, L: int) -> str | None:
+    """`conv_add_rms_norm_triton` against the specification, without and with a residual: the sum, the normed
+    value and the store afterwards."""
+    from hf_qsa_cache.ops.conv_norm_triton import conv_add_rms_norm_triton
+
+    wide_norm = _norm(3 * HEAD_DIM, dtype, 3)
+    x, taps, _, full = _taps_case(seed + 20, rows, L, heads=3, dtype=dtype)
+    residual = torch.randn_like(x)
+    for res in (None, residual):
+        outs = {}
+        for name in ("want", "got"):
+            copy = full.clone()
+            args = (x, taps._replace(store=copy[:, :, 1: 1 + HEAD_DIM]), res, wide_norm.weight.detach(), 1e-6)
+            run = conv_norm.conv_add_rms_norm_torch if name == "want" else conv_add_rms_norm_triton
+            outs[name] = (*run(*args), copy)
+        for a, b in zip(outs["got"][:2], outs["want"][:2]):
+            torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+        if not torch.equal(outs["got"][2], outs["want"][2]):
+            return f"residual={res is not None}: the stores differ afterwards"
+    return None
+
+
+def _generate_case() -> str | None:
+    """The tiny Inkling with both kernels in its steps (the CUDA dispatch, on CPU tensors): the same tokens as the
+    default path, logits within fp32 rounding."""
+    import helpers.inkling as inkling
+
     from hf_qsa_cache.ops import conv_norm_triton
 
-    torch.set_num_threads(1)
     launches: list = []
     count_launches(conv_norm_triton, "_attention_inputs_kernel", launches)
     count_launches(conv_norm_triton, "_conv_add_rms_norm_kernel", launches)
-    error = _kernel_cases()
-    if error:
-        print(error)
-        return 1
-    import helpers.inkling as inkling
-
-    conv_norm.use_triton = lambda *x: True  # the CUDA dispatch, on CPU tensors
+    conv_norm.use_triton = lambda *x: True
     model = inkling.make_pair(inkling.make_config(), seed=3)[1]
-    error = fused_generate_mismatch(model, *inkling.left_pad(inkling.make_prompts([5, 2], seed=4)), "conv_norm",
-                                    launches, atol=1e-4)
-    if error:
-        print(f"generate: {error}")
-        return 1
-    print("all conv norm cases ok")
-    return 0
+    return fused_generate_mismatch(model, *inkling.left_pad(inkling.make_prompts([5, 2], seed=4)), "conv_norm",
+                                   launches, atol=1e-4)
+
+
+# Each kernel at each dtype and layout (seeded by its place in `LAYOUTS`), then generate() with both.
+KERNEL_CASES = {
+    **{f"{op}-{d}-{layout}": partial(run, *DTYPES[d], seed, *LAYOUTS[layout])
+       for op, run in (("attention-inputs", _attention_inputs_case), ("conv-add-norm", _conv_add_norm_case))
+       for d in DTYPES for seed, layout in enumerate(LAYOUTS)},
+    "generate": _generate_case,
+}
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_triton_kernels_match_torch(case):
+    run_case_under_interpreter(__file__, case)
+
+
+def _kernel_case(case: str) -> str | None:
+    return KERNEL_CASES[case]()
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(case_main(_kernel_case))

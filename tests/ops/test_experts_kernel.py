@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from functools import partial
 
 import pytest
 import helpers.inkling as inkling
@@ -29,7 +30,7 @@ from hf_qsa_cache import cuda_graphs
 from hf_qsa_cache.cuda_graphs import capture_key, experts_modules, graph_experts
 from hf_qsa_cache.ops import experts as selected
 from hf_qsa_cache.ops import prompt_experts
-from helpers.interpreter import count_launches, run_under_interpreter
+from helpers.interpreter import case_main, count_launches, run_case_under_interpreter
 
 NEW_TOKENS = 5
 
@@ -86,76 +87,87 @@ def fp32_reference(module: nn.Module, x, index, weights) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- triton vs torch
-def test_triton_kernels_match_reference_and_batched_mm():
-    run_under_interpreter(__file__, "all experts kernel cases ok")
+def _interpreted(experts_triton) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(experts_triton._gate_up_kernel, InterpretedFunction)
 
 
-def _kernel_cases(experts_triton, launches) -> str | None:
-    cases = 0
-    for family in ("qwen4_exp", "inkling"):
-        base = experts_module(family, seed=1 if family == "qwen4_exp" else 2)
-        for layout, module in (("normal", base), ("transposed", transposed(base))):
-            for num_tokens in (1, 3, 5):
-                sentinel = num_tokens != 3
-                x, index, weights = routing(module, num_tokens, seed=10 * num_tokens, sentinel=sentinel)
-                args = (x, index, weights, module.gate_up_proj.detach(), module.down_proj.detach(),
-                        module.is_transposed)
-                want = selected.selected_experts_torch(*args)
-                with torch.no_grad():
-                    upstream = moe.batched_mm_experts_forward(module, x, index, weights)
-                # Tiles smaller than and not dividing both sizes; also the default tiles (one reduction
-                # chunk) for one token, and narrow tiles with wide chunks for five.
-                tiles = [(16, 16)] + [(None, None)] * (num_tokens == 1) + [(8, 32)] * (num_tokens == 5)
-                for block_n, block_k in tiles:
-                    label = f"{family} {layout} T={num_tokens} fp32 block_n={block_n} block_k={block_k}"
-                    launches.clear()
-                    have = experts_triton.selected_experts_triton(*args, block_n=block_n, block_k=block_k)
-                    cases += 1
-                    if len(launches) != 2 or launches[0][0] != num_tokens * 3 or launches[1][0] != num_tokens:
-                        return f"{label}: launches {launches}"
-                    try:
-                        assert have.dtype == x.dtype and have.shape == x.shape
-                        torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
-                        torch.testing.assert_close(have, upstream, atol=1e-5, rtol=1e-5)
-                    except AssertionError as err:
-                        return f"{label}: {err}"
+def _counted_launches() -> list:
+    """Under the interpreter: both kernels' launches counted, the registered implementation's CUDA dispatch taken
+    on CPU tensors."""
+    from hf_qsa_cache.ops import experts_triton
 
-                if layout == "transposed":
-                    continue  # the layout is strides only: bf16 once is enough
-                # bf16: within one bf16 step of the fp32 math on the same values (the interpreter rounds
-                # its output casts towards zero, a GPU to nearest), and no further from it than batched_mm.
-                half = copy.deepcopy(module).to(torch.bfloat16)
-                xh, wh = x.to(torch.bfloat16), weights.to(torch.bfloat16)
-                exact = fp32_reference(half, xh, index, wh)
-                have = experts_triton.selected_experts_triton(
-                    xh, index, wh, half.gate_up_proj.detach(), half.down_proj.detach(), half.is_transposed,
-                    block_n=16, block_k=16)
-                with torch.no_grad():
-                    upstream = moe.batched_mm_experts_forward(half, xh, index, wh)
-                cases += 1
-                label = f"{family} {layout} T={num_tokens} bf16"
-                ours, theirs = (have.float() - exact).abs().max(), (upstream.float() - exact).abs().max()
-                try:
-                    assert have.dtype == torch.bfloat16
-                    torch.testing.assert_close(have.float(), exact, atol=1e-6, rtol=2 ** -7)
-                    assert ours <= theirs, f"error {ours} vs batched_mm's {theirs}"
-                except AssertionError as err:
-                    return f"{label}: {err}"
+    launches: list = []
+    count_launches(experts_triton, "_gate_up_kernel", launches)
+    count_launches(experts_triton, "_down_kernel", launches)
+    selected.use_triton = lambda *x: True
+    return launches
 
-            # The registered implementation takes the Triton path on (what it treats as) CUDA tensors.
-            x, index, weights = routing(module, 3, seed=99, sentinel=True)
-            launches.clear()
-            with torch.no_grad():
-                have = selected.selected_experts_forward(module, x, index, weights)
-                want = moe.batched_mm_experts_forward(module, x, index, weights)
-            cases += 1
-            if len(launches) != 2:
-                return f"{family} {layout} registered forward: launches {launches}"
-            try:
-                torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
-            except AssertionError as err:
-                return f"{family} {layout} registered forward: {err}"
-    print(f"{cases} kernel cases")
+
+def _routed_case(family: str, layout: str, num_tokens: int) -> str | None:
+    """The kernels against the torch reference and batched_mm at one family, layout and token count (a sentinel
+    id for 1 and 5 tokens): tiles smaller than and not dividing both sizes; also the default tiles (one reduction
+    chunk) for one token, and narrow tiles with wide chunks for five; then, in the normal layout, bf16."""
+    from hf_qsa_cache.ops import experts_triton
+
+    launches = _counted_launches()
+    base = experts_module(family, seed=1 if family == "qwen4_exp" else 2)
+    module = transposed(base) if layout == "transposed" else base
+    sentinel = num_tokens != 3
+    x, index, weights = routing(module, num_tokens, seed=10 * num_tokens, sentinel=sentinel)
+    args = (x, index, weights, module.gate_up_proj.detach(), module.down_proj.detach(), module.is_transposed)
+    want = selected.selected_experts_torch(*args)
+    with torch.no_grad():
+        upstream = moe.batched_mm_experts_forward(module, x, index, weights)
+    tiles = [(16, 16)] + [(None, None)] * (num_tokens == 1) + [(8, 32)] * (num_tokens == 5)
+    for block_n, block_k in tiles:
+        label = f"fp32 block_n={block_n} block_k={block_k}"
+        launches.clear()
+        have = experts_triton.selected_experts_triton(*args, block_n=block_n, block_k=block_k)
+        if len(launches) != 2 or launches[0][0] != num_tokens * 3 or launches[1][0] != num_tokens:
+            return f"{label}: launches {launches}"
+        try:
+            assert have.dtype == x.dtype and have.shape == x.shape
+            torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(have, upstream, atol=1e-5, rtol=1e-5)
+        except AssertionError as err:
+            return f"{label}: {err}"
+    if layout == "transposed":
+        return None  # the layout is strides only: bf16 once is enough
+    # bf16: within one bf16 step of the fp32 math on the same values (the interpreter rounds its output casts
+    # towards zero, a GPU to nearest), and no further from it than batched_mm.
+    half = copy.deepcopy(module).to(torch.bfloat16)
+    xh, wh = x.to(torch.bfloat16), weights.to(torch.bfloat16)
+    exact = fp32_reference(half, xh, index, wh)
+    have = experts_triton.selected_experts_triton(
+        xh, index, wh, half.gate_up_proj.detach(), half.down_proj.detach(), half.is_transposed, block_n=16,
+        block_k=16)
+    with torch.no_grad():
+        upstream = moe.batched_mm_experts_forward(half, xh, index, wh)
+    ours, theirs = (have.float() - exact).abs().max(), (upstream.float() - exact).abs().max()
+    try:
+        assert have.dtype == torch.bfloat16
+        torch.testing.assert_close(have.float(), exact, atol=1e-6, rtol=2 ** -7)
+        assert ours <= theirs, f"error {ours} vs batched_mm's {theirs}"
+    except AssertionError as err:
+        return f"bf16: {err}"
+    return None
+
+
+def _registered_case(family: str, layout: str) -> str | None:
+    """The registered implementation takes the Triton path on (what it treats as) CUDA tensors: two launches, the
+    result of batched_mm."""
+    launches = _counted_launches()
+    base = experts_module(family, seed=1 if family == "qwen4_exp" else 2)
+    module = transposed(base) if layout == "transposed" else base
+    x, index, weights = routing(module, 3, seed=99, sentinel=True)
+    with torch.no_grad():
+        have = selected.selected_experts_forward(module, x, index, weights)
+        want = moe.batched_mm_experts_forward(module, x, index, weights)
+    if len(launches) != 2:
+        return f"launches {launches}"
+    torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
     return None
 
 
@@ -172,9 +184,11 @@ def shared_expert(hidden: int, inter: int, seed: int):
     return mlp.eval(), gate
 
 
-def _check_shared(experts_triton, launches, label, args, upstream, tiles) -> str | None:
+def _check_shared(launches, label, args, upstream, tiles) -> str | None:
     """The kernels on ``args`` (with a shared expert) against the torch specification and ``upstream``: two
     launches, the first over the routed and shared pairs, the second over the tokens."""
+    from hf_qsa_cache.ops import experts_triton
+
     want = selected.selected_experts_torch(*args)
     tokens, top_k, shared = args[1].shape[0], args[1].shape[1], args[-1].gate.shape[0]
     for block_n, block_k in tiles:
@@ -191,27 +205,29 @@ def _check_shared(experts_triton, launches, label, args, upstream, tiles) -> str
     return None
 
 
-def _shared_cases(experts_triton, launches) -> str | None:
-    """Shared experts folded into both kernels, against the torch specification and upstream's modules
-    (routed experts by batched_mm plus the shared ones), tiles forced small, a sentinel id: Qwen4Exp's one
-    shared expert weighted by sigmoid(gate(x)), its width below and above the routed one (the scratch is as
-    wide as the wider); Inkling's two, weighted per token."""
+def _qwen4_shared_case(shared_inter: int, num_tokens: int) -> str | None:
+    """Qwen4Exp's one shared expert folded into both kernels, weighted by sigmoid(gate(x)), its width below or
+    above the routed one (the scratch is as wide as the wider), tiles forced small, a sentinel id for 3 tokens:
+    against the torch specification and upstream's modules (routed experts by batched_mm plus the shared one)."""
+    launches = _counted_launches()
     module = experts_module("qwen4_exp", seed=3)  # hidden 40, intermediate 24
-    for shared_inter in (20, 40):
-        mlp, gate = shared_expert(40, shared_inter, seed=shared_inter)
-        shared = selected.SharedExpert(mlp.gate_proj.weight.detach()[None], mlp.up_proj.weight.detach()[None],
-                                       mlp.down_proj.weight.detach()[None], gate_vector=gate.weight.detach())
-        for num_tokens in (1, 3):
-            x, index, weights = routing(module, num_tokens, seed=5 + num_tokens, sentinel=num_tokens == 3)
-            args = (x, index, weights, module.gate_up_proj.detach(), module.down_proj.detach(), False, shared)
-            with torch.no_grad():
-                upstream = moe.batched_mm_experts_forward(module, x, index, weights) + torch.sigmoid(gate(x)) * mlp(x)
-            error = _check_shared(experts_triton, launches, f"qwen4_exp shared {shared_inter}", args, upstream,
-                                  ((16, 16), (8, 32), (None, None)))
-            if error:
-                return error
+    mlp, gate = shared_expert(40, shared_inter, seed=shared_inter)
+    shared = selected.SharedExpert(mlp.gate_proj.weight.detach()[None], mlp.up_proj.weight.detach()[None],
+                                   mlp.down_proj.weight.detach()[None], gate_vector=gate.weight.detach())
+    x, index, weights = routing(module, num_tokens, seed=5 + num_tokens, sentinel=num_tokens == 3)
+    args = (x, index, weights, module.gate_up_proj.detach(), module.down_proj.detach(), False, shared)
+    with torch.no_grad():
+        upstream = moe.batched_mm_experts_forward(module, x, index, weights) + torch.sigmoid(gate(x)) * mlp(x)
+    return _check_shared(launches, f"qwen4_exp shared {shared_inter}", args, upstream,
+                         ((16, 16), (8, 32), (None, None)))
+
+
+def _inkling_shared_case(num_tokens: int) -> str | None:
+    """Inkling's two shared experts, weighted per token, folded into both kernels (tiles forced small, a sentinel
+    id for 3 tokens), against the torch specification and upstream's modules."""
     from transformers.models.inkling.modeling_inkling import InklingSharedExperts
 
+    launches = _counted_launches()
     module = experts_module("inkling", seed=4)  # hidden 24, intermediate 40
     shared_experts = InklingSharedExperts(inkling.make_config(hidden_size=24, moe_intermediate_size=40,
                                                               n_shared_experts=2))
@@ -219,18 +235,14 @@ def _shared_cases(experts_triton, launches) -> str | None:
     with torch.no_grad():
         for p in shared_experts.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.25)
-    for num_tokens in (1, 3):
-        x, index, weights = routing(module, num_tokens, seed=8 + num_tokens, sentinel=num_tokens == 3)
-        gammas = torch.rand(num_tokens, 2, generator=gen) + 0.1
-        shared = selected.SharedExpert(shared_experts.gate_proj.detach(), shared_experts.up_proj.detach(),
-                                       shared_experts.down_proj.detach(), token_weights=gammas)
-        args = (x, index, weights, module.gate_up_proj.detach(), module.down_proj.detach(), False, shared)
-        with torch.no_grad():
-            upstream = moe.batched_mm_experts_forward(module, x, index, weights) + shared_experts(x, gammas=gammas)
-        error = _check_shared(experts_triton, launches, "inkling 2 shared", args, upstream, ((16, 16), (8, 32)))
-        if error:
-            return error
-    return None
+    x, index, weights = routing(module, num_tokens, seed=8 + num_tokens, sentinel=num_tokens == 3)
+    gammas = torch.rand(num_tokens, 2, generator=gen) + 0.1
+    shared = selected.SharedExpert(shared_experts.gate_proj.detach(), shared_experts.up_proj.detach(),
+                                   shared_experts.down_proj.detach(), token_weights=gammas)
+    args = (x, index, weights, module.gate_up_proj.detach(), module.down_proj.detach(), False, shared)
+    with torch.no_grad():
+        upstream = moe.batched_mm_experts_forward(module, x, index, weights) + shared_experts(x, gammas=gammas)
+    return _check_shared(launches, "inkling 2 shared", args, upstream, ((16, 16), (8, 32)))
 
 
 def shared_module(model) -> nn.Module:
@@ -273,48 +285,57 @@ def _compare_generate(model, ids, mask, atol: float) -> str | None:
     return None
 
 
-def _main() -> int:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from hf_qsa_cache.ops import experts_triton
-
-    torch.set_num_threads(1)
-    if not isinstance(experts_triton._gate_up_kernel, InterpretedFunction):
-        print("TRITON_INTERPRET was not honoured")
-        return 1
-    launches: list = []
-    count_launches(experts_triton, "_gate_up_kernel", launches)
-    count_launches(experts_triton, "_down_kernel", launches)
-    selected.use_triton = lambda *x: True  # the CUDA dispatch, on CPU tensors
-    error = _kernel_cases(experts_triton, launches) or _shared_cases(experts_triton, launches)
-    if error:
-        print(error)
-        return 1
-    # Every MoE layer of both tiny models through the kernels, prompts and decode steps; Qwen4Exp also with
-    # its shared expert folded in, where the shared expert's modules must then never run.
+def _generate_case(family: str, fold: bool) -> str | None:
+    """Every MoE layer of the tiny model through the kernels, prompts and decode steps; with the shared expert
+    folded in, its modules must then never run."""
     from hf_qsa_cache.fusions import fused
 
-    for family, fold in (("qwen4_exp", False), ("qwen4_exp", True), ("inkling", False), ("inkling", True)):
-        launches.clear()
-        model, ids, mask = _family(family)
-        with fused(("shared_expert",), on=fold):
-            error = _compare_generate(model, ids, mask, atol=1e-4)
-            if fold and not error:
-                mlp_type = type(shared_module(model))
-                real, calls = mlp_type.forward, []
-                mlp_type.forward = lambda self, *a, **k: calls.append(1) or real(self, *a, **k)
-                model.set_experts_implementation(selected.SELECTED_EXPERTS)
-                try:
-                    _generate(model, ids, mask)
-                finally:
-                    mlp_type.forward = real
-                    model.set_experts_implementation("grouped_mm")
-                error = f"the shared expert module ran {len(calls)} times" if calls else None
-        if error or not launches:
-            print(f"{family} generate with the kernels (shared expert folded: {fold}): {error or 'no launches'}")
-            return 1
-    print("all experts kernel cases ok")
-    return 0
+    launches = _counted_launches()
+    model, ids, mask = _family(family)
+    with fused(("shared_expert",), on=fold):
+        error = _compare_generate(model, ids, mask, atol=1e-4)
+        if fold and not error:
+            mlp_type = type(shared_module(model))
+            real, calls = mlp_type.forward, []
+            mlp_type.forward = lambda self, *a, **k: calls.append(1) or real(self, *a, **k)
+            model.set_experts_implementation(selected.SELECTED_EXPERTS)
+            try:
+                _generate(model, ids, mask)
+            finally:
+                mlp_type.forward = real
+                model.set_experts_implementation("grouped_mm")
+            error = f"the shared expert module ran {len(calls)} times" if calls else None
+    return error or (None if launches else "no launches")
+
+
+FAMILIES = ("qwen4_exp", "inkling")
+LAYOUTS = ("normal", "transposed")
+# Real experts modules from tiny configs whose sizes the forced tiles do not divide (`experts_module`), 1, 3 and 5
+# tokens (1 and 5 with a sentinel id); shared experts folded in; generate() of both tiny models with the kernels.
+KERNEL_CASES = {
+    **{f"{family}-{layout}-T{tokens}": partial(_routed_case, family, layout, tokens)
+       for family in FAMILIES for layout in LAYOUTS for tokens in (1, 3, 5)},
+    **{f"{family}-{layout}-registered-forward": partial(_registered_case, family, layout)
+       for family in FAMILIES for layout in LAYOUTS},
+    **{f"qwen4_exp-shared-I{inter}-T{tokens}": partial(_qwen4_shared_case, inter, tokens)
+       for inter in (20, 40) for tokens in (1, 3)},
+    **{f"inkling-2-shared-T{tokens}": partial(_inkling_shared_case, tokens) for tokens in (1, 3)},
+    **{f"generate-{family}{'-shared-folded' * fold}": partial(_generate_case, family, fold)
+       for family in FAMILIES for fold in (False, True)},
+}
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_triton_kernels_match_reference_and_batched_mm(case):
+    run_case_under_interpreter(__file__, case)
+
+
+def _kernel_case(case: str) -> str | None:
+    from hf_qsa_cache.ops import experts_triton
+
+    if not _interpreted(experts_triton):
+        return "TRITON_INTERPRET was not honoured"
+    return KERNEL_CASES[case]()
 
 
 # ----------------------------------------------------------------------------- the registered implementation
@@ -442,7 +463,7 @@ def test_graph_steps_run_selected_experts_only_when_asked(monkeypatch):
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(case_main(_kernel_case))
 
 
 def test_the_shared_expert_is_folded_only_where_it_may_be(monkeypatch):

@@ -5,11 +5,12 @@ kernels against the torch functions (as a script under the Triton interpreter, `
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import pytest
 import torch
 from helpers.fusions import assert_fused_generate_equals_default
-from helpers.interpreter import run_under_interpreter
+from helpers.interpreter import case_main, run_case_under_interpreter
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextRMSNormGated
 
 from hf_qsa_cache.ops import gated_delta
@@ -172,90 +173,110 @@ def test_generate_with_the_recurrent_step_equals_the_default(monkeypatch):
                                          "recurrent_step_torch", atol=1e-5)
 
 
-def test_triton_kernels_match_torch():
-    run_under_interpreter(__file__, "all gated delta kernel cases ok")
+# bf16: two units in the last place (`_gated_norm_case`: three rounding points, up to three units).
+DTYPES = {"fp32": (torch.float32, 1e-6), "bf16": (torch.bfloat16, 1.6e-2)}
+# The convs' (input dtype, state dtype, tolerance): bf16 inputs with a bf16 or an fp32 state.
+CONV_DTYPES = {"fp32": (torch.float32, torch.float32, 1e-6), "bf16": (torch.bfloat16, torch.bfloat16, 1.6e-2),
+               "bf16-fp32-state": (torch.bfloat16, torch.float32, 1.6e-2)}
 
 
-def _main() -> int:
-    from hf_qsa_cache.ops.gated_delta_triton import delta_gates_triton, gated_rms_norm_triton
+def _delta_gates_case(dtype, tol, B: int, L: int, H: int) -> None:
+    """`delta_gates_triton` against `delta_gates`, on both sides of softplus's threshold, with a pad or more."""
+    from hf_qsa_cache.ops.gated_delta_triton import delta_gates_triton
 
-    cases = 0
-    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1.6e-2)):  # bf16: two units in the last place
-        for B, L, H in ((1, 1, 5), (3, 4, 8)):
-            g = torch.Generator().manual_seed(B * 10 + H)
-            b = (torch.randn(B, L, H, generator=g) * 4).to(dtype)
-            a = (torch.rand(B, L, H, generator=g) * 60 - 30).to(dtype)  # both sides of softplus's threshold
-            A_log = torch.randn(H, generator=g).to(dtype)
-            dt_bias = torch.randn(H, generator=g).to(dtype)
-            valid = torch.rand(B, L, generator=g) > 0.3
-            valid[-1, 0] = False  # at least one pad
-            got = delta_gates_triton(b, a, A_log, dt_bias, valid)
-            want = gated_delta.delta_gates(b, a, A_log, dt_bias, valid)
-            for x, y in zip(got, want):
-                assert x.dtype == y.dtype and x.shape == y.shape
-                torch.testing.assert_close(x.float(), y.float(), atol=tol, rtol=tol)
-            assert (got[1][~valid] == 0).all() and (got[0][~valid] == 0).all()
-            cases += 1
-        for D in (24, 16):
-            for activation in ("sigmoid", "silu"):
-                norm = _norm(D, activation, dtype, seed=D)
-                g = torch.Generator().manual_seed(D)
-                x, gate = (torch.randn(9, D, generator=g).to(dtype) * 3 for _ in range(2))
-                got = gated_rms_norm_triton(x, gate, norm.weight.detach(), 1e-6, activation)
-                with torch.no_grad():
-                    want = norm(x, gate)
-                assert got.dtype == want.dtype
-                # Three rounding points in bf16 (normed, times the weight, times the gate): up to three units.
-                rounding = 1.5 * tol if dtype == torch.bfloat16 else tol
-                torch.testing.assert_close(got.float(), want.float(), atol=rounding, rtol=rounding)
-                cases += 1
+    g = torch.Generator().manual_seed(B * 10 + H)
+    b = (torch.randn(B, L, H, generator=g) * 4).to(dtype)
+    a = (torch.rand(B, L, H, generator=g) * 60 - 30).to(dtype)  # both sides of softplus's threshold
+    A_log = torch.randn(H, generator=g).to(dtype)
+    dt_bias = torch.randn(H, generator=g).to(dtype)
+    valid = torch.rand(B, L, generator=g) > 0.3
+    valid[-1, 0] = False  # at least one pad
+    got = delta_gates_triton(b, a, A_log, dt_bias, valid)
+    want = gated_delta.delta_gates(b, a, A_log, dt_bias, valid)
+    for x, y in zip(got, want):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        torch.testing.assert_close(x.float(), y.float(), atol=tol, rtol=tol)
+    assert (got[1][~valid] == 0).all() and (got[0][~valid] == 0).all()
+
+
+def _gated_norm_case(dtype, tol, D: int, activation: str) -> None:
+    """`gated_rms_norm_triton` against transformers' gated norm module."""
+    from hf_qsa_cache.ops.gated_delta_triton import gated_rms_norm_triton
+
+    norm = _norm(D, activation, dtype, seed=D)
+    g = torch.Generator().manual_seed(D)
+    x, gate = (torch.randn(9, D, generator=g).to(dtype) * 3 for _ in range(2))
+    got = gated_rms_norm_triton(x, gate, norm.weight.detach(), 1e-6, activation)
+    with torch.no_grad():
+        want = norm(x, gate)
+    assert got.dtype == want.dtype
+    # Three rounding points in bf16 (normed, times the weight, times the gate): up to three units.
+    rounding = 1.5 * tol if dtype == torch.bfloat16 else tol
+    torch.testing.assert_close(got.float(), want.float(), atol=rounding, rtol=rounding)
+
+
+def _conv_decode_case(x_dtype, state_dtype, tol, B: int, C: int, K: int, dilation: int) -> None:
+    """`conv_decode_step_triton` against `conv_decode_step`: the output and the kept inputs afterwards (dilated:
+    with a residual, the PLE layer's conv)."""
     from hf_qsa_cache.ops.gated_delta_triton import conv_decode_step_triton
 
-    for x_dtype, state_dtype, tol in ((torch.float32, torch.float32, 1e-6), (torch.bfloat16, torch.bfloat16, 1.6e-2),
-                                      (torch.bfloat16, torch.float32, 1.6e-2)):
-        # 300 channels: two blocks, the second partial; dilation 3 with a residual: the PLE layer's conv.
-        for B, C, K, dilation in ((1, 300, 4, 1), (3, 24, 2, 1), (2, 40, 3, 1), (2, 40, 4, 3), (1, 300, 2, 2)):
-            g = torch.Generator().manual_seed(B * 100 + C + K)
-            state = torch.randn(B, C, (K - 1) * dilation, generator=g).to(state_dtype)
-            x = torch.randn(B, 1, C, generator=g).to(x_dtype).transpose(1, 2)  # [B, C, 1], strided as in the model
-            weight = torch.randn(C, K, generator=g).to(x_dtype)
-            residual = torch.randn(B, 1, C, generator=g).to(x_dtype) if dilation > 1 else None
-            mine, theirs = state.clone(), state.clone()
-            got = conv_decode_step_triton(mine, x, weight, x_dtype, dilation, residual)
-            want = gated_delta.conv_decode_step(theirs, x, weight, x_dtype, dilation, residual)
-            assert got.shape == want.shape == (B, 1, C) and got.dtype == want.dtype
-            # With a residual, bf16 rounds twice (the silu, the sum): where the two cancel, the silu's unit in
-            # the last place (up to 0.016 for terms below 4, truncated here, rounded on the CPU) stays absolute.
-            out_tol = 5e-2 if residual is not None and x_dtype == torch.bfloat16 else tol
-            torch.testing.assert_close(got.float(), want.float(), atol=out_tol, rtol=tol)
-            # The interpreter truncates its fp32 -> bf16 casts where a GPU rounds: one unit apart at most.
-            torch.testing.assert_close(mine.float(), theirs.float(), atol=tol, rtol=tol)
-            cases += 1
+    g = torch.Generator().manual_seed(B * 100 + C + K)
+    state = torch.randn(B, C, (K - 1) * dilation, generator=g).to(state_dtype)
+    x = torch.randn(B, 1, C, generator=g).to(x_dtype).transpose(1, 2)  # [B, C, 1], strided as in the model
+    weight = torch.randn(C, K, generator=g).to(x_dtype)
+    residual = torch.randn(B, 1, C, generator=g).to(x_dtype) if dilation > 1 else None
+    mine, theirs = state.clone(), state.clone()
+    got = conv_decode_step_triton(mine, x, weight, x_dtype, dilation, residual)
+    want = gated_delta.conv_decode_step(theirs, x, weight, x_dtype, dilation, residual)
+    assert got.shape == want.shape == (B, 1, C) and got.dtype == want.dtype
+    # With a residual, bf16 rounds twice (the silu, the sum): where the two cancel, the silu's unit in
+    # the last place (up to 0.016 for terms below 4, truncated here, rounded on the CPU) stays absolute.
+    out_tol = 5e-2 if residual is not None and x_dtype == torch.bfloat16 else tol
+    torch.testing.assert_close(got.float(), want.float(), atol=out_tol, rtol=tol)
+    # The interpreter truncates its fp32 -> bf16 casts where a GPU rounds: one unit apart at most.
+    torch.testing.assert_close(mine.float(), theirs.float(), atol=tol, rtol=tol)
+
+
+def _conv_prefill_case(x_dtype, state_dtype, tol, B: int, C: int, L: int, K: int, pads) -> None:
+    """`conv_prefill_triton` (blocks of 4 columns x 16 channels) against `conv_prefill_torch`, for rows that
+    continue and fresh rows: the output, and the kept inputs afterwards."""
     from hf_qsa_cache.ops.gated_delta_triton import conv_prefill_triton
 
-    # The prefill conv: blocks forced small (4 columns x 16 channels) so rows, column blocks and channel blocks
-    # all split, the last of each partial; pads before, inside and past the kept window; fresh rows.
-    for x_dtype, state_dtype, tol in ((torch.float32, torch.float32, 1e-6), (torch.bfloat16, torch.bfloat16, 1.6e-2),
-                                      (torch.bfloat16, torch.float32, 1.6e-2)):
-        for B, C, L, K, pads in ((3, 40, 7, 4, [0, 2, 5]), (2, 24, 2, 4, [1, 0]), (1, 16, 9, 2, None),
-                                 (2, 20, 5, 3, None), (3, 33, 6, 4, [6, 0, 3])):
-            for fresh in (False, True):
-                g = torch.Generator().manual_seed(B * 100 + C + L + K)
-                state = torch.randn(B, C, K - 1, generator=g).to(state_dtype)
-                x = torch.randn(B, L, C, generator=g).to(x_dtype).transpose(1, 2)  # [B, C, L], strided as in the model
-                weight = torch.randn(C, K, generator=g).to(x_dtype)
-                leading = None if pads is None else torch.tensor(pads)
-                mine, theirs = state.clone(), state.clone()
-                got = conv_prefill_triton(mine, x, weight, leading, fresh, x_dtype, block_t=4, block_c=16)
-                gated_delta.keep_last_inputs(mine, x, leading, fresh)
-                want = gated_delta.conv_prefill_torch(theirs, x, weight, leading, fresh, x_dtype)
-                assert got.shape == want.shape == (B, L, C) and got.dtype == want.dtype
-                torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-                assert torch.equal(mine, theirs)
-                cases += 1
-    cases += _recurrent_step_cases()
-    # The tiny model with the recurrent step's kernel in its decode steps: the same tokens as without it, logits
-    # within fp32 rounding (the kernel's sums in another order).
+    for fresh in (False, True):
+        g = torch.Generator().manual_seed(B * 100 + C + L + K)
+        state = torch.randn(B, C, K - 1, generator=g).to(state_dtype)
+        x = torch.randn(B, L, C, generator=g).to(x_dtype).transpose(1, 2)  # [B, C, L], strided as in the model
+        weight = torch.randn(C, K, generator=g).to(x_dtype)
+        leading = None if pads is None else torch.tensor(pads)
+        mine, theirs = state.clone(), state.clone()
+        got = conv_prefill_triton(mine, x, weight, leading, fresh, x_dtype, block_t=4, block_c=16)
+        gated_delta.keep_last_inputs(mine, x, leading, fresh)
+        want = gated_delta.conv_prefill_torch(theirs, x, weight, leading, fresh, x_dtype)
+        assert got.shape == want.shape == (B, L, C) and got.dtype == want.dtype, fresh
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"fresh={fresh}: {m}")
+        assert torch.equal(mine, theirs), f"fresh={fresh}: the kept inputs differ"
+
+
+def _recurrent_step_case(dtype, tol, state_tol, B, Hk, Hv, Dk, Dv, pads, activation: str) -> None:
+    """`recurrent_step_triton` against the torch specification: the output, and the state updated in place alike
+    (pad rows untouched)."""
+    from hf_qsa_cache.ops.gated_delta_triton import recurrent_step_triton
+
+    inputs = _recurrent_inputs(B, Hk, Hv, Dk, Dv, dtype, seed=B + Hv + Dk, pads=pads)
+    norm_w = _norm(Dv, activation, dtype, seed=Dv).weight.detach()
+    mine, theirs = inputs[0].clone(), inputs[0].clone()
+    got = recurrent_step_triton(mine, *inputs[1:], norm_w, 1e-6, activation)
+    want = gated_delta.recurrent_step_torch(theirs, *inputs[1:], norm_w, 1e-6, activation)
+    assert got.shape == want.shape == (B, Hv, Dv) and got.dtype == want.dtype
+    torch.testing.assert_close(mine, theirs, atol=state_tol, rtol=state_tol)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    for row in pads:
+        assert torch.equal(mine[row], inputs[0][row])
+
+
+def _generate_case() -> str | None:
+    """The tiny model with the recurrent step's kernel in its decode steps: the same tokens as without it, logits
+    within fp32 rounding (the kernel's sums in another order)."""
     from helpers.fusions import fused_generate_mismatch
     from helpers.interpreter import count_launches
     from helpers.qwen4 import left_pad, make_pair, random_prompts
@@ -265,39 +286,51 @@ def _main() -> int:
     gated_delta.use_triton = lambda *x: True  # the CUDA dispatch, on CPU tensors
     launches: list = []
     count_launches(gated_delta_triton, "_recurrent_step_kernel", launches)
-    error = fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)), "gdn_step",
-                                    launches, atol=1e-4)
-    if error:
-        print(f"generate: {error}")
-        return 1
-    print(f"all gated delta kernel cases ok ({cases})")
-    return 0
+    return fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)), "gdn_step",
+                                   launches, atol=1e-4)
 
 
-def _recurrent_step_cases() -> int:
-    """`recurrent_step_triton` against the torch specification: head dims below and past a power of two (masked
-    lanes), one and two value heads per key head, pad rows, strided inputs; the state updated in place alike."""
-    from hf_qsa_cache.ops.gated_delta_triton import recurrent_step_triton
+# 300 channels: two blocks, the second partial; dilation 3 with a residual: the PLE layer's conv.
+CONV_DECODE_SHAPES = {"1x300-K4": (1, 300, 4, 1), "3x24-K2": (3, 24, 2, 1), "2x40-K3": (2, 40, 3, 1),
+                      "2x40-K4-dilation3-residual": (2, 40, 4, 3), "1x300-K2-dilation2-residual": (1, 300, 2, 2)}
+# The prefill conv, (rows, channels, tokens, taps, leading pads), its blocks forced small (4 columns x 16 channels)
+# so rows, column blocks and channel blocks all split, the last of each partial; pads before, inside and past the
+# kept window.
+CONV_PREFILL_SHAPES = {"3x40x7-K4-pads": (3, 40, 7, 4, [0, 2, 5]), "2x24x2-K4-pads": (2, 24, 2, 4, [1, 0]),
+                       "1x16x9-K2": (1, 16, 9, 2, None), "2x20x5-K3": (2, 20, 5, 3, None),
+                       "3x33x6-K4-pads": (3, 33, 6, 4, [6, 0, 3])}
+# (rows, key heads, value heads, key dim, value dim, pad rows): head dims below and past a power of two (masked
+# lanes), one and two value heads per key head, pad rows, strided inputs.
+RECURRENT_SHAPES = {"3x2k4v-Dk12-Dv20-pad": (3, 2, 4, 12, 20, (1,)), "1x3k3v-Dk16-Dv8": (1, 3, 3, 16, 8, ()),
+                    "2x1k2v-Dk8-Dv16-2pads": (2, 1, 2, 8, 16, (0, 1))}
+# bf16: beta is rounded to bf16 (the interpreter truncates that cast where a GPU rounds, one unit apart in the
+# state's write), then the output rounds and the norm's three rounding points follow (`gated_rms_norm`'s bound).
+RECURRENT_TOLERANCES = {"fp32": (2e-6, 2e-6), "bf16": (2.4e-2, 1e-2)}
+ACTIVATIONS = ("sigmoid", "silu")
+KERNEL_CASES = {
+    **{f"delta-gates-{d}-{B}x{L}x{H}": partial(_delta_gates_case, *DTYPES[d], B, L, H)
+       for d in DTYPES for B, L, H in ((1, 1, 5), (3, 4, 8))},
+    **{f"gated-norm-{d}-D{D}-{act}": partial(_gated_norm_case, *DTYPES[d], D, act)
+       for d in DTYPES for D in (24, 16) for act in ACTIVATIONS},
+    **{f"conv-decode-{d}-{shape}": partial(_conv_decode_case, *CONV_DTYPES[d], *CONV_DECODE_SHAPES[shape])
+       for d in CONV_DTYPES for shape in CONV_DECODE_SHAPES},
+    **{f"conv-prefill-{d}-{shape}-blocks4x16": partial(_conv_prefill_case, *CONV_DTYPES[d], *CONV_PREFILL_SHAPES[shape])
+       for d in CONV_DTYPES for shape in CONV_PREFILL_SHAPES},
+    **{f"recurrent-step-{d}-{shape}-{act}": partial(_recurrent_step_case, DTYPES[d][0], *RECURRENT_TOLERANCES[d],
+                                                    *RECURRENT_SHAPES[shape], act)
+       for d in DTYPES for shape in RECURRENT_SHAPES for act in ACTIVATIONS},
+    "generate": _generate_case,
+}
 
-    cases = 0
-    # bf16: beta is rounded to bf16 (the interpreter truncates that cast where a GPU rounds, one unit apart in the
-    # state's write), then the output rounds and the norm's three rounding points follow (`gated_rms_norm`'s bound).
-    for dtype, tol, state_tol in ((torch.float32, 2e-6, 2e-6), (torch.bfloat16, 2.4e-2, 1e-2)):
-        for B, Hk, Hv, Dk, Dv, pads in ((3, 2, 4, 12, 20, (1,)), (1, 3, 3, 16, 8, ()), (2, 1, 2, 8, 16, (0, 1))):
-            for activation in ("sigmoid", "silu"):
-                inputs = _recurrent_inputs(B, Hk, Hv, Dk, Dv, dtype, seed=B + Hv + Dk, pads=pads)
-                norm_w = _norm(Dv, activation, dtype, seed=Dv).weight.detach()
-                mine, theirs = inputs[0].clone(), inputs[0].clone()
-                got = recurrent_step_triton(mine, *inputs[1:], norm_w, 1e-6, activation)
-                want = gated_delta.recurrent_step_torch(theirs, *inputs[1:], norm_w, 1e-6, activation)
-                assert got.shape == want.shape == (B, Hv, Dv) and got.dtype == want.dtype
-                torch.testing.assert_close(mine, theirs, atol=state_tol, rtol=state_tol)
-                torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-                for row in pads:
-                    assert torch.equal(mine[row], inputs[0][row])
-                cases += 1
-    return cases
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_triton_kernels_match_torch(case):
+    run_case_under_interpreter(__file__, case)
+
+
+def _kernel_case(case: str) -> str | None:
+    return KERNEL_CASES[case]()
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(case_main(_kernel_case))

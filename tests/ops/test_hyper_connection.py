@@ -7,11 +7,12 @@ The kernel comparison runs this file as a script under the Triton interpreter (`
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import pytest
 import torch
 from helpers.fusions import assert_fused_generate_equals_default
-from helpers.interpreter import run_under_interpreter
+from helpers.interpreter import case_main, run_case_under_interpreter
 from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
 
 from hf_qsa_cache import fusions
@@ -136,46 +137,64 @@ def test_generate_with_fused_projections_equals_the_default(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- triton vs torch
-def test_triton_kernels_match_torch():
-    run_under_interpreter(__file__, "all hyper-connection kernel cases ok")
+# (streams, features): padded streams (3) and features (24, 20).
+MIXING_SHAPES = {"hc4xH24": (4, 24), "hc3xH20": (3, 20), "hc2xH16": (2, 16)}
+TOKENS = {"T1": (1,), "T5": (5,), "T2x3": (2, 3)}
+DTYPES = {"fp32": (torch.float32, 1e-6), "bf16": (torch.bfloat16, 1.6e-2)}  # bf16: two units in the last place
 
 
-def _main() -> int:
-    from hf_qsa_cache.ops.hyper_connection_triton import hc_norm_triton, mix_streams_triton, scaled_silu_triton
+def _mixing_inputs(hc: int, H: int, tokens: tuple, dtype):
+    """The streams, a layer's output and injection, and the norm's weight; then the low-rank activation, the up
+    projection's output and the mixing logits (one generator, in that order)."""
+    g = torch.Generator().manual_seed(hc * 100 + H + len(tokens))
+    streams = (torch.randn(*tokens, hc * H, generator=g) * 2).to(dtype)
+    out = torch.randn(*tokens, H, generator=g).to(dtype)
+    inject = (torch.rand(*tokens, hc, generator=g) * 2).to(dtype)
+    weight = torch.randn(hc * H, generator=g).to(dtype)
+    low = torch.randn(*tokens, 7, generator=g).to(dtype)
+    up = torch.randn(*tokens, hc * H, generator=g).to(dtype)
+    logits = torch.randn(*tokens, hc, generator=g).to(dtype)
+    return streams, out, inject, weight, low, up, logits
 
-    cases = 0
-    for hc, H in ((4, 24), (3, 20), (2, 16)):  # padded streams (3) and features (24, 20)
-        for tokens in ((1,), (5,), (2, 3)):
-            for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1.6e-2)):  # bf16: two units in the last place
-                g = torch.Generator().manual_seed(hc * 100 + H + len(tokens))
-                streams = (torch.randn(*tokens, hc * H, generator=g) * 2).to(dtype)
-                out = torch.randn(*tokens, H, generator=g).to(dtype)
-                inject = (torch.rand(*tokens, hc, generator=g) * 2).to(dtype)
-                weight = torch.randn(hc * H, generator=g).to(dtype)
-                for residual in (None, (out, inject)):
-                    got = hc_norm_triton(streams, weight, hc, 1e-6, residual)
-                    want = hc_ops.hc_norm(streams, weight, hc, 1e-6, residual)
-                    for a, b in zip(got, want):
-                        assert a.dtype == b.dtype and a.shape == b.shape
-                        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
-                    cases += 1
-                low = torch.randn(*tokens, 7, generator=g).to(dtype)
-                torch.testing.assert_close(scaled_silu_triton(low, 1 / hc).float(),
-                                           hc_ops.scaled_silu(low, 1 / hc).float(), atol=tol, rtol=tol)
-                up = torch.randn(*tokens, hc * H, generator=g).to(dtype)
-                logits = torch.randn(*tokens, hc, generator=g).to(dtype)
-                for a, b in zip(mix_streams_triton(up, streams, logits, hc),
-                                hc_ops.mix_streams(up, streams, logits, hc)):
-                    assert a.dtype == b.dtype and a.shape == b.shape
-                    torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
-                mixed, none = mix_streams_triton(up, streams, None, hc)  # the final mixer: no injection
-                assert none is None
-                want_mixed = hc_ops.mix_streams(up, streams, None, hc)[0]
-                torch.testing.assert_close(mixed.float(), want_mixed.float(), atol=tol, rtol=tol)
-                cases += 3
-    cases += _projection_cases()
-    # The tiny model with the mixing's kernels (prompts and decode steps): ``hc_proj`` gives the same tokens as
-    # ``hc`` alone, logits within fp32 rounding.
+
+def _hc_norm_case(hc: int, H: int, tokens: tuple, dtype, tol) -> None:
+    """`hc_norm_triton` against `hc_norm`, without and with a pending residual (a layer's output and injection)."""
+    from hf_qsa_cache.ops.hyper_connection_triton import hc_norm_triton
+
+    streams, out, inject, weight, *_ = _mixing_inputs(hc, H, tokens, dtype)
+    for residual in (None, (out, inject)):
+        got = hc_norm_triton(streams, weight, hc, 1e-6, residual)
+        want = hc_ops.hc_norm(streams, weight, hc, 1e-6, residual)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+def _scaled_silu_case(hc: int, H: int, tokens: tuple, dtype, tol) -> None:
+    from hf_qsa_cache.ops.hyper_connection_triton import scaled_silu_triton
+
+    low = _mixing_inputs(hc, H, tokens, dtype)[4]
+    torch.testing.assert_close(scaled_silu_triton(low, 1 / hc).float(), hc_ops.scaled_silu(low, 1 / hc).float(),
+                               atol=tol, rtol=tol)
+
+
+def _mix_streams_case(hc: int, H: int, tokens: tuple, dtype, tol) -> None:
+    """`mix_streams_triton` against `mix_streams`, with the mixing logits and as the final mixer (no injection)."""
+    from hf_qsa_cache.ops.hyper_connection_triton import mix_streams_triton
+
+    streams, *_, up, logits = _mixing_inputs(hc, H, tokens, dtype)
+    for a, b in zip(mix_streams_triton(up, streams, logits, hc), hc_ops.mix_streams(up, streams, logits, hc)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+    mixed, none = mix_streams_triton(up, streams, None, hc)  # the final mixer: no injection
+    assert none is None
+    want_mixed = hc_ops.mix_streams(up, streams, None, hc)[0]
+    torch.testing.assert_close(mixed.float(), want_mixed.float(), atol=tol, rtol=tol)
+
+
+def _generate_case() -> str | None:
+    """The tiny model with the mixing's kernels (prompts and decode steps): ``hc_proj`` gives the same tokens as
+    ``hc`` alone, logits within fp32 rounding."""
     from helpers.fusions import fused_generate_mismatch
     from helpers.interpreter import count_launches
     from helpers.qwen4 import left_pad, make_pair, random_prompts
@@ -186,16 +205,11 @@ def _main() -> int:
     fusions.STATE["hc_proj"] = False
     launches: list = []
     count_launches(hct, "_hc_down_kernel", launches)
-    error = fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)),
-                                    "hc_proj", launches, atol=1e-4)
-    if error:
-        print(f"generate: {error}")
-        return 1
-    print(f"all hyper-connection kernel cases ok ({cases})")
-    return 0
+    return fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)),
+                                   "hc_proj", launches, atol=1e-4)
 
 
-def _projection_cases() -> int:
+def _projection_case(hc: int, H: int, R: int, tokens: tuple, dtype, tol) -> None:
     """`mix_projections_triton` against the torch spec with its tiles forced small (and as measured): several
     input splits (and a last, shorter one), feature blocks past H, token blocks past 16 (the down projection's),
     low-rank widths below, at and above the up projection's chunk of 16 (the last chunk partial), streams
@@ -211,31 +225,24 @@ def _projection_cases() -> int:
     # partial chunk of 8) and the default.
     gemv = [hct.MixTiles(splits=8, block_n=4, block_k=8, down_warps=2, block_h=16, r_chunk=16, up_warps=4, gemv=True),
             hct.ONE_TOKEN_MIX_TILES]
-    cases = 0
-    for hc, H, R in ((4, 24, 10), (3, 20, 40), (2, 16, 16)):
-        for tokens in ((1,), (5,), (3, 6)):
-            for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)):
-                g = torch.Generator().manual_seed(hc * 100 + H + R + len(tokens))
-                normed = torch.randn(*tokens, hc * H, generator=g).to(dtype)
-                down = (torch.randn(R, hc * H, generator=g) / 4).to(dtype)
-                up = torch.randn(hc * H, R, generator=g).to(dtype)
-                inject_weight = (torch.randn(hc, hc * H, generator=g) / 4).to(dtype)
-                # Small tiles (several splits, a partial chunk), one split, and the measured defaults.
-                for tiles in [hct.MixTiles(splits=8, block_n=16, block_k=16, down_warps=4, block_h=16, r_chunk=16,
-                                           up_warps=4),
-                              hct.MixTiles(splits=1, block_n=16, block_k=128, down_warps=2, block_h=16, r_chunk=16,
-                                           up_warps=1), None] + (gemv if tokens == (1,) else []):
-                    # None: the final mixer, no injection (with the small tiles only: the interpreter is slow)
-                    small = tiles is not None and tiles.splits == 8 and tiles.block_k <= 16
-                    for weight in (inject_weight, None) if small else (inject_weight,):
-                        launches.clear()
-                        got = hct.mix_projections_triton(normed, down, up, weight, hc, tiles)
-                        want = hc_ops.mix_projections(normed, down, up, weight, hc)
-                        assert len(launches) == 2, launches
-                        assert (got[1] is None) == (weight is None) == (want[1] is None)
-                        _assert_outputs_close(got, want, tol)
-                        cases += 1
-    return cases
+    g = torch.Generator().manual_seed(hc * 100 + H + R + len(tokens))
+    normed = torch.randn(*tokens, hc * H, generator=g).to(dtype)
+    down = (torch.randn(R, hc * H, generator=g) / 4).to(dtype)
+    up = torch.randn(hc * H, R, generator=g).to(dtype)
+    inject_weight = (torch.randn(hc, hc * H, generator=g) / 4).to(dtype)
+    # Small tiles (several splits, a partial chunk), one split, and the measured defaults.
+    for tiles in [hct.MixTiles(splits=8, block_n=16, block_k=16, down_warps=4, block_h=16, r_chunk=16, up_warps=4),
+                  hct.MixTiles(splits=1, block_n=16, block_k=128, down_warps=2, block_h=16, r_chunk=16, up_warps=1),
+                  None] + (gemv if tokens == (1,) else []):
+        # None: the final mixer, no injection (with the small tiles only: the interpreter is slow)
+        small = tiles is not None and tiles.splits == 8 and tiles.block_k <= 16
+        for weight in (inject_weight, None) if small else (inject_weight,):
+            launches.clear()
+            got = hct.mix_projections_triton(normed, down, up, weight, hc, tiles)
+            want = hc_ops.mix_projections(normed, down, up, weight, hc)
+            assert len(launches) == 2, (tiles, launches)
+            assert (got[1] is None) == (weight is None) == (want[1] is None)
+            _assert_outputs_close(got, want, tol)
 
 
 def _assert_outputs_close(got: tuple, want: tuple, tol: float) -> None:
@@ -246,8 +253,33 @@ def _assert_outputs_close(got: tuple, want: tuple, tol: float) -> None:
             torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
 
 
+# (streams, features, low rank) of the projections: features past H, ranks below, at and above a chunk of 16.
+PROJECTION_SHAPES = {"hc4xH24-R10": (4, 24, 10), "hc3xH20-R40": (3, 20, 40), "hc2xH16-R16": (2, 16, 16)}
+PROJECTION_TOKENS = {"T1": (1,), "T5": (5,), "T3x6": (3, 6)}
+PROJECTION_DTYPES = {"fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 1.6e-2)}
+KERNEL_CASES = {
+    **{f"{op}-{shape}-{t}-{d}": partial(run, *MIXING_SHAPES[shape], TOKENS[t], *DTYPES[d])
+       for op, run in (("hc-norm", _hc_norm_case), ("scaled-silu", _scaled_silu_case),
+                       ("mix-streams", _mix_streams_case))
+       for shape in MIXING_SHAPES for t in TOKENS for d in DTYPES},
+    **{f"projections-{shape}-{t}-{d}": partial(_projection_case, *PROJECTION_SHAPES[shape], PROJECTION_TOKENS[t],
+                                               *PROJECTION_DTYPES[d])
+       for shape in PROJECTION_SHAPES for t in PROJECTION_TOKENS for d in PROJECTION_DTYPES},
+    "generate": _generate_case,
+}
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_triton_kernels_match_torch(case):
+    run_case_under_interpreter(__file__, case)
+
+
+def _kernel_case(case: str) -> str | None:
+    return KERNEL_CASES[case]()
+
+
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(case_main(_kernel_case))
 
 
 @pytest.mark.parametrize("fused", [False, True])

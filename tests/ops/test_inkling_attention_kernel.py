@@ -6,22 +6,24 @@ writes), a store holding the keys of earlier positions and garbage everywhere el
 positions from `build_step_metadata_torch`. Tile, key-tile and split sizes are forced small so every
 loop runs several times.
 
-The comparison runs this file as a script in a subprocess with TRITON_INTERPRET=1 (the variable only
-counts if it is set before triton is first imported).
+The comparison runs each case as a script under the Triton interpreter (`interpreter.py`: TRITON_INTERPRET=1 only
+counts if it is set before triton is first imported), one pytest item per case.
 """
 
 from __future__ import annotations
 
 import random
 import sys
+from functools import partial
 
+import pytest
 import torch
 
 from hf_qsa_cache import fusions
 from hf_qsa_cache.blocks import BlockTable
 from hf_qsa_cache.metadata import build_step_metadata_torch
 from hf_qsa_cache.ops.inkling_attention import paged_rel_attention_torch
-from helpers.interpreter import run_under_interpreter
+from helpers.interpreter import case_main, run_case_under_interpreter
 
 
 def make_case(seed: int, rows: list[tuple[int, int]], L: int, heads: int, kv_heads: int, head_dim: int,
@@ -191,25 +193,6 @@ def _check_out_of_shared_memory() -> str | None:
     return None
 
 
-def _main() -> int:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from hf_qsa_cache.ops import inkling_attention_triton as kernel
-
-    if not isinstance(kernel._rel_attention_kernel, InterpretedFunction):
-        print("TRITON_INTERPRET was not honoured")
-        return 1
-    failures = [err for name, case, over in CASES if (err := _check(name, case, over))]
-    if err := _check_out_of_shared_memory():
-        failures.append(err)
-    for err in failures:
-        print(err)
-    if failures:
-        return 1
-    print("all inkling attention cases ok", len(CASES))
-    return 0
-
-
 def test_case_tables_evict_below_the_window():
     """The sliding cases really exercise eviction: early columns are the null block, and this forward
     writes some of its own positions there (so those keys exist only in the activations)."""
@@ -241,9 +224,32 @@ def test_the_rel_bias_fusion_picks_the_bias_path(monkeypatch):
     assert in_kernel == [False, False, True, False, False]
 
 
-def test_triton_kernel_matches_torch_under_interpreter():
-    run_under_interpreter(__file__, f"all inkling attention cases ok {len(CASES)}", timeout=300)
+def _case_id(name: str) -> str:
+    """A case's name as a test id: words joined by hyphens, without punctuation."""
+    return "-".join(name.replace(",", "").replace("(", "").replace(")", "").split())
+
+
+# The cases by id (their names seed their inputs: `_check`), then the retry with smaller tiles.
+KERNEL_CASES = {
+    **{_case_id(name): partial(_check, name, case, overrides) for name, case, overrides in CASES},
+    "out-of-shared-memory-retries-smaller-tiles": _check_out_of_shared_memory,
+}
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_triton_kernel_matches_torch_under_interpreter(case):
+    run_case_under_interpreter(__file__, case)
+
+
+def _kernel_case(case: str) -> str | None:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from hf_qsa_cache.ops import inkling_attention_triton as kernel
+
+    if not isinstance(kernel._rel_attention_kernel, InterpretedFunction):
+        return "TRITON_INTERPRET was not honoured"
+    return KERNEL_CASES[case]()
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(case_main(_kernel_case))

@@ -1,17 +1,19 @@
 """The paged short conv: hand-checked torch specification, and the Triton kernel against it.
 
-The Triton comparison runs this file as a script in a subprocess with TRITON_INTERPRET=1 (the
-variable only counts if it is set before triton is first imported).
+The Triton comparison runs each case as a script under the Triton interpreter (`interpreter.py`: TRITON_INTERPRET=1
+only counts if it is set before triton is first imported), one pytest item per layout and tiling.
 """
 
 from __future__ import annotations
 
+import sys
+from functools import partial
 
+import pytest
 import torch
 
 from hf_qsa_cache.ops.sconv import short_conv_torch
-from helpers.interpreter import run_under_interpreter
-
+from helpers.interpreter import case_main, run_case_under_interpreter
 
 
 def _dense_reference(seq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -85,36 +87,46 @@ def test_pads_and_positions_before_zero_read_zero():
     torch.testing.assert_close(y[4], 2 * x[4] + x[3])
 
 
-_SCRIPT_CASES = [
-    (0, [(0, 5), (6, 3), (2, 1), (9, 4)], 6, 4),
-    (1, [(0, 17)], 17, 4),
-    (2, [(13, 1), (3, 1), (0, 1)], 1, 4),
-    (3, [(5, 2), (0, 7)], 7, 3),
-    (4, [(20, 6), (1, 6), (0, 4)], 6, 2),
-]
+# (seed, rows as (prev_len, count), step length, taps).
+LAYOUTS = {
+    "4rows-L6-K4": (0, [(0, 5), (6, 3), (2, 1), (9, 4)], 6, 4),
+    "1row-L17-K4": (1, [(0, 17)], 17, 4),
+    "decode-3rows-K4": (2, [(13, 1), (3, 1), (0, 1)], 1, 4),
+    "2rows-L7-K3": (3, [(5, 2), (0, 7)], 7, 3),
+    "3rows-L6-K2": (4, [(20, 6), (1, 6), (0, 4)], 6, 2),
+}
+# Default tiles, and tiles forced small: token tiles that span rows and end past the last token, several channel
+# tiles.
+TILES = {"default-tiles": {}, "tiles-t4-c4": {"block_t": 4, "block_c": 4},
+         "tiles-t2-c8": {"block_t": 2, "block_c": 8}}
 
 
-def _run_triton_cases() -> None:
+def _sconv_case(seed: int, rows, L: int, K: int, tiles: dict) -> None:
+    """The kernel against the torch specification at one layout and tiling: the output, and the store afterwards
+    (the padding lanes beside the stream included)."""
     from hf_qsa_cache.ops.sconv_triton import short_conv_triton
 
-    # Default tiles, and tiles forced small: token tiles that span rows and end past the last token,
-    # several channel tiles.
-    for tiles in ({}, {"block_t": 4, "block_c": 4}, {"block_t": 2, "block_c": 8}):
-        for seed, rows, L, K in _SCRIPT_CASES:
-            args, _, full = _case(seed, rows, L=L, K=K, H=3, width=5)
-            ref_full = full.clone()
-            ref_args = dict(args, store=ref_full[:, :, 1:6])
-            want = short_conv_torch(**ref_args)
-            got = short_conv_triton(**args, **tiles)
-            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-            # Same store afterwards, the padding lanes beside the stream included.
-            torch.testing.assert_close(full[1:], ref_full[1:], atol=0, rtol=0)
-    print("ok", len(_SCRIPT_CASES))
+    args, _, full = _case(seed, rows, L=L, K=K, H=3, width=5)
+    ref_full = full.clone()
+    ref_args = dict(args, store=ref_full[:, :, 1:6])
+    want = short_conv_torch(**ref_args)
+    got = short_conv_triton(**args, **tiles)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(full[1:], ref_full[1:], atol=0, rtol=0)
 
 
-def test_triton_kernel_matches_torch_under_interpreter():
-    run_under_interpreter(__file__, f"ok {len(_SCRIPT_CASES)}", timeout=300)
+KERNEL_CASES = {f"{layout}-{name}": partial(_sconv_case, *LAYOUTS[layout], tiles)
+                for layout in LAYOUTS for name, tiles in TILES.items()}
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_triton_kernel_matches_torch_under_interpreter(case):
+    run_case_under_interpreter(__file__, case)
+
+
+def _kernel_case(case: str) -> None:
+    return KERNEL_CASES[case]()
 
 
 if __name__ == "__main__":
-    _run_triton_cases()
+    sys.exit(case_main(_kernel_case))

@@ -1,8 +1,8 @@
 """Step metadata: hand-checked cases of the torch specification, and the Triton builder against it.
 
-The Triton comparison runs this file as a script in a subprocess with TRITON_INTERPRET=1, because
-the variable is only honoured if it is set before triton is first imported, and other tests in the
-same pytest process may already have imported it.
+The Triton comparison runs each case as a script under the Triton interpreter (`interpreter.py`), with
+TRITON_INTERPRET=1, because the variable is only honoured if it is set before triton is first imported, and
+other tests in the same pytest process may already have imported it.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from __future__ import annotations
 import random
 import sys
 
+import pytest
 import torch
 
 from hf_qsa_cache.metadata import QSAGeometry, build_step_metadata_torch, max_compress_work
-from helpers.interpreter import run_under_interpreter
+from helpers.interpreter import case_main, count_launches, run_case_under_interpreter
 
 NUM_LAYOUTS = 240
 SEED = 20240611
@@ -98,10 +99,6 @@ def test_spec_without_qsa():
 # ----------------------------------------------------------------------------- triton vs spec
 
 
-def test_triton_builder_matches_spec():
-    run_under_interpreter(__file__, f"{NUM_LAYOUTS} random layouts ok")
-
-
 def _random_prev_len(rng: random.Random, r: int) -> int:
     kind = rng.randrange(5)
     if kind == 0:
@@ -159,20 +156,25 @@ def _random_case(rng: random.Random):
     return (_t(prev_len), _t(count), query_len, tables, block_sizes, qsa)
 
 
-def _edge_cases():
+def _edge_cases() -> dict:
+    """Named layouts at the edges, each a list of cases (the empty batch, which launches nothing, beside one that
+    launches)."""
     one = {"main": _t([[3]])}
-    yield (_t([0]), _t([1]), 1, one, {"main": 4}, QSAGeometry(4, 4))  # first decode token
-    yield (_t([7]), _t([1]), 1, one, {"main": 8}, QSAGeometry(8, 8))  # decode closing a group
-    yield (_t([5, 6]), _t([0, 0]), 3, {"main": _t([[1], [2]])}, {"main": 2}, QSAGeometry(2, 4))  # all pads
-    yield (_t([0]), _t([40]), 40, {"main": _t([[1, 2]])}, {"main": 8}, QSAGeometry(8, 8))  # narrow prefill
-    yield (_t([0, 1]), _t([1, 1]), 1, {}, {}, None)  # no tables at all
-    yield (_t([], torch.int32), _t([], torch.int32), 4, {"main": torch.zeros(0, 1, dtype=torch.int32)},
-           {"main": 4}, QSAGeometry(2, 2))  # empty batch
-    # More rows than one prefix-sum chunk, every row closing groups.
-    rows = 70
-    yield (torch.arange(rows, dtype=torch.int32), torch.full((rows,), 5, dtype=torch.int32), 5,
-           {"main": torch.arange(1, rows * 4 + 1, dtype=torch.int32).view(rows, 4)}, {"main": 4},
-           QSAGeometry(2, 4))
+    rows = 70  # more rows than one prefix-sum chunk, every row closing groups
+    return {
+        "first-decode-token": [(_t([0]), _t([1]), 1, one, {"main": 4}, QSAGeometry(4, 4))],
+        "decode-closing-a-group": [(_t([7]), _t([1]), 1, one, {"main": 8}, QSAGeometry(8, 8))],
+        "all-pads": [(_t([5, 6]), _t([0, 0]), 3, {"main": _t([[1], [2]])}, {"main": 2}, QSAGeometry(2, 4))],
+        "narrow-prefill": [(_t([0]), _t([40]), 40, {"main": _t([[1, 2]])}, {"main": 8}, QSAGeometry(8, 8))],
+        "no-tables-then-empty-batch": [
+            (_t([0, 1]), _t([1, 1]), 1, {}, {}, None),
+            (_t([], torch.int32), _t([], torch.int32), 4, {"main": torch.zeros(0, 1, dtype=torch.int32)},
+             {"main": 4}, QSAGeometry(2, 2))],
+        "70-rows-past-one-prefix-chunk": [
+            (torch.arange(rows, dtype=torch.int32), torch.full((rows,), 5, dtype=torch.int32), 5,
+             {"main": torch.arange(1, rows * 4 + 1, dtype=torch.int32).view(rows, 4)}, {"main": 4},
+             QSAGeometry(2, 4))],
+    }
 
 
 def _compare(case, build_triton):
@@ -210,27 +212,20 @@ def _describe(case) -> str:
     return "\n".join(lines)
 
 
-def _main() -> int:
-    from hf_qsa_cache.ops import metadata_triton
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(metadata_triton._step_metadata_kernel, InterpretedFunction):
-        print("TRITON_INTERPRET was not honoured")
-        return 1
-
-    # Count launches: exactly one per call (none for an empty batch).
-    kernel = metadata_triton._step_metadata_kernel
-    launches = []
-
-    class _Counting:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-
-    metadata_triton._step_metadata_kernel = _Counting()
-
+def _random_cases(first: int, count: int) -> list:
+    """Random layouts ``first`` to ``first + count - 1`` of the one sequence drawn from ``SEED``."""
     rng = random.Random(SEED)
-    cases = list(_edge_cases()) + [_random_case(rng) for _ in range(NUM_LAYOUTS)]
+    cases = [_random_case(rng) for _ in range(first + count)]
+    return cases[first:]
+
+
+def _check_cases(cases: list, first: int = 0) -> str | None:
+    """Each case built by the kernel as by the specification, with exactly one launch per call (none for an empty
+    batch): None, or the first mismatch."""
+    from hf_qsa_cache.ops import metadata_triton
+
+    launches: list = []
+    count_launches(metadata_triton, "_step_metadata_kernel", launches)
     for i, case in enumerate(cases):
         launches.clear()
         error = _compare(case, metadata_triton.build_step_metadata_triton)
@@ -238,11 +233,34 @@ def _main() -> int:
         if error is None and len(launches) != (1 if n else 0):
             error = f"{len(launches)} kernel launches"
         if error is not None:
-            print(f"case {i} mismatch: {error}\n{_describe(case)}")
-            return 1
-    print(f"{len(cases) - NUM_LAYOUTS} edge cases and {NUM_LAYOUTS} random layouts ok")
-    return 0
+            return f"case {first + i} mismatch: {error}\n{_describe(case)}"
+    return None
+
+
+# The edge layouts by name, then the random ones in chunks.
+RANDOM_CHUNK = 40
+KERNEL_CASES = list(_edge_cases()) + [f"random-layouts-{first}-to-{first + RANDOM_CHUNK - 1}"
+                             for first in range(0, NUM_LAYOUTS, RANDOM_CHUNK)]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_triton_builder_matches_spec(case):
+    run_case_under_interpreter(__file__, case)
+
+
+def _kernel_case(case: str) -> str | None:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from hf_qsa_cache.ops import metadata_triton
+
+    if not isinstance(metadata_triton._step_metadata_kernel, InterpretedFunction):
+        return "TRITON_INTERPRET was not honoured"
+    edge = _edge_cases()
+    if case in edge:
+        return _check_cases(edge[case])
+    first = int(case.split("-")[2])
+    return _check_cases(_random_cases(first, RANDOM_CHUNK), first)
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(case_main(_kernel_case))

@@ -17,8 +17,10 @@ import math
 import os
 import sys
 import types
+from functools import partial
 from pathlib import Path
 
+import pytest
 import torch
 
 from hf_qsa_cache import fusions
@@ -172,12 +174,6 @@ def test_the_setting_is_named_pdl_and_on_by_default():
 
     with fusions.fused(("pdl",)):
         assert fusions.enabled("pdl")
-
-
-def test_kernels_wait_once_per_program_when_launched_early():
-    from helpers.interpreter import run_under_interpreter
-
-    run_under_interpreter(__file__, "early launch emulated ok", timeout=300)
 
 
 def _emulate_early_launch():
@@ -353,12 +349,21 @@ def _check_attention_prefetch(prefetched: list) -> None:
         assert want and _asked(prefetched, "_rel_attention_kernel") == sorted(want), window
 
 
-if __name__ == "__main__":
-    torch.set_num_threads(1)
+def _emulated() -> tuple[dict, list, list]:
+    """`_emulate_early_launch`, after `benchmarks/check_fused_kernels.py` is imported (it imports every kernel
+    module, which copies the interpreter flag at import: bf16 dots widen)."""
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    import check_fused_kernels  # first: the kernel modules copy the interpreter flag at import (bf16 dots widen)
+    import check_fused_kernels  # noqa: F401
 
-    counts, launches, prefetched = _emulate_early_launch()
+    return _emulate_early_launch()
+
+
+def _fused_kernels_case() -> None:
+    """The fused kernels' check (`check_fused_kernels.main`, small shapes, 3 tokens) launched early: every launch
+    passes the switch and the option, every program waits and triggers once, the projections kernel asks for lines
+    in each program. One case: the check's own list of kernels (at least 15), run as the script runs it."""
+    counts, launches, prefetched = _emulated()
+    import check_fused_kernels
 
     rows = check_fused_kernels.main(["--device", "cpu", "--small", "--repeat", "1", "--tokens", "3"])
     assert rows and all(r["ok"] for r in rows), rows
@@ -372,10 +377,37 @@ if __name__ == "__main__":
                                                 "_router_logits_kernel", "_hc_down_kernel", "_hc_up_mix_kernel"}
     kernels = {name for name, *_ in launches}
     assert len(kernels) >= 15, sorted(kernels)
-    summary = f"{len(launches)} launches of {len(kernels)} kernels, {programs} programs"
-    _check_projection_prefetch(prefetched)
-    _check_shared_expert_prefetch(prefetched)
-    _check_router_prefetch(prefetched)
-    _check_mixing_prefetch(prefetched)
-    _check_attention_prefetch(prefetched)
-    print(f"early launch emulated ok: {summary} in the fused kernels' check")
+    print(f"early launch emulated: {len(launches)} launches of {len(kernels)} kernels, {programs} programs")
+
+
+def _prefetch_case(check) -> None:
+    """One kernel's prefetches, launched early (`_check_*_prefetch`)."""
+    check(_emulated()[2])
+
+
+KERNEL_CASES = {
+    "fused-kernels-check-small-3-tokens": _fused_kernels_case,
+    "projections-prefetch-their-weight-lines": partial(_prefetch_case, _check_projection_prefetch),
+    "experts-prefetch-the-shared-experts-lines": partial(_prefetch_case, _check_shared_expert_prefetch),
+    "router-prefetches-its-whole-weight": partial(_prefetch_case, _check_router_prefetch),
+    "mixing-prefetches-its-weights": partial(_prefetch_case, _check_mixing_prefetch),
+    "inkling-decode-attention-prefetches-the-rows-it-reads": partial(_prefetch_case, _check_attention_prefetch),
+}
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_kernels_wait_once_per_program_when_launched_early(case):
+    from helpers.interpreter import run_case_under_interpreter
+
+    run_case_under_interpreter(__file__, case)
+
+
+def _kernel_case(case: str) -> None:
+    torch.set_num_threads(1)
+    return KERNEL_CASES[case]()
+
+
+if __name__ == "__main__":
+    from helpers.interpreter import case_main
+
+    sys.exit(case_main(_kernel_case))

@@ -8,10 +8,12 @@ model with both kernels in its PLE layer.
 from __future__ import annotations
 
 import sys
+from functools import partial
 
+import pytest
 import torch
 from helpers.fusions import assert_fused_generate_equals_default, fused_generate_mismatch
-from helpers.interpreter import count_launches, run_under_interpreter
+from helpers.interpreter import case_main, count_launches, run_case_under_interpreter
 from transformers.models.qwen4_exp import modeling_qwen4_exp as upstream
 
 from hf_qsa_cache import fusions
@@ -106,10 +108,6 @@ def test_hooks_and_autograd_keep_upstreams_ops(monkeypatch):
         assert not ple.fuses_ple(layer, x)
 
 
-def test_triton_kernels_match_torch():
-    run_under_interpreter(__file__, "all ple kernel cases ok")
-
-
 def _histories(emb, rows: int, width: int, seed: int) -> torch.Tensor:
     """Windows of ids with end-of-sequence ids at every distance (and at the window's start, as a fresh row's
     fill), and large ids whose hashes overflow int64."""
@@ -120,69 +118,85 @@ def _histories(emb, rows: int, width: int, seed: int) -> torch.Tensor:
     return history
 
 
-def _kernel_cases(launches) -> str | None:
+def _counted_launches() -> list:
     from hf_qsa_cache.ops import ple_triton as pt
 
-    # n-gram lookup: 3- and 4-grams, rows of 4 and 3 features (padded to 4), a vocabulary whose hashes overflow int64.
-    for overrides in ({}, {"ngram_size": 4, "heads_per_ngram": 2, "ple_embed_dim": 18, "vocab_size": 50_000}):
-        emb = _ple_layer(**overrides).ple_embedding
-        for rows, length in ((1, 1), (3, 1), (2, 4)):
-            history = _histories(emb, rows, emb.ngram_size - 1 + length + 2, seed=rows * 10 + length)
-            want = emb.ngram_embedding(ple.ngram_ids_torch(history, emb, length)).flatten(-2)
-            launches.clear()
-            have = pt.ngram_embeddings_triton(history, emb, length)
-            if len(launches) != 1 or not torch.equal(have, want):
-                return (f"ngram {overrides} rows={rows} L={length}: launches {len(launches)}, "
-                        f"equal {torch.equal(have, want)}")
-    # The gate: fp32 within fp32 rounding, bf16 within a step of the fp32 math on the same inputs.
-    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 2e-2)):
-        layer = _ple_layer(dtype)
-        inputs = _gate_inputs(layer, tokens=(3, 2), dtype=dtype)
-        want = ple.ple_gate_torch(*inputs, layer.norm_key.weight, layer.norm_query.weight, layer.norm_conv.weight,
-                                  layer.hc_count, layer.norm_key.eps)
-        launches.clear()
-        have = pt.ple_gate_triton(*inputs, layer.norm_key.weight, layer.norm_query.weight, layer.norm_conv.weight,
-                                  layer.hc_count, layer.norm_key.eps)
-        try:
-            for h, w in zip(have, want, strict=True):
-                assert h.dtype == w.dtype and h.shape == w.shape
-                torch.testing.assert_close(h.float(), w.float(), atol=tol, rtol=tol)
-        except AssertionError as err:
-            return f"gate {dtype}: {err}"
-        if len(launches) != 1:
-            return f"gate {dtype}: {len(launches)} launches"
+    launches: list = []
+    count_launches(pt, "_ngram_embeddings_kernel", launches)
+    count_launches(pt, "_ple_gate_kernel", launches)
+    return launches
+
+
+def _ngram_case(overrides: dict, rows: int, length: int) -> str | None:
+    """The n-gram lookup kernel against `ngram_ids_torch` and the embedding: one launch, the same rows."""
+    from hf_qsa_cache.ops import ple_triton as pt
+
+    launches = _counted_launches()
+    emb = _ple_layer(**overrides).ple_embedding
+    history = _histories(emb, rows, emb.ngram_size - 1 + length + 2, seed=rows * 10 + length)
+    want = emb.ngram_embedding(ple.ngram_ids_torch(history, emb, length)).flatten(-2)
+    have = pt.ngram_embeddings_triton(history, emb, length)
+    if len(launches) != 1 or not torch.equal(have, want):
+        return f"launches {len(launches)}, equal {torch.equal(have, want)}"
     return None
 
 
-def _main() -> int:
+def _gate_case(dtype, tol) -> str | None:
+    """The gate kernel against `ple_gate_torch` in one launch: fp32 within fp32 rounding, bf16 within a step of the
+    fp32 math on the same inputs."""
+    from hf_qsa_cache.ops import ple_triton as pt
+
+    launches = _counted_launches()
+    layer = _ple_layer(dtype)
+    inputs = _gate_inputs(layer, tokens=(3, 2), dtype=dtype)
+    want = ple.ple_gate_torch(*inputs, layer.norm_key.weight, layer.norm_query.weight, layer.norm_conv.weight,
+                              layer.hc_count, layer.norm_key.eps)
+    have = pt.ple_gate_triton(*inputs, layer.norm_key.weight, layer.norm_query.weight, layer.norm_conv.weight,
+                              layer.hc_count, layer.norm_key.eps)
+    for h, w in zip(have, want, strict=True):
+        assert h.dtype == w.dtype and h.shape == w.shape
+        torch.testing.assert_close(h.float(), w.float(), atol=tol, rtol=tol)
+    return None if len(launches) == 1 else f"{len(launches)} launches"
+
+
+def _generate_case() -> str | None:
+    """The tiny model with both kernels in its PLE layer (prompts and decode steps): the same tokens as the
+    default path, logits within fp32 rounding."""
+    from helpers.qwen4 import left_pad, make_pair, random_prompts
+
+    launches = _counted_launches()
+    ple.use_triton = lambda *x: True  # the CUDA dispatch, on CPU tensors
+    return fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)), "ple",
+                                   launches, atol=1e-4)
+
+
+# n-gram lookup: 3-grams with rows of 4 features; 4-grams with rows of 3 features (padded to 4) and a vocabulary
+# whose hashes overflow int64; rows x step length.
+NGRAMS = {"3gram": {}, "4gram-2heads-vocab50k": {"ngram_size": 4, "heads_per_ngram": 2, "ple_embed_dim": 18,
+                                                 "vocab_size": 50_000}}
+KERNEL_CASES = {
+    **{f"ngram-{name}-{rows}x{length}": partial(_ngram_case, overrides, rows, length)
+       for name, overrides in NGRAMS.items() for rows, length in ((1, 1), (3, 1), (2, 4))},
+    "gate-fp32": partial(_gate_case, torch.float32, 2e-6),
+    "gate-bf16": partial(_gate_case, torch.bfloat16, 2e-2),
+    "generate": _generate_case,
+}
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_triton_kernels_match_torch(case):
+    run_case_under_interpreter(__file__, case)
+
+
+def _kernel_case(case: str) -> str | None:
     from triton.runtime.interpreter import InterpretedFunction
 
     from hf_qsa_cache.ops import ple_triton as pt
 
-    torch.set_num_threads(1)
     if not isinstance(pt._ple_gate_kernel, InterpretedFunction):
-        print("TRITON_INTERPRET was not honoured")
-        return 1
-    launches: list = []
-    count_launches(pt, "_ngram_embeddings_kernel", launches)
-    count_launches(pt, "_ple_gate_kernel", launches)
-    error = _kernel_cases(launches)
-    if error:
-        print(error)
-        return 1
-    # The tiny model with both kernels in its PLE layer (prompts and decode steps): the same tokens as the
-    # default path, logits within fp32 rounding.
-    from helpers.qwen4 import left_pad, make_pair, random_prompts
-
-    ple.use_triton = lambda *x: True  # the CUDA dispatch, on CPU tensors
-    error = fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)), "ple",
-                                    launches, atol=1e-4)
-    if error:
-        print(f"generate: {error}")
-        return 1
-    print("all ple kernel cases ok")
-    return 0
+        return "TRITON_INTERPRET was not honoured"
+    return KERNEL_CASES[case]()
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(case_main(_kernel_case))

@@ -5,11 +5,12 @@ functions (as a script under the Triton interpreter, `interpreter.py`)."""
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import pytest
 import torch
 from helpers.fusions import assert_fused_generate_equals_default
-from helpers.interpreter import count_launches, run_under_interpreter
+from helpers.interpreter import case_main, count_launches, run_case_under_interpreter
 from helpers.batches import family_prompts as _prompts
 from transformers.integrations import moe
 
@@ -171,47 +172,50 @@ def test_tiled_experts_run_only_with_the_fusion_on_a_gpu_and_few_pairs(monkeypat
     assert calls == [8]
 
 
-def test_triton_kernels_match_torch():
-    run_under_interpreter(__file__, "all prompt experts kernel cases ok")
+def _pair_order_case(pairs: int, experts: int, one_expert: bool) -> None:
+    """The pairs' order by expert (permutation, positions, offsets) against `pair_order_torch`, with blocks of 4 and
+    32 compared ids: random experts (many pairs per expert: the stable order within one; experts with none: their
+    offsets repeat) or every pair on the last expert."""
+    from hf_qsa_cache.ops.prompt_experts_triton import pair_order_triton
+
+    g = torch.Generator().manual_seed(pairs * 100 + experts)
+    ids = torch.full((pairs,), experts - 1) if one_expert else torch.randint(0, experts, (pairs,), generator=g)
+    want = prompt_experts.pair_order_torch(ids, experts)
+    for block_j in (4, 32):
+        got = pair_order_triton(ids, experts, block_j=block_j)
+        for name, h, w in zip(("perm", "positions", "offsets"), got, want, strict=True):
+            assert h.dtype == w.dtype and torch.equal(h, w), (block_j, name, h, w)
 
 
-def _main() -> int:
-    from hf_qsa_cache.ops.prompt_experts_triton import (pair_order_triton, sum_by_token_triton,
-                                                        weighted_silu_mul_triton)
+def _weighted_silu_case(dtype, tol, rows: int, inter: int) -> None:
+    """`weighted_silu_mul_triton` (blocks of 4 columns: the second partial for 6) against the torch function."""
+    from hf_qsa_cache.ops.prompt_experts_triton import weighted_silu_mul_triton
 
-    cases = 0
-    # The pairs' order by expert: many pairs per expert (the stable order within one), experts with none (their
-    # offsets repeat), a pair count the compared blocks do not divide, one pair, every pair on one expert, an
-    # expert count that is not a power of two.
-    g = torch.Generator().manual_seed(1)
-    for pairs, experts in ((19, 8), (1, 4), (12, 6), (40, 64)):
-        for ids in (torch.randint(0, experts, (pairs,), generator=g), torch.full((pairs,), experts - 1)):
-            want = prompt_experts.pair_order_torch(ids, experts)
-            for block_j in (4, 32):
-                got = pair_order_triton(ids, experts, block_j=block_j)
-                for name, h, w in zip(("perm", "positions", "offsets"), got, want, strict=True):
-                    assert h.dtype == w.dtype and torch.equal(h, w), (pairs, experts, block_j, name, h, w)
-                cases += 1
-    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1.6e-2)):
-        g = torch.Generator().manual_seed(0)
-        for rows, inter in ((7, 6), (3, 8)):  # blocks of 4 columns: the second partial for 6
-            gate_up = (torch.randn(rows, 2 * inter, generator=g) * 3).to(dtype)
-            weights = torch.rand(rows, generator=g)
-            got = weighted_silu_mul_triton(gate_up, weights, block=4)
-            want = prompt_experts.weighted_silu_mul_torch(gate_up, weights)
-            assert got.dtype == want.dtype and got.shape == want.shape
-            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-            cases += 1
-        for tokens, k, hidden in ((5, 3, 20), (4, 1, 8)):  # blocks of 8 features: the last partial for 20
-            rows = torch.randn(tokens * k, hidden, generator=g).to(dtype)
-            positions = torch.randperm(tokens * k, generator=g)
-            got = sum_by_token_triton(rows, positions, tokens, k, block=8)
-            want = prompt_experts.sum_by_token_torch(rows, positions, tokens, k)
-            assert got.dtype == want.dtype and got.shape == want.shape
-            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-            cases += 1
-    cases += _tiled_cases()
-    # The models with the fusion on (its CUDA dispatch on CPU tensors): prompts and decode steps through the kernels.
+    g = torch.Generator().manual_seed(rows * 10 + inter)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 3).to(dtype)
+    weights = torch.rand(rows, generator=g)
+    got = weighted_silu_mul_triton(gate_up, weights, block=4)
+    want = prompt_experts.weighted_silu_mul_torch(gate_up, weights)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def _sum_by_token_case(dtype, tol, tokens: int, k: int, hidden: int) -> None:
+    """`sum_by_token_triton` (blocks of 8 features: the last partial for 20) against the torch function."""
+    from hf_qsa_cache.ops.prompt_experts_triton import sum_by_token_triton
+
+    g = torch.Generator().manual_seed(tokens * 100 + k * 10 + hidden)
+    rows = torch.randn(tokens * k, hidden, generator=g).to(dtype)
+    positions = torch.randperm(tokens * k, generator=g)
+    got = sum_by_token_triton(rows, positions, tokens, k, block=8)
+    want = prompt_experts.sum_by_token_torch(rows, positions, tokens, k)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def _generate_case(family: str) -> str | None:
+    """The model with the fusion on (its CUDA dispatch on CPU tensors): prompts and decode steps through the tiled
+    kernels, the shared experts folded into them."""
     import helpers.inkling as inkling
     from helpers.fusions import fused_generate_mismatch
     from helpers.qwen4 import left_pad, make_pair, random_prompts
@@ -222,50 +226,42 @@ def _main() -> int:
     count_launches(prompt_experts_triton, "_tiled_gate_up_kernel", launches)
     count_launches(prompt_experts_triton, "_tiled_down_kernel", launches)
     prompt_experts.use_triton = lambda *x: True
-    for name, model, (ids, mask) in (
-            ("inkling", inkling.make_pair(inkling.make_config(), seed=3)[1],
-             inkling.left_pad(inkling.make_prompts([7, 3], seed=4))),
-            ("qwen4_exp", make_pair(seed=3)[1], left_pad(random_prompts([9, 4], seed=4)))):
-        error = fused_generate_mismatch(model, ids, mask, "tiled_experts", launches, atol=1e-4)
-        if error:
-            print(f"{name} generate: {error}")
-            return 1
-        num_experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj")).gate_up_proj.shape[0]
-        if not any(grid[0] > num_experts for grid in launches):
-            print(f"{name} generate: the shared experts were not folded into the tiled kernels")
-            return 1
-        cases += 1
-    print(f"all prompt experts kernel cases ok ({cases})")
-    return 0
+    if family == "inkling":
+        model = inkling.make_pair(inkling.make_config(), seed=3)[1]
+        ids, mask = inkling.left_pad(inkling.make_prompts([7, 3], seed=4))
+    else:
+        model, (ids, mask) = make_pair(seed=3)[1], left_pad(random_prompts([9, 4], seed=4))
+    error = fused_generate_mismatch(model, ids, mask, "tiled_experts", launches, atol=1e-4)
+    if error:
+        return error
+    num_experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj")).gate_up_proj.shape[0]
+    if not any(grid[0] > num_experts for grid in launches):
+        return "the shared experts were not folded into the tiled kernels"
+    return None
 
 
-def _tiled_cases() -> int:
-    """`tiled_experts_triton` against `tiled_experts_torch`, tiles forced small (16 pairs, columns and chunk): an
-    expert with more pairs than a tile (two passes over its weights), experts with none, sizes the tiles do not
-    divide, both weight layouts (in fp32), one token; fp32 and bf16."""
+def _tiled_case(tokens: int, top_k: int, experts: int, hidden: int, inter: int, dtype, tol,
+                transposed: bool) -> None:
+    """`tiled_experts_triton` against `tiled_experts_torch`, tiles forced small (16 pairs, columns and chunk), with no
+    shared experts, one gated by a vector and two weighted per token (`_shared_experts`)."""
     from hf_qsa_cache.ops.prompt_experts_triton import tiled_experts_triton
 
-    cases = 0
-    g = torch.Generator().manual_seed(2)
-    for tokens, top_k, experts, hidden, inter in ((23, 2, 5, 40, 24), (1, 3, 6, 16, 16), (9, 4, 7, 24, 40)):
-        index, weights = _routing(tokens, top_k, experts, seed=tokens)
-        if tokens == 23:
-            assert (index == 0).sum() > 16, "expert 0 should take more pairs than one tile"
-        for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
-            for transposed in (False, True) if dtype == torch.float32 else (False,):  # strides: any dtype alike
-                x = torch.randn(tokens, hidden, generator=g).to(dtype)
-                gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype)
-                down = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype)
-                if transposed:
-                    gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
-                for shared in _shared_experts(tokens, hidden, inter, dtype, g):
-                    args = (x, index, weights.to(dtype), gate_up, down, transposed, shared)
-                    want = prompt_experts.tiled_experts_torch(*args)
-                    got = tiled_experts_triton(*args, gate_up_tiles=(16, 16, 16, 1), down_tiles=(16, 16, 16, 2))
-                    assert got.dtype == want.dtype and got.shape == want.shape
-                    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-                    cases += 1
-    return cases
+    g = torch.Generator().manual_seed(tokens * 10 + int(transposed) + 2 * (dtype == torch.bfloat16))
+    index, weights = _routing(tokens, top_k, experts, seed=tokens)
+    if tokens == 23:
+        assert (index == 0).sum() > 16, "expert 0 should take more pairs than one tile"
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype)
+    if transposed:
+        gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+    for shared in _shared_experts(tokens, hidden, inter, dtype, g):
+        args = (x, index, weights.to(dtype), gate_up, down, transposed, shared)
+        want = prompt_experts.tiled_experts_torch(*args)
+        got = tiled_experts_triton(*args, gate_up_tiles=(16, 16, 16, 1), down_tiles=(16, 16, 16, 2))
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol,
+                                   msg=lambda m: f"shared experts {0 if shared is None else shared.gate.shape[0]}: {m}")
 
 
 def _shared_experts(tokens: int, hidden: int, inter: int, dtype, g):
@@ -284,5 +280,38 @@ def _shared_experts(tokens: int, hidden: int, inter: int, dtype, g):
                        token_weights=torch.rand(tokens, 2, generator=g).to(dtype))
 
 
+DTYPES = {"fp32": (torch.float32, 1e-6), "bf16": (torch.bfloat16, 1.6e-2)}
+# (tokens, top k, experts, hidden, intermediate) of the tiled experts: an expert with more pairs than a tile (two
+# passes over its weights), experts with none, sizes the tiles do not divide, one token.
+TILED_SHAPES = {"23tok-top2-5e-H40-I24": (23, 2, 5, 40, 24), "1tok-top3-6e-H16-I16": (1, 3, 6, 16, 16),
+                "9tok-top4-7e-H24-I40": (9, 4, 7, 24, 40)}
+# fp32 in both weight layouts, bf16 in one (strides: any dtype alike).
+TILED_VARIANTS = {"fp32": (torch.float32, 2e-5, False), "fp32-transposed": (torch.float32, 2e-5, True),
+                  "bf16": (torch.bfloat16, 2e-2, False)}
+KERNEL_CASES = {
+    # The pairs' order by expert: a pair count the compared blocks do not divide, one pair, an expert count that
+    # is not a power of two.
+    **{f"pair-order-{pairs}pairs-{experts}e-{kind}": partial(_pair_order_case, pairs, experts, kind == "one-expert")
+       for pairs, experts in ((19, 8), (1, 4), (12, 6), (40, 64)) for kind in ("random", "one-expert")},
+    **{f"weighted-silu-{d}-{rows}x{inter}-block4": partial(_weighted_silu_case, *DTYPES[d], rows, inter)
+       for d in DTYPES for rows, inter in ((7, 6), (3, 8))},
+    **{f"sum-by-token-{d}-{tokens}tok-top{k}-H{hidden}-block8": partial(_sum_by_token_case, *DTYPES[d], tokens, k,
+                                                                         hidden)
+       for d in DTYPES for tokens, k, hidden in ((5, 3, 20), (4, 1, 8))},
+    **{f"tiled-{shape}-{v}-tiles16": partial(_tiled_case, *TILED_SHAPES[shape], *TILED_VARIANTS[v])
+       for shape in TILED_SHAPES for v in TILED_VARIANTS},
+    **{f"generate-{family}": partial(_generate_case, family) for family in ("inkling", "qwen4_exp")},
+}
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_triton_kernels_match_torch(case):
+    run_case_under_interpreter(__file__, case)
+
+
+def _kernel_case(case: str) -> str | None:
+    return KERNEL_CASES[case]()
+
+
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(case_main(_kernel_case))

@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import sys
+from functools import partial
 
+import pytest
 import torch
-from helpers.interpreter import run_under_interpreter
+from helpers.interpreter import case_main, run_case_under_interpreter
 
 from hf_qsa_cache import fusions
 from hf_qsa_cache.ops import row_writes
@@ -84,43 +86,54 @@ def test_one_launch_only_for_writes_it_copies_as_torch(monkeypatch):
     assert not fuses_row_writes(targets)
 
 
-def test_kernel_under_interpreter():
-    run_under_interpreter(__file__, "all row write cases ok")
+def _write_case(seed: int, n: int, count: int) -> None:
+    """The first ``count`` of a layer's writes of ``n`` rows (`_targets`; with three, the third of no rows) in one
+    launch, chunks of 8 elements (rows of 12 and 16 elements in two chunks, 3 in a masked one): each store as the
+    specification leaves it."""
+    from hf_qsa_cache.ops import row_writes_triton
+
+    row_writes_triton.BLOCK = 8
+    targets = _targets(seed, n)
+    chosen = targets[:count]
+    if count == 3:  # a write of no rows beside the others
+        chosen = [*targets[:2], (targets[2][0], targets[2][1][:0], targets[2][2][:0])]
+    want = _spec(chosen)
+    stores = [store.clone() for store, _, _ in chosen]
+    row_writes_triton.write_rows_triton([(s, r, v) for s, (_, r, v) in zip(stores, chosen)])
+    for i, (have, expected) in enumerate(zip(stores, want)):
+        assert torch.equal(have, expected), f"store {i}"
 
 
-def main() -> int:
+def _generate_case() -> str | None:
+    """The tiny model with its QSA layers' writes in one launch each: the same bits as the torch writes."""
     from helpers.fusions import fused_generate_mismatch
     from helpers.interpreter import count_launches
     from helpers.qwen4 import left_pad, make_pair, random_prompts
 
     from hf_qsa_cache.ops import row_writes_triton
 
-    row_writes_triton.BLOCK = 8  # rows of 12 and 16 elements in two chunks, 3 in a masked one
-    cases = 0
-    for seed, n in ((0, 5), (1, 3), (2, 1)):
-        targets = _targets(seed, n)
-        for count in range(1, len(targets) + 1):
-            chosen = targets[:count]
-            if count == 3:  # a write of no rows beside the others
-                chosen = [*targets[:2], (targets[2][0], targets[2][1][:0], targets[2][2][:0])]
-            want = _spec(chosen)
-            stores = [store.clone() for store, _, _ in chosen]
-            row_writes_triton.write_rows_triton([(s, r, v) for s, (_, r, v) in zip(stores, chosen)])
-            for have, expected in zip(stores, want):
-                assert torch.equal(have, expected), (seed, n, count)
-            cases += 1
-    # The tiny model with its QSA layers' writes in one launch each: the same bits as the torch writes.
     row_writes.use_triton = lambda *t: True  # the CUDA dispatch, on CPU tensors
     launches: list = []
     count_launches(row_writes_triton, "_write_rows_kernel", launches)
-    error = fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)), "qsa_writes",
-                                    launches, atol=None)
-    if error:
-        print(f"generate: {error}")
-        return 1
-    print(f"all row write cases ok ({cases}, {len(launches)} launches in generate)")
-    return 0
+    return fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)), "qsa_writes",
+                                   launches, atol=None)
+
+
+KERNEL_CASES = {
+    **{f"block8-{n}rows-{count}targets{'-one-empty' * (count == 3)}": partial(_write_case, seed, n, count)
+       for seed, n in ((0, 5), (1, 3), (2, 1)) for count in range(1, 6)},
+    "generate": _generate_case,
+}
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_kernel_under_interpreter(case):
+    run_case_under_interpreter(__file__, case)
+
+
+def _kernel_case(case: str) -> str | None:
+    return KERNEL_CASES[case]()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(case_main(_kernel_case))

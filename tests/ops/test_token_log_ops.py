@@ -5,10 +5,11 @@ specification and a generate() whose log the kernel writes against the default's
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import pytest
 import torch
-from helpers.interpreter import count_launches, run_under_interpreter
+from helpers.interpreter import case_main, count_launches, run_case_under_interpreter
 
 from hf_qsa_cache import fusions
 from hf_qsa_cache.ops import token_log
@@ -65,34 +66,40 @@ def test_the_kernel_refuses_mismatched_inputs():
         log_tokens_triton(log.long(), position, token_row, ids)
 
 
-def test_triton_kernel_matches_torch():
-    run_under_interpreter(__file__, "all token log cases ok")
-
-
-def _main() -> int:
+def _counted_launches() -> list:
     from hf_qsa_cache.ops import token_log_triton
 
-    torch.set_num_threads(1)
     launches: list = []
     count_launches(token_log_triton, "_log_tokens_kernel", launches)
-    token_log_triton.BLOCK = 4  # several programs, the last one partly masked
-    for seed, (rows, width) in enumerate([(1, 1), (3, 5), (4, 1), (2, 7)]):
-        log, position, token_row, ids = _case(seed, rows, width)
-        want, got = log.clone(), log.clone()
-        token_log.log_tokens_torch(want, position, token_row, ids)
-        token_log_triton.log_tokens_triton(got, position, token_row, ids)
-        if not torch.equal(got[:-1], want[:-1]):
-            print(f"rows={rows} width={width}: the logs differ")
-            return 1
-    if launches != [(1,), (4,), (1,), (4,)]:  # ceil(tokens / 4) programs
-        print(f"launches {launches}")
-        return 1
-    # A model's generate() with the kernel writing its log (on CPU tensors): the log a default run leaves, and a
-    # continuation that does not start with the held tokens is still refused.
+    return launches
+
+
+def _write_case(seed: int, rows: int, width: int) -> str | None:
+    """The kernel (blocks of 4 tokens: several programs, the last one partly masked) against the specification:
+    the same log, ceil(tokens / 4) programs."""
+    from hf_qsa_cache.ops import token_log_triton
+
+    launches = _counted_launches()
+    token_log_triton.BLOCK = 4
+    log, position, token_row, ids = _case(seed, rows, width)
+    want, got = log.clone(), log.clone()
+    token_log.log_tokens_torch(want, position, token_row, ids)
+    token_log_triton.log_tokens_triton(got, position, token_row, ids)
+    if not torch.equal(got[:-1], want[:-1]):
+        return "the logs differ"
+    if launches != [(-(-rows * width // 4),)]:
+        return f"launches {launches}"
+    return None
+
+
+def _generate_case() -> str | None:
+    """A model's generate() with the kernel writing its log (on CPU tensors): the log a default run leaves, and a
+    continuation that does not start with the held tokens is still refused."""
     import helpers.inkling as inkling
 
     from hf_qsa_cache import QSAPagedCache
 
+    launches = _counted_launches()
     _, model = inkling.make_pair(inkling.make_config(), seed=4)
     ids, mask = inkling.left_pad(inkling.make_prompts([9, 4], seed=5))
     logs = {}
@@ -105,8 +112,7 @@ def _main() -> int:
             out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
                                  past_key_values=cache)
             if bool(launches) != fused:
-                print(f"fused={fused}: {len(launches)} kernel launches")
-                return 1
+                return f"fused={fused}: {len(launches)} kernel launches"
             logs[fused] = cache.token_log.ids.clone()
             wrong = out.clone()
             wrong[0, -2] += 1
@@ -114,17 +120,30 @@ def _main() -> int:
                 model.generate(torch.cat([wrong, wrong[:, -1:]], 1), max_new_tokens=1, do_sample=False,
                                pad_token_id=0, past_key_values=cache,
                                attention_mask=torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype)], 1))
-                print(f"fused={fused}: a wrong continuation was not refused")
-                return 1
+                return f"fused={fused}: a wrong continuation was not refused"
             except ValueError as err:
                 if "does not start with the tokens the cache holds" not in str(err):
                     raise
     if not torch.equal(logs[True][:-1], logs[False][:-1]):
-        print("generate: the kernel's log differs from the default's")
-        return 1
-    print("all token log cases ok")
-    return 0
+        return "the kernel's log differs from the default's"
+    return None
+
+
+KERNEL_CASES = {
+    **{f"block4-{rows}rows-width{width}": partial(_write_case, seed, rows, width)
+       for seed, (rows, width) in enumerate([(1, 1), (3, 5), (4, 1), (2, 7)])},
+    "generate": _generate_case,
+}
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_triton_kernel_matches_torch(case):
+    run_case_under_interpreter(__file__, case)
+
+
+def _kernel_case(case: str) -> str | None:
+    return KERNEL_CASES[case]()
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(case_main(_kernel_case))
