@@ -37,6 +37,7 @@ from transformers.models.inkling.modeling_inkling import (
     InklingRMSNorm,
 )
 from transformers.utils import can_return_tuple
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.attentions import StepWeights, keeps_caller_columns, returns_weights, step_columns
@@ -261,7 +262,18 @@ TP_PLAN_FIXES = {
 }
 
 
+# What a step with pads after real tokens reorders (`runs_any_padding`): inputs -> column dim; outputs ->
+# (column dim, batch dim). Router logits are ``[B * L, experts]`` per MoE layer, viewed as ``[B, L, experts]``.
+# (Attention weights come back in the caller's columns from the layers themselves: `hf_qsa_cache.attentions`.)
+TOKEN_INPUTS = {"input_ids": -1, "inputs_embeds": 1, "token_ids": -1}
+TOKEN_OUTPUTS = {"last_hidden_state": (1, 0), "hidden_states": (1, 0), "router_logits": (1, 0)}
+
+
 class InklingTextModel(InklingPagedPreTrainedModel):
+    # As upstream: output_router_logits records each router's routed logits (its first output). Hidden states and
+    # attentions are collected by the layer loop itself.
+    _can_record_outputs = {"router_logits": OutputRecorder(upstream.InklingTopkRouter, index=0)}
+
     def init_parallel_plans(self) -> None:
         super().init_parallel_plans()
         if self._tp_plan:
@@ -285,8 +297,8 @@ class InklingTextModel(InklingPagedPreTrainedModel):
     @can_return_tuple  # outermost: the decorators below reorder the output's fields
     @lands_whole
     @keeps_caller_columns  # attention weights come back in the caller's columns from the layers themselves
-    @runs_any_padding(per_token={"input_ids": -1, "inputs_embeds": 1, "token_ids": -1},
-                      outputs={"last_hidden_state": (1, 0), "hidden_states": (1, 0)})
+    @runs_any_padding(per_token=TOKEN_INPUTS, outputs=TOKEN_OUTPUTS)
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -400,12 +412,16 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, P
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
+        output_router_logits: bool | None = None,
         **kwargs,
     ) -> InklingCausalLMOutputWithPast:
+        config = self.language_model.config
         if output_attentions is None:
-            output_attentions = getattr(self.language_model.config, "output_attentions", False)
-        graphs = decode_graphs_for(self, past_key_values, input_ids, inputs_embeds,
-                                   extra_outputs=labels is not None or bool(output_hidden_states) or output_attentions)
+            output_attentions = getattr(config, "output_attentions", False)
+        if output_router_logits is None:
+            output_router_logits = getattr(config, "output_router_logits", False)
+        extra = labels is not None or bool(output_hidden_states) or output_attentions or output_router_logits
+        graphs = decode_graphs_for(self, past_key_values, input_ids, inputs_embeds, extra_outputs=extra)
         if graphs is not None:
             logits = slice_logits_to_keep(graphs.step(input_ids, position_ids, attention_mask), logits_to_keep)
             out = InklingCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
@@ -414,9 +430,11 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, P
             model=self.language_model,
             input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
             past_key_values=past_key_values, logits_to_keep=logits_to_keep,
-            chunkable=labels is None and not output_hidden_states and not output_attentions,
+            # Per-position outputs (loss, hidden states, attentions, router logits) need the whole prompt in one step.
+            chunkable=not extra,
             per_token={"position_ids": position_ids, "token_ids": kwargs.pop("token_ids", None)},
             use_cache=use_cache, output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+            output_router_logits=output_router_logits,
         )
         logits = self._logits(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         loss = None
@@ -425,6 +443,7 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, P
         out = InklingCausalLMOutputWithPast(
             loss=loss, logits=logits, past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+            router_logits=outputs.router_logits if output_router_logits else None,
         )
         return out if return_dict is not False else out.to_tuple()
 

@@ -239,18 +239,23 @@ def test_from_pretrained_loads_every_upstream_weight(checkpoint, models, tmp_pat
 
 # ----------------------------------------------------------------------------- forward
 def test_forward_matches_upstream_per_row(models, batch):
-    """One forward of the padded batch: logits at every real position (inside image and audio spans too), the
-    image features, and the loss of a row, as upstream gives them for each row alone."""
+    """One forward of the padded batch: logits and router logits at every real position (inside image and audio
+    spans too), the image features, and the loss of a row, as upstream gives them for each row alone."""
     upstream, ours = models
     with torch.no_grad():
-        out = ours(batch.ids, attention_mask=batch.mask, **batch.media())
+        out = ours(batch.ids, attention_mask=batch.mask, output_router_logits=True, **batch.media())
         assert out.past_key_values is None or isinstance(out.past_key_values, QSAPagedCache)
         features = upstream.model.get_image_features(batch.media()["pixel_values"]).pooler_output
         torch.testing.assert_close(out.image_hidden_states, features, atol=0, rtol=0)
+        B, L = batch.ids.shape
         for i, row in enumerate(batch.rows):
-            ref = upstream(batch.row(i), **batch.media(i))
+            ref = upstream(batch.row(i), output_router_logits=True, **batch.media(i))
             torch.testing.assert_close(out.logits[i, -len(row):], ref.logits[0], atol=2e-4, rtol=0,
                                        msg=lambda m: f"row {i}: {m}")
+            assert len(out.router_logits) == len(ref.router_logits) > 0
+            for layer, logits in enumerate(out.router_logits):
+                torch.testing.assert_close(logits.view(B, L, -1)[i, -len(row):], ref.router_logits[layer],
+                                           atol=1e-4, rtol=0, msg=lambda m: f"row {i}, layer {layer}: {m}")
         labels = batch.row(2).masked_fill(batch.row(2) >= UNPADDED, -100)  # no loss on placeholders
         ref = upstream(batch.row(2), labels=labels, **batch.media(2))
         loss, logits = ours(batch.row(2), labels=labels, return_dict=False, **batch.media(2))[:2]
