@@ -242,11 +242,6 @@ class InklingPagedPreTrainedModel(StrictLoadingMixin, InklingPreTrainedModel):
         return default_experts_implementation(requested_experts) or super().get_correct_experts_implementation(
             requested_experts)
 
-    def _init_weights(self, module):
-        super()._init_weights(module)
-        if isinstance(module, InklingPagedShortConvolution):
-            module.conv1d.reset_parameters()
-
 
 # transformers 5.23's tensor-parallel plan for Inkling (`config.base_model_tp_plan`) fails three ways: the
 # normed embedding cannot be cut on the vocabulary (the plan adds "embedding_rowwise"; its norm needs whole

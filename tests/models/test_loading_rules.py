@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 
 import modeling
 from modeling import modeling_inkling
+from modeling.checkpoints import StrictLoadingMixin
 
 FAMILIES = ["qwen4_exp", "inkling"]
 OURS = {
@@ -166,6 +167,28 @@ def test_causal_lm_checkpoint_reports_its_head_unexpected_in_the_text_model(tmp_
     _save_upstream(family, "ForCausalLM", tmp_path, seed=2)
     _, _, info = _load_both(family, "TextModel", tmp_path)
     assert info["unexpected_keys"] == {"lm_head.weight"} and not info["missing_keys"]
+
+
+# ----------------------------------------------------------------------------- built from a config
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dispatch", ["custom-code", "library-code"])
+def test_seeded_build_from_config_equals_transformers(family, dispatch, monkeypatch):
+    """A model built from a config under a seed has transformers' weights under that seed. transformers skips
+    `_init_weights` on a custom-code module without parameters of its own (our short convolution wrapper) but
+    runs it on every module of a library class: ours must give transformers' values either way."""
+    ours_cls, their_cls = _pair(family, "ForCausalLM")
+    config = _config(family)
+    torch.manual_seed(8)
+    theirs = their_cls(config)
+    if dispatch == "library-code":
+        # every class of ours (the text model's own post_init initialises first) dispatched as transformers' own
+        monkeypatch.setattr(StrictLoadingMixin, "is_custom_code", classmethod(lambda cls: False), raising=False)
+    torch.manual_seed(8)
+    ours = ours_cls(config)
+    mine, upstream = ours.state_dict(), theirs.state_dict()
+    assert mine.keys() == upstream.keys()
+    for key, value in upstream.items():
+        assert torch.equal(mine[key], value), key
 
 
 # ----------------------------------------------------------------------------- missing weights
