@@ -79,12 +79,25 @@ def check_linear_rollback(cache, drop: int) -> None:
             f"(num_speculative_tokens=0); build it with num_speculative_tokens={drop} or more"
         )
     for b in range(cache.num_rows):
-        deepest = cache.lengths[b] - rollback_floor(cache, b)
-        if drop > deepest:
+        length, floor = cache.lengths[b], rollback_floor(cache, b)
+        if drop <= length - floor:
+            continue
+        if cache.rows.crop_floor[b] <= length - limit:  # the headroom bounds it
             raise ValueError(
-                f"cannot drop {drop} tokens: row {b} can go back {deepest} at most (num_speculative_tokens={limit}: "
-                f"the cache keeps the state after each of the last {limit + 1} positions a row reached)"
+                f"cannot drop {drop} tokens: row {b} can go back {length - floor} at most (num_speculative_tokens="
+                f"{limit}: the cache keeps the state after each of the last {limit + 1} positions a row reached)"
             )
+        # The row's floor bounds it. Only a failed step raises a floor past the row's length (`Step.abort`);
+        # a floor at or below it may also come from an earlier crop.
+        cause = "a failed step overwrote its rollback state"
+        if floor <= length:
+            cause += (" of shorter lengths, or an earlier crop went back that far (crops share the budget of "
+                      f"num_speculative_tokens={limit})")
+        raise ValueError(
+            f"cannot drop {drop} tokens: row {b} can go back {max(length - floor, 0)} at most: it holds {length} "
+            f"tokens and may be cropped to length {floor} at the shortest{', once longer' if floor > length else ''}, "
+            f"because {cause}"
+        )
 
 
 def restore_linear_states(cache, new_lengths: list[int]) -> None:

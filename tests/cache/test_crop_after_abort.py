@@ -73,14 +73,21 @@ def test_crop_below_a_failed_step_is_refused_and_an_allowed_crop_is_exact(qwen):
     assert run.cache.lengths == length
     assert run.cache.rows.crop_floor[:2] == [n + 1 for n in length]
 
-    # Below the failed step: refused, before anything changes (even one token later).
+    # Below the failed step: refused, before anything changes (even one token later), blaming the failed step
+    # (not the headroom, which would allow it) and naming the shortest length the row may be cropped to.
     before = host_state(run.cache)
-    with pytest.raises(ValueError, match=r"cannot drop 1 tokens: row 0 can go back"):
+    refused = (rf"cannot drop 1 tokens: row 0 can go back 0 at most: it holds {length[0]} tokens and may be "
+               rf"cropped to length {length[0] + 1} at the shortest, once longer, because a failed step overwrote "
+               r"its rollback state$")
+    with pytest.raises(ValueError, match=refused):
         run.cache.crop(-1)
     assert host_state(run.cache) == before
     run.forward(_tokens(11, 2, 1))
     before = host_state(run.cache)
-    with pytest.raises(ValueError, match=r"cannot drop 1 tokens: row 0 can go back"):
+    refused = (rf"cannot drop 1 tokens: row 0 can go back 0 at most: it holds {length[0] + 1} tokens and may be "
+               rf"cropped to length {length[0] + 1} at the shortest, because a failed step overwrote its rollback "
+               r"state of shorter lengths")
+    with pytest.raises(ValueError, match=refused):
         run.cache.crop(-1)  # back to the length the failed step started from
     assert host_state(run.cache) == before
 
