@@ -45,6 +45,14 @@ TOP_GROUPS_CASES = [(4096, 32768), (512, 262144)]
 # Scores written then ranked, against tile maxima and the best tiles' groups scored again: (tokens, groups) of
 # decode and prefill chunks at 64k, 128k, 256k and 1M tokens of context.
 SELECTION_CASES = [(1, 32768), (1, 262144), (4096, 16384), (4096, 32768), (2048, 65536), (2048, 262144)]
+# Ties at the top-k cut. torch.topk on CUDA, called as transformers' indexer calls it (one query's visible scores,
+# one 1-D tensor): (scores, k) over these widths and picks, on rows of relu zeros.
+TOPK_TIE_WIDTHS = [2, 5, 17, 100, 1000, 4096, 32768, 99999, 100000, 262144, 1 << 20]
+TOPK_TIE_PICKS = [1, 8, 64, 512, 2048]
+# Whole selections of a step, Triton path against torch path (`check_selection_ties`): index heads (32: no exact
+# ties; 1: about half the scores are exact relu zeros), and steps of (prior tokens per row, tokens per row, k).
+SELECTION_TIE_HEADS = [32, 1]
+SELECTION_TIE_STEPS = [([20, 37, 60, 5], [16, 16, 9, 16], 8), ([3000, 4100], [8, 8], 512)]
 
 
 def _table(g: torch.Generator, device, num_rows: int = NUM_ROWS, seq_len: int = SEQ_LEN) -> tuple[torch.Tensor, int]:
@@ -188,6 +196,9 @@ def main() -> int:
         ok &= sweep_scores(n, groups, g, device)
     for n, groups in SELECTION_CASES:
         ok &= check_selection(n, groups, g, device)
+    ok &= check_topk_tie_rule(g, device)[1] == 0
+    for heads in SELECTION_TIE_HEADS:
+        ok &= check_selection_ties(heads, g, device)["ok"]
     ok &= sweep_attention(4096, g, device)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
@@ -391,6 +402,103 @@ def check_selection(n: int, groups: int, g: torch.Generator, device, k: int = 51
     finally:
         qsa.SELECT_BY_TILES_MIN_GROUPS, top_set.TOPK_TILE, qsa_triton.SCORES_GROUPS_MAJOR = saved
     return ok
+
+
+def check_topk_tie_rule(g: torch.Generator, device) -> tuple[int, int]:
+    """Which groups torch.topk on CUDA keeps among exact ties at the k-th value, called as transformers' indexer
+    calls it (one 1-D tensor of a query's visible scores): (calls, calls whose set is not the lower index's) over
+    `TOPK_TIE_WIDTHS` x `TOPK_TIE_PICKS`, on rows of relu zeros (half, 90% and all of the scores)."""
+    calls = differing = 0
+    for width in TOPK_TIE_WIDTHS:
+        for k in (k for k in TOPK_TIE_PICKS if k < width):
+            for zeros in (0.5, 0.9, 1.0):
+                x = torch.randn(width, generator=g).relu_()
+                x[torch.rand(width, generator=g) < zeros] = 0.0
+                kept = x.to(device).topk(k).indices.sort().values.cpu()
+                lower = x.sort(descending=True, stable=True).indices[:k].sort().values
+                calls += 1
+                if not torch.equal(kept, lower):
+                    differing += 1
+                    print(f"topk ties W={width} k={k} zeros={zeros}: CUDA keeps another set than the lower index")
+    print(f"topk ties on CUDA: {calls} calls, {differing} keep another set than the lower index "
+          f"{'ok' if differing == 0 else 'DIFFERS'}")
+    return calls, differing
+
+
+def _selection_step(g: torch.Generator, device, heads: int, prev: list[int], count: list[int], k: int) -> tuple:
+    """`score_and_select`'s arguments for one step of ``len(prev)`` rows (fp32, index head_dim 128): row ``b``
+    holds ``prev[b]`` tokens and adds ``count[b]`` (left-padded to the longest)."""
+    from hf_qsa_cache.metadata import QSAGeometry, build_step_metadata_torch
+
+    head_dim, query_len = 128, max(count)
+    seq_len = -(-max(p + c for p, c in zip(prev, count)) // BLOCK_SIZE) * BLOCK_SIZE
+    table, num_blocks = _table(g, device, len(prev), seq_len)
+    prev_t = torch.tensor(prev, dtype=torch.int32, device=device)
+    count_t = torch.tensor(count, dtype=torch.int32, device=device)
+    meta = build_step_metadata_torch(prev_t, count_t, query_len, {"main": table}, {"main": BLOCK_SIZE},
+                                     QSAGeometry(RATIO, RATIO), prev, count)
+    q_index = torch.randn(len(prev) * query_len, heads, head_dim, generator=g).to(device)
+    compressed = torch.randn(num_blocks, BLOCK_SIZE // RATIO, head_dim, generator=g).to(device)
+    return q_index, compressed, meta, "main", BLOCK_SIZE, RATIO, k
+
+
+def _torch_path_select(args: tuple) -> torch.Tensor:
+    """`score_and_select` on the torch path on CUDA tensors: torch's scores, and torch.topk over each token's
+    visible scores where the k-th score ties (what transformers' indexer runs on CUDA)."""
+    saved = qsa.use_triton
+    qsa.use_triton = lambda *tensors: False
+    try:
+        return qsa.score_and_select(*args)
+    finally:
+        qsa.use_triton = saved
+
+
+def _selected_group_sets(selected: torch.Tensor, k: int) -> list[set[int]]:
+    return [{g for g in row if g >= 0} for row in (selected[:, :k * RATIO:RATIO] // RATIO).tolist()]
+
+
+def check_selection_ties(heads: int, g: torch.Generator, device, timed: bool = True) -> dict:
+    """Whole selections of `SELECTION_TIE_STEPS` (fp32, ``heads`` index heads) on CUDA: the Triton path (its
+    kernels' scores, the lower group index among equal scores) against the torch path (torch's scores, torch.topk
+    over each token's visible scores: what transformers' indexer keeps on CUDA). Per token with more visible
+    groups than ``k``: the torch path keeps torch.topk's set; the Triton path keeps the lower index's set of the
+    torch scores unless the cut nearly ties (non-zero scores within 1e-5, whose order the two sums may swap);
+    without an exact or near tie both keep the same set. Returns the counts and ``ok``."""
+    stats = dict(tokens=0, exact_ties=0, topk_not_lower=0, triton_not_topk=0, near_ties=0, bad=0)
+    times = []
+    for prev, count, k in SELECTION_TIE_STEPS:
+        args = _selection_step(g, device, heads, prev, count, k)
+        q_index, compressed, meta = args[:3]
+        scores = qsa.index_scores_torch(q_index, compressed, meta.block_tables["main"], meta.token_row,
+                                        meta.visible_blocks, BLOCK_SIZE // RATIO, meta.max_seq_len // RATIO)
+        triton_sets = _selected_group_sets(qsa.score_and_select(*args), k)
+        torch_sets = _selected_group_sets(_torch_path_select(args), k)
+        for token, width in enumerate(meta.visible_blocks.tolist()):
+            if width <= k:  # every visible group kept, by both
+                stats["bad"] += not (triton_sets[token] == torch_sets[token] == set(range(width)))
+                continue
+            row = scores[token, :width]
+            values = row.sort(descending=True).values
+            kth, after = float(values[k - 1]), float(values[k])
+            exact = kth == after
+            near = not exact and kth - after <= 1e-5 * abs(kth) + 1e-6
+            by_topk = set(row.topk(k).indices.tolist())
+            lower = set(row.sort(descending=True, stable=True).indices[:k].tolist())
+            stats["tokens"] += 1
+            stats["exact_ties"] += exact
+            stats["near_ties"] += near
+            stats["topk_not_lower"] += by_topk != lower
+            stats["triton_not_topk"] += exact and triton_sets[token] != by_topk
+            stats["bad"] += torch_sets[token] != by_topk
+            stats["bad"] += not near and triton_sets[token] != lower
+            stats["bad"] += not (exact or near) and triton_sets[token] != torch_sets[token]
+        if timed:
+            times.append(f"k={k}: triton={_bench(lambda: qsa.score_and_select(*args)):8.1f}us "
+                         f"torch={_bench(lambda: _torch_path_select(args)):8.1f}us")
+    stats["ok"] = stats["bad"] == 0 and stats["tokens"] > 0
+    print(f"selection ties, {heads} index heads: " + " ".join(f"{k}={v}" for k, v in stats.items() if k != "ok")
+          + (" " + " ".join(times) if times else "") + f" {'ok' if stats['ok'] else 'MISMATCH'}")
+    return stats
 
 
 if __name__ == "__main__":

@@ -122,8 +122,8 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
 
     q_index: ``[B*L, Hi, Di]`` normed and rotated index queries; compressed: ``[num_blocks, block_size/r, Di]``.
     Score of group b: ``sum_h relu(q_h . k_b) / sqrt(Di)``, top ``min(block_topk, visible)`` kept. Among equal
-    scores at the cut, the CPU keeps what transformers' ``torch.topk`` over the token's visible groups keeps
-    (`top_set.top_group_set_as_topk`); CUDA keeps the lower group index.
+    scores at the cut, the torch path (the CPU) keeps what transformers' ``torch.topk`` over the token's visible
+    groups keeps (`top_set.top_group_set_as_topk`); the Triton path (CUDA) keeps the lower group index.
     """
     n = q_index.shape[0]
     device = q_index.device
@@ -143,6 +143,9 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
     scores_fn = index_scores_torch
     if use_triton(q_index):
         from .qsa_triton import index_scores_triton as scores_fn
+    # The torch path keeps the tied groups transformers' torch.topk keeps (from each token's visible count); the
+    # Triton path the lower group index.
+    ties_as_topk = not use_triton(q_index)
     chosen = []
     for start in range(0, n, step):
         end = start + step
@@ -151,7 +154,7 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
         if by_tiles:
             groups = select_by_tile_maxima(*args, max_groups, k).sort(dim=-1).values
         else:
-            groups = top_group_set(scores_fn(*args, max_groups), k, visible[start:end])
+            groups = top_group_set(scores_fn(*args, max_groups), k, visible[start:end] if ties_as_topk else None)
         chosen.append(selected_positions(groups, visible[start:end], pos[start:end], ratio, block_topk))
     return chosen[0] if len(chosen) == 1 else torch.cat(chosen, dim=0)
 

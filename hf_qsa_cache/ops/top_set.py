@@ -2,9 +2,9 @@
 `top_group_set`, the op the selection calls (one Triton launch with the ``qsa_topk`` fusion on CUDA,
 `top_set_triton`).
 
-Ties (relu makes exact-zero scores common): on the CPU a selection keeps the groups ``torch.topk`` keeps when called
-as transformers' indexer calls it, over each token's visible groups alone (`top_group_set_as_topk`); on CUDA (the
-Triton path, and `top_groups`) the lower group index wins among equal scores.
+Ties (relu makes exact-zero scores common): the torch path (the CPU) keeps the groups ``torch.topk`` keeps when
+called as transformers' indexer calls it, over each token's visible groups alone (`top_group_set_as_topk`); the
+Triton path (CUDA) keeps the lower group index among equal scores, as `top_groups` does.
 """
 
 from __future__ import annotations
@@ -66,14 +66,14 @@ def top_group_set(scores: torch.Tensor, k: int, visible: torch.Tensor | None = N
     bisection for the ``k``-th best score, where torch's top-k sorts the whole row and gathers); otherwise
     `top_groups`, sorted by group.
 
-    ``visible [N]``: the groups each row scores (the rest are ``-inf``). Given, on the CPU, ties resolve as
-    transformers' indexer resolves them (`top_group_set_as_topk`)."""
+    ``visible [N]``: the groups each row scores (the rest are ``-inf``), given by the torch path (the CPU): ties
+    then resolve as transformers' indexer resolves them (`top_group_set_as_topk`, which syncs with the host)."""
+    if visible is not None:
+        return top_group_set_as_topk(scores, visible, k)
     if _fuses_top_set(scores, k):
         from .top_set_triton import top_set_triton
 
         return top_set_triton(scores, k)
-    if visible is not None and not scores.is_cuda:
-        return top_group_set_as_topk(scores, visible, k)
     return top_groups(scores, k).sort(dim=-1).values
 
 

@@ -1,4 +1,5 @@
-"""QSA top-k selection: `top_groups` keeps the best groups with ties going to the lower group."""
+"""QSA top-k ranking on the Triton path (CUDA): `top_groups` keeps the best groups with ties going to the lower
+group (the CPU's selection keeps torch.topk's tied groups instead: `top_set.top_group_set_as_topk`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """The set of a QSA selection's best groups (`top_set.top_group_set`) and its one-launch Triton kernel
 (`top_set_triton`, the ``qsa_topk`` fusion).
 
-The kernel runs this file as a script under the Triton interpreter (`interpreter.py`) against the torch
-path: rows full of exact ties (relu zeros), -0.0 beside 0.0, -inf groups, negative scores, k from 1 to
-the whole row, a strided row view, and blocks forced small so that rows are read in several chunks, with
-ties that straddle a chunk boundary.
+The kernel runs this file as a script under the Triton interpreter (`interpreter.py`), one pytest item per case,
+against the torch path: rows full of exact ties (relu zeros), -0.0 beside 0.0, -inf groups, negative scores, k
+from 1 to the whole row, a strided row view, and blocks forced small so that rows are read in several chunks, with
+ties that straddle a chunk boundary. Among equal scores it keeps the lower index (the Triton path's rule; the
+CPU's selection keeps what torch.topk keeps, `top_group_set_as_topk`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from hf_qsa_cache import fusions
 from hf_qsa_cache.ops import top_set as top_set_ops
 from helpers.fusions import fused_generate_mismatch
-from helpers.interpreter import count_launches, run_under_interpreter
+from helpers.interpreter import case_main, count_launches, run_case_under_interpreter
 
 
 def _stable_best(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -62,10 +63,6 @@ def test_cpu_selection_keeps_what_torch_topk_keeps_over_the_visible_groups(seed)
     assert differs_from_lower > 0 and differs_from_wide > 0, (differs_from_lower, differs_from_wide)
 
 
-def test_kernel_matches_the_specification_under_the_interpreter():
-    run_under_interpreter(__file__, "all top set cases ok")
-
-
 def _rows(g: torch.Generator, n: int, groups: int) -> torch.Tensor:
     scores = torch.relu(torch.randn(n, groups, generator=g))  # relu zeros: exact ties
     scores[1 % n] = torch.randint(0, 3, (groups,), generator=g).float()  # a row of few values
@@ -75,43 +72,87 @@ def _rows(g: torch.Generator, n: int, groups: int) -> torch.Tensor:
     return scores
 
 
-def _cases(launches: list) -> str | None:
-    """Every case of the kernel against the specification."""
+# (rows, groups) of the random-row cases; 33 groups are also read in chunks of 8 (blocks forced small).
+ROW_SHAPES = [(1, 1), (3, 5), (4, 33), (3, 64), (5, 200)]
+KERNEL_CASES = ([f"{n}x{groups}" for n, groups in ROW_SHAPES]
+                + ["chunk-straddling-ties", "one-step-apart", "low-bits", "bad-k", "generate"])
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_kernel_matches_the_specification_under_the_interpreter(case):
+    run_case_under_interpreter(__file__, case)
+
+
+def _kernel_case(case: str) -> str | None:
+    """One kernel case (a name of `KERNEL_CASES`) under the interpreter: None, or what differs."""
+    from triton.runtime.interpreter import InterpretedFunction
+
     from hf_qsa_cache.ops import top_set_triton as ts
 
-    top_set = ts.top_set_triton
-    g = torch.Generator().manual_seed(0)
-    for n, groups in ((1, 1), (3, 5), (4, 33), (3, 64), (5, 200)):
-        wide = _rows(g, n, groups + 3)
-        # Rows read in several chunks (blocks forced small) in one case: the interpreter's rounds are slow.
-        blocks = (None, 8) if groups == 33 else (None,)
-        for label, scores in (("contiguous", wide[:, 3:].contiguous()), ("strided", wide[:, 3:])):
-            for k in sorted({1, groups // 3 or 1, 2 * groups // 3 or 1, groups}):  # 2/3: cuts among negatives
-                want = _stable_best(scores, k)
-                for block in blocks:
-                    launches.clear()
-                    have = top_set(scores, k, block=block)
-                    where = f"n={n} G={groups} k={k} {label} block={block}"
-                    if len(launches) != 1 or have.dtype != torch.int64 or not torch.equal(have, want):
-                        return f"{where}: launches {len(launches)}, {have.tolist()} != {want.tolist()}"
-    # Ties across a chunk boundary: 12 equal scores over chunks of 4, k cutting through them.
+    torch.set_num_threads(1)
+    if not isinstance(ts._top_set_kernel, InterpretedFunction):
+        return "TRITON_INTERPRET was not honoured"
+    launches: list = []
+    count_launches(ts, "_top_set_kernel", launches)
+    if case == "generate":
+        return _generate_case(launches)
+    cases = {"chunk-straddling-ties": _chunk_straddling_ties, "one-step-apart": _one_step_apart,
+             "low-bits": _low_bits, "bad-k": _bad_k}
+    if case in cases:
+        return cases[case](ts.top_set_triton)
+    n, groups = ROW_SHAPES[[f"{n}x{gr}" for n, gr in ROW_SHAPES].index(case)]
+    return _random_rows(ts.top_set_triton, launches, n, groups)
+
+
+def _random_rows(top_set, launches: list, n: int, groups: int) -> str | None:
+    """`_rows` of ``n`` x ``groups`` (after 3 dropped columns: contiguous, and a strided view), every k from 1 to the
+    row, one launch each."""
+    g = torch.Generator().manual_seed(n * 1000 + groups)
+    wide = _rows(g, n, groups + 3)
+    # Rows read in several chunks (blocks forced small) in one case: the interpreter's rounds are slow.
+    blocks = (None, 8) if groups == 33 else (None,)
+    for label, scores in (("contiguous", wide[:, 3:].contiguous()), ("strided", wide[:, 3:])):
+        for k in sorted({1, groups // 3 or 1, 2 * groups // 3 or 1, groups}):  # 2/3: cuts among negatives
+            want = _stable_best(scores, k)
+            for block in blocks:
+                launches.clear()
+                have = top_set(scores, k, block=block)
+                where = f"n={n} G={groups} k={k} {label} block={block}"
+                if len(launches) != 1 or have.dtype != torch.int64 or not torch.equal(have, want):
+                    return f"{where}: launches {len(launches)}, {have.tolist()} != {want.tolist()}"
+    return None
+
+
+def _chunk_straddling_ties(top_set) -> str | None:
+    """12 equal scores over chunks of 4, k cutting through them; a -0.0 that ties with the 0.0 after it and wins
+    as the lower group."""
     scores = torch.zeros(1, 20)
     scores[0, :3] = 2.0
     scores[0, 15:] = float("-inf")
-    scores[0, 3] = -0.0  # must tie with the 0.0 after it, and win as the lower group
+    scores[0, 3] = -0.0
     for k in (3, 5, 15):  # inside the first chunk, cutting the ties in a later one, all the ties
         have = top_set(scores, k, block=4)
         if not torch.equal(have, _stable_best(scores, k)):
             return f"chunk-straddling ties k={k}: {have.tolist()}"
-    # Sixteen scores one float step apart (shuffled): the search must narrow to a single key value.
+    return None
+
+
+def _one_step_apart(top_set) -> str | None:
+    """Sixteen scores one float step apart (shuffled): the search must narrow to a single key value."""
+    g = torch.Generator().manual_seed(16)
     close = torch.tensor(1.0) + torch.arange(16) * (torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)) - 1.0)
     close = close[torch.randperm(16, generator=g)][None]
     for k in (1, 5, 15):
         have = top_set(close, k)
         if not torch.equal(have, _stable_best(close, k)):
             return f"scores one step apart, k={k}: {have.tolist()}"
-    # Keys that share their top 24 bits and differ in the last 8, keys 256 apart (their last 8 bits equal), and keys
-    # far apart.
+    return None
+
+
+def _low_bits(top_set) -> str | None:
+    """Keys that share their top 24 bits and differ in the last 8, keys 256 apart (their last 8 bits equal), and
+    keys far apart."""
+    g = torch.Generator().manual_seed(40)
     base = torch.tensor(3.0).view(torch.int32)
     for spread in (torch.arange(40) * 3, torch.arange(40) * 256 + 7):
         near = (base + spread).view(torch.float32)[torch.randperm(40, generator=g)][None]
@@ -121,6 +162,13 @@ def _cases(launches: list) -> str | None:
                 have = top_set(rows, k, block=16)
                 if not torch.equal(have, _stable_best(rows, k)):
                     return f"keys {spread[1].item()} apart, k={k}: {have.tolist()}"
+    return None
+
+
+def _bad_k(top_set) -> str | None:
+    """k of 0 or past the row is refused, naming the value."""
+    scores = torch.zeros(1, 20)
+    top_set(scores, 20)  # the whole row is fine
     for bad in (0, 21):
         try:
             top_set(scores, bad)
@@ -131,35 +179,21 @@ def _cases(launches: list) -> str | None:
     return None
 
 
-def _main() -> int:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from hf_qsa_cache.ops import top_set_triton as ts
-
-    torch.set_num_threads(1)
-    if not isinstance(ts._top_set_kernel, InterpretedFunction):
-        print("TRITON_INTERPRET was not honoured")
-        return 1
-    launches: list = []
-    count_launches(ts, "_top_set_kernel", launches)
-    error = _cases(launches)
-    if error:
-        print(error)
-        return 1
-    # The tiny Qwen4Exp (4 of up to 7 groups kept: the selection is active) with the kernel in every QSA
-    # layer: the same selected sets as the torch path, so the same logits bit for bit.
+def _generate_case(launches: list) -> str | None:
+    """The tiny Qwen4Exp (4 of up to 7 groups kept: the selection is active) with the kernel in every QSA layer,
+    against the ranking it replaces on CUDA (`top_groups`, the lower index among ties): the same selected sets, so
+    the same logits bit for bit."""
     from helpers.qwen4 import left_pad, make_pair, random_prompts
 
+    from hf_qsa_cache.ops import qsa
+
     top_set_ops._fuses_top_set = lambda scores, k: fusions.enabled("qsa_topk")  # the CUDA dispatch, on CPU tensors
+    qsa.top_group_set = lambda scores, k, visible=None: top_set_ops.top_group_set(scores, k)  # CUDA's ranking
     fusions.STATE["qsa_topk"] = False  # the torch path first
     error = fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)),
                                     "qsa_topk", launches, atol=None)
-    if error:
-        print(f"generate: {error}")
-        return 1
-    print("all top set cases ok")
-    return 0
+    return f"generate: {error}" if error else None
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(case_main(_kernel_case))
