@@ -274,7 +274,7 @@ def _compare_generate(model, ids, mask, atol: float) -> str | None:
     try:
         have = _generate(model, ids, mask)
     finally:
-        model.set_experts_implementation("grouped_mm")
+        model.set_experts_implementation(selected.OURS)
     if not torch.equal(have.sequences, want.sequences):
         return f"tokens {have.sequences.tolist()} != {want.sequences.tolist()}"
     for step, (h, w) in enumerate(zip(have.logits, want.logits)):
@@ -303,7 +303,7 @@ def _generate_case(family: str, fold: bool) -> str | None:
                 _generate(model, ids, mask)
             finally:
                 mlp_type.forward = real
-                model.set_experts_implementation("grouped_mm")
+                model.set_experts_implementation(selected.OURS)
             error = f"the shared expert module ran {len(calls)} times" if calls else None
     return error or (None if launches else "no launches")
 
@@ -363,9 +363,9 @@ def test_generate_with_selected_experts_equals_the_default(family, monkeypatch):
     reference = selected.selected_experts_torch
     monkeypatch.setattr(selected, "selected_experts_torch", lambda *a: (calls.append(1), reference(*a))[1])
     model, ids, mask = _family(family)
-    assert model.config._experts_implementation == "grouped_mm"
+    assert model.config._experts_implementation == selected.OURS
     assert _compare_generate(model, ids, mask, atol=1e-5) is None
-    assert calls and model.config._experts_implementation == "grouped_mm"
+    assert calls and model.config._experts_implementation == selected.OURS
 
 
 def _unsupported_variants(module: nn.Module):
@@ -436,21 +436,21 @@ def test_graph_steps_run_selected_experts_only_when_asked(monkeypatch):
     assert graph_experts(model, experts, cuda, 1) == graph_experts(model, experts, cuda, most) == "hf_qsa_selected"
     assert graph_experts(model, experts, cuda, most + 1) == "batched_mm"  # too many tokens: as before
     monkeypatch.setitem(fusions.STATE, "tiled_experts", True)  # more tokens: the tiled kernels, any dtype
-    assert graph_experts(model, experts, cuda, most + 1) == "grouped_mm"
+    assert graph_experts(model, experts, cuda, most + 1) is None  # our own experts: they run the tiled kernels
     assert graph_experts(model, experts, cuda, 1) == "hf_qsa_selected"
     monkeypatch.setitem(fusions.STATE, "tiled_experts", False)
     assert graph_experts(model, experts, cpu, 1) == "batched_mm"  # not on CUDA: as before
     key = capture_key(model, experts, cuda, graph_experts(model, experts, cuda, 1), 4, 1)
     assert key[2] == "hf_qsa_selected" and key != capture_key(model, experts, cuda, "batched_mm", 4, 1)
-    model.to(torch.bfloat16)  # bf16 on Hopper: grouped_mm captures, but the fused experts still win for small steps
+    model.to(torch.bfloat16)  # bf16 on Hopper: grouped GEMMs capture, but the fused experts still win for small steps
     assert graph_experts(model, experts, cuda, 1) == "hf_qsa_selected"
-    model.set_experts_implementation("batched_mm")  # what generate() switches to for decode steps on a GPU
-    assert graph_experts(model, experts, cuda, 1) == "hf_qsa_selected"
-    assert graph_experts(model, experts, cuda, most + 1) == "grouped_mm"
-    model.set_experts_implementation("grouped_mm")
-    assert graph_experts(model, experts, cuda, most + 1) == "grouped_mm"
+    assert graph_experts(model, experts, cuda, most + 1) is None
+    for named in ("batched_mm", "grouped_mm"):  # a user's choice runs as chosen, graph steps included
+        model.set_experts_implementation(named)
+        assert graph_experts(model, experts, cuda, 1) is None and graph_experts(model, experts, cuda, most + 1) is None
+    model.set_experts_implementation(selected.OURS)
     monkeypatch.setitem(fusions.STATE, "experts", False)
-    assert graph_experts(model, experts, cuda, 1) == "grouped_mm"
+    assert graph_experts(model, experts, cuda, 1) is None  # our own grouped GEMMs capture in bf16 on Hopper
     model.to(torch.float32)
     monkeypatch.setitem(fusions.STATE, "experts", True)  # HF_QSA_FUSED=experts
     # Experts the kernels do not cover keep the earlier choice; so does an implementation the user chose.
@@ -460,10 +460,6 @@ def test_graph_steps_run_selected_experts_only_when_asked(monkeypatch):
     monkeypatch.setitem(fusions.STATE, "experts", True)  # HF_QSA_FUSED=experts
     model.set_experts_implementation("eager")
     assert graph_experts(model, experts, cuda, 1) is None
-
-
-if __name__ == "__main__":
-    sys.exit(case_main(_kernel_case))
 
 
 def test_the_shared_expert_is_folded_only_where_it_may_be(monkeypatch):
@@ -530,3 +526,7 @@ def test_inkling_shared_experts_are_folded_only_where_they_may_be(monkeypatch):
             handle.remove()
         model.set_experts_implementation("grouped_mm")
         assert selected.inkling_shared_experts_to_fold(block, x) is None
+
+
+if __name__ == "__main__":
+    sys.exit(case_main(_kernel_case))
