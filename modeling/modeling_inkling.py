@@ -235,6 +235,9 @@ class InklingPagedPreTrainedModel(StrictLoadingMixin, InklingPreTrainedModel):
     _can_record_outputs = {}
     # The experts are transformers' own `InklingExperts`, so their implementation can be chosen as upstream.
     _can_set_experts_implementation_cached_value = True
+    # Attention never goes through the attention-function registry: the implementation is only read to say whether
+    # output_attentions returns weights (eager) or an empty tuple (the rest), as transformers' classes return them.
+    _can_set_attn_implementation_cached_value = True
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
         """Ours (``"hf_qsa"``, `hf_qsa_cache.ops.experts.OURS`) unless the user names another, which transformers
