@@ -1,6 +1,7 @@
 """Triton kernels used by the cache (each tested against a torch specification)."""
 
 import torch
+from transformers.utils.output_capturing import _active_collector
 
 
 def records_grad(*tensors) -> bool:
@@ -11,10 +12,22 @@ def records_grad(*tensors) -> bool:
 
 def keeps_own_forward(module, *weights: torch.Tensor) -> bool:
     """Whether a fused op must leave ``module`` to its own forward rather than read ``weights`` directly: a
-    hook on it (a user's, an output recorder's), accelerate's offloading wrapper (the weights are loaded only
+    hook that must see it run (`sees_forward`), accelerate's offloading wrapper (the weights are loaded only
     inside its forward), or weights that are not plain tensors (tensor parallel's DTensors)."""
-    return (bool(module._forward_hooks or module._forward_pre_hooks) or hasattr(module, "_hf_hook")
+    return (sees_forward(module) or hasattr(module, "_hf_hook")
             or any(type(w.data) is not torch.Tensor for w in weights))
+
+
+def sees_forward(module) -> bool:
+    """Whether a hook must see ``module``'s forward run: a user's hook, or transformers' output recorder while a
+    call collects outputs (it stays installed after a call that asked for router logits or hidden states, idle
+    in the calls that do not: those may still run the fused path)."""
+    if module._forward_pre_hooks:
+        return True
+    hooks = module._forward_hooks.values()
+    if any(getattr(hook, "__name__", "") != "output_capturing_hook" for hook in hooks):
+        return True
+    return bool(hooks) and _active_collector.get() is not None
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
