@@ -2,7 +2,8 @@
 
 Started by `interpreter.run_under_interpreter` with ``TRITON_INTERPRET=1`` (it must be set before triton is first
 imported). It imports torch, triton, transformers and this project once (about 6 s, which every script paid
-again when each ran in a fresh Python), then serves requests read from stdin, one JSON line each: ``script``,
+again when each ran in a fresh Python), and pytest and the tests' helpers (which every test file imports: a
+child running one case pays only its own work), then serves requests read from stdin, one JSON line each: ``script``,
 ``args``, ``log`` (where `kernel_compile.record` writes the script's launches) and ``out`` (its stdout and
 stderr). For each it forks: the child starts from the imported modules, untouched by earlier scripts (each child
 exits when its script ends), runs the script as ``__main__`` and writes its launch log; the server replies with
@@ -33,6 +34,11 @@ import hf_qsa_cache  # noqa: E402,F401
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: `helpers`
 from helpers import kernel_compile  # noqa: E402
 import modeling  # noqa: E402,F401
+
+# What every test file imports at its top, so that a child running one case of it does not import them again
+# (pytest alone took 60 ms of a short case's 150).
+import pytest  # noqa: E402,F401
+from helpers import fusions, inkling, interpreter, qwen4  # noqa: E402,F401
 
 
 def _run_child(request: dict) -> None:
