@@ -2,12 +2,9 @@
 
 A stream of requests of mixed lengths runs through `model.generate_batch` (one background loop: rows
 that finish give their blocks back, new requests start at once, prompts are prefilled in chunks between
-decode steps). Prints throughput, then checks every request against our `generate()` on its prompt alone:
-one OK line, or the first differing token of each request and exit status 1.
-
-Not against transformers' own class: at this small config (4 index heads) a prompt can hold index scores of
-exactly zero that tie at the QSA top-k boundary, and transformers and this package keep different groups
-there (request 14 of the default 24 does), so tokens can part after a while without either being wrong.
+decode steps). Prints throughput, then checks every request against transformers' own
+`Qwen4ExpForCausalLM` with the same weights on its prompt alone (fp32, CPU; in another dtype, against our
+`generate()` on the prompt alone): one OK line, or the first differing token of each request and exit status 1.
 
     python examples/continuous_batching.py [--requests 24] [--device cuda] [--dtype bfloat16]
 """
@@ -18,17 +15,24 @@ import argparse
 import time
 
 import torch
+import transformers
 from generate_qwen4_exp import small_config
 from transformers import ContinuousBatchingConfig, GenerationConfig
-from verdict import compare, greedy
+from verdict import compare, greedy, transformers_twin
 
 from modeling import Qwen4ExpForCausalLM
 
 
-def alone(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Our greedy tokens for each prompt alone (a plain `generate()` of one unpadded row)."""
-    device = next(model.parameters()).device
-    return [greedy(model, new_tokens, torch.tensor([p], device=device)) for p in prompts]
+def alone(model, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], str]:
+    """The reference greedy tokens of each prompt alone (a plain `generate()` of one unpadded row), and what gave
+    them: transformers' own class with ``model``'s weights for an fp32 model, otherwise ``model`` itself."""
+    if next(model.parameters()).dtype == torch.float32:
+        twin = transformers_twin(model, transformers.Qwen4ExpForCausalLM)
+        reference = "transformers' Qwen4ExpForCausalLM (same weights, fp32, CPU) on each prompt alone"
+    else:
+        twin, reference = model, "our generate() on each prompt alone"
+    device = next(twin.parameters()).device
+    return [greedy(twin, new_tokens, torch.tensor([p], device=device)) for p in prompts], reference
 
 
 def main(argv=None):
@@ -57,8 +61,7 @@ def main(argv=None):
           f"({args.rows} in flight)")
 
     got = [results[f"req_{i}"].generated_tokens if f"req_{i}" in results else [] for i in range(len(prompts))]
-    compare("continuous batching", got, alone(model, prompts, generation_config.max_new_tokens),
-            "our generate() on each prompt alone")
+    compare("continuous batching", got, *alone(model, prompts, generation_config.max_new_tokens))
 
 
 if __name__ == "__main__":

@@ -123,7 +123,8 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
     q_index: ``[B*L, Hi, Di]`` normed and rotated index queries; compressed: ``[num_blocks, block_size/r, Di]``.
     Score of group b: ``sum_h relu(q_h . k_b) / sqrt(Di)``, top ``min(block_topk, visible)`` kept. Among equal
     scores at the cut, the torch path (the CPU) keeps what transformers' ``torch.topk`` over the token's visible
-    groups keeps (`top_set.top_group_set_as_topk`); the Triton path (CUDA) keeps the lower group index.
+    groups keeps (`top_set.top_group_set_as_topk`); the Triton path (CUDA) keeps the lower group index, as
+    ``torch.topk`` does on CUDA.
     """
     n = q_index.shape[0]
     device = q_index.device
