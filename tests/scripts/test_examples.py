@@ -77,12 +77,12 @@ def test_inkling_example_equals_transformers():
             "CPU) on each row alone, unpadded") in stdout, stdout
 
 
-def test_continuous_batching_example_runs_and_matches_generate():
+def test_continuous_batching_example_runs_and_matches_transformers():
     stdout = _example([sys.executable, os.path.join(EXAMPLES, "continuous_batching.py"), "--requests", "6",
                        "--rows", "3"])
     assert "6 requests, 192 new tokens" in stdout, stdout
-    assert ("OK: continuous batching: all 6 rows (192 new tokens) equal to our generate() on each prompt alone"
-            in stdout), stdout
+    assert ("OK: continuous batching: all 6 rows (192 new tokens) equal to transformers' Qwen4ExpForCausalLM "
+            "(same weights, fp32, CPU) on each prompt alone" in stdout), stdout
 
 
 def test_tensor_parallel_example_on_two_cpu_processes():
@@ -164,7 +164,8 @@ def test_continuous_batching_exits_1_when_a_request_differs(examples_path, monke
 
     monkeypatch.setattr(example, "alone", other)
     err = _exits_with_mismatch(example.main, ["--device", "cpu", "--requests", "2", "--rows", "2"], capsys)
-    assert "continuous batching: 2 of 2 rows differ from our generate() on each prompt alone" in err, err
+    assert ("continuous batching: 2 of 2 rows differ from transformers' Qwen4ExpForCausalLM (same weights, fp32, "
+            "CPU) on each prompt alone" in err), err
 
 
 def test_data_parallel_exits_1_when_the_one_process_run_differs(examples_path, monkeypatch, capsys):
