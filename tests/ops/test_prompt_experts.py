@@ -220,12 +220,13 @@ def _generate_case(family: str) -> str | None:
     from helpers.fusions import fused_generate_mismatch
     from helpers.qwen4 import left_pad, make_pair, random_prompts
 
-    from hf_qsa_cache.ops import prompt_experts_triton
+    from hf_qsa_cache.ops import moe, prompt_experts_triton
 
     launches: list = []
     count_launches(prompt_experts_triton, "_tiled_gate_up_kernel", launches)
     count_launches(prompt_experts_triton, "_tiled_down_kernel", launches)
-    prompt_experts.use_triton = lambda *x: True
+    # The CUDA dispatch on CPU tensors: where the tiled path is chosen (the MoE block) and where it runs.
+    moe.use_triton = prompt_experts.use_triton = lambda *x: True
     if family == "inkling":
         model = inkling.make_pair(inkling.make_config(), seed=3)[1]
         ids, mask = inkling.left_pad(inkling.make_prompts([7, 3], seed=4))
