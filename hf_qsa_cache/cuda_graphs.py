@@ -53,7 +53,7 @@ import torch
 
 from .cache import QSAPagedCache
 # The experts a graph step runs are chosen by the experts op (`hf_qsa_cache.ops.experts.graph_experts`).
-from .ops.experts import TRANSFORMERS_EXPERTS, graph_experts, grouped_mm_captures  # noqa: F401
+from .ops.experts import graph_experts
 
 
 # Longest verify step that gets graphs (one per length and bucket); longer ones run eagerly.

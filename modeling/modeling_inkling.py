@@ -19,7 +19,6 @@ come first (`hf_qsa_cache.padding`); pads are never written and never read.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.generation import GenerationMixin
 from transformers.integrations.accelerate import force_accelerate_hooks

@@ -139,7 +139,7 @@ def selected_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
                              top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ``"hf_qsa_selected"`` experts implementation (an experts module's forward, as transformers calls
     it: ``hidden_states`` ``[T, H]``, ``top_k_index`` and ``top_k_weights`` ``[T, k]``)."""
-    gate_up, down = getattr(self, "gate_up_proj", None), getattr(self, "down_proj", None)
+    gate_up = getattr(self, "gate_up_proj", None)
     if (not supports(self) or hidden_states.dim() != 2 or not hidden_states.dtype.is_floating_point
             or hidden_states.shape[-1] != (gate_up.shape[1] if self.is_transposed else gate_up.shape[2])):
         return moe.batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
@@ -234,8 +234,6 @@ def inkling_shared_experts_to_fold(block: nn.Module, x: torch.Tensor, tiled: boo
 
 
 # ----------------------------------------------------------------------------- the experts of a graph step
-# transformers' own experts implementations that graph steps choose among under `OURS` (`graph_experts`).
-TRANSFORMERS_EXPERTS = ("grouped_mm", "batched_mm")
 # Most bytes of expert weights a graph step may gather for ``batched_mm`` (`graph_experts`); a bigger
 # step keeps the model's own experts implementation (and runs eagerly if that cannot be captured).
 BATCHED_EXPERTS_MAX_BYTES = 1 << 30

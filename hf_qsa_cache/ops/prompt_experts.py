@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations import moe
 
-from . import fusions, keeps_own_forward, records_grad, use_triton
-from .experts import OURS, SharedExpert, grouped_path_applies, supports, tiles_pairs
+from . import use_triton
+from .experts import OURS, SharedExpert, grouped_path_applies, tiles_pairs
 
 def _tiled_applies(x: torch.Tensor, top_k: int) -> bool:
     return tiles_pairs(use_triton(x), x.shape[0] * top_k)

@@ -28,11 +28,9 @@ from transformers.integrations import moe
 from hf_qsa_cache import fusions
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache import cuda_graphs
-from hf_qsa_cache.cuda_graphs import (
-    DecodeGraphs, capture_failures, experts_modules, graph_experts, graphs_of, grouped_mm_captures,
-)
+from hf_qsa_cache.cuda_graphs import DecodeGraphs, capture_failures, experts_modules, graphs_of
 from hf_qsa_cache.ops import prompt_experts
-from hf_qsa_cache.ops.experts import OURS
+from hf_qsa_cache.ops.experts import OURS, graph_experts, grouped_mm_captures
 
 CAPTURE_ERROR = ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor "
                  "is pinned")
