@@ -51,12 +51,13 @@ def run_case_under_interpreter(script: str, case: str, timeout: int = 600) -> No
 
 
 def case_main(run) -> int:
-    """A kernel test file's ``__main__`` under the interpreter: ``run(name)`` for the case named after ``--case``
-    (None, or what differs); prints ``case NAME ok`` when it passes."""
+    """A kernel test file's ``__main__`` under the interpreter: the case named after ``--case``, from ``run``: a
+    mapping of case ids to functions of no argument, or a function of the id (each returns None, or what
+    differs); prints ``case NAME ok`` when it passes."""
     import sys
 
     case = sys.argv[sys.argv.index("--case") + 1]
-    error = run(case)
+    error = run[case]() if isinstance(run, dict) else run(case)
     if error:
         print(f"case {case}: {error}")
         return 1

@@ -13,7 +13,6 @@ transformers' `MtpModel` loads.
 from __future__ import annotations
 
 import glob
-import os
 
 import re
 
@@ -22,9 +21,9 @@ import helpers.inkling as inkling
 import torch
 import transformers
 import transformers.conversion_mapping as conversion_mapping
+from helpers.checkpoints import read_checkpoint as _checkpoint
+from helpers.checkpoints import rewrite_checkpoint as _rewrite
 from helpers.qwen4 import left_pad, random_prompts, randomize_, tiny_config, upstream_generate
-from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import InklingTextConfig, Qwen4ExpTextConfig
 from transformers.generation.candidate_generator import MTPCandidateGenerator
 from transformers.modeling_layers import MtpModel
@@ -68,21 +67,6 @@ def _generate(model, ids, mask):
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW, do_sample=False,
                          pad_token_id=0, eos_token_id=None, output_logits=True, return_dict_in_generate=True)
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, dim=1)
-
-
-def _checkpoint(folder) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in glob.glob(os.path.join(folder, "*.safetensors")):
-        with safe_open(path, "pt") as f:
-            tensors.update({key: f.get_tensor(key) for key in f.keys()})
-    return tensors
-
-
-def _rewrite(folder, tensors):
-    """Replace the checkpoint's weights by ``tensors`` (one unsharded file)."""
-    for path in glob.glob(os.path.join(folder, "*.safetensors*")):
-        os.remove(path)
-    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
 
 
 def _assert_same_weights(ours, reference_state):

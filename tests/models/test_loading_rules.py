@@ -22,18 +22,16 @@ while the same module's parameters are missing) is in ``test_checkpoints.py``.
 from __future__ import annotations
 
 import contextlib
-import glob
 import logging
-import os
 import warnings
 
 import pytest
 import helpers.inkling as ih
 import helpers.qwen4 as qh
+from helpers.checkpoints import read_checkpoint as _checkpoint
+from helpers.checkpoints import rewrite_checkpoint as _rewrite
 import torch
 import transformers
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 import modeling
 from modeling import modeling_inkling
@@ -66,20 +64,6 @@ def _save_upstream(family, kind, path, seed=0, **overrides):
     qh.randomize_(model, seed)
     model.save_pretrained(path)
     return model.state_dict()
-
-
-def _checkpoint(path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in glob.glob(os.path.join(path, "*.safetensors")):
-        with safe_open(file, "pt") as f:
-            tensors.update({key: f.get_tensor(key) for key in f.keys()})
-    return tensors
-
-
-def _rewrite(path, tensors):
-    for file in glob.glob(os.path.join(path, "*.safetensors*")):
-        os.remove(file)
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 
 
 class _Records(logging.Handler):

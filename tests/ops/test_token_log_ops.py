@@ -141,9 +141,5 @@ def test_triton_kernel_matches_torch(case):
     run_case_under_interpreter(__file__, case)
 
 
-def _kernel_case(case: str) -> str | None:
-    return KERNEL_CASES[case]()
-
-
 if __name__ == "__main__":
-    sys.exit(case_main(_kernel_case))
+    sys.exit(case_main(KERNEL_CASES))
