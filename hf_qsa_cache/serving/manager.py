@@ -1,10 +1,16 @@
 """The background loop of continuous batching and transformers' manager API around it.
 
-One thread runs the loop: take new requests and cancellations, admit waiting requests into free rows,
-make sure the block pools can hold the next steps (preempting the latest admitted request if not), run a
-prefill step and a decode step (`scheduler`), and hand results out. Everything a request holds is given
-back the moment it finishes, is cancelled or fails. A step that fails leaves the cache as it was (every
-forward is a transaction): the requests in that step fail with the error, the others go on.
+One thread runs the loop: take new requests and cancellations, admit waiting requests into free rows (while
+the block pools hold their first step), run a prefill step and a decode step (`scheduler`), each after
+making sure the pools hold exactly what it feeds (preempting the latest admitted request if not), and hand
+each result to its request's own delivery (`delivery`). Everything a request holds is given back the moment
+it finishes, is cancelled or fails.
+
+Failures: a step that fails leaves the cache as it was (every forward is a transaction): the requests in that
+step fail with the error, the others go on. A fault in the loop's own bookkeeping (admission, row moves, room
+checks) sends every running request back to the queue (its tokens so far are kept and fed again) and the loop
+goes on; only when that happens three iterations in a row do the requests then running fail with the error.
+The loop ends for good (`background_thread_status.fatal_error`) only if it cannot even reset its cache.
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from ..cache import QSAPagedCache
-from .requests import Request, Sampling, check_eos, check_max_new_tokens, check_prompt
+from .delivery import Delivery
+from .requests import Request, check_eos, check_max_new_tokens, check_prompt
 from .runner import ModelRunner
+from .sampling import Sampling, request_seed
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -36,7 +44,15 @@ _UNUSED_FIELDS = ("max_memory_percent", "max_blocks_per_request", "use_async_bat
 # Media inputs of the multimodal models: refused (not ignored) by a text-only model.
 MEDIA_NAMES = {"pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_token_type_ids",
                "mm_encoder_outputs", "audio_input_ids", "audio_input_ids_mask"}
-_IGNORED_SAMPLING = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "min_p", "typical_p")
+_IGNORED_SAMPLING = ("no_repeat_ngram_size", "min_new_tokens", "typical_p")
+HOST_FAULTS_IN_A_ROW = 3  # bookkeeping faults in consecutive iterations before the running requests fail
+
+
+class LoopStatus:
+    """What transformers' server reads of the loop (``background_thread_status.fatal_error``)."""
+
+    def __init__(self):
+        self.fatal_error: BaseException | None = None
 
 
 class ContinuousBatchingManager:
@@ -49,8 +65,7 @@ class ContinuousBatchingManager:
         _warn_unused(config, self.generation_config)
         gen = self.generation_config
         self.num_return_sequences = gen.num_return_sequences or 1
-        self.sampling = Sampling(do_sample=bool(gen.do_sample), temperature=gen.temperature or 1.0,
-                                 top_k=gen.top_k, top_p=gen.top_p)
+        self.sampling = Sampling.from_generation_config(gen)  # a request's sampling unless it brings its own
         self.seed = config.seed
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         rows = config.max_requests_per_batch or DEFAULT_ROWS
@@ -70,21 +85,28 @@ class ContinuousBatchingManager:
             raise ValueError(f"scheduler_type must be 'fifo' or 'prefill_first', got {config.scheduler_type!r}")
         self.input_queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size or 0)
         self.cancel_queue: queue.Queue = queue.Queue()
-        self.output_queue: queue.Queue = queue.Queue()
+        self.delivery = Delivery()  # each request's results: its handler or its own queue
         self._wake = threading.Event()
         self._stop: str | None = None  # "flush" (finish what was submitted) or "hard" (fail it)
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # add_request against stop(): a request is queued only while accepted
+        self._accepting = True  # until stop(); again at start()
         self._counter = 0
-        self._requests = 0  # requests submitted (seeds the per-request sampling streams)
-        self.fatal_error: BaseException | None = None
+        self._in_flight: set[str] = set()  # ids submitted and not yet finished (an id is not reused meanwhile)
+        self.background_thread_status = LoopStatus()
+        self._host_faults = 0  # bookkeeping faults in consecutive iterations
         # What the loop did (for tests, benchmarks and curious users).
-        self.stats = {"prefill_steps": 0, "decode_steps": 0, "preemptions": 0, "failed_steps": 0, "most_rows": 0}
+        self.stats = {"prefill_steps": 0, "decode_steps": 0, "preemptions": 0, "failed_steps": 0, "most_rows": 0,
+                      "host_faults": 0}
         self.warmed_up = False
         self._warned_unbounded = False  # a request bounded only by its row's room was reported (once)
         self._graphs_before = getattr(model, "use_cuda_graphs", True)
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def fatal_error(self) -> BaseException | None:
+        return self.background_thread_status.fatal_error
+
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -96,8 +118,12 @@ class ContinuousBatchingManager:
         if self.is_running():
             logger.warning("the continuous batching loop is already running")
             return
-        self._stop = None
-        self.fatal_error = None
+        if self._thread is not None:  # a stop(block=False) still finishing: it ends first
+            self.join()
+        with self._lock:
+            self._stop = None
+            self._accepting = True
+        self.background_thread_status.fatal_error = None
         if self.continuous_batching_config.use_cuda_graph is not None:
             self.model.use_cuda_graphs = bool(self.continuous_batching_config.use_cuda_graph)
         self._thread = threading.Thread(target=self._loop, name="hf-qsa-continuous-batching", daemon=True)
@@ -106,9 +132,11 @@ class ContinuousBatchingManager:
     def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
              hard_stop: bool = False) -> None:
         """Stop the loop: by default once every submitted request is done; ``hard_stop`` fails those left."""
-        if self._thread is None:
-            return
-        self._stop = "hard" if hard_stop else "flush"
+        with self._lock:  # no request is accepted from here on (add_request raises) until start()
+            self._accepting = False
+            if self._thread is None:
+                return
+            self._stop = "hard" if hard_stop else "flush"
         self._wake.set()
         if block:
             self.join(timeout)
@@ -128,14 +156,31 @@ class ContinuousBatchingManager:
             self.stop(block=True)
         self.cache.reset()
 
+    def health(self) -> dict:
+        """The engine's state, for a server's health route."""
+        fatal = self.background_thread_status.fatal_error
+        return {"running": self.is_running(), "accepting": self._accepting and fatal is None,
+                "fatal_error": None if fatal is None else f"{type(fatal).__name__}: {fatal}",
+                "rows_in_use": len(self.scheduler.rows), "waiting": len(self.scheduler.waiting) + self.input_queue.qsize(),
+                "free_blocks": {name: len(table.free) for name, table in self.cache.tables.items()},
+                **self.stats}
+
     # ------------------------------------------------------------------ requests
     def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
-                    streaming: bool = False, record_timestamps: bool = False, eos_token_id=None, **kwargs) -> str:
+                    streaming: bool = False, record_timestamps: bool = False, eos_token_id=None, *,
+                    sampling: Sampling | None = None, seed: int | None = None, logprobs: bool = False,
+                    **kwargs) -> str:
         """Queue a request; returns its id. Children ``{id}__child#{i}`` carry the extra return sequences.
 
-        A multimodal model (one with ``media_inputs``, e.g. `Qwen4ExpForConditionalGeneration`) takes the
-        request's media as keyword arguments, as its forward names them (``pixel_values``, ``image_grid_thw``,
-        ``mm_token_type_ids``, ...), for this one prompt."""
+        ``sampling`` (a `Sampling`) overrides the generation config's for this request; ``seed`` gives it its own
+        random stream (its copies draw from ``seed + 1``, ...), else it is seeded from the engine's seed and its id,
+        so its tokens do not depend on what else was submitted; ``logprobs`` returns its tokens'
+        log-probabilities. A multimodal model (one with ``media_inputs``, e.g.
+        `Qwen4ExpForConditionalGeneration`) takes the request's media as keyword arguments, as its forward names
+        them (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``, ...), for this one prompt.
+
+        Every argument is checked before anything is queued (a `ValueError` naming it and its value); an id
+        still in flight is refused; after `stop()` (until `start()`) or once the loop died, a `RuntimeError`."""
         accepted = getattr(self.model, "media_inputs", ())
         media = {name: kwargs.pop(name) for name in list(kwargs) if name in accepted}
         media = {name: value for name, value in media.items() if value is not None} or None
@@ -144,8 +189,7 @@ class ContinuousBatchingManager:
             raise ValueError(f"{type(self.model).__name__} takes no media ({named_media} given): load the model's "
                              f"ConditionalGeneration class for images, video or audio")
         if kwargs:
-            _warn_once(f"add_request ignores {sorted(kwargs)} (per-request logits processors are not supported)")
-        # Every argument checked before anything is queued (a ValueError naming it and its value).
+            raise TypeError(f"add_request got unexpected keyword arguments {sorted(kwargs)}")
         prompt = check_prompt(input_ids, vocab_size(self.model))
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
@@ -154,6 +198,12 @@ class ContinuousBatchingManager:
             max_new_tokens = check_max_new_tokens(self.generation_config.max_new_tokens,
                                                   "GenerationConfig.max_new_tokens")
         eos = check_eos(eos_token_id if eos_token_id is not None else self.generation_config.eos_token_id)
+        if sampling is not None and not isinstance(sampling, Sampling):
+            raise ValueError(f"sampling must be a hf_qsa_cache.serving.Sampling, got {sampling!r}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+        if not isinstance(logprobs, bool):
+            raise ValueError(f"logprobs must be True or False, got {logprobs!r}")
         if max_new_tokens is None:  # as transformers: no limit but eos, here the row's capacity
             max_new_tokens = max(1, self.cache.max_cache_len - len(prompt) + 1)
             if not eos and not self._warned_unbounded:
@@ -163,17 +213,35 @@ class ContinuousBatchingManager:
                     "full (max_cache_len=%d, %d new tokens for a prompt of %d); pass max_new_tokens to bound it",
                     self.cache.max_cache_len, max_new_tokens, len(prompt))
         with self._lock:
+            if not self._accepting or self.background_thread_status.fatal_error is not None:
+                fatal = self.background_thread_status.fatal_error
+                raise RuntimeError("the continuous batching loop " + (
+                    f"failed ({type(fatal).__name__}: {fatal})" if fatal is not None else "was stopped")
+                    + ": call start() before adding requests")
             if request_id is None:
+                while f"req_{self._counter}" in self._in_flight:
+                    self._counter += 1
                 request_id = f"req_{self._counter}"
                 self._counter += 1
-            first = self._requests
-            self._requests += self.num_return_sequences
-        ids = [f"{request_id}__child#{i}" for i in range(self.num_return_sequences - 1)] + [request_id]
-        for k, rid in enumerate(ids):
-            request = Request(rid, prompt, max_new_tokens, eos, self.sampling,
-                              seed=None if self.seed is None else self.seed + first + k, streaming=streaming,
-                              record_timestamps=record_timestamps, media=media)
-            self.input_queue.put(request, block=True, timeout=10)
+            ids = [f"{request_id}__child#{i}" for i in range(self.num_return_sequences - 1)] + [request_id]
+            taken = [rid for rid in ids if rid in self._in_flight]
+            if taken:
+                raise ValueError(f"request_id {taken[0]!r} is still in flight: ids must be unique")
+            self._in_flight.update(ids)
+            requests = []
+            for k, rid in enumerate(ids):
+                own_seed = (seed + k if seed is not None
+                            else None if self.seed is None else request_seed(self.seed, rid))
+                requests.append(Request(rid, prompt, max_new_tokens, eos, sampling or self.sampling, seed=own_seed,
+                                        want_logprobs=logprobs, streaming=streaming,
+                                        record_timestamps=record_timestamps, media=media))
+            for k, request in enumerate(requests):
+                try:  # a bounded queue (max_queue_size) waits for room, as transformers' does
+                    self.input_queue.put(request, block=True, timeout=10)
+                except queue.Full:
+                    self._in_flight.difference_update(ids[k:])
+                    raise RuntimeError(f"the request queue stayed full for 10 s (max_queue_size="
+                                       f"{self.input_queue.maxsize}); request {request.request_id!r} was not queued")
         self._wake.set()
         return request_id
 
@@ -183,31 +251,32 @@ class ContinuousBatchingManager:
                                  record_timestamps=record_timestamps, **kwargs) for ids in inputs]
 
     def cancel_request(self, request_id: str) -> None:
+        """End the request (waiting or running): status FAILED, error "cancelled"; its row and blocks go back
+        before the next step. Unknown or finished ids are ignored."""
         self.cancel_queue.put(request_id)
         self._wake.set()
 
+    def register_result_handler(self, request_id: str, callback) -> None:
+        """Every result of ``request_id`` (each token's when streaming, else the final one) goes to
+        ``callback(GenerationOutput)``, not to `get_result`: on the asyncio loop this is called from (via
+        ``call_soon_threadsafe``), or on the engine thread when called outside a loop. May come before
+        `add_request`; dropped after the final result."""
+        self.delivery.register(request_id, callback)
+
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
-        """One result (a finished request, or a streaming request's progress); None after ``timeout`` seconds.
-        With ``request_id``, a result of another request is put back and None returned."""
-        if self.output_queue.empty() and not self.is_running():
-            return None
-        try:
-            result = self.output_queue.get(block=True, timeout=timeout)
-        except queue.Empty:
-            return None
-        if request_id is not None and result.request_id != request_id:
-            self.output_queue.put(result)
-            return None
-        return result
+        """The next result (a finished request, or a streaming request's progress) of ``request_id``, or of any
+        request when None; None after ``timeout`` seconds, or at once when the loop is not running and none waits.
+        A result of one request is never handed to, or dropped for, a reader of another."""
+        return self.delivery.get(request_id, timeout, alive=self.is_running)
 
     def __iter__(self):
-        while self.is_running() or not self.output_queue.empty():
+        while self.is_running() or self.delivery.waiting():
             result = self.get_result(timeout=0.1)
             if result is not None:
                 yield result
 
     def request_id_iter(self, request_id: str):
-        while self.is_running() or not self.output_queue.empty():
+        while self.is_running() or self.delivery.waiting(request_id):
             result = self.get_result(request_id=request_id, timeout=0.1)
             if result is not None:
                 yield result
@@ -219,30 +288,56 @@ class ContinuousBatchingManager:
         try:
             with torch.no_grad():
                 while True:
-                    self._intake()
                     if self._stop == "hard":
                         self._fail_all("the continuous batching loop was stopped (hard_stop)")
                         break
-                    if not self.scheduler.has_work:
-                        if self._stop == "flush" and self.input_queue.empty():
-                            break
-                        self._wake.wait(timeout=0.05)
-                        self._wake.clear()
-                        continue
-                    self._iteration()
+                    try:
+                        self._intake()
+                        if not self.scheduler.has_work:
+                            if self._stop == "flush" and self.input_queue.empty():
+                                break
+                            self._wake.wait(timeout=0.05)
+                            self._wake.clear()
+                            continue
+                        self._iteration()
+                        self._host_faults = 0
+                    except Exception as error:  # the loop's own bookkeeping failed: start its rows over
+                        self._recover(error)
         except BaseException as error:  # the loop cannot go on: every request gets the error
-            self.fatal_error = error
+            self.background_thread_status.fatal_error = error
             logger.error("continuous batching loop failed: %s", error, exc_info=True)
             self._fail_all(f"the continuous batching loop failed: {type(error).__name__}: {error}")
         finally:
-            self.runner.release_all()
+            try:
+                self.runner.release_all()
+            finally:
+                self.delivery.wake()
+
+    def _recover(self, error: Exception) -> None:
+        """A fault outside the model's steps (admission, row moves, room checks, result hand-out): the rows' host
+        state and the cache may disagree, so every running request goes back to the queue (oldest first, its
+        tokens so far kept: they are fed again) and the cache is reset. Three such iterations in a row fail the
+        requests then running. A failure here ends the loop."""
+        logger.error("continuous batching bookkeeping failed: %s", error, exc_info=True)
+        self.stats["host_faults"] += 1
+        self._host_faults += 1
+        running = sorted(self.scheduler.rows, key=lambda r: r.admitted)
+        if self._host_faults >= HOST_FAULTS_IN_A_ROW:
+            self._host_faults = 0
+            for request in running:
+                self._end(request, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
+        else:
+            for request in reversed(running):  # the latest first: the oldest ends at the queue's front
+                self.scheduler.preempt(request)
+        self.runner.release_all()
 
     def _intake(self) -> None:
         while True:
             try:
-                self.scheduler.submit(self.input_queue.get_nowait())
+                request = self.input_queue.get_nowait()
             except queue.Empty:
                 break
+            self.scheduler.submit(request)
         while True:
             try:
                 request_id = self.cancel_queue.get_nowait()
@@ -254,7 +349,8 @@ class ContinuousBatchingManager:
 
     def _iteration(self) -> None:
         scheduler, runner = self.scheduler, self.runner
-        for request in scheduler.admit():
+        runner.place(scheduler.rows)  # rows of requests that ended (cancelled) go back before admission
+        for request in scheduler.admit(self._fits_first_step):
             if request.started < 0:
                 request.started = time.perf_counter()
             need = request.most_held
@@ -270,28 +366,43 @@ class ContinuousBatchingManager:
                 self._end(request, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
         scheduler.order()  # requests that failed here leave their rows to others, not a shift
         runner.place(scheduler.rows)
-        self._make_room()
         steps = ("prefill", "decode") if scheduler.prefill_first else ("decode", "prefill")
         for kind in steps:
-            if kind == "prefill" and scheduler.prefilling():
-                self.stats["prefill_steps"] += 1
-                chunks = scheduler.prefill_chunks()
-                self._run(runner.rows[: len(chunks)], lambda: runner.prefill(chunks))
-            elif kind == "decode" and len(scheduler.rows) > scheduler.prefilling():
+            if kind == "prefill":
+                # The chunks are planned once the pools hold exactly them (a preemption plans them again).
+                chunks = self._make_room(scheduler.prefill_chunks)
+                if chunks:
+                    self.stats["prefill_steps"] += 1
+                    self._run(runner.rows[: len(chunks)], lambda: runner.prefill(chunks))
+            elif self._make_room(self._decode_growth):
                 self.stats["decode_steps"] += 1
                 self.stats["most_rows"] = max(self.stats["most_rows"], len(runner.rows))
                 self._run(runner.rows, runner.decode)
 
-    def _make_room(self) -> None:
-        """Preempt (latest admitted first) until the pools hold the next prefill and decode steps; a request
-        that cannot fit even alone fails."""
+    def _decode_growth(self) -> list[int]:
+        """A decode step feeds every row one token; it runs only while some row decodes."""
+        rows = self.scheduler.rows
+        return [1] * len(rows) if len(rows) > self.scheduler.prefilling() else []
+
+    def _fits_first_step(self, request: Request, admitted: list[Request]) -> bool:
+        """Whether the pools hold the running rows' next token each, plus the first step of ``request`` and of
+        those ``admitted`` before it in this iteration (so a request is not admitted only to be preempted)."""
+        lengths = [min(r.held + 1, r.most_held) for r in self.runner.rows]
+        lengths += [min(r.held + self.scheduler.first_chunk(r), r.most_held) for r in (*admitted, request)]
+        return self.cache.why_not_fits(lengths, what="admission") is None
+
+    def _make_room(self, plan) -> list[int]:
+        """The growth ``plan()`` gives the rows (tokens each of rows ``0, 1, ...`` feeds in the step about to
+        run), once the pools hold it: until then the latest admitted request is preempted and the plan made
+        again; a request that cannot fit even alone fails. Empty when no step is left to run."""
         scheduler, runner = self.scheduler, self.runner
-        while scheduler.rows:
-            chunks = scheduler.prefill_chunks()
-            growth = [c + 1 for c in chunks] + [1] * (len(scheduler.rows) - len(chunks))
+        while True:
+            growth = plan()
+            if not growth:
+                return []
             problem = runner.why_not_fits(growth)
             if problem is None:
-                return
+                return growth
             victim = scheduler.victim()
             if victim is None:
                 self._end(scheduler.rows[0], RequestStatus.FAILED, f"the request cannot fit even alone: {problem}")
@@ -317,7 +428,7 @@ class ContinuousBatchingManager:
             if request.done:
                 self._end(request, request.status, request.error)
             elif request.streaming:
-                self.output_queue.put(request.output())
+                self.delivery.put(request.output())
         self.scheduler.order()
         self.runner.place(self.scheduler.rows)
 
@@ -328,22 +439,18 @@ class ContinuousBatchingManager:
             request.finish(status, error)
         self.scheduler.release(request)
         self.runner.forget(request)
-        self.output_queue.put(request.output())
+        with self._lock:
+            self._in_flight.discard(request.request_id)
+        self.delivery.put(request.output())
 
     def _fail_all(self, why: str) -> None:
         for request in [*self.scheduler.rows, *self.scheduler.waiting]:
-            self._end_quietly(request, why)
+            self._end(request, RequestStatus.FAILED, why)
         while True:
             try:
-                self._end_quietly(self.input_queue.get_nowait(), why)
+                self._end(self.input_queue.get_nowait(), RequestStatus.FAILED, why)
             except queue.Empty:
                 break
-
-    def _end_quietly(self, request: Request, why: str) -> None:
-        request.finish(RequestStatus.FAILED, why)
-        self.scheduler.release(request)
-        self.runner.forget(request)
-        self.output_queue.put(request.output())
 
 
 def vocab_size(model) -> int:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
+from .sampling import Sampling
+
 
 def _is_int(value) -> bool:
     # Plain ints first: a prompt's every token passes here, and the abstract-class check costs ten times more.
@@ -52,16 +54,6 @@ def check_eos(eos_token_id) -> frozenset[int]:
     return frozenset(int(e) for e in eos if e is not None and e >= 0)
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """How a request picks its next token: greedy, or sampled after temperature, top-k and top-p."""
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-
-
 @dataclass(eq=False)  # a request is itself: compared and hashed by identity, never field by field
 class Request:
     request_id: str
@@ -70,6 +62,7 @@ class Request:
     eos_token_ids: frozenset[int]
     sampling: Sampling = Sampling()
     seed: int | None = None  # the request's own sampling stream (independent of how it is batched)
+    want_logprobs: bool = False  # its result carries the log-probability of each generated token
     streaming: bool = False
     record_timestamps: bool = False
     generated: list[int] = field(default_factory=list)

@@ -7,6 +7,7 @@ import torch
 
 from ..cache import QSAPagedCache
 from .requests import Request
+from .sampling import next_token_scores
 
 
 class ModelRunner:
@@ -92,31 +93,32 @@ class ModelRunner:
         return out.logits[:, -1]
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[tuple[Request, int, float | None]]:
+        """The next token of each row that has fed everything it had: the argmax of its scores (greedy) or a
+        draw from its own random stream, after its penalties and warpers (`sampling.next_token_scores`)."""
         ready = [i for i, r in enumerate(rows) if r.pending == 0]
         if not ready:
             return []
         logits = (logits if len(ready) == len(rows) else logits[ready]).float()
-        picked = []
-        greedy = [j for j, i in enumerate(ready) if not rows[i].sampling.do_sample]
         scores = logits
-        if len(greedy) == len(ready):  # every row greedy: one argmax, no gathers
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = torch.empty(len(ready), dtype=torch.long, device=logits.device)
-            if greedy:
-                tokens[greedy] = logits[greedy].argmax(dim=-1)
-        if len(greedy) < len(ready):
+        processed = [j for j, i in enumerate(ready) if not rows[i].sampling.plain_greedy]
+        if processed:  # penalties and warpers, row by row (an all-greedy step is one argmax)
             scores = logits.clone()
-            for j, i in enumerate(ready):
-                request = rows[i]
-                if request.sampling.do_sample:
-                    scores[j] = warp(logits[j], request.sampling)
-                    tokens[j] = torch.multinomial(scores[j].softmax(-1), 1, generator=_generator(request, logits.device))[0]
+            for j in processed:
+                request = rows[ready[j]]
+                scores[j] = next_token_scores(logits[j], request.sampling, request.prompt, request.generated)
+        tokens = scores.argmax(dim=-1)
+        for j in processed:
+            request = rows[ready[j]]
+            if request.sampling.do_sample:
+                tokens[j] = torch.multinomial(scores[j].softmax(-1), 1, generator=_generator(request, logits.device))[0]
         logprobs = None
-        if self.return_logprobs:
+        if self.return_logprobs or any(rows[i].want_logprobs for i in ready):
             logprobs = scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0].tolist()
+        picked = []
         for j, (i, token) in enumerate(zip(ready, tokens.tolist())):
-            picked.append((rows[i], token, None if logprobs is None else logprobs[j]))
+            request = rows[i]
+            keep = logprobs is not None and (self.return_logprobs or request.want_logprobs)
+            picked.append((request, token, logprobs[j] if keep else None))
         return picked
 
 
@@ -139,22 +141,6 @@ def splice_prompt_embeddings(embeds: torch.Tensor, attention_mask: torch.Tensor 
             embeds[b, cols] = row
         spans.append((cols, logical))
     return spans
-
-
-def warp(logits: torch.Tensor, sampling) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (as transformers' warpers, in that order): filtered logits."""
-    scores = logits / max(sampling.temperature, 1e-6)
-    neg = torch.finfo(scores.dtype).min
-    if sampling.top_k is not None and 0 < sampling.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, sampling.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, neg)
-    if sampling.top_p is not None and sampling.top_p < 1.0:
-        order = scores.argsort(descending=False)
-        cumulative = scores[order].softmax(-1).cumsum(-1)
-        drop = cumulative <= 1 - sampling.top_p
-        drop[-1] = False  # the most likely token always stays
-        scores = scores.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), neg)
-    return scores
 
 
 def _generator(request: Request, device: torch.device) -> torch.Generator:

@@ -10,8 +10,9 @@ first (rows ``[0, p)``), then those decoding. Two kinds of step follow:
 * a decode step feeds every row one token: a decoding request its last sampled token, a prefilling one
   its next prompt token (useful work, and one real token per row: the CUDA-graph decode step applies).
 
-Admission is first come, first served while rows are free; when the block pools cannot hold the next
-step, the request admitted last is preempted (its row and blocks released; its tokens so far are fed
+Admission is first come, first served while rows are free and the block pools hold the next request's
+first step beside the running rows' next tokens; when the pools cannot hold a step about to run (each step
+is checked with exactly the tokens it feeds), the request admitted last is preempted (its row and blocks released; its tokens so far are fed
 again when it is readmitted, so it loses no token and gains no wrong one).
 """
 
@@ -40,11 +41,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.rows)
 
-    def admit(self) -> list[Request]:
-        """Waiting requests (oldest first) take the free rows; returns them."""
+    def admit(self, fits=None) -> list[Request]:
+        """Waiting requests (oldest first) take the free rows; returns them. ``fits(request, admitted)`` (None:
+        always) says whether the block pools hold ``request``'s first step beside the rows and the requests
+        ``admitted`` so far: admission stops at the first that does not (first come, first served), unless no
+        row is taken (alone, a request always gets its row: it then finishes or fails as "cannot fit alone")."""
         admitted = []
         while self.waiting and len(self.rows) < self.max_rows:
-            request = self.waiting.popleft()
+            request = self.waiting[0]
+            if fits is not None and self.rows and not fits(request, admitted):
+                break
+            self.waiting.popleft()
             request.admitted = self._admissions
             self._admissions += 1
             if request.status == RequestStatus.PENDING:
@@ -55,6 +62,10 @@ class Scheduler:
             self._ordered = None
         self.order()
         return admitted
+
+    def first_chunk(self, request: Request) -> int:
+        """Tokens a newly admitted request feeds in its first step (at most the prefill budget)."""
+        return min(request.pending, self.max_batch_tokens)
 
     def order(self) -> None:
         """Prefilling rows first, in their current order (a prefill step takes the oldest: a prefix of the rows),

@@ -1,0 +1,128 @@
+"""Where each request's results go: to the handler registered for it, else to its own queue.
+
+The engine thread puts every result (a streaming request's progress, a request's final result) here. A request
+with a handler (`register_result_handler`, as transformers' server uses it) gets each result through that
+handler: on the asyncio loop that registered it (``call_soon_threadsafe``), or on the engine thread when it was
+registered outside a loop. Otherwise the result waits in the request's own queue: `get(request_id)` takes that
+request's next result, never another's, and `get()` the oldest result of any request. A handler that raises, or
+whose loop is closed, is logged and dropped; it never stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from transformers.generation.continuous_batching.requests import GenerationOutput
+
+logger = logging.getLogger(__name__)
+
+_POLL = 0.05  # seconds a waiting reader sleeps between looks at whether the engine still runs
+
+
+class Delivery:
+    def __init__(self):
+        self._ready = threading.Condition()
+        self._queues: dict[str, deque[tuple[int, GenerationOutput]]] = {}  # per request: (arrival, result)
+        self._arrivals: deque[tuple[str, int]] = deque()  # (request, arrival) in arrival order, for get()
+        self._handlers: dict[str, tuple[Callable, asyncio.AbstractEventLoop | None]] = {}
+        self._count = 0  # results queued so far (numbers their arrivals)
+        self._live = 0  # results waiting in the queues
+
+    def register(self, request_id: str, callback: Callable) -> None:
+        """Results of ``request_id`` go to ``callback`` until its final one; results already waiting go now."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        with self._ready:
+            waiting = [output for _, output in self._queues.pop(request_id, ())]
+            self._live -= len(waiting)
+            if not waiting or not waiting[-1].is_finished():
+                self._handlers[request_id] = (callback, loop)
+        for output in waiting:
+            _call(callback, loop, output)
+
+    def unregister(self, request_id: str) -> None:
+        with self._ready:
+            self._handlers.pop(request_id, None)
+
+    def put(self, output: GenerationOutput) -> None:
+        with self._ready:
+            handler = self._handlers.get(output.request_id)
+            if handler is not None:
+                if output.is_finished():
+                    del self._handlers[output.request_id]
+            else:
+                self._count += 1
+                self._queues.setdefault(output.request_id, deque()).append((self._count, output))
+                self._arrivals.append((output.request_id, self._count))
+                self._live += 1
+                self._ready.notify_all()
+        if handler is not None:
+            _call(*handler, output)
+
+    def get(self, request_id: str | None = None, timeout: float | None = None,
+            alive: Callable[[], bool] = lambda: True) -> GenerationOutput | None:
+        """The next result of ``request_id`` (of any request when None); None once ``timeout`` seconds pass,
+        or at once when nothing waits and ``alive()`` says no more results will come."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._ready:
+            while True:
+                output = self._take(request_id)
+                if output is not None:
+                    return output
+                if not alive():
+                    return None
+                wait = _POLL if deadline is None else min(_POLL, deadline - time.monotonic())
+                if wait <= 0:
+                    return None
+                self._ready.wait(wait)
+
+    def waiting(self, request_id: str | None = None) -> bool:
+        with self._ready:
+            return bool(self._queues.get(request_id)) if request_id is not None else bool(self._queues)
+
+    def wake(self) -> None:
+        """Readers look again (the engine stopped)."""
+        with self._ready:
+            self._ready.notify_all()
+
+    def _take(self, request_id: str | None) -> GenerationOutput | None:
+        if request_id is not None:
+            queue = self._queues.get(request_id)
+            if not queue:
+                return None
+            _, output = queue.popleft()
+            self._live -= 1
+            if not queue:
+                del self._queues[request_id]
+            # Its arrival entry goes stale; drop stale entries once they outnumber the live ones.
+            if len(self._arrivals) > 64 + 2 * self._live:
+                self._arrivals = deque(sorted(((rid, n) for rid, q in self._queues.items() for n, _ in q),
+                                              key=lambda entry: entry[1]))
+            return output
+        while self._arrivals:
+            rid, number = self._arrivals.popleft()
+            queue = self._queues.get(rid)
+            if queue and queue[0][0] == number:
+                _, output = queue.popleft()
+                self._live -= 1
+                if not queue:
+                    del self._queues[rid]
+                return output
+        return None
+
+
+def _call(callback: Callable, loop: asyncio.AbstractEventLoop | None, output: GenerationOutput) -> None:
+    try:
+        if loop is None:
+            callback(output)
+        else:
+            loop.call_soon_threadsafe(callback, output)
+    except Exception as error:  # a consumer's failure is its own: the engine goes on
+        logger.error("the result handler of request %s failed: %s", output.request_id, error, exc_info=True)

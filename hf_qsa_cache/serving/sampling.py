@@ -1,0 +1,117 @@
+"""How a request picks its next token: its own sampling parameters, its own random stream.
+
+`Sampling` holds one request's parameters (checked when it is built); `next_token_scores` turns a row's logits
+into the scores its token is drawn from (or its argmax taken), in transformers' order: repetition penalty on
+the prompt and generated tokens, OpenAI's presence and frequency penalties on the generated ones, then
+temperature, top-k, top-p and min-p. `request_seed` gives a request a seed from its id, so its draws do not
+depend on how many requests came before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+
+def _number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One request's sampling parameters. ``do_sample=False`` is greedy (the penalties still apply, as in
+    transformers' greedy search). A bad value is a `ValueError` naming the parameter and the value."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.do_sample, bool):
+            raise ValueError(f"do_sample must be True or False, got {self.do_sample!r}")
+        checks = (
+            ("temperature", self.temperature, lambda v: _number(v) and v > 0, "a number > 0"),
+            ("top_k", self.top_k, lambda v: v is None or (isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                                                          and v >= 0), "None or an integer >= 0"),
+            ("top_p", self.top_p, lambda v: v is None or (_number(v) and 0 < v <= 1), "None or a number in (0, 1]"),
+            ("min_p", self.min_p, lambda v: v is None or (_number(v) and 0 <= v <= 1), "None or a number in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty, lambda v: _number(v) and v > 0, "a number > 0"),
+            ("presence_penalty", self.presence_penalty, lambda v: _number(v) and -2 <= v <= 2,
+             "a number in [-2, 2]"),
+            ("frequency_penalty", self.frequency_penalty, lambda v: _number(v) and -2 <= v <= 2,
+             "a number in [-2, 2]"),
+        )
+        for name, value, ok, what in checks:
+            if not ok(value):
+                raise ValueError(f"{name} must be {what}, got {value!r}")
+
+    @classmethod
+    def from_generation_config(cls, config) -> "Sampling":
+        return cls(do_sample=bool(config.do_sample), temperature=config.temperature or 1.0,
+                   top_k=config.top_k or None, top_p=config.top_p, min_p=config.min_p,
+                   repetition_penalty=config.repetition_penalty or 1.0)
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The argmax of the raw logits: no draw, no penalty."""
+        return not self.do_sample and not self.penalized
+
+
+def next_token_scores(logits: torch.Tensor, sampling: Sampling, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """One row's ``logits [vocab]`` (fp32) as the scores its next token comes from: penalties, then (when
+    sampling) the warpers. Filtered-out tokens get the dtype's lowest value."""
+    scores = logits
+    if sampling.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(generated)), dtype=torch.long, device=logits.device)
+        picked = scores[seen]
+        scores = scores.clone()
+        scores[seen] = torch.where(picked < 0, picked * sampling.repetition_penalty, picked / sampling.repetition_penalty)
+    if generated and (sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0):
+        counts = Counter(generated)
+        ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
+        n = torch.tensor(list(counts.values()), dtype=scores.dtype, device=logits.device)
+        scores = scores.clone()
+        scores[ids] -= sampling.presence_penalty + sampling.frequency_penalty * n
+    if sampling.do_sample:
+        scores = warp(scores, sampling)
+    return scores
+
+
+def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p (transformers' warpers, in its order): the filtered logits."""
+    scores = logits / sampling.temperature
+    neg = torch.finfo(scores.dtype).min
+    if sampling.top_k and sampling.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, sampling.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, neg)
+    if sampling.top_p is not None and sampling.top_p < 1.0:
+        order = scores.argsort(descending=False)
+        cumulative = scores[order].softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - sampling.top_p
+        drop[-1] = False  # the most likely token always stays
+        scores = scores.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), neg)
+    if sampling.min_p:
+        probs = scores.softmax(-1)
+        drop = probs < sampling.min_p * probs.max()
+        drop[probs.argmax()] = False
+        scores = scores.masked_fill(drop, neg)
+    return scores
+
+
+def request_seed(base: int, request_id: str) -> int:
+    """A request's seed from the engine's ``base`` seed and its id (stable across processes, unlike hash())."""
+    digest = hashlib.blake2b(f"{base}:{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
