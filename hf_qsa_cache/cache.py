@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache
 from .blocks import default_num_blocks
 from .layout import build_layout, model_family, rollback_costs_nothing, state_geometry, text_config
 from .metadata import StepMetadata
+from .ops.fp8 import check_cache_dtype
 from .rollback import crop_rows
 from .rows import Rows, move_rows, select_rows
 from .validation import check_continues, check_model, check_request
@@ -61,11 +62,17 @@ class QSAPagedCache(Cache):
             state kept for rollback, reported as ``"rollback_headroom"`` by `memory_stats`).
         device, dtype: allocate every store there up front; by default each layer's stores are
             allocated at its first forward, on its device and in its dtype.
+        kv_cache_dtype: how the paged attention K/V (QSA layers, Inkling's full and sliding layers) is stored:
+            None (the model's dtype) or ``torch.float8_e4m3fn`` (fp8 with an fp32 scale per token and head,
+            `hf_qsa_cache.ops.fp8`; ``docs/fp8_cache.md``).
+        index_cache_dtype: the same for the QSA compressed index keys (Qwen4Exp; one scale per key). Recurrent
+            state, conv windows and the QSA raw-key ring always stay in the model's dtype.
     """
 
     def __init__(self, config, max_batch_size: int, max_cache_len: int, block_size: int | None = None,
                  num_blocks: int | None = None, num_speculative_tokens: int = 0,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 kv_cache_dtype: torch.dtype | None = None, index_cache_dtype: torch.dtype | None = None):
         config = text_config(config)
         self.model_family = model_family(config)
         _check_int("max_batch_size", max_batch_size, 1)
@@ -82,6 +89,8 @@ class QSAPagedCache(Cache):
             )
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating-point torch.dtype (the model's), got {dtype!r}")
+        check_cache_dtype("kv_cache_dtype", kv_cache_dtype)
+        check_cache_dtype("index_cache_dtype", index_cache_dtype)
 
         self.config = config
         self.layer_types = list(config.layer_types)
@@ -90,8 +99,10 @@ class QSAPagedCache(Cache):
         self.num_speculative_tokens = num_speculative_tokens
         self.device = torch.device(device) if device is not None else None
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self.index_cache_dtype = index_cache_dtype
         self.layout = build_layout(config, max_batch_size, max_cache_len, block_size, num_blocks,
-                                   num_speculative_tokens)
+                                   num_speculative_tokens, kv_cache_dtype, index_cache_dtype)
         self.qsa = self.layout.qsa
         self.tables = {name: spec.build(max_batch_size, max_cache_len) for name, spec in self.layout.tables.items()}
         super().__init__(layers=[
@@ -402,7 +413,8 @@ class QSAPagedCache(Cache):
         self.graph_runners = weakref.WeakKeyDictionary()
 
     def memory_stats(self) -> dict:
-        """Bytes per store (summed over layers) and block usage per table."""
+        """Bytes per store (summed over layers; an fp8 store's scales counted with it) and block usage per table;
+        ``bytes_per_token``: what one more token of a row costs on each table, over every layer."""
         bytes_per_store: dict[str, int] = {}
         for store in self.all_stores():
             for key, size in store.nbytes().items():
@@ -413,6 +425,10 @@ class QSAPagedCache(Cache):
                    "blocks_free": len(t.free)}
             for name, t in self.tables.items()
         }
+        dtype = self.dtype or next((s.dtype for s in self.layer_stores() if s.allocated), None)
+        if dtype is not None:
+            for name, table in tables.items():
+                table["bytes_per_token"] = self.layout.bytes_per_token(name, dtype)
         return {"bytes": bytes_per_store, "total_bytes": sum(bytes_per_store.values()), "tables": tables,
                 "rows": self.num_rows, "lengths": self.lengths[: self.num_rows]}
 

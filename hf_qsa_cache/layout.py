@@ -32,6 +32,7 @@ import torch
 
 from .blocks import BlockTable, default_num_blocks
 from .metadata import QSAGeometry
+from .ops.fp8 import vector_bytes
 from .stores.base import Store
 from .stores.inkling import InklingConvStore
 from .stores.linear_state import LinearAttentionState
@@ -122,22 +123,24 @@ class TableSpec:
 
 @dataclass(frozen=True)
 class FullAttentionSpec:
-    """Paged K/V, every position kept: ``[num_blocks, block_size, kv_heads, head_dim]`` keys and values."""
+    """Paged K/V, every position kept: ``[num_blocks, block_size, kv_heads, head_dim]`` keys and values; with
+    ``kv_dtype`` fp8, fp8 values and an fp32 scale per (slot, head) (`hf_qsa_cache.ops.fp8`)."""
 
     table: str
     block_size: int
     num_blocks: int
     kv_heads: int
     head_dim: int
+    kv_dtype: torch.dtype | None = None  # None: the model's dtype
 
     def page_bytes(self, dtype: torch.dtype) -> int:
-        return 2 * self.block_size * self.kv_heads * self.head_dim * _itemsize(dtype)
+        return 2 * self.block_size * self.kv_heads * vector_bytes(self.head_dim, self.kv_dtype, dtype)
 
     def dense_bytes(self, max_rows: int, dtype: torch.dtype) -> int:
         return 0
 
     def build(self, max_rows: int) -> Store:
-        return PagedKV(self.table, self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
+        return PagedKV(self.table, self.num_blocks, self.block_size, self.kv_heads, self.head_dim, self.kv_dtype)
 
 
 @dataclass(frozen=True)
@@ -145,13 +148,14 @@ class SlidingWindowSpec(FullAttentionSpec):
     """Paged K/V of a sliding-window layer (its table frees blocks that leave the window)."""
 
     def build(self, max_rows: int) -> Store:
-        return SlidingKV(self.table, self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
+        return SlidingKV(self.table, self.num_blocks, self.block_size, self.kv_heads, self.head_dim, self.kv_dtype)
 
 
 @dataclass(frozen=True)
 class QSAIndexSpec:
-    """The QSA indexer's compressed keys (paged on the main table, ``block_size / ratio`` a block) and its
-    per-row raw-key ring of the open group (keys and their three RoPE positions, and the step's undo copy)."""
+    """The QSA indexer's compressed keys (paged on the main table, ``block_size / ratio`` a block; fp8 with a
+    scale each under ``index_dtype`` fp8) and its per-row raw-key ring of the open group (keys and their three RoPE
+    positions, and the step's undo copy; always in the model's dtype)."""
 
     table: str
     block_size: int
@@ -159,9 +163,10 @@ class QSAIndexSpec:
     compress_ratio: int
     ring_capacity: int
     index_head_dim: int
+    index_dtype: torch.dtype | None = None  # None: the model's dtype
 
     def page_bytes(self, dtype: torch.dtype) -> int:
-        return self.block_size // self.compress_ratio * self.index_head_dim * _itemsize(dtype)
+        return self.block_size // self.compress_ratio * vector_bytes(self.index_head_dim, self.index_dtype, dtype)
 
     def dense_bytes(self, max_rows: int, dtype: torch.dtype) -> int:
         per_key = self.index_head_dim * _itemsize(dtype) + 3 * 8  # the key, its int64 positions
@@ -169,7 +174,7 @@ class QSAIndexSpec:
 
     def build(self, max_rows: int) -> Store:
         return QSAIndexStore(self.table, self.num_blocks, self.block_size, self.compress_ratio, max_rows,
-                             self.ring_capacity, self.index_head_dim)
+                             self.ring_capacity, self.index_head_dim, self.index_dtype)
 
 
 @dataclass(frozen=True)
@@ -255,18 +260,28 @@ class CacheLayout:
         paged = sum(self.bytes_per_block(name, dtype) * table.num_blocks for name, table in self.tables.items())
         return paged + self.dense_bytes(max_rows, dtype)
 
+    def bytes_per_token(self, table: str, dtype: torch.dtype) -> float:
+        """What one more token of a row costs on ``table`` over every layer (fp8 scales included)."""
+        return self.bytes_per_block(table, dtype) / self.tables[table].block_size
+
 
 # ---------------------------------------------------------------------- the families
 def build_layout(config, max_rows: int, max_len: int, block_size: int | None = None, num_blocks: int | None = None,
-                 num_speculative_tokens: int = 0) -> CacheLayout:
+                 num_speculative_tokens: int = 0, kv_cache_dtype: torch.dtype | None = None,
+                 index_cache_dtype: torch.dtype | None = None) -> CacheLayout:
     """The layout of a cache for ``config`` (a text config) holding ``max_rows`` rows of ``max_len`` tokens.
-    ``block_size`` and ``num_blocks`` size the main table (default: every row at ``max_len``)."""
+    ``block_size`` and ``num_blocks`` size the main table (default: every row at ``max_len``).
+    ``kv_cache_dtype``: the paged attention K/V's storage (None: the model's dtype; fp8: `hf_qsa_cache.ops.fp8`);
+    ``index_cache_dtype``: the QSA compressed keys' (Qwen4Exp)."""
     family = model_family(config)
-    build = _qwen4_exp_layout if family == "qwen4_exp" else _inkling_layout
-    return build(config, max_rows, max_len, block_size, num_blocks, num_speculative_tokens)
+    if family == "qwen4_exp":
+        return _qwen4_exp_layout(config, max_rows, max_len, block_size, num_blocks, num_speculative_tokens,
+                                 kv_cache_dtype, index_cache_dtype)
+    return _inkling_layout(config, max_rows, max_len, block_size, num_blocks, num_speculative_tokens, kv_cache_dtype)
 
 
-def _qwen4_exp_layout(config, max_rows, max_len, block_size, num_blocks, spec_tokens) -> CacheLayout:
+def _qwen4_exp_layout(config, max_rows, max_len, block_size, num_blocks, spec_tokens, kv_dtype=None,
+                      index_dtype=None) -> CacheLayout:
     layer_types = list(config.layer_types)
     has_qsa = "indexed_attention" in layer_types
     if has_qsa and any(getattr(config, f, None) in (None, 0) for f in _QSA_FIELDS):
@@ -287,9 +302,10 @@ def _qwen4_exp_layout(config, max_rows, max_len, block_size, num_blocks, spec_to
     for i, kind in enumerate(layer_types):
         if kind == "indexed_attention":
             layers.append(LayerSpec(kind, {
-                "kv": FullAttentionSpec("main", block_size, num_blocks, config.num_key_value_heads, head_dim),
+                "kv": FullAttentionSpec("main", block_size, num_blocks, config.num_key_value_heads, head_dim,
+                                        kv_dtype),
                 "index": QSAIndexSpec("main", block_size, num_blocks, ratio, qsa.ring_capacity,
-                                      config.indexer_head_dim),
+                                      config.indexer_head_dim, index_dtype),
             }))
             continue
         key_dim = config.linear_key_head_dim * config.linear_num_key_heads
@@ -337,7 +353,7 @@ def _check_inkling_config(config) -> None:
                              f"heads, which does not divide it")
 
 
-def _inkling_layout(config, max_rows, max_len, block_size, num_blocks, spec_tokens) -> CacheLayout:
+def _inkling_layout(config, max_rows, max_len, block_size, num_blocks, spec_tokens, kv_dtype=None) -> CacheLayout:
     """``block_size`` and ``num_blocks`` size the main (full-attention) table; the sliding table uses the same
     block size when given (default: the window rounded up to a power of two, at most `DEFAULT_BLOCK_SIZE`),
     and the windowed tables are sized from their per-row bound, so they never run out."""
@@ -361,9 +377,9 @@ def _inkling_layout(config, max_rows, max_len, block_size, num_blocks, spec_toke
         heads, head_dim = _inkling_heads(config, kind)
         if kind == "hybrid_sliding":
             t = tables["sliding"]
-            kv = SlidingWindowSpec("sliding", t.block_size, t.num_blocks, heads, head_dim)
+            kv = SlidingWindowSpec("sliding", t.block_size, t.num_blocks, heads, head_dim, kv_dtype)
         else:
-            kv = FullAttentionSpec("main", main_bs, num_blocks, heads, head_dim)
+            kv = FullAttentionSpec("main", main_bs, num_blocks, heads, head_dim, kv_dtype)
         taps = ConvTapsSpec("conv", kernel, conv.num_blocks, heads, head_dim, config.hidden_size)
         layers.append(LayerSpec(kind, {"kv": kv, "conv": taps}))
     return CacheLayout("inkling", tables, layers, qsa=None)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import fusions, records_grad, use_triton
+from .fp8 import dequantize_fp8, write_fp8_rows
 
 # Upper bound on elements of one chunk's score tensor.
 SCORE_BUDGET = 1 << 25
@@ -48,17 +49,26 @@ def paged_rel_attention_torch(
     scaling: float,
     window: int | None = None,
     log_scaling: tuple[float, float] | None = None,  # (n_floor, alpha)
+    key_scales: torch.Tensor | None = None,  # [slots, Hkv] fp32: an fp8 store's scales (`fp8`)
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Returns the attention output ``[B, L, Hq * hd]`` in ``q``'s dtype."""
+    """Returns the attention output ``[B, L, Hq * hd]`` in ``q``'s dtype. With ``key_scales`` / ``value_scales``
+    the stores are fp8: earlier keys and values are widened to ``k``'s dtype as read (exact), this step's are
+    quantized as written (`fp8.write_fp8_rows`) and attended unquantized, from ``k`` and ``v``."""
     B, L, Hq, hd = q.shape
     Hkv = k.shape[2]
     cslot, cpos = _cached_slots(table, block_size, prev_len, host_prev_len, window)
-    k_cached = key_store[cslot]  # [B, n_cached, Hkv, hd]
-    v_cached = value_store[cslot]
+    k_cached = _read(key_store, key_scales, cslot, k.dtype)  # [B, n_cached, Hkv, hd]
+    v_cached = _read(value_store, value_scales, cslot, v.dtype)
 
     # The stores keep values, not autograd history: this step's keys reach the scores from k and v directly.
-    key_store.index_copy_(0, slots.clamp_min(0), k.detach().reshape(B * L, Hkv, hd).to(key_store.dtype))
-    value_store.index_copy_(0, slots.clamp_min(0), v.detach().reshape(B * L, Hkv, hd).to(value_store.dtype))
+    at = slots.clamp_min(0)
+    if key_scales is not None:
+        write_fp8_rows(key_store, key_scales, at, k.detach().reshape(B * L, Hkv, hd))
+        write_fp8_rows(value_store, value_scales, at, v.detach().reshape(B * L, Hkv, hd))
+    else:
+        key_store.index_copy_(0, at, k.detach().reshape(B * L, Hkv, hd).to(key_store.dtype))
+        value_store.index_copy_(0, at, v.detach().reshape(B * L, Hkv, hd).to(value_store.dtype))
 
     outputs = []
     for c0, c1, k0, probs, _, _ in _rel_softmax(q, k, r, proj, k_cached, cpos, position, scaling, window,
@@ -84,6 +94,7 @@ def paged_rel_attention_probs(
     scaling: float,
     window: int | None = None,
     log_scaling: tuple[float, float] | None = None,  # (n_floor, alpha)
+    key_scales: torch.Tensor | None = None,  # [slots, Hkv]: an fp8 store's scales
 ) -> torch.Tensor:
     """The attention probabilities of `paged_rel_attention_torch` by key position: ``[B, L, Hq, max_len]``
     in ``q``'s dtype, zero at every position a query does not attend (later, outside the window, pads;
@@ -92,12 +103,19 @@ def paged_rel_attention_probs(
     cslot, cpos = _cached_slots(table, block_size, prev_len, host_prev_len, window)
     # One extra column takes the keys that are no position (-1), then is dropped.
     out = torch.zeros(B, L, Hq, max_len + 1, dtype=torch.float32, device=q.device)
-    for c0, c1, _, probs, kpos, allowed in _rel_softmax(q, k, r, proj, key_store[cslot], cpos, position, scaling,
-                                                         window, log_scaling):
+    for c0, c1, _, probs, kpos, allowed in _rel_softmax(q, k, r, proj, _read(key_store, key_scales, cslot, k.dtype),
+                                                         cpos, position, scaling, window, log_scaling):
         probs = probs.masked_fill(~allowed[:, :, None, None, :], 0.0).flatten(2, 3)  # [B, Lq, Hq, S]
         column = torch.where(kpos >= 0, kpos, max_len)[:, None, None, :].expand_as(probs)
         out[:, c0:c1].scatter_add_(-1, column, probs)
     return out[..., :max_len].to(q.dtype)
+
+
+def _read(store: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``store[slots]``; of an fp8 store (``scales`` given) widened to ``dtype`` (`fp8.dequantize_fp8`)."""
+    if scales is None:
+        return store[slots]
+    return dequantize_fp8(store[slots], scales[slots], dtype)
 
 
 def _cached_slots(table: torch.Tensor, block_size: int, prev_len: torch.Tensor, host_prev_len: list[int],

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from .fp8_triton import quantize_rows, widen
 from .triton_common import (
     INTERPRET, LOG2E, TL_DTYPES, dot, l2_lines, on_device_of_first_tensor, pdl, pdl_begin, pow2, prefetch_rows_l2,
 )
@@ -150,8 +151,10 @@ def _scan_store(acc, m, l, lo, hi, q, qpos, qtau, rel_rows, r_tile, proj_ptr, ro
                 skst_s, skst_h, skst_d, svst_s, svst_h, svst_d, table_cols, block_size, kv, d, d_ok,
                 qk_scale, window, extent, NEAR: tl.constexpr, WINDOWED: tl.constexpr,
                 LOG_SCALING: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_N: tl.constexpr,
-                REL_FROM_R: tl.constexpr, D_REL: tl.constexpr, R_DTYPE: tl.constexpr):
-    """Keys at positions [lo, hi) of earlier forwards: the paged store, through the row's block table."""
+                REL_FROM_R: tl.constexpr, D_REL: tl.constexpr, R_DTYPE: tl.constexpr,
+                ks_ptr, vs_ptr, sks_s, sks_h, svs_s, svs_h, QUANT: tl.constexpr, KV_DTYPE: tl.constexpr):
+    """Keys at positions [lo, hi) of earlier forwards: the paged store, through the row's block table (an fp8
+    store's, ``QUANT``, widened to the activations' dtype ``KV_DTYPE`` by their scales)."""
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < hi
@@ -159,6 +162,9 @@ def _scan_store(acc, m, l, lo, hi, q, qpos, qtau, rel_rows, r_tile, proj_ptr, ro
         lmask = kmask[:, None] & d_ok[None, :]
         k = tl.load(kst_ptr + kslot[:, None] * skst_s + kv * skst_h + d[None, :] * skst_d, mask=lmask, other=0.0)
         v = tl.load(vst_ptr + kslot[:, None] * svst_s + kv * svst_h + d[None, :] * svst_d, mask=lmask, other=0.0)
+        if QUANT:
+            k = widen(k, tl.load(ks_ptr + kslot * sks_s + kv * sks_h, mask=kmask, other=0.0), KV_DTYPE)
+            v = widen(v, tl.load(vs_ptr + kslot * svs_s + kv * svs_h, mask=kmask, other=0.0), KV_DTYPE)
         acc, m, l = _attend_tile(acc, m, l, q, k, v, qpos, qtau, rel_rows, r_tile, proj_ptr, row_ok, kpos, kmask,
                                  qk_scale, window, extent, NEAR, WINDOWED, LOG_SCALING, IEEE, WIDEN,
                                  REL_FROM_R, D_REL, R_DTYPE)
@@ -232,7 +238,7 @@ def _store_keys_to_l2(kst_ptr, vst_ptr, table_row, lo, hi, kv, skst_s, skst_h, s
 @triton.jit(do_not_specialize=["stab_b", "query_len", "num_q_tiles", "table_cols", "split_len"])
 def _rel_attention_kernel(
     q_ptr, k_ptr, v_ptr, rel_ptr, proj_ptr, kst_ptr, vst_ptr, table_ptr, slots_ptr, pos_ptr, prev_ptr,
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, ks_ptr, vs_ptr, sks_s, sks_h, svs_s, svs_h,
     sq_b, sq_l, sq_h, sq_d, sk_b, sk_l, sk_h, sk_d, sv_b, sv_l, sv_h, sv_d,
     skst_s, skst_h, skst_d, svst_s, svst_h, svst_d, stab_b,
     query_len, num_q_tiles, table_cols, block_size, window, extent, split_len,
@@ -241,7 +247,8 @@ def _rel_attention_kernel(
     G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, WINDOWED: tl.constexpr, LOG_SCALING: tl.constexpr,
     IEEE: tl.constexpr, WIDEN: tl.constexpr, REL_FROM_R: tl.constexpr, D_REL: tl.constexpr, DR_PAD: tl.constexpr,
-    R_DTYPE: tl.constexpr, KEY_LINES: tl.constexpr, PDL: tl.constexpr = False,
+    R_DTYPE: tl.constexpr, KEY_LINES: tl.constexpr, QUANT: tl.constexpr = False, KV_DTYPE: tl.constexpr = None,
+    PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     b = pid // num_q_tiles
@@ -274,12 +281,24 @@ def _rel_attention_kernel(
         t_ok = tc < query_len
         wmask = t_ok[:, None] & d_ok[None, :]
         slot = tl.maximum(tl.load(slots_ptr + b64 * query_len + tc, mask=t_ok, other=0), 0).to(tl.int64)
-        kk = tl.load(k_ptr + b64 * sk_b + tc[:, None] * sk_l + kv * sk_h + d[None, :] * sk_d, mask=wmask)
-        tl.store(kst_ptr + slot[:, None] * skst_s + kv * skst_h + d[None, :] * skst_d,
-                 kk.to(kst_ptr.dtype.element_ty), mask=wmask)
-        vv = tl.load(v_ptr + b64 * sv_b + tc[:, None] * sv_l + kv * sv_h + d[None, :] * sv_d, mask=wmask)
-        tl.store(vst_ptr + slot[:, None] * svst_s + kv * svst_h + d[None, :] * svst_d,
-                 vv.to(vst_ptr.dtype.element_ty), mask=wmask)
+        if QUANT:  # fp8 stores: each (token, head) quantized with its own scale (`fp8_triton.quantize_rows`)
+            kk = tl.load(k_ptr + b64 * sk_b + tc[:, None] * sk_l + kv * sk_h + d[None, :] * sk_d, mask=wmask,
+                         other=0.0)
+            kq, kscale = quantize_rows(kk.to(tl.float32))
+            tl.store(kst_ptr + slot[:, None] * skst_s + kv * skst_h + d[None, :] * skst_d, kq, mask=wmask)
+            tl.store(ks_ptr + slot * sks_s + kv * sks_h, kscale, mask=t_ok)
+            vv = tl.load(v_ptr + b64 * sv_b + tc[:, None] * sv_l + kv * sv_h + d[None, :] * sv_d, mask=wmask,
+                         other=0.0)
+            vq, vscale = quantize_rows(vv.to(tl.float32))
+            tl.store(vst_ptr + slot[:, None] * svst_s + kv * svst_h + d[None, :] * svst_d, vq, mask=wmask)
+            tl.store(vs_ptr + slot * svs_s + kv * svs_h, vscale, mask=t_ok)
+        else:
+            kk = tl.load(k_ptr + b64 * sk_b + tc[:, None] * sk_l + kv * sk_h + d[None, :] * sk_d, mask=wmask)
+            tl.store(kst_ptr + slot[:, None] * skst_s + kv * skst_h + d[None, :] * skst_d,
+                     kk.to(kst_ptr.dtype.element_ty), mask=wmask)
+            vv = tl.load(v_ptr + b64 * sv_b + tc[:, None] * sv_l + kv * sv_h + d[None, :] * sv_d, mask=wmask)
+            tl.store(vst_ptr + slot[:, None] * svst_s + kv * svst_h + d[None, :] * svst_d,
+                     vv.to(vst_ptr.dtype.element_ty), mask=wmask)
 
     q = tl.load(q_ptr + b64 * sq_b + col[:, None] * sq_l + head[:, None] * sq_h + d[None, :] * sq_d,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -309,12 +328,14 @@ def _rel_attention_kernel(
                             rel_rows, r_tile, proj_ptr, row_ok,
                             kst_ptr, vst_ptr, table_row, skst_s, skst_h, skst_d, svst_s, svst_h, svst_d,
                             table_cols, block_size, kv, d, d_ok, qk_scale, window, extent,
-                            False, WINDOWED, LOG_SCALING, IEEE, WIDEN, BLOCK_N, REL_FROM_R, D_REL, R_DTYPE)
+                            False, WINDOWED, LOG_SCALING, IEEE, WIDEN, BLOCK_N, REL_FROM_R, D_REL, R_DTYPE,
+                            ks_ptr, vs_ptr, sks_s, sks_h, svs_s, svs_h, QUANT, KV_DTYPE)
     acc, m, l = _scan_store(acc, m, l, far_hi, store_hi, q, qpos, qtau,
                             rel_rows, r_tile, proj_ptr, row_ok,
                             kst_ptr, vst_ptr, table_row, skst_s, skst_h, skst_d, svst_s, svst_h, svst_d,
                             table_cols, block_size, kv, d, d_ok, qk_scale, window, extent,
-                            True, WINDOWED, LOG_SCALING, IEEE, WIDEN, BLOCK_N, REL_FROM_R, D_REL, R_DTYPE)
+                            True, WINDOWED, LOG_SCALING, IEEE, WIDEN, BLOCK_N, REL_FROM_R, D_REL, R_DTYPE,
+                            ks_ptr, vs_ptr, sks_s, sks_h, svs_s, svs_h, QUANT, KV_DTYPE)
     # Keys of this forward (positions >= prev_len) from the activations.
     new_lo = tl.maximum(k_lo, prev)
     k_row = k_ptr + b64 * sk_b
@@ -390,6 +411,8 @@ def paged_rel_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,  # software pipelining depth of the key loop (None: Triton's default)
     bias_in_kernel: bool = False,  # one-token tiles compute r @ P in the kernel (the rel_bias fusion's path)
+    key_scales: torch.Tensor | None = None,  # [slots, Hkv] fp32: the stores are fp8 (`fp8`)
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_rel_attention_torch` in one launch (two when the keys are split); see the module doc."""
     B, L, Hq, hd = q.shape
@@ -400,7 +423,7 @@ def paged_rel_attention_triton(
     if table.shape[1] == 0:  # nothing cached anywhere: any single null column will do
         table = torch.zeros(B, 1, dtype=torch.int32, device=q.device)
     decode = L == 1
-    wide = q.element_size() >= 4 or key_store.element_size() >= 4
+    wide = q.element_size() >= 4 or (key_store.element_size() >= 4 and key_scales is None)
     key = (q.device, q.dtype, key_store.dtype, hd, G, decode)
     if block_m is None and block_n is None and key in _TILES_THAT_FIT:
         block_m, block_n = _TILES_THAT_FIT[key]
@@ -417,7 +440,7 @@ def paged_rel_attention_triton(
         try:
             return _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots, position, prev_len,
                            host_prev_len, scaling, window, log_scaling, block_m, block_n, num_splits, num_warps,
-                           num_stages)
+                           num_stages, key_scales=key_scales, value_scales=value_scales)
         except OutOfResources:
             smaller = _smaller_tiles(block_m, block_n)
             if smaller is None:
@@ -436,7 +459,8 @@ def _smaller_tiles(block_m: int, block_n: int) -> tuple[int, int] | None:
 
 
 def _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots, position, prev_len, host_prev_len,
-            scaling, window, log_scaling, block_m, block_n, num_splits, num_warps, num_stages=None) -> torch.Tensor:
+            scaling, window, log_scaling, block_m, block_n, num_splits, num_warps, num_stages=None, *,
+            key_scales=None, value_scales=None) -> torch.Tensor:
     """One launch (two with key splits) at these tile sizes; see `paged_rel_attention_triton`. ``proj`` None:
     ``rel`` is ``r @ P``; else ``rel`` is ``r`` and the kernel computes the bias (one-token tiles only)."""
     B, L, Hq, hd = q.shape
@@ -462,8 +486,11 @@ def _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots
     split_len = block_n * _cdiv(_cdiv(span, num_splits), block_n)
     num_splits = _cdiv(span, split_len)
 
-    ieee = not (q.dtype == k.dtype == v.dtype == key_store.dtype == value_store.dtype
-                and q.dtype in (torch.bfloat16, torch.float16))
+    quant = key_scales is not None  # fp8 stores widen to k's dtype as read
+    stored = (k.dtype, k.dtype) if quant else (key_store.dtype, value_store.dtype)
+    ieee = not (q.dtype == k.dtype == v.dtype == stored[0] == stored[1] and q.dtype in (torch.bfloat16, torch.float16))
+    scale_args = ((key_scales, value_scales, *key_scales.stride(), *value_scales.stride()) if quant
+                  else (q, q, 0, 0, 0, 0))
     n_floor, alpha = log_scaling if log_scaling is not None else (1.0, 0.0)
     T = B * L
     if num_splits > 1:
@@ -478,7 +505,7 @@ def _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots
     _rel_attention_kernel[grid](
         q, k, v, rel, proj.contiguous() if from_r else rel, key_store, value_store, table, slots.contiguous(),
         position.contiguous(),
-        prev_len.contiguous(), out, part_m, part_l, part_acc,
+        prev_len.contiguous(), out, part_m, part_l, part_acc, *scale_args,
         *q.stride(), *k.stride(), *v.stride(),
         *key_store.stride(), *value_store.stride(), table.stride(0),
         L, num_q_tiles, table.shape[1], block_size, window if window is not None else 0, E, split_len,
@@ -486,7 +513,8 @@ def _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots
         NUM_HEADS=Hq, GROUP=G, HEAD_DIM=hd, G_PAD=g_pad, BLOCK_M=block_m, D_PAD=d_pad, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, WINDOWED=window is not None, LOG_SCALING=log_scaling is not None,
         IEEE=ieee, WIDEN=INTERPRET, REL_FROM_R=from_r, D_REL=d_rel, DR_PAD=pow2(d_rel), R_DTYPE=TL_DTYPES[rel.dtype],
-        KEY_LINES=l2_lines(hd, key_store.dtype), num_warps=num_warps,
+        KEY_LINES=l2_lines(hd, key_store.dtype), QUANT=quant, KV_DTYPE=TL_DTYPES[k.dtype] if quant else None,
+        num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **pdl(q),
     )
     if num_splits > 1:

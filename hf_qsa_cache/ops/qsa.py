@@ -21,6 +21,7 @@ import math
 import torch
 
 from . import fusions, records_grad, top_set, use_triton
+from .fp8 import dequantize_fp8
 from .row_writes import RowWrites
 from .selected_positions import selected_positions
 from .metadata_ref import StepMetadata
@@ -66,7 +67,8 @@ def qsa_index_step(q_index: torch.Tensor, raw_keys: torch.Tensor, positions: tor
     rows = meta.derived(("ring_rows", store.max_rows, store.capacity), lambda: store.ring_rows(meta.ring_slot))
     store.write_ring(rows, raw_keys, positions, writes)
     writes.flush()
-    return score_and_select(q_index, store.compressed, meta, store.table, block_size, r, block_topk)
+    return score_and_select(q_index, store.compressed, meta, store.table, block_size, r, block_topk,
+                            scales=store.compressed_scales)
 
 
 def pool_groups(meta: StepMetadata, work: torch.Tensor, ratio: int, ring_keys: torch.Tensor,
@@ -117,10 +119,11 @@ def group_token_sources(meta: StepMetadata, work: torch.Tensor, ratio: int, capa
 
 
 def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: StepMetadata, table: str,
-                     block_size: int, ratio: int, block_topk: int) -> torch.Tensor:
+                     block_size: int, ratio: int, block_topk: int, scales: torch.Tensor | None = None) -> torch.Tensor:
     """Selected token positions ``[B*L, block_topk*r + r - 1]`` (-1 = unused), selected blocks first.
 
-    q_index: ``[B*L, Hi, Di]`` normed and rotated index queries; compressed: ``[num_blocks, block_size/r, Di]``.
+    q_index: ``[B*L, Hi, Di]`` normed and rotated index queries; compressed: ``[num_blocks, block_size/r, Di]``;
+    ``scales`` ``[num_blocks, block_size/r]``: an fp8 store's scales (`fp8`), None for a store in the model's dtype.
     Score of group b: ``sum_h relu(q_h . k_b) / sqrt(Di)``, top ``min(block_topk, visible)`` kept. Among equal
     scores at the cut, the torch path (the CPU) keeps what transformers' ``torch.topk`` over the token's visible
     groups keeps (`top_set.top_group_set_as_topk`); the Triton path (CUDA) keeps the lower group index, as
@@ -153,9 +156,10 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
         args = (q_index[start:end], compressed, table_t, meta.token_row[start:end], visible[start:end],
                 rows_per_block)
         if by_tiles:
-            groups = select_by_tile_maxima(*args, max_groups, k).sort(dim=-1).values
+            groups = select_by_tile_maxima(*args, max_groups, k, scales=scales).sort(dim=-1).values
         else:
-            groups = top_group_set(scores_fn(*args, max_groups), k, visible[start:end] if ties_as_topk else None)
+            groups = top_group_set(scores_fn(*args, max_groups, scales=scales), k,
+                                   visible[start:end] if ties_as_topk else None)
         chosen.append(selected_positions(groups, visible[start:end], pos[start:end], ratio, block_topk))
     return chosen[0] if len(chosen) == 1 else torch.cat(chosen, dim=0)
 
@@ -169,7 +173,8 @@ def selects_by_tiles(q_index: torch.Tensor, max_groups: int, k: int) -> bool:
 
 def select_by_tile_maxima(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                           token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
-                          max_groups: int, k: int, tile: int | None = None) -> torch.Tensor:
+                          max_groups: int, k: int, tile: int | None = None,
+                          scales: torch.Tensor | None = None) -> torch.Tensor:
     """`top_groups` of the index scores (`index_scores_torch`) from each tile's best score only
     (`index_tile_maxima_torch`): the groups of the ``k`` best tiles are scored again
     (`candidate_scores_torch`) and ranked (`top_groups_of_best_tiles`). On CUDA the Triton scoring kernel
@@ -183,10 +188,10 @@ def select_by_tile_maxima(q_index: torch.Tensor, compressed: torch.Tensor, block
     if use_triton(q_index):
         from .qsa_triton import candidate_scores_triton, index_scores_triton
 
-        maxima = index_scores_triton(*args, max_groups, tile=tile)
-        return top_groups_of_best_tiles(maxima, lambda c: candidate_scores_triton(*args, c), k, tile)
-    maxima = index_tile_maxima_torch(*args, max_groups, tile)
-    return top_groups_of_best_tiles(maxima, lambda c: candidate_scores_torch(*args, c), k, tile)
+        maxima = index_scores_triton(*args, max_groups, tile=tile, scales=scales)
+        return top_groups_of_best_tiles(maxima, lambda c: candidate_scores_triton(*args, c, scales=scales), k, tile)
+    maxima = index_tile_maxima_torch(*args, max_groups, tile, scales=scales)
+    return top_groups_of_best_tiles(maxima, lambda c: candidate_scores_torch(*args, c, scales=scales), k, tile)
 
 
 # From this many groups a Triton selection writes tile maxima instead of scores (`select_by_tile_maxima`): from
@@ -196,18 +201,19 @@ SELECT_BY_TILES_MIN_GROUPS = 1 << 17
 
 def index_scores_torch(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                        token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
-                       max_groups: int) -> torch.Tensor:
+                       max_groups: int, scales: torch.Tensor | None = None) -> torch.Tensor:
     """Index scores ``[N, max_groups]`` float32 of each token over its row's compressed groups.
 
     q_index ``[N, Hi, Di]``; compressed ``[num_blocks, rows_per_block, Di]``; token ``n`` reads row
     ``token_row[n]`` of ``block_table``. ``score[n, g] = sum_h relu(q_h . k_g) / sqrt(Di)`` for
     ``g < visible_blocks[n]``, ``-inf`` for the others; group ``g`` is compressed row
-    ``block_table[row, g // rows_per_block] * rows_per_block + g % rows_per_block``.
+    ``block_table[row, g // rows_per_block] * rows_per_block + g % rows_per_block``. ``scales``: an fp8 store's
+    (`score_and_select`); its keys are widened as read.
     """
     n, num_heads, head_dim = q_index.shape
     device = q_index.device
     groups = torch.arange(max_groups, device=device)
-    store = compressed.view(-1, head_dim)
+    store = _KeyRows(compressed, scales, head_dim)
     q = q_index.float()
     out = torch.empty(n, max_groups, dtype=torch.float32, device=device)
     single_row = block_table.shape[0] == 1
@@ -228,21 +234,21 @@ def index_scores_torch(q_index: torch.Tensor, compressed: torch.Tensor, block_ta
 
 def index_tile_maxima_torch(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                             token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
-                            max_groups: int, tile: int) -> torch.Tensor:
+                            max_groups: int, tile: int, scales: torch.Tensor | None = None) -> torch.Tensor:
     """``[N, ceil(max_groups / tile)]``: each tile's best index score (`index_scores_torch`, `tile_maxima`)."""
     scores = index_scores_torch(q_index, compressed, block_table, token_row, visible_blocks, rows_per_block,
-                                max_groups)
+                                max_groups, scales)
     return tile_maxima(scores, tile)
 
 
 def candidate_scores_torch(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                            token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
-                           candidates: torch.Tensor) -> torch.Tensor:
+                           candidates: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
     """Index scores ``[N, C]`` float32 of the groups ``candidates [N, C]`` of each token (same formula and
     arguments as `index_scores_torch`): ``-inf`` for a group at or past the token's visible count (or
     negative)."""
     n, num_heads, head_dim = q_index.shape
-    store = compressed.view(-1, head_dim)
+    store = _KeyRows(compressed, scales, head_dim)
     out = torch.empty(candidates.shape, dtype=torch.float32, device=q_index.device)
     step = max(1, _CHUNK_ELEMENTS // max(1, candidates.shape[1] * max(num_heads, head_dim)))
     for start in range(0, n, step):
@@ -255,32 +261,52 @@ def candidate_scores_torch(q_index: torch.Tensor, compressed: torch.Tensor, bloc
     return out
 
 
+class _KeyRows:
+    """Rows of a paged store (``[num_blocks, per_block, ...]``) by flat store row, widened to fp32: an fp8 store's
+    (``scales`` given) as `fp8.dequantize_fp8` reads them."""
+
+    def __init__(self, store: torch.Tensor, scales: torch.Tensor | None, width: int, dtype=torch.float32):
+        self.store = store.view(-1, *store.shape[2:]) if store.dim() > 2 else store.view(-1, width)
+        self.scales = None if scales is None else scales.reshape(self.store.shape[:-1])
+        self.dtype = dtype
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.scales is None:
+            return self.store[rows].to(self.dtype)
+        return dequantize_fp8(self.store[rows], self.scales[rows], self.dtype)
+
+
 def sparse_paged_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_table: torch.Tensor,
                            token_row: torch.Tensor, positions: torch.Tensor, block_size: int,
-                           scaling: float) -> torch.Tensor:
+                           scaling: float, key_scales: torch.Tensor | None = None,
+                           value_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each query over its selected positions only.
 
     query ``[N, H, D]``; keys/values ``[num_blocks, block_size, H_kv, D]``; positions ``[N, W]``
     logical positions in the query's row (-1 = unused). Returns ``[N, H, D]``. A query with no
-    valid position (a pad) returns zeros.
+    valid position (a pad) returns zeros. ``key_scales`` / ``value_scales`` ``[num_blocks, block_size, H_kv]``:
+    an fp8 store's scales (`fp8`; keys and values are widened to ``query``'s dtype as read, exactly).
     """
     if use_triton(query) and not records_grad(query, keys, values):
         from .qsa_triton import sparse_paged_attention_triton
 
         return sparse_paged_attention_triton(query, keys, values, block_table, token_row, positions, block_size,
-                                             scaling)
-    return sparse_paged_attention_torch(query, keys, values, block_table, token_row, positions, block_size, scaling)
+                                             scaling, key_scales=key_scales, value_scales=value_scales)
+    return sparse_paged_attention_torch(query, keys, values, block_table, token_row, positions, block_size, scaling,
+                                        key_scales, value_scales)
 
 
 def sparse_paged_attention_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                                  block_table: torch.Tensor, token_row: torch.Tensor, positions: torch.Tensor,
-                                 block_size: int, scaling: float) -> torch.Tensor:
+                                 block_size: int, scaling: float, key_scales: torch.Tensor | None = None,
+                                 value_scales: torch.Tensor | None = None) -> torch.Tensor:
     """`sparse_paged_attention`'s specification (what the CPU runs)."""
     n, num_heads, head_dim = query.shape
     out = torch.zeros_like(query)
+    value_rows = _KeyRows(values, value_scales, head_dim, values.dtype if value_scales is None else query.dtype)
     for start, end, probs, slots in _selected_softmax(query, keys, block_table, token_row, positions, block_size,
-                                                       scaling):
-        v = values.view(-1, *values.shape[2:])[slots]  # [n, W, Hkv, D]
+                                                       scaling, key_scales):
+        v = value_rows[slots]  # [n, W, Hkv, D]
         o = torch.einsum("nkgw,nwkd->nkgd", probs.to(v.dtype), v)
         out[start:end] = o.reshape(-1, num_heads, head_dim)
     return out
@@ -288,7 +314,9 @@ def sparse_paged_attention_torch(query: torch.Tensor, keys: torch.Tensor, values
 
 def gated_sparse_paged_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                                  block_table: torch.Tensor, token_row: torch.Tensor, positions: torch.Tensor,
-                                 block_size: int, scaling: float, gate: torch.Tensor) -> torch.Tensor:
+                                 block_size: int, scaling: float, gate: torch.Tensor,
+                                 key_scales: torch.Tensor | None = None,
+                                 value_scales: torch.Tensor | None = None) -> torch.Tensor:
     """`sparse_paged_attention` times ``sigmoid(gate)`` (``gate`` ``[N, H, D]`` logits), ``[N, H * D]``: the
     attention output rounded to its dtype, the sigmoid rounded alike, their product rounded, as the torch ops
     round. With ``qsa_gate`` on CUDA the gate is applied where the attention's splits are merged."""
@@ -298,14 +326,15 @@ def gated_sparse_paged_attention(query: torch.Tensor, keys: torch.Tensor, values
         from .qsa_triton import sparse_paged_attention_triton
 
         return sparse_paged_attention_triton(query, keys, values, block_table, token_row, positions, block_size,
-                                             scaling, gate=gate)
-    out = sparse_paged_attention(query, keys, values, block_table, token_row, positions, block_size, scaling)
+                                             scaling, gate=gate, key_scales=key_scales, value_scales=value_scales)
+    out = sparse_paged_attention(query, keys, values, block_table, token_row, positions, block_size, scaling,
+                                 key_scales, value_scales)
     return out.reshape(n, -1) * torch.sigmoid(gate).reshape(n, -1)
 
 
 def sparse_paged_attention_probs(query: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor,
                                  token_row: torch.Tensor, positions: torch.Tensor, block_size: int, scaling: float,
-                                 max_len: int) -> torch.Tensor:
+                                 max_len: int, key_scales: torch.Tensor | None = None) -> torch.Tensor:
     """The attention probabilities of `sparse_paged_attention` by key position: ``[N, H, max_len]`` in
     ``query``'s dtype, zero at every position a query does not attend (unselected, later, pads; a pad
     query's row is all zeros)."""
@@ -313,7 +342,7 @@ def sparse_paged_attention_probs(query: torch.Tensor, keys: torch.Tensor, block_
     # One extra column takes the unused (-1) selections, then is dropped.
     out = torch.zeros(n, num_heads, max_len + 1, dtype=torch.float32, device=query.device)
     for start, end, probs, _ in _selected_softmax(query, keys, block_table, token_row, positions, block_size,
-                                                  scaling):
+                                                  scaling, key_scales):
         pos = positions[start:end].long()
         column = torch.where(pos >= 0, pos, max_len)[:, None, :].expand(-1, num_heads, -1)
         out[start:end].scatter_add_(-1, column, probs.reshape(end - start, num_heads, -1))
@@ -321,7 +350,7 @@ def sparse_paged_attention_probs(query: torch.Tensor, keys: torch.Tensor, block_
 
 
 def _selected_softmax(query: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor, token_row: torch.Tensor,
-                      positions: torch.Tensor, block_size: int, scaling: float):
+                      positions: torch.Tensor, block_size: int, scaling: float, key_scales: torch.Tensor | None = None):
     """Per chunk of queries: ``(start, end, probs, slots)`` with the fp32 softmax ``probs [n, Hkv, G, W]``
     of each query over its selected positions (0 at unused ones; all 0 for a query with none) and
     their store rows ``slots [n, W]``. What `sparse_paged_attention` and its probabilities share.
@@ -332,7 +361,7 @@ def _selected_softmax(query: torch.Tensor, keys: torch.Tensor, block_table: torc
     num_kv = keys.shape[2]
     group = num_heads // num_kv
     width = positions.shape[1]
-    k_flat = keys.view(-1, num_kv, head_dim)
+    k_flat = _KeyRows(keys, key_scales, head_dim, keys.dtype if key_scales is None else query.dtype)
     step = max(1, _CHUNK_ELEMENTS // max(1, width * num_kv * head_dim))
     for start in range(0, n, step):
         end = min(n, start + step)

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_triton import widen
 from .triton_common import INTERPRET, LOG2E, dot, on_device_of_first_tensor, pdl, pdl_begin, pow2
 
 # Sparse attention launch policy (shapes only; `num_splits` overrides it per call).
@@ -108,6 +109,7 @@ def attention_splits(num_tokens: int, num_kv: int, width: int, num_splits: int |
 @triton.jit(do_not_specialize=["num_tokens", "width", "table_width", "stride_tr", "split_len", "num_splits"])
 def _sparse_paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, table_ptr, token_row_ptr, pos_ptr,
+    ks_ptr, vs_ptr, stride_kss, stride_ksh, stride_vss, stride_vsh,
     stride_qn, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
     stride_vs, stride_vh, stride_vd,
@@ -116,8 +118,10 @@ def _sparse_paged_attention_kernel(
     num_tokens, width, table_width, block_size, qk_scale, split_len, num_splits,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False,
+    IEEE: tl.constexpr, WIDEN: tl.constexpr, QUANT: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    """``QUANT``: the store is fp8 with a scale per (slot, KV head) at ``ks_ptr`` / ``vs_ptr`` (`fp8`): keys and
+    values are widened to the queries' dtype as loaded."""
     pdl_begin(PDL)
     n = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)
@@ -148,6 +152,9 @@ def _sparse_paged_attention_kernel(
         kv_mask = ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kv * stride_kh + d[None, :] * stride_kd,
                     mask=kv_mask, other=0.0)
+        if QUANT:
+            k = widen(k, tl.load(ks_ptr + slot * stride_kss + kv * stride_ksh, mask=ok, other=0.0),
+                      q_ptr.dtype.element_ty)
         s = dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale  # [G_PAD, BLOCK_W], log2 domain
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -157,6 +164,9 @@ def _sparse_paged_attention_kernel(
         l = l * alpha + tl.sum(prob, axis=1)
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kv * stride_vh + d[None, :] * stride_vd,
                     mask=kv_mask, other=0.0)
+        if QUANT:
+            v = widen(v, tl.load(vs_ptr + slot * stride_vss + kv * stride_vsh, mask=ok, other=0.0),
+                      q_ptr.dtype.element_ty)
         acc = acc * alpha[:, None] + dot(prob.to(v.dtype), v, IEEE, WIDEN)
         m = m_new
     if SPLIT:
@@ -211,7 +221,8 @@ def _merge_splits_kernel(
 def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                                   block_table: torch.Tensor, token_row: torch.Tensor, positions: torch.Tensor,
                                   block_size: int, scaling: float, *, num_splits: int | None = None,
-                                  gate: torch.Tensor | None = None) -> torch.Tensor:
+                                  gate: torch.Tensor | None = None, key_scales: torch.Tensor | None = None,
+                                  value_scales: torch.Tensor | None = None) -> torch.Tensor:
     """`hf_qsa_cache.ops.qsa.sparse_paged_attention` in one launch, two when the width is split (see
     there for shapes). ``num_splits`` overrides the launch policy (`attention_splits`). ``gate`` (``[N, H, D]``
     logits, unit last stride): `qsa.gated_sparse_paged_attention`'s output ``[N, H * D]`` instead, the gate
@@ -225,6 +236,14 @@ def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, value
         return _gated(out, gate, applied=False)
     # A slot is (block, offset) flattened; the store's leading two axes must be one strided axis.
     assert keys.stride(0) == block_size * keys.stride(1) and values.stride(0) == block_size * values.stride(1)
+    quant = key_scales is not None
+    if quant:  # fp8 pages: scales [num_blocks, block_size, H_kv], one strided slot axis as the pages
+        assert key_scales.stride(0) == block_size * key_scales.stride(1)
+        assert value_scales.stride(0) == block_size * value_scales.stride(1)
+        scale_args = (key_scales, value_scales, key_scales.stride(1), key_scales.stride(2), value_scales.stride(1),
+                      value_scales.stride(2))
+    else:
+        scale_args = (query, query, 0, 0, 0, 0)
     if width == 0 or block_table.shape[1] == 0:
         return _gated(out.zero_(), gate, applied=False)
     splits, split_len = attention_splits(n, num_kv, width, num_splits)
@@ -236,7 +255,7 @@ def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, value
         part_m = part_l = part_acc = out
     grid = (n, num_kv, splits)
     _sparse_paged_attention_kernel[grid](
-        query, keys, values, out, part_m, part_l, part_acc, block_table, token_row, positions,
+        query, keys, values, out, part_m, part_l, part_acc, block_table, token_row, positions, *scale_args,
         query.stride(0), query.stride(1), query.stride(2),
         keys.stride(1), keys.stride(2), keys.stride(3),
         values.stride(1), values.stride(2), values.stride(3),
@@ -245,7 +264,7 @@ def sparse_paged_attention_triton(query: torch.Tensor, keys: torch.Tensor, value
         n, width, block_table.shape[1], block_size, float(scaling) * LOG2E, split_len, splits,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, G_PAD=pow2(group), D_PAD=pow2(head_dim),
         BLOCK_W=attention_block_w(n), SPLIT=splits > 1, IEEE=query.dtype == torch.float32, WIDEN=INTERPRET,
-        **attention_launch(n, splits), **pdl(query),
+        QUANT=quant, **attention_launch(n, splits), **pdl(query),
     )
     gated = gate is not None and splits > 1
     if splits > 1:
@@ -270,13 +289,16 @@ def _gated(out: torch.Tensor, gate: torch.Tensor | None, applied: bool) -> torch
 
 @triton.jit
 def _key_rows(c_ptr, table_ptr, row, g, live, d, d_ok, stride_cr, stride_cd, stride_tr, stride_tc,
-              table_width, rows_per_block, IEEE: tl.constexpr):
-    """Compressed keys of groups ``g`` of cache row ``row``: ``[BLOCK_G, D_PAD]`` (zero where not ``live``)."""
+              table_width, rows_per_block, IEEE: tl.constexpr, s_ptr, QUANT: tl.constexpr, DTYPE: tl.constexpr):
+    """Compressed keys of groups ``g`` of cache row ``row``: ``[BLOCK_G, D_PAD]`` (zero where not ``live``); with
+    ``QUANT`` fp8 keys widened to ``DTYPE`` by their scales at ``s_ptr`` (one per store row)."""
     logical = tl.minimum(g // rows_per_block, table_width - 1)
     block = tl.load(table_ptr + row * stride_tr + logical * stride_tc, mask=live, other=0).to(tl.int64)
     flat = block * rows_per_block + g % rows_per_block
     key = tl.load(c_ptr + flat[:, None] * stride_cr + d[None, :] * stride_cd,
                   mask=live[:, None] & d_ok[None, :], other=0.0)
+    if QUANT:
+        key = widen(key, tl.load(s_ptr + flat, mask=live, other=0.0), DTYPE)
     if IEEE:
         key = key.to(tl.float32)
     return key
@@ -299,12 +321,12 @@ def _store_scores(out_ptr, t, g0, score, mine, g_end, stride_on,
 
 @triton.jit(do_not_specialize=["num_tokens", "max_groups", "table_width", "stride_tr", "groups_per_program"])
 def _index_scores_kernel(
-    q_ptr, c_ptr, table_ptr, token_row_ptr, visible_ptr, out_ptr,
+    q_ptr, c_ptr, table_ptr, token_row_ptr, visible_ptr, out_ptr, s_ptr,
     stride_qn, stride_qh, stride_qd, stride_cr, stride_cd, stride_tr, stride_tc, stride_on,
     num_tokens, max_groups, table_width, rows_per_block, groups_per_program, sqrt_dim,
     NUM_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, TILE: tl.constexpr, GROUPS_MAJOR: tl.constexpr,
-    IEEE: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False,
+    IEEE: tl.constexpr, WIDEN: tl.constexpr, QUANT: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_begin(PDL)
     t0 = tl.program_id(0).to(tl.int64) * BLOCK_M
@@ -338,7 +360,8 @@ def _index_scores_kernel(
             for g0 in range(g_start, reach, BLOCK_G):
                 g = g0 + tl.arange(0, BLOCK_G)
                 key = _key_rows(c_ptr, table_ptr, row.to(tl.int64), g, g < reach, d, d_ok, stride_cr, stride_cd,
-                                stride_tr, stride_tc, table_width, rows_per_block, IEEE)
+                                stride_tr, stride_tc, table_width, rows_per_block, IEEE, s_ptr, QUANT,
+                                q_ptr.dtype.element_ty)
                 if GROUPS_MAJOR:  # groups are the dot's rows: the sum over heads stays within a warp
                     s = tl.maximum(dot(key, q_t, IEEE, WIDEN), 0.0)  # [BLOCK_G, BLOCK_M * H_PAD]
                     total = tl.trans(tl.sum(tl.reshape(s, (BLOCK_G, BLOCK_M, H_PAD)), axis=2))
@@ -352,6 +375,15 @@ def _index_scores_kernel(
             for g0 in range(done, g_end, BLOCK_G):
                 _store_scores(out_ptr, t, g0, tl.full([BLOCK_M, BLOCK_G], float("-inf"), tl.float32), mine, g_end,
                               stride_on, BLOCK_M, BLOCK_G, TILE)
+
+
+def _scale_rows(scales: torch.Tensor | None, flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """An fp8 store's scales, one per flat store row (contiguous), or a stand-in the kernel never reads."""
+    if scales is None:
+        return like
+    scales = scales.reshape(-1)
+    assert scales.numel() == flat.shape[0] and scales.is_contiguous()
+    return scales
 
 
 def _nothing_to_score(out: torch.Tensor, block_table: torch.Tensor) -> bool:
@@ -387,7 +419,8 @@ def scores_group_splits(num_tokens: int, max_groups: int, block_m: int) -> int:
 def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                         token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
                         max_groups: int, *, tile: int = 1, block_m: int | None = None,
-                        group_splits: int | None = None, groups_major: bool | None = None) -> torch.Tensor:
+                        group_splits: int | None = None, groups_major: bool | None = None,
+                        scales: torch.Tensor | None = None) -> torch.Tensor:
     """`hf_qsa_cache.ops.qsa.index_scores_torch` in one launch (see there for shapes), or with ``tile > 1``
     `hf_qsa_cache.ops.qsa.index_tile_maxima_torch`: ``[N, ceil(max_groups / tile)]``, the scores never
     written. ``block_m`` overrides the tokens per program (`scores_block_m`), ``group_splits`` the
@@ -400,7 +433,7 @@ def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_t
     if _nothing_to_score(out, block_table):
         return out
     flat = compressed.reshape(-1, head_dim)
-    ieee = _ieee_dot(q_index, flat)
+    ieee = _ieee_dot(q_index, flat if scales is None else q_index)  # fp8 keys widen to the queries' dtype
     h_pad = triton.next_power_of_2(num_heads)
     if block_m is None:
         block_m = scores_block_m(n)
@@ -416,13 +449,13 @@ def index_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_t
     groups_per_program = _cdiv(tiles, max(1, min(group_splits, tiles))) * SCORES_BLOCK_G
     grid = (triton.cdiv(n, block_m), triton.cdiv(max_groups, groups_per_program))
     _index_scores_kernel[grid](
-        q_index, flat, block_table, token_row, visible_blocks, out,
+        q_index, flat, block_table, token_row, visible_blocks, out, _scale_rows(scales, flat, q_index),
         q_index.stride(0), q_index.stride(1), q_index.stride(2), flat.stride(0), flat.stride(1),
         block_table.stride(0), block_table.stride(1), out.stride(0),
         n, max_groups, block_table.shape[1], rows_per_block, groups_per_program, math.sqrt(head_dim),
         NUM_HEADS=num_heads, H_PAD=h_pad, HEAD_DIM=head_dim, D_PAD=pow2(head_dim), BLOCK_M=block_m,
         BLOCK_G=SCORES_BLOCK_G, TILE=tile, GROUPS_MAJOR=groups_major, IEEE=ieee, WIDEN=INTERPRET,
-        num_warps=SCORES_DECODE_NUM_WARPS if one_token else SCORES_NUM_WARPS, num_stages=SCORES_NUM_STAGES,
+        QUANT=scales is not None, num_warps=SCORES_DECODE_NUM_WARPS if one_token else SCORES_NUM_WARPS, num_stages=SCORES_NUM_STAGES,
         **pdl(q_index),
     )
     return out
@@ -443,11 +476,12 @@ def candidates_per_program(num_tokens: int, width: int) -> int:
 
 @triton.jit(do_not_specialize=["num_candidates", "table_width", "stride_tr", "per_program"])
 def _candidate_scores_kernel(
-    q_ptr, c_ptr, table_ptr, token_row_ptr, visible_ptr, cand_ptr, out_ptr,
+    q_ptr, c_ptr, table_ptr, token_row_ptr, visible_ptr, cand_ptr, out_ptr, s_ptr,
     stride_qn, stride_qh, stride_qd, stride_cr, stride_cd, stride_tr, stride_tc, stride_gn, stride_on,
     num_candidates, table_width, rows_per_block, per_program, sqrt_dim,
     NUM_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_C: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_C: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, QUANT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """One program per (token, range of its candidates): the index score of each candidate group."""
     pdl_begin(PDL)
@@ -470,7 +504,7 @@ def _candidate_scores_kernel(
         grp = tl.load(cand_ptr + n * stride_gn + c, mask=c_ok, other=-1).to(tl.int64)
         live = c_ok & (grp >= 0) & (grp < visible)
         key = _key_rows(c_ptr, table_ptr, row, tl.maximum(grp, 0), live, d, d_ok, stride_cr, stride_cd,
-                        stride_tr, stride_tc, table_width, rows_per_block, IEEE)
+                        stride_tr, stride_tc, table_width, rows_per_block, IEEE, s_ptr, QUANT, q_ptr.dtype.element_ty)
         s = tl.maximum(dot(key, q_t, IEEE, WIDEN), 0.0)  # [BLOCK_C, H_PAD]
         score = tl.where(live, tl.sum(s, axis=1) / sqrt_dim, float("-inf"))
         tl.store(out_ptr + n * stride_on + c, score, mask=c_ok)
@@ -479,7 +513,8 @@ def _candidate_scores_kernel(
 @on_device_of_first_tensor
 def candidate_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                             token_row: torch.Tensor, visible_blocks: torch.Tensor, rows_per_block: int,
-                            candidates: torch.Tensor, *, per_program: int | None = None) -> torch.Tensor:
+                            candidates: torch.Tensor, *, per_program: int | None = None,
+                            scales: torch.Tensor | None = None) -> torch.Tensor:
     """`hf_qsa_cache.ops.qsa.candidate_scores_torch` in one launch. ``per_program`` overrides the candidates
     per program (`candidates_per_program`; rounded up to whole tiles of ``CANDIDATES_BLOCK``)."""
     if per_program is not None and per_program < 1:
@@ -490,18 +525,19 @@ def candidate_scores_triton(q_index: torch.Tensor, compressed: torch.Tensor, blo
     if _nothing_to_score(out, block_table):
         return out
     flat = compressed.reshape(-1, head_dim)
-    ieee = _ieee_dot(q_index, flat)
+    ieee = _ieee_dot(q_index, flat if scales is None else q_index)
     candidates = candidates if candidates.stride(-1) == 1 else candidates.contiguous()
     if per_program is None:
         per_program = candidates_per_program(n, width)
     per_program = _cdiv(per_program, CANDIDATES_BLOCK) * CANDIDATES_BLOCK
     _candidate_scores_kernel[(n, _cdiv(width, per_program))](
-        q_index, flat, block_table, token_row, visible_blocks, candidates, out,
+        q_index, flat, block_table, token_row, visible_blocks, candidates, out, _scale_rows(scales, flat, q_index),
         q_index.stride(0), q_index.stride(1), q_index.stride(2), flat.stride(0), flat.stride(1),
         block_table.stride(0), block_table.stride(1), candidates.stride(0), out.stride(0),
         width, block_table.shape[1], rows_per_block, per_program, math.sqrt(head_dim),
         NUM_HEADS=num_heads, H_PAD=pow2(num_heads), HEAD_DIM=head_dim, D_PAD=pow2(head_dim),
-        BLOCK_C=CANDIDATES_BLOCK, IEEE=ieee, WIDEN=INTERPRET, num_warps=4, **pdl(q_index),
+        BLOCK_C=CANDIDATES_BLOCK, IEEE=ieee, WIDEN=INTERPRET, QUANT=scales is not None, num_warps=4,
+        **pdl(q_index),
     )
     return out
 

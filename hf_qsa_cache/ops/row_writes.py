@@ -13,22 +13,40 @@ from __future__ import annotations
 import torch
 
 from . import fusions, records_grad, use_triton
+from .fp8 import write_fp8_rows
 from .row_writes_ref import MAX_TARGETS, copy_rows, row_layout, write_slots
 
 __all__ = ["MAX_TARGETS", "RowWrites", "fuses_row_writes", "row_layout", "write_slots"]
 
 class RowWrites:
     """Pending ``store[rows] = values`` writes (`write_slots` each), run in the order added by `flush`. A caller
-    that reads a store flushes first; the rows tensors must not change before then."""
+    that reads a store flushes first; the rows tensors must not change before then. Writes into an fp8 store
+    (`add_quantized`) quantize as they write (`fp8.write_fp8_rows`), one launch each on CUDA."""
 
     def __init__(self):
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.quantized: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def add(self, store: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
         self.pending.append((store, rows, values))
 
+    def add_quantized(self, store: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor,
+                      values: torch.Tensor) -> None:
+        """``store[rows], scales[rows] = fp8.quantize_fp8(values)`` (an fp8 store and its scales)."""
+        self.quantized.append((store, scales, rows, values))
+
     def flush(self) -> None:
+        quantized, self.quantized = self.quantized, []
+        for store, scales, rows, values in quantized:
+            if use_triton(store, rows, values) and not records_grad(values) and values.stride(-1) == 1:
+                from .fp8_triton import write_fp8_rows_triton
+
+                write_fp8_rows_triton(store, scales, rows, values)
+            else:
+                write_fp8_rows(store, scales, rows.clamp_min(0), values)
         pending, self.pending = self.pending, []
+        if not pending:
+            return
         if fuses_row_writes(pending):
             from .row_writes_triton import write_rows_triton
 

@@ -5,13 +5,17 @@
   are still open (plus speculative headroom); raw keys of closed groups are not kept. One extra ring
   (index ``max_rows``) absorbs pad writes.
 * Compressed keys: one row per closed group (pooled, normed, rotated once), paged on the main
-  block table: ``block_size / ratio`` rows per block, so they are freed with the main K/V.
+  block table: ``block_size / ratio`` rows per block, so they are freed with the main K/V. With
+  ``index_dtype=torch.float8_e4m3fn`` they are fp8 with one fp32 scale per key beside them
+  (``compressed_scales`` ``[num_blocks, rows_per_block]``): a write quantizes (`hf_qsa_cache.ops.fp8`), the
+  index scores widen what they read. The ring stays in the model's dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..ops.fp8 import FP8, SCALE_DTYPE, fp8_zeros
 from ..ops.qsa import paged_rows
 from ..ops.row_writes import RowWrites
 from .base import Store, grown_pool, tensor_bytes
@@ -19,7 +23,7 @@ from .base import Store, grown_pool, tensor_bytes
 
 class QSAIndexStore(Store):
     def __init__(self, table: str, num_blocks: int, block_size: int, ratio: int, max_rows: int, capacity: int,
-                 index_head_dim: int):
+                 index_head_dim: int, index_dtype: torch.dtype | None = None):
         self.table = table
         self.num_blocks = num_blocks
         self.rows_per_block = block_size // ratio
@@ -30,6 +34,9 @@ class QSAIndexStore(Store):
         self.ring_keys: torch.Tensor | None = None  # [(max_rows + 1) * capacity, Di]
         self.ring_positions: torch.Tensor | None = None  # [(max_rows + 1) * capacity, 3] int64
         self.compressed: torch.Tensor | None = None  # [num_blocks, rows_per_block, Di]
+        self.index_dtype = index_dtype  # None: the model's dtype; torch.float8_e4m3fn: fp8 with scales
+        self.compressed_scales: torch.Tensor | None = None  # fp8 only: [num_blocks, rows_per_block] fp32
+        self._raw: torch.Tensor | None = None  # fp8 only: the compressed keys as bytes
         # Copies of the ring, taken before a step writes (`hf_qsa_cache.transaction`).
         self.saved_keys: torch.Tensor | None = None
         self.saved_positions: torch.Tensor | None = None
@@ -37,13 +44,26 @@ class QSAIndexStore(Store):
     def _marker(self) -> torch.Tensor | None:
         return self.compressed
 
+    @property
+    def quantized(self) -> bool:
+        return self.index_dtype == FP8
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype of the activations the store was allocated for (its compressed keys may be fp8)."""
+        return None if self.compressed is None else self.ring_keys.dtype
+
     def allocate(self, device, dtype) -> None:
         ring_rows = (self.max_rows + 1) * self.capacity
         ring_keys = torch.zeros(ring_rows, self.index_head_dim, device=device, dtype=dtype)
         ring_positions = torch.zeros(ring_rows, 3, device=device, dtype=torch.int64)
         saved_keys, saved_positions = torch.empty_like(ring_keys), torch.empty_like(ring_positions)
-        compressed = torch.zeros(self.num_blocks, self.rows_per_block, self.index_head_dim, device=device,
-                                 dtype=dtype)
+        shape = (self.num_blocks, self.rows_per_block, self.index_head_dim)
+        if self.quantized:
+            self.compressed_scales = torch.zeros(shape[:2], device=device, dtype=SCALE_DTYPE)
+            self._raw, compressed = fp8_zeros(shape, device)
+        else:
+            compressed = torch.zeros(shape, device=device, dtype=dtype)
         # Set together once all exist (``compressed`` marks the store allocated).
         self.ring_keys, self.ring_positions = ring_keys, ring_positions
         self.saved_keys, self.saved_positions = saved_keys, saved_positions
@@ -51,12 +71,18 @@ class QSAIndexStore(Store):
 
     def deallocate(self) -> None:
         self.ring_keys = self.ring_positions = self.compressed = self.saved_keys = self.saved_positions = None
+        self.compressed_scales = self._raw = None
 
     def resize_blocks(self, num_blocks: int) -> None:
         """Grow the compressed-key pool to ``num_blocks`` blocks, keeping the held rows (the ring is per
         cache row and does not depend on the pool)."""
         if self.compressed is not None and num_blocks > self.num_blocks:
-            self.compressed = grown_pool(self.compressed, num_blocks)
+            if self.quantized:
+                self.compressed_scales = grown_pool(self.compressed_scales, num_blocks)
+                self._raw = grown_pool(self._raw, num_blocks)
+                self.compressed = self._raw.view(FP8)
+            else:
+                self.compressed = grown_pool(self.compressed, num_blocks)
         self.num_blocks = max(num_blocks, self.num_blocks)
 
     def ring_rows(self, slots: torch.Tensor) -> torch.Tensor:
@@ -80,6 +106,10 @@ class QSAIndexStore(Store):
 
     def write_groups(self, rows: torch.Tensor, keys: torch.Tensor, writes: RowWrites) -> None:
         """Compressed key ``keys[w]`` at store row ``rows[w]`` (`group_rows`), added to ``writes``."""
+        if self.quantized:
+            writes.add_quantized(self.compressed.view(-1, self.index_head_dim), self.compressed_scales.view(-1),
+                                 rows, keys)
+            return
         writes.add(self.compressed.view(-1, self.index_head_dim), rows, keys)
 
     def inplace_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -92,6 +122,8 @@ class QSAIndexStore(Store):
                 (self.ring_positions.view(*by_row, 3), self.saved_positions.view(*by_row, 3))]
 
     def paged_tensors(self) -> list[torch.Tensor]:
+        if self.quantized:  # as raw bytes, and the scales: what copying a row's blocks copies
+            return [t for t in (self._raw, self.compressed_scales) if t is not None]
         return [self.compressed] if self.compressed is not None else []
 
     def row_tensors(self) -> list[torch.Tensor]:
@@ -107,6 +139,6 @@ class QSAIndexStore(Store):
     def nbytes(self) -> dict[str, int]:
         return {
             "qsa_ring": tensor_bytes(self.ring_keys, self.ring_positions),
-            "qsa_compressed": tensor_bytes(self.compressed),
+            "qsa_compressed": tensor_bytes(*self.paged_tensors()),
             "step_undo": tensor_bytes(self.saved_keys, self.saved_positions),
         }
