@@ -1,0 +1,133 @@
+"""The server's side of the continuous-batching manager: one manager for the process, one engine request per
+choice, each delivered to its own handler on the server's event loop.
+
+`Engine.submit` registers the request's handler before queueing it (a result can never arrive unclaimed),
+`Engine.cancel` ends it and frees its row before the engine's next step, `Engine.stop` cancels what is left
+and stops the manager. Every method is called on the event loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDead(RuntimeError):
+    """The manager's loop died: no request can be served (the server answers 503)."""
+
+
+class Engine:
+    def __init__(self, model, generation_config=None, continuous_batching_config=None):
+        self.model = model
+        self.generation_config = generation_config
+        self.continuous_batching_config = continuous_batching_config
+        self.manager = None
+        self.inflight: dict[str, Callable] = {}  # request id -> its handler, until its final result
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self.stopping = False
+        self.counts = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0}
+
+    def start(self) -> None:
+        self.manager = self.model.init_continuous_batching(generation_config=self.generation_config,
+                                                           continuous_batching_config=self.continuous_batching_config)
+        self.manager.start()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def fatal_error(self):
+        if self.manager is None:
+            return None
+        status = getattr(self.manager, "background_thread_status", None)
+        error = getattr(status, "fatal_error", None) if status is not None else None
+        return error if error is not None else getattr(self.manager, "fatal_error", None)
+
+    def check_alive(self) -> None:
+        if self.stopping:
+            raise EngineDead("the server is shutting down")
+        if self.manager is None:
+            raise EngineDead("the engine has not started")
+        error = self.fatal_error
+        if error is not None:
+            raise EngineDead(f"the engine stopped: {error}")
+        if hasattr(self.manager, "is_running") and not self.manager.is_running():
+            raise EngineDead("the engine is not running")
+
+    def health(self) -> dict:
+        state = {}
+        if self.manager is not None and hasattr(self.manager, "health"):
+            state = dict(self.manager.health())
+        else:
+            running = self.manager is not None and (not hasattr(self.manager, "is_running")
+                                                    or self.manager.is_running())
+            state = {"running": running, "fatal_error": None}
+        error = self.fatal_error
+        state["fatal_error"] = None if error is None else str(error)
+        state["inflight"] = len(self.inflight)
+        state.update({f"requests_{k}": v for k, v in self.counts.items()})
+        if self.stopping:
+            state["running"] = False
+        return state
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, prompt: list[int], handler: Callable, *, max_new_tokens: int, eos_token_id, sampling,
+               seed: int | None, logprobs: bool, streaming: bool, media: dict | None = None) -> str:
+        """Queue one request; ``handler(output)`` gets its `GenerationOutput`s on the event loop (every token
+        when ``streaming``, else only the final one). A bad value raises `ValueError` and queues nothing."""
+        self.check_alive()
+        request_id = f"{self._prefix}-{next(self._ids)}"
+
+        def deliver(output, request_id=request_id):
+            if output.is_finished() or output.error is not None:
+                if self.inflight.pop(request_id, None) is None:
+                    return  # already ended (cancelled and answered)
+                self._count(output)
+            elif request_id not in self.inflight:
+                return
+            handler(output)
+
+        self.inflight[request_id] = handler
+        self.manager.register_result_handler(request_id, deliver)
+        try:
+            self.manager.add_request(prompt, request_id=request_id, max_new_tokens=max_new_tokens,
+                                     streaming=streaming, eos_token_id=eos_token_id, sampling=sampling, seed=seed,
+                                     logprobs=logprobs, **(media or {}))
+        except BaseException:
+            self.inflight.pop(request_id, None)
+            delivery = getattr(self.manager, "delivery", None)
+            if delivery is not None:
+                delivery.unregister(request_id)
+            raise
+        self.counts["submitted"] += 1
+        return request_id
+
+    def cancel(self, request_id: str) -> None:
+        """End a request in flight (its row is freed before the engine's next step); its handler gets nothing
+        more."""
+        if self.inflight.pop(request_id, None) is not None:
+            self.counts["cancelled"] += 1
+            if self.manager is not None:
+                self.manager.cancel_request(request_id)
+
+    def cancel_all(self) -> int:
+        ids = list(self.inflight)
+        for request_id in ids:
+            self.cancel(request_id)
+        return len(ids)
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Cancel every request still in flight and stop the manager."""
+        self.stopping = True
+        self.cancel_all()
+        if self.manager is not None:
+            self.manager.stop(block=True, timeout=timeout)
+
+    def _count(self, output) -> None:
+        if output.error is None:
+            self.counts["finished"] += 1
+        else:
+            self.counts["failed"] += 1

@@ -1,0 +1,56 @@
+"""The served checkpoint on our classes: the family from the config's model type, text or multimodal from its
+sub-configs (transformers' server resolves `getattr(transformers, architectures[0])`, its own classes)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from .prompts import family_of
+
+logger = logging.getLogger(__name__)
+
+
+def model_class(config):
+    import modeling
+
+    family = family_of(config)
+    multimodal = any(getattr(config, name, None) is not None for name in ("vision_config", "audio_config"))
+    return {
+        ("qwen4_exp", False): modeling.Qwen4ExpForCausalLM,
+        ("qwen4_exp", True): modeling.Qwen4ExpForConditionalGeneration,
+        ("inkling", False): modeling.InklingForCausalLM,
+        ("inkling", True): modeling.InklingForConditionalGeneration,
+    }[family, multimodal]
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def load(path: str, device: str = "auto", dtype: str = "auto"):
+    """(model, tokenizer) of the checkpoint at ``path`` (a folder, or a hub id already in the local cache)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path)
+    cls = model_class(config)
+    if dtype == "auto":
+        torch_dtype = "auto"
+    else:
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise ValueError(f"--dtype must be 'auto' or a torch dtype such as bfloat16, got {dtype!r}")
+    logger.info("loading %s as %s", path, cls.__name__)
+    model = cls.from_pretrained(path, dtype=torch_dtype).to(resolve_device(device)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def default_model_name(path: str) -> str:
+    """A local folder is named by its last component; anything else as given."""
+    stripped = str(path).rstrip("/\\")
+    return os.path.basename(stripped) if os.path.isdir(stripped) else stripped
