@@ -11,10 +11,14 @@ Output at a pad column: after a real token of the same step it repeats that toke
 last column's logits of a right-padded prompt predict the row's next token and `generate()` works on
 right-padded prompts: later steps continue from the row's real length); before any it is unspecified
 (transformers' are too).
+
+Hidden states a model records while autograd records (`on_output_path`) stay on the outputs' autograd path,
+so ``retain_grad()`` on the returned ones gets a gradient, as in transformers.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import weakref
@@ -147,6 +151,44 @@ def as_padding_mask(attention_mask, query_len: int):
     return real.long()
 
 
+@dataclass
+class _ReorderedStep:
+    """A reordered step in progress (`runs_any_padding`): its order, and the caller-column copies of the hidden
+    states `on_output_path` put on the outputs' path, by the recorded tensor's id (with the tensor itself, so a
+    freed tensor's reused id never matches)."""
+
+    order: StepOrder
+    restored: dict
+
+
+_STEP = contextvars.ContextVar("hf_qsa_reordered_step", default=None)
+
+
+def on_output_path(hidden_states: torch.Tensor) -> torch.Tensor:
+    """At a point where a model's layer loop records ``hidden_states`` (``[B, L, ...]``, the layers' columns) as an
+    output: the tensor the layers go on with.
+
+    A reordered step's outputs come back in the caller's columns as copies (`runs_any_padding`). A copy taken
+    after the forward hangs off the autograd graph, so ``retain_grad()`` on it gets no gradient. So while autograd
+    records, the copy is taken here and the layers go on from it, put back in their order (at a pad column, whose
+    copy repeats a real token's, they keep their own value): the values are unchanged, and every later output
+    depends on the copy, which `runs_any_padding` returns for the recorded tensor. Otherwise this returns
+    ``hidden_states`` as is (and the copy is taken after the forward)."""
+    step = _STEP.get()
+    if step is None or not (torch.is_grad_enabled() and hidden_states.requires_grad):
+        return hidden_states
+    order = step.order
+    caller = order.outputs(hidden_states)
+    real = (order.mask != 0).to(hidden_states.device)
+    real = real.view(*real.shape, *[1] * (hidden_states.dim() - 2))
+    go_on = torch.where(real, order.inputs(caller, 1), hidden_states)
+    # A recorder may hold either: the tensor given (recorded as a layer's output) or the one returned (recorded
+    # as the next layer's input).
+    for recorded in (hidden_states, go_on):
+        step.restored[id(recorded)] = (recorded, caller)
+    return go_on
+
+
 def runs_any_padding(per_token: dict[str, int], outputs: dict[str, tuple[int, ...]]):
     """Decorator for a text model's ``forward``: a step whose mask columns are not left-padded runs
     reordered (`step_order`) and its outputs come back in the caller's columns.
@@ -185,11 +227,19 @@ def runs_any_padding(per_token: dict[str, int], outputs: dict[str, tuple[int, ..
                     dim %= value.dim()
                     where[name] = order.inputs(value.narrow(dim, value.shape[dim] - L, L), dim, dim - 1)
             call["attention_mask"] = order.full_mask(mask)
-            result = forward(**call, **extra)
+            step = _ReorderedStep(order, {})
+            token = _STEP.set(step)
+            try:
+                result = forward(**call, **extra)
+            finally:
+                _STEP.reset(token)
+            # One caller-column copy per tensor: a tensor returned in two fields (the last hidden state is also the
+            # last entry of hidden_states) comes back as one tensor, on the outputs' path.
+            restored = step.restored
             for name, dims in outputs.items():
                 value = getattr(result, name, None)
                 if value is not None:
-                    setattr(result, name, _restore(value, order, B, L, *dims))
+                    setattr(result, name, _restore(value, order, B, L, restored, *dims))
             return result
 
         return wrapper
@@ -197,13 +247,19 @@ def runs_any_padding(per_token: dict[str, int], outputs: dict[str, tuple[int, ..
     return decorate
 
 
-def _restore(value, order: StepOrder, B: int, L: int, dim: int, batch_dim: int, key_dim: int | None = None):
+def _restore(value, order: StepOrder, B: int, L: int, restored: dict, dim: int, batch_dim: int,
+             key_dim: int | None = None):
     if isinstance(value, tuple):
-        return tuple(_restore(v, order, B, L, dim, batch_dim, key_dim) for v in value)
+        return tuple(_restore(v, order, B, L, restored, dim, batch_dim, key_dim) for v in value)
     if not isinstance(value, torch.Tensor):
         return value
+    known = restored.get(id(value))
+    if known is not None and known[0] is value:
+        return known[1]
     if value.dim() >= 1 and value.shape[0] == B * L != B:  # flattened [B * L, ...] (router logits)
-        return order.outputs(value.view(B, L, *value.shape[1:]), 1).reshape(value.shape)
-    if key_dim is not None:
-        value = order.key_outputs(value, key_dim, batch_dim)
-    return order.outputs(value, dim, batch_dim)
+        out = order.outputs(value.view(B, L, *value.shape[1:]), 1).reshape(value.shape)
+    else:
+        out = order.key_outputs(value, key_dim, batch_dim) if key_dim is not None else value
+        out = order.outputs(out, dim, batch_dim)
+    restored[id(value)] = (value, out)
+    return out

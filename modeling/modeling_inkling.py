@@ -45,7 +45,7 @@ from hf_qsa_cache.generation import (
     PagedCacheGenerationMixin, check_token_ids, forward_cache, lands_whole,
 )
 from hf_qsa_cache.metadata import StepMetadata
-from hf_qsa_cache.padding import runs_any_padding
+from hf_qsa_cache.padding import on_output_path, runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops.conv_norm import conv_add_norm, normed_attention_inputs
 from hf_qsa_cache.ops import records_grad
@@ -367,6 +367,7 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         for layer in self.layers:
             if all_hidden is not None:
                 all_hidden.append(hidden_states)
+                hidden_states = on_output_path(hidden_states)  # retain_grad() on it works on reordered steps
             defer = all_hidden is None and defers_residual(layer, hidden_states)
             out = layer(hidden_states, cache, meta, attentions, residual=residual, pending_conv=pending_conv,
                         defer_residual=defer)

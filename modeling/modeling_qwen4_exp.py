@@ -33,7 +33,7 @@ from hf_qsa_cache.cuda_graphs import decode_graphs_for
 from hf_qsa_cache.generation import (
     PagedCacheGenerationMixin, check_token_ids, forward_cache, lands_whole,
 )
-from hf_qsa_cache.padding import runs_any_padding
+from hf_qsa_cache.padding import on_output_path, runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops import hyper_connection, records_grad
 from hf_qsa_cache.ops.gated_delta import recurrence, short_conv
@@ -406,12 +406,20 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         flat_positions3 = positions3.reshape(3, -1).t()
 
         hidden_states = inputs_embeds.repeat(1, 1, self.config.hc_count)
+        # Layer inputs and outputs that transformers' recorder keeps as hidden states: on the outputs' autograd path
+        # on reordered steps too (`on_output_path`), so retain_grad() on them works.
+        collecting = _active_collector.get()
+        recorded = on_output_path if collecting is not None and "hidden_states" in collecting else None
+        if recorded is not None:
+            hidden_states = recorded(hidden_states)
         residual = None  # the last layer's MoE output and injection weights, not yet in the streams
         for layer in self.layers[: self.config.num_hidden_layers]:
             defer = defers_residual(layer, hidden_states)
             out = layer(hidden_states, cos, sin, flat_positions3, valid, ple_input_ids, cache, meta, attentions,
                         residual=residual, defer_residual=defer)
             hidden_states, residual = out if defer else (out, None)
+            if recorded is not None:
+                hidden_states = recorded(hidden_states)
         # The final mixer (with the last layer's residual, added in its fused norm's pass where fused).
         return gated_residual(self.hyper_connection_mixer, hidden_states, residual)[0]
 
