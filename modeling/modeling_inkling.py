@@ -49,6 +49,7 @@ from hf_qsa_cache.padding import on_output_path, runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops.conv_norm import conv_add_norm, normed_attention_inputs
 from hf_qsa_cache.ops import records_grad
+from hf_qsa_cache.ops.fp8 import dequantize_fp8
 from hf_qsa_cache.ops.inkling_attention import _cached_slots, paged_rel_attention, paged_rel_attention_probs
 from hf_qsa_cache.ops.linears import project, project_alone
 from hf_qsa_cache.ops.experts import default_experts_implementation
@@ -146,30 +147,32 @@ class InklingPagedAttention(nn.Module):
             log_scaling = (float(self.config.log_scaling_n_floor), float(self.config.log_scaling_alpha))
         kv = cache.layers[self.layer_idx].kv
         keys, values = kv.flat()
+        key_scales, value_scales = kv.flat_scales()  # an fp8 store's scales (None in the model's dtype)
+        scales = {} if key_scales is None else {"key_scales": key_scales, "value_scales": value_scales}
         table, block_size = meta.block_tables[self.kv_table], cache.tables[self.kv_table].block_size
         weights = None
         if attentions is not None:  # before the op below writes this step's keys to the store
             weights = attentions.columns.to_caller(paged_rel_attention_probs(
                 query, key, relative, self.rel_logits_proj.proj, keys, table, block_size, meta.position,
                 meta.prev_len, _prev_len_bound(meta), meta.max_seq_len, scaling=self.scaling,
-                window=self.sliding_window, log_scaling=log_scaling,
+                window=self.sliding_window, log_scaling=log_scaling, key_scales=key_scales,
             ))
             attentions.append(weights)
         out = paged_rel_attention(
             query, key, value, relative, self.rel_logits_proj.proj, keys, values, table, block_size,
             meta.slots[self.kv_table], meta.position, meta.prev_len, _prev_len_bound(meta),
-            scaling=self.scaling, window=self.sliding_window, log_scaling=log_scaling,
+            scaling=self.scaling, window=self.sliding_window, log_scaling=log_scaling, **scales,
         )
         if weights is not None and records_grad(weights):
             # The output from the weights returned, as transformers' eager attention computes it, so that it
             # depends on them (the op above still wrote this step's keys and values to the store).
-            values_at = self._values_by_position(value, values, table, block_size, meta)
+            values_at = self._values_by_position(value, values, table, block_size, meta, value_scales)
             out = attentions.columns.output(weights, attentions.columns.values_at(values_at),
                                             meta.position.view(B, L) >= 0).reshape(B, L, -1)
         return project_alone(out, self.o_proj)
 
     def _values_by_position(self, value: torch.Tensor, store: torch.Tensor, table: torch.Tensor, block_size: int,
-                            meta: StepMetadata):
+                            meta: StepMetadata, scales: torch.Tensor | None = None):
         """A function of positions ``[B, W]`` giving the values ``[B, W, Hkv, D]`` this step may attend there: the
         store's (earlier forwards', within the window on a sliding layer) and this step's ``value`` ``[B, L, Hkv,
         D]`` (with its autograd history); zeros elsewhere."""
@@ -179,7 +182,8 @@ class InklingPagedAttention(nn.Module):
         by_position = value.new_zeros(B, span, *value.shape[2:])
         spare = lambda pos: torch.where(pos >= 0, pos, span - 1).long()  # noqa: E731
         by_position = by_position.index_put((torch.arange(B, device=value.device)[:, None], spare(cpos)),
-                                            store[cslot].to(value.dtype))
+                                            store[cslot].to(value.dtype) if scales is None
+                                            else dequantize_fp8(store[cslot], scales[cslot], value.dtype))
         by_position = by_position.index_put((torch.arange(B, device=value.device)[:, None],
                                              spare(meta.position.view(B, L))), value)
 

@@ -89,33 +89,33 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
             q_index, raw_keys, positions3, meta, layer.index, main.block_size, idx.block_topk,
             finish_group=lambda pooled, first_pos: self._finish_group(pooled, first_pos, meta), writes=writes,
         )
-        pages = layer.kv.keys, layer.kv.values
+        pages, scales = (layer.kv.keys, layer.kv.values), layer.kv.scales()  # scales: an fp8 store's, else {}
         if records_grad(key, value):  # the pages keep values only; autograd needs this step's keys as computed
-            pages = layer.kv.with_step_written(meta.slots["main"], key, value)
+            pages, scales = layer.kv.with_step_written(meta.slots["main"], key, value), {}
         if attentions is None:
             out = gated_sparse_paged_attention(
                 query, *pages, meta.block_tables["main"], meta.token_row, selected, main.block_size, self.scaling,
-                gate,
+                gate, **scales,
             )
         else:
             out = self._attention_returning_weights(query, pages, selected, gate, meta, main.block_size, attentions,
-                                                   B, L)
+                                                   B, L, scales)
         return project_alone(out, self.o_proj).view(B, L, -1)
 
     def _attention_returning_weights(self, query, pages, selected, gate, meta, block_size: int,
-                                     attentions: StepWeights, B: int, L: int) -> torch.Tensor:
+                                     attentions: StepWeights, B: int, L: int, scales: dict) -> torch.Tensor:
         """The attention output ``[B*L, H*D]``, its weights appended to ``attentions`` in the caller's columns.
         While autograd records, the output is the returned weights times the values (`StepColumns.output`), so
         that it depends on them as transformers' eager attention does; otherwise the usual op computes it."""
         main = meta.block_tables["main"]
         probs = sparse_paged_attention_probs(query, pages[0], main, meta.token_row, selected, block_size,
-                                             self.scaling, meta.max_seq_len)
+                                             self.scaling, meta.max_seq_len, scales.get("key_scales"))
         columns = attentions.columns
         weights = columns.to_caller(probs.view(B, L, *probs.shape[1:]))
         attentions.append(weights)
         if not records_grad(weights):
             return gated_sparse_paged_attention(query, *pages, main, meta.token_row, selected, block_size,
-                                                self.scaling, gate)
+                                                self.scaling, gate, **scales)
         flat_values = pages[1].view(-1, self.config.num_key_value_heads, self.head_dim)
         rows = meta.token_row.view(B, L)[:, :1].long()
         values = columns.values_at(lambda position: flat_values[paged_rows(main, rows, position, block_size)])
