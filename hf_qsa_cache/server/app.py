@@ -96,7 +96,9 @@ def build_app(served: Served, enable_cors: bool = False, start_engine: bool = Tr
         finally:
             cancelled = len(served.engine.inflight)
             served.engine.stop(timeout=2)
-            logger.info("engine stopped (%d requests cancelled at shutdown)", cancelled)
+            if cancelled:
+                logger.warning("shutdown: cancelled %d request(s) still running", cancelled)
+            logger.warning("shutdown: the engine stopped")
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
