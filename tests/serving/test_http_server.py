@@ -452,6 +452,27 @@ def test_remote_media_urls_are_refused(servers):
     assert health(servers["image"])["status"] == "ok"
 
 
+def test_benchmark_script_runs_against_the_server_and_in_process(servers, tmp_path):
+    """benchmarks/bench_http.py at tiny shapes against the running server and our engine in this process."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(hs.ROOT, "benchmarks"))
+    import bench_http
+
+    out = tmp_path / "http.jsonl"
+    rows = bench_http.main(["--checkpoint", servers["qwen"].path, "--url", servers["qwen"].proc.url, "--api-key", KEY,
+                            "--concurrency", "1", "3", "--requests", "4", "--prompt-len", "6", "--output-len", "3",
+                            "--cb-block-size", "4", "--out", str(out)])
+    assert [(r["target"], r["concurrency"]) for r in rows] == [("http", 1), ("http", 3), ("in-process", 1),
+                                                                ("in-process", 3)]
+    for row in rows:
+        assert row["requests"] == 4 and row["output_tokens"] == 12 and row["failed"] == 0, row
+        assert row["ttft_p50_ms"] > 0 and row["tpot_p50_ms"] > 0 and row["output_tokens_per_s"] > 0
+    assert rows[2]["http_over_in_process"] > 0
+    assert [json.loads(line)["target"] for line in out.read_text().splitlines()] == [r["target"] for r in rows]
+
+
 def test_shutdown_cancels_what_runs_and_exits_cleanly(servers):
     """SIGTERM with a stream in flight: the stream ends, the process exits 0 (run last: it stops a server)."""
     server = servers["inkling"]
