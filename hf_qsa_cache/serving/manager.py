@@ -115,11 +115,11 @@ class ContinuousBatchingManager:
         self.warmed_up = True
 
     def start(self) -> None:
+        if self._thread is not None and self._stop is not None:  # a stop(block=False) still draining: it ends first
+            self.join()
         if self.is_running():
             logger.warning("the continuous batching loop is already running")
             return
-        if self._thread is not None:  # a stop(block=False) still finishing: it ends first
-            self.join()
         with self._lock:
             self._stop = None
             self._accepting = True

@@ -74,6 +74,8 @@ def test_block_table_stays_right_under_random_operations(window, seed):
             before = _state(t)
             t.begin_step(batch)
             t.reserve_rows(new)
+            # What the room checks count is what reserving takes (with a window: only the window's blocks).
+            assert len(before[2]) - len(t.free) == naive, (new, lengths)
             for b, n in enumerate(new):
                 assert len(t.rows[b]) >= -(-n // bs)
                 first = max(0, n - window + 1) // bs if window else 0

@@ -14,8 +14,7 @@ import torch
 from helpers.qwen4 import make_pair as qwen_pair
 from helpers.qwen4 import tiny_config as qwen_config
 from helpers.qwen4 import collect_results, random_prompts
-from helpers.inkling import make_config as inkling_config
-from helpers.inkling import make_pair as inkling_pair
+from helpers.serving import FAMILIES, alone, family_pair, greedy, pools_full
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.requests import RequestStatus
 
@@ -25,36 +24,17 @@ NEW = 6
 LENGTHS = [23, 9, 17, 30, 5, 14]
 
 
-@pytest.fixture(scope="module", params=["qwen4_exp", "inkling"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
-    ref, ours = qwen_pair() if request.param == "qwen4_exp" else inkling_pair(inkling_config())
-    # generate() falls back to the model's eos when a GenerationConfig leaves it unset; continuous batching (as
-    # transformers') treats unset as no eos. Compare like with like: no eos unless a test sets one.
-    ref.generation_config.eos_token_id = ours.generation_config.eos_token_id = None
-    return request.param, ref, ours
-
-
-_alone_cache: dict = {}
+    return (request.param, *family_pair(request.param))
 
 
 def _alone(ref, prompt, new=NEW, eos=None):
-    # The key holds the model itself, not its id: a module-scoped model freed after its tests could hand its id
-    # to the next family's model, which would then read the first family's tokens.
-    key = (ref, tuple(prompt), new, eos)
-    if key not in _alone_cache:
-        with torch.no_grad():
-            out = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                               max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=eos)
-        _alone_cache[key] = out[0, len(prompt):].tolist()
-    return _alone_cache[key]
+    return alone(ref, prompt, new, eos)
 
 
 def _greedy(new=NEW, **kwargs):
-    return GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
-
-
-def _pools_full(cache: QSAPagedCache) -> bool:
-    return all(len(t.free) == t.num_blocks - 1 for t in cache.tables.values()) and cache.num_rows == 0
+    return greedy(new, **kwargs)
 
 
 def test_generate_batch_equals_each_prompt_alone_with_preemption_and_small_chunks(family):
@@ -75,7 +55,7 @@ def test_generate_batch_equals_each_prompt_alone_with_preemption_and_small_chunk
         assert result.generated_tokens == _alone(ref, prompt), request_id
     assert stats["preemptions"] > 0 and stats["prefill_steps"] > len(prompts)
     assert stats["most_rows"] == 3
-    assert _pools_full(cache)
+    assert pools_full(cache)
 
 
 def test_requests_arriving_while_others_decode(family):
@@ -132,7 +112,7 @@ def test_cancel_mid_prefill_and_mid_decode(family):
     assert len(finals[long_id].generated_tokens) == 0  # cancelled before its prompt was in
     assert finals[decoding_id].status == RequestStatus.FAILED and 1 <= len(finals[decoding_id].generated_tokens) < 60
     assert finals[keep_id].generated_tokens == _alone(ref, prompts[2])
-    assert _pools_full(cache)
+    assert pools_full(cache)
 
 
 def test_a_request_that_cannot_fit_alone_fails_and_the_others_go_on(family):
@@ -182,7 +162,7 @@ def test_a_failed_step_fails_its_requests_only(family, monkeypatch):
         assert finals[request_id].status == RequestStatus.FAILED and "injected fault" in finals[request_id].error
     assert finals[first].generated_tokens == _alone(ref, prompts[0], new=12)
     assert finals[after].generated_tokens == _alone(ref, prompts[3], new=12)
-    assert _pools_full(cache)
+    assert pools_full(cache)
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_batching(family):
@@ -263,7 +243,7 @@ def test_move_rows_hands_blocks_over_without_copying(family):
     for got, want in zip(logits, expect):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     cache.move_rows([])
-    assert _pools_full(cache)
+    assert pools_full(cache)
 
 
 def test_prefill_first_scheduling_gives_the_same_tokens(family):
@@ -300,7 +280,7 @@ def test_manager_lifecycle_persistent_hard_stop_and_iteration(family):
         results[result.request_id] = result
     assert set(ids) <= set(results)
     assert any(r.status == RequestStatus.FAILED and "hard_stop" in r.error for r in results.values())
-    assert _pools_full(manager.cache) and not manager.is_running()
+    assert pools_full(manager.cache) and not manager.is_running()
 
 
 def test_prefill_chunks_serve_the_oldest_first_within_budget_and_padding():

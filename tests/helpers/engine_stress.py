@@ -1,0 +1,163 @@
+"""Model-based stress test of the continuous-batching engine: a seeded random sequence of request arrivals,
+cancellations and waits against a running engine on a tight block pool, with faults injected at random
+calls of its iterations: in a model step (a torch call inside the forward) and in its own bookkeeping (row
+moves, admission, row order, room checks).
+
+Every request must end with exactly one final result, and that result must be
+* its tokens from transformers' own model on its prompt alone (greedy), or
+* FAILED because its own step failed or bookkeeping failed three iterations in a row (the injected error), or
+* FAILED "cancelled" when it was cancelled;
+and at the end every block is back in its pool, no row is held, no media encoding or id is left behind.
+
+CI runs a short sequence (tests/serving/test_engine_reliability.py); run a long one with
+``python tests/helpers/engine_stress.py --family inkling --ops 2000 --seed 0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: `helpers`
+from helpers.faults import Injected  # noqa: E402
+from helpers.qwen4 import random_prompts  # noqa: E402
+from helpers.serving import alone, family_pair, greedy, pools_full  # noqa: E402
+from transformers import ContinuousBatchingConfig  # noqa: E402
+from transformers.generation.continuous_batching.requests import RequestStatus  # noqa: E402
+
+from hf_qsa_cache import QSAPagedCache  # noqa: E402
+from hf_qsa_cache.serving.runner import ModelRunner  # noqa: E402
+from hf_qsa_cache.serving.scheduler import Scheduler  # noqa: E402
+
+# Where faults go: (owner, method). `_forward` is the model step; the others are the loop's bookkeeping.
+FAULT_SITES = [(ModelRunner, "_forward"), (QSAPagedCache, "move_rows"), (Scheduler, "admit"), (Scheduler, "order"),
+               (ModelRunner, "why_not_fits")]
+
+
+class Faults:
+    """Raises `Injected` at every n-th call of the fault sites, n drawn anew after each fault."""
+
+    def __init__(self, rng: random.Random, every: tuple[int, int]):
+        self.rng, self.every = rng, every
+        self.countdown = rng.randint(*every)
+        self.fired: dict[str, int] = {}
+        self.originals = []
+
+    def install(self) -> None:
+        for owner, name in FAULT_SITES:
+            original = getattr(owner, name)
+            self.originals.append((owner, name, original))
+            setattr(owner, name, self._wrap(name, original))
+
+    def remove(self) -> None:
+        for owner, name, original in self.originals:
+            setattr(owner, name, original)
+        self.originals = []
+
+    def _wrap(self, name, original):
+        def faulty(*args, **kwargs):
+            self.countdown -= 1
+            if self.countdown <= 0:
+                self.countdown = self.rng.randint(*self.every)
+                self.fired[name] = self.fired.get(name, 0) + 1
+                raise Injected(f"injected fault in {name}")
+            return original(*args, **kwargs)
+
+        return faulty
+
+
+class EngineStress:
+    def __init__(self, family: str, seed: int, rows: int = 3, budget: int = 7, blocks: int = 24,
+                 fault_every: tuple[int, int] = (20, 120)):
+        self.family, self.seed = family, seed
+        self.ref, self.ours = family_pair(family)
+        self.rng = random.Random(seed)
+        self.config = ContinuousBatchingConfig(page_size=4, num_blocks=blocks, max_batch_tokens=budget,
+                                               max_requests_per_batch=rows)
+        self.faults = Faults(random.Random(seed + 1), fault_every)
+        self.submitted: dict[str, tuple[list[int], int]] = {}
+        self.cancelled: set[str] = set()
+        self.finals: dict[str, object] = {}
+        self.counts = {"finished": 0, "failed_by_fault": 0, "cancelled": 0}
+
+    def run(self, ops: int, timeout: float = 300) -> None:
+        rng = self.rng
+        self.faults.install()
+        try:
+            with self.ours.continuous_batching_context_manager(greedy(10), continuous_batching_config=self.config) \
+                    as manager:
+                for op in range(ops):
+                    kind = rng.random()
+                    if kind < 0.6:
+                        prompt = random_prompts([rng.randint(1, 40)], vocab=90, seed=rng.randrange(10**6))[0] or [5]
+                        new = rng.randint(1, 10)
+                        request_id = manager.add_request(prompt, request_id=f"s{op}", max_new_tokens=new)
+                        self.submitted[request_id] = (prompt, new)
+                    elif kind < 0.75:
+                        open_ids = [i for i in self.submitted if i not in self.finals]
+                        if open_ids:
+                            victim = rng.choice(open_ids)
+                            self.cancelled.add(victim)
+                            manager.cancel_request(victim)
+                    else:
+                        self._drain(manager, wait=rng.random() * 0.05)
+                deadline = time.time() + timeout
+                while len(self.finals) < len(self.submitted):
+                    assert time.time() < deadline, f"{len(self.submitted) - len(self.finals)} requests never ended"
+                    self._drain(manager, wait=0.5)
+                self.cache, self.runner, self.manager = manager.cache, manager.runner, manager
+        finally:
+            self.faults.remove()
+        self._check_end_state()
+
+    def _drain(self, manager, wait: float) -> None:
+        while True:
+            result = manager.get_result(timeout=wait)
+            if result is None:
+                return
+            wait = 0.0
+            assert result.is_finished(), result  # none of these requests streams
+            assert result.request_id not in self.finals, f"two final results for {result.request_id}"
+            self.finals[result.request_id] = result
+            self._check(result)
+
+    def _check(self, result) -> None:
+        prompt, new = self.submitted[result.request_id]
+        if result.status == RequestStatus.FINISHED:
+            assert result.generated_tokens == alone(self.ref, prompt, new), result.request_id
+            self.counts["finished"] += 1
+        elif result.error == "cancelled":
+            assert result.request_id in self.cancelled, result.request_id
+            self.counts["cancelled"] += 1
+        else:
+            assert "injected fault" in (result.error or ""), (result.request_id, result.error)
+            self.counts["failed_by_fault"] += 1
+
+    def _check_end_state(self) -> None:
+        assert pools_full(self.cache), "blocks still held after every request ended"
+        assert not self.runner.encoded and not self.runner.rows
+        assert not self.manager.scheduler.rows and not self.manager.scheduler.waiting
+        assert not self.manager._in_flight
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", default="qwen4_exp", choices=["qwen4_exp", "inkling"])
+    parser.add_argument("--ops", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    start = time.time()
+    stress = EngineStress(args.family, args.seed)
+    stress.run(args.ops, timeout=3600)
+    print(f"{args.family} seed {args.seed}: {args.ops} operations, {len(stress.submitted)} requests, "
+          f"{stress.counts}, faults fired {stress.faults.fired}, {stress.manager.stats}, {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Shared pieces of the continuous-batching tests: both families' model pairs, each prompt's tokens from
+transformers' own model alone (the reference), greedy configs and the pools-are-full check."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig
+
+from hf_qsa_cache import QSAPagedCache
+
+from .inkling import make_config as inkling_config
+from .inkling import make_pair as inkling_pair
+from .qwen4 import make_pair as qwen_pair
+
+FAMILIES = ["qwen4_exp", "inkling"]
+
+
+def family_pair(name: str):
+    """(transformers' model, ours) with the same random weights, fp32, no eos unless a test sets one:
+    generate() falls back to the model's eos when a GenerationConfig leaves it unset, continuous batching (as
+    transformers') treats unset as no eos."""
+    ref, ours = qwen_pair() if name == "qwen4_exp" else inkling_pair(inkling_config())
+    ref.generation_config.eos_token_id = ours.generation_config.eos_token_id = None
+    return ref, ours
+
+
+_alone_cache: dict = {}
+
+
+def alone(ref, prompt: list[int], new: int, eos=None, **kwargs) -> list[int]:
+    """transformers' greedy tokens for ``prompt`` alone, unpadded (cached)."""
+    # The key holds the model itself, not its id: a freed model's id could be the next one's.
+    key = (ref, tuple(prompt), new, eos, tuple(sorted(kwargs.items())))
+    if key not in _alone_cache:
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                               max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=eos, **kwargs)
+        _alone_cache[key] = out[0, len(prompt):].tolist()
+    return _alone_cache[key]
+
+
+def greedy(new: int, **kwargs) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+
+
+def pools_full(cache: QSAPagedCache) -> bool:
+    """No row held, every block back in its pool."""
+    return all(len(t.free) == t.num_blocks - 1 for t in cache.tables.values()) and cache.num_rows == 0

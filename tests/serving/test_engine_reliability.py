@@ -1,0 +1,367 @@
+"""The continuous-batching engine under pressure, faults and many readers, both families, against transformers'
+own model on each prompt alone (fp32, CPU, greedy).
+
+* tight pools: no request that fits alone may fail, none may get a wrong token;
+* delivery: each reader gets its own request's results, in order, none lost, none spinning;
+* bookkeeping faults: the loop goes on and its requests stay exact;
+* lifecycle: requests after stop() and duplicate ids are refused, not lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from helpers.qwen4 import random_prompts
+from helpers.serving import FAMILIES, alone, family_pair, greedy, pools_full
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching.requests import RequestStatus
+
+from hf_qsa_cache.serving.runner import ModelRunner
+from hf_qsa_cache.serving.scheduler import Scheduler
+
+LENGTHS = [37, 5, 22, 14, 30, 9, 26]
+NEWS = [6, 3, 8, 5, 2, 7, 4]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return (request.param, *family_pair(request.param))
+
+
+def _run_all(ours, prompts, news, config, gen=None):
+    with ours.continuous_batching_context_manager(gen or greedy(max(news)), continuous_batching_config=config) as m:
+        ids = [m.add_request(p, max_new_tokens=n) for p, n in zip(prompts, news)]
+        results = {}
+        while len(results) < len(ids):
+            result = m.get_result(timeout=60)
+            assert result is not None, "a request was never answered"
+            results[result.request_id] = result
+        return [results[i] for i in ids], dict(m.stats), m.cache
+
+
+def _smallest_pool(ours, config_for, need: int) -> int:
+    """The fewest main-pool blocks with which one row of ``need`` tokens fits."""
+    for blocks in range(2, 200):
+        manager = ours.init_continuous_batching(greedy(1), config_for(blocks))
+        if manager.cache.why_not_fits([need]) is None:
+            return blocks
+    raise AssertionError("no pool fits")
+
+
+@pytest.mark.parametrize("rows,budget", [(3, 8), (4, 13)], ids=["3rows-8tokens", "4rows-13tokens"])
+def test_tight_pools_never_fail_a_request_that_fits_alone(family, rows, budget):
+    """From the smallest pool the longest request fits alone in, up: every request finishes, exact. Pools this
+    tight make the engine preempt, and the step after a preemption plans its chunks again."""
+    name, ref, ours = family
+    prompts = random_prompts(LENGTHS, vocab=90, seed=21)
+
+    def config_for(blocks):
+        return ContinuousBatchingConfig(page_size=4, num_blocks=blocks, max_batch_tokens=budget,
+                                        max_requests_per_batch=rows)
+
+    smallest = _smallest_pool(ours, config_for, max(len(p) + n - 1 for p, n in zip(prompts, NEWS)))
+    preempted = 0
+    for blocks in (smallest, smallest + 2, smallest + 6):
+        results, stats, cache = _run_all(ours, prompts, NEWS, config_for(blocks))
+        for prompt, new, result in zip(prompts, NEWS, results):
+            assert result.status == RequestStatus.FINISHED, (blocks, result.request_id, result.error)
+            assert result.generated_tokens == alone(ref, prompt, new), (blocks, result.request_id)
+        assert pools_full(cache)
+        preempted += stats["preemptions"]
+        # Admission waits for room: no request is admitted only to be preempted again and again.
+        assert stats["preemptions"] <= 2 * len(prompts), stats
+    assert preempted > 0  # the sweep did put the engine under pressure
+
+
+def test_eleven_requests_on_a_pool_the_longest_just_fits(family):
+    """A workload on which requests failed ("this step needs 4 free blocks, 3 are free") while each fitted
+    alone: the room was checked for the prefill chunks planned before the decode step, and the prefill step
+    then planned other chunks."""
+    name, ref, ours = family
+    prompts = random_prompts([54, 84, 11, 1, 77, 25, 90, 43, 21, 31, 29], vocab=90, seed=14)
+    news = [21, 15, 13, 23, 29, 22, 19, 28, 14, 2, 13]
+
+    def config_for(blocks):
+        return ContinuousBatchingConfig(page_size=4, num_blocks=blocks, max_batch_tokens=32, max_requests_per_batch=8)
+
+    smallest = _smallest_pool(ours, config_for, max(len(p) + n - 1 for p, n in zip(prompts, news)))
+    results, stats, cache = _run_all(ours, prompts, news, config_for(max(smallest, 31)))
+    for prompt, new, result in zip(prompts, news, results):
+        assert result.status == RequestStatus.FINISHED, result.error
+        assert result.generated_tokens == alone(ref, prompt, new)
+    assert pools_full(cache)
+
+
+def test_each_reader_gets_its_own_stream_in_order(family):
+    """Six threads, each reading its own streaming request slowly: every stream arrives whole and in order
+    (each result one token longer than the last), none is another's; one request nobody reads keeps its
+    result waiting without slowing the others down, and a fetch of it by id afterwards finds it."""
+    name, ref, ours = family
+    prompts = random_prompts([9, 14, 6, 11, 17, 8, 10], vocab=90, seed=25)
+    new = 7
+    streams: dict[str, list] = {}
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=16, max_requests_per_batch=4)
+    with ours.continuous_batching_context_manager(greedy(new), continuous_batching_config=config) as manager:
+        unread = manager.add_request(prompts[-1], max_new_tokens=new)
+        ids = [manager.add_request(p, max_new_tokens=new, streaming=True) for p in prompts[:-1]]
+
+        def read(request_id):
+            items = streams.setdefault(request_id, [])
+            for result in manager.request_id_iter(request_id):
+                items.append(result)
+                time.sleep(0.01)
+
+        threads = [threading.Thread(target=read, args=(i,)) for i in ids]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "a reader never finished"
+        late = manager.get_result(unread, timeout=10)
+    for request_id, prompt in zip(ids, prompts):
+        items = streams[request_id]
+        assert all(r.request_id == request_id for r in items)
+        assert [len(r.generated_tokens) for r in items] == list(range(1, new + 1))
+        assert all(a.generated_tokens == b.generated_tokens[:-1] for a, b in zip(items, items[1:]))
+        assert items[-1].is_finished() and items[-1].generated_tokens == alone(ref, prompt, new)
+    assert late is not None and late.request_id == unread and late.generated_tokens == alone(ref, prompts[-1], new)
+
+
+def test_fetching_one_request_keeps_the_others_results(qwen):
+    config = ContinuousBatchingConfig(page_size=4, max_requests_per_batch=2)
+    prompts = random_prompts([8, 5], vocab=90, seed=27)
+    with qwen.continuous_batching_context_manager(greedy(3), continuous_batching_config=config) as manager:
+        first = manager.add_request(prompts[0], max_new_tokens=3)
+        second = manager.add_request(prompts[1], max_new_tokens=3)
+        got_second = manager.get_result(second, timeout=60)
+        time.sleep(0.2)  # the first has long finished: its result waits for its reader
+        got_first = manager.get_result(first, timeout=60)
+        assert manager.get_result(timeout=0.1) is None
+    assert got_second.request_id == second and got_first.request_id == first
+    assert got_first.is_finished() and len(got_first.generated_tokens) == 3
+
+
+def test_result_handlers_run_on_their_event_loop_in_order(qwen):
+    """As transformers' server uses it: a handler registered from an asyncio loop (before the request is
+    added) gets every streamed result on that loop's thread, then the final one; a handler that raises does
+    not stop the engine; a handler registered after its request finished gets the result waiting for it."""
+    prompts = random_prompts([7, 12, 5], vocab=90, seed=29)
+    config = ContinuousBatchingConfig(page_size=4, max_requests_per_batch=3)
+    manager = qwen.init_continuous_batching(greedy(5), config)
+    manager.start()
+    try:
+        finished_early = manager.add_request(prompts[2], max_new_tokens=2)
+        while manager.health()["rows_in_use"] or manager.health()["waiting"]:
+            time.sleep(0.01)
+
+        async def serve():
+            loop_thread = threading.get_ident()
+            seen, threads, done = [], set(), asyncio.Event()
+
+            def on_result(result):
+                seen.append(result)
+                threads.add(threading.get_ident())
+                if result.is_finished():
+                    done.set()
+
+            def broken(result):
+                raise RuntimeError("a consumer bug")
+
+            manager.register_result_handler("streamed", on_result)
+            manager.add_request(prompts[0], request_id="streamed", max_new_tokens=5, streaming=True)
+            manager.register_result_handler("broken", broken)
+            manager.add_request(prompts[1], request_id="broken", max_new_tokens=5)
+            await asyncio.wait_for(done.wait(), 60)
+            late = asyncio.get_running_loop().create_future()
+            manager.register_result_handler(finished_early, late.set_result)
+            return seen, threads == {loop_thread}, await asyncio.wait_for(late, 10)
+
+        seen, on_loop, late = asyncio.run(serve())
+        assert on_loop
+        assert [len(r.generated_tokens) for r in seen] == [1, 2, 3, 4, 5] and seen[-1].is_finished()
+        assert late.request_id == finished_early and late.is_finished()
+        after = manager.add_request(prompts[1], max_new_tokens=5)  # the engine still serves
+        served = manager.get_result(after, timeout=60)
+        assert served.status == RequestStatus.FINISHED and len(served.generated_tokens) == 5
+        assert manager.get_result("broken", timeout=0.1) is None  # its result went to its handler, not here
+    finally:
+        manager.stop(block=True)
+
+
+@pytest.mark.parametrize("where", ["move_rows", "admit", "why_not_fits", "order"])
+def test_a_bookkeeping_fault_starts_the_rows_over_and_the_loop_goes_on(family, monkeypatch, where):
+    """One fault raised by the loop's own bookkeeping (a row move before it changes anything, admission,
+    the room check, the row order): every request still finishes, exact; the pools come back full."""
+    name, ref, ours = family
+    prompts = random_prompts([19, 8, 25, 11], vocab=90, seed=31)
+    news = [6, 6, 4, 5]
+    from hf_qsa_cache import QSAPagedCache
+
+    owner, attr = {"move_rows": (QSAPagedCache, "move_rows"), "admit": (Scheduler, "admit"),
+                   "why_not_fits": (ModelRunner, "why_not_fits"), "order": (Scheduler, "order")}[where]
+    original = getattr(owner, attr)
+    calls = {"n": 0}
+
+    def faulty(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise RuntimeError(f"injected fault in {attr}")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, attr, faulty)
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=8, max_requests_per_batch=3)
+    results, stats, cache = _run_all(ours, prompts, news, config)
+    assert calls["n"] >= 6 and stats["host_faults"] == 1
+    for prompt, new, result in zip(prompts, news, results):
+        assert result.status == RequestStatus.FINISHED, result.error
+        assert result.generated_tokens == alone(ref, prompt, new)
+    assert pools_full(cache)
+
+
+def test_a_fault_every_iteration_fails_the_running_requests_and_serves_later_ones(qwen, monkeypatch):
+    prompts = random_prompts([9, 13, 7], vocab=90, seed=33)
+    from hf_qsa_cache import QSAPagedCache
+
+    original = QSAPagedCache.move_rows
+    broken = {"on": True}
+
+    def faulty(self, src):
+        if broken["on"]:
+            raise RuntimeError("a persistent fault")
+        return original(self, src)
+
+    monkeypatch.setattr(QSAPagedCache, "move_rows", faulty)
+    config = ContinuousBatchingConfig(page_size=4, max_requests_per_batch=3)
+    with qwen.continuous_batching_context_manager(greedy(4), continuous_batching_config=config) as manager:
+        doomed = manager.add_requests(prompts[:2], max_new_tokens=4)
+        failed = [manager.get_result(i, timeout=60) for i in doomed]
+        broken["on"] = False
+        later = manager.add_request(prompts[2], max_new_tokens=4)
+        served = manager.get_result(later, timeout=60)
+        health = manager.health()
+    assert all(r.status == RequestStatus.FAILED and "a persistent fault" in r.error for r in failed)
+    assert served.status == RequestStatus.FINISHED and len(served.generated_tokens) == 4
+    assert health["host_faults"] == 3 and health["fatal_error"] is None
+
+
+def test_lifecycle_refuses_instead_of_losing_requests(qwen):
+    config = ContinuousBatchingConfig(page_size=4, max_requests_per_batch=2)
+    prompt = random_prompts([6], vocab=90, seed=35)[0]
+    manager = qwen.init_continuous_batching(greedy(3), config)
+    queued_before_start = manager.add_request(prompt, max_new_tokens=3)  # accepted: answered once started
+    manager.start()
+    assert manager.get_result(queued_before_start, timeout=60).is_finished()
+    first = manager.add_request(prompt, request_id="same", max_new_tokens=3)
+    with pytest.raises(ValueError, match="'same' is still in flight"):
+        manager.add_request(prompt, request_id="same", max_new_tokens=3)
+    assert manager.get_result(first, timeout=60).is_finished()
+    manager.add_request(prompt, request_id="same", max_new_tokens=3)  # finished: its id may come again
+    manager.stop(block=False)
+    with pytest.raises(RuntimeError, match="stopped: call start"):
+        manager.add_request(prompt, max_new_tokens=3)
+    manager.start()  # after the earlier loop drained
+    again = manager.add_request(prompt, max_new_tokens=3)
+    assert manager.get_result(again, timeout=60).is_finished()
+    results = [manager.get_result("same", timeout=5)]
+    manager.stop(block=True)
+    assert results[0] is not None and results[0].is_finished()
+    assert manager.get_result(timeout=0.1) is None  # stopped, nothing waiting: returns at once
+    assert list(manager.request_id_iter("unknown")) == []
+
+
+def test_cancelling_a_waiting_request_ends_it_before_it_runs(qwen):
+    prompts = random_prompts([30, 6], vocab=90, seed=37)
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=2, max_requests_per_batch=1)
+    with qwen.continuous_batching_context_manager(greedy(4), continuous_batching_config=config) as manager:
+        running = manager.add_request(prompts[0], max_new_tokens=4)
+        waiting = manager.add_request(prompts[1], max_new_tokens=4)
+        manager.cancel_request(waiting)
+        results = [manager.get_result(waiting, timeout=60)]
+        finished = manager.get_result(running, timeout=60)
+        time.sleep(0.1)
+        results.append(manager.get_result(waiting, timeout=0.1))
+        stats = dict(manager.stats)
+    assert results[0].status == RequestStatus.FAILED and results[0].error == "cancelled"
+    assert results[0].generated_tokens == [] and results[1] is None  # one result, and it never ran
+    assert finished.status == RequestStatus.FINISHED
+    assert stats["most_rows"] == 1
+
+
+def test_the_latest_admitted_request_is_preempted():
+    from hf_qsa_cache.serving.requests import Request
+
+    scheduler = Scheduler(max_rows=3, max_batch_tokens=8, prefill_first=False)
+    requests = [Request(f"r{i}", [1] * (5 + i), 4, frozenset()) for i in range(3)]
+    for request in requests:
+        scheduler.submit(request)
+    scheduler.admit()
+    assert scheduler.victim() is requests[2]
+    scheduler.preempt(requests[2])
+    assert scheduler.waiting[0] is requests[2]  # first in line again
+    assert scheduler.victim() is requests[1]
+
+
+def test_admission_waits_while_the_pools_cannot_hold_a_first_step():
+    from hf_qsa_cache.serving.requests import Request
+
+    scheduler = Scheduler(max_rows=4, max_batch_tokens=8, prefill_first=False)
+    requests = [Request(f"r{i}", [1] * 5, 4, frozenset()) for i in range(3)]
+    for request in requests:
+        scheduler.submit(request)
+    assert scheduler.admit(lambda request, admitted: len(admitted) < 2) == requests[:2]
+    assert list(scheduler.waiting) == requests[2:]
+    assert scheduler.first_chunk(requests[2]) == 5
+
+
+def test_copies_of_a_prompt_and_seeded_requests_draw_their_own_streams(qwen):
+    """Copies of one prompt draw different samples; a request's seed gives the same tokens however many
+    requests came before it; without a seed, the engine seeds each request from its id."""
+    from hf_qsa_cache.serving import Sampling
+
+    prompt = random_prompts([9], vocab=90, seed=39)[0]
+    hot = Sampling(do_sample=True, temperature=2.0)
+    config = ContinuousBatchingConfig(page_size=4, max_requests_per_batch=4, seed=5)
+    gen = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=2.0, num_return_sequences=3,
+                           eos_token_id=None, pad_token_id=0)
+    with qwen.continuous_batching_context_manager(gen, continuous_batching_config=config) as manager:
+        parent = manager.add_request(prompt, max_new_tokens=6, sampling=hot)
+        copies = [manager.get_result(f"{parent}__child#{i}", timeout=60) for i in range(2)]
+        copies.append(manager.get_result(parent, timeout=60))
+        alone_first = manager.add_request(prompt, request_id="seeded", max_new_tokens=6, sampling=hot, seed=11)
+        first = manager.get_result(alone_first, timeout=60)
+        manager.add_request(prompt, max_new_tokens=6, sampling=hot)  # one more request before it this time
+        again = manager.add_request(prompt, request_id="seeded-again", max_new_tokens=6, sampling=hot, seed=11)
+        second = manager.get_result(again, timeout=60)
+    assert len({tuple(c.generated_tokens) for c in copies}) == 3
+    assert first.generated_tokens == second.generated_tokens
+
+
+def test_per_request_penalties_match_transformers_greedy(family):
+    """Greedy with a repetition penalty, per request, beside a plain greedy request: each equals transformers'
+    generate() with that setting alone."""
+    from hf_qsa_cache.serving import Sampling
+
+    name, ref, ours = family
+    prompts = random_prompts([12, 15], vocab=90, seed=41)
+    config = ContinuousBatchingConfig(page_size=4, max_requests_per_batch=2)
+    with ours.continuous_batching_context_manager(greedy(8), continuous_batching_config=config) as manager:
+        penalized = manager.add_request(prompts[0], max_new_tokens=8, sampling=Sampling(repetition_penalty=1.8))
+        plain = manager.add_request(prompts[1], max_new_tokens=8)
+        got = {i: manager.get_result(i, timeout=60) for i in (penalized, plain)}
+    assert got[penalized].generated_tokens == alone(ref, prompts[0], 8, repetition_penalty=1.8)
+    assert got[plain].generated_tokens == alone(ref, prompts[1], 8)
+    assert alone(ref, prompts[0], 8, repetition_penalty=1.8) != alone(ref, prompts[0], 8)  # the penalty mattered
+
+
+@pytest.mark.parametrize("family_name, seed", [("qwen4_exp", 0), ("inkling", 1)])
+def test_random_arrivals_cancels_and_faults_match_the_reference(family_name, seed):
+    """A short run of the engine's model-based stress test (tests/helpers/engine_stress.py)."""
+    from helpers.engine_stress import EngineStress
+
+    stress = EngineStress(family_name, seed)
+    stress.run(ops=60)
+    assert stress.counts["finished"] > 10, stress.counts
+    assert "_forward" in stress.faults.fired and len(stress.faults.fired) >= 2, stress.faults.fired
