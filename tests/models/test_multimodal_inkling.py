@@ -463,6 +463,7 @@ def test_continuous_batching_with_media(models, batch):
     finally:
         manager.stop(block=True)
     assert manager.stats["preemptions"] > 0
+    assert not manager.runner.encoded  # each finished request's media encoding was let go
     for i in range(len(batch.rows)):
         assert results[f"r{i}"].error is None, results[f"r{i}"].error
         assert results[f"r{i}"].generated_tokens == upstream_row(upstream, batch, i)[0].tolist(), f"request {i}"

@@ -329,6 +329,7 @@ def test_continuous_batching_with_media(models, upstream_alone):
     finally:
         manager.stop(block=True)
     assert manager.stats["preemptions"] > 0
+    assert not manager.runner.encoded  # each finished request's media encoding was let go
     for i, (tokens, _) in enumerate(upstream_alone):
         assert results[f"r{i}"].error is None
         assert results[f"r{i}"].generated_tokens == tokens, f"request {i}"
