@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 from helpers.qwen4 import make_pair, tiny_config
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
@@ -61,12 +62,37 @@ def test_generate_batch_refuses_bad_prompts_before_building_a_manager(model, pro
     (dict(request_id=7), r"request_id must be a string, got 7"),
     (dict(eos_token_id="2"), r"eos_token_id must be an integer or a list of integers, got '2'"),
     (dict(eos_token_id=[2, None, 2.0]), r"eos_token_id must be an integer or a list of integers, got \[2, None, 2.0\]"),
-], ids=["negative-max-new-tokens", "float-max-new-tokens", "int-request-id", "string-eos", "float-eos"])
+    (dict(input_ids=torch.tensor([3.0, 4.0])), r"input_ids must hold integer token ids, got 3.0"),
+    (dict(input_ids=["3", "4"]), r"input_ids must hold integer token ids, got '3'"),
+    (dict(seed=-1), r"seed must be an integer >= 0, got -1"),
+    (dict(seed=1.5), r"seed must be an integer >= 0, got 1.5"),
+    (dict(logprobs="yes"), r"logprobs must be True or False, got 'yes'"),
+    (dict(sampling={"temperature": 0.5}), r"sampling must be a hf_qsa_cache.serving.Sampling"),
+], ids=["negative-max-new-tokens", "float-max-new-tokens", "int-request-id", "string-eos", "float-eos",
+        "float-tensor-ids", "string-ids", "negative-seed", "float-seed", "string-logprobs", "dict-sampling"])
 def test_add_request_refuses_bad_arguments_and_queues_nothing(model, kwargs, message):
     manager = model.init_continuous_batching(_greedy(max_new_tokens=2), ContinuousBatchingConfig(**CB))
+    input_ids = kwargs.pop("input_ids", [3, 4, 5])
     with pytest.raises(ValueError, match=message):
-        manager.add_request([3, 4, 5], **kwargs)
-    assert manager.input_queue.empty() and manager._counter == 0
+        manager.add_request(input_ids, **kwargs)
+    assert manager.input_queue.empty() and manager._counter == 0 and not manager._in_flight
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=0), r"temperature must be a number > 0, got 0"),
+    (dict(top_k=2.5), r"top_k must be None or an integer >= 0, got 2.5"),
+    (dict(top_p=0), r"top_p must be None or a number in \(0, 1\], got 0"),
+    (dict(min_p=1.5), r"min_p must be None or a number in \[0, 1\], got 1.5"),
+    (dict(repetition_penalty=0), r"repetition_penalty must be a number > 0, got 0"),
+    (dict(presence_penalty=3), r"presence_penalty must be a number in \[-2, 2\], got 3"),
+    (dict(frequency_penalty="1"), r"frequency_penalty must be a number in \[-2, 2\], got '1'"),
+    (dict(do_sample="yes"), r"do_sample must be True or False, got 'yes'"),
+], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
+def test_sampling_parameters_are_checked_by_name(kwargs, message):
+    from hf_qsa_cache.serving import Sampling
+
+    with pytest.raises(ValueError, match=message):
+        Sampling(**kwargs)
 
 
 def _unbounded_warnings(caplog):

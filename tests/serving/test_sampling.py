@@ -1,0 +1,66 @@
+"""A request's next-token scores (`serving.sampling.next_token_scores`) against transformers' own logits
+processors and warpers on random logits; OpenAI's presence and frequency penalties against their definition."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
+                                                    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from hf_qsa_cache.serving.sampling import Sampling, next_token_scores, request_seed
+
+VOCAB = 50
+
+
+def _transformers(sampling: Sampling, history: list[int], logits: torch.Tensor) -> torch.Tensor:
+    processors = LogitsProcessorList()
+    if sampling.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
+    if sampling.do_sample:
+        processors.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_k:
+            processors.append(TopKLogitsWarper(sampling.top_k))
+        if sampling.top_p is not None:
+            processors.append(TopPLogitsWarper(sampling.top_p))
+        if sampling.min_p:
+            processors.append(MinPLogitsWarper(sampling.min_p))
+    return processors(torch.tensor([history]), logits[None].clone())[0]
+
+
+@pytest.mark.parametrize("sampling", [
+    Sampling(repetition_penalty=1.7),
+    Sampling(do_sample=True, temperature=0.7),
+    Sampling(do_sample=True, temperature=1.3, top_k=7),
+    Sampling(do_sample=True, top_p=0.8),
+    Sampling(do_sample=True, min_p=0.2),
+    Sampling(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.3),
+], ids=["repetition", "temperature", "top-k", "top-p", "min-p", "all"])
+@pytest.mark.parametrize("seed", range(3))
+def test_scores_equal_transformers_processors(sampling, seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(VOCAB, generator=gen) * 3
+    prompt, generated = torch.randint(0, VOCAB, (8,), generator=gen).tolist(), [3, 3, 9]
+    ours = next_token_scores(logits, sampling, prompt, generated)
+    theirs = _transformers(sampling, prompt + generated, logits)
+    kept = theirs > torch.finfo(theirs.dtype).min
+    assert torch.equal(ours > torch.finfo(ours.dtype).min, kept)
+    torch.testing.assert_close(ours[kept], theirs[kept])
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    logits = torch.zeros(VOCAB)
+    sampling = Sampling(presence_penalty=0.5, frequency_penalty=0.25)
+    scores = next_token_scores(logits, sampling, prompt=[7, 7, 8], generated=[3, 3, 3, 9])
+    expected = torch.zeros(VOCAB)
+    expected[3] = -(0.5 + 3 * 0.25)
+    expected[9] = -(0.5 + 0.25)
+    assert torch.equal(scores, expected)  # the prompt's 7 and 8 are not penalized
+    assert torch.equal(logits, torch.zeros(VOCAB))  # the caller's logits are left alone
+
+
+def test_request_seeds_depend_on_the_engine_seed_and_the_id_only():
+    assert request_seed(0, "req_3") == request_seed(0, "req_3")
+    assert len({request_seed(0, "req_3"), request_seed(1, "req_3"), request_seed(0, "req_4")}) == 3
+    assert 0 <= request_seed(12345, "x") < 2**63
