@@ -67,6 +67,7 @@ def continuous(manager, prompts, outputs, gaps, prefix="r") -> dict:
     base = torch.cuda.memory_allocated()
     submitted = {}
     stats_before = dict(manager.stats)
+    replays_before = graph_replays(manager)
     start = time.perf_counter()
 
     def feed():
@@ -100,7 +101,12 @@ def continuous(manager, prompts, outputs, gaps, prefix="r") -> dict:
             # decode steps recorded as CUDA graphs (one per batch bucket), i.e. replayed by the loop
             "graph_buckets": sum(b.graph is not None for r in manager.cache.graph_runners.values()
                                  for b in r.buckets.values()),
+            "graph_replays": graph_replays(manager) - replays_before,  # of stats["decode_steps"]
             "first_error": failed[0] if failed else None, **stats}
+
+
+def graph_replays(manager) -> int:
+    return sum(r.replays for r in manager.cache.graph_runners.values())
 
 
 def static(model, prompts, outputs, args, limit_s=None, name="ours static", batch_size=None) -> dict:

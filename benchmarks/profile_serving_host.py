@@ -132,8 +132,7 @@ def drive(manager, prompts, outputs, prefix: str) -> None:
     manager._stop = "flush"
     manager._loop()
     results = {}
-    while not manager.output_queue.empty():
-        result = manager.output_queue.get_nowait()
+    while (result := manager.get_result(timeout=0)) is not None:  # the loop ended: what it delivered
         results[result.request_id] = result
     bad = [r.error for r in results.values() if r.error]
     if len(results) != len(ids) or bad:

@@ -101,6 +101,7 @@ class DecodeGraphs:
         self.model_state = model_fingerprint(model)  # what the recorded graphs read (checked at replay)
         self.probe = _probe(model)  # the cheap part of that check, done every step
         self.steps_seen = -1  # cache.steps_started when this runner last opened a step
+        self.replays = 0  # steps replayed from a recorded graph (benchmarks count them)
         self._set_experts(experts_modules(model))  # refreshed with model_state
 
     @property
@@ -153,6 +154,7 @@ class DecodeGraphs:
             self._fill(entry, prev, counts, input_ids, position_ids)
             if entry.graph is not None:
                 entry.graph.replay()  # a launch runs whole (its copy included) or raises before running
+                self.replays += 1
                 step.rows_saved(size)
                 logits = entry.logits[:rows].clone()
             elif self.record and not entry.eager:
