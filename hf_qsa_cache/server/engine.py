@@ -40,11 +40,7 @@ class Engine:
     # ------------------------------------------------------------------ state
     @property
     def fatal_error(self):
-        if self.manager is None:
-            return None
-        status = getattr(self.manager, "background_thread_status", None)
-        error = getattr(status, "fatal_error", None) if status is not None else None
-        return error if error is not None else getattr(self.manager, "fatal_error", None)
+        return None if self.manager is None else self.manager.background_thread_status.fatal_error
 
     def check_alive(self) -> None:
         if self.stopping:
@@ -54,19 +50,14 @@ class Engine:
         error = self.fatal_error
         if error is not None:
             raise EngineDead(f"the engine stopped: {error}")
-        if hasattr(self.manager, "is_running") and not self.manager.is_running():
+        if not self.manager.is_running():
             raise EngineDead("the engine is not running")
 
     def health(self) -> dict:
-        state = {}
-        if self.manager is not None and hasattr(self.manager, "health"):
-            state = dict(self.manager.health())
+        if self.manager is None:
+            state = {"running": False, "fatal_error": None}
         else:
-            running = self.manager is not None and (not hasattr(self.manager, "is_running")
-                                                    or self.manager.is_running())
-            state = {"running": running, "fatal_error": None}
-        error = self.fatal_error
-        state["fatal_error"] = None if error is None else str(error)
+            state = self.manager.health()
         state["inflight"] = len(self.inflight)
         state.update({f"requests_{k}": v for k, v in self.counts.items()})
         if self.stopping:
@@ -98,9 +89,7 @@ class Engine:
                                      logprobs=logprobs, **(media or {}))
         except BaseException:
             self.inflight.pop(request_id, None)
-            delivery = getattr(self.manager, "delivery", None)
-            if delivery is not None:
-                delivery.unregister(request_id)
+            self.manager.remove_result_handler(request_id)
             raise
         self.counts["submitted"] += 1
         return request_id

@@ -263,6 +263,10 @@ class ContinuousBatchingManager:
         `add_request`; dropped after the final result."""
         self.delivery.register(request_id, callback)
 
+    def remove_result_handler(self, request_id: str) -> None:
+        """Drop the handler of a request that was never queued (its `add_request` raised)."""
+        self.delivery.unregister(request_id)
+
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """The next result (a finished request, or a streaming request's progress) of ``request_id``, or of any
         request when None; None after ``timeout`` seconds, or at once when the loop is not running and none waits.
