@@ -427,12 +427,13 @@ class ContinuousBatchingManager:
             self.scheduler.order()  # their rows go back before the iteration's next step (it must not carry them)
             self.runner.place(self.scheduler.rows)
             return
-        for request, token, logprob in picked:
-            request.add_token(token, logprob)
-            if request.done:
-                self._end(request, request.status, request.error)
-            elif request.streaming:
-                self.delivery.put(request.output())
+        with self.delivery.batched():  # the step's results reach a server's loop in one hand-over
+            for request, token, logprob in picked:
+                request.add_token(token, logprob)
+                if request.done:
+                    self._end(request, request.status, request.error)
+                elif request.streaming:
+                    self.delivery.put(request.output())
         self.scheduler.order()
         self.runner.place(self.scheduler.rows)
 

@@ -365,3 +365,34 @@ def test_random_arrivals_cancels_and_faults_match_the_reference(family_name, see
     stress.run(ops=60)
     assert stress.counts["finished"] > 10, stress.counts
     assert "_forward" in stress.faults.fired and len(stress.faults.fired) >= 2, stress.faults.fired
+
+
+def test_a_steps_results_reach_an_event_loop_in_one_hand_over():
+    """Handlers registered from one asyncio loop get a step's results through one ``call_soon_threadsafe``
+    (a server's loop wakes once a step, not once a request), each handler its own result, in order."""
+    from transformers.generation.continuous_batching.requests import GenerationOutput
+
+    from hf_qsa_cache.serving.delivery import Delivery
+
+    delivery, got = Delivery(), []
+
+    def step(request_ids):  # what the engine thread does with a step's results
+        with delivery.batched():
+            for request_id in request_ids:
+                delivery.put(GenerationOutput(request_id=request_id, status=RequestStatus.DECODING))
+
+    async def serve():
+        loop = asyncio.get_running_loop()
+        handed, real = [], loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda fn, *args: (handed.append(fn), real(fn, *args))[1]
+        for i in range(3):
+            delivery.register(f"r{i}", lambda out, i=i: got.append((i, out.request_id)))
+        engine = threading.Thread(target=step, args=(["r2", "r0", "r1"],))
+        engine.start()
+        engine.join()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return len(handed)
+
+    assert asyncio.run(serve()) == 1
+    assert got == [(2, "r2"), (0, "r0"), (1, "r1")]
