@@ -21,10 +21,11 @@ class EngineDead(RuntimeError):
 
 
 class Engine:
-    def __init__(self, model, generation_config=None, continuous_batching_config=None):
+    def __init__(self, model, generation_config=None, continuous_batching_config=None, cache_dtypes=None):
         self.model = model
         self.generation_config = generation_config
         self.continuous_batching_config = continuous_batching_config
+        self.cache_dtypes = cache_dtypes or {}  # kv_cache_dtype / index_cache_dtype (fp8 caches)
         self.manager = None
         self.inflight: dict[str, Callable] = {}  # request id -> its handler, until its final result
         self._ids = itertools.count()
@@ -34,7 +35,8 @@ class Engine:
 
     def start(self) -> None:
         self.manager = self.model.init_continuous_batching(generation_config=self.generation_config,
-                                                           continuous_batching_config=self.continuous_batching_config)
+                                                           continuous_batching_config=self.continuous_batching_config,
+                                                           **self.cache_dtypes)
         self.manager.start()
 
     # ------------------------------------------------------------------ state

@@ -57,7 +57,10 @@ class LoopStatus:
 
 class ContinuousBatchingManager:
     def __init__(self, model, generation_config: GenerationConfig | None = None,
-                 continuous_batching_config: ContinuousBatchingConfig | None = None, workload_hints=None):
+                 continuous_batching_config: ContinuousBatchingConfig | None = None, workload_hints=None, *,
+                 kv_cache_dtype: torch.dtype | None = None, index_cache_dtype: torch.dtype | None = None):
+        """``kv_cache_dtype`` / ``index_cache_dtype``: the cache's fp8 switches (`QSAPagedCache`; None: the
+        model's dtype), which transformers' `ContinuousBatchingConfig` has no field for."""
         self.model = model
         self.generation_config = generation_config if generation_config is not None else model.generation_config
         config = continuous_batching_config if continuous_batching_config is not None else ContinuousBatchingConfig()
@@ -77,7 +80,8 @@ class ContinuousBatchingManager:
         block_size = config.block_size or config.page_size
         num_blocks = config.num_blocks or rows * -(-min(per_row, max_len) // block_size) + 1
         self.cache = QSAPagedCache(model.config, max_batch_size=rows, max_cache_len=max_len, block_size=block_size,
-                                   num_blocks=num_blocks)
+                                   num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype,
+                                   index_cache_dtype=index_cache_dtype)
         self.runner = ModelRunner(model, self.cache, return_logprobs=bool(config.return_logprobs))
         self.scheduler = Scheduler(rows, config.max_batch_tokens or DEFAULT_BATCH_TOKENS,
                                    prefill_first=config.scheduler_type == "prefill_first")
