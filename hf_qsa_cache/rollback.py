@@ -140,6 +140,13 @@ def crop_rows(cache, drop: int) -> None:
     for b in range(cache.num_rows):
         if cache.lengths[b] < drop:
             raise ValueError(f"row {b} holds {cache.lengths[b]} tokens, cannot drop {drop}")
+    for b in range(cache.num_rows):
+        shared = cache.rows.shared[b]
+        if cache.lengths[b] - drop < shared:
+            raise ValueError(
+                f"cannot drop {drop} tokens: row {b} holds {cache.lengths[b]} tokens and shares its first {shared} "
+                f"with cached prefixes (prefix_caching), which no row may write"
+            )
     qwen = cache.model_family == "qwen4_exp"
     if qwen:
         check_linear_rollback(cache, drop)

@@ -138,9 +138,9 @@ def why_not_fits(cache, new_lengths: list[int], what: str = "this step") -> str 
         return f"row {b} needs {need} slots, cache holds max_cache_len={cache.max_cache_len}"
     for name, table in cache.tables.items():
         need = table.blocks_needed_rows(new_lengths)
-        if need > len(table.free):
+        if need > len(table.free) and need > table.available():  # idle cached blocks are given back on demand
             return (f"{name} block pool: {what} needs {need} free blocks of {table.block_size} tokens, "
-                    f"{len(table.free)} are free (num_blocks={table.num_blocks})")
+                    f"{table.available()} are free (num_blocks={table.num_blocks})")
     return None
 
 
@@ -174,8 +174,9 @@ class Step:
         self.cache = cache
         self.plan = plan
         self.rows_before = cache.rows.snapshot()
-        # Managed rows (continuous batching) are never reset wholesale: the other rows hold live requests.
-        self.started_empty = cache.rows.columns == 0 and not cache.rows.managed
+        # Managed rows (continuous batching) are never reset wholesale: the other rows hold live requests; nor
+        # are rows that start from cached prefixes (their lengths are set before the first step).
+        self.started_empty = cache.rows.columns == 0 and not cache.rows.managed and not any(cache.rows.lengths)
         self.saved_rows = 0  # rows of in-place state copied aside (0: nothing to copy back)
 
     @property
@@ -296,7 +297,10 @@ def transaction(cache, batch_size: int, query_len: int, attention_mask: torch.Te
     scope = cache._scope
     if scope is not None:
         scope.land_pending()  # the previous chunk of this forward lands first
-    step = cache._open = Step(cache, plan_step(cache, batch_size, query_len, attention_mask))
+    plan = plan_step(cache, batch_size, query_len, attention_mask)
+    if cache.prefix is not None:  # idle cached blocks the step needs go back to the pools before it begins
+        cache.prefix.make_room_for(plan.new_lengths)
+    step = cache._open = Step(cache, plan)
     cache.steps_started += 1
     try:
         step.begin(copy_rows=copy_rows, rope_deltas=rope_deltas)
