@@ -257,6 +257,14 @@ class QSAPagedCache(Cache):
     # (`hf_qsa_cache.step.forward_scope`).
     forward_scope = forward_scope
 
+    def after_forward(self, fn) -> None:
+        """Run ``fn()`` once the model forward in flight has landed whole (now if none is in flight); never if
+        it fails. What a forward adds to the prefix cache goes through here, so a failed call adds nothing."""
+        if self._scope is None:
+            fn()
+        else:
+            self._scope.on_land.append(fn)
+
     def log_tokens(self, meta: StepMetadata, input_ids: torch.Tensor | None) -> None:
         self.token_log.write(meta.position, meta.token_row, input_ids)
 
@@ -416,8 +424,8 @@ class QSAPagedCache(Cache):
     def _check_prefix_row(self, row: int) -> None:
         if self.prefix is None:
             raise ValueError("this cache was built without prefix_caching=True")
-        if self._open is not None or self._scope is not None:
-            raise RuntimeError("cached prefixes change only between forwards")
+        if self._open is not None or (self._scope is not None and self._scope.pending is not None):
+            raise RuntimeError("cached prefixes change only between steps, never inside one")
         self.check_usable()
         if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.max_batch_size:
             raise ValueError(f"row must be an integer in [0, max_batch_size={self.max_batch_size}), got {row!r}")

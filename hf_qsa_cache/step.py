@@ -261,6 +261,7 @@ class ForwardScope:
         self.cache = cache
         self.columns_before = cache.rows.columns
         self.pending: Step | None = None  # the call's last step, not landed yet
+        self.on_land: list = []  # what runs once the whole call has landed (`QSAPagedCache.after_forward`)
 
     def land_pending(self) -> None:
         if self.pending is not None:
@@ -273,7 +274,9 @@ class ForwardScope:
         cache = self.cache
         if self.pending is not None:
             self.pending.abort()
-        if cache.rows.columns != self.columns_before:  # earlier steps of this call landed
+        # Rows started from cached prefixes before the call's first step count as landed (an empty cache is reset).
+        restored = self.columns_before == 0 and not cache.rows.managed and any(cache.rows.lengths)
+        if cache.rows.columns != self.columns_before or restored:  # earlier steps of this call landed
             if self.columns_before == 0:
                 cache.reset()
             else:
@@ -336,6 +339,8 @@ def forward_scope(cache):
         raise
     cache._scope = None
     scope.land_pending()
+    for fn in scope.on_land:
+        fn()
 
 
 # ---------------------------------------------------------------------- what the layers read, and the undo copies
