@@ -76,11 +76,14 @@ class ContinuousBatchingManager:
             max_len = max(max_len, per_row)
         block_size = config.block_size or config.page_size
         num_blocks = config.num_blocks or rows * -(-min(per_row, max_len) // block_size) + 1
+        # Prefix caching across requests and turns, unless allow_block_sharing=False (docs/prefix_caching.md).
         self.cache = QSAPagedCache(model.config, max_batch_size=rows, max_cache_len=max_len, block_size=block_size,
-                                   num_blocks=num_blocks)
+                                   num_blocks=num_blocks,
+                                   prefix_caching=bool(getattr(config, "allow_block_sharing", True)))
         self.runner = ModelRunner(model, self.cache, return_logprobs=bool(config.return_logprobs))
         self.scheduler = Scheduler(rows, config.max_batch_tokens or DEFAULT_BATCH_TOKENS,
-                                   prefill_first=config.scheduler_type == "prefill_first")
+                                   prefill_first=config.scheduler_type == "prefill_first",
+                                   unit=self.cache.prefix.unit if self.cache.prefix is not None else None)
         if config.scheduler_type not in ("fifo", "prefill_first"):
             raise ValueError(f"scheduler_type must be 'fifo' or 'prefill_first', got {config.scheduler_type!r}")
         self.input_queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size or 0)
@@ -437,6 +440,13 @@ class ContinuousBatchingManager:
         any further step), its result goes out."""
         if not request.done or request.status != status:
             request.finish(status, error)
+        if status == RequestStatus.FINISHED:
+            try:  # its row becomes a cached prefix (prefix caching) before the row is released
+                self.runner.retire(request)
+            except Exception as failure:  # a prefix not kept is only a later miss
+                logger.warning("caching the prefix of request %s failed: %s", request.request_id, failure)
+        else:
+            self.runner.tails.pop(request, None)
         self.scheduler.release(request)
         self.runner.forget(request)
         with self._lock:

@@ -21,6 +21,9 @@ class ModelRunner:
         # until the request ends (a preempted request feeds its prompt again). Keyed by the request itself (it
         # hashes by identity), never by id(): an ended request's id can be a new request's.
         self.encoded: dict[Request, dict] = {}
+        # Prefix caching: each decoding request's snapshot at the last unit boundary its row reached (the state a
+        # finished request's prefix is cached with), kept while the request holds its row.
+        self.tails: dict[Request, object] = {}
 
     def encode(self, request: Request) -> None:
         if request.media is not None and request not in self.encoded:
@@ -41,16 +44,50 @@ class ModelRunner:
         if order:
             self.cache.move_rows(src)
         else:
-            self.cache.reset()  # no request holds a row
-        for request, s in zip(order, src):
+            self.cache.reset()  # no request holds a row (cached prefixes stay)
+        self.rows = list(order)
+        for row, (request, s) in enumerate(zip(order, src)):
             if s == -1:
                 request.held = 0
-        self.rows = list(order)
+                self.tails.pop(request, None)
+                if self.cache.prefix is not None:  # start from the longest cached prefix of its tokens
+                    tokens = request.next_tokens(request.total)
+                    request.held = self.cache.restore_prefix(row, tokens, limit=request.total - 1)
+        if self.tails:
+            placed = set(order)
+            self.tails = {r: s for r, s in self.tails.items() if r in placed}
 
     def release_all(self) -> None:
         """Every row back (the loop ended): the cache is reset, whatever state a failure left it in."""
         self.cache.reset()
         self.rows = []
+        self.tails.clear()
+
+    def _after_step(self, rows: list[Request]) -> None:
+        """Prefix caching, after a step landed (before its tokens are sampled): a row that reached its snapshot
+        point (the scheduler stopped its prefill there) is cached as a prefix; a row at any other unit boundary
+        keeps a snapshot for when it finishes (`retire`)."""
+        unit = self.cache.prefix.unit
+        for row, request in enumerate(rows):
+            held = request.held
+            if held == 0 or held % unit:
+                continue
+            if held == (request.total - 1) // unit * unit:
+                self.cache.cache_prefix(row, _tokens(request, held))
+            else:
+                self.tails[request] = self.cache.snapshot_row(row)
+
+    def retire(self, request: Request) -> None:
+        """A finished request's row becomes a cached prefix up to the last unit boundary it reached."""
+        cache, tail = self.cache, self.tails.pop(request, None)
+        if cache.prefix is None or request not in self.rows:
+            return
+        row = self.rows.index(request)
+        tokens = _tokens(request, request.held)
+        if request.held % cache.prefix.unit == 0:
+            cache.cache_prefix(row, tokens)
+        elif tail is not None:
+            cache.cache_prefix(row, tokens, snapshot=tail)
 
     def why_not_fits(self, growth: list[int]) -> str | None:
         """None if every row can grow by ``growth`` tokens in the next steps, else what stands in the way."""
@@ -70,6 +107,8 @@ class ModelRunner:
         logits = self._forward(rows, ids, mask)
         for request, n in zip(rows, chunks):
             request.held += n
+        if self.cache.prefix is not None:
+            self._after_step(rows)
         return self._sample(rows, logits)
 
     def decode(self) -> list[tuple[Request, int, float | None]]:
@@ -78,6 +117,8 @@ class ModelRunner:
         logits = self._forward(self.rows, ids, None)
         for request in self.rows:
             request.held += 1
+        if self.cache.prefix is not None:
+            self._after_step(self.rows)
         return self._sample(self.rows, logits)
 
     def _forward(self, rows: list[Request], ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -141,6 +182,12 @@ def splice_prompt_embeddings(embeds: torch.Tensor, attention_mask: torch.Tensor 
             embeds[b, cols] = row
         spans.append((cols, logical))
     return spans
+
+
+def _tokens(request: Request, n: int) -> list[int]:
+    """The first ``n`` tokens of the request (its prompt, then what it generated)."""
+    tokens = request.prompt[:n]
+    return tokens + request.generated[: n - len(tokens)]
 
 
 def _generator(request: Request, device: torch.device) -> torch.Generator:
