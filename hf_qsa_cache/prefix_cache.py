@@ -44,12 +44,15 @@ class Snapshot:
 
     length: int
     state: list[torch.Tensor]  # every store's `snapshot_tensors` row, in the cache's store order
-    # windowed table -> (first column, end column, the live blocks' pages of every store on it, in store order)
-    windows: dict[str, tuple[int, int, list[torch.Tensor]]] = field(default_factory=dict)
+    # windowed table -> (the row's columns that held blocks, their pages of every store on the table, in store order)
+    windows: dict[str, tuple[list[int], list[torch.Tensor]]] = field(default_factory=dict)
+    size: int = 0  # its bytes, as counted when it was cached
 
     @property
     def nbytes(self) -> int:
-        return tensor_bytes(*self.state) + sum(tensor_bytes(*pages) for _, _, pages in self.windows.values())
+        return tensor_bytes(*self.state) + sum(tensor_bytes(*pages) for _, pages in self.windows.values())
+
+
 
 
 class Entry:
@@ -123,6 +126,7 @@ class PrefixCache:
         row's own copies stay the row's). Returns the tokens now covered."""
         if length % self.unit:
             raise ValueError(f"a prefix entry covers whole units of {self.unit} tokens, got {length}")
+        size = snapshot.nbytes if snapshot is not None else 0  # (device work first: the rest is host bookkeeping)
         parent, chain = None, []
         for i in range(length // self.unit):
             key = self._key(parent, tokens, i)
@@ -152,9 +156,10 @@ class PrefixCache:
         self.touch(chain)
         covered = len(chain) * self.unit
         if snapshot is not None and chain and covered == snapshot.length and chain[-1].snapshot is None:
+            snapshot.size = size
             chain[-1].snapshot = snapshot
             self.snapshots += 1
-            self.snapshot_bytes += snapshot.nbytes
+            self.snapshot_bytes += size
         self.trim()
         return covered
 
@@ -177,7 +182,7 @@ class PrefixCache:
     def _drop_snapshot(self, entry: Entry) -> None:
         if entry.snapshot is not None:
             self.snapshots -= 1
-            self.snapshot_bytes -= entry.snapshot.nbytes
+            self.snapshot_bytes -= entry.snapshot.size
             entry.snapshot = None
 
     def _idle(self, entry: Entry, name: str) -> bool:
@@ -290,14 +295,16 @@ def capture(cache, row: int) -> Snapshot:
         for name, table in cache.tables.items():
             if table.window is None:
                 continue
+            # The blocks the row holds from the first one its window may keep (after a crop, the oldest of those
+            # may already be gone: nothing reads it).
             first, end = table._first_live_block(length), -(-length // table.block_size)
-            blocks = table.rows[row][first:end]
-            if NULL_BLOCK in blocks or len(blocks) != end - first:
-                raise RuntimeError(f"{name}: row {row} does not hold its live window at length {length}")
+            held = table.rows[row]
+            columns = [c for c in range(first, min(end, len(held))) if held[c] != NULL_BLOCK]
+            blocks = [held[c] for c in columns]
             pages = []
             for t in window_targets(cache, name):
                 pages.append(t.index_select(0, torch.tensor(blocks, dtype=torch.long, device=t.device)))
-            windows[name] = (first, end, pages)
+            windows[name] = (columns, pages)
     return Snapshot(length, state, windows)
 
 
@@ -308,7 +315,7 @@ def fits(cache, snapshot: Snapshot) -> bool:
         return False
     if any(t[0].shape != s.shape or t.dtype != s.dtype for t, s in zip(targets, snapshot.state)):
         return False
-    return all(len(window_targets(cache, name)) == len(pages) for name, (_, _, pages) in snapshot.windows.items())
+    return all(len(window_targets(cache, name)) == len(pages) for name, (_, pages) in snapshot.windows.items())
 
 
 def restore(cache, row: int, snapshot: Snapshot) -> None:
@@ -317,7 +324,8 @@ def restore(cache, row: int, snapshot: Snapshot) -> None:
     with torch.no_grad():
         for t, data in zip(snapshot_targets(cache), snapshot.state):
             t[row].copy_(data)
-        for name, (first, end, pages) in snapshot.windows.items():
-            blocks = cache.tables[name].rows[row][first:end]
+        for name, (columns, pages) in snapshot.windows.items():
+            held = cache.tables[name].rows[row]
+            blocks = [held[c] for c in columns]
             for t, data in zip(window_targets(cache, name), pages):
                 t.index_copy_(0, torch.tensor(blocks, dtype=torch.long, device=t.device), data)

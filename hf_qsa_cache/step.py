@@ -260,6 +260,8 @@ class ForwardScope:
     def __init__(self, cache):
         self.cache = cache
         self.columns_before = cache.rows.columns
+        rows = cache.rows
+        self.empty_before = rows.columns == 0 and not rows.managed and not any(rows.lengths)
         self.pending: Step | None = None  # the call's last step, not landed yet
         self.on_land: list = []  # what runs once the whole call has landed (`QSAPagedCache.after_forward`)
 
@@ -274,8 +276,8 @@ class ForwardScope:
         cache = self.cache
         if self.pending is not None:
             self.pending.abort()
-        # Rows started from cached prefixes before the call's first step count as landed (an empty cache is reset).
-        restored = self.columns_before == 0 and not cache.rows.managed and any(cache.rows.lengths)
+        # Rows the call started from cached prefixes count as landed chunks (the cache was empty: it is reset).
+        restored = self.empty_before and any(cache.rows.lengths)
         if cache.rows.columns != self.columns_before or restored:  # earlier steps of this call landed
             if self.columns_before == 0:
                 cache.reset()

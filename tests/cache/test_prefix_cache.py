@@ -31,11 +31,13 @@ def family(name: str):
     return ref, ours, lambda n, seed: inkling.make_prompts([n], seed=seed)[0].tolist(), 4
 
 
-def feed(model, cache, chunks: list[list[int]]) -> torch.Tensor:
-    """Rows ``0 .. len(chunks) - 1`` take their chunk (left-padded, one step); each row's last logits."""
+def feed(model, cache, chunks: list[list[int]], keep: int = 0) -> torch.Tensor:
+    """Rows ``0 .. len(chunks) - 1`` take their chunk (left-padded, one step); each row's last logits. With
+    ``keep=1`` (only the last logits) a forward on an empty cache is a prefill from cached prefixes, which
+    caches the prompts too; by default the test places every prefix itself."""
     ids, mask = left_pad(chunks)
     with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+        return model(input_ids=ids, attention_mask=mask, past_key_values=cache, logits_to_keep=keep).logits[:, -1]
 
 
 def alone(ref, prompt: list[int]) -> torch.Tensor:
