@@ -114,3 +114,82 @@ def test_restored_prefix_then_rest_equals_the_whole_prompt(name):
     assert cache.memory_stats()["prefix_cache"]["entries"] == 0
     assert all(len(t.free) == t.num_blocks - 1 for t in cache.tables.values())
     check_accounting(cache)
+
+
+def test_bad_arguments_are_refused_by_name():
+    _, ours = make_pair()
+    for kwargs, named in [(dict(prefix_caching="yes"), "'yes'"), (dict(prefix_caching=True, prefix_snapshots=-1), "-1"),
+                          (dict(prefix_caching=True, prefix_snapshot_bytes=1.5), "1.5"),
+                          (dict(prefix_caching=True, prefix_blocks=True), "True")]:
+        with pytest.raises(ValueError, match=named):
+            QSAPagedCache(ours.config, 2, 32, block_size=4, **kwargs)
+    with pytest.raises(ValueError, match="prefix_caching=True"):
+        QSAPagedCache(ours.config, 2, 32, block_size=4).restore_prefix(0, [5, 6, 7, 8, 9])
+    cache = QSAPagedCache(ours.config, 2, 32, block_size=4, prefix_caching=True)
+    with pytest.raises(ValueError, match="row must be"):
+        cache.restore_prefix(2, [5, 6, 7, 8, 9])
+
+
+def test_a_row_never_crops_into_shared_blocks():
+    ref, ours, prompt, block = family("inkling")  # Inkling crops without rollback headroom
+    cache = QSAPagedCache(ours.config, 1, 32, block_size=block, prefix_caching=True, num_speculative_tokens=4)
+    a = prompt(3 * block + 2, 7)
+    feed(ours, cache, [a[: 2 * block]])
+    assert cache.cache_prefix(0, a) == 2 * block
+    feed(ours, cache, [a[2 * block:]])
+    cache.crop(-2)  # back to 3 blocks: above the shared part
+    with pytest.raises(ValueError, match="shares its first 8"):
+        cache.crop(-(block + 1))
+    assert cache.lengths[0] == 3 * block
+
+
+def test_budgets_evict_least_recently_used_and_idle_blocks_are_available():
+    ref, ours, prompt, block = family("qwen4_exp")
+    # Two rows of 6 blocks each fill the pool: cached blocks must be given back for new prompts.
+    cache = QSAPagedCache(ours.config, 2, 6 * block, block_size=block, num_blocks=13, prefix_caching=True,
+                          prefix_snapshots=2)
+    prompts = [prompt(5 * block + 1, 10 + i) for i in range(3)]
+    for p in prompts[:2]:  # each prefill caches its prompt at 5 blocks, then the next call retires it
+        cache.reset()
+        feed(ours, cache, [p], keep=1)
+    stats = cache.memory_stats()
+    assert stats["prefix_cache"]["snapshots"] == 2 and stats["prefix_cache"]["blocks"] == 10
+    cache.reset()
+    main = cache.tables["main"]
+    assert main.available() == 12 and len(main.free) == 2 and main.idle == 10
+    assert cache.why_not_fits([6 * block, 6 * block]) is None  # idle cached blocks count as room
+    # A third prompt, and a fourth that continues the first: one snapshot over budget, blocks taken back.
+    got = feed(ours, cache, [prompts[2], prompts[0] + prompt(3, 20)], keep=1)
+    for i, p in enumerate([prompts[2], prompts[0] + prompt(3, 20)]):
+        torch.testing.assert_close(got[i], alone(ref, p), atol=1e-4, rtol=0)
+    stats = cache.memory_stats()["prefix_cache"]
+    assert stats["hit_tokens"] == 5 * block  # the first prompt's prefix was used, and is most recent
+    assert stats["evictions"] > 0 and stats["snapshots"] <= 2
+    cache.reset()
+    assert cache.restore_prefix(0, prompts[1]) == 0  # the least recently used prefix went first
+    cache.reset()
+    assert cache.restore_prefix(0, prompts[0] + [3]) == 5 * block
+    check_accounting(cache)
+
+
+def test_snapshot_budget_keeps_the_recently_used():
+    ref, ours, prompt, block = family("qwen4_exp")
+    cache = QSAPagedCache(ours.config, 1, 6 * block, block_size=block, num_blocks=20, prefix_caching=True,
+                          prefix_snapshots=2)
+    prompts = [prompt(3 * block + 1, 30 + i) for i in range(3)]
+    for p in prompts[:2]:
+        cache.reset()
+        feed(ours, cache, [p], keep=1)  # cached at 3 blocks
+    cache.reset()
+    assert cache.restore_prefix(0, prompts[0]) == 3 * block  # the first is now the more recently used
+    cache.reset()
+    feed(ours, cache, [prompts[2]], keep=1)  # a third snapshot: one over budget
+    cache.reset()
+    stats = cache.memory_stats()["prefix_cache"]
+    assert stats["snapshots"] == 2 and stats["snapshot_evictions"] == 1
+    assert cache.restore_prefix(0, prompts[1]) == 0
+    # An entry left without a snapshot or entries below it serves no lookup: its blocks went back too.
+    assert stats["entries"] == 6 and stats["blocks"] == 6
+    for p in (prompts[0], prompts[2]):
+        cache.reset()
+        assert cache.restore_prefix(0, p) == 3 * block
