@@ -147,6 +147,9 @@ class QSAPagedCache(Cache):
         self._generate_may_grow = False  # set on a cache generate() built: a later call may `grow` it
         # Prefix caching (`hf_qsa_cache.prefix_cache`): the cached entries, or None when off.
         self.prefix: PrefixCache | None = None
+        # Tokens the last `restore_prefix` found cached as blocks (beyond what it restored when no snapshot lies
+        # there: a prefill that stops there and caches its state lets later rows restore that far).
+        self.prefix_matched = 0
         if prefix_caching:
             self.prefix = PrefixCache(
                 self.tables, prefix_unit(self.tables, self.qsa),
@@ -430,19 +433,22 @@ class QSAPagedCache(Cache):
         if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.max_batch_size:
             raise ValueError(f"row must be an integer in [0, max_batch_size={self.max_batch_size}), got {row!r}")
 
-    def restore_prefix(self, row: int, tokens, limit: int | None = None) -> int:
+    def restore_prefix(self, row: int, tokens, limit: int | None = None, count: bool = True) -> int:
         """Start empty row ``row`` from the longest cached prefix of ``tokens`` (at most ``limit`` tokens, default
         all) that has a snapshot: its shared blocks are listed (reference counted), its per-row state and windows
         copied from the snapshot, its length set. Returns the length restored (0: none cached; the row stays
-        empty). Outside a forward only; nothing changes if it raises."""
+        empty). ``count=False``: a second look for the same tokens (not counted again in the hit rate). Outside a
+        forward only; nothing changes if it raises."""
         self._check_prefix_row(row)
         tokens = [int(t) for t in tokens]
         limit = len(tokens) if limit is None else min(int(limit), len(tokens))
         if self.rows.lengths[row] or any(t.rows[row] for t in self.tables.values()):
             raise ValueError(f"row {row} holds tokens: a cached prefix starts an empty row")
         prefix = self.prefix
-        prefix.counters["lookup_tokens"] += len(tokens)
+        if count:
+            prefix.counters["lookup_tokens"] += len(tokens)
         chain = prefix.match(tokens, limit)
+        self.prefix_matched = len(chain) * prefix.unit
         while chain and (chain[-1].snapshot is None or not fits(self, chain[-1].snapshot)):
             chain.pop()
         if not chain:
@@ -479,6 +485,18 @@ class QSAPagedCache(Cache):
         self.rows.start_at(row, length, floor)
         prefix.counters["hit_tokens"] += length
         return length
+
+    def prefix_lookup(self, tokens, limit: int | None = None) -> tuple[int, int]:
+        """``(restorable, matched)``: the longest cached prefix of ``tokens`` `restore_prefix` would restore (at
+        most ``limit`` tokens), and how far cached blocks reach (with or without a snapshot). Changes nothing."""
+        if self.prefix is None:
+            return 0, 0
+        tokens = [int(t) for t in tokens]
+        chain = self.prefix.match(tokens, len(tokens) if limit is None else min(int(limit), len(tokens)))
+        matched = len(chain) * self.prefix.unit
+        while chain and (chain[-1].snapshot is None or not fits(self, chain[-1].snapshot)):
+            chain.pop()
+        return len(chain) * self.prefix.unit, matched
 
     def snapshot_row(self, row: int) -> Snapshot:
         """A copy of ``row``'s non-paged state and windows at its current length (`cache_prefix` takes it later,

@@ -87,6 +87,7 @@ class PrefixCache:
         self.snapshots = 0
         self._serial = 0
         self._tick = 0
+        self.version = 0  # changes whenever entries are added or dropped (a lookup that missed may be retried)
         self.counters = {"lookup_tokens": 0, "hit_tokens": 0, "evictions": 0, "snapshot_evictions": 0}
 
     # ------------------------------------------------------------------ lookup
@@ -154,6 +155,7 @@ class PrefixCache:
             chain.append(entry)
             parent = entry
         self.touch(chain)
+        self.version += 1
         covered = len(chain) * self.unit
         if snapshot is not None and chain and covered == snapshot.length and chain[-1].snapshot is None:
             snapshot.size = size
@@ -166,6 +168,7 @@ class PrefixCache:
     # ------------------------------------------------------------------ eviction
     def _drop(self, entry: Entry, evicted: bool = True) -> None:
         """Drop ``entry`` and every entry below it (their prefixes are no longer reachable)."""
+        self.version += 1
         stack = [entry]
         while stack:
             e = stack.pop()
@@ -243,9 +246,11 @@ class PrefixCache:
                         self._drop(entry)
 
     def clear(self) -> None:
-        """Drop every entry (their blocks go back to the pools unless rows list them)."""
+        """Drop every entry (their blocks go back to the pools unless rows list them); the counters start
+        over."""
         for entry in [e for e in self.entries.values() if e.parent is None]:
             self._drop(entry, evicted=False)
+        self.counters = dict.fromkeys(self.counters, 0)
 
     # ------------------------------------------------------------------ views
     def stats(self, block_bytes: dict[str, int]) -> dict:

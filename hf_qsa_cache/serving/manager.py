@@ -369,6 +369,9 @@ class ContinuousBatchingManager:
                 self._end(request, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
         scheduler.order()  # requests that failed here leave their rows to others, not a shift
         runner.place(scheduler.rows)
+        if runner.retry_restores():  # rows that have fed nothing start from what was cached meanwhile
+            scheduler.order()
+            runner.place(scheduler.rows)
         steps = ("prefill", "decode") if scheduler.prefill_first else ("decode", "prefill")
         for kind in steps:
             if kind == "prefill":

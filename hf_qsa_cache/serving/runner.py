@@ -49,10 +49,10 @@ class ModelRunner:
         for row, (request, s) in enumerate(zip(order, src)):
             if s == -1:
                 request.held = 0
+                request.prefix_seen = -1
                 self.tails.pop(request, None)
-                if self.cache.prefix is not None:  # start from the longest cached prefix of its tokens
-                    tokens = request.next_tokens(request.total)
-                    request.held = self.cache.restore_prefix(row, tokens, limit=request.total - 1)
+                if self.cache.prefix is not None:
+                    self._restore(row, request)
         if self.tails:
             placed = set(order)
             self.tails = {r: s for r, s in self.tails.items() if r in placed}
@@ -63,6 +63,50 @@ class ModelRunner:
         self.rows = []
         self.tails.clear()
 
+    def _restore(self, row: int, request: Request) -> None:
+        """Start the request's empty row from the longest cached prefix of its tokens; where cached blocks reach
+        further than any snapshot, its prefill will stop there once to cache its state (`Request.prefix_stop`)."""
+        cache = self.cache
+        first = request.prefix_seen == -1
+        request.prefix_seen = cache.prefix.version
+        request.held = cache.restore_prefix(row, _tokens(request, request.total), limit=request.total - 1,
+                                            count=first)
+        matched = cache.prefix_matched
+        request.prefix_stop = matched if matched > request.held else 0
+
+    def retry_restores(self) -> bool:
+        """Rows that have fed nothing yet, or that are prefilling towards a prefix others cached as blocks, look
+        again if prefixes were cached since their last look (requests admitted together prefill one after the
+        other: the later ones start from what the earlier cached). A row that a longer cached prefix now serves
+        gives back what it fed and starts from that prefix. Returns whether a row was restored (the scheduler
+        orders the rows again)."""
+        cache = self.cache
+        if cache.prefix is None:
+            return False
+        version, again = cache.prefix.version, []
+        for row, request in enumerate(self.rows):
+            if request.prefix_seen == version or request.total < 2:
+                continue
+            if request.held == 0:
+                again.append((row, request))
+            elif request.in_prefill:
+                request.prefix_seen = version
+                restorable, matched = cache.prefix_lookup(_tokens(request, request.total), limit=request.total - 1)
+                if restorable > request.held:
+                    again.append((row, request))
+                elif matched > max(request.held, request.prefix_stop):
+                    request.prefix_stop = matched  # its prefill stops there to cache its state for others
+        if not again:
+            return False
+        fed = [row for row, request in again if request.held]
+        if fed:  # those rows start over, empty (their blocks go back; no other row moves)
+            cache.move_rows([-1 if i in fed else i for i in range(len(self.rows))])
+            for row, request in again:
+                request.held = 0
+        for row, request in again:
+            self._restore(row, request)
+        return any(request.held for _, request in again)
+
     def _after_step(self, rows: list[Request]) -> None:
         """Prefix caching, after a step landed (before its tokens are sampled): a row that reached its snapshot
         point (the scheduler stopped its prefill there) is cached as a prefix; a row at any other unit boundary
@@ -72,7 +116,7 @@ class ModelRunner:
             held = request.held
             if held == 0 or held % unit:
                 continue
-            if held == (request.total - 1) // unit * unit:
+            if held == (request.total - 1) // unit * unit or held == request.prefix_stop:
                 self.cache.cache_prefix(row, _tokens(request, held))
             else:
                 self.tails[request] = self.cache.snapshot_row(row)

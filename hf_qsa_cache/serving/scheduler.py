@@ -142,10 +142,11 @@ class Scheduler:
         return (request.total - 1) // self.unit * self.unit
 
     def _to_snapshot(self, request: Request, chunk: int) -> int:
-        """``chunk`` cut so that it ends at the request's snapshot point if it would pass it."""
-        point = self.snapshot_point(request)
-        if request.held < point < request.held + chunk:
-            return point - request.held
+        """``chunk`` cut so that it ends at the request's next stop: the end of what others cached as blocks
+        without a snapshot there (`Request.prefix_stop`), or its snapshot point, if it would pass it."""
+        for point in (request.prefix_stop, self.snapshot_point(request)):
+            if request.held < point < request.held + chunk:
+                return point - request.held
         return chunk
 
     def prefill_chunks(self) -> list[int]:
@@ -163,6 +164,9 @@ class Scheduler:
         for r in self.rows[1:p]:
             if (len(chunks) + 1) * length > self.max_batch_tokens:
                 break
+            if 0 < r.prefix_stop and r.held < r.prefix_stop and any(
+                    q.prefix_stop == r.prefix_stop and q.held < q.prefix_stop for q in self.rows[: len(chunks)]):
+                break  # an older row is computing the same cached-blocks prefix: start from its snapshot instead
             chunk = self._to_snapshot(r, min(r.pending, length))
             # Every row of the step is padded to `length`: a row joins only while pads stay at most half the step.
             if (len(chunks) + 1) * length > 2 * (sum(chunks) + chunk):

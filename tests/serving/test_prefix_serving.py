@@ -42,6 +42,7 @@ def test_shared_system_prompt_and_next_turns(family):
     with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config) as manager:
         cache = manager.cache
         assert cache.prefix is not None and manager.scheduler.unit == 4
+        cache.prefix.max_snapshots = 32  # (the default, two a row, would evict some of the tails this checks)
         results = run(manager, first)
         check(ref, first, results)
         after_first = cache.memory_stats()["prefix_cache"]
@@ -76,3 +77,19 @@ def test_tight_pool_evicts_cached_blocks_and_sharing_can_be_turned_off(family):
         assert manager.cache.prefix is None and manager.scheduler.unit is None
         check(ref, prompts[:2], run(manager, prompts[:2]))
         assert "prefix_cache" not in manager.cache.memory_stats()
+
+
+def test_requests_admitted_together_restore_what_the_first_cached(family):
+    name, ref, ours = family
+    shared = random_prompts([18], vocab=90, seed=41)[0]
+    prompts = [shared + q for q in random_prompts([3, 5, 2, 4], vocab=90, seed=42)]
+    # All four admitted at once: the first computes the shared blocks (its own snapshot lies past them, in its
+    # question), the second stops at their end (16) to cache a snapshot there, the others start from it, also
+    # giving back a token a decode step fed them meanwhile.
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=8, max_requests_per_batch=4)
+    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config) as manager:
+        results = run(manager, prompts)
+        check(ref, prompts, results)
+        stats = manager.cache.memory_stats()["prefix_cache"]
+        assert pools_full(manager.cache)
+    assert stats["hit_tokens"] >= 2 * 16, stats
