@@ -436,11 +436,13 @@ def paged_rel_attention_triton(
         rel = r.contiguous()
     else:  # the bias profile of every query, rounded like the torch op: [B, L, Hq, E] in r's dtype
         rel, proj = (r @ proj).contiguous(), None
+    # fp8 stores: their scales (the launch of a store in the model's dtype is called as before)
+    scales = {} if key_scales is None else {"key_scales": key_scales, "value_scales": value_scales}
     while True:
         try:
             return _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots, position, prev_len,
                            host_prev_len, scaling, window, log_scaling, block_m, block_n, num_splits, num_warps,
-                           num_stages, key_scales=key_scales, value_scales=value_scales)
+                           num_stages, **scales)
         except OutOfResources:
             smaller = _smaller_tiles(block_m, block_n)
             if smaller is None:

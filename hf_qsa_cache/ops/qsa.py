@@ -67,6 +67,8 @@ def qsa_index_step(q_index: torch.Tensor, raw_keys: torch.Tensor, positions: tor
     rows = meta.derived(("ring_rows", store.max_rows, store.capacity), lambda: store.ring_rows(meta.ring_slot))
     store.write_ring(rows, raw_keys, positions, writes)
     writes.flush()
+    if store.compressed_scales is None:
+        return score_and_select(q_index, store.compressed, meta, store.table, block_size, r, block_topk)
     return score_and_select(q_index, store.compressed, meta, store.table, block_size, r, block_topk,
                             scales=store.compressed_scales)
 
@@ -151,14 +153,15 @@ def score_and_select(q_index: torch.Tensor, compressed: torch.Tensor, meta: Step
     # Triton path the lower group index.
     ties_as_topk = not use_triton(q_index)
     chosen = []
+    extra = {} if scales is None else {"scales": scales}  # an fp8 store's (the calls of before otherwise)
     for start in range(0, n, step):
         end = start + step
         args = (q_index[start:end], compressed, table_t, meta.token_row[start:end], visible[start:end],
                 rows_per_block)
         if by_tiles:
-            groups = select_by_tile_maxima(*args, max_groups, k, scales=scales).sort(dim=-1).values
+            groups = select_by_tile_maxima(*args, max_groups, k, **extra).sort(dim=-1).values
         else:
-            groups = top_group_set(scores_fn(*args, max_groups, scales=scales), k,
+            groups = top_group_set(scores_fn(*args, max_groups, **extra), k,
                                    visible[start:end] if ties_as_topk else None)
         chosen.append(selected_positions(groups, visible[start:end], pos[start:end], ratio, block_topk))
     return chosen[0] if len(chosen) == 1 else torch.cat(chosen, dim=0)
@@ -185,13 +188,14 @@ def select_by_tile_maxima(q_index: torch.Tensor, compressed: torch.Tensor, block
     between the Triton and torch scores."""
     tile = tile or top_set.TOPK_TILE
     args = (q_index, compressed, block_table, token_row, visible_blocks, rows_per_block)
+    extra = {} if scales is None else {"scales": scales}
     if use_triton(q_index):
         from .qsa_triton import candidate_scores_triton, index_scores_triton
 
-        maxima = index_scores_triton(*args, max_groups, tile=tile, scales=scales)
-        return top_groups_of_best_tiles(maxima, lambda c: candidate_scores_triton(*args, c, scales=scales), k, tile)
-    maxima = index_tile_maxima_torch(*args, max_groups, tile, scales=scales)
-    return top_groups_of_best_tiles(maxima, lambda c: candidate_scores_torch(*args, c, scales=scales), k, tile)
+        maxima = index_scores_triton(*args, max_groups, tile=tile, **extra)
+        return top_groups_of_best_tiles(maxima, lambda c: candidate_scores_triton(*args, c, **extra), k, tile)
+    maxima = index_tile_maxima_torch(*args, max_groups, tile, **extra)
+    return top_groups_of_best_tiles(maxima, lambda c: candidate_scores_torch(*args, c, **extra), k, tile)
 
 
 # From this many groups a Triton selection writes tile maxima instead of scores (`select_by_tile_maxima`): from
@@ -287,13 +291,14 @@ def sparse_paged_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
     valid position (a pad) returns zeros. ``key_scales`` / ``value_scales`` ``[num_blocks, block_size, H_kv]``:
     an fp8 store's scales (`fp8`; keys and values are widened to ``query``'s dtype as read, exactly).
     """
+    scales = {} if key_scales is None else {"key_scales": key_scales, "value_scales": value_scales}
     if use_triton(query) and not records_grad(query, keys, values):
         from .qsa_triton import sparse_paged_attention_triton
 
         return sparse_paged_attention_triton(query, keys, values, block_table, token_row, positions, block_size,
-                                             scaling, key_scales=key_scales, value_scales=value_scales)
+                                             scaling, **scales)
     return sparse_paged_attention_torch(query, keys, values, block_table, token_row, positions, block_size, scaling,
-                                        key_scales, value_scales)
+                                        **scales)
 
 
 def sparse_paged_attention_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -321,14 +326,15 @@ def gated_sparse_paged_attention(query: torch.Tensor, keys: torch.Tensor, values
     attention output rounded to its dtype, the sigmoid rounded alike, their product rounded, as the torch ops
     round. With ``qsa_gate`` on CUDA the gate is applied where the attention's splits are merged."""
     n = query.shape[0]
+    scales = {} if key_scales is None else {"key_scales": key_scales, "value_scales": value_scales}
     if (fusions.enabled("qsa_gate") and use_triton(query) and not records_grad(query, keys, values, gate)
             and gate.stride(-1) == 1):
         from .qsa_triton import sparse_paged_attention_triton
 
         return sparse_paged_attention_triton(query, keys, values, block_table, token_row, positions, block_size,
-                                             scaling, gate=gate, key_scales=key_scales, value_scales=value_scales)
+                                             scaling, gate=gate, **scales)
     out = sparse_paged_attention(query, keys, values, block_table, token_row, positions, block_size, scaling,
-                                 key_scales, value_scales)
+                                 **scales)
     return out.reshape(n, -1) * torch.sigmoid(gate).reshape(n, -1)
 
 

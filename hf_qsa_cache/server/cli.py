@@ -47,6 +47,10 @@ def parser() -> argparse.ArgumentParser:
     cb.add_argument("--cb-max-memory-percent", type=float, default=None,
                     help="accepted; this engine sizes its pool from --cb-num-blocks and the rows instead")
     cb.add_argument("--cb-use-cuda-graph", action=argparse.BooleanOptionalAction, default=None)
+    cb.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                    help="the attention K/V pages: the model's dtype, or fp8 e4m3 with a scale per token and head")
+    cb.add_argument("--index-cache-dtype", choices=["auto", "fp8"], default="auto",
+                    help="Qwen4Exp's QSA compressed index keys: the model's dtype, or fp8 e4m3")
     return p
 
 
@@ -71,7 +75,9 @@ def build(args):
           "max_memory_percent": args.cb_max_memory_percent, "use_cuda_graph": args.cb_use_cuda_graph}
     cb_config = ContinuousBatchingConfig(**{k: v for k, v in cb.items() if v is not None})
     generation_config = model.generation_config
-    engine = Engine(model, generation_config, cb_config)
+    fp8 = {"auto": None, "fp8": torch.float8_e4m3fn}
+    engine = Engine(model, generation_config, cb_config, {"kv_cache_dtype": fp8[args.kv_cache_dtype],
+                                                          "index_cache_dtype": fp8[args.index_cache_dtype]})
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens, max_n=args.max_n)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None

@@ -21,10 +21,11 @@ class EngineDead(RuntimeError):
 
 
 class Engine:
-    def __init__(self, model, generation_config=None, continuous_batching_config=None):
+    def __init__(self, model, generation_config=None, continuous_batching_config=None, cache_dtypes=None):
         self.model = model
         self.generation_config = generation_config
         self.continuous_batching_config = continuous_batching_config
+        self.cache_dtypes = cache_dtypes or {}  # kv_cache_dtype / index_cache_dtype (fp8 caches)
         self.manager = None
         self.inflight: dict[str, Callable] = {}  # request id -> its handler, until its final result
         self._ids = itertools.count()
@@ -34,17 +35,14 @@ class Engine:
 
     def start(self) -> None:
         self.manager = self.model.init_continuous_batching(generation_config=self.generation_config,
-                                                           continuous_batching_config=self.continuous_batching_config)
+                                                           continuous_batching_config=self.continuous_batching_config,
+                                                           **self.cache_dtypes)
         self.manager.start()
 
     # ------------------------------------------------------------------ state
     @property
     def fatal_error(self):
-        if self.manager is None:
-            return None
-        status = getattr(self.manager, "background_thread_status", None)
-        error = getattr(status, "fatal_error", None) if status is not None else None
-        return error if error is not None else getattr(self.manager, "fatal_error", None)
+        return None if self.manager is None else self.manager.background_thread_status.fatal_error
 
     def check_alive(self) -> None:
         if self.stopping:
@@ -54,19 +52,14 @@ class Engine:
         error = self.fatal_error
         if error is not None:
             raise EngineDead(f"the engine stopped: {error}")
-        if hasattr(self.manager, "is_running") and not self.manager.is_running():
+        if not self.manager.is_running():
             raise EngineDead("the engine is not running")
 
     def health(self) -> dict:
-        state = {}
-        if self.manager is not None and hasattr(self.manager, "health"):
-            state = dict(self.manager.health())
+        if self.manager is None:
+            state = {"running": False, "fatal_error": None}
         else:
-            running = self.manager is not None and (not hasattr(self.manager, "is_running")
-                                                    or self.manager.is_running())
-            state = {"running": running, "fatal_error": None}
-        error = self.fatal_error
-        state["fatal_error"] = None if error is None else str(error)
+            state = self.manager.health()
         state["inflight"] = len(self.inflight)
         state.update({f"requests_{k}": v for k, v in self.counts.items()})
         if self.stopping:
@@ -98,9 +91,7 @@ class Engine:
                                      logprobs=logprobs, **(media or {}))
         except BaseException:
             self.inflight.pop(request_id, None)
-            delivery = getattr(self.manager, "delivery", None)
-            if delivery is not None:
-                delivery.unregister(request_id)
+            self.manager.remove_result_handler(request_id)
             raise
         self.counts["submitted"] += 1
         return request_id

@@ -11,6 +11,7 @@ whose loop is closed, is logged and dropped; it never stops the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -30,6 +31,7 @@ class Delivery:
         self._queues: dict[str, deque[tuple[int, GenerationOutput]]] = {}  # per request: (arrival, result)
         self._arrivals: deque[tuple[str, int]] = deque()  # (request, arrival) in arrival order, for get()
         self._handlers: dict[str, tuple[Callable, asyncio.AbstractEventLoop | None]] = {}
+        self._batch: list | None = None  # handler calls held back by `batched` (the engine thread's)
         self._count = 0  # results queued so far (numbers their arrivals)
         self._live = 0  # results waiting in the queues
 
@@ -64,7 +66,31 @@ class Delivery:
                 self._live += 1
                 self._ready.notify_all()
         if handler is not None:
-            _call(*handler, output)
+            if self._batch is not None:
+                self._batch.append((*handler, output))
+            else:
+                _call(*handler, output)
+
+    @contextlib.contextmanager
+    def batched(self):
+        """Results put inside reach their handlers at the end, one hand-over per event loop (a step's results:
+        one wake-up of a server's loop, not one per request)."""
+        self._batch = []
+        try:
+            yield
+        finally:
+            batch, self._batch = self._batch, None
+            by_loop: dict = {}
+            for callback, loop, output in batch:
+                if loop is None:
+                    _call(callback, None, output)
+                else:
+                    by_loop.setdefault(loop, []).append((callback, output))
+            for loop, calls in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(_run_all, calls)
+                except Exception as error:  # a closed loop: its consumers are gone, the engine goes on
+                    logger.error("results of %d requests could not reach their loop: %s", len(calls), error)
 
     def get(self, request_id: str | None = None, timeout: float | None = None,
             alive: Callable[[], bool] = lambda: True) -> GenerationOutput | None:
@@ -116,6 +142,11 @@ class Delivery:
                     del self._queues[rid]
                 return output
         return None
+
+
+def _run_all(calls: list[tuple[Callable, GenerationOutput]]) -> None:
+    for callback, output in calls:
+        _call(callback, None, output)
 
 
 def _call(callback: Callable, loop: asyncio.AbstractEventLoop | None, output: GenerationOutput) -> None:

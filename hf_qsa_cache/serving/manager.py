@@ -57,7 +57,10 @@ class LoopStatus:
 
 class ContinuousBatchingManager:
     def __init__(self, model, generation_config: GenerationConfig | None = None,
-                 continuous_batching_config: ContinuousBatchingConfig | None = None, workload_hints=None):
+                 continuous_batching_config: ContinuousBatchingConfig | None = None, workload_hints=None, *,
+                 kv_cache_dtype: torch.dtype | None = None, index_cache_dtype: torch.dtype | None = None):
+        """``kv_cache_dtype`` / ``index_cache_dtype``: the cache's fp8 switches (`QSAPagedCache`; None: the
+        model's dtype), which transformers' `ContinuousBatchingConfig` has no field for."""
         self.model = model
         self.generation_config = generation_config if generation_config is not None else model.generation_config
         config = continuous_batching_config if continuous_batching_config is not None else ContinuousBatchingConfig()
@@ -78,7 +81,8 @@ class ContinuousBatchingManager:
         num_blocks = config.num_blocks or rows * -(-min(per_row, max_len) // block_size) + 1
         # Prefix caching across requests and turns, unless allow_block_sharing=False (docs/prefix_caching.md).
         self.cache = QSAPagedCache(model.config, max_batch_size=rows, max_cache_len=max_len, block_size=block_size,
-                                   num_blocks=num_blocks,
+                                   num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype,
+                                   index_cache_dtype=index_cache_dtype,
                                    prefix_caching=bool(getattr(config, "allow_block_sharing", True)))
         self.runner = ModelRunner(model, self.cache, return_logprobs=bool(config.return_logprobs))
         self.scheduler = Scheduler(rows, config.max_batch_tokens or DEFAULT_BATCH_TOKENS,
@@ -266,6 +270,10 @@ class ContinuousBatchingManager:
         `add_request`; dropped after the final result."""
         self.delivery.register(request_id, callback)
 
+    def remove_result_handler(self, request_id: str) -> None:
+        """Drop the handler of a request that was never queued (its `add_request` raised)."""
+        self.delivery.unregister(request_id)
+
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """The next result (a finished request, or a streaming request's progress) of ``request_id``, or of any
         request when None; None after ``timeout`` seconds, or at once when the loop is not running and none waits.
@@ -429,12 +437,13 @@ class ContinuousBatchingManager:
             self.scheduler.order()  # their rows go back before the iteration's next step (it must not carry them)
             self.runner.place(self.scheduler.rows)
             return
-        for request, token, logprob in picked:
-            request.add_token(token, logprob)
-            if request.done:
-                self._end(request, request.status, request.error)
-            elif request.streaming:
-                self.delivery.put(request.output())
+        with self.delivery.batched():  # the step's results reach a server's loop in one hand-over
+            for request, token, logprob in picked:
+                request.add_token(token, logprob)
+                if request.done:
+                    self._end(request, request.status, request.error)
+                elif request.streaming:
+                    self.delivery.put(request.output())
         self.scheduler.order()
         self.runner.place(self.scheduler.rows)
 

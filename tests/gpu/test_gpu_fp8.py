@@ -13,7 +13,6 @@ import math
 import pytest
 import torch
 
-from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.ops import fp8, qsa, qsa_triton
 from hf_qsa_cache.ops.fp8_triton import write_fp8_rows_triton
 
@@ -51,9 +50,18 @@ def test_sparse_attention_on_fp8_pages(n):
     positions = torch.randint(0, 560 * bs, (n, width), generator=g).cuda()
     token_row = torch.zeros(n, dtype=torch.int32, device="cuda")
     args = (query, kq, vq, table, token_row, positions, bs, 1 / math.sqrt(d))
-    want = qsa.sparse_paged_attention_torch(*args, ks, vs)
     have = qsa_triton.sparse_paged_attention_triton(*args, key_scales=ks, value_scales=vs)
-    torch.testing.assert_close(have.float(), want.float(), atol=2e-2, rtol=0)
+    # The kernel on fp8 pages is the kernel on the widened pages (widening is exact): only the order of the
+    # split-K sums may differ.
+    widened = (query, fp8.dequantize_fp8(kq, ks, torch.bfloat16), fp8.dequantize_fp8(vq, vs, torch.bfloat16),
+               *args[3:])
+    same_kernel = qsa_triton.sparse_paged_attention_triton(*widened)
+    scale = same_kernel.float().abs().max().item()
+    torch.testing.assert_close(have.float(), same_kernel.float(), atol=1e-3 * scale, rtol=0)
+    # Against the torch specification: bf16 rounding of outputs up to ~70 (H100: 0.25 at n=256, the same as
+    # the bf16 kernel on widened pages against torch).
+    want = qsa.sparse_paged_attention_torch(*args, ks, vs)
+    torch.testing.assert_close(have.float(), want.float(), atol=8e-3 * scale, rtol=0)
 
 
 def test_index_scores_on_fp8_keys():
@@ -83,7 +91,8 @@ def _models(family):
 def test_fp8_cache_logit_error_and_graphs(family):
     """bf16 model, 4096-token prompt (QSA selects; windows evict), 16 teacher-forced steps: the fp8 cache's mean
     logit error against the fp32 model on an fp32 cache at most twice the bf16 cache's; graphed decode on the fp8
-    cache equals eager decode."""
+    cache drifts from eager decode no more than it does on a bf16 cache (graphs run fused kernels: on random
+    weights their bf16 rounding alone changes greedy tokens after a few steps, on a bf16 cache too)."""
     bench, ref, low = _models(family)
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(2, 32000, (1, 4096), generator=g).cuda()
@@ -92,9 +101,12 @@ def test_fp8_cache_logit_error_and_graphs(family):
     err16 = (bench.forced_logits(low, prompt, forced, {}) - want).abs().mean().item()
     err8 = (bench.forced_logits(low, prompt, forced, bench.fp8_kwargs(family)) - want).abs().mean().item()
     assert err8 <= 2 * err16, (err8, err16)
-    tokens = {}
-    for graphs in (True, False):
-        low.use_cuda_graphs = graphs
-        tokens[graphs] = bench.greedy(low, prompt[:, :1024], 24, bench.fp8_kwargs(family))
+    drift = {}
+    for name, kwargs in (("bf16", {}), ("fp8", bench.fp8_kwargs(family))):
+        logits = {}
+        for graphs in (True, False):
+            low.use_cuda_graphs = graphs
+            logits[graphs] = bench.forced_logits(low, prompt[:, :1024], forced, kwargs)
+        drift[name] = (logits[True] - logits[False]).abs().mean().item()
     low.use_cuda_graphs = True
-    assert torch.equal(tokens[True], tokens[False])
+    assert drift["fp8"] <= 2 * drift["bf16"] + 1e-3 * want.abs().mean().item(), drift

@@ -365,3 +365,58 @@ def test_random_arrivals_cancels_and_faults_match_the_reference(family_name, see
     stress.run(ops=60)
     assert stress.counts["finished"] > 10, stress.counts
     assert "_forward" in stress.faults.fired and len(stress.faults.fired) >= 2, stress.faults.fired
+
+
+def test_a_steps_results_reach_an_event_loop_in_one_hand_over():
+    """Handlers registered from one asyncio loop get a step's results through one ``call_soon_threadsafe``
+    (a server's loop wakes once a step, not once a request), each handler its own result, in order."""
+    from transformers.generation.continuous_batching.requests import GenerationOutput
+
+    from hf_qsa_cache.serving.delivery import Delivery
+
+    delivery, got = Delivery(), []
+
+    def step(request_ids):  # what the engine thread does with a step's results
+        with delivery.batched():
+            for request_id in request_ids:
+                delivery.put(GenerationOutput(request_id=request_id, status=RequestStatus.DECODING))
+
+    async def serve():
+        loop = asyncio.get_running_loop()
+        handed, real = [], loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda fn, *args: (handed.append(fn), real(fn, *args))[1]
+        for i in range(3):
+            delivery.register(f"r{i}", lambda out, i=i: got.append((i, out.request_id)))
+        engine = threading.Thread(target=step, args=(["r2", "r0", "r1"],))
+        engine.start()
+        engine.join()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return len(handed)
+
+    assert asyncio.run(serve()) == 1
+    assert got == [(2, "r2"), (0, "r0"), (1, "r1")]
+
+
+def test_fp8_caches_through_continuous_batching(family):
+    """``kv_cache_dtype`` / ``index_cache_dtype`` reach the engine's cache (transformers' config has no field for
+    them): each request's tokens equal our generate() on that prompt alone on an fp8 cache. Each prompt prefills
+    in one step, as generate() does: a step reads its own keys from the activations and earlier steps' from the
+    fp8 pages, so other chunkings round differently (by design, as on any fp8 cache)."""
+    import torch
+
+    from hf_qsa_cache import QSAPagedCache
+
+    name, ref, ours = family
+    fp8 = dict(kv_cache_dtype=torch.float8_e4m3fn, index_cache_dtype=torch.float8_e4m3fn if name == "qwen4_exp" else None)
+    prompts = random_prompts([19, 33, 7], vocab=90, seed=43)
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=3)
+    manager = ours.init_continuous_batching(greedy(6), config, **fp8)
+    assert manager.cache.kv_cache_dtype == torch.float8_e4m3fn
+    results = ours.generate_batch(prompts, greedy(6), config, **fp8)
+    for i, prompt in enumerate(prompts):
+        cache = QSAPagedCache(ours.config, 1, len(prompt) + 8, block_size=4, **fp8)
+        with torch.no_grad():
+            alone_fp8 = ours.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=6,
+                                      do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+        assert results[f"req_{i}"].generated_tokens == alone_fp8, i
