@@ -147,6 +147,10 @@ class QSAPagedCache(Cache):
         self._generate_may_grow = False  # set on a cache generate() built: a later call may `grow` it
         # Prefix caching (`hf_qsa_cache.prefix_cache`): the cached entries, or None when off.
         self.prefix: PrefixCache | None = None
+        # generate()'s rows: each row's snapshot at the last unit boundary a decode step brought it to (cached when
+        # the row is retired, `prefix_generation.retire_rows`); dropped whenever rows move, are copied or cropped
+        # below it. Continuous batching keeps its own, by request (`ModelRunner.tails`).
+        self.prefix_tails: dict[int, Snapshot] = {}
         # Tokens the last `restore_prefix` found cached as blocks (beyond what it restored when no snapshot lies
         # there: a prefill that stops there and caches its state lets later rows restore that far).
         self.prefix_matched = 0
@@ -377,6 +381,7 @@ class QSAPagedCache(Cache):
         (``prefix_caching``) are kept unless ``prefixes`` is True."""
         if prefixes and self.prefix is not None:
             self.prefix.clear()
+        self.prefix_tails = {}
         for table in self.tables.values():
             table.reset()
         self.rows.reset()
@@ -396,6 +401,8 @@ class QSAPagedCache(Cache):
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
         if tokens_to_remove < 0:
             crop_rows(self, -tokens_to_remove)
+            if self.prefix_tails:
+                self.prefix_tails = {b: s for b, s in self.prefix_tails.items() if s.length <= self.lengths[b]}
 
     # ------------------------------------------------------------------ placing rows
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -416,11 +423,13 @@ class QSAPagedCache(Cache):
 
     def select_rows(self, src: list[int]) -> None:
         """Row ``i`` becomes a copy of row ``src[i]``; rows past ``len(src)`` are released (`rows.select_rows`)."""
+        self.prefix_tails = {}
         select_rows(self, src)
 
     def move_rows(self, src: list[int]) -> None:
         """Place rows one by one (continuous batching): row ``i`` becomes row ``src[i]``, or a fresh row where
         ``src[i] == -1``; rows no entry names are released (`rows.move_rows`)."""
+        self.prefix_tails = {}
         move_rows(self, src)
 
     # ------------------------------------------------------------------ prefix caching (`hf_qsa_cache.prefix_cache`)
@@ -497,6 +506,17 @@ class QSAPagedCache(Cache):
         while chain and (chain[-1].snapshot is None or not fits(self, chain[-1].snapshot)):
             chain.pop()
         return len(chain) * self.prefix.unit, matched
+
+    def keep_tails(self, plan) -> None:
+        """After a one-token step of generate()'s rows landed: rows that reached a unit boundary keep a snapshot
+        there (what the row caches when it is retired). A snapshot that cannot be taken is only a later miss."""
+        unit = self.prefix.unit
+        for b, (n, c) in enumerate(zip(plan.new_lengths, plan.counts)):
+            if c and n % unit == 0:
+                try:
+                    self.prefix_tails[b] = capture(self, b)
+                except Exception:  # noqa: BLE001 (the step landed; the tail is an optimisation)
+                    self.prefix_tails.pop(b, None)
 
     def snapshot_row(self, row: int) -> Snapshot:
         """A copy of ``row``'s non-paged state and windows at its current length (`cache_prefix` takes it later,

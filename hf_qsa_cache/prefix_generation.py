@@ -25,14 +25,18 @@ logger = logging.getLogger(__name__)
 
 
 def retire_rows(cache: QSAPagedCache) -> None:
-    """The rows the cache holds become cached prefixes where they stand at a unit boundary (their prompts'
-    boundaries were cached by their prefill), then every row is released; cached prefixes stay."""
+    """The rows the cache holds become cached prefixes up to the last unit boundary they reached while decoding
+    (their prompts' boundaries were cached by their prefill), then every row is released; cached prefixes
+    stay."""
     log = cache.token_log
     if cache._unusable is None and log.complete and log.ids is not None:
         for row in range(cache.num_rows):
             length = cache.lengths[row]
+            tail = cache.prefix_tails.get(row)
             if length and length % cache.prefix.unit == 0:
                 cache.cache_prefix(row, log.ids[row, :length].tolist())
+            elif tail is not None and tail.length <= length:
+                cache.cache_prefix(row, log.ids[row, :tail.length].tolist(), snapshot=tail)
     cache.reset()
 
 

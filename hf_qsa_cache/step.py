@@ -228,6 +228,8 @@ class Step:
         rows = self.cache.rows
         for table in self.cache.tables.values():
             table.commit_step(rows.lengths[: rows.count])
+        if self.cache.prefix is not None and self.plan.query_len == 1 and not rows.managed:
+            self.cache.keep_tails(self.plan)
 
     def abort(self) -> None:
         """Put the cache back as it was before the step (see the module docstring)."""

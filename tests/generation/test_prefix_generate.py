@@ -84,3 +84,19 @@ def test_chunked_prefill_from_cached_prefixes():
     out, width = generate(ours, cache, second)
     check_rows(ref, second, out, width)
     assert cache.memory_stats()["prefix_cache"]["hit_tokens"] == 8 + 24
+
+
+@pytest.mark.parametrize("name", ["qwen4_exp", "inkling"])
+def test_next_turn_restores_what_the_last_call_decoded(name):
+    ref, ours, prompt = family(name)
+    cache = QSAPagedCache(ours.config, 2, 64, block_size=4, prefix_caching=True)
+    a, c = prompt(18, 11), prompt(11, 12)
+    out, width = generate(ours, cache, [a, c])
+    check_rows(ref, [a, c], out, width)
+    # The rows hold 21 and 14 tokens: decoding took them past 20 and 12, where they kept their state.
+    histories = [p + out.sequences[i, width:].tolist() for i, p in enumerate([a, c])]
+    second = [histories[0] + prompt(3, 13), histories[1] + prompt(2, 14)]
+    hits = cache.memory_stats()["prefix_cache"]["hit_tokens"]
+    out, width = generate(ours, cache, second)
+    check_rows(ref, second, out, width)
+    assert cache.memory_stats()["prefix_cache"]["hit_tokens"] - hits == 20 + 12
