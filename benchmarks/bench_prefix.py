@@ -244,8 +244,8 @@ def main(argv=None):
                 prefix = stats["prefix_cache"]
                 row.update(hit_rate=prefix["hit_rate"], hit_tokens=prefix["hit_tokens"],
                            lookup_tokens=prefix["lookup_tokens"], snapshots=prefix["snapshots"],
-                           snapshot_bytes=prefix["bytes"], snapshot_gib=prefix["bytes"] / 2**30, cached_blocks=prefix["blocks"],
-                           cached_block_gib=prefix["block_bytes"] / 2**30, evictions=prefix["evictions"],
+                           snapshot_bytes=prefix["bytes"], snapshot_gib=prefix["bytes"] / 2**30,
+                           cached_blocks=prefix["blocks"], cached_block_gib=prefix["block_bytes"] / 2**30, evictions=prefix["evictions"],
                            snapshot_evictions=prefix["snapshot_evictions"])
             row.update(cache_gib=stats["total_bytes"] / 2**30, prefill_steps=manager.stats["prefill_steps"],
                        decode_steps=manager.stats["decode_steps"], preemptions=manager.stats["preemptions"])

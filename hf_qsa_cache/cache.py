@@ -46,6 +46,13 @@ class _NoRoom(Exception):
     """A restore found no room in a windowed pool (the row then starts empty)."""
 
 
+def _token_list(tokens) -> list[int]:
+    """Token ids as a list of ints (a list of ints as is: the serving loop looks prefixes up often)."""
+    if type(tokens) is list and all(type(t) is int for t in tokens[:1]):
+        return tokens
+    return [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
+
+
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -449,7 +456,7 @@ class QSAPagedCache(Cache):
         empty). ``count=False``: a second look for the same tokens (not counted again in the hit rate). Outside a
         forward only; nothing changes if it raises."""
         self._check_prefix_row(row)
-        tokens = [int(t) for t in tokens]
+        tokens = _token_list(tokens)
         limit = len(tokens) if limit is None else min(int(limit), len(tokens))
         if self.rows.lengths[row] or any(t.rows[row] for t in self.tables.values()):
             raise ValueError(f"row {row} holds tokens: a cached prefix starts an empty row")
@@ -500,7 +507,7 @@ class QSAPagedCache(Cache):
         most ``limit`` tokens), and how far cached blocks reach (with or without a snapshot). Changes nothing."""
         if self.prefix is None:
             return 0, 0
-        tokens = [int(t) for t in tokens]
+        tokens = _token_list(tokens)
         chain = self.prefix.match(tokens, len(tokens) if limit is None else min(int(limit), len(tokens)))
         matched = len(chain) * self.prefix.unit
         while chain and (chain[-1].snapshot is None or not fits(self, chain[-1].snapshot)):
@@ -534,7 +541,7 @@ class QSAPagedCache(Cache):
         length = snapshot.length if snapshot is not None else self.rows.lengths[row]
         if length == 0 or length % self.prefix.unit or length > self.rows.lengths[row]:
             return 0
-        tokens = [int(t) for t in tokens[:length]]
+        tokens = _token_list(tokens[:length])
         if len(tokens) < length:
             raise ValueError(f"row {row} caches {length} tokens, {len(tokens)} given")
         if snapshot is None and not self.prefix.has_snapshot(tokens, length):
