@@ -367,6 +367,20 @@ def test_random_arrivals_cancels_and_faults_match_the_reference(family_name, see
     assert "_forward" in stress.faults.fired and len(stress.faults.fired) >= 2, stress.faults.fired
 
 
+@pytest.mark.parametrize("family_name, seed", [("qwen4_exp", 2), ("inkling", 3)])
+def test_shared_prefixes_under_faults_match_the_reference(family_name, seed):
+    """The engine stress test with prompts that share prefixes (and continue earlier answers): rows start from
+    cached prefixes, cached blocks are taken back for new work, faults fire in steps and bookkeeping."""
+    from helpers.engine_stress import EngineStress
+
+    stress = EngineStress(family_name, seed, shared=True)
+    stress.run(ops=60)
+    assert stress.counts["finished"] > 10, stress.counts
+    assert stress.faults.fired, stress.faults.fired
+    stats = stress.cache.memory_stats()["prefix_cache"]
+    assert stats["hit_tokens"] > 0 and stats["evictions"] > 0, stats
+
+
 def test_a_steps_results_reach_an_event_loop_in_one_hand_over():
     """Handlers registered from one asyncio loop get a step's results through one ``call_soon_threadsafe``
     (a server's loop wakes once a step, not once a request), each handler its own result, in order."""
