@@ -85,6 +85,7 @@ class ContinuousBatchingManager:
                                    index_cache_dtype=index_cache_dtype,
                                    prefix_caching=bool(getattr(config, "allow_block_sharing", True)))
         self.runner = ModelRunner(model, self.cache, return_logprobs=bool(config.return_logprobs))
+        self.runner.peers = lambda: [*self.scheduler.rows, *self.scheduler.waiting]  # (prefix caching)
         self.scheduler = Scheduler(rows, config.max_batch_tokens or DEFAULT_BATCH_TOKENS,
                                    prefill_first=config.scheduler_type == "prefill_first",
                                    unit=self.cache.prefix.unit if self.cache.prefix is not None else None)

@@ -24,6 +24,9 @@ class ModelRunner:
         # Prefix caching: each decoding request's snapshot at the last unit boundary its row reached (the state a
         # finished request's prefix is cached with), kept while the request holds its row.
         self.tails: dict[Request, object] = {}
+        # Prefix caching: the other requests in flight or waiting (set by the manager), whose prompts a request's
+        # prefill may share: it stops where the longest such shared part ends, to cache its state there.
+        self.peers = lambda: []
 
     def encode(self, request: Request) -> None:
         if request.media is not None and request not in self.encoded:
@@ -71,8 +74,31 @@ class ModelRunner:
         request.prefix_seen = cache.prefix.version
         request.held = cache.restore_prefix(row, _tokens(request, request.total), limit=request.total - 1,
                                             count=first)
-        matched = cache.prefix_matched
-        request.prefix_stop = matched if matched > request.held else 0
+        stop = max(cache.prefix_matched, self._shared_with_peers(request))
+        request.prefix_stop = stop if stop > request.held else 0
+
+    def _shared_with_peers(self, request: Request) -> int:
+        """The longest whole-unit prefix (before its last token) the request's tokens share with another request's
+        prompt in flight or waiting: computed once by the first of them, restored by the others."""
+        unit = self.cache.prefix.unit
+        limit = request.total - 1
+        if limit < unit:
+            return 0
+        tokens = _tokens(request, request.total)
+        head, best = tokens[:unit], 0
+        for other in self.peers():
+            theirs = other.prompt
+            if other is request or len(theirs) <= best or theirs[:unit] != head:
+                continue
+            lo, hi = unit, min(limit, len(theirs))  # tokens[:lo] == theirs[:lo]; find the longest such lo
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if tokens[:mid] == theirs[:mid]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            best = max(best, lo // unit * unit)
+        return best
 
     def retry_restores(self) -> bool:
         """Rows that have fed nothing yet, or that are prefilling towards a prefix others cached as blocks, look
