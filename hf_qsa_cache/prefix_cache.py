@@ -305,11 +305,8 @@ def capture(cache, row: int) -> Snapshot:
             first, end = table._first_live_block(length), -(-length // table.block_size)
             held = table.rows[row]
             columns = [c for c in range(first, min(end, len(held))) if held[c] != NULL_BLOCK]
-            blocks = [held[c] for c in columns]
-            pages = []
-            for t in window_targets(cache, name):
-                pages.append(t.index_select(0, torch.tensor(blocks, dtype=torch.long, device=t.device)))
-            windows[name] = (columns, pages)
+            index = _on_devices([held[c] for c in columns])
+            windows[name] = (columns, [t.index_select(0, index(t.device)) for t in window_targets(cache, name)])
     return Snapshot(length, state, windows)
 
 
@@ -331,6 +328,18 @@ def restore(cache, row: int, snapshot: Snapshot) -> None:
             t[row].copy_(data)
         for name, (columns, pages) in snapshot.windows.items():
             held = cache.tables[name].rows[row]
-            blocks = [held[c] for c in columns]
+            index = _on_devices([held[c] for c in columns])
             for t, data in zip(window_targets(cache, name), pages):
-                t.index_copy_(0, torch.tensor(blocks, dtype=torch.long, device=t.device), data)
+                t.index_copy_(0, index(t.device), data)
+
+
+def _on_devices(values: list[int]):
+    """``index(device)``: ``values`` as a long tensor on ``device``, made once per device (one copy each)."""
+    made: dict = {}
+
+    def index(device):
+        if device not in made:
+            made[device] = torch.tensor(values, dtype=torch.long, device=device)
+        return made[device]
+
+    return index
