@@ -158,6 +158,9 @@ class QSAPagedCache(Cache):
         # the row is retired, `prefix_generation.retire_rows`); dropped whenever rows move, are copied or cropped
         # below it. Continuous batching keeps its own, by request (`ModelRunner.tails`).
         self.prefix_tails: dict[int, Snapshot] = {}
+        # Whether the rows held were prefilled from token ids by `prefix_generation.prefill` (only those are
+        # retired into cached prefixes: rows fed embeddings or media are not what their token ids say).
+        self.prefix_rows_from_ids = False
         # Tokens the last `restore_prefix` found cached as blocks (beyond what it restored when no snapshot lies
         # there: a prefill that stops there and caches its state lets later rows restore that far).
         self.prefix_matched = 0
@@ -389,6 +392,7 @@ class QSAPagedCache(Cache):
         if prefixes and self.prefix is not None:
             self.prefix.clear()
         self.prefix_tails = {}
+        self.prefix_rows_from_ids = False
         for table in self.tables.values():
             table.reset()
         self.rows.reset()

@@ -29,10 +29,12 @@ def retire_rows(cache: QSAPagedCache) -> None:
     (their prompts' boundaries were cached by their prefill), then every row is released; cached prefixes
     stay."""
     log = cache.token_log
-    if cache._unusable is None and log.complete and log.ids is not None:
+    if cache._unusable is None and cache.prefix_rows_from_ids and log.complete and log.ids is not None:
         for row in range(cache.num_rows):
             length = cache.lengths[row]
             tail = cache.prefix_tails.get(row)
+            if cache.rope_deltas[row]:
+                continue  # a row with media: its token ids do not say what its state holds
             if length and length % cache.prefix.unit == 0:
                 cache.cache_prefix(row, log.ids[row, :length].tolist())
             elif tail is not None and tail.length <= length:
@@ -129,6 +131,7 @@ def prefill(model_call, cache: QSAPagedCache, input_ids: torch.Tensor, attention
 
     def land():
         cache.rows.set_columns(L)  # transformers counts the prompt's columns as held
+        cache.prefix_rows_from_ids = True
         for b, snapshot in snapshots.items():
             try:
                 cache.cache_prefix(b, tokens[b], snapshot=snapshot)

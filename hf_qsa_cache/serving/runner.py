@@ -54,7 +54,7 @@ class ModelRunner:
                 request.held = 0
                 request.prefix_seen = -1
                 self.tails.pop(request, None)
-                if self.cache.prefix is not None:
+                if self.cache.prefix is not None and request.media is None:
                     self._restore(row, request)
         if self.tails:
             placed = set(order)
@@ -88,7 +88,7 @@ class ModelRunner:
         head, best = tokens[:unit], 0
         for other in self.peers():
             theirs = other.prompt
-            if other is request or len(theirs) <= best or theirs[:unit] != head:
+            if other is request or other.media is not None or len(theirs) <= best or theirs[:unit] != head:
                 continue
             lo, hi = unit, min(limit, len(theirs))  # tokens[:lo] == theirs[:lo]; find the longest such lo
             while lo < hi:
@@ -111,7 +111,7 @@ class ModelRunner:
             return False
         version, again = cache.prefix.version, []
         for row, request in enumerate(self.rows):
-            if request.prefix_seen == version or request.total < 2:
+            if request.prefix_seen == version or request.total < 2 or request.media is not None:
                 continue
             if request.held == 0:
                 again.append((row, request))
@@ -140,8 +140,8 @@ class ModelRunner:
         unit = self.cache.prefix.unit
         for row, request in enumerate(rows):
             held = request.held
-            if held == 0 or held % unit:
-                continue
+            if held == 0 or held % unit or request.media is not None:
+                continue  # (a prompt with media: its tokens do not say what its state holds)
             if held == (request.total - 1) // unit * unit or held == request.prefix_stop:
                 self.cache.cache_prefix(row, _tokens(request, held))
             else:
@@ -150,7 +150,7 @@ class ModelRunner:
     def retire(self, request: Request) -> None:
         """A finished request's row becomes a cached prefix up to the last unit boundary it reached."""
         cache, tail = self.cache, self.tails.pop(request, None)
-        if cache.prefix is None or request not in self.rows:
+        if cache.prefix is None or request not in self.rows or request.media is not None:
             return
         row = self.rows.index(request)
         tokens = _tokens(request, request.held)
