@@ -224,12 +224,14 @@ class Step:
             self.saved_rows = rows
 
     def commit(self) -> None:
-        """The step landed: release blocks that fell out of the windows."""
-        rows = self.cache.rows
-        for table in self.cache.tables.values():
+        """The step landed: release blocks that fell out of the windows; with prefix caching, generate()'s rows
+        that a one-token step brought to a unit boundary keep a snapshot there (`QSAPagedCache.keep_tails`)."""
+        cache = self.cache
+        rows = cache.rows
+        for table in cache.tables.values():
             table.commit_step(rows.lengths[: rows.count])
-        if self.cache.prefix is not None and self.plan.query_len == 1 and not rows.managed:
-            self.cache.keep_tails(self.plan)
+        if cache.prefix is not None and self.plan.query_len == 1 and cache.prefix_rows_from_ids and not rows.managed:
+            cache.keep_tails(self.plan)
 
     def abort(self) -> None:
         """Put the cache back as it was before the step (see the module docstring)."""
