@@ -70,17 +70,18 @@ def rollback_floor(cache, row: int) -> int:
     return max(0, rows.crop_floor[row], rows.lengths[row] - cache.num_speculative_tokens)
 
 
-def check_linear_rollback(cache, drop: int) -> None:
-    """Raise unless every row of a Qwen4Exp cache can drop ``drop`` tokens (before anything changes)."""
+def check_linear_rollback(cache, drops: list[int]) -> None:
+    """Raise unless every row ``b`` of a Qwen4Exp cache can drop ``drops[b]`` tokens (before anything changes)."""
     limit = cache.num_speculative_tokens
     if limit == 0:
+        drop = max(drops)
         raise ValueError(
             f"cannot drop {drop} tokens: this Qwen4Exp cache keeps no rollback history for its recurrent state "
             f"(num_speculative_tokens=0); build it with num_speculative_tokens={drop} or more"
         )
-    for b in range(cache.num_rows):
+    for b, drop in enumerate(drops):
         length, floor = cache.lengths[b], rollback_floor(cache, b)
-        if drop <= length - floor:
+        if drop == 0 or drop <= length - floor:
             continue
         if cache.rows.crop_floor[b] <= length - limit:  # the headroom bounds it
             raise ValueError(
@@ -113,14 +114,16 @@ def restore_linear_states(cache, new_lengths: list[int]) -> None:
             linear.restore(rows, new_lengths, plans)
 
 
-def _check_windows(cache, drop: int) -> None:
-    """Raise unless every windowed table still holds what rows ``drop`` tokens shorter read next: windowed
-    tables keep ``num_speculative_tokens`` positions beyond what the next query reads, no more."""
+def _check_windows(cache, drops: list[int]) -> None:
+    """Raise unless every windowed table still holds what each row ``b``, ``drops[b]`` tokens shorter, reads
+    next: windowed tables keep ``num_speculative_tokens`` positions beyond what the next query reads, no more."""
     for name, table in cache.tables.items():
         if table.window is None:
             continue
         reach = table.window - cache.num_speculative_tokens
-        for b in range(cache.num_rows):
+        for b, drop in enumerate(drops):
+            if drop == 0:
+                continue
             new_len = cache.lengths[b] - drop
             lo = max(0, new_len - reach + 1)
             needed = table.rows[b][lo // table.block_size: -(-new_len // table.block_size)]
@@ -131,30 +134,37 @@ def _check_windows(cache, drop: int) -> None:
                 )
 
 
-def crop_rows(cache, drop: int) -> None:
-    """Every row of ``cache`` drops its last ``drop`` (> 0) tokens. Paged stores roll back by shortening (they
+def crop_rows(cache, drop: int | list[int]) -> None:
+    """Every row of ``cache`` drops its last ``drop`` tokens, or row ``b`` its last ``drop[b]`` (continuous
+    batching's verify steps: each row kept its own accepted drafts). Paged stores roll back by shortening (they
     are addressed by position); Qwen4Exp's per-row states are copied back from their rollback ring. Refused
     before anything changes if a row is too short or the cache kept too little."""
-    if drop > cache.columns_seen:
-        raise ValueError(f"cannot drop {drop} tokens, the cache holds {cache.columns_seen} columns")
+    drops = [drop] * cache.num_rows if isinstance(drop, int) else list(drop)
+    if len(drops) != cache.num_rows or min(drops, default=0) < 0:
+        raise ValueError(f"a crop needs one count >= 0 for each of the cache's {cache.num_rows} rows, got {drop}")
+    most = max(drops, default=0)
+    if most == 0:
+        return
+    if most > cache.columns_seen:
+        raise ValueError(f"cannot drop {most} tokens, the cache holds {cache.columns_seen} columns")
     for b in range(cache.num_rows):
-        if cache.lengths[b] < drop:
-            raise ValueError(f"row {b} holds {cache.lengths[b]} tokens, cannot drop {drop}")
+        if cache.lengths[b] < drops[b]:
+            raise ValueError(f"row {b} holds {cache.lengths[b]} tokens, cannot drop {drops[b]}")
     for b in range(cache.num_rows):
         shared = cache.rows.shared[b]
-        if cache.lengths[b] - drop < shared:
+        if cache.lengths[b] - drops[b] < shared:
             raise ValueError(
-                f"cannot drop {drop} tokens: row {b} holds {cache.lengths[b]} tokens and shares its first {shared} "
-                f"with cached prefixes (prefix_caching), which no row may write"
+                f"cannot drop {drops[b]} tokens: row {b} holds {cache.lengths[b]} tokens and shares its first "
+                f"{shared} with cached prefixes (prefix_caching), which no row may write"
             )
     qwen = cache.model_family == "qwen4_exp"
     if qwen:
-        check_linear_rollback(cache, drop)
-    _check_windows(cache, drop)
+        check_linear_rollback(cache, drops)
+    _check_windows(cache, drops)
     if qwen:
         before = cache.rows.snapshot()
         try:
-            restore_linear_states(cache, [cache.lengths[b] - drop for b in range(cache.num_rows)])
+            restore_linear_states(cache, [cache.lengths[b] - drops[b] for b in range(cache.num_rows)])
         except BaseException as error:
             # Some layers may hold the cropped state already: put every layer back to the current lengths
             # (the ring holds the state after each row's last position, which the checks above guarantee),
@@ -165,7 +175,7 @@ def crop_rows(cache, drop: int) -> None:
             except BaseException:
                 cache.mark_unusable(f"a crop failed half way ({type(error).__name__}: {error})")
             raise
-    cache.rows.shorten(drop)
+    cache.rows.shorten(drops)
     for b in range(cache.num_rows):
         for table in cache.tables.values():
             table.truncate(b, cache.lengths[b])

@@ -72,11 +72,13 @@ class Rows:
             if delta is not None:
                 self.rope_deltas[b] = int(delta)
 
-    def shorten(self, drop: int) -> None:
-        """Every row in flight drops its last ``drop`` tokens (and the batch as many columns)."""
+    def shorten(self, drop: int | list[int]) -> None:
+        """Every row in flight drops its last ``drop`` tokens, or row ``b`` its last ``drop[b]`` (the batch drops
+        as many columns as the most any row drops)."""
+        drops = [drop] * self.count if isinstance(drop, int) else drop
         for b in range(self.count):
-            self.lengths[b] -= drop
-        self.columns -= drop
+            self.lengths[b] -= drops[b]
+        self.columns -= max(drops, default=0)
 
     def raise_crop_floor(self, row: int, floor: int) -> None:
         """Row ``row`` may no longer be cropped below ``floor`` (floors only rise until the row is released)."""

@@ -16,7 +16,6 @@ Any 2-D padding mask works: a step whose pads follow real tokens is reordered so
 come first (`hf_qsa_cache.padding`); pads are never written and never read.
 """
 
-from __future__ import annotations
 
 import torch
 from torch import nn

@@ -14,7 +14,6 @@ row's pads come first: `hf_qsa_cache.padding`): pad tokens are inert (masked to 
 recurrence, never written), so each row's result is the one upstream computes on that row alone.
 """
 
-from __future__ import annotations
 
 import torch
 from torch import nn
@@ -445,7 +444,7 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, ContinuousBatchingMixin, Page
     @lands_whole
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None,
-                output_hidden_states=None, output_attentions=None, logits_to_keep=0, **kwargs):
+                output_hidden_states=None, output_attentions=None, logits_to_keep=0, **kwargs) -> MoeCausalLMOutputWithPast:
         config = self.language_model.config
         if output_router_logits is None:
             output_router_logits = config.output_router_logits

@@ -16,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -236,7 +237,8 @@ def build_app(served: Served, enable_cors: bool = False, start_engine: bool = Tr
         def __init__(self, prompts: list[Prompt], n: int, max_tokens: list[int], sampling, seed, logprobs: bool,
                      stop: list[str], ignore_eos: bool, streaming: bool):
             self.prompts = prompts
-            self.queue: asyncio.Queue = asyncio.Queue()
+            self.queue: asyncio.Queue = asyncio.Queue()  # (choice index, engine output), as the engine delivers
+            self.waiting: deque = deque()  # taken from the queue, not yet handed out
             eos = [] if ignore_eos else served.eos_ids
             self.choices: list[Choice] = []
             self.request_ids: list[str | None] = []
@@ -272,11 +274,19 @@ def build_app(served: Served, enable_cors: bool = False, start_engine: bool = Tr
             return all(c.done for c in self.choices)
 
         async def next(self) -> tuple[Choice, str, int]:
-            """The next update: (its choice, the text it may send now, how many tokens it had before)."""
-            index, output = await self.queue.get()
+            """The next update: (its choice, the text it may send now, how many tokens it had before). Updates of
+            the same choice already waiting are taken with it (a server behind its engine sends fewer, longer
+            chunks instead of falling further behind)."""
+            if not self.waiting:
+                self.waiting.append(await self.queue.get())
+            while not self.queue.empty():
+                self.waiting.append(self.queue.get_nowait())
+            index, output = self.waiting.popleft()
             choice = self.choices[index]
             before = len(choice.tokens)
             piece = choice.update(output)
+            while self.waiting and self.waiting[0][0] == index and not choice.done:
+                piece += choice.update(self.waiting.popleft()[1])
             if choice.done and choice.stopped_by_string:
                 served.engine.cancel(choice.request_id)  # a stop string ends it: its row goes back now
             return choice, piece, before

@@ -21,11 +21,13 @@ import threading
 import time
 import warnings
 
+import numpy as np
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from ..cache import QSAPagedCache
+from ..prompt_lookup import lookup_drafts
 from .delivery import Delivery
 from .requests import Request, check_eos, check_max_new_tokens, check_prompt
 from .runner import ModelRunner
@@ -77,12 +79,17 @@ class ContinuousBatchingManager:
         if workload_hints is not None and workload_hints.max_prompt_length and workload_hints.max_generated_length:
             per_row = workload_hints.max_prompt_length + workload_hints.max_generated_length
             max_len = max(max_len, per_row)
+        # Prompt lookup inside the loop (GenerationConfig.prompt_lookup_num_tokens, as generate() reads it): a
+        # greedy decoding row feeds up to that many drafts after its token, verified in the same step.
+        self.lookup_drafts = int(gen.prompt_lookup_num_tokens or 0)
+        self.lookup_ngram = int(getattr(gen, "max_matching_ngram_size", None) or 2)
+        self._drafts: list[list[int]] = []  # the next decode step's drafts, one list per row
         block_size = config.block_size or config.page_size
         num_blocks = config.num_blocks or rows * -(-min(per_row, max_len) // block_size) + 1
         # Prefix caching across requests and turns, unless allow_block_sharing=False (docs/prefix_caching.md).
         self.cache = QSAPagedCache(model.config, max_batch_size=rows, max_cache_len=max_len, block_size=block_size,
-                                   num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype,
-                                   index_cache_dtype=index_cache_dtype,
+                                   num_blocks=num_blocks, num_speculative_tokens=self.lookup_drafts,
+                                   kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype,
                                    prefix_caching=bool(getattr(config, "allow_block_sharing", True)))
         self.runner = ModelRunner(model, self.cache, return_logprobs=bool(config.return_logprobs))
         self.runner.peers = lambda: [*self.scheduler.rows, *self.scheduler.waiting]  # (prefix caching)
@@ -105,7 +112,7 @@ class ContinuousBatchingManager:
         self._host_faults = 0  # bookkeeping faults in consecutive iterations
         # What the loop did (for tests, benchmarks and curious users).
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "preemptions": 0, "failed_steps": 0, "most_rows": 0,
-                      "host_faults": 0}
+                      "host_faults": 0, "drafted_tokens": 0, "accepted_tokens": 0}
         self.warmed_up = False
         self._warned_unbounded = False  # a request bounded only by its row's room was reported (once)
         self._graphs_before = getattr(model, "use_cuda_graphs", True)
@@ -392,12 +399,29 @@ class ContinuousBatchingManager:
             elif self._make_room(self._decode_growth):
                 self.stats["decode_steps"] += 1
                 self.stats["most_rows"] = max(self.stats["most_rows"], len(runner.rows))
-                self._run(runner.rows, runner.decode)
+                drafts = self._drafts
+                self.stats["drafted_tokens"] += sum(map(len, drafts))
+                self._run(runner.rows, lambda: runner.decode(drafts))
 
     def _decode_growth(self) -> list[int]:
-        """A decode step feeds every row one token; it runs only while some row decodes."""
+        """A decode step feeds every row one token, and a greedy decoding row its drafts (prompt lookup, planned
+        here with the room they need); it runs only while some row decodes."""
         rows = self.scheduler.rows
-        return [1] * len(rows) if len(rows) > self.scheduler.prefilling() else []
+        if len(rows) <= self.scheduler.prefilling():
+            return []
+        self._drafts = [self._lookup(r) for r in rows] if self.lookup_drafts else []
+        return [1 + len(d) for d in self._drafts] if self._drafts else [1] * len(rows)
+
+    def _lookup(self, request: Request) -> list[int]:
+        """Prompt lookup's drafts for ``request``'s next tokens (`prompt_lookup.lookup_drafts`, transformers'
+        search): none for a prefilling or non-greedy request, never past its last token."""
+        room = request.max_new_tokens - len(request.generated) - 1
+        if request.in_prefill or not request.sampling.plain_greedy or room < 1:
+            return []
+        tokens = np.asarray(request.prompt + request.generated, dtype=np.int64)
+        eos = np.asarray(sorted(request.eos_token_ids), dtype=np.int64)
+        return lookup_drafts(tokens, min(self.lookup_drafts, room), self.lookup_ngram,
+                             len(request.prompt) + request.max_new_tokens, eos).tolist()
 
     def _fits_first_step(self, request: Request, admitted: list[Request]) -> bool:
         """Whether the pools hold the running rows' next token each, plus the first step of ``request`` and of
@@ -439,11 +463,16 @@ class ContinuousBatchingManager:
             self.runner.place(self.scheduler.rows)
             return
         with self.delivery.batched():  # the step's results reach a server's loop in one hand-over
-            for request, token, logprob in picked:
+            last = {request: i for i, (request, _, _) in enumerate(picked)}  # a row may bring several tokens
+            for i, (request, token, logprob) in enumerate(picked):
+                if request.done:  # it ended at an earlier token of this step (eos, its last new token)
+                    continue
+                if i != last[request]:
+                    self.stats["accepted_tokens"] += 1
                 request.add_token(token, logprob)
                 if request.done:
                     self._end(request, request.status, request.error)
-                elif request.streaming:
+                elif request.streaming and i == last[request]:
                     self.delivery.put(request.output())
         self.scheduler.order()
         self.runner.place(self.scheduler.rows)

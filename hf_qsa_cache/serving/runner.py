@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import QSAPagedCache
+from ..rollback import crop_rows
 from .requests import Request
 from .sampling import next_token_scores
 
@@ -179,19 +180,61 @@ class ModelRunner:
             request.held += n
         if self.cache.prefix is not None:
             self._after_step(rows)
-        return self._sample(rows, logits)
+        return self._sample(rows, logits[:, -1])
 
-    def decode(self) -> list[tuple[Request, int, float | None]]:
-        """Every row takes one token (its last sampled token, or its next prompt token)."""
-        ids = torch.tensor([r.next_tokens(1) for r in self.rows], dtype=torch.long)
-        logits = self._forward(self.rows, ids, None)
-        for request in self.rows:
-            request.held += 1
-        if self.cache.prefix is not None:
-            self._after_step(self.rows)
-        return self._sample(self.rows, logits)
+    def decode(self, drafts: list[list[int]] | None = None) -> list[tuple[Request, int, float | None]]:
+        """Every row takes one token (its last sampled token, or its next prompt token); with ``drafts``, row
+        ``i`` then takes ``drafts[i]`` too (prompt lookup's guesses of its next tokens, greedy rows only), and
+        the step verifies them: a row keeps its drafts up to the first its own logits disagree with, plus the
+        token those logits give, and the cache drops the rest of its row. Returns the sampled (request, token,
+        logprob), a row's in order."""
+        rows = self.rows
+        if not drafts or not any(drafts):
+            ids = torch.tensor([r.next_tokens(1) for r in rows], dtype=torch.long)
+            logits = self._forward(rows, ids, None)
+            for request in rows:
+                request.held += 1
+            if self.cache.prefix is not None:
+                self._after_step(rows)
+            return self._sample(rows, logits[:, -1])
+        length = 1 + max(len(d) for d in drafts)
+        ids = torch.zeros(len(rows), length, dtype=torch.long)
+        mask = torch.zeros(len(rows), length, dtype=torch.long)
+        for i, (request, guess) in enumerate(zip(rows, drafts)):
+            fed = request.next_tokens(1) + guess
+            ids[i, length - len(fed):] = torch.tensor(fed)
+            mask[i, length - len(fed):] = 1
+        logits = self._forward(rows, ids, mask, keep=length)
+        for request, guess in zip(rows, drafts):
+            request.held += 1 + len(guess)
+        plain = [i for i, guess in enumerate(drafts) if not guess]
+        picked = self._sample([rows[i] for i in plain], logits[plain, -1]) if plain else []
+        drops = [0] * len(rows)
+        for i, guess in enumerate(drafts):
+            if not guess:
+                continue
+            request, m = rows[i], len(guess)
+            scores = logits[i, length - 1 - m:].float()  # after the row's last token, then after each draft
+            best = scores.argmax(dim=-1).tolist()
+            kept = 0
+            while kept < m and best[kept] == guess[kept]:
+                kept += 1
+            tokens = guess[:kept] + [best[kept]]
+            logprobs = [None] * len(tokens)
+            if self.return_logprobs or request.want_logprobs:
+                logprobs = scores[: kept + 1].log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+            picked += [(request, t, lp) for t, lp in zip(tokens, logprobs)]
+            drops[i] = m - kept
+            request.held -= drops[i]
+        if any(drops):
+            crop_rows(self.cache, drops)
+        if self.cache.prefix is not None:  # (after the crop: each row's state is at what it holds)
+            self._after_step(rows)
+        return picked
 
-    def _forward(self, rows: list[Request], ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, rows: list[Request], ids: torch.Tensor, mask: torch.Tensor | None,
+                 keep: int = 1) -> torch.Tensor:
+        """The logits ``[rows, keep, vocab]`` of the step's last ``keep`` columns."""
         ids = ids.to(self.device)
         mask = None if mask is None else mask.to(self.device)
         if self.encoded and any(r in self.encoded and r.held < len(r.prompt) for r in rows):
@@ -200,8 +243,9 @@ class ModelRunner:
                                                    self.cache)
         else:
             inputs = {"input_ids": ids}
-        out = self.model(**inputs, attention_mask=mask, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1]
+        out = self.model(**inputs, attention_mask=mask, past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=keep)
+        return out.logits[:, -keep:]
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[tuple[Request, int, float | None]]:
         """The next token of each row that has fed everything it had: the argmax of its scores (greedy) or a

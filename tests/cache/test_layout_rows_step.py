@@ -92,6 +92,8 @@ def test_rows_advance_and_shorten():
     assert r.next_positions(2) == [4, 9]
     r.shorten(1)
     assert (r.lengths, r.columns) == ([3, 1, 0], 3)
+    r.shorten([2, 0])  # each row its own count (verify steps in continuous batching); columns by the most
+    assert (r.lengths, r.columns) == ([1, 1, 0], 1)
     r.raise_crop_floor(1, 5)
     r.raise_crop_floor(1, 2)  # floors only rise
     assert r.crop_floor == [0, 5, 0]
@@ -145,3 +147,21 @@ def test_a_cache_step_plans_what_it_runs():
         assert step.plan.pieces == [Piece(0, 0, 2), Piece(1, 0, 3)]
         assert cache.open_step is step
     assert cache.open_step is None and cache.lengths[:2] == [2, 3]
+
+
+def test_a_per_row_crop_refuses_bad_counts_before_changing_anything(qwen):
+    import torch
+
+    from hf_qsa_cache import QSAPagedCache
+    from hf_qsa_cache.rollback import crop_rows
+
+    cache = QSAPagedCache(qwen.config, 2, 32, block_size=4, num_speculative_tokens=2)
+    with torch.no_grad():
+        qwen(torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), past_key_values=cache)
+    for drops, message in (([1], "one count >= 0 for each of the cache's 2 rows"), ([1, -1], "one count >= 0"),
+                           ([0, 3], "row 1 can go back 2 at most")):
+        with pytest.raises(ValueError, match=message):
+            crop_rows(cache, drops)
+        assert cache.lengths[:2] == [4, 4]
+    crop_rows(cache, [0, 2])
+    assert cache.lengths[:2] == [4, 2]

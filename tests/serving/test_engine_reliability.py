@@ -436,3 +436,68 @@ def test_fp8_caches_through_continuous_batching(family):
             alone_fp8 = ours.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=6,
                                       do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
         assert results[f"req_{i}"].generated_tokens == alone_fp8, i
+
+
+def _lookup_config(new, k=3, **kwargs):
+    return GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
+                            prompt_lookup_num_tokens=k, **kwargs)
+
+
+def test_prompt_lookup_inside_the_loop_gives_each_prompts_own_tokens(family):
+    """Prompt lookup's drafts (GenerationConfig.prompt_lookup_num_tokens) verified inside the decode steps:
+    every request's tokens equal transformers' greedy generate() on its prompt alone."""
+    name, ref, ours = family
+    base = random_prompts([8, 5, 12], vocab=90, seed=51)
+    prompts = [p * 3 for p in base] + random_prompts([15, 9], vocab=90, seed=52)  # repeats: lookup finds n-grams
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=16, max_requests_per_batch=4)
+    results, stats, cache = _run_all(ours, prompts, [12] * len(prompts), config, _lookup_config(12))
+    for prompt, result in zip(prompts, results):
+        assert result.generated_tokens == alone(ref, prompt, 12), result.request_id
+    assert stats["drafted_tokens"] > 0 and cache.num_speculative_tokens == 3
+    assert pools_full(cache)
+
+
+@pytest.mark.parametrize("wrong_at", [None, 0, 1, 2], ids=["all-right", "first-wrong", "second-wrong", "third-wrong"])
+def test_verified_drafts_keep_exactly_the_right_ones(family, monkeypatch, wrong_at):
+    """Drafts from an oracle (the reference's own next tokens, one of them made wrong): a row keeps the drafts
+    before the wrong one plus its own token and drops the rest of its row (each row its own count); rows that
+    sample, rows still prefilling and a request whose eos falls inside its drafts ride along; every request
+    equals its reference alone."""
+    from hf_qsa_cache.serving import ContinuousBatchingManager, Sampling
+
+    name, ref, ours = family
+    prompts = random_prompts([14, 9, 21, 6, 30], vocab=90, seed=53)
+    new = 10
+    truth = {tuple(p): alone(ref, p, new) for p in prompts}
+    eos_prompt = prompts[1]
+    eos = truth[tuple(eos_prompt)][4]  # its fifth token ends it (inside a run of drafts)
+
+    def oracle(self, request):
+        room = request.max_new_tokens - len(request.generated) - 1
+        if request.in_prefill or not request.sampling.plain_greedy or room < 1:
+            return []
+        done = len(request.generated)
+        drafts = alone(ref, request.prompt, new, eos=min(request.eos_token_ids, default=None))[done: done + min(3, room)]
+        if wrong_at is not None and wrong_at < len(drafts):
+            drafts = list(drafts)
+            drafts[wrong_at] = (drafts[wrong_at] + 1) % 90
+        return list(drafts)
+
+    monkeypatch.setattr(ContinuousBatchingManager, "_lookup", oracle)
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=8, max_requests_per_batch=4, seed=3)
+    with ours.continuous_batching_context_manager(_lookup_config(new), continuous_batching_config=config) as m:
+        ids = [m.add_request(p, max_new_tokens=new, eos_token_id=eos if p is eos_prompt else None) for p in prompts]
+        sampled = m.add_request(prompts[0], max_new_tokens=new, sampling=Sampling(do_sample=True), seed=5)
+        results = {i: m.get_result(i, timeout=60) for i in [*ids, sampled]}
+        stats, cache = dict(m.stats), m.cache
+    for request_id, prompt in zip(ids, prompts):
+        want = alone(ref, prompt, new, eos=eos if prompt is eos_prompt else None)
+        assert results[request_id].generated_tokens == want, (request_id, wrong_at)
+    assert results[ids[1]].generated_tokens[-1] == eos and len(results[ids[1]].generated_tokens) == 5
+    assert results[sampled].status == RequestStatus.FINISHED and len(results[sampled].generated_tokens) == new
+    if wrong_at is None:
+        assert stats["accepted_tokens"] == stats["drafted_tokens"] > 0
+    else:
+        assert stats["accepted_tokens"] < stats["drafted_tokens"]
+        assert (stats["accepted_tokens"] == 0) == (wrong_at == 0)
+    assert pools_full(cache)

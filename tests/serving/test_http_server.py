@@ -463,9 +463,10 @@ def test_benchmark_script_runs_against_the_server_and_in_process(servers, tmp_pa
     out = tmp_path / "http.jsonl"
     rows = bench_http.main(["--checkpoint", servers["qwen"].path, "--url", servers["qwen"].proc.url, "--api-key", KEY,
                             "--concurrency", "1", "3", "--requests", "4", "--prompt-len", "6", "--output-len", "3",
-                            "--cb-block-size", "4", "--out", str(out)])
+                            "--cb-block-size", "4", "--client-processes", "2", "--out", str(out)])
     assert [(r["target"], r["concurrency"]) for r in rows] == [("http", 1), ("http", 3), ("in-process", 1),
                                                                 ("in-process", 3)]
+    assert [r.get("client_processes") for r in rows[:2]] == [1, 2]  # concurrency 3: two client processes
     for row in rows:
         assert row["requests"] == 4 and row["output_tokens"] == 12 and row["failed"] == 0, row
         assert row["ttft_p50_ms"] > 0 and row["tpot_p50_ms"] > 0 and row["output_tokens_per_s"] > 0
