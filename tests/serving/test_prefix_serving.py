@@ -32,14 +32,18 @@ def check(ref, prompts, results):
         assert result.generated_tokens == alone(ref, prompt, NEW), prompt
 
 
-def test_shared_system_prompt_and_next_turns(family):
+@pytest.mark.parametrize("lookup", [0, 2])
+def test_shared_system_prompt_and_next_turns(family, lookup):
+    """``lookup``: prompt lookup inside the loop (verify steps, per-row crops above the shared floors; Qwen4Exp's
+    cache then keeps rollback history, which a restored row does not have below its prefix)."""
     name, ref, ours = family
     system = random_prompts([14], vocab=90, seed=21)[0]
     users = random_prompts([5, 7, 3], vocab=90, seed=22)
     first = [system + u for u in users]
     # 3 rows, 5-token prefill chunks, 4-token units (page_size): snapshot points at 16 and 12, decode tails at 20.
     config = ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=5, max_requests_per_batch=3)
-    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config) as manager:
+    gen = greedy(NEW, prompt_lookup_num_tokens=lookup) if lookup else greedy(NEW)
+    with ours.continuous_batching_context_manager(gen, continuous_batching_config=config) as manager:
         cache = manager.cache
         assert cache.prefix is not None and manager.scheduler.unit == 4
         cache.prefix.max_snapshots = 32  # (the default, two a row, would evict some of the tails this checks)
@@ -53,6 +57,7 @@ def test_shared_system_prompt_and_next_turns(family):
         check(ref, second, results2)
         stats = cache.memory_stats()["prefix_cache"]
         assert pools_full(cache)
+        assert not lookup or manager.stats["drafted_tokens"] > 0
     assert after_first["snapshots"] > 0
     hits = stats["hit_tokens"] - after_first["hit_tokens"]
     # Each second turn restores at least the last unit boundary its first turn reached while decoding.
