@@ -102,7 +102,17 @@ def continuous(manager, prompts, outputs, gaps, prefix="r") -> dict:
             "graph_buckets": sum(b.graph is not None for r in manager.cache.graph_runners.values()
                                  for b in r.buckets.values()),
             "graph_replays": graph_replays(manager) - replays_before,  # of stats["decode_steps"]
-            "first_error": failed[0] if failed else None, **stats}
+            "first_error": failed[0] if failed else None, **prefix_stats(manager), **stats}
+
+
+def prefix_stats(manager) -> dict:
+    """Prefix caching (on by default in continuous batching): its hit rate and the memory its snapshots take
+    (cumulative over the manager's life, warm-up included)."""
+    prefix = manager.cache.memory_stats().get("prefix_cache")
+    if prefix is None:
+        return {"prefix_caching": False}
+    return {"prefix_caching": True, "prefix_hit_rate": prefix["hit_rate"], "prefix_snapshots": prefix["snapshots"],
+            "prefix_snapshot_gib": prefix["bytes"] / 2**30}
 
 
 def graph_replays(manager) -> int:

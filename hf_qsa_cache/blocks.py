@@ -18,6 +18,14 @@ The device copy is one persistent ``[max_rows, max_columns]`` int32 tensor (``ma
 records every entry it changes; `device_table` writes only those entries, so a step's host and copy
 work is proportional to the blocks it touched, never to the rows' lengths. ``work`` counts table
 entries visited by the host, for tests of that bound.
+
+Shared blocks (prefix caching, `hf_qsa_cache.prefix_cache`): a block may be listed by several rows and
+held by the prefix cache. ``refs[b]`` counts the rows that list ``b``; ``cached`` holds the blocks a
+prefix entry keeps. A block is free only at zero references and not cached; a cached block at zero
+references is *idle*: it keeps its content for a later request, and counts as available capacity
+(`available`), because the prefix cache gives it back whenever the pool needs it (`PrefixCache.make_room`,
+always outside a step). Rows only write positions past their lengths, and a row's shared blocks lie below
+its shared floor (`Rows.shared`), so a shared block is never written.
 """
 
 from __future__ import annotations
@@ -57,9 +65,15 @@ class BlockTable:
         self._view: tuple | None = None  # (device table, rows, its first rows): `device_table`'s last answer
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, keep_cached: bool = True) -> None:
+        """Every row released. Blocks the prefix cache holds stay cached (idle) unless ``keep_cached`` is
+        False (the prefix cache drops its entries first)."""
+        cached = getattr(self, "cached", set()) if keep_cached else set()
+        self.cached: set[int] = cached  # blocks prefix entries hold (`mark_cached`)
+        self.refs = [0] * self.num_blocks  # rows listing each block
+        self.idle = len(cached)  # cached blocks no row lists: evictable, counted as available
         # Hand out low ids first (pop from the end of a descending list).
-        self.free = list(range(self.num_blocks - 1, NULL_BLOCK, -1))
+        self.free = [b for b in range(self.num_blocks - 1, NULL_BLOCK, -1) if b not in cached]
         self.rows: list[list[int]] = [[] for _ in range(self.max_rows)]
         self.base = [0] * self.max_rows  # windowed: entries below base are all the null block
         self._changed: dict[tuple[int, int], int] = {}  # (row, column) -> block, not yet on the device
@@ -83,12 +97,86 @@ class BlockTable:
             wider[:, : self.max_columns] = self._device
             self._device = wider
         self.free[:0] = range(num_blocks - 1, self.num_blocks - 1, -1)  # popped from the end: handed out last
+        self.refs.extend([0] * (num_blocks - self.num_blocks))
         self.num_blocks = num_blocks
         self.max_columns = columns
 
     def _set(self, row: int, column: int, block: int) -> None:
         self._changed[(row, column)] = block
         self.work += 1
+
+    # ------------------------------------------------------------------ references (shared blocks)
+    def _take(self) -> int:
+        """A free block, now listed by one row."""
+        block = self.free.pop()
+        self.refs[block] = 1
+        return block
+
+    def _unref(self, block: int) -> None:
+        """A row no longer lists ``block``: free at zero references, idle if the prefix cache holds it."""
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if block in self.cached:
+                self.idle += 1
+            else:
+                self.free.append(block)
+
+    def available(self) -> int:
+        """Blocks a step may take: the free ones and the idle cached ones (the prefix cache gives those back)."""
+        return len(self.free) + self.idle
+
+    def mark_cached(self, block: int) -> None:
+        """A prefix entry holds ``block`` (listed by a row now): it outlives the row."""
+        if block in self.cached or block == NULL_BLOCK:
+            raise ValueError(f"{self.name}: block {block} cannot be cached twice or be the null block")
+        self.cached.add(block)
+        if self.refs[block] == 0:
+            self.idle += 1
+
+    def uncache(self, block: int) -> None:
+        """The prefix entry holding ``block`` is gone: free if no row lists it."""
+        self.cached.remove(block)
+        if self.refs[block] == 0:
+            self.idle -= 1
+            self.free.append(block)
+
+    def attach(self, row: int, blocks: list[int]) -> None:
+        """An empty ``row`` lists ``blocks`` (shared, full blocks of a cached prefix) as its first columns.
+        Outside a step only."""
+        if self._step_marks is not None:
+            raise RuntimeError(f"{self.name}: cannot share blocks while a step is in flight")
+        table = self.rows[row]
+        if table:
+            raise ValueError(f"{self.name}: row {row} holds blocks; shared blocks start an empty row")
+        for column, block in enumerate(blocks):
+            if self.refs[block] == 0 and block in self.cached:
+                self.idle -= 1
+            self.refs[block] += 1
+            table.append(block)
+            self._set(row, column, block)
+
+    def check_accounting(self) -> None:
+        """Raise unless every block but the null block is exactly one of: free, listed by rows (``refs``
+        times), idle cached (for tests)."""
+        listed = [0] * self.num_blocks
+        for blocks in self.rows:
+            for b in blocks:
+                if b != NULL_BLOCK:
+                    listed[b] += 1
+        free = set(self.free)
+        if len(free) != len(self.free):
+            raise AssertionError(f"{self.name}: a block is free twice")
+        idle = 0
+        for b in range(1, self.num_blocks):
+            if listed[b] != self.refs[b]:
+                raise AssertionError(f"{self.name}: block {b} listed {listed[b]} times, refs {self.refs[b]}")
+            if b in free and (listed[b] or b in self.cached):
+                raise AssertionError(f"{self.name}: block {b} is free and listed or cached")
+            if b not in free and not listed[b] and b not in self.cached:
+                raise AssertionError(f"{self.name}: block {b} is lost (not free, listed or cached)")
+            idle += b in self.cached and not listed[b]
+        if idle != self.idle:
+            raise AssertionError(f"{self.name}: {idle} idle cached blocks, counted {self.idle}")
 
     # ------------------------------------------------------------------ one step: reserve, then commit or roll back
     def begin_step(self, num_rows: int) -> None:
@@ -114,6 +202,8 @@ class BlockTable:
             return
         for row, mark in self._step_marks.items():
             self._drop_columns(row, mark, return_blocks=False)
+        for block in self._step_taken:  # fresh blocks of this step: listed by one row, which gave them back
+            self.refs[block] = 0
         self.free.extend(reversed(self._step_taken))
         self._step_marks = None
         self._step_taken = []
@@ -160,7 +250,7 @@ class BlockTable:
         while len(table) < want:
             if not self.free:
                 raise ValueError(f"{self.name}: block pool exhausted ({self.num_blocks - 1} blocks)")
-            table.append(self.free.pop())
+            table.append(self._take())
             self._set(row, len(table) - 1, table[-1])
             if self._step_marks is not None:
                 self._step_taken.append(table[-1])
@@ -181,7 +271,7 @@ class BlockTable:
         for i in range(self.base[row], first_live):
             self.work += 1
             if table[i] != NULL_BLOCK:
-                self.free.append(table[i])
+                self._unref(table[i])
                 table[i] = NULL_BLOCK
                 self._set(row, i, NULL_BLOCK)
         self.base[row] = max(self.base[row], first_live)
@@ -197,7 +287,7 @@ class BlockTable:
             if b != NULL_BLOCK:
                 self._set(row, column, NULL_BLOCK)
                 if return_blocks:
-                    self.free.append(b)
+                    self._unref(b)
         del table[keep:]
         self.base[row] = min(self.base[row], keep)
 
@@ -244,7 +334,10 @@ class BlockTable:
         moved = [i for i in range(len(src)) if src[i] != i]
         dropped = range(len(src), num_rows)
         taken = sum(self.row_blocks_in_use(src[i]) for i in moved)
-        returned = sum(self.row_blocks_in_use(i) for i in [*moved, *dropped])
+        # Only blocks no other row lists and no prefix entry holds come back.
+        refs, cached = self.refs, self.cached
+        returned = sum(1 for i in [*moved, *dropped] for b in self.rows[i]
+                       if b != NULL_BLOCK and refs[b] == 1 and b not in cached)
         return max(0, taken - returned)
 
     def select_rows(self, src: list[int], num_rows: int) -> tuple[list[int], list[int]]:
@@ -263,7 +356,7 @@ class BlockTable:
         new = []
         for i, blocks, base in plan:
             for column, b in enumerate(blocks):
-                fresh = NULL_BLOCK if b == NULL_BLOCK else self.free.pop()
+                fresh = NULL_BLOCK if b == NULL_BLOCK else self._take()
                 self.rows[i].append(fresh)
                 if fresh != NULL_BLOCK:
                     self._set(i, column, fresh)

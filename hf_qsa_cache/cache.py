@@ -29,6 +29,7 @@ from .blocks import default_num_blocks
 from .layout import build_layout, model_family, rollback_costs_nothing, state_geometry, text_config
 from .metadata import StepMetadata
 from .ops.fp8 import check_cache_dtype
+from .prefix_cache import PrefixCache, Snapshot, capture, fits, prefix_unit, restore
 from .rollback import crop_rows
 from .rows import Rows, move_rows, select_rows
 from .validation import check_continues, check_model, check_request
@@ -39,6 +40,17 @@ from .stores.layer_state import LayerState
 from .stores.token_log import TokenLog
 
 __all__ = ["QSAPagedCache", "LayerState", "model_family", "rollback_costs_nothing", "state_geometry"]
+
+
+class _NoRoom(Exception):
+    """A restore found no room in a windowed pool (the row then starts empty)."""
+
+
+def _token_list(tokens) -> list[int]:
+    """Token ids as a list of ints (a list of ints as is: the serving loop looks prefixes up often)."""
+    if type(tokens) is list and all(type(t) is int for t in tokens[:1]):
+        return tokens
+    return [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -67,13 +79,28 @@ class QSAPagedCache(Cache):
             `hf_qsa_cache.ops.fp8`; ``docs/fp8_cache.md``).
         index_cache_dtype: the same for the QSA compressed index keys (Qwen4Exp; one scale per key). Recurrent
             state, conv windows and the QSA raw-key ring always stay in the model's dtype.
+        prefix_caching: keep full blocks by content and snapshots of the per-row state at block-aligned
+            points, so that a new row starts from the longest cached prefix of its tokens
+            (`hf_qsa_cache.prefix_cache`, ``docs/prefix_caching.md``).
+        prefix_snapshots, prefix_snapshot_bytes: the most snapshots kept, and the most bytes they may take
+            (default: ``2 * max_batch_size`` snapshots, no byte bound); least recently used evicted first.
+        prefix_blocks: the most blocks prefix entries hold per table (default: no bound but the pool's: idle
+            cached blocks are given back whenever a step needs them).
     """
 
     def __init__(self, config, max_batch_size: int, max_cache_len: int, block_size: int | None = None,
                  num_blocks: int | None = None, num_speculative_tokens: int = 0,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 kv_cache_dtype: torch.dtype | None = None, index_cache_dtype: torch.dtype | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, index_cache_dtype: torch.dtype | None = None,
+                 prefix_caching: bool = False, prefix_snapshots: int | None = None,
+                 prefix_snapshot_bytes: int | None = None, prefix_blocks: int | None = None):
         config = text_config(config)
+        if not isinstance(prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        for name, value in (("prefix_snapshots", prefix_snapshots), ("prefix_snapshot_bytes", prefix_snapshot_bytes),
+                            ("prefix_blocks", prefix_blocks)):
+            if value is not None:
+                _check_int(name, value, 0)
         self.model_family = model_family(config)
         _check_int("max_batch_size", max_batch_size, 1)
         _check_int("max_cache_len", max_cache_len, 1)
@@ -125,6 +152,23 @@ class QSAPagedCache(Cache):
         self.graph_runners = weakref.WeakKeyDictionary()  # model -> its CUDA-graph runner (cuda_graphs.py)
         self._main_pool_follows_length = num_blocks is None  # `grow` enlarges a main pool it sized itself
         self._generate_may_grow = False  # set on a cache generate() built: a later call may `grow` it
+        # Prefix caching (`hf_qsa_cache.prefix_cache`): the cached entries, or None when off.
+        self.prefix: PrefixCache | None = None
+        # generate()'s rows: each row's snapshot at the last unit boundary a decode step brought it to (cached when
+        # the row is retired, `prefix_generation.retire_rows`); dropped whenever rows move, are copied or cropped
+        # below it. Continuous batching keeps its own, by request (`ModelRunner.tails`).
+        self.prefix_tails: dict[int, Snapshot] = {}
+        # Whether the rows held were prefilled from token ids by `prefix_generation.prefill` (only those are
+        # retired into cached prefixes: rows fed embeddings or media are not what their token ids say).
+        self.prefix_rows_from_ids = False
+        # Tokens the last `restore_prefix` found cached as blocks (beyond what it restored when no snapshot lies
+        # there: a prefill that stops there and caches its state lets later rows restore that far).
+        self.prefix_matched = 0
+        if prefix_caching:
+            self.prefix = PrefixCache(
+                self.tables, prefix_unit(self.tables, self.qsa),
+                2 * max_batch_size if prefix_snapshots is None else prefix_snapshots, prefix_snapshot_bytes,
+                prefix_blocks)
         if self.device is not None:
             for store in self.layer_stores():
                 store.allocate(self.device, self.dtype)
@@ -230,6 +274,14 @@ class QSAPagedCache(Cache):
     # (`hf_qsa_cache.step.forward_scope`).
     forward_scope = forward_scope
 
+    def after_forward(self, fn) -> None:
+        """Run ``fn()`` once the model forward in flight has landed whole (now if none is in flight); never if
+        it fails. What a forward adds to the prefix cache goes through here, so a failed call adds nothing."""
+        if self._scope is None:
+            fn()
+        else:
+            self._scope.on_land.append(fn)
+
     def log_tokens(self, meta: StepMetadata, input_ids: torch.Tensor | None) -> None:
         self.token_log.write(meta.position, meta.token_row, input_ids)
 
@@ -330,8 +382,17 @@ class QSAPagedCache(Cache):
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return self.columns_seen > 0
 
-    def reset(self) -> None:
-        """Release every row: the cache is as built (its stores stay allocated)."""
+    @property
+    def prefix_caching(self) -> bool:
+        return self.prefix is not None
+
+    def reset(self, prefixes: bool = False) -> None:
+        """Release every row: the cache is as built (its stores stay allocated). Cached prefixes
+        (``prefix_caching``) are kept unless ``prefixes`` is True."""
+        if prefixes and self.prefix is not None:
+            self.prefix.clear()
+        self.prefix_tails = {}
+        self.prefix_rows_from_ids = False
         for table in self.tables.values():
             table.reset()
         self.rows.reset()
@@ -351,6 +412,8 @@ class QSAPagedCache(Cache):
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
         if tokens_to_remove < 0:
             crop_rows(self, -tokens_to_remove)
+            if self.prefix_tails:
+                self.prefix_tails = {b: s for b, s in self.prefix_tails.items() if s.length <= self.lengths[b]}
 
     # ------------------------------------------------------------------ placing rows
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -371,12 +434,131 @@ class QSAPagedCache(Cache):
 
     def select_rows(self, src: list[int]) -> None:
         """Row ``i`` becomes a copy of row ``src[i]``; rows past ``len(src)`` are released (`rows.select_rows`)."""
+        self.prefix_tails = {}
         select_rows(self, src)
 
     def move_rows(self, src: list[int]) -> None:
         """Place rows one by one (continuous batching): row ``i`` becomes row ``src[i]``, or a fresh row where
         ``src[i] == -1``; rows no entry names are released (`rows.move_rows`)."""
+        self.prefix_tails = {}
         move_rows(self, src)
+
+    # ------------------------------------------------------------------ prefix caching (`hf_qsa_cache.prefix_cache`)
+    def _check_prefix_row(self, row: int) -> None:
+        if self.prefix is None:
+            raise ValueError("this cache was built without prefix_caching=True")
+        if self._open is not None or (self._scope is not None and self._scope.pending is not None):
+            raise RuntimeError("cached prefixes change only between steps, never inside one")
+        self.check_usable()
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.max_batch_size:
+            raise ValueError(f"row must be an integer in [0, max_batch_size={self.max_batch_size}), got {row!r}")
+
+    def restore_prefix(self, row: int, tokens, limit: int | None = None, count: bool = True) -> int:
+        """Start empty row ``row`` from the longest cached prefix of ``tokens`` (at most ``limit`` tokens, default
+        all) that has a snapshot: its shared blocks are listed (reference counted), its per-row state and windows
+        copied from the snapshot, its length set. Returns the length restored (0: none cached; the row stays
+        empty). ``count=False``: a second look for the same tokens (not counted again in the hit rate). Outside a
+        forward only; nothing changes if it raises."""
+        self._check_prefix_row(row)
+        tokens = _token_list(tokens)
+        limit = len(tokens) if limit is None else min(int(limit), len(tokens))
+        if self.rows.lengths[row] or any(t.rows[row] for t in self.tables.values()):
+            raise ValueError(f"row {row} holds tokens: a cached prefix starts an empty row")
+        prefix = self.prefix
+        if count:
+            prefix.counters["lookup_tokens"] += len(tokens)
+        chain = prefix.match(tokens, limit)
+        self.prefix_matched = len(chain) * prefix.unit
+        while chain and (chain[-1].snapshot is None or not fits(self, chain[-1].snapshot)):
+            chain.pop()
+        if not chain:
+            return 0
+        snapshot = chain[-1].snapshot
+        length = snapshot.length
+        prefix.touch(chain)
+        try:
+            for name, blocks in prefix.chain_blocks(chain).items():
+                self.tables[name].attach(row, blocks)
+            for name, table in self.tables.items():  # windowed tables: fresh blocks at the snapshot's columns
+                if table.window is not None:
+                    if table.blocks_needed(row, length) > len(table.free):
+                        raise _NoRoom
+                    table.reserve(row, length)
+            restore(self, row, snapshot)
+            if self.token_log.ids is None and snapshot.state:
+                self.token_log.allocate(snapshot.state[0].device)
+            if self.token_log.ids is not None:
+                self.token_log.ids[row, :length] = torch.tensor(tokens[:length], dtype=torch.int32,
+                                                                device=self.token_log.ids.device)
+        except BaseException as error:
+            for table in self.tables.values():
+                table.release_row(row)
+            self.rows.clear_row(row)
+            for store in self.layer_stores():
+                if store.allocated:
+                    store.reset_rows([row])
+            if isinstance(error, _NoRoom):
+                return 0
+            raise
+        # Qwen4Exp's rollback ring holds nothing of the restored row: no crop to its length or below.
+        floor = length + 1 if self.keeps_rollback_history else 0
+        self.rows.start_at(row, length, floor)
+        prefix.counters["hit_tokens"] += length
+        return length
+
+    def prefix_lookup(self, tokens, limit: int | None = None) -> tuple[int, int]:
+        """``(restorable, matched)``: the longest cached prefix of ``tokens`` `restore_prefix` would restore (at
+        most ``limit`` tokens), and how far cached blocks reach (with or without a snapshot). Changes nothing."""
+        if self.prefix is None:
+            return 0, 0
+        tokens = _token_list(tokens)
+        chain = self.prefix.match(tokens, len(tokens) if limit is None else min(int(limit), len(tokens)))
+        matched = len(chain) * self.prefix.unit
+        while chain and (chain[-1].snapshot is None or not fits(self, chain[-1].snapshot)):
+            chain.pop()
+        return len(chain) * self.prefix.unit, matched
+
+    def keep_tails(self, plan) -> None:
+        """After a one-token step of generate()'s rows landed: rows that reached a unit boundary keep a snapshot
+        there (what the row caches when it is retired). A snapshot that cannot be taken is only a later miss."""
+        unit = self.prefix.unit
+        for b, (n, c) in enumerate(zip(plan.new_lengths, plan.counts)):
+            if c and n % unit == 0:
+                try:
+                    self.prefix_tails[b] = capture(self, b)
+                except Exception:  # noqa: BLE001 (the step landed; the tail is an optimisation)
+                    self.prefix_tails.pop(b, None)
+
+    def snapshot_row(self, row: int) -> Snapshot:
+        """A copy of ``row``'s non-paged state and windows at its current length (`cache_prefix` takes it later,
+        while the row's blocks below that length are unchanged)."""
+        self._check_prefix_row(row)
+        return capture(self, row)
+
+    def cache_prefix(self, row: int, tokens, snapshot: Snapshot | None = None) -> int:
+        """Keep the first tokens row ``row`` holds as a cached prefix: its whole units up to its length (which
+        must then be a multiple of ``prefix_unit``) with a snapshot of its state there, or up to
+        ``snapshot.length`` with ``snapshot`` (`snapshot_row`, taken when the row was that long). ``tokens``: the
+        row's tokens from its first (at least that many). The row's blocks below that point are shared from now
+        on (no crop goes below it). Returns the length cached (0: not aligned)."""
+        self._check_prefix_row(row)
+        length = snapshot.length if snapshot is not None else self.rows.lengths[row]
+        if length == 0 or length % self.prefix.unit or length > self.rows.lengths[row]:
+            return 0
+        tokens = _token_list(tokens[:length])
+        if len(tokens) < length:
+            raise ValueError(f"row {row} caches {length} tokens, {len(tokens)} given")
+        if snapshot is None and not self.prefix.has_snapshot(tokens, length):
+            snapshot = capture(self, row)
+        blocks = {name: self.tables[name].rows[row] for name in self.prefix.shared}
+        covered = self.prefix.insert(blocks, tokens, length, snapshot)
+        self.rows.raise_shared(row, covered)
+        return covered
+
+    @property
+    def prefix_unit(self) -> int:
+        """Tokens a cached prefix is a multiple of (the main block size: a multiple of the QSA compress ratio)."""
+        return self.prefix.unit if self.prefix is not None else prefix_unit(self.tables, self.qsa)
 
     # ------------------------------------------------------------------ capacity and memory
     def grow(self, max_cache_len: int) -> None:
@@ -422,15 +604,19 @@ class QSAPagedCache(Cache):
                     bytes_per_store[key] = bytes_per_store.get(key, 0) + size
         tables = {
             name: {"block_size": t.block_size, "blocks_total": t.num_blocks - 1, "blocks_used": t.blocks_in_use(),
-                   "blocks_free": len(t.free)}
+                   "blocks_free": len(t.free), "blocks_cached": len(t.cached), "blocks_idle_cached": t.idle}
             for name, t in self.tables.items()
         }
         dtype = self.dtype or next((s.dtype for s in self.layer_stores() if s.allocated), None)
         if dtype is not None:
             for name, table in tables.items():
                 table["bytes_per_token"] = self.layout.bytes_per_token(name, dtype)
-        return {"bytes": bytes_per_store, "total_bytes": sum(bytes_per_store.values()), "tables": tables,
-                "rows": self.num_rows, "lengths": self.lengths[: self.num_rows]}
+        stats = {"bytes": bytes_per_store, "total_bytes": sum(bytes_per_store.values()), "tables": tables,
+                 "rows": self.num_rows, "lengths": self.lengths[: self.num_rows]}
+        if self.prefix is not None:
+            block_bytes = {name: self.layout.bytes_per_block(name, dtype) for name in self.tables} if dtype else {}
+            stats["prefix_cache"] = self.prefix.stats(block_bytes)
+        return stats
 
     def __repr__(self):
         return (f"QSAPagedCache({self.model_family}, rows={self.num_rows}/{self.max_batch_size}, "

@@ -12,7 +12,7 @@ import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator, PromptLookupCandidateGenerator
 from transformers.generation.configuration_utils import GenerationMode
 
-from . import decode_loop, lookup_decoding
+from . import decode_loop, lookup_decoding, prefix_generation
 from .cache import QSAPagedCache
 from .padding import as_padding_mask, step_order
 from .validation import check_request
@@ -187,6 +187,11 @@ class PagedCacheGenerationMixin:
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         if isinstance(cache, QSAPagedCache) and isinstance(ids, torch.Tensor) and ids.dim() == 2 \
                 and not ids.is_floating_point():
+            if cache.prefix is not None and cache.columns_seen:
+                try:
+                    cache.check_continues(ids)
+                except ValueError:  # new prompts: the held rows become cached prefixes (no reset() needed)
+                    prefix_generation.retire_rows(cache)
             cache.check_continues(ids)
         _inside_our_generate.depth = getattr(_inside_our_generate, "depth", 0) + 1  # (`_DropRightPaddingWarning`)
         try:
@@ -337,6 +342,12 @@ class PagedCacheGenerationMixin:
         attention_mask = as_padding_mask(attention_mask, L)  # a 4-D causal mask with padding -> its 2-D mask
         chunk = max(1, self.prefill_chunk_tokens // B)
         model = self.model if model is None else model
+        if prefix_generation.applies(past_key_values, input_ids, inputs_embeds, attention_mask, logits_to_keep,
+                                     chunkable, per_token, model_kwargs):
+            # Rows start from the longest cached prefix of their prompts and feed the rest (prefix_caching).
+            return prefix_generation.prefill(
+                lambda **inputs: model(past_key_values=past_key_values, **inputs, **model_kwargs), past_key_values,
+                input_ids, attention_mask, per_token, self.prefill_chunk_tokens)
         if not (chunkable and isinstance(logits_to_keep, int) and 0 < logits_to_keep <= chunk < L):
             return model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                               past_key_values=past_key_values, **per_token, **model_kwargs)

@@ -150,6 +150,13 @@ def crop_rows(cache, drop: int | list[int]) -> None:
     for b in range(cache.num_rows):
         if cache.lengths[b] < drops[b]:
             raise ValueError(f"row {b} holds {cache.lengths[b]} tokens, cannot drop {drops[b]}")
+    for b in range(cache.num_rows):
+        shared = cache.rows.shared[b]
+        if cache.lengths[b] - drops[b] < shared:
+            raise ValueError(
+                f"cannot drop {drops[b]} tokens: row {b} holds {cache.lengths[b]} tokens and shares its first "
+                f"{shared} with cached prefixes (prefix_caching), which no row may write"
+            )
     qwen = cache.model_family == "qwen4_exp"
     if qwen:
         check_linear_rollback(cache, drops)

@@ -6,7 +6,9 @@ A row is one sequence of a batch (a beam, a continuous-batching request). Per ro
 * ``rope_deltas``: its multimodal RoPE offset (Qwen4Exp with images or video): a token given no explicit
   position ids is rotated at its logical position plus this delta, so text after an image continues
   where the image's 3-D positions end. Zero for text-only rows;
-* ``crop_floor``: the shortest length a crop may reach (Qwen4Exp's rollback rings; `hf_qsa_cache.rollback`).
+* ``crop_floor``: the shortest length a crop may reach (Qwen4Exp's rollback rings; `hf_qsa_cache.rollback`);
+* ``shared``: the length below which the row's blocks are shared with cached prefixes
+  (`hf_qsa_cache.prefix_cache`): the row never writes there, so no crop goes below it.
 
 and for the batch: ``count`` (rows in flight), ``columns`` (the rectangular length, pads included, that
 `generate()` reasons in) and ``managed`` (rows placed one by one by continuous batching rather than a batch
@@ -34,7 +36,7 @@ class RowsSnapshot:
 
 
 class Rows:
-    PER_ROW = ("lengths", "rope_deltas", "crop_floor")
+    PER_ROW = ("lengths", "rope_deltas", "crop_floor", "shared")
 
     def __init__(self, max_rows: int):
         self.max_rows = max_rows
@@ -81,6 +83,28 @@ class Rows:
     def raise_crop_floor(self, row: int, floor: int) -> None:
         """Row ``row`` may no longer be cropped below ``floor`` (floors only rise until the row is released)."""
         self.crop_floor[row] = max(self.crop_floor[row], floor)
+
+    def start_at(self, row: int, length: int, crop_floor: int) -> None:
+        """Empty row ``row`` starts from a cached prefix of ``length`` tokens (its blocks below are shared)."""
+        self.lengths[row] = length
+        self.shared[row] = length
+        self.crop_floor[row] = crop_floor
+        self.rope_deltas[row] = 0
+        self.count = max(self.count, row + 1)
+
+    def raise_shared(self, row: int, length: int) -> None:
+        """Row ``row``'s blocks below ``length`` are now held by prefix entries as well."""
+        self.shared[row] = max(self.shared[row], length)
+
+    def set_columns(self, columns: int) -> None:
+        """The batch's rectangular width after a prefill that started rows from cached prefixes (the columns
+        the caller fed, some of them held already)."""
+        self.columns = columns
+
+    def clear_row(self, row: int) -> None:
+        """Row ``row``'s fields back to a fresh row's (a restore that did not complete)."""
+        for name in self.PER_ROW:
+            getattr(self, name)[row] = 0
 
     def next_positions(self, rows: int) -> list[int]:
         """The RoPE position each of the first ``rows`` rows continues at (its length plus its delta)."""
@@ -144,7 +168,10 @@ def select_rows(cache, src: list[int]) -> None:
     if any(not 0 <= s < held for s in src):
         raise ValueError(f"row indices must lie in [0, {held}) (rows the cache holds), got {src}")
     for name, table in cache.tables.items():
-        need, have = table.blocks_for_select(src, held), len(table.free)
+        need = table.blocks_for_select(src, held)
+        if cache.prefix is not None and need > len(table.free):
+            cache.prefix.make_room(name, need)  # idle cached blocks go back to the pool
+        have = len(table.free)
         if need > have:
             raise ValueError(f"{name} block pool: copying rows needs {need} more free blocks of "
                              f"{table.block_size} tokens, {have} are free (num_blocks={table.num_blocks})")

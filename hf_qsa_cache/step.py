@@ -138,9 +138,9 @@ def why_not_fits(cache, new_lengths: list[int], what: str = "this step") -> str 
         return f"row {b} needs {need} slots, cache holds max_cache_len={cache.max_cache_len}"
     for name, table in cache.tables.items():
         need = table.blocks_needed_rows(new_lengths)
-        if need > len(table.free):
+        if need > len(table.free) and need > table.available():  # idle cached blocks are given back on demand
             return (f"{name} block pool: {what} needs {need} free blocks of {table.block_size} tokens, "
-                    f"{len(table.free)} are free (num_blocks={table.num_blocks})")
+                    f"{table.available()} are free (num_blocks={table.num_blocks})")
     return None
 
 
@@ -174,8 +174,9 @@ class Step:
         self.cache = cache
         self.plan = plan
         self.rows_before = cache.rows.snapshot()
-        # Managed rows (continuous batching) are never reset wholesale: the other rows hold live requests.
-        self.started_empty = cache.rows.columns == 0 and not cache.rows.managed
+        # Managed rows (continuous batching) are never reset wholesale: the other rows hold live requests; nor
+        # are rows that start from cached prefixes (their lengths are set before the first step).
+        self.started_empty = cache.rows.columns == 0 and not cache.rows.managed and not any(cache.rows.lengths)
         self.saved_rows = 0  # rows of in-place state copied aside (0: nothing to copy back)
 
     @property
@@ -223,10 +224,14 @@ class Step:
             self.saved_rows = rows
 
     def commit(self) -> None:
-        """The step landed: release blocks that fell out of the windows."""
-        rows = self.cache.rows
-        for table in self.cache.tables.values():
+        """The step landed: release blocks that fell out of the windows; with prefix caching, generate()'s rows
+        that a one-token step brought to a unit boundary keep a snapshot there (`QSAPagedCache.keep_tails`)."""
+        cache = self.cache
+        rows = cache.rows
+        for table in cache.tables.values():
             table.commit_step(rows.lengths[: rows.count])
+        if cache.prefix is not None and self.plan.query_len == 1 and cache.prefix_rows_from_ids and not rows.managed:
+            cache.keep_tails(self.plan)
 
     def abort(self) -> None:
         """Put the cache back as it was before the step (see the module docstring)."""
@@ -259,7 +264,10 @@ class ForwardScope:
     def __init__(self, cache):
         self.cache = cache
         self.columns_before = cache.rows.columns
+        rows = cache.rows
+        self.empty_before = rows.columns == 0 and not rows.managed and not any(rows.lengths)
         self.pending: Step | None = None  # the call's last step, not landed yet
+        self.on_land: list = []  # what runs once the whole call has landed (`QSAPagedCache.after_forward`)
 
     def land_pending(self) -> None:
         if self.pending is not None:
@@ -272,7 +280,9 @@ class ForwardScope:
         cache = self.cache
         if self.pending is not None:
             self.pending.abort()
-        if cache.rows.columns != self.columns_before:  # earlier steps of this call landed
+        # Rows the call started from cached prefixes count as landed chunks (the cache was empty: it is reset).
+        restored = self.empty_before and any(cache.rows.lengths)
+        if cache.rows.columns != self.columns_before or restored:  # earlier steps of this call landed
             if self.columns_before == 0:
                 cache.reset()
             else:
@@ -296,7 +306,10 @@ def transaction(cache, batch_size: int, query_len: int, attention_mask: torch.Te
     scope = cache._scope
     if scope is not None:
         scope.land_pending()  # the previous chunk of this forward lands first
-    step = cache._open = Step(cache, plan_step(cache, batch_size, query_len, attention_mask))
+    plan = plan_step(cache, batch_size, query_len, attention_mask)
+    if cache.prefix is not None:  # idle cached blocks the step needs go back to the pools before it begins
+        cache.prefix.make_room_for(plan.new_lengths)
+    step = cache._open = Step(cache, plan)
     cache.steps_started += 1
     try:
         step.begin(copy_rows=copy_rows, rope_deltas=rope_deltas)
@@ -332,6 +345,8 @@ def forward_scope(cache):
         raise
     cache._scope = None
     scope.land_pending()
+    for fn in scope.on_land:
+        fn()
 
 
 # ---------------------------------------------------------------------- what the layers read, and the undo copies

@@ -86,13 +86,16 @@ class ContinuousBatchingManager:
         self._drafts: list[list[int]] = []  # the next decode step's drafts, one list per row
         block_size = config.block_size or config.page_size
         num_blocks = config.num_blocks or rows * -(-min(per_row, max_len) // block_size) + 1
+        # Prefix caching across requests and turns, unless allow_block_sharing=False (docs/prefix_caching.md).
         self.cache = QSAPagedCache(model.config, max_batch_size=rows, max_cache_len=max_len, block_size=block_size,
                                    num_blocks=num_blocks, num_speculative_tokens=self.lookup_drafts,
-                                   kv_cache_dtype=kv_cache_dtype,
-                                   index_cache_dtype=index_cache_dtype)
+                                   kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype,
+                                   prefix_caching=bool(getattr(config, "allow_block_sharing", True)))
         self.runner = ModelRunner(model, self.cache, return_logprobs=bool(config.return_logprobs))
+        self.runner.peers = lambda: [*self.scheduler.rows, *self.scheduler.waiting]  # (prefix caching)
         self.scheduler = Scheduler(rows, config.max_batch_tokens or DEFAULT_BATCH_TOKENS,
-                                   prefill_first=config.scheduler_type == "prefill_first")
+                                   prefill_first=config.scheduler_type == "prefill_first",
+                                   unit=self.cache.prefix.unit if self.cache.prefix is not None else None)
         if config.scheduler_type not in ("fifo", "prefill_first"):
             raise ValueError(f"scheduler_type must be 'fifo' or 'prefill_first', got {config.scheduler_type!r}")
         self.input_queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size or 0)
@@ -382,6 +385,9 @@ class ContinuousBatchingManager:
                 self._end(request, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
         scheduler.order()  # requests that failed here leave their rows to others, not a shift
         runner.place(scheduler.rows)
+        if runner.retry_restores():  # rows that have fed nothing start from what was cached meanwhile
+            scheduler.order()
+            runner.place(scheduler.rows)
         steps = ("prefill", "decode") if scheduler.prefill_first else ("decode", "prefill")
         for kind in steps:
             if kind == "prefill":
@@ -476,6 +482,13 @@ class ContinuousBatchingManager:
         any further step), its result goes out."""
         if not request.done or request.status != status:
             request.finish(status, error)
+        if status == RequestStatus.FINISHED:
+            try:  # its row becomes a cached prefix (prefix caching) before the row is released
+                self.runner.retire(request)
+            except Exception as failure:  # a prefix not kept is only a later miss
+                logger.warning("caching the prefix of request %s failed: %s", request.request_id, failure)
+        else:
+            self.runner.tails.pop(request, None)
         self.scheduler.release(request)
         self.runner.forget(request)
         with self._lock:

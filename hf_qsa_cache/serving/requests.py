@@ -74,6 +74,10 @@ class Request:
     started: float = -1.0  # no longer pending (first admitted)
     ended: float = -1.0
     held: int = 0  # tokens its cache row holds (0 without a row, or after preemption)
+    # Prefix caching: where its prefill also stops to cache a prefix (blocks others cached reach there, no
+    # snapshot does: 0 if none), and the prefix cache's version at its last lookup (-1: none since it got a row).
+    prefix_stop: int = 0
+    prefix_seen: int = -1
     admitted: int = -1  # admission number (the latest admitted is preempted first)
     generator: object = None  # its torch.Generator, made at its first sampled token
     media: dict | None = None  # a multimodal prompt's media inputs (the model's `media_inputs`), or None

@@ -22,6 +22,12 @@ class ModelRunner:
         # until the request ends (a preempted request feeds its prompt again). Keyed by the request itself (it
         # hashes by identity), never by id(): an ended request's id can be a new request's.
         self.encoded: dict[Request, dict] = {}
+        # Prefix caching: each decoding request's snapshot at the last unit boundary its row reached (the state a
+        # finished request's prefix is cached with), kept while the request holds its row.
+        self.tails: dict[Request, object] = {}
+        # Prefix caching: the other requests in flight or waiting (set by the manager), whose prompts a request's
+        # prefill may share: it stops where the longest such shared part ends, to cache its state there.
+        self.peers = lambda: []
 
     def encode(self, request: Request) -> None:
         if request.media is not None and request not in self.encoded:
@@ -42,16 +48,117 @@ class ModelRunner:
         if order:
             self.cache.move_rows(src)
         else:
-            self.cache.reset()  # no request holds a row
-        for request, s in zip(order, src):
+            self.cache.reset()  # no request holds a row (cached prefixes stay)
+        self.rows = list(order)
+        for row, (request, s) in enumerate(zip(order, src)):
             if s == -1:
                 request.held = 0
-        self.rows = list(order)
+                request.prefix_seen = -1
+                self.tails.pop(request, None)
+                if self.cache.prefix is not None and request.media is None:
+                    self._restore(row, request)
+        if self.tails:
+            placed = set(order)
+            self.tails = {r: s for r, s in self.tails.items() if r in placed}
 
     def release_all(self) -> None:
         """Every row back (the loop ended): the cache is reset, whatever state a failure left it in."""
         self.cache.reset()
         self.rows = []
+        self.tails.clear()
+
+    def _restore(self, row: int, request: Request) -> None:
+        """Start the request's empty row from the longest cached prefix of its tokens; where cached blocks reach
+        further than any snapshot, its prefill will stop there once to cache its state (`Request.prefix_stop`)."""
+        cache = self.cache
+        first = request.prefix_seen == -1
+        request.prefix_seen = cache.prefix.version
+        request.held = cache.restore_prefix(row, _tokens(request, request.total), limit=request.total - 1,
+                                            count=first)
+        stop = max(cache.prefix_matched, self._shared_with_peers(request))
+        request.prefix_stop = stop if stop > request.held else 0
+
+    def _shared_with_peers(self, request: Request) -> int:
+        """The longest whole-unit prefix (before its last token) the request's tokens share with another request's
+        prompt in flight or waiting: computed once by the first of them, restored by the others."""
+        unit = self.cache.prefix.unit
+        limit = request.total - 1
+        if limit < unit:
+            return 0
+        tokens = _tokens(request, request.total)
+        head, best = tokens[:unit], 0
+        for other in self.peers():
+            theirs = other.prompt
+            if other is request or other.media is not None or len(theirs) <= best or theirs[:unit] != head:
+                continue
+            lo, hi = unit, min(limit, len(theirs))  # tokens[:lo] == theirs[:lo]; find the longest such lo
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if tokens[:mid] == theirs[:mid]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            best = max(best, lo // unit * unit)
+        return best
+
+    def retry_restores(self) -> bool:
+        """Rows that have fed nothing yet, or that are prefilling towards a prefix others cached as blocks, look
+        again if prefixes were cached since their last look (requests admitted together prefill one after the
+        other: the later ones start from what the earlier cached). A row that a longer cached prefix now serves
+        gives back what it fed and starts from that prefix. Returns whether a row was restored (the scheduler
+        orders the rows again)."""
+        cache = self.cache
+        if cache.prefix is None:
+            return False
+        version, again = cache.prefix.version, []
+        for row, request in enumerate(self.rows):
+            if request.prefix_seen == version or request.total < 2 or request.media is not None:
+                continue
+            if request.held == 0:
+                again.append((row, request))
+            elif request.in_prefill:
+                request.prefix_seen = version
+                restorable, matched = cache.prefix_lookup(_tokens(request, request.total), limit=request.total - 1)
+                if restorable > request.held:
+                    again.append((row, request))
+                elif matched > max(request.held, request.prefix_stop):
+                    request.prefix_stop = matched  # its prefill stops there to cache its state for others
+        if not again:
+            return False
+        fed = [row for row, request in again if request.held]
+        if fed:  # those rows start over, empty (their blocks go back; no other row moves)
+            cache.move_rows([-1 if i in fed else i for i in range(len(self.rows))])
+            for row, request in again:
+                request.held = 0
+        for row, request in again:
+            self._restore(row, request)
+        return any(request.held for _, request in again)
+
+    def _after_step(self, rows: list[Request]) -> None:
+        """Prefix caching, after a step landed (before its tokens are sampled): a row that reached its snapshot
+        point (the scheduler stopped its prefill there) is cached as a prefix; a row at any other unit boundary
+        keeps a snapshot for when it finishes (`retire`)."""
+        unit = self.cache.prefix.unit
+        for row, request in enumerate(rows):
+            held = request.held
+            if held == 0 or held % unit or request.media is not None:
+                continue  # (a prompt with media: its tokens do not say what its state holds)
+            if held == (request.total - 1) // unit * unit or held == request.prefix_stop:
+                self.cache.cache_prefix(row, _tokens(request, held))
+            else:
+                self.tails[request] = self.cache.snapshot_row(row)
+
+    def retire(self, request: Request) -> None:
+        """A finished request's row becomes a cached prefix up to the last unit boundary it reached."""
+        cache, tail = self.cache, self.tails.pop(request, None)
+        if cache.prefix is None or request not in self.rows or request.media is not None:
+            return
+        row = self.rows.index(request)
+        tokens = _tokens(request, request.held)
+        if request.held % cache.prefix.unit == 0:
+            cache.cache_prefix(row, tokens)
+        elif tail is not None:
+            cache.cache_prefix(row, tokens, snapshot=tail)
 
     def why_not_fits(self, growth: list[int]) -> str | None:
         """None if every row can grow by ``growth`` tokens in the next steps, else what stands in the way."""
@@ -71,6 +178,8 @@ class ModelRunner:
         logits = self._forward(rows, ids, mask)
         for request, n in zip(rows, chunks):
             request.held += n
+        if self.cache.prefix is not None:
+            self._after_step(rows)
         return self._sample(rows, logits[:, -1])
 
     def decode(self, drafts: list[list[int]] | None = None) -> list[tuple[Request, int, float | None]]:
@@ -85,6 +194,8 @@ class ModelRunner:
             logits = self._forward(rows, ids, None)
             for request in rows:
                 request.held += 1
+            if self.cache.prefix is not None:
+                self._after_step(rows)
             return self._sample(rows, logits[:, -1])
         length = 1 + max(len(d) for d in drafts)
         ids = torch.zeros(len(rows), length, dtype=torch.long)
@@ -117,6 +228,8 @@ class ModelRunner:
             request.held -= drops[i]
         if any(drops):
             crop_rows(self.cache, drops)
+        if self.cache.prefix is not None:  # (after the crop: each row's state is at what it holds)
+            self._after_step(rows)
         return picked
 
     def _forward(self, rows: list[Request], ids: torch.Tensor, mask: torch.Tensor | None,
@@ -183,6 +296,12 @@ def splice_prompt_embeddings(embeds: torch.Tensor, attention_mask: torch.Tensor 
             embeds[b, cols] = row
         spans.append((cols, logical))
     return spans
+
+
+def _tokens(request: Request, n: int) -> list[int]:
+    """The first ``n`` tokens of the request (its prompt, then what it generated)."""
+    tokens = request.prompt[:n]
+    return tokens + request.generated[: n - len(tokens)]
 
 
 def _generator(request: Request, device: torch.device) -> torch.Generator:

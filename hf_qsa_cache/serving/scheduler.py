@@ -6,7 +6,8 @@ first (rows ``[0, p)``), then those decoding. Two kinds of step follow:
 * a prefill step feeds the oldest prefilling requests a chunk of their pending tokens (rows ``[0, k)``:
   the oldest takes as much of ``max_batch_tokens`` as it can use, the next ones join while ``k`` chunks of
   that length fit and pads stay at most half the step; a chunk may end anywhere: inside a QSA group, a
-  window, a conv span);
+  window, a conv span, except that with prefix caching a chunk ends at the request's snapshot point, the last
+  unit boundary before its last token, when it passes it: the runner caches the prefix there);
 * a decode step feeds every row one token: a decoding request its last sampled token, a prefilling one
   its next prompt token (useful work, and one real token per row: the CUDA-graph decode step applies).
 
@@ -24,8 +25,9 @@ from .requests import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, max_rows: int, max_batch_tokens: int, prefill_first: bool):
+    def __init__(self, max_rows: int, max_batch_tokens: int, prefill_first: bool, unit: int | None = None):
         self.max_rows = max_rows
+        self.unit = unit  # prefix caching: chunks stop at each request's snapshot point (`snapshot_point`)
         self.max_batch_tokens = max_batch_tokens
         self.prefill_first = prefill_first
         self.waiting: deque[Request] = deque()
@@ -132,6 +134,21 @@ class Scheduler:
             p += 1
         return p
 
+    def snapshot_point(self, request: Request) -> int:
+        """With prefix caching, where the request's prefill stops once to cache its prefix: the last unit
+        boundary before its last token to feed (0: none)."""
+        if self.unit is None:
+            return 0
+        return (request.total - 1) // self.unit * self.unit
+
+    def _to_snapshot(self, request: Request, chunk: int) -> int:
+        """``chunk`` cut so that it ends at the request's next stop: the end of what others cached as blocks
+        without a snapshot there (`Request.prefix_stop`), or its snapshot point, if it would pass it."""
+        for point in (request.prefix_stop, self.snapshot_point(request)):
+            if request.held < point < request.held + chunk:
+                return point - request.held
+        return chunk
+
     def prefill_chunks(self) -> list[int]:
         """Tokens the first ``k`` prefilling rows get in a prefill step (rows ``[0, k)``, oldest first).
 
@@ -142,12 +159,15 @@ class Scheduler:
         p = self.prefilling()
         if p == 0:
             return []
-        length = min(self.rows[0].pending, self.max_batch_tokens)
+        length = self._to_snapshot(self.rows[0], min(self.rows[0].pending, self.max_batch_tokens))
         chunks = [length]
         for r in self.rows[1:p]:
             if (len(chunks) + 1) * length > self.max_batch_tokens:
                 break
-            chunk = min(r.pending, length)
+            if 0 < r.prefix_stop and r.held < r.prefix_stop and any(
+                    q.prefix_stop == r.prefix_stop and q.held < q.prefix_stop for q in self.rows[: len(chunks)]):
+                break  # an older row is computing the same cached-blocks prefix: start from its snapshot instead
+            chunk = self._to_snapshot(r, min(r.pending, length))
             # Every row of the step is padded to `length`: a row joins only while pads stay at most half the step.
             if (len(chunks) + 1) * length > 2 * (sum(chunks) + chunk):
                 break

@@ -10,7 +10,8 @@ treats alike for every store:
 * ``row_tensors``: indexed by cache row; copied when rows change place (`QSAPagedCache.select_rows`,
   `move_rows`);
 * ``inplace_rows``: ``(live, saved)`` pairs of the per-row state a step overwrites in place, and the
-  copies a step takes before it writes (`hf_qsa_cache.step`).
+  copies a step takes before it writes (`hf_qsa_cache.step`);
+* ``snapshot_tensors``: the per-row state a prefix snapshot copies out and back (`hf_qsa_cache.prefix_cache`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ class Store(ABC):
 
     def inplace_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return []
+
+    def snapshot_tensors(self) -> list[torch.Tensor]:
+        """Row-indexed tensors (dim 0: cache row) a prefix snapshot copies: one row's state at a point, besides
+        its paged blocks (`hf_qsa_cache.prefix_cache`). Default: `row_tensors`."""
+        return self.row_tensors()
 
     def reset(self) -> None:
         """Every row back to the state a fresh row starts from (paged stores: nothing; the tables decide what

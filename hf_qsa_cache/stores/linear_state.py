@@ -184,6 +184,10 @@ class LinearAttentionState(Store):
         rings = [r.view(self.max_rows + 1, self.history, *r.shape[1:]) for r in self.rings.values()]
         return [t for t in (self.conv, self.recurrent, self.ple_conv, self.ngram_ids) if t is not None] + rings
 
+    def snapshot_tensors(self) -> list[torch.Tensor]:
+        """The live state only: a row restored from a snapshot starts a new rollback history."""
+        return [t for t in (self.conv, self.recurrent, self.ple_conv, self.ngram_ids) if t is not None]
+
     def reset(self) -> None:
         for t in (self.conv, self.recurrent, self.ple_conv):
             if t is not None:

@@ -14,3 +14,13 @@ def test_random_operations_match_the_reference(family, seed):
     assert stress.checked > 20
     assert {"decode", "verify", "crop"} <= set(stress.counts), stress.counts
     assert any(k.endswith("+fault") for k in stress.counts), stress.counts
+
+
+@pytest.mark.parametrize("family, seed", [("qwen4_exp", 5), ("inkling", 6)])
+def test_random_operations_with_shared_prefixes(family, seed):
+    stress = Stress(family, seed, prefix=True)
+    stress.run(ops=40, fault_rate=0.3)
+    stats = stress.cache.memory_stats()["prefix_cache"]
+    assert stress.counts.get("prefix batch", 0) >= 3 and stats["hit_tokens"] > 0, (stress.counts, stats)
+    assert stats["evictions"] + stats["snapshot_evictions"] > 0, stats
+    assert "prefix batch+fault" in stress.counts, stress.counts

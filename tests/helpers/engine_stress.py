@@ -7,7 +7,9 @@ Every request must end with exactly one final result, and that result must be
 * its tokens from transformers' own model on its prompt alone (greedy), or
 * FAILED because its own step failed or bookkeeping failed three iterations in a row (the injected error), or
 * FAILED "cancelled" when it was cancelled;
-and at the end every block is back in its pool, no row is held, no media encoding or id is left behind.
+and at the end every block is back in its pool (or cached by prefix caching and idle), no row is held, no media
+encoding or id is left behind. With ``shared=True`` prompts continue a few common prefixes (cut anywhere) and
+earlier requests' prompts and answers, so rows start from cached prefixes while faults fire.
 
 CI runs a short sequence (tests/serving/test_engine_reliability.py); run a long one with
 ``python tests/helpers/engine_stress.py --family inkling --ops 2000 --seed 0``.
@@ -73,8 +75,10 @@ class Faults:
 
 class EngineStress:
     def __init__(self, family: str, seed: int, rows: int = 3, budget: int = 7, blocks: int = 24,
-                 fault_every: tuple[int, int] = (20, 120)):
+                 fault_every: tuple[int, int] = (20, 120), shared: bool = False):
         self.family, self.seed = family, seed
+        self.shared = shared
+        self.bases = random_prompts([18, 25, 12], vocab=90, seed=seed + 7)  # common prefixes (shared=True)
         self.ref, self.ours = family_pair(family)
         self.rng = random.Random(seed)
         self.config = ContinuousBatchingConfig(page_size=4, num_blocks=blocks, max_batch_tokens=budget,
@@ -95,6 +99,8 @@ class EngineStress:
                     kind = rng.random()
                     if kind < 0.6:
                         prompt = random_prompts([rng.randint(1, 40)], vocab=90, seed=rng.randrange(10**6))[0] or [5]
+                        if self.shared:
+                            prompt = self.shared_prompt(prompt)
                         new = rng.randint(1, 10)
                         request_id = manager.add_request(prompt, request_id=f"s{op}", max_new_tokens=new)
                         self.submitted[request_id] = (prompt, new)
@@ -114,6 +120,17 @@ class EngineStress:
         finally:
             self.faults.remove()
         self._check_end_state()
+
+    def shared_prompt(self, tail: list[int]) -> list[int]:
+        """A prompt that continues a common prefix or an earlier request's prompt and answer, cut anywhere."""
+        rng = self.rng
+        finished = [r for r in self.finals.values() if r.status == RequestStatus.FINISHED]
+        if finished and rng.random() < 0.4:
+            source = rng.choice(finished)
+            base = list(source.prompt_ids) + list(source.generated_tokens)
+        else:
+            base = rng.choice(self.bases)
+        return (base[: rng.randint(len(base) // 2, len(base))] + tail[: rng.randint(1, 8)])[:60]
 
     def _drain(self, manager, wait: float) -> None:
         while True:

@@ -44,5 +44,9 @@ def greedy(new: int, **kwargs) -> GenerationConfig:
 
 
 def pools_full(cache: QSAPagedCache) -> bool:
-    """No row held, every block back in its pool."""
-    return all(len(t.free) == t.num_blocks - 1 for t in cache.tables.values()) and cache.num_rows == 0
+    """No row held, every block back in its pool: free, or cached by prefix caching and idle (the pool takes
+    those back whenever a step needs them)."""
+    for t in cache.tables.values():
+        t.check_accounting()
+    return all(t.available() == t.num_blocks - 1 and not any(t.refs) for t in cache.tables.values()) \
+        and cache.num_rows == 0

@@ -8,7 +8,13 @@ rows enter and take their first tokens in the next step), resets, and any step w
 a random torch call.
 After every step the last logits of each row must equal the reference's (the row alone, unpadded, on a
 fresh cache), and every block table must account for each block exactly once (free, or held by one
-row). A failed step must change nothing (the row histories stay), or leave a cache that refuses with
+row).
+
+With ``prefix=True`` the cache caches prefixes (``prefix_caching``, small budgets): a new batch first keeps the
+rows that stand at a unit boundary as cached prefixes, then takes prompts that continue earlier histories cut
+anywhere (inside a block, a QSA group, a window), so rows start from shared blocks and snapshots, and prefills
+with faults injected must leave the cached entries as they were. Block accounting then counts shared blocks
+(``BlockTable.check_accounting``: free, listed by rows as often as counted, or idle and cached). A failed step must change nothing (the row histories stay), or leave a cache that refuses with
 reset() (then it is reset and the batch prefilled again).
 
 CI runs a short sequence (tests/cache/test_stress.py); run a long one with
@@ -46,12 +52,15 @@ def build_model(family: str):
 
 
 class Stress:
-    def __init__(self, family: str, seed: int):
+    def __init__(self, family: str, seed: int, prefix: bool = False):
         self.model = build_model(family)
         self.vocab = self.model.config.vocab_size
         self.rng = random.Random(seed)
+        self.prefix = prefix
+        extra = dict(prefix_caching=True, prefix_snapshots=4, prefix_blocks=24) if prefix else {}
         self.cache = QSAPagedCache(self.model.config, ROWS, MAX_LEN, block_size=2 if family == "inkling" else 4,
-                                   num_speculative_tokens=K)
+                                   num_speculative_tokens=K, **extra)
+        self.past: list[list[int]] = []  # earlier batches' histories: what new prompts continue (prefix=True)
         self.history: list[list[int]] = []
         self.counts: dict[str, int] = {}
         self.checked = 0
@@ -69,6 +78,10 @@ class Stress:
         self.checked += 1
 
     def check_pools(self) -> None:
+        if self.prefix:
+            for table in self.cache.tables.values():
+                table.check_accounting()
+            return
         for name, table in self.cache.tables.items():
             held = [blk for row in table.rows for blk in row if blk != 0]
             assert len(held) == len(set(held)), f"{name}: a block is held twice"
@@ -89,6 +102,9 @@ class Stress:
         return self.model(torch.tensor(new), attention_mask=mask, past_key_values=cache).logits
 
     def new_batch(self) -> torch.Tensor:
+        if self.prefix:
+            self.prefix_batch()
+            return self.prefill()
         self.cache.reset()
         rows = self.rng.randint(1, ROWS)
         lengths = [self.rng.choice([1, 2, 3, self.rng.randint(4, 40)]) for _ in range(rows)]
@@ -100,6 +116,43 @@ class Stress:
             ids[b, width - len(tokens):] = torch.tensor(tokens)
             mask[b, width - len(tokens):] = 1
         return self.model(ids, attention_mask=mask, past_key_values=self.cache).logits
+
+    def prefix_batch(self) -> None:
+        """Rows at a unit boundary become cached prefixes, every row is released, and the new rows' prompts
+        continue earlier histories cut anywhere (or are new)."""
+        cache, rng = self.cache, self.rng
+        if cache._unusable is None:
+            for b, tokens in enumerate(self.history):
+                if tokens and len(tokens) % cache.prefix_unit == 0 and cache.lengths[b] == len(tokens):
+                    cache.cache_prefix(b, tokens)
+        self.past = (self.past + [t for t in self.history if t])[-8:]
+        cache.reset()
+        prompts = []
+        for _ in range(rng.randint(1, ROWS)):
+            tokens = []
+            if self.past and rng.random() < 0.75:
+                source = rng.choice(self.past)
+                tokens = source[: rng.randint(0, len(source))]
+            tokens += [rng.randrange(2, self.vocab) for _ in range(rng.choice([1, 2, rng.randint(3, 30)]))]
+            prompts.append(tokens[: MAX_LEN - 12])
+        self.history = prompts
+        self.count("prefix batch")
+
+    def prefill(self) -> torch.Tensor:
+        """The rows' histories as one left-padded prompt (from cached prefixes where the cache has them)."""
+        width = max(len(t) for t in self.history)
+        ids = torch.zeros(len(self.history), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, tokens in enumerate(self.history):
+            ids[b, width - len(tokens):] = torch.tensor(tokens)
+            mask[b, width - len(tokens):] = 1
+        return self.model(ids, attention_mask=mask, past_key_values=self.cache, logits_to_keep=1).logits
+
+    def entries(self) -> tuple:
+        """The cached entries, their snapshots and blocks (what a failed forward must not change)."""
+        prefix = self.cache.prefix
+        return tuple(sorted((e.serial, id(e.snapshot), tuple(sorted((n, tuple(b)) for n, b in e.blocks.items())))
+                            for e in prefix.entries.values()))
 
     def room(self) -> int:
         return MAX_LEN - max(len(t) for t in self.history) - K - 1
@@ -125,9 +178,24 @@ class Stress:
 
     def one_op(self, fault_rate: float) -> None:
         kind = self.rng.choices(["decode", "verify", "continue", "reorder", "select", "repeat", "move", "batch"],
-                                weights=[6, 4, 2, 1, 1, 1, 1, 1])[0]
+                                weights=[6, 4, 2, 1, 1, 1, 1, 4 if self.prefix else 1])[0]
         if kind in ("decode", "verify", "continue") and self.room() < 6:
             kind = "batch"
+        if kind == "batch" and self.prefix and self.rng.random() < fault_rate:
+            self.prefix_batch()
+            before = self.entries()
+            try:
+                with FailAt(self.rng.randint(1, 6000)):
+                    logits = self.prefill()
+                self.count("prefix batch (fault past its end)")
+            except Injected:
+                self.count("prefix batch+fault")
+                assert self.entries() == before, "a failed prefill changed the cached prefixes"
+                assert not any(self.cache.lengths) and self.cache.columns_seen == 0
+                self.check_pools()
+                logits = self.prefill()
+            self.check(logits)
+            return
         if kind == "batch":
             self.count("batch")
             self.check(self.new_batch())
@@ -185,6 +253,8 @@ class Stress:
     def replay_histories(self) -> torch.Tensor:
         """Reset, then prefill the rows' histories again (after a step that could not be taken back)."""
         self.cache.reset()
+        if self.prefix:
+            return self.prefill()
         width = max(len(t) for t in self.history)
         ids = torch.zeros(len(self.history), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -202,10 +272,11 @@ def main() -> None:
     parser.add_argument("--family", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
     parser.add_argument("--ops", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix", action="store_true", help="prefix caching: shared prefixes, eviction")
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.perf_counter()
-    stress = Stress(args.family, args.seed)
+    stress = Stress(args.family, args.seed, prefix=args.prefix)
     stress.run(args.ops)
     print(f"{args.family} seed {args.seed}: {args.ops} operations, {stress.checked} logit checks, all equal to "
           f"the reference; pools exact after every operation ({time.perf_counter() - start:.0f} s)")

@@ -330,6 +330,8 @@ def test_continuous_batching_with_media(models, upstream_alone):
         manager.stop(block=True)
     assert manager.stats["preemptions"] > 0
     assert not manager.runner.encoded  # each finished request's media encoding was let go
+    prefix = manager.cache.memory_stats()["prefix_cache"]
+    assert prefix["entries"] == 0 and prefix["lookup_tokens"] == 0  # requests with media: not cached, not restored
     for i, (tokens, _) in enumerate(upstream_alone):
         assert results[f"r{i}"].error is None
         assert results[f"r{i}"].generated_tokens == tokens, f"request {i}"

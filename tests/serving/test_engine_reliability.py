@@ -367,6 +367,20 @@ def test_random_arrivals_cancels_and_faults_match_the_reference(family_name, see
     assert "_forward" in stress.faults.fired and len(stress.faults.fired) >= 2, stress.faults.fired
 
 
+@pytest.mark.parametrize("family_name, seed", [("qwen4_exp", 2), ("inkling", 3)])
+def test_shared_prefixes_under_faults_match_the_reference(family_name, seed):
+    """The engine stress test with prompts that share prefixes (and continue earlier answers): rows start from
+    cached prefixes, cached blocks are taken back for new work, faults fire in steps and bookkeeping."""
+    from helpers.engine_stress import EngineStress
+
+    stress = EngineStress(family_name, seed, shared=True)
+    stress.run(ops=60)
+    assert stress.counts["finished"] > 10, stress.counts
+    assert stress.faults.fired, stress.faults.fired
+    stats = stress.cache.memory_stats()["prefix_cache"]
+    assert stats["hit_tokens"] > 0 and stats["evictions"] > 0, stats
+
+
 def test_a_steps_results_reach_an_event_loop_in_one_hand_over():
     """Handlers registered from one asyncio loop get a step's results through one ``call_soon_threadsafe``
     (a server's loop wakes once a step, not once a request), each handler its own result, in order."""
@@ -410,7 +424,9 @@ def test_fp8_caches_through_continuous_batching(family):
     name, ref, ours = family
     fp8 = dict(kv_cache_dtype=torch.float8_e4m3fn, index_cache_dtype=torch.float8_e4m3fn if name == "qwen4_exp" else None)
     prompts = random_prompts([19, 33, 7], vocab=90, seed=43)
-    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=3)
+    # (Without prefix caching, whose snapshot points would split a prefill in two.)
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=3,
+                                      allow_block_sharing=False)
     manager = ours.init_continuous_batching(greedy(6), config, **fp8)
     assert manager.cache.kv_cache_dtype == torch.float8_e4m3fn
     results = ours.generate_batch(prompts, greedy(6), config, **fp8)

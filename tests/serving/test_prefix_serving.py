@@ -1,0 +1,100 @@
+"""Prefix caching in continuous batching (on by default; ``ContinuousBatchingConfig(allow_block_sharing=False)``
+turns it off): requests that share a system prompt, and the next turns of conversations, start from cached
+prefixes (the prompt's snapshot point, and the last unit boundary a finished request reached), across requests
+and turns. Tokens equal transformers' own model on each prompt alone (fp32), both families; prefill chunks end
+inside QSA groups, windows and conv spans; pools are tight enough that cached blocks are evicted for new work."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.qwen4 import collect_results, random_prompts
+from helpers.serving import FAMILIES, alone, family_pair, greedy, pools_full
+from transformers import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.requests import RequestStatus
+
+NEW = 5
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return (request.param, *family_pair(request.param))
+
+
+def run(manager, prompts):
+    ids = manager.add_requests(prompts)
+    results = collect_results(manager, len(prompts))
+    return [results[i] for i in ids]
+
+
+def check(ref, prompts, results):
+    for prompt, result in zip(prompts, results):
+        assert result.status == RequestStatus.FINISHED and result.error is None, result.error
+        assert result.generated_tokens == alone(ref, prompt, NEW), prompt
+
+
+@pytest.mark.parametrize("lookup", [0, 2])
+def test_shared_system_prompt_and_next_turns(family, lookup):
+    """``lookup``: prompt lookup inside the loop (verify steps, per-row crops above the shared floors; Qwen4Exp's
+    cache then keeps rollback history, which a restored row does not have below its prefix)."""
+    name, ref, ours = family
+    system = random_prompts([14], vocab=90, seed=21)[0]
+    users = random_prompts([5, 7, 3], vocab=90, seed=22)
+    first = [system + u for u in users]
+    # 3 rows, 5-token prefill chunks, 4-token units (page_size): snapshot points at 16 and 12, decode tails at 20.
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=5, max_requests_per_batch=3)
+    gen = greedy(NEW, prompt_lookup_num_tokens=lookup) if lookup else greedy(NEW)
+    with ours.continuous_batching_context_manager(gen, continuous_batching_config=config) as manager:
+        cache = manager.cache
+        assert cache.prefix is not None and manager.scheduler.unit == 4
+        cache.prefix.max_snapshots = 32  # (the default, two a row, would evict some of the tails this checks)
+        results = run(manager, first)
+        check(ref, first, results)
+        after_first = cache.memory_stats()["prefix_cache"]
+        # The next turn of each conversation: its history (prompt and answer) and a new user message.
+        more = random_prompts([4, 6, 2], vocab=90, seed=23)
+        second = [p + r.generated_tokens + m for p, r, m in zip(first, results, more)]
+        results2 = run(manager, second)
+        check(ref, second, results2)
+        stats = cache.memory_stats()["prefix_cache"]
+        assert not lookup or manager.stats["drafted_tokens"] > 0
+    assert pools_full(cache)  # (once the loop has stopped: it releases a finished request's row after its result)
+    assert after_first["snapshots"] > 0
+    hits = stats["hit_tokens"] - after_first["hit_tokens"]
+    # Each second turn restores at least the last unit boundary its first turn reached while decoding.
+    reached = [(len(p) + NEW - 1) // 4 * 4 for p in first]
+    assert hits >= sum(reached), (hits, reached)
+
+
+def test_tight_pool_evicts_cached_blocks_and_sharing_can_be_turned_off(family):
+    name, ref, ours = family
+    prompts = random_prompts([19, 22, 17, 21, 18], vocab=90, seed=31)
+    # A pool that holds two rows: every new request needs blocks that cached prefixes hold.
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=14, max_batch_tokens=8, max_requests_per_batch=2)
+    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config) as manager:
+        results = run(manager, prompts)
+        check(ref, prompts, results)
+        stats = manager.cache.memory_stats()["prefix_cache"]
+    assert pools_full(manager.cache)
+    assert stats["evictions"] > 0
+    off = ContinuousBatchingConfig(page_size=4, num_blocks=14, max_batch_tokens=8, max_requests_per_batch=2,
+                                   allow_block_sharing=False)
+    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=off) as manager:
+        assert manager.cache.prefix is None and manager.scheduler.unit is None
+        check(ref, prompts[:2], run(manager, prompts[:2]))
+        assert "prefix_cache" not in manager.cache.memory_stats()
+
+
+def test_requests_admitted_together_restore_what_the_first_cached(family):
+    name, ref, ours = family
+    shared = random_prompts([18], vocab=90, seed=41)[0]
+    prompts = [shared + q for q in random_prompts([3, 5, 2, 4], vocab=90, seed=42)]
+    # All four admitted at once: the first sees that the others share its first 16 tokens (whole units) and stops
+    # there to cache a snapshot; the others wait for it, then start from it (giving back a token a decode step
+    # fed them meanwhile).
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=8, max_requests_per_batch=4)
+    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config) as manager:
+        results = run(manager, prompts)
+        check(ref, prompts, results)
+        stats = manager.cache.memory_stats()["prefix_cache"]
+    assert pools_full(manager.cache)
+    assert stats["hit_tokens"] >= 3 * 16, stats
