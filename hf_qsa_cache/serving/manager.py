@@ -177,7 +177,7 @@ class ContinuousBatchingManager:
         return {"running": self.is_running(), "accepting": self._accepting and fatal is None,
                 "fatal_error": None if fatal is None else f"{type(fatal).__name__}: {fatal}",
                 "rows_in_use": len(self.scheduler.rows), "waiting": len(self.scheduler.waiting) + self.input_queue.qsize(),
-                "free_blocks": {name: len(table.free) for name, table in self.cache.tables.items()},
+                "free_blocks": {name: table.available() for name, table in self.cache.tables.items()},  # idle cached too
                 **self.stats}
 
     # ------------------------------------------------------------------ requests

@@ -270,6 +270,9 @@ def test_lifecycle_refuses_instead_of_losing_requests(qwen):
     assert results[0] is not None and results[0].is_finished()
     assert manager.get_result(timeout=0.1) is None  # stopped, nothing waiting: returns at once
     assert list(manager.request_id_iter("unknown")) == []
+    # Every block is free or idle in the prefix cache (which gives it back on demand): health counts both.
+    assert manager.cache.prefix is not None and any(t.idle for t in manager.cache.tables.values())
+    assert manager.health()["free_blocks"] == {n: t.num_blocks - 1 for n, t in manager.cache.tables.items()}
 
 
 def test_cancelling_a_waiting_request_ends_it_before_it_runs(qwen):
