@@ -359,14 +359,17 @@ def test_per_request_penalties_match_transformers_greedy(family):
     assert alone(ref, prompts[0], 8, repetition_penalty=1.8) != alone(ref, prompts[0], 8)  # the penalty mattered
 
 
-@pytest.mark.parametrize("family_name, seed", [("qwen4_exp", 0), ("inkling", 1)])
-def test_random_arrivals_cancels_and_faults_match_the_reference(family_name, seed):
-    """A short run of the engine's model-based stress test (tests/helpers/engine_stress.py)."""
+@pytest.mark.parametrize("family_name, seed, lookup", [("qwen4_exp", 0, 0), ("inkling", 1, 2)],
+                         ids=["qwen4_exp", "inkling-prompt-lookup"])
+def test_random_arrivals_cancels_and_faults_match_the_reference(family_name, seed, lookup):
+    """A short run of the engine's model-based stress test (tests/helpers/engine_stress.py); Inkling's with
+    prompt lookup's drafts verified inside the loop (per-row crops under faults)."""
     from helpers.engine_stress import EngineStress
 
-    stress = EngineStress(family_name, seed)
+    stress = EngineStress(family_name, seed, lookup=lookup)
     stress.run(ops=60)
     assert stress.counts["finished"] > 10, stress.counts
+    assert (stress.manager.stats["drafted_tokens"] > 0) == bool(lookup), stress.manager.stats
     # Which sites the faults land on follows thread timing; steps that fail are covered deterministically by
     # test_a_failed_step_fails_its_requests_only and the bookkeeping places by the test above.
     assert sum(stress.faults.fired.values()) >= 3, stress.faults.fired
