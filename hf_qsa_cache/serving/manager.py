@@ -167,9 +167,10 @@ class ContinuousBatchingManager:
             self.model.use_cuda_graphs = self._graphs_before
 
     def destroy(self) -> None:
+        """Stop the loop and empty the cache, cached prefixes and their snapshots included."""
         if self.is_running():
             self.stop(block=True)
-        self.cache.reset()
+        self.cache.reset(prefixes=True)
 
     def health(self) -> dict:
         """The engine's state, for a server's health route."""

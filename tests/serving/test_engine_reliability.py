@@ -273,6 +273,9 @@ def test_lifecycle_refuses_instead_of_losing_requests(qwen):
     # Every block is free or idle in the prefix cache (which gives it back on demand): health counts both.
     assert manager.cache.prefix is not None and any(t.idle for t in manager.cache.tables.values())
     assert manager.health()["free_blocks"] == {n: t.num_blocks - 1 for n, t in manager.cache.tables.items()}
+    manager.destroy()  # cached prefixes and their snapshots go too
+    assert all(len(t.free) == t.num_blocks - 1 for t in manager.cache.tables.values())
+    assert manager.cache.memory_stats()["prefix_cache"]["snapshots"] == 0
 
 
 def test_cancelling_a_waiting_request_ends_it_before_it_runs(qwen):
