@@ -108,8 +108,9 @@ def build_app(served: Served, enable_cors: bool = False, start_engine: bool = Tr
 
         app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
+    def refusal(request: Request) -> JSONResponse | None:
+        """The answer to a request that may not reach a route (a missing or wrong API key, a body over the
+        limit), else None."""
         if served.api_key is not None and request.url.path != "/health" and request.method != "OPTIONS":
             header = request.headers.get("authorization", "")
             scheme, _, key = header.partition(" ")
@@ -125,7 +126,25 @@ def build_app(served: Served, enable_cors: bool = False, start_engine: bool = Tr
             if int(length) > served.limits.max_body_bytes:
                 return fail(413, f"the request body has {length} bytes, more than the limit "
                                  f"{served.limits.max_body_bytes}")
-        return await call_next(request)
+        return None
+
+    class Guard:
+        """`refusal` before any route, as a plain ASGI middleware: Starlette's ``@app.middleware("http")`` relays
+        every chunk of a streamed response through a memory stream, a cost per token and stream that the
+        engine thread pays too (one interpreter lock)."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http":
+                response = refusal(Request(scope))
+                if response is not None:
+                    await response(scope, receive, send)
+                    return
+            await self.inner(scope, receive, send)
+
+    app.add_middleware(Guard)
 
     @app.exception_handler(BadRequest)
     async def _bad(_request, error: BadRequest):
