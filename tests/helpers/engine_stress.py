@@ -118,6 +118,8 @@ class EngineStress:
                     assert time.time() < deadline, f"{len(self.submitted) - len(self.finals)} requests never ended"
                     self._drain(manager, wait=0.5)
                 self.cache, self.runner, self.manager = manager.cache, manager.runner, manager
+                # What prefix caching did (the manager's exit drops the cached prefixes and their counters).
+                self.prefix_stats = manager.cache.memory_stats().get("prefix_cache")
         finally:
             self.faults.remove()
         self._check_end_state()
