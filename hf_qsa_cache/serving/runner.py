@@ -210,19 +210,20 @@ class ModelRunner:
         plain = [i for i, guess in enumerate(drafts) if not guess]
         picked = self._sample([rows[i] for i in plain], logits[plain, -1]) if plain else []
         drops = [0] * len(rows)
-        for i, guess in enumerate(drafts):
-            if not guess:
-                continue
+        drafted = [i for i, guess in enumerate(drafts) if guess]
+        greedy = logits[drafted].argmax(dim=-1).tolist()  # every drafting row's picks: one read of the device
+        for i, best_row in zip(drafted, greedy):
+            guess = drafts[i]
             request, m = rows[i], len(guess)
-            scores = logits[i, length - 1 - m:].float()  # after the row's last token, then after each draft
-            best = scores.argmax(dim=-1).tolist()
+            best = best_row[length - 1 - m:]  # after the row's last token, then after each draft
             kept = 0
             while kept < m and best[kept] == guess[kept]:
                 kept += 1
             tokens = guess[:kept] + [best[kept]]
             logprobs = [None] * len(tokens)
             if self.return_logprobs or request.want_logprobs:
-                logprobs = scores[: kept + 1].log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+                scores = logits[i, length - 1 - m: length - m + kept].float()
+                logprobs = scores.log_softmax(-1).gather(1, torch.tensor(tokens, device=scores.device)[:, None])[:, 0].tolist()
             picked += [(request, t, lp) for t, lp in zip(tokens, logprobs)]
             drops[i] = m - kept
             request.held -= drops[i]
