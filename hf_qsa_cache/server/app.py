@@ -352,6 +352,18 @@ def build_app(served: Served, enable_cors: bool = False, start_engine: bool = Tr
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def stream_chunk(rid: str, kind: str, created: int, include_usage: bool):
+        """``chunk(choices, usage=None)``: one server-sent event of a streamed response (with usage when asked)."""
+
+        def chunk(choices: list, usage=None) -> str:
+            payload = {"id": rid, "object": kind, "created": created, "model": served.name,
+                       "system_fingerprint": None, "choices": choices}
+            if include_usage:
+                payload["usage"] = usage
+            return sse(payload)
+
+        return chunk
+
     def sse(payload: dict) -> str:
         return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
@@ -455,13 +467,7 @@ def build_app(served: Served, enable_cors: bool = False, start_engine: bool = Tr
             return JSONResponse(out)
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        def chunk(choices: list, usage=None) -> str:
-            payload = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": served.name,
-                       "system_fingerprint": None, "choices": choices}
-            if include_usage:
-                payload["usage"] = usage
-            return sse(payload)
+        chunk = stream_chunk(rid, "chat.completion.chunk", created, include_usage)
 
         async def chunks():
             first = {"role": "assistant", "content": ""}
@@ -540,13 +546,7 @@ def build_app(served: Served, enable_cors: bool = False, start_engine: bool = Tr
                                  "choices": choices, "usage": run.usage(), "system_fingerprint": None})
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        def chunk(choices: list, usage=None) -> str:
-            payload = {"id": rid, "object": "text_completion", "created": created, "model": served.name,
-                       "system_fingerprint": None, "choices": choices}
-            if include_usage:
-                payload["usage"] = usage
-            return sse(payload)
+        chunk = stream_chunk(rid, "text_completion", created, include_usage)
 
         async def chunks():
             sent = [0] * len(run.choices)
