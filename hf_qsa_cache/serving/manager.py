@@ -419,9 +419,8 @@ class ContinuousBatchingManager:
         room = request.max_new_tokens - len(request.generated) - 1
         if request.in_prefill or not request.sampling.plain_greedy or room < 1:
             return []
-        tokens = np.asarray(request.prompt + request.generated, dtype=np.int64)
         eos = np.asarray(sorted(request.eos_token_ids), dtype=np.int64)
-        return lookup_drafts(tokens, min(self.lookup_drafts, room), self.lookup_ngram,
+        return lookup_drafts(request.token_array(), min(self.lookup_drafts, room), self.lookup_ngram,
                              len(request.prompt) + request.max_new_tokens, eos).tolist()
 
     def _fits_first_step(self, request: Request, admitted: list[Request]) -> bool:

@@ -81,6 +81,8 @@ class Request:
     admitted: int = -1  # admission number (the latest admitted is preempted first)
     generator: object = None  # its torch.Generator, made at its first sampled token
     media: dict | None = None  # a multimodal prompt's media inputs (the model's `media_inputs`), or None
+    _array: object = None  # `token_array`'s buffer (prompt, then generated tokens as they come), and its fill
+    _filled: int = 0
 
     @property
     def total(self) -> int:
@@ -100,6 +102,21 @@ class Request:
     def in_prefill(self) -> bool:
         """More than one token to feed: its prompt (or, after preemption, its tokens so far) is not all in."""
         return self.pending > 1
+
+    def token_array(self):
+        """Its prompt and generated tokens as an int64 numpy array (prompt lookup searches it every decode
+        step: kept across steps, only new tokens are copied in)."""
+        import numpy as np
+
+        if self._array is None:
+            self._array = np.empty(len(self.prompt) + self.max_new_tokens, dtype=np.int64)
+            self._array[: len(self.prompt)] = self.prompt
+            self._filled = len(self.prompt)
+        total = self.total
+        if self._filled < total:
+            self._array[self._filled: total] = self.generated[self._filled - len(self.prompt):]
+            self._filled = total
+        return self._array[:total]
 
     def next_tokens(self, n: int) -> list[int]:
         """The next ``n`` tokens its row has not held yet."""

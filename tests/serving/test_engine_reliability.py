@@ -512,3 +512,16 @@ def test_verified_drafts_keep_exactly_the_right_ones(family, monkeypatch, wrong_
         assert stats["accepted_tokens"] < stats["drafted_tokens"]
         assert (stats["accepted_tokens"] == 0) == (wrong_at == 0)
     assert pools_full(cache)
+
+
+def test_a_requests_token_array_follows_its_tokens():
+    """Prompt lookup's search reads `Request.token_array` (kept across steps, only new tokens copied in)."""
+    from hf_qsa_cache.serving.requests import Request
+
+    request = Request("r", [4, 5, 6], 5, frozenset())
+    assert request.token_array().tolist() == [4, 5, 6]
+    request.add_token(7, None)
+    request.add_token(8, None)
+    assert request.token_array().tolist() == [4, 5, 6, 7, 8]
+    request.add_token(9, None)
+    assert request.token_array().tolist() == [4, 5, 6, 7, 8, 9]
