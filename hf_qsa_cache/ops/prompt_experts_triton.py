@@ -65,23 +65,25 @@ def sum_by_token_triton(rows: torch.Tensor, positions: torch.Tensor, num_tokens:
     return out
 
 
-# Up to this many (token, expert) pairs `pair_order_triton` ranks them in one program (it compares every pair
-# with every other: S * S work); more take torch's sort.
+# Up to this many (token, expert) pairs `pair_order_triton` ranks them by comparing every pair with every other
+# (S * S work, spread over programs of BLOCK_I pairs each); more take torch's sort.
 PAIR_ORDER_MAX_PAIRS = 1024
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _pair_order_kernel(ids_ptr, perm_ptr, positions_ptr, offsets_ptr, num_pairs,
-                       S_PAD: tl.constexpr, BLOCK_J: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
+                       BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                        PDL: tl.constexpr = False):
-    """One program: each pair's rank in the stable order by expert (the pairs of lower experts, then the
-    earlier pairs of its own expert), written as ``positions[i] = rank`` and ``perm[rank] = i``, and each
-    expert's end offset (pairs routed to experts ``<= e``)."""
+    """Program p: the rank of pairs ``[p * BLOCK_I, (p + 1) * BLOCK_I)`` in the stable order by expert (the pairs
+    of lower experts, then the earlier pairs of its own expert), written as ``positions[i] = rank`` and
+    ``perm[rank] = i``; program 0 also writes each expert's end offset (pairs routed to experts ``<= e``).
+    One program ranking every pair took 51 us at 640 pairs (64 rows of Qwen4Exp, H100): the comparisons are
+    the work, so they are split over programs."""
     pdl_begin(PDL)
-    i = tl.arange(0, S_PAD)
+    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < num_pairs
     mine = tl.load(ids_ptr + i, mask=i_ok, other=E).to(tl.int32)
-    rank = tl.zeros([S_PAD], tl.int32)
+    rank = tl.zeros([BLOCK_I], tl.int32)
     for j0 in range(0, num_pairs, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         other = tl.load(ids_ptr + j, mask=j < num_pairs, other=E).to(tl.int32)  # padding ranks after every pair
@@ -89,16 +91,21 @@ def _pair_order_kernel(ids_ptr, perm_ptr, positions_ptr, offsets_ptr, num_pairs,
         rank += tl.sum(before.to(tl.int32), axis=1)
     tl.store(positions_ptr + i, rank.to(tl.int64), mask=i_ok)
     tl.store(perm_ptr + rank, i.to(tl.int64), mask=i_ok)
-    e = tl.arange(0, E_PAD)
-    ends = tl.sum(((mine[None, :] <= e[:, None]) & i_ok[None, :]).to(tl.int32), axis=1)
-    tl.store(offsets_ptr + e, ends, mask=e < E)
+    if tl.program_id(0) == 0:
+        e = tl.arange(0, E_PAD)
+        ends = tl.zeros([E_PAD], tl.int32)
+        for j0 in range(0, num_pairs, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            ids = tl.load(ids_ptr + j, mask=j < num_pairs, other=E).to(tl.int32)
+            ends += tl.sum((ids[None, :] <= e[:, None]).to(tl.int32), axis=1)
+        tl.store(offsets_ptr + e, ends, mask=e < E)
 
 
 @on_device_of_first_tensor
-def pair_order_triton(expert_ids: torch.Tensor, num_experts: int,
+def pair_order_triton(expert_ids: torch.Tensor, num_experts: int, block_i: int = 64,
                       block_j: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`prompt_experts.pair_order_torch` of ``expert_ids [S]`` (``S <= PAIR_ORDER_MAX_PAIRS``) in one launch;
-    ``block_j``: pairs compared at a time (tests force it small)."""
+    ``block_i``: pairs ranked per program, ``block_j``: pairs compared at a time (tests force both small)."""
     ids = expert_ids.contiguous()
     S = ids.numel()
     if S > PAIR_ORDER_MAX_PAIRS:
@@ -107,12 +114,10 @@ def pair_order_triton(expert_ids: torch.Tensor, num_experts: int,
     positions = torch.empty(S, dtype=torch.int64, device=ids.device)
     offsets = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     if S:
-        s_pad = triton.next_power_of_2(S)
-        # From 512 pairs on, 4 warps ran out of registers (255 a thread, 15 local loads and stores for sm_90;
-        # `benchmarks/kernel_resources.py`); 8 warps hold it in 163.
-        _pair_order_kernel[(1,)](ids, perm, positions, offsets, S, S_PAD=s_pad, BLOCK_J=block_j,
-                                 E=num_experts, E_PAD=triton.next_power_of_2(num_experts),
-                                 num_warps=8 if s_pad >= 512 else 4, **pdl(ids))
+        _pair_order_kernel[(triton.cdiv(S, block_i),)](ids, perm, positions, offsets, S, BLOCK_I=block_i,
+                                                       BLOCK_J=block_j, E=num_experts,
+                                                       E_PAD=triton.next_power_of_2(num_experts), num_warps=4,
+                                                       **pdl(ids))
     else:
         offsets.zero_()
     return perm, positions, offsets

@@ -173,18 +173,18 @@ def test_tiled_experts_run_only_with_the_fusion_on_a_gpu_and_few_pairs(monkeypat
 
 
 def _pair_order_case(pairs: int, experts: int, one_expert: bool) -> None:
-    """The pairs' order by expert (permutation, positions, offsets) against `pair_order_torch`, with blocks of 4 and
-    32 compared ids: random experts (many pairs per expert: the stable order within one; experts with none: their
+    """The pairs' order by expert (permutation, positions, offsets) against `pair_order_torch`, with programs of 4
+    and 64 ranked pairs and blocks of 4 and 32 compared ids: random experts (many pairs per expert: the stable order within one; experts with none: their
     offsets repeat) or every pair on the last expert."""
     from hf_qsa_cache.ops.prompt_experts_triton import pair_order_triton
 
     g = torch.Generator().manual_seed(pairs * 100 + experts)
     ids = torch.full((pairs,), experts - 1) if one_expert else torch.randint(0, experts, (pairs,), generator=g)
     want = prompt_experts.pair_order_torch(ids, experts)
-    for block_j in (4, 32):
-        got = pair_order_triton(ids, experts, block_j=block_j)
+    for block_i, block_j in ((4, 4), (4, 32), (64, 4), (64, 32)):
+        got = pair_order_triton(ids, experts, block_i=block_i, block_j=block_j)
         for name, h, w in zip(("perm", "positions", "offsets"), got, want, strict=True):
-            assert h.dtype == w.dtype and torch.equal(h, w), (block_j, name, h, w)
+            assert h.dtype == w.dtype and torch.equal(h, w), (block_i, block_j, name, h, w)
 
 
 def _weighted_silu_case(dtype, tol, rows: int, inter: int) -> None:
