@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_qsa_cache.ops import fp8, qsa, qsa_triton
-from hf_qsa_cache.ops.fp8_triton import write_fp8_rows_triton
+from hf_qsa_cache.ops.row_writes_triton import write_rows_triton
 
 pytestmark = pytest.mark.gpu
 FP8 = torch.float8_e4m3fn
@@ -36,7 +36,7 @@ def test_quantizing_write_matches_torch_bit_for_bit():
                  torch.zeros(400, *shape[1:-1], device="cuda"))
             b = (a[0].view(torch.uint8).clone().view(FP8), a[1].clone())
             fp8.write_fp8_rows(*a, rows, x.to(dtype))
-            write_fp8_rows_triton(*b, rows, x.to(dtype))
+            write_rows_triton([(b[0], rows, x.to(dtype), b[1])])
             assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
 
 

@@ -26,16 +26,19 @@ def assert_fused_generate_equals_default(monkeypatch, model, ids, mask, module, 
     torch.testing.assert_close(torch.stack(runs[True].scores), torch.stack(runs[False].scores), atol=atol, rtol=0)
 
 
-def fused_generate_mismatch(model, ids, mask, fusion: str, launches: list, atol: float | None) -> str | None:
+def fused_generate_mismatch(model, ids, mask, fusion: str, launches: list, atol: float | None,
+                            cache=None) -> str | None:
     """Greedy generate() of ``model`` with fusion ``fusion`` off, then on (in a script under the Triton
     interpreter, its kernels' launches counted into ``launches``): None when the fused run launched kernels and
-    gave the same tokens and logits (bit for bit when ``atol`` is None, else within it), otherwise what differs."""
+    gave the same tokens and logits (bit for bit when ``atol`` is None, else within it), otherwise what differs.
+    ``cache``: builds each run's ``past_key_values`` (default: the one generate() makes)."""
     from hf_qsa_cache.fusions import fused
 
     def generate():
+        extra = {} if cache is None else {"past_key_values": cache()}
         with torch.no_grad():
             return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
-                                  eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+                                  eos_token_id=None, output_logits=True, return_dict_in_generate=True, **extra)
 
     want = generate()
     launches.clear()

@@ -71,9 +71,10 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _write_case() -> str | None:
-    """`write_fp8_rows_triton` writes the bytes and scales `fp8.write_fp8_rows` writes: K/V rows of several heads
-    (one head's values zero, tiny, negative zeros, a wide range), compressed keys of one, a pad row (-1)."""
-    from hf_qsa_cache.ops.fp8_triton import write_fp8_rows_triton
+    """The quantizing store write (`row_writes_triton.write_rows_triton` of one fp8 target) writes the bytes and
+    scales `fp8.write_fp8_rows` writes: K/V rows of several heads (one head's values zero, tiny, negative zeros, a
+    wide range), compressed keys of one, a pad row (-1)."""
+    from hf_qsa_cache.ops.row_writes_triton import write_rows_triton
 
     g = torch.Generator().manual_seed(0)
     for shape in ((12, 3, 24), (9, 40)):
@@ -87,7 +88,7 @@ def _write_case() -> str | None:
                       for _ in range(2)]
             x = values.to(dtype)
             fp8.write_fp8_rows(*stores[0], rows.clamp_min(0), x)
-            write_fp8_rows_triton(*stores[1], rows, x)
+            write_rows_triton([(stores[1][0], rows, x, stores[1][1])])
             if not (_same_bytes(stores[0][0], stores[1][0]) and torch.equal(stores[0][1], stores[1][1])):
                 return f"write {shape} {dtype}: bytes or scales differ"
     return None
@@ -204,9 +205,9 @@ def test_triton_kernels_on_fp8_stores_match_torch(case):
 def _kernel_case(case: str) -> str | None:
     from triton.runtime.interpreter import InterpretedFunction
 
-    from hf_qsa_cache.ops import fp8_triton
+    from hf_qsa_cache.ops import row_writes_triton
 
-    if not isinstance(fp8_triton._write_fp8_rows_kernel, InterpretedFunction):
+    if not isinstance(row_writes_triton._write_rows_kernel, InterpretedFunction):
         return "TRITON_INTERPRET was not honoured"
     return KERNEL_CASES[case]()
 
