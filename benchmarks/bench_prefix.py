@@ -9,8 +9,11 @@ Workloads (random tokens, no eos: each request generates exactly its answer leng
 
 * ``chat``: --conversations conversations of --turns turns; every conversation starts with the same
   --system-tokens system prompt; a turn sends the whole history (system prompt, earlier user messages and
-  answers) plus a --user-tokens message and gets an --answer-tokens answer. A conversation's next turn is sent
-  when its answer is in (closed loop per conversation). TTFT is reported over turns 2 and later.
+  answers) plus a --user-tokens message and gets an --answer-tokens answer. Conversations arrive at a fixed
+  rate (--rate a second; 0: all at once) and a conversation's next turn is sent when its answer is in (closed
+  loop per conversation). TTFT is reported over turns 2 and later. (All at once, every conversation's turns
+  stay in step with the others' when prefixes are cached, so each turn is 64 requests arriving together and
+  TTFT measures that queue; without caching the first turn's long prefill spreads them out.)
 * ``shared``: --groups groups of --group-size prompts; the prompts of a group share a --prefix-tokens prefix,
   each adds a --question-tokens question and gets an --answer-tokens answer; all sent at once.
 
@@ -86,10 +89,14 @@ def build_manager(model, args, sharing: bool, max_prompt: int):
     return manager
 
 
-def collect(manager, want: int, on_result) -> None:
-    done = 0
+def collect(manager, want: int, on_result, tick=None) -> None:
+    """Until ``want`` requests finished; ``tick()`` (if given) runs between results and returns the seconds until
+    it must run again (None: not again)."""
+    done, wait = 0, 0.0
     while done < want:
-        result = manager.get_result(timeout=1)
+        if tick is not None and wait is not None:
+            wait = tick()
+        result = manager.get_result(timeout=1 if wait is None else max(0.001, min(wait, 1)))
         if result is not None and result.is_finished():
             done += 1
             on_result(result)
@@ -121,9 +128,18 @@ def chat(manager, args, vocab: int) -> dict:
             send(c, turn + 1)
 
     start = time.perf_counter()
-    for c in range(args.conversations):
-        send(c, 0)
-    collect(manager, args.conversations * args.turns, on_result)
+    started = 0
+
+    def arrivals():
+        """Starts the conversations due by now (conversation c at c / rate); seconds until the next is due."""
+        nonlocal started
+        now = time.perf_counter() - start
+        while started < args.conversations and (args.rate <= 0 or started / args.rate <= now):
+            send(started, 0)
+            started += 1
+        return None if started == args.conversations else started / args.rate - now
+
+    collect(manager, args.conversations * args.turns, on_result, arrivals)
     wall = time.perf_counter() - start
     return {"wall_s": wall, "output_tokens": out_tokens, "tokens_per_s": out_tokens / wall,
             "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99), "ttft_of": "turns 2 and later"}
@@ -176,6 +192,7 @@ def main(argv=None):
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=2048)
     parser.add_argument("--user-tokens", type=int, default=200)
+    parser.add_argument("--rate", type=float, default=2.0, help="chat: conversations started a second (0: all at once)")
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=10)
     parser.add_argument("--prefix-tokens", type=int, default=10240)
@@ -218,7 +235,7 @@ def main(argv=None):
               "commit": commit()}
     if args.workload == "chat":
         common.update(conversations=args.conversations, turns=args.turns, system_tokens=args.system_tokens,
-                      user_tokens=args.user_tokens)
+                      user_tokens=args.user_tokens, rate=args.rate)
     else:
         common.update(groups=args.groups, group_size=args.group_size, prefix_tokens=args.prefix_tokens,
                       question_tokens=args.question_tokens)
