@@ -9,7 +9,9 @@ tokenizer, unless --checkpoint names one. Each level keeps ``C`` requests in fli
 --requests (default 4 x C, at least 16) are done: random prompts of --prompt-len tokens, --output-len new tokens
 each (no eos), greedy. Measured per level and target: output tokens/s, TTFT and TPOT (p50 / p99).
 
-* ``http``: `hf-qsa-serve` started here (or --url), streamed `/v1/completions` through the `openai` client;
+* ``http``: `hf-qsa-serve` started here (or --url), streamed `/v1/completions` through the `openai` client; its
+  engine in a process of its own (the command's default; ``engine: "process"`` in the JSON line), or with
+  --engine-in-process in the server's process (``engine: "in-process"``);
 * ``in-process``: `init_continuous_batching` in this process, `add_request` from C threads, the token times
   the engine records (the same cache configuration as the server's);
 * ``transformers serve``: transformers' server on its own classes (sequential generate for these families),
@@ -191,6 +193,19 @@ def wait_up(url: str, process, timeout: float = 900) -> None:
     raise TimeoutError(f"{url} did not come up")
 
 
+def engine_kind(url: str) -> str | None:
+    """Where the server runs its engine, as its /health says: "process" or "in-process" (None if it does not
+    say)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=10) as response:
+            return json.loads(response.read()).get("engine")
+    except urllib.error.HTTPError as error:  # unhealthy: its body says the same
+        return json.loads(error.read() or b"{}").get("engine")
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
@@ -206,6 +221,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--cb-block-size", type=int, default=64)
     p.add_argument("--cb-max-batch-tokens", type=int, default=8192)
     p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="start the server with --engine-in-process (its engine a thread of the server's process)")
     p.add_argument("--no-in-process", action="store_true")
     p.add_argument("--transformers-serve", action="store_true", help="also run transformers serve on its classes")
     p.add_argument("--upstream-limit", type=float, default=300.0)
@@ -257,14 +274,17 @@ def main(argv=None) -> list[dict]:
                    "--cb-block-size", str(args.cb_block_size), "--cb-max-batch-tokens", str(args.cb_max_batch_tokens),
                    "--cb-max-requests", str(rows_max), "--max-tokens", str(args.output_len),
                    "--max-prompt-tokens", str(args.prompt_len + 1)]
+        command += ["--engine-in-process"] if args.engine_in_process else []
         server = subprocess.Popen(command + (["--api-key", args.api_key] if args.api_key else []))
     try:
         wait_up(url, server)
+        engine = engine_kind(url)
         for c, prompts in levels():
             procs = args.client_processes
             http_level_processes(url, name, prompts[: min(len(prompts), c)], c, args.output_len, args.api_key, procs)
             rows, wall = http_level_processes(url, name, prompts, c, args.output_len, args.api_key, procs)
-            record({"target": "http", "concurrency": c, "client_processes": min(procs, c), **summary(rows, wall)})
+            record({"target": "http", "engine": engine, "concurrency": c, "client_processes": min(procs, c),
+                    **summary(rows, wall)})
     finally:
         if server is not None:
             server.terminate()

@@ -1,12 +1,15 @@
-"""The HTTP server's own cost per streamed token, on the CPU: a tiny checkpoint served in this process (its event
-loop in the main thread, under cProfile), ``--streams`` streamed completions driven by a client process.
+"""The HTTP server's own cost per streamed token, on the CPU: a tiny checkpoint served from this process (its
+event loop in the main thread, under cProfile), ``--streams`` streamed completions driven by a client process.
 
     python benchmarks/profile_http_server.py --streams 64 --tokens 64 --rounds 2
 
-The server's event loop and the engine thread share one interpreter lock, so whatever the loop spends per
-token and stream lengthens the engine's steps (on the GPU: 19 ms against 7.7 ms a step at 64 streams,
-benchmarks/RESULTS.md "HTTP server"). Reported: the client's wall time per round, the Python function calls the
-server's main thread (its event loop) makes per streamed token, and cProfile's top entries.
+The server runs its engine in a process of its own, as `hf-qsa-serve` does: what is profiled is the server's
+side alone (routes, detokenizing, JSON, sends, and reading the engine's pipe); the engine's process is not
+profiled. With --engine-in-process the engine is a thread of this process, sharing the interpreter lock with the
+event loop (whatever the loop spends per token and stream then lengthens the engine's steps: on the GPU, 19 ms
+against 7.7 ms a step at 64 streams, benchmarks/RESULTS.md "HTTP server"); cProfile still sees only the main
+thread. Reported: the client's wall time per round, the Python function calls the server's main thread (its
+event loop) makes per streamed token, and cProfile's top entries.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--port", type=int, default=8199)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--engine-in-process", action="store_true",
+                        help="the engine as a thread of this process (default: a process of its own)")
     args = parser.parse_args()
 
     import torch
@@ -64,8 +69,10 @@ def main() -> None:
     folder = tempfile.TemporaryDirectory()
     path = qwen4_exp_text(os.path.join(folder.name, "tiny"))
     server_args = server_parser().parse_args([path, "--port", str(args.port), "--cb-max-requests", str(args.streams),
-                                              "--cb-block-size", "4", "--max-tokens", str(args.tokens)])
+                                              "--cb-block-size", "4", "--max-tokens", str(args.tokens)]
+                                             + (["--engine-in-process"] if args.engine_in_process else []))
     app, served = build(server_args)
+    served.engine.start()  # the model loads before profiling (the app's startup then attaches it to its loop)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning"))
     url = f"http://127.0.0.1:{args.port}"
 
@@ -84,7 +91,8 @@ def main() -> None:
     stats = pstats.Stats(profile)
     tokens = args.streams * args.tokens * args.rounds
     # Calls, not seconds: under uvloop the loop's idle wait is not told apart from its work.
-    print(f"event loop: {stats.total_calls / tokens:.0f} Python function calls per streamed token ({tokens} tokens)")
+    print(f"event loop: {stats.total_calls / tokens:.0f} Python function calls per streamed token ({tokens} tokens, "
+          f"engine {served.engine.kind})")
     stats.strip_dirs().sort_stats("tottime").print_stats(args.top)
     folder.cleanup()
 

@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server on our classes and continuous-batching engine (`hf-qsa-serve PATH`).
 
 * `cli`: the command; `loading`: the checkpoint on our classes; `app`: the routes, checks and limits;
-* `engine`: one manager, each request to its own handler; `prompts`: chat templates and media;
+* `engine_process`: the engine (model and manager) in a process of its own, the command's default; `engine`: the
+  engine in this process, one manager, each request to its own handler; `prompts`: chat templates and media;
 * `text`: incremental text, stop strings; `schemas`: request bodies; `toy`: a small tokenizer for random
   checkpoints (tests, benchmarks, trying it out).
 """

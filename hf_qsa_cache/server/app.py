@@ -6,6 +6,10 @@ stop strings). A bad one gets a 4xx and changes nothing. Then each of its ``n`` 
 with its own sampling parameters and seed (``seed + i``), delivered to its own handler. A client that goes away
 cancels its requests at once (their rows are free before the engine's next step). A request that fails fails
 alone: the server goes on. A dead engine answers 503, on `/health` too.
+
+The engine is an `engine_process.EngineProcess` (the model and its manager in a process of their own: what
+`hf-qsa-serve` runs) or an `engine.Engine` (in this process), behind the same interface; this process needs only
+the checkpoint's config, generation config and tokenizer.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from .engine import Engine, EngineDead
+from .engine_process import EngineProcess
 from .prompts import BadRequest, Prompt, PromptBuilder
 from .schemas import ChatRequest, CompletionRequest, ResponsesRequest, describe
 from .text import Choice
@@ -45,28 +50,30 @@ class Limits:
 
 @dataclass
 class Served:
-    """What one server serves: the model under one name, its prompts, its engine, its limits."""
+    """What one server serves: the model under one name (its config and generation config: the weights live
+    with the engine), its prompts, its engine, its limits."""
 
     name: str
-    model: object
+    config: object
+    generation_config: object
     tokenizer: object
     builder: PromptBuilder
-    engine: Engine
+    engine: Engine | EngineProcess
     limits: Limits = field(default_factory=Limits)
     api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def max_len(self) -> int:
-        cache = getattr(self.engine.manager, "cache", None)
-        if cache is not None:
-            return int(cache.max_cache_len)
-        config = self.model.config.get_text_config()
+        length = self.engine.max_len  # the engine's cache, once it started
+        if length is not None:
+            return int(length)
+        config = self.config.get_text_config()
         return int(getattr(config, "max_position_embeddings", None) or 32768)
 
     @property
     def eos_ids(self) -> list[int]:
-        eos = self.model.generation_config.eos_token_id
+        eos = self.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
         eos = eos if isinstance(eos, (list, tuple)) else [eos]
@@ -90,8 +97,8 @@ def build_app(served: Served, enable_cors: bool = False, start_engine: bool = Tr
 
     @asynccontextmanager
     async def lifespan(app):
-        if start_engine and served.engine.manager is None:
-            served.engine.start()
+        if start_engine:
+            served.engine.start()  # already started by the command: attaches a process engine to this loop
         try:
             yield
         finally:
@@ -190,7 +197,7 @@ def build_app(served: Served, enable_cors: bool = False, start_engine: bool = Tr
                     repetition=None):
         from hf_qsa_cache.serving import Sampling
 
-        base = Sampling.from_generation_config(served.model.generation_config)
+        base = Sampling.from_generation_config(served.generation_config)
         if temperature is not None and not 0 <= temperature <= 2:
             raise BadRequest(f"temperature must lie in [0, 2], got {temperature}", "temperature")
         do_sample = base.do_sample if temperature is None else temperature > 0
@@ -244,7 +251,7 @@ def build_app(served: Served, enable_cors: bool = False, start_engine: bool = Tr
     def check_prompt_ids(ids: list[int], param: str) -> None:
         if not ids:
             raise BadRequest("the prompt is empty", param)
-        vocab = served.model.config.get_text_config().vocab_size
+        vocab = served.config.get_text_config().vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise BadRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
@@ -389,7 +396,7 @@ def build_app(served: Served, enable_cors: bool = False, start_engine: bool = Tr
     # ------------------------------------------------------------------ routes
     @app.get("/health")
     async def health():
-        state = served.engine.health()
+        state = await served.engine.health()
         healthy = state.get("running") and state.get("fatal_error") is None
         state = {"status": "ok" if healthy else "unhealthy", "model": served.name, **state}
         return JSONResponse(state, status_code=200 if healthy else 503)

@@ -1,5 +1,8 @@
 """`hf-qsa-serve PATH`: serve one checkpoint of either family, text or multimodal, over OpenAI's HTTP API on our
-classes and continuous-batching engine. Flags follow `transformers serve` where they mean the same."""
+classes and continuous-batching engine. Flags follow `transformers serve` where they mean the same.
+
+The engine (the model and its manager) runs in a process of its own, which loads the checkpoint; this process
+serves HTTP and relays tokens (`engine_process`). ``--engine-in-process`` keeps both in one process."""
 
 from __future__ import annotations
 
@@ -37,6 +40,10 @@ def parser() -> argparse.ArgumentParser:
     model.add_argument("--dtype", default="auto", help="'auto' (the checkpoint's) or a torch dtype")
     model.add_argument("--chat-template-kwargs", default=None, help="JSON object passed to the chat template")
     model.add_argument("--torch-threads", type=int, default=None, help="torch's CPU threads")
+    model.add_argument("--engine-in-process", action="store_true",
+                       help="run the engine (model and manager) in the server's process, as one thread beside the "
+                            "event loop (default: in a process of its own, so the two do not share one interpreter "
+                            "lock)")
     cb = p.add_argument_group("continuous batching (always on; flags as in transformers serve)")
     cb.add_argument("--continuous-batching", action="store_true", help="accepted for transformers serve's command "
                     "lines: this server always batches continuously")
@@ -55,13 +62,17 @@ def parser() -> argparse.ArgumentParser:
 
 
 def build(args):
-    """(app, served) for parsed arguments: the model loaded, the engine built (started by the app)."""
+    """(app, served) for parsed arguments. The engine is built, not started: `main` starts it before the server
+    listens (else the app's startup does). By default it is an `EngineProcess` (the model loads in the engine's
+    own process; this one reads only the config, generation config, tokenizer and processors); with
+    ``--engine-in-process`` an `Engine` on a model loaded here."""
     import torch
-    from transformers import ContinuousBatchingConfig
+    from transformers import AutoConfig, AutoTokenizer, ContinuousBatchingConfig
 
     from .app import Limits, Served, build_app
     from .engine import Engine
-    from .loading import default_model_name, load
+    from .engine_process import EngineProcess, EngineSettings
+    from .loading import default_model_name, load, load_generation_config, model_class, torch_dtype
     from .prompts import PromptBuilder
 
     if args.torch_threads:
@@ -69,21 +80,35 @@ def build(args):
     template_kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
     if not isinstance(template_kwargs, dict):
         raise SystemExit("--chat-template-kwargs must be a JSON object")
-    model, tokenizer = load(args.path, args.device, args.dtype)
+    try:
+        torch_dtype(args.dtype)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     cb = {"block_size": args.cb_block_size, "num_blocks": args.cb_num_blocks,
           "max_batch_tokens": args.cb_max_batch_tokens, "max_requests_per_batch": args.cb_max_requests,
           "max_memory_percent": args.cb_max_memory_percent, "use_cuda_graph": args.cb_use_cuda_graph}
     cb_config = ContinuousBatchingConfig(**{k: v for k, v in cb.items() if v is not None})
-    generation_config = model.generation_config
     fp8 = {"auto": None, "fp8": torch.float8_e4m3fn}
-    engine = Engine(model, generation_config, cb_config, {"kv_cache_dtype": fp8[args.kv_cache_dtype],
-                                                          "index_cache_dtype": fp8[args.index_cache_dtype]})
+    cache_dtypes = {"kv_cache_dtype": fp8[args.kv_cache_dtype], "index_cache_dtype": fp8[args.index_cache_dtype]}
+    if args.engine_in_process:
+        model, tokenizer = load(args.path, args.device, args.dtype)
+        config, generation_config = model.config, model.generation_config
+        engine = Engine(model, generation_config, cb_config, cache_dtypes)
+    else:
+        config = AutoConfig.from_pretrained(args.path)
+        generation_config = load_generation_config(args.path, config)
+        tokenizer = AutoTokenizer.from_pretrained(args.path)
+        level = getattr(logging, args.log_level.upper(), logging.WARNING)
+        engine = EngineProcess(EngineSettings(args.path, args.device, args.dtype, generation_config, cb_config,
+                                              cache_dtypes, args.torch_threads, level), config)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens, max_n=args.max_n)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    served = Served(name=args.served_model_name or default_model_name(args.path), model=model, tokenizer=tokenizer,
-                    builder=PromptBuilder(args.path, model, tokenizer, template_kwargs), engine=engine,
-                    limits=limits, api_key=api_key)
+    media_inputs = getattr(model_class(config), "media_inputs", ())
+    served = Served(name=args.served_model_name or default_model_name(args.path), config=config,
+                    generation_config=generation_config, tokenizer=tokenizer,
+                    builder=PromptBuilder(args.path, config, tokenizer, template_kwargs, media_inputs),
+                    engine=engine, limits=limits, api_key=api_key)
     return build_app(served, enable_cors=args.enable_cors), served
 
 
@@ -97,12 +122,21 @@ def main(argv=None) -> int:
     except ImportError as error:
         print(f"hf-qsa-serve needs the serve extra: pip install 'hf-qsa-cache[serve]' ({error})", file=sys.stderr)
         return 2
+    from .engine import EngineDead
+    from .loading import model_class
+
     app, served = build(args)
+    try:
+        served.engine.start()  # before listening: the model loads, or the command exits saying why
+    except EngineDead as error:
+        print(f"hf-qsa-serve: {error}", file=sys.stderr)
+        return 1
     if args.host not in ("127.0.0.1", "localhost", "::1") and served.api_key is None:
         logging.getLogger(__name__).warning("listening on %s without an API key: anyone who reaches it may use it",
                                             args.host)
-    print(f"hf-qsa-serve: {type(served.model).__name__} as {served.name!r} on http://{args.host}:{args.port}",
-          flush=True)
+    where = "in this process" if served.engine.kind == "in-process" else f"in process {served.engine.process.pid}"
+    print(f"hf-qsa-serve: {model_class(served.config).__name__} as {served.name!r} on http://{args.host}:{args.port} "
+          f"(engine {where})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 timeout_graceful_shutdown=args.shutdown_timeout)
     return 0

@@ -1,9 +1,13 @@
-"""The server's side of the continuous-batching manager: one manager for the process, one engine request per
-choice, each delivered to its own handler on the server's event loop.
+"""The server's side of the continuous-batching manager, in the server's own process: one manager, one engine
+request per choice, each delivered to its own handler on the server's event loop.
 
 `Engine.submit` registers the request's handler before queueing it (a result can never arrive unclaimed),
 `Engine.cancel` ends it and frees its row before the engine's next step, `Engine.stop` cancels what is left
 and stops the manager. Every method is called on the event loop.
+
+This is `hf-qsa-serve --engine-in-process`, and what an app built around a model already in memory uses. The
+engine thread shares the interpreter lock with the event loop here; `hf-qsa-serve` runs its engine in a
+process of its own instead (`engine_process.EngineProcess`, the same interface).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ class EngineDead(RuntimeError):
 
 
 class Engine:
+    kind = "in-process"
+
     def __init__(self, model, generation_config=None, continuous_batching_config=None, cache_dtypes=None):
         self.model = model
         self.generation_config = generation_config
@@ -34,6 +40,9 @@ class Engine:
         self.counts = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0}
 
     def start(self) -> None:
+        """Build and start the manager (once: later calls change nothing)."""
+        if self.manager is not None:
+            return
         self.manager = self.model.init_continuous_batching(generation_config=self.generation_config,
                                                            continuous_batching_config=self.continuous_batching_config,
                                                            **self.cache_dtypes)
@@ -55,11 +64,18 @@ class Engine:
         if not self.manager.is_running():
             raise EngineDead("the engine is not running")
 
-    def health(self) -> dict:
+    @property
+    def max_len(self) -> int | None:
+        """Tokens a request's row holds (prompt and generated), once started."""
+        return None if self.manager is None else int(self.manager.cache.max_cache_len)
+
+    async def health(self) -> dict:
+        """The engine's state for ``/health`` (a coroutine, as `EngineProcess.health`, which asks its process)."""
         if self.manager is None:
             state = {"running": False, "fatal_error": None}
         else:
             state = self.manager.health()
+        state["engine"] = self.kind
         state["inflight"] = len(self.inflight)
         state.update({f"requests_{k}": v for k, v in self.counts.items()})
         if self.stopping:

@@ -32,22 +32,43 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def load(path: str, device: str = "auto", dtype: str = "auto"):
-    """(model, tokenizer) of the checkpoint at ``path`` (a folder, or a hub id already in the local cache)."""
-    from transformers import AutoConfig, AutoTokenizer
+def torch_dtype(dtype: str):
+    """``--dtype`` as from_pretrained takes it: "auto", or a torch dtype by name (a `ValueError` otherwise)."""
+    if dtype == "auto":
+        return "auto"
+    value = getattr(torch, dtype, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"--dtype must be 'auto' or a torch dtype such as bfloat16, got {dtype!r}")
+    return value
+
+
+def load_model(path: str, device: str = "auto", dtype: str = "auto"):
+    """The checkpoint at ``path`` (a folder, or a hub id already in the local cache) on our class, on ``device``,
+    in eval mode."""
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
     cls = model_class(config)
-    if dtype == "auto":
-        torch_dtype = "auto"
-    else:
-        torch_dtype = getattr(torch, dtype, None)
-        if not isinstance(torch_dtype, torch.dtype):
-            raise ValueError(f"--dtype must be 'auto' or a torch dtype such as bfloat16, got {dtype!r}")
     logger.info("loading %s as %s", path, cls.__name__)
-    model = cls.from_pretrained(path, dtype=torch_dtype).to(resolve_device(device)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
+    return cls.from_pretrained(path, dtype=torch_dtype(dtype)).to(resolve_device(device)).eval()
+
+
+def load(path: str, device: str = "auto", dtype: str = "auto"):
+    """(model, tokenizer) of the checkpoint at ``path``."""
+    from transformers import AutoTokenizer
+
+    return load_model(path, device, dtype), AutoTokenizer.from_pretrained(path)
+
+
+def load_generation_config(path: str, config):
+    """The checkpoint's generation config without its model: its generation_config.json, else the one
+    transformers derives from the model's config (as from_pretrained does when the file is missing)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json
+        return GenerationConfig.from_model_config(config)
 
 
 def default_model_name(path: str) -> str:

@@ -92,14 +92,15 @@ class Prompt:
 
 
 class PromptBuilder:
-    """The checkpoint's tokenizer and chat template, and for a multimodal checkpoint its media processors."""
+    """The checkpoint's tokenizer and chat template, and for a multimodal checkpoint its media processors. It
+    needs the model's config and class attribute ``media_inputs`` (empty: text only), never its weights: the
+    server process of `hf-qsa-serve` does not load the model."""
 
-    def __init__(self, path: str, model, tokenizer, chat_template_kwargs: dict | None = None):
+    def __init__(self, path: str, config, tokenizer, chat_template_kwargs: dict | None = None, media_inputs=()):
         self.tokenizer = tokenizer
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        config = model.config
         self.family = family_of(config)
-        self.media_inputs = set(getattr(model, "media_inputs", ()))
+        self.media_inputs = set(media_inputs)
         self.image_processor = self.feature_extractor = None
         self.image_token_id = self.audio_token_id = None
         self.media_problems: dict[str, str] = {}

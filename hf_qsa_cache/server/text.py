@@ -61,7 +61,7 @@ class Choice:
         if self.done:
             return ""
         new = output.generated_tokens[len(self.tokens):]
-        new_logprobs = list(output.logprobs or [])[len(self.tokens):]
+        new_logprobs = (output.logprobs or [])[len(self.tokens):]
         for k, token in enumerate(new):
             piece = self.decoder.step(token)
             self.tokens.append(int(token))

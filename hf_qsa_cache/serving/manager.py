@@ -29,7 +29,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from ..cache import QSAPagedCache
 from ..prompt_lookup import lookup_drafts
 from .delivery import Delivery
-from .requests import Request, check_eos, check_max_new_tokens, check_prompt
+from .requests import Request, check_eos, check_max_new_tokens, check_media, check_options, check_prompt
 from .runner import ModelRunner
 from .sampling import Sampling, request_seed
 from .scheduler import Scheduler
@@ -43,9 +43,6 @@ DEFAULT_TOKENS_PER_ROW = 4096  # pool sizing without num_blocks or workload hint
 _UNUSED_FIELDS = ("max_memory_percent", "max_blocks_per_request", "use_async_batching", "q_padding_interval_size",
                   "kv_padding_interval_size", "varlen_compile_config", "decode_compile_config", "cpu_offload_space",
                   "per_request_processors", "max_cached_graphs")
-# Media inputs of the multimodal models: refused (not ignored) by a text-only model.
-MEDIA_NAMES = {"pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_token_type_ids",
-               "mm_encoder_outputs", "audio_input_ids", "audio_input_ids_mask"}
 _IGNORED_SAMPLING = ("no_repeat_ngram_size", "min_new_tokens", "typical_p")
 HOST_FAULTS_IN_A_ROW = 3  # bookkeeping faults in consecutive iterations before the running requests fail
 
@@ -197,15 +194,7 @@ class ContinuousBatchingManager:
 
         Every argument is checked before anything is queued (a `ValueError` naming it and its value); an id
         still in flight is refused; after `stop()` (until `start()`) or once the loop died, a `RuntimeError`."""
-        accepted = getattr(self.model, "media_inputs", ())
-        media = {name: kwargs.pop(name) for name in list(kwargs) if name in accepted}
-        media = {name: value for name, value in media.items() if value is not None} or None
-        named_media = sorted(set(kwargs) & MEDIA_NAMES)
-        if named_media:
-            raise ValueError(f"{type(self.model).__name__} takes no media ({named_media} given): load the model's "
-                             f"ConditionalGeneration class for images, video or audio")
-        if kwargs:
-            raise TypeError(f"add_request got unexpected keyword arguments {sorted(kwargs)}")
+        media = check_media(kwargs, getattr(self.model, "media_inputs", ()), type(self.model).__name__)
         prompt = check_prompt(input_ids, vocab_size(self.model))
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
@@ -214,12 +203,7 @@ class ContinuousBatchingManager:
             max_new_tokens = check_max_new_tokens(self.generation_config.max_new_tokens,
                                                   "GenerationConfig.max_new_tokens")
         eos = check_eos(eos_token_id if eos_token_id is not None else self.generation_config.eos_token_id)
-        if sampling is not None and not isinstance(sampling, Sampling):
-            raise ValueError(f"sampling must be a hf_qsa_cache.serving.Sampling, got {sampling!r}")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
-        if not isinstance(logprobs, bool):
-            raise ValueError(f"logprobs must be True or False, got {logprobs!r}")
+        check_options(sampling, seed, logprobs)
         if max_new_tokens is None:  # as transformers: no limit but eos, here the row's capacity
             max_new_tokens = max(1, self.cache.max_cache_len - len(prompt) + 1)
             if not eos and not self._warned_unbounded:

@@ -45,6 +45,37 @@ def check_prompt(input_ids, vocab_size: int, name: str = "input_ids") -> list[in
     return [int(t) for t in prompt]
 
 
+# Media inputs of the multimodal models: refused (not ignored) by a text-only model.
+MEDIA_NAMES = {"pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_token_type_ids",
+               "mm_encoder_outputs", "audio_input_ids", "audio_input_ids_mask"}
+
+
+def check_media(kwargs: dict, accepted, model_name: str) -> dict | None:
+    """The media among a request's keyword arguments (the names in ``accepted``, the model's `media_inputs`; None
+    values dropped), or None: a `ValueError` for media a text-only model (``model_name``) cannot take, a
+    `TypeError` for any other name. ``kwargs`` is not changed."""
+    media = {name: value for name, value in kwargs.items() if name in accepted and value is not None} or None
+    rest = sorted(name for name in kwargs if name not in accepted)
+    named_media = [name for name in rest if name in MEDIA_NAMES]
+    if named_media:
+        raise ValueError(f"{model_name} takes no media ({named_media} given): load the model's "
+                         f"ConditionalGeneration class for images, video or audio")
+    if rest:
+        raise TypeError(f"add_request got unexpected keyword arguments {rest}")
+    return media
+
+
+def check_options(sampling, seed, logprobs) -> None:
+    """A request's own sampling parameters (None or a `Sampling`), seed (None or an integer >= 0) and
+    log-probabilities switch: a `ValueError` naming the bad one."""
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling must be a hf_qsa_cache.serving.Sampling, got {sampling!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    if not isinstance(logprobs, bool):
+        raise ValueError(f"logprobs must be True or False, got {logprobs!r}")
+
+
 def check_eos(eos_token_id) -> frozenset[int]:
     """The eos ids (one id, a list of ids, or None); negative ids mean none, as in transformers' configs."""
     eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set, frozenset)) else [eos_token_id]

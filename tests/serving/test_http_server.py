@@ -2,7 +2,9 @@
 
 Three servers, started together for the module: a text Qwen4Exp checkpoint (API key on, small limits), an
 Inkling multimodal checkpoint (audio) and a Qwen4Exp multimodal checkpoint (images); each a tiny random model
-saved by transformers' class with a character tokenizer and a ChatML template (`helpers.http_server`).
+saved by transformers' class with a character tokenizer and a ChatML template (`helpers.http_server`). Each
+runs its engine in a process of its own, as `hf-qsa-serve` does by default; a fourth server, started only for
+its test, runs the text checkpoint with ``--engine-in-process``.
 
 Every greedy answer is compared, token for token, with `generate()` of our class on that prompt alone (the
 server returns its token ids with the ``return_token_ids`` extension); texts are the tokenizer's decoding of
@@ -12,6 +14,7 @@ those tokens.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -33,6 +36,8 @@ from transformers import AutoTokenizer  # noqa: E402
 
 KEY = "test-key-123"
 MAX_TOKENS = 400  # the text server's limit (the disconnect test asks for all of it)
+QWEN_FLAGS = ("--max-tokens", str(MAX_TOKENS), "--max-n", "4", "--max-prompt-tokens", "120", "--max-body-bytes",
+              "100000", "--cb-max-requests", "6", "--cb-block-size", "4")
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +46,7 @@ def servers(tmp_path_factory):
     paths = {"qwen": hs.qwen4_exp_text(root / "qwen-tiny"), "inkling": hs.inkling_audio(root / "inkling-tiny"),
              "image": hs.qwen4_exp_image(root / "qwen-image-tiny")}
     procs = {
-        "qwen": hs.ServerProcess(paths["qwen"], "--max-tokens", str(MAX_TOKENS), "--max-n", "4",
-                                 "--max-prompt-tokens", "120", "--max-body-bytes", "100000", "--cb-max-requests", "6",
-                                 "--cb-block-size", "4", env={"HF_QSA_API_KEY": KEY}, log=root / "qwen.log"),
+        "qwen": hs.ServerProcess(paths["qwen"], *QWEN_FLAGS, env={"HF_QSA_API_KEY": KEY}, log=root / "qwen.log"),
         "inkling": hs.ServerProcess(paths["inkling"], "--cb-block-size", "4", "--shutdown-timeout", "1",
                                     log=root / "inkling.log"),
         "image": hs.ServerProcess(paths["image"], "--cb-block-size", "4", log=root / "image.log"),
@@ -55,6 +58,33 @@ def servers(tmp_path_factory):
     finally:
         for proc in procs.values():
             proc.stop()
+
+
+@pytest.fixture(scope="module")
+def in_process_server(servers, tmp_path_factory):
+    """The text checkpoint served with ``--engine-in-process`` (the engine a thread of the server's process)."""
+    log = tmp_path_factory.mktemp("http-in-process") / "qwen.log"
+    proc = hs.ServerProcess(servers["qwen"].path, *QWEN_FLAGS, "--engine-in-process", env={"HF_QSA_API_KEY": KEY},
+                            log=log)
+    try:
+        yield types.SimpleNamespace(proc=proc.wait(), path=servers["qwen"].path)
+    finally:
+        proc.stop()
+
+
+def gone(pid: int) -> bool:
+    """No such process, not even a zombie (an exited child its parent never waited for)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "X"
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
 
 
 def client(server, key=None) -> "openai.OpenAI":
@@ -180,9 +210,12 @@ def check(ref, prompt_ids, n, got):
 
 
 # ----------------------------------------------------------------------------- tests
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_chat_and_completions_equal_generate_alone(servers, qwen_ref, stream):
-    c = client(servers["qwen"], KEY)
+@pytest.mark.parametrize("engine, stream", [("process", False), ("process", True), ("in-process", True)],
+                         ids=["whole", "streamed", "engine-in-process"])
+def test_chat_and_completions_equal_generate_alone(request, servers, qwen_ref, engine, stream):
+    server = servers["qwen"] if engine == "process" else request.getfixturevalue("in_process_server")
+    assert health(server)["engine"] == engine
+    c = client(server, KEY)
     for k, prompt in enumerate(PROMPTS[:3]):
         check(qwen_ref, qwen_ref.chat_ids(prompt), 6 + k, chat(c, "qwen-tiny", prompt, 6 + k, stream))
         check(qwen_ref, qwen_ref.text_ids(prompt), 5 + k, complete(c, "qwen-tiny", prompt, 5 + k, stream))
@@ -475,8 +508,11 @@ def test_benchmark_script_runs_against_the_server_and_in_process(servers, tmp_pa
 
 
 def test_shutdown_cancels_what_runs_and_exits_cleanly(servers):
-    """SIGTERM with a stream in flight: the stream ends, the process exits 0 (run last: it stops a server)."""
+    """SIGTERM with a stream in flight: the stream ends, the process exits 0 and its engine process is gone (run
+    last: it stops a server)."""
     server = servers["inkling"]
+    engine_pid = health(server)["engine_pid"]
+    assert not gone(engine_pid)
     c = client(server)
     stream = c.completions.create(model="inkling-tiny", prompt="Go on", max_tokens=500, temperature=0, stream=True,
                                   extra_body={"ignore_eos": True})
@@ -501,3 +537,37 @@ def test_shutdown_cancels_what_runs_and_exits_cleanly(servers):
     assert "cancelled 1 request(s) still running" in log and "the engine stopped" in log, log
     assert "Traceback" not in log, log
     assert done.wait(10)
+    assert gone(engine_pid), f"the engine process {engine_pid} outlived the server"
+
+
+def test_a_killed_engine_process_fails_what_runs_and_the_server_answers_503(servers):
+    """The engine's process dies (SIGKILL) with a stream and a whole request in flight: the stream gets an error
+    event, the whole request a 503; /health and new requests say the engine is dead (503); the server still
+    stops at once (run last: it kills a server's engine)."""
+    server = servers["image"]
+    pid = health(server)["engine_pid"]
+    body = {"model": "qwen-image-tiny", "prompt": "Go on", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(post, server, "/v1/completions", body)
+        stream = client(server).completions.create(model=body["model"], prompt="Go on", max_tokens=300,
+                                                   temperature=0, stream=True, extra_body={"ignore_eos": True})
+        assert next(iter(stream)).choices
+        deadline = time.monotonic() + 10
+        while health(server)["rows_in_use"] < 2:  # both run
+            assert time.monotonic() < deadline, health(server)
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="engine process was killed by SIGKILL"):
+            for _ in stream:
+                pass
+        code, answer = whole.result(timeout=30)
+    assert code == 503 and "killed by SIGKILL" in answer["error"]["message"], answer
+    state = health(server)
+    assert state["http_status"] == 503 and not state["running"] and "killed by SIGKILL" in state["fatal_error"]
+    assert state["inflight"] == 0 and state["requests_failed"] >= 2
+    code, answer = post(server, "/v1/completions", {**body, "max_tokens": 2})
+    assert code == 503 and answer["error"]["code"] == "engine_unavailable", answer
+    assert gone(pid)  # the server waited for it (no zombie)
+    server.proc.process.send_signal(signal.SIGTERM)
+    assert server.proc.process.wait(30) in (0, -signal.SIGTERM)
+    assert "Traceback" not in server.proc.output()

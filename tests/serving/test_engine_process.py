@@ -1,0 +1,143 @@
+"""The server's engine process without a process: what the child sends (`Outbox`: per-step deltas) and what the
+server makes of it (`EngineProcess`: cumulative tokens, handlers, counts, checks before anything is sent).
+A real child (started, killed, stopped) is tested through the HTTP server (tests/serving/test_http_server.py)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+pytest.importorskip("fastapi")
+
+from hf_qsa_cache.server.engine import EngineDead  # noqa: E402
+from hf_qsa_cache.server.engine_process import EngineProcess, EngineSettings, Outbox  # noqa: E402
+from hf_qsa_cache.serving import Sampling  # noqa: E402
+
+
+def output(request_id, tokens, logprobs=(), status=RequestStatus.DECODING, error=None) -> GenerationOutput:
+    return GenerationOutput(request_id=request_id, generated_tokens=list(tokens), logprobs=list(logprobs),
+                            status=status, error=error)
+
+
+class Pipe:
+    """A pipe end that keeps what is sent (pickled, as the real one sends it)."""
+
+    def __init__(self):
+        self.sent: list = []
+
+    def send_bytes(self, data: bytes) -> None:
+        self.sent.append(pickle.loads(data))
+
+
+class Alive:
+    pid = 1
+
+    def is_alive(self) -> bool:
+        return True
+
+
+def engine() -> EngineProcess:
+    from helpers.qwen4 import tiny_config
+
+    process = EngineProcess(EngineSettings("unused"), tiny_config())
+    process.process, process.conn = Alive(), Pipe()  # a child that is alive, a pipe that keeps what is sent
+    return process
+
+
+def test_the_child_sends_only_new_tokens_and_the_server_keeps_the_sum():
+    """A streamed request's results as the manager gives them (each with every token so far) go out as deltas:
+    a message carries the tokens since the previous one (two results before a send merge into one delta); the
+    server's handler sees the tokens so far, which equal the sum of the deltas."""
+    outbox = Outbox(Pipe())
+    on_a, on_b = outbox.handler("a"), outbox.handler("b")
+    full = [5, 9, 33, 2, 70, 8, 1]
+    on_a(output("a", full[:1], [-0.5]))
+    on_b(output("b", [7], [-1.0]))
+    step1 = outbox.take(0)
+    on_a(output("a", full[:2], [-0.5, -0.25]))
+    on_a(output("a", full[:4], [-0.5, -0.25, -1.5, -2.0]))  # two results before the sender looked: one delta
+    step2 = outbox.take(0)
+    on_a(output("a", full, [-0.1] * len(full), status=RequestStatus.FINISHED))
+    on_b(output("b", [7], [-1.0], status=RequestStatus.FAILED, error="cancelled"))
+    step3 = outbox.take(0)
+    assert outbox.take(0) == []
+    assert step1 == [("results", [("a", [5], [-0.5], False, None), ("b", [7], [-1.0], False, None)])]
+    assert step2 == [("results", [("a", [9, 33, 2], [-0.25, -1.5, -2.0], False, None)])]
+    assert step3 == [("results", [("a", [70, 8, 1], [-0.1, -0.1, -0.1], True, None), ("b", [], [], True,
+                                                                                         "cancelled")])]
+
+    server = engine()
+    seen = []
+    rid = server.submit([5, 6], lambda result: seen.append((list(result.generated_tokens), result.is_finished(),
+                                                            result.error)),
+                        max_new_tokens=7, eos_token_id=[1], sampling=None, seed=None, logprobs=True, streaming=True)
+    for message in step1 + step2 + step3:  # as the child's request "a"
+        server.handle((message[0], [(rid if item[0] == "a" else "other", *item[1:]) for item in message[1]]))
+    assert seen == [([5], False, None), ([5, 9, 33, 2], False, None), (full, True, None)]
+    assert server.inflight == {} and server.counts["finished"] == 1
+
+
+def test_a_result_after_a_cancel_reaches_no_handler():
+    server = engine()
+    seen = []
+    rid = server.submit([5, 6], seen.append, max_new_tokens=4, eos_token_id=[1], sampling=None, seed=None,
+                        logprobs=False, streaming=True)
+    server.cancel(rid)
+    server.handle(("results", [(rid, [3], [], True, "cancelled")]))
+    assert seen == [] and server.counts["cancelled"] == 1 and server.counts["finished"] == 0
+    assert server.conn.sent[-1] == ("cancel", rid)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prompt": []}, "at least one prompt token"),
+    ({"prompt": [5, 96]}, "token ids must lie in [0, 96)"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+    ({"seed": -1}, "seed must be an integer >= 0"),
+    ({"sampling": "greedy"}, "sampling must be a hf_qsa_cache.serving.Sampling"),
+    ({"logprobs": 1}, "logprobs must be True or False"),
+    ({"media": {"pixel_values": [1.0]}}, "takes no media"),
+])
+def test_a_bad_value_raises_here_and_sends_nothing(kwargs, message):
+    """The manager's own checks run in the server's process: a `ValueError` (the HTTP app's 400) and nothing sent
+    to the child, as with the engine in process."""
+    server = engine()
+    args = {"prompt": [5, 6], "max_new_tokens": 4, "eos_token_id": [1], "sampling": Sampling(), "seed": 3,
+            "logprobs": False, "media": None, **kwargs}
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        server.submit(args.pop("prompt"), print, streaming=False, **args)
+    assert server.conn.sent == [] and server.inflight == {} and server.counts["submitted"] == 0
+    server.submit([5, 6], print, max_new_tokens=4, eos_token_id=[1], sampling=Sampling(), seed=3, logprobs=False,
+                  streaming=False)
+    assert [m[0] for m in server.conn.sent] == ["submit"] and server.counts["submitted"] == 1
+
+
+def test_a_dead_child_fails_what_is_in_flight_and_refuses_more():
+    server = engine()
+    seen = []
+    server.submit([5, 6], seen.append, max_new_tokens=4, eos_token_id=[1], sampling=None, seed=None,
+                  logprobs=False, streaming=True)
+    server.process = type("Killed", (), {"pid": 1, "exitcode": -9, "is_alive": lambda self: False,
+                                         "join": lambda self, timeout=None: None})()
+    server._lost()
+    assert len(seen) == 1 and seen[0].is_finished() and seen[0].error == "the engine process was killed by SIGKILL"
+    assert server.inflight == {} and server.counts["failed"] == 1
+    with pytest.raises(EngineDead, match="killed by SIGKILL"):
+        server.submit([5, 6], print, max_new_tokens=4, eos_token_id=[1], sampling=None, seed=None, logprobs=False,
+                      streaming=True)
+
+
+def test_a_checkpoint_the_child_cannot_load_is_an_engine_dead_naming_why(tmp_path):
+    """The child loads the model (the server process reads only the config): a folder with a config and no
+    weights fails there, and `start` says why (the command prints it and exits 1), leaving no process behind."""
+    from helpers.qwen4 import tiny_config
+
+    config = tiny_config()
+    config.save_pretrained(tmp_path)
+    server = EngineProcess(EngineSettings(str(tmp_path), torch_threads=1), config)
+    with pytest.raises(EngineDead, match="the engine could not start: OSError: .*model"):
+        server.start()
+    assert server.process.exitcode == 1
+    with pytest.raises(EngineDead):
+        server.check_alive()
