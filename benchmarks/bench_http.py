@@ -105,8 +105,14 @@ async def http_level(url: str, model: str, prompts, concurrency: int, output_len
 
 
 def _client_process(job) -> tuple[list[dict], float, float]:
-    """One client process: its share of a level (own event loop, own client); (rows, start, end) in wall time."""
-    url, model, prompts, concurrency, output_len, api_key = job
+    """One client process: its share of a level (own event loop, own client); (rows, start, end) in wall time.
+    It starts sending once every client process is up (``barrier``): the pool's processes come up one by one,
+    seconds apart (each imports torch and openai), and a level timed from the first start to the last end would
+    count that stagger as serving time."""
+    url, model, prompts, concurrency, output_len, api_key, barrier = job
+    import openai  # noqa: F401  (imported before the barrier: not part of the level's time)
+
+    barrier.wait()
     start = time.time()
     rows, _ = asyncio.run(http_level(url, model, prompts, concurrency, output_len, api_key))
     return rows, start, time.time()
@@ -122,10 +128,12 @@ def http_level_processes(url: str, model: str, prompts, concurrency: int, output
         return asyncio.run(http_level(url, model, prompts, concurrency, output_len, api_key))
     import multiprocessing
 
-    jobs = [(url, model, prompts[k::processes], len(range(k, concurrency, processes)), output_len, api_key)
-            for k in range(processes)]
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        parts = pool.map(_client_process, jobs)
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as shared, context.Pool(processes) as pool:
+        barrier = shared.Barrier(processes)  # one job a process: each job waits there until all have started
+        jobs = [(url, model, prompts[k::processes], len(range(k, concurrency, processes)), output_len, api_key,
+                 barrier) for k in range(processes)]
+        parts = pool.map(_client_process, jobs, chunksize=1)
     rows = [row for part, _, _ in parts for row in part]
     return rows, max(end for _, _, end in parts) - min(start for _, start, _ in parts)
 
