@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .metadata import StepMetadata, build_step_metadata_torch
+from .ops import int_tensor
 from .ops.metadata_ref import build_decode_metadata_cpu, is_decode_step
 from .padding import host_step_columns
 
@@ -214,7 +215,7 @@ class Step:
         then read from ``cache.metadata``."""
         cache, plan = self.cache, self.plan
         device = canonical_device(device)
-        lengths = torch.tensor([plan.prev, plan.counts], dtype=torch.int32)  # one host-to-device copy a step
+        lengths = int_tensor([plan.prev, plan.counts], torch.int32)  # one host-to-device copy a step
         if device.type == "cuda":
             lengths = lengths.to(device, non_blocking=True)
         block_tables = {name: t.device_table(plan.rows, device) for name, t in cache.tables.items()}
