@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .ops import int_tensor
+
 
 @dataclass(frozen=True)
 class RowsSnapshot:
@@ -144,7 +146,7 @@ class _IndicesByDevice:
         key = (id(rows), device)
         made = self._made.get(key)
         if made is None or made[0] is not rows:
-            made = self._made[key] = (rows, torch.tensor(rows, dtype=torch.long, device=device))
+            made = self._made[key] = (rows, int_tensor(rows).to(device))
         return made[1]
 
 

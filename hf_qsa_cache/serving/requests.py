@@ -125,6 +125,11 @@ class Request:
         tail_start = max(0, start - split)
         return head + self.generated[tail_start: tail_start + n - len(head)]
 
+    def next_token(self) -> int:
+        """The next token its row has not held yet (a decode step's one token)."""
+        held, split = self.held, len(self.prompt)
+        return self.prompt[held] if held < split else self.generated[held - split]
+
     @property
     def done(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
