@@ -12,6 +12,11 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from .sampling import Sampling
 
 
+# (module constants: an enum member looked up on its class costs more than the rest of `done`, asked per row per step)
+_DONE = (RequestStatus.FINISHED, RequestStatus.FAILED)
+_DECODING = RequestStatus.DECODING
+
+
 def _is_int(value) -> bool:
     # Plain ints first: a prompt's every token passes here, and the abstract-class check costs ten times more.
     return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
@@ -132,7 +137,7 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+        return self.status in _DONE
 
     def add_token(self, token: int, logprob: float | None) -> None:
         """A sampled token; ends the request at an eos token or at ``max_new_tokens``."""
@@ -144,7 +149,7 @@ class Request:
         if token in self.eos_token_ids or len(self.generated) >= self.max_new_tokens:
             self.finish(RequestStatus.FINISHED)
         else:
-            self.status = RequestStatus.DECODING
+            self.status = _DECODING
 
     def finish(self, status: RequestStatus, error: str | None = None) -> None:
         self.status, self.error, self.ended = status, error, time.perf_counter()

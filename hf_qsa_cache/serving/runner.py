@@ -273,10 +273,12 @@ class ModelRunner:
         logprobs = None
         if self.return_logprobs or any(rows[i].want_logprobs for i in ready):
             logprobs = scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0].tolist()
+        if logprobs is None:
+            return [(rows[i], token, None) for i, token in zip(ready, tokens.tolist())]
         picked = []
         for j, (i, token) in enumerate(zip(ready, tokens.tolist())):
             request = rows[i]
-            keep = logprobs is not None and (self.return_logprobs or request.want_logprobs)
+            keep = self.return_logprobs or request.want_logprobs
             picked.append((request, token, logprobs[j] if keep else None))
         return picked
 
