@@ -101,12 +101,12 @@ class Request:
 
     @property
     def pending(self) -> int:
-        return self.total - self.held
+        return len(self.prompt) + len(self.generated) - self.held  # (`total` - held: asked per row per step)
 
     @property
     def in_prefill(self) -> bool:
         """More than one token to feed: its prompt (or, after preemption, its tokens so far) is not all in."""
-        return self.pending > 1
+        return len(self.prompt) + len(self.generated) - self.held > 1
 
     def token_array(self):
         """Its prompt and generated tokens as an int64 numpy array (prompt lookup searches it every decode
