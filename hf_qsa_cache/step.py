@@ -35,9 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .metadata import StepMetadata, build_step_metadata_torch
+from .metadata import StepMetadata, build_decode_metadata_cpu, build_step_metadata_torch, is_decode_step
 from .ops import int_tensor
-from .ops.metadata_ref import build_decode_metadata_cpu, is_decode_step
 from .padding import host_step_columns
 
 
