@@ -45,7 +45,8 @@ def keeps_caller_columns(forward):
 
     @functools.wraps(forward)
     def wrapper(*args, **kwargs):
-        call = signature.bind_partial(*args, **kwargs).arguments
+        # Only self by position (how the models are called): the keywords are the arguments, no binding needed.
+        call = kwargs if len(args) <= 1 else signature.bind_partial(*args, **kwargs).arguments
         tokens = call.get("input_ids")
         if tokens is None:
             tokens = call.get("inputs_embeds")

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from .ops import int_tensor
+
 NULL_BLOCK = 0
 
 
@@ -218,8 +220,12 @@ class BlockTable:
     def blocks_needed_rows(self, new_lengths: list[int]) -> int:
         """Free blocks reserving rows ``0, 1, ...`` to ``new_lengths`` would take (`reserve_rows`). A row that
         stays within the blocks it has costs a comparison."""
-        rows, block_size = self.rows, self.block_size
-        return sum(self.blocks_needed(row, n) for row, n in enumerate(new_lengths) if n > len(rows[row]) * block_size)
+        block_size, window, need = self.block_size, self.window, 0
+        for n, table in zip(new_lengths, self.rows):
+            if n > len(table) * block_size:  # (`blocks_needed`, inline: a decode step asks this of every row)
+                start = len(table) if window is None else max(len(table), max(0, n - window + 1) // block_size)
+                need += max(0, -(-n // block_size) - start)
+        return need
 
     def _first_live_block(self, length: int) -> int:
         if self.window is None:
@@ -242,18 +248,22 @@ class BlockTable:
         want = -(-new_len // self.block_size)
         if want > self.max_columns:
             raise ValueError(f"{self.name}: row {row} needs {want} blocks, the table holds {self.max_columns}")
+        if len(table) >= want:  # (the window's first live block is never past `want`: nothing to fill below it)
+            return
+        marks = self._step_marks
+        if marks is not None and row not in marks:
+            marks[row] = len(table)
         keep_from = self._first_live_block(new_len)
-        if self._step_marks is not None and row not in self._step_marks and len(table) < want:
-            self._step_marks[row] = len(table)
         if len(table) < keep_from:  # wholly below the window: null entries (already zero on the device)
             table.extend([NULL_BLOCK] * (keep_from - len(table)))
-        while len(table) < want:
+        for column in range(len(table), want):
             if not self.free:
                 raise ValueError(f"{self.name}: block pool exhausted ({self.num_blocks - 1} blocks)")
-            table.append(self._take())
-            self._set(row, len(table) - 1, table[-1])
-            if self._step_marks is not None:
-                self._step_taken.append(table[-1])
+            block = self._take()
+            table.append(block)
+            self._set(row, column, block)
+            if marks is not None:
+                self._step_taken.append(block)
 
     def reserve_rows(self, new_lengths: list[int]) -> None:
         """`reserve` rows ``0, 1, ...`` to ``new_lengths``; rows within the blocks they hold are not visited
@@ -305,17 +315,15 @@ class BlockTable:
 
         Only rows that change are visited, each from its ``base`` on (a windowed row's null prefix is
         not), and a row's block list changes hands without a copy."""
-        named = {s for s in src if s >= 0}
-        for row in range(num_rows):
-            if row not in named:
-                self.release_row(row)
+        changed = [i for i, s in enumerate(src) if s != i] + list(range(len(src), num_rows))
+        if not changed:
+            return
+        for row in sorted(set(range(num_rows)).difference(src)):  # rows no entry names
+            self.release_row(row)
         rows, bases = self.rows, self.base
-        # Every row's list and base before any is replaced (a row's list may go to an earlier row).
-        taken = [(rows[s], bases[s]) if s >= 0 else ([], 0) for s in src]
-        for i in range(max(num_rows, len(src))):
-            if i < len(src) and src[i] == i:
-                continue  # stays where it is
-            blocks, base = taken[i] if i < len(src) else ([], 0)
+        # Every changed row's new list and base before any is replaced (a row's list may go to an earlier row).
+        taken = [(rows[src[i]], bases[src[i]]) if i < len(src) and src[i] >= 0 else ([], 0) for i in changed]
+        for i, (blocks, base) in zip(changed, taken):
             old, old_base = rows[i], bases[i]
             # Entries below a list's base are null, and the device holds null past a list's end: only the
             # columns from a list's base to its end (each list's live span) can differ.
@@ -389,9 +397,12 @@ class BlockTable:
             self._changed.clear()
         elif self._changed:
             width = self.max_columns
-            changes = torch.tensor([[r * width + c for r, c in self._changed], list(self._changed.values())],
-                                   dtype=torch.int64).to(device, non_blocking=True)
-            self._device.view(-1).index_copy_(0, changes[0], changes[1].to(torch.int32))
+            index = [r * width + c for r, c in self._changed]
+            if device.type == "cpu":  # a host tensor: written in place (numpy's indexing costs a third of torch's)
+                self._device.view(-1).numpy()[index] = list(self._changed.values())
+            else:
+                changes = int_tensor([index, list(self._changed.values())]).to(device, non_blocking=True)
+                self._device.view(-1).index_copy_(0, changes[0], changes[1].to(torch.int32))
             self._changed.clear()
         view = self._view
         if view is None or view[0] is not self._device or view[1] != num_rows:

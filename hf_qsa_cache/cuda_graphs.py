@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from .cache import QSAPagedCache
+from .ops import int_tensor
 # The experts a graph step runs are chosen by the experts op (`hf_qsa_cache.ops.experts.graph_experts`).
 from .ops.experts import graph_experts
 
@@ -206,12 +207,12 @@ class DecodeGraphs:
     def _fill(self, entry: _Bucket, prev: list[int], counts: list[int], input_ids, position_ids) -> None:
         (rows, length), size = input_ids.shape, entry.ids.shape[0]
         pad = [0] * (size - rows)  # padding rows: no real token, nothing written
-        entry.lengths.copy_(torch.tensor([prev + pad, counts + pad], dtype=torch.int32), non_blocking=True)
+        entry.lengths.copy_(int_tensor([prev + pad, counts + pad], torch.int32), non_blocking=True)
         entry.ids[:rows].copy_(input_ids)
         if entry.positions is not None:
             if position_ids is None:  # rows have started, so a step has no pads: positions follow the length
                 start = [p + d for p, d in zip(prev, self.cache.rope_deltas)]  # (plus a row's multimodal offset)
-                steps = torch.tensor(start, dtype=torch.int64)[:, None] + torch.arange(length)
+                steps = int_tensor(start)[:, None] + torch.arange(length)
                 entry.positions[:, :rows] = steps.to(self.device, non_blocking=True)
             else:  # the step's columns of what the caller passed, as the eager forward reads them
                 entry.positions[:, :rows].copy_(self.model.step_positions(position_ids, rows, length))

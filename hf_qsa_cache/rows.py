@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .ops import int_tensor
+
 
 @dataclass(frozen=True)
 class RowsSnapshot:
@@ -125,8 +127,8 @@ class Rows:
     def _permute(self, src: list[int]) -> None:
         pad = [0] * (self.max_rows - len(src))
         for name in self.PER_ROW:
-            values = getattr(self, name)
-            setattr(self, name, [values[s] if s >= 0 else 0 for s in src] + pad)
+            values = getattr(self, name) + [0]  # a fresh row (-1) reads the 0 at the end
+            setattr(self, name, list(map(values.__getitem__, src)) + pad)
         self.count = len(src)
 
     def __repr__(self):
@@ -144,7 +146,7 @@ class _IndicesByDevice:
         key = (id(rows), device)
         made = self._made.get(key)
         if made is None or made[0] is not rows:
-            made = self._made[key] = (rows, torch.tensor(rows, dtype=torch.long, device=device))
+            made = self._made[key] = (rows, int_tensor(rows).to(device))
         return made[1]
 
 
@@ -207,7 +209,7 @@ def move_rows(cache, src: list[int]) -> None:
     kept = [s for s in src if s != -1]
     if len(src) > cache.max_batch_size:
         raise ValueError(f"the cache can hold up to max_batch_size={cache.max_batch_size} rows, asked for {len(src)}")
-    if any(not 0 <= s < held for s in kept) or len(set(kept)) != len(kept):
+    if kept and (min(kept) < 0 or max(kept) >= held) or len(set(kept)) != len(kept):
         raise ValueError(f"entries must be distinct rows in [0, {held}) or -1 (a fresh row), got {src}")
     moved = [i for i, s in enumerate(src) if s not in (i, -1)]  # only rows that change place are copied
     gathered = []  # read every moved row before the first write

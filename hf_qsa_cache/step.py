@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .metadata import StepMetadata, build_step_metadata_torch
+from .metadata import StepMetadata, build_decode_metadata_cpu, build_step_metadata_torch, is_decode_step
+from .ops import int_tensor
 from .padding import host_step_columns
 
 
@@ -68,14 +69,19 @@ class StepPlan:
         return [Piece(b, p, c) for b, (p, c) in enumerate(zip(self.prev, self.counts))]
 
 
-def build_step_metadata(prev_len: torch.Tensor, *args, **kwargs) -> StepMetadata:
-    """A step's metadata: one Triton launch on CUDA, the torch specification elsewhere (same arguments as
+def build_step_metadata(prev_len: torch.Tensor, count: torch.Tensor, query_len: int, block_tables, block_sizes, qsa,
+                        host_prev_len: list[int] | None, host_count: list[int] | None, **kwargs) -> StepMetadata:
+    """A step's metadata: one Triton launch on CUDA; on CPU a decode step's from its host lengths
+    (`build_decode_metadata_cpu`), any other step's from the torch specification (same arguments as
     `hf_qsa_cache.metadata.build_step_metadata_torch`)."""
+    args = (prev_len, count, query_len, block_tables, block_sizes, qsa, host_prev_len, host_count)
     if prev_len.is_cuda:
         from .ops.metadata_triton import build_step_metadata_triton
 
-        return build_step_metadata_triton(prev_len, *args, **kwargs)
-    return build_step_metadata_torch(prev_len, *args, **kwargs)
+        return build_step_metadata_triton(*args, **kwargs)
+    if prev_len.device.type == "cpu" and is_decode_step(query_len, host_count):
+        return build_decode_metadata_cpu(*args)
+    return build_step_metadata_torch(*args, **kwargs)
 
 
 def graph_step_metadata(cache, lengths: torch.Tensor, query_len: int,
@@ -208,7 +214,7 @@ class Step:
         then read from ``cache.metadata``."""
         cache, plan = self.cache, self.plan
         device = canonical_device(device)
-        lengths = torch.tensor([plan.prev, plan.counts], dtype=torch.int32)  # one host-to-device copy a step
+        lengths = int_tensor([plan.prev, plan.counts], torch.int32)  # one host-to-device copy a step
         if device.type == "cuda":
             lengths = lengths.to(device, non_blocking=True)
         block_tables = {name: t.device_table(plan.rows, device) for name, t in cache.tables.items()}

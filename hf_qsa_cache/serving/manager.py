@@ -336,17 +336,10 @@ class ContinuousBatchingManager:
         self.runner.release_all()
 
     def _intake(self) -> None:
-        while True:
-            try:
-                request = self.input_queue.get_nowait()
-            except queue.Empty:
-                break
-            self.scheduler.submit(request)
-        while True:
-            try:
-                request_id = self.cancel_queue.get_nowait()
-            except queue.Empty:
-                break
+        while not self.input_queue.empty():  # (this thread is the only reader: no raised Empty per iteration)
+            self.scheduler.submit(self.input_queue.get_nowait())
+        while not self.cancel_queue.empty():
+            request_id = self.cancel_queue.get_nowait()
             for request in [*self.scheduler.rows, *self.scheduler.waiting]:
                 if request.request_id == request_id:
                     self._end(request, RequestStatus.FAILED, "cancelled")

@@ -12,6 +12,11 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from .sampling import Sampling
 
 
+# (module constants: an enum member looked up on its class costs more than the rest of `done`, asked per row per step)
+_DONE = (RequestStatus.FINISHED, RequestStatus.FAILED)
+_DECODING = RequestStatus.DECODING
+
+
 def _is_int(value) -> bool:
     # Plain ints first: a prompt's every token passes here, and the abstract-class check costs ten times more.
     return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
@@ -127,12 +132,12 @@ class Request:
 
     @property
     def pending(self) -> int:
-        return self.total - self.held
+        return len(self.prompt) + len(self.generated) - self.held  # (`total` - held: asked per row per step)
 
     @property
     def in_prefill(self) -> bool:
         """More than one token to feed: its prompt (or, after preemption, its tokens so far) is not all in."""
-        return self.pending > 1
+        return len(self.prompt) + len(self.generated) - self.held > 1
 
     def token_array(self):
         """Its prompt and generated tokens as an int64 numpy array (prompt lookup searches it every decode
@@ -156,9 +161,14 @@ class Request:
         tail_start = max(0, start - split)
         return head + self.generated[tail_start: tail_start + n - len(head)]
 
+    def next_token(self) -> int:
+        """The next token its row has not held yet (a decode step's one token)."""
+        held, split = self.held, len(self.prompt)
+        return self.prompt[held] if held < split else self.generated[held - split]
+
     @property
     def done(self) -> bool:
-        return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+        return self.status in _DONE
 
     def add_token(self, token: int, logprob: float | None) -> None:
         """A sampled token; ends the request at an eos token or at ``max_new_tokens``."""
@@ -170,7 +180,7 @@ class Request:
         if token in self.eos_token_ids or len(self.generated) >= self.max_new_tokens:
             self.finish(RequestStatus.FINISHED)
         else:
-            self.status = RequestStatus.DECODING
+            self.status = _DECODING
 
     def finish(self, status: RequestStatus, error: str | None = None) -> None:
         self.status, self.error, self.ended = status, error, time.perf_counter()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import QSAPagedCache
+from ..ops import int_tensor
 from ..rollback import crop_rows
 from .requests import Request
 from .sampling import next_token_scores
@@ -123,6 +124,8 @@ class ModelRunner:
                     again.append((row, request))
                 elif matched > max(request.held, request.prefix_stop):
                     request.prefix_stop = matched  # its prefill stops there to cache its state for others
+            else:  # decoding: it never looks again (a preempted request gets a fresh row, which does)
+                request.prefix_seen = version
         if not again:
             return False
         fed = [row for row, request in again if request.held]
@@ -190,7 +193,7 @@ class ModelRunner:
         logprob), a row's in order."""
         rows = self.rows
         if not drafts or not any(drafts):
-            ids = torch.tensor([r.next_tokens(1) for r in rows], dtype=torch.long)
+            ids = int_tensor([r.next_token() for r in rows]).view(-1, 1)
             logits = self._forward(rows, ids, None)
             for request in rows:
                 request.held += 1
@@ -270,10 +273,12 @@ class ModelRunner:
         logprobs = None
         if self.return_logprobs or any(rows[i].want_logprobs for i in ready):
             logprobs = scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0].tolist()
+        if logprobs is None:
+            return [(rows[i], token, None) for i, token in zip(ready, tokens.tolist())]
         picked = []
         for j, (i, token) in enumerate(zip(ready, tokens.tolist())):
             request = rows[i]
-            keep = logprobs is not None and (self.return_logprobs or request.want_logprobs)
+            keep = self.return_logprobs or request.want_logprobs
             picked.append((request, token, logprobs[j] if keep else None))
         return picked
 

@@ -9,6 +9,7 @@ depend on how many requests came before it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import numbers
 from collections import Counter
@@ -64,7 +65,7 @@ class Sampling:
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    @property
+    @functools.cached_property  # (asked per row per step; the parameters never change)
     def plain_greedy(self) -> bool:
         """The argmax of the raw logits: no draw, no penalty."""
         return not self.do_sample and not self.penalized
