@@ -83,23 +83,21 @@ class ModelRunner:
         """The longest whole-unit prefix (before its last token) the request's tokens share with another request's
         prompt in flight or waiting: computed once by the first of them, restored by the others."""
         unit = self.cache.prefix.unit
-        limit = request.total - 1
+        limit = (request.total - 1) // unit * unit
         if limit < unit:
             return 0
-        tokens = _tokens(request, request.total)
+        tokens = _tokens(request, limit)
         head, best = tokens[:unit], 0
         for other in self.peers():
             theirs = other.prompt
-            if other is request or other.media is not None or len(theirs) <= best or theirs[:unit] != head:
+            if other is request or other.media is not None or len(theirs) < best + unit or theirs[:unit] != head:
                 continue
-            lo, hi = unit, min(limit, len(theirs))  # tokens[:lo] == theirs[:lo]; find the longest such lo
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if tokens[:mid] == theirs[:mid]:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            best = max(best, lo // unit * unit)
+            # Unit by unit from the first: a prompt's units are compared once each (a bisection over whole
+            # prefixes copied and compared ~2 log2(n) prefixes of up to n tokens: 3 ms a restore at 10,240).
+            end, stop = unit, min(limit, len(theirs) // unit * unit)
+            while end < stop and tokens[end: end + unit] == theirs[end: end + unit]:
+                end += unit
+            best = max(best, end)
         return best
 
     def retry_restores(self) -> bool:

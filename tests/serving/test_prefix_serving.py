@@ -98,3 +98,42 @@ def test_requests_admitted_together_restore_what_the_first_cached(family):
         stats = manager.cache.memory_stats()["prefix_cache"]
     assert pools_full(manager.cache)
     assert stats["hit_tokens"] >= 3 * 16, stats
+
+
+@pytest.mark.parametrize("unit", [1, 4, 8])
+def test_the_prefix_shared_with_peers_is_the_longest_whole_unit_one(unit):
+    """`ModelRunner._shared_with_peers` against its definition, on random prompts that share prefixes of every
+    length with their peers: the longest whole-unit prefix, short of the request's last token, that its tokens
+    share with another request's prompt (a prompt with media, or the request itself, does not count)."""
+    import random
+    from types import SimpleNamespace
+
+    from hf_qsa_cache.serving.runner import ModelRunner
+
+    def request(prompt, generated=(), media=None):
+        return SimpleNamespace(prompt=list(prompt), generated=list(generated), media=media,
+                               total=len(prompt) + len(generated))
+
+    def definition(mine, peers):
+        tokens = mine.prompt + mine.generated
+        best = 0
+        for other in peers:
+            if other is mine or other.media is not None:
+                continue
+            n = 0
+            while n < min(len(tokens) - 1, len(other.prompt)) and tokens[n] == other.prompt[n]:
+                n += 1
+            best = max(best, n // unit * unit)
+        return best if best >= unit else 0
+
+    rng = random.Random(unit)
+    for _ in range(300):
+        base = [rng.randrange(3) for _ in range(rng.randrange(1, 50))]
+        peers = [request(base[: rng.randrange(len(base) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(8))],
+                         media={"pixel_values": None} if rng.random() < 0.1 else None)
+                 for _ in range(rng.randrange(4))]
+        cut = rng.randrange(len(base) + 1)
+        mine = request(base[:cut] or [0], base[cut:])  # part of its tokens generated (a preempted request)
+        peers.append(mine)
+        runner = SimpleNamespace(cache=SimpleNamespace(prefix=SimpleNamespace(unit=unit)), peers=lambda: peers)
+        assert ModelRunner._shared_with_peers(runner, mine) == definition(mine, peers), (mine, peers)
