@@ -111,8 +111,10 @@ class Request:
     ended: float = -1.0
     held: int = 0  # tokens its cache row holds (0 without a row, or after preemption)
     # Prefix caching: where its prefill also stops to cache a prefix (blocks others cached reach there, no
-    # snapshot does: 0 if none), and the prefix cache's version at its last lookup (-1: none since it got a row).
+    # snapshot does: 0 if none) and a hash of its tokens up to there (`stop_prefix_at`), and the prefix cache's
+    # version at its last lookup (-1: none since it got a row).
     prefix_stop: int = 0
+    prefix_key: int = 0
     prefix_seen: int = -1
     admitted: int = -1  # admission number (the latest admitted is preempted first)
     generator: object = None  # its torch.Generator, made at its first sampled token
@@ -160,6 +162,14 @@ class Request:
         head = self.prompt[start: start + n] if start < split else []
         tail_start = max(0, start - split)
         return head + self.generated[tail_start: tail_start + n - len(head)]
+
+    def stop_prefix_at(self, stop: int) -> None:
+        """Its prefill stops at ``stop`` (0: nowhere) to cache the prefix there. Requests with the same stop and
+        key (a hash of the prefix's tokens) share that prefix: one computes it, the others wait and restore it
+        (`Scheduler`); a collision only makes a request wait for a prefix it then does not find."""
+        self.prefix_stop = stop
+        head = self.prompt[:stop]
+        self.prefix_key = hash(tuple(head + self.generated[: stop - len(head)])) if stop else 0
 
     def next_token(self) -> int:
         """The next token its row has not held yet (a decode step's one token)."""

@@ -77,7 +77,7 @@ class ModelRunner:
         request.held = cache.restore_prefix(row, _tokens(request, request.total), limit=request.total - 1,
                                             count=first)
         stop = max(cache.prefix_matched, self._shared_with_peers(request))
-        request.prefix_stop = stop if stop > request.held else 0
+        request.stop_prefix_at(stop if stop > request.held else 0)
 
     def _shared_with_peers(self, request: Request) -> int:
         """The longest whole-unit prefix (before its last token) the request's tokens share with another request's
@@ -121,7 +121,7 @@ class ModelRunner:
                 if restorable > request.held:
                     again.append((row, request))
                 elif matched > max(request.held, request.prefix_stop):
-                    request.prefix_stop = matched  # its prefill stops there to cache its state for others
+                    request.stop_prefix_at(matched)  # its prefill stops there to cache its state for others
             else:  # decoding: it never looks again (a preempted request gets a fresh row, which does)
                 request.prefix_seen = version
         if not again:

@@ -7,7 +7,10 @@ first (rows ``[0, p)``), then those decoding. Two kinds of step follow:
   the oldest takes as much of ``max_batch_tokens`` as it can use, the next ones join while ``k`` chunks of
   that length fit and pads stay at most half the step; a chunk may end anywhere: inside a QSA group, a
   window, a conv span, except that with prefix caching a chunk ends at the request's snapshot point, the last
-  unit boundary before its last token, when it passes it: the runner caches the prefix there);
+  unit boundary before its last token, when it passes it: the runner caches the prefix there). With prefix
+  caching, a request whose prefix an older one is computing (the same stop, the same tokens) waits for it and
+  then restores it; waiting rows are ordered after the other prefilling rows, so they do not end a step
+  before the rows behind them;
 * a decode step feeds every row one token: a decoding request its last sampled token, a prefilling one
   its next prompt token (useful work, and one real token per row: the CUDA-graph decode step applies).
 
@@ -70,20 +73,22 @@ class Scheduler:
         return min(request.pending, self.max_batch_tokens)
 
     def order(self) -> None:
-        """Prefilling rows first, in their current order (a prefill step takes the oldest: a prefix of the rows),
-        then the decoding ones. A decoding request keeps the row it had at the last `order` while that row is
+        """Prefilling rows first, oldest admitted first but for those waiting for an older row's prefix
+        (`_prefill_order`; a prefill step takes a prefix of the rows), then the decoding ones. A decoding request keeps the row it had at the last `order` while that row is
         still a decoding row; the others take the free ones, in their current order. So a request that finishes
         or starts decoding moves at most one decoding request, not every one after it (the cache rewrites the
         block-table rows of the requests that change row: `QSAPagedCache.move_rows`).
 
-        When no request came or left since the last `order` and every prefilling request still is (a decoding
-        one never becomes one again but by preemption), nothing moves: only the prefilling rows are looked at."""
+        When no request came or left since the last `order`, every prefilling request still is (a decoding one
+        never becomes one again but by preemption) and none started or stopped waiting, nothing moves: only the
+        prefilling rows are looked at."""
         rows = self.rows
         if self._ordered is not None and self._ordered[0] is rows \
-                and all(r.in_prefill for r in rows[: self._ordered[1]]):
+                and all(r.in_prefill for r in rows[: self._ordered[1]]) \
+                and all(a is b for a, b in zip(self._prefill_order(rows[: self._ordered[1]]), rows)):
             return
         prefilling = [r.in_prefill for r in rows]
-        layout = [r for r, p in zip(rows, prefilling) if p]
+        layout = self._prefill_order([r for r, p in zip(rows, prefilling) if p])
         first, n = len(layout), len(rows)
         layout += [None] * (n - first)
         slot, moving = self._slot, []
@@ -101,6 +106,22 @@ class Scheduler:
         self.rows = layout
         self._slot = {request: i for i, request in enumerate(layout)}
         self._ordered = (layout, first)
+
+    @staticmethod
+    def _prefill_order(prefilling: list[Request]) -> list[Request]:
+        """Prefilling requests oldest admitted first, except those waiting for an older one's stop (`_stop`),
+        which go after the others: a prefill step takes a prefix of the rows, and a waiting row would end it
+        before the rows behind it (requests of other shared prefixes, which can run now)."""
+        ready, waiting, computing = [], [], set()
+        for request in sorted(prefilling, key=lambda r: r.admitted):
+            stop = _stop(request)
+            if stop is not None and stop in computing:
+                waiting.append(request)
+                continue
+            if stop is not None:
+                computing.add(stop)
+            ready.append(request)
+        return ready + waiting
 
     def release(self, request: Request) -> None:
         """The request leaves its row (finished, failed, cancelled) or the queue."""
@@ -161,15 +182,25 @@ class Scheduler:
             return []
         length = self._to_snapshot(self.rows[0], min(self.rows[0].pending, self.max_batch_tokens))
         chunks = [length]
+        computing = {_stop(self.rows[0])}
         for r in self.rows[1:p]:
             if (len(chunks) + 1) * length > self.max_batch_tokens:
                 break
-            if 0 < r.prefix_stop and r.held < r.prefix_stop and any(
-                    q.prefix_stop == r.prefix_stop and q.held < q.prefix_stop for q in self.rows[: len(chunks)]):
+            stop = _stop(r)
+            if stop is not None and stop in computing:
                 break  # an older row is computing the same cached-blocks prefix: start from its snapshot instead
+            computing.add(stop)
             chunk = self._to_snapshot(r, min(r.pending, length))
             # Every row of the step is padded to `length`: a row joins only while pads stay at most half the step.
             if (len(chunks) + 1) * length > 2 * (sum(chunks) + chunk):
                 break
             chunks.append(chunk)
         return chunks
+
+
+def _stop(request: Request) -> tuple[int, int] | None:
+    """The prefix the request's prefill is computing towards to cache it for others (its stop and the key of its
+    tokens, `Request.stop_prefix_at`), or None: requests with the same one share it."""
+    if 0 < request.prefix_stop and request.held < request.prefix_stop:
+        return request.prefix_stop, request.prefix_key
+    return None

@@ -137,3 +137,32 @@ def test_the_prefix_shared_with_peers_is_the_longest_whole_unit_one(unit):
         peers.append(mine)
         runner = SimpleNamespace(cache=SimpleNamespace(prefix=SimpleNamespace(unit=unit)), peers=lambda: peers)
         assert ModelRunner._shared_with_peers(runner, mine) == definition(mine, peers), (mine, peers)
+
+
+def test_rows_waiting_for_an_older_rows_prefix_step_aside_for_other_prefixes():
+    """Three groups of prompts whose shared prefixes have the same length (stop 16) but other tokens, admitted
+    group by group: the first of each group computes its prefix; the others wait for it and are ordered after
+    every row that can run, so the first rows of the other groups join the first group's prefill step (before,
+    an equal stop counted as the same prefix, and the waiting rows ended the step). Once a group's prefix is in,
+    its rows come back in admission order."""
+    from hf_qsa_cache.serving.requests import Request
+    from hf_qsa_cache.serving.scheduler import Scheduler
+
+    groups = [random_prompts([16], vocab=90, seed=60 + g)[0] for g in range(3)]
+    requests = [Request(f"g{g}q{q}", groups[g] + [1 + q] * 4, 4, frozenset()) for g in range(3) for q in range(3)]
+    scheduler = Scheduler(max_rows=9, max_batch_tokens=64, prefill_first=True, unit=4)
+    for request in requests:
+        scheduler.submit(request)
+        request.stop_prefix_at(16)  # as the runner's restore sets it: these share their first 16 tokens
+    scheduler.admit()
+    leaders = [requests[0], requests[3], requests[6]]
+    assert scheduler.rows[:3] == leaders and set(scheduler.rows[3:]) == set(requests) - set(leaders)
+    assert [r.admitted for r in scheduler.rows[3:]] == sorted(r.admitted for r in scheduler.rows[3:])
+    assert scheduler.prefill_chunks() == [16, 16, 16]  # each leader to its stop, in one step
+    for leader in leaders[:2]:  # two prefixes computed and restored by their groups' other rows
+        leader.held = 16
+    for request in requests[1:3] + requests[4:6]:
+        request.held = 16
+    scheduler.order()
+    assert scheduler.rows[:6] == [requests[0], requests[1], requests[2], requests[3], requests[4], requests[5]]
+    assert scheduler.rows[6] is requests[6] and set(scheduler.rows[7:]) == {requests[7], requests[8]}
