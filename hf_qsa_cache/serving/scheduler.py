@@ -74,10 +74,11 @@ class Scheduler:
 
     def order(self) -> None:
         """Prefilling rows first, oldest admitted first but for those waiting for an older row's prefix
-        (`_prefill_order`; a prefill step takes a prefix of the rows), then the decoding ones. A decoding request keeps the row it had at the last `order` while that row is
-        still a decoding row; the others take the free ones, in their current order. So a request that finishes
-        or starts decoding moves at most one decoding request, not every one after it (the cache rewrites the
-        block-table rows of the requests that change row: `QSAPagedCache.move_rows`).
+        (`_prefill_order`; a prefill step takes a prefix of the rows), then the decoding ones. A decoding request
+        keeps the row it had at the last `order` while that row is still a decoding row; the others take the
+        free ones, in their current order. So a request that finishes or starts decoding moves at most one
+        decoding request, not every one after it (the cache rewrites the block-table rows of the requests that
+        change row: `QSAPagedCache.move_rows`).
 
         When no request came or left since the last `order`, every prefilling request still is (a decoding one
         never becomes one again but by preemption) and none started or stopped waiting, nothing moves: only the
