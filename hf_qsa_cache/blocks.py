@@ -397,12 +397,9 @@ class BlockTable:
             self._changed.clear()
         elif self._changed:
             width = self.max_columns
-            index = [r * width + c for r, c in self._changed]
-            if device.type == "cpu":  # a host tensor: written in place (numpy's indexing costs a third of torch's)
-                self._device.view(-1).numpy()[index] = list(self._changed.values())
-            else:
-                changes = int_tensor([index, list(self._changed.values())]).to(device, non_blocking=True)
-                self._device.view(-1).index_copy_(0, changes[0], changes[1].to(torch.int32))
+            changes = int_tensor([[r * width + c for r, c in self._changed],
+                                  list(self._changed.values())]).to(device, non_blocking=True)
+            self._device.view(-1).index_copy_(0, changes[0], changes[1].to(torch.int32))
             self._changed.clear()
         view = self._view
         if view is None or view[0] is not self._device or view[1] != num_rows:

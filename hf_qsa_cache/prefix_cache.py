@@ -87,7 +87,7 @@ class PrefixCache:
         self.snapshots = 0
         self._serial = 0
         self._tick = 0
-        self.version = 0  # changes whenever entries are added or dropped (a lookup that missed may be retried)
+        self.version = 0  # changes whenever an entry or a snapshot is added (a lookup that missed may be retried)
         self.counters = {"lookup_tokens": 0, "hit_tokens": 0, "evictions": 0, "snapshot_evictions": 0}
 
     # ------------------------------------------------------------------ lookup
@@ -148,6 +148,7 @@ class PrefixCache:
                         for b in taken:
                             self.tables[name].mark_cached(b)
                     self.entries[key] = entry
+                    self.version += 1
                     if parent is not None:
                         parent.children.add(entry)
                 if entry is None:
@@ -155,9 +156,9 @@ class PrefixCache:
             chain.append(entry)
             parent = entry
         self.touch(chain)
-        self.version += 1
         covered = len(chain) * self.unit
         if snapshot is not None and chain and covered == snapshot.length and chain[-1].snapshot is None:
+            self.version += 1
             snapshot.size = size
             chain[-1].snapshot = snapshot
             self.snapshots += 1
@@ -167,8 +168,8 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ eviction
     def _drop(self, entry: Entry, evicted: bool = True) -> None:
-        """Drop ``entry`` and every entry below it (their prefixes are no longer reachable)."""
-        self.version += 1
+        """Drop ``entry`` and every entry below it (their prefixes are no longer reachable; no lookup that missed
+        can hit now, so the version stays)."""
         stack = [entry]
         while stack:
             e = stack.pop()

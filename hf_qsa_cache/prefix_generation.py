@@ -29,17 +29,22 @@ def retire_rows(cache: QSAPagedCache) -> None:
     (their prompts' boundaries were cached by their prefill), then every row is released; cached prefixes
     stay."""
     log = cache.token_log
-    if cache._unusable is None and cache.prefix_rows_from_ids and log.complete and log.ids is not None:
-        for row in range(cache.num_rows):
-            length = cache.lengths[row]
-            tail = cache.prefix_tails.get(row)
-            if cache.rope_deltas[row]:
-                continue  # a row with media: its token ids do not say what its state holds
-            if length and length % cache.prefix.unit == 0:
-                cache.cache_prefix(row, log.ids[row, :length].tolist())
-            elif tail is not None and tail.length <= length:
-                cache.cache_prefix(row, log.ids[row, :tail.length].tolist(), snapshot=tail)
-    cache.reset()
+    try:
+        if cache._unusable is None and cache.prefix_rows_from_ids and log.complete and log.ids is not None:
+            for row in range(cache.num_rows):
+                length = cache.lengths[row]
+                tail = cache.prefix_tails.get(row)
+                if cache.rope_deltas[row]:
+                    continue  # a row with media: its token ids do not say what its state holds
+                try:
+                    if length and length % cache.prefix.unit == 0:
+                        cache.cache_prefix(row, log.ids[row, :length].tolist())
+                    elif tail is not None and tail.length <= length:
+                        cache.cache_prefix(row, log.ids[row, :tail.length].tolist(), snapshot=tail)
+                except Exception as error:  # a prefix that cannot be kept is only a later miss
+                    logger.warning("caching the prefix of row %d failed: %s", row, error)
+    finally:
+        cache.reset()
 
 
 def applies(cache, input_ids, inputs_embeds, attention_mask, logits_to_keep, chunkable, per_token: dict,

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .metadata import StepMetadata, build_decode_metadata_cpu, build_step_metadata_torch, is_decode_step
+from .metadata import StepMetadata, build_step_metadata_torch
 from .ops import int_tensor
 from .padding import host_step_columns
 
@@ -69,19 +69,14 @@ class StepPlan:
         return [Piece(b, p, c) for b, (p, c) in enumerate(zip(self.prev, self.counts))]
 
 
-def build_step_metadata(prev_len: torch.Tensor, count: torch.Tensor, query_len: int, block_tables, block_sizes, qsa,
-                        host_prev_len: list[int] | None, host_count: list[int] | None, **kwargs) -> StepMetadata:
-    """A step's metadata: one Triton launch on CUDA; on CPU a decode step's from its host lengths
-    (`build_decode_metadata_cpu`), any other step's from the torch specification (same arguments as
+def build_step_metadata(prev_len: torch.Tensor, *args, **kwargs) -> StepMetadata:
+    """A step's metadata: one Triton launch on CUDA, the torch specification elsewhere (same arguments as
     `hf_qsa_cache.metadata.build_step_metadata_torch`)."""
-    args = (prev_len, count, query_len, block_tables, block_sizes, qsa, host_prev_len, host_count)
     if prev_len.is_cuda:
         from .ops.metadata_triton import build_step_metadata_triton
 
-        return build_step_metadata_triton(*args, **kwargs)
-    if prev_len.device.type == "cpu" and is_decode_step(query_len, host_count):
-        return build_decode_metadata_cpu(*args)
-    return build_step_metadata_torch(*args, **kwargs)
+        return build_step_metadata_triton(prev_len, *args, **kwargs)
+    return build_step_metadata_torch(prev_len, *args, **kwargs)
 
 
 def graph_step_metadata(cache, lengths: torch.Tensor, query_len: int,
@@ -144,7 +139,7 @@ def why_not_fits(cache, new_lengths: list[int], what: str = "this step") -> str 
         return f"row {b} needs {need} slots, cache holds max_cache_len={cache.max_cache_len}"
     for name, table in cache.tables.items():
         need = table.blocks_needed_rows(new_lengths)
-        if need > len(table.free) and need > table.available():  # idle cached blocks are given back on demand
+        if need > table.available():  # idle cached blocks are given back on demand
             return (f"{name} block pool: {what} needs {need} free blocks of {table.block_size} tokens, "
                     f"{table.available()} are free (num_blocks={table.num_blocks})")
     return None

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-import numpy as np
 import torch
 
 
@@ -162,58 +161,6 @@ def build_step_metadata_torch(
         position=position, slots=slots, block_tables=block_tables, visible_blocks=visible_blocks,
         ring_slot=ring_slot, compress_work=compress_work,
         **host_fields(host_prev_len, host_count, max_seq_len),
-    )
-
-
-def is_decode_step(query_len: int, host_count: list[int] | None) -> bool:
-    """Whether a step is a decode step: one column, one real token in every row (known on the host)."""
-    return query_len == 1 and host_count is not None and len(host_count) > 0 and host_count.count(1) == len(host_count)
-
-
-def build_decode_metadata_cpu(
-    prev_len: torch.Tensor,
-    count: torch.Tensor,
-    query_len: int,
-    block_tables: dict[str, torch.Tensor],
-    block_sizes: dict[str, int],
-    qsa: QSAGeometry | None,
-    host_prev_len: list[int],
-    host_count: list[int],
-) -> StepMetadata:
-    """`build_step_metadata_torch` of a decode step (`is_decode_step`) on CPU tensors, with the same outputs
-    (tested against it): the per-row arithmetic runs in numpy on ``host_prev_len`` (a few microseconds, where the
-    general torch ops cost a few each), each table read through a numpy view. Row ``b``'s one token sits at
-    position ``prev_len[b]``; nothing is a pad."""
-    if not is_decode_step(query_len, host_count):
-        raise ValueError("build_decode_metadata_cpu builds decode steps only (one real token in every row)")
-    num_rows = len(host_prev_len)
-    pos = np.array(host_prev_len, dtype=np.int64)
-    rows, last = np.arange(num_rows, dtype=np.int64), max(host_prev_len)
-    slots = {}
-    for name, table in block_tables.items():
-        block_size, width = block_sizes[name], table.shape[1]
-        logical = pos // block_size
-        past = last // block_size >= width  # some row's position lies past the table's width: no slot there
-        blocks = table.numpy()[rows, np.minimum(logical, width - 1) if past else logical]
-        slot = blocks.astype(np.int64) * block_size + pos % block_size
-        if past:
-            slot[logical >= width] = -1
-        slots[name] = torch.from_numpy(slot)
-    visible_blocks = ring_slot = compress_work = None
-    if qsa is not None:
-        r, cap = qsa.compress_ratio, qsa.ring_capacity
-        visible_blocks = torch.from_numpy(((pos + 1) // r).astype(np.int32))
-        ring_slot = torch.from_numpy(rows * cap + pos % cap)
-        closing = np.flatnonzero((pos + 1) % r == 0)  # rows whose token closes a group, in row order
-        work = np.full((num_rows, 2), -1, dtype=np.int32)  # W = num_rows * ceil(1 / r) = num_rows
-        work[: len(closing), 0] = closing
-        work[: len(closing), 1] = pos[closing] // r
-        compress_work = torch.from_numpy(work)
-    return StepMetadata(
-        num_rows=num_rows, query_len=1, prev_len=prev_len, count=count,
-        token_row=torch.from_numpy(rows.astype(np.int32)), position=torch.from_numpy(pos),
-        slots=slots, block_tables=block_tables, visible_blocks=visible_blocks, ring_slot=ring_slot,
-        compress_work=compress_work, **host_fields(host_prev_len, host_count, None),
     )
 
 

@@ -4,14 +4,13 @@ where fused (``token_log`` in `hf_qsa_cache.fusions`).
 In torch the write is six small launches (the pad test, two casts, the slot arithmetic, the select) and the
 ``index_copy_``: a noticeable share of the launches of Inkling's graphed decode step, whose other launches are each
 a layer's fused kernel. `log_tokens_torch` is the specification; on CUDA
-`hf_qsa_cache.ops.token_log_triton.log_tokens_triton` does it in one launch, on CPU `log_tokens_cpu` through numpy.
+`hf_qsa_cache.ops.token_log_triton.log_tokens_triton` does it in one launch.
 
 On by default: the graphed batch-1 steps of both models are faster end to end with it (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from . import fusions, use_triton
@@ -28,22 +27,11 @@ def log_tokens_torch(log: torch.Tensor, position: torch.Tensor, token_row: torch
     log.view(-1).index_copy_(0, slot, input_ids.reshape(-1).to(log.device, torch.int32))
 
 
-def log_tokens_cpu(log: torch.Tensor, position: torch.Tensor, token_row: torch.Tensor, input_ids: torch.Tensor) -> None:
-    """`log_tokens_torch` on CPU tensors, through numpy views of them (the same writes, at a third of the cost of
-    the torch ops on a step's few tokens)."""
-    max_len = log.shape[1]
-    pos = position.numpy()
-    slot = np.where(pos >= 0, token_row.numpy().astype(np.int64) * max_len + pos, (log.shape[0] - 1) * max_len)
-    log.view(-1).numpy()[slot] = input_ids.reshape(-1).numpy()
-
-
 def log_tokens(log: torch.Tensor, position: torch.Tensor, token_row: torch.Tensor, input_ids: torch.Tensor) -> None:
-    """`log_tokens_torch`, in one launch on CUDA where the fusion is on, through numpy on CPU."""
+    """`log_tokens_torch`, in one launch on CUDA where the fusion is on."""
     if fusions.enabled("token_log") and use_triton(log):
         from .token_log_triton import log_tokens_triton
 
         log_tokens_triton(log, position, token_row, input_ids)
-    elif log.device.type == "cpu":
-        log_tokens_cpu(log, position, token_row, input_ids)
     else:
         log_tokens_torch(log, position, token_row, input_ids)

@@ -8,6 +8,7 @@ import json
 from fastapi import Request
 from pydantic import ValidationError
 
+from ..serving.requests import check_prompt
 from .prompts import BadRequest
 from .schemas import describe
 from .served import Served
@@ -138,9 +139,8 @@ def check_n(served: Served, n: int) -> None:
 
 
 def check_prompt_ids(served: Served, ids: list[int], param: str) -> None:
-    if not ids:
-        raise BadRequest("the prompt is empty", param)
-    vocab = served.config.get_text_config().vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise BadRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
+    """The engine's own prompt check (`serving.requests.check_prompt`), answered as a 400 naming ``param``."""
+    try:
+        check_prompt(ids, served.config.get_text_config().vocab_size, param)
+    except ValueError as error:
+        raise BadRequest(str(error), param) from None

@@ -83,7 +83,7 @@ async def chat_completions(request: Request):
             yield chunk(head)
         sent = [0] * len(run.choices)  # tokens whose log-probabilities / ids went out, per choice
         while not run.done:
-            choice, piece, _ = await run.next()
+            choice, piece = await run.next()
             end = kept_now(choice)
             if piece or end > sent[choice.index]:
                 item = {"index": choice.index, "delta": {"content": piece}, "logprobs": None,

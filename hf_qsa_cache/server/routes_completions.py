@@ -83,7 +83,7 @@ async def completions(request: Request):
         sent = [0] * len(run.choices)  # tokens whose log-probabilities / ids went out, per choice
         offsets = [0] * len(run.choices)  # text sent, per choice
         while not run.done:
-            choice, piece, _ = await run.next()
+            choice, piece = await run.next()
             end = kept_now(choice)
             if choice.finish_reason == "error":
                 yield sse(error_body(f"generation failed: {choice.error}", "server_error",

@@ -8,11 +8,11 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from .checks import check_model, check_prompt_ids, max_tokens_of, read_body, sampling_of
 from .prompts import BadRequest
-from .runs import SSE_HEADERS, Run, sse, wait_all
+from .runs import Run, sse, stream_response, wait_all
 from .schemas import ResponsesRequest
 from .served import served_of
 from .text import Choice
@@ -109,7 +109,7 @@ async def responses(request: Request):
         yield event("response.content_part.added", item_id=mid, output_index=0, content_index=0, part=part)
         choice = run.choices[0]
         while not run.done:
-            choice, piece, _ = await run.next()
+            choice, piece = await run.next()
             if choice.finish_reason == "error":
                 yield event("error", code="generation_failed", message=f"generation failed: {choice.error}",
                             param=None)
@@ -126,11 +126,4 @@ async def responses(request: Request):
         yield event("response.completed" if final["status"] == "completed" else "response.incomplete",
                     response=final)
 
-    async def body_stream():  # no "[DONE]" here: the Responses API ends with its last event
-        try:
-            async for item in events():
-                yield item
-        finally:
-            run.cancel()
-
-    return StreamingResponse(body_stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return stream_response(run, events(), done=False)

@@ -63,8 +63,8 @@ class Run:
     def done(self) -> bool:
         return all(c.done for c in self.choices)
 
-    async def next(self) -> tuple[Choice, str, int]:
-        """The next update: (its choice, the text it may send now, how many tokens it had before). Updates of
+    async def next(self) -> tuple[Choice, str]:
+        """The next update: (its choice, the text it may send now). Updates of
         the same choice already waiting are taken with it (a server behind its engine sends fewer, longer
         chunks instead of falling further behind)."""
         if not self.waiting:
@@ -73,13 +73,12 @@ class Run:
             self.waiting.append(self.queue.get_nowait())
         index, output = self.waiting.popleft()
         choice = self.choices[index]
-        before = len(choice.tokens)
         piece = choice.update(output)
         while self.waiting and self.waiting[0][0] == index and not choice.done:
             piece += choice.update(self.waiting.popleft()[1])
         if choice.done and choice.stopped_by_string:
             self.served.engine.cancel(choice.request_id)  # a stop string ends it: its row goes back now
-        return choice, piece, before
+        return choice, piece
 
     def failure(self) -> str | None:
         return next((c.error for c in self.choices if c.finish_reason == "error"), None)
@@ -128,14 +127,16 @@ def kept_now(choice: Choice) -> int:
 
 
 # ---------------------------------------------------------------------- streaming
-def stream_response(run: Run, chunks) -> StreamingResponse:
-    """The server-sent events ``chunks``, then ``[DONE]``."""
+def stream_response(run: Run, chunks, done: bool = True) -> StreamingResponse:
+    """The server-sent events ``chunks``, then ``[DONE]`` (``done``; the Responses API ends with its last event
+    instead)."""
 
     async def body():
         try:
             async for chunk in chunks:
                 yield chunk
-            yield "data: [DONE]\n\n"
+            if done:
+                yield "data: [DONE]\n\n"
         finally:
             run.cancel()  # the client went away (or the server stops): nothing of it keeps running
 

@@ -115,5 +115,3 @@ class Choice:
             length += len(piece)
         return len(self.pieces)
 
-    def token_strings(self, tokenizer) -> list[str]:
-        return [tokenizer.convert_ids_to_tokens(t) for t in self.tokens[: self.kept()]]

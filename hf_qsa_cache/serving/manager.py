@@ -21,7 +21,6 @@ import threading
 import time
 import warnings
 
-import numpy as np
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
@@ -396,9 +395,8 @@ class ContinuousBatchingManager:
         room = request.max_new_tokens - len(request.generated) - 1
         if request.in_prefill or not request.sampling.plain_greedy or room < 1:
             return []
-        eos = np.asarray(sorted(request.eos_token_ids), dtype=np.int64)
         return lookup_drafts(request.token_array(), min(self.lookup_drafts, room), self.lookup_ngram,
-                             len(request.prompt) + request.max_new_tokens, eos).tolist()
+                             len(request.prompt) + request.max_new_tokens, request.eos_array()).tolist()
 
     def _fits_first_step(self, request: Request, admitted: list[Request]) -> bool:
         """Whether the pools hold the running rows' next token each, plus the first step of ``request`` and of

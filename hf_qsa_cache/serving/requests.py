@@ -7,6 +7,8 @@ import numbers
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from .sampling import Sampling
@@ -119,6 +121,7 @@ class Request:
     admitted: int = -1  # admission number (the latest admitted is preempted first)
     generator: object = None  # its torch.Generator, made at its first sampled token
     media: dict | None = None  # a multimodal prompt's media inputs (the model's `media_inputs`), or None
+    _eos: object = None  # `eos_array`, made once
     _array: object = None  # `token_array`'s buffer (prompt, then generated tokens as they come), and its fill
     _filled: int = 0
 
@@ -141,11 +144,15 @@ class Request:
         """More than one token to feed: its prompt (or, after preemption, its tokens so far) is not all in."""
         return len(self.prompt) + len(self.generated) - self.held > 1
 
+    def eos_array(self):
+        """Its eos ids, sorted, as an int64 numpy array (what prompt lookup takes every decode step)."""
+        if self._eos is None:
+            self._eos = np.asarray(sorted(self.eos_token_ids), dtype=np.int64)
+        return self._eos
+
     def token_array(self):
         """Its prompt and generated tokens as an int64 numpy array (prompt lookup searches it every decode
         step: kept across steps, only new tokens are copied in)."""
-        import numpy as np
-
         if self._array is None:
             self._array = np.empty(len(self.prompt) + self.max_new_tokens, dtype=np.int64)
             self._array[: len(self.prompt)] = self.prompt

@@ -3,6 +3,8 @@ order, runs each step's forward, samples the next tokens."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..cache import QSAPagedCache
@@ -10,6 +12,8 @@ from ..ops import int_tensor
 from ..rollback import crop_rows
 from .requests import Request
 from .sampling import next_token_scores
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -144,10 +148,13 @@ class ModelRunner:
             held = request.held
             if held == 0 or held % unit or request.media is not None:
                 continue  # (a prompt with media: its tokens do not say what its state holds)
-            if held == (request.total - 1) // unit * unit or held == request.prefix_stop:
-                self.cache.cache_prefix(row, _tokens(request, held))
-            else:
-                self.tails[request] = self.cache.snapshot_row(row)
+            try:
+                if held == (request.total - 1) // unit * unit or held == request.prefix_stop:
+                    self.cache.cache_prefix(row, _tokens(request, held))
+                else:
+                    self.tails[request] = self.cache.snapshot_row(row)
+            except Exception as error:  # the step landed: a prefix that cannot be kept is only a later miss
+                logger.warning("caching the prefix of request %s failed: %s", request.request_id, error)
 
     def retire(self, request: Request) -> None:
         """A finished request's row becomes a cached prefix up to the last unit boundary it reached."""

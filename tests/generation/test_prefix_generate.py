@@ -100,3 +100,19 @@ def test_next_turn_restores_what_the_last_call_decoded(name):
     out, width = generate(ours, cache, second)
     check_rows(ref, second, out, width)
     assert cache.memory_stats()["prefix_cache"]["hit_tokens"] - hits == 20 + 12
+
+
+def test_a_held_row_that_cannot_be_cached_is_released_all_the_same(monkeypatch):
+    """A call with new prompts retires the held rows into cached prefixes (`prefix_generation.retire_rows`); an
+    insert that raises only loses that prefix: the rows are released and the call runs exactly."""
+    ref, ours, prompt = family("qwen4_exp")
+    cache = QSAPagedCache(ours.config, 2, 64, block_size=4, prefix_caching=True)
+    generate(ours, cache, [prompt(21, 1), prompt(14, 2)])
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no memory for a snapshot")
+
+    monkeypatch.setattr(cache, "cache_prefix", refuse)
+    second = [prompt(9, 3), prompt(17, 4)]
+    out, width = generate(ours, cache, second)
+    check_rows(ref, second, out, width)

@@ -96,49 +96,6 @@ def test_spec_without_qsa():
     assert meta.host_prev_len == [0, 2] and meta.host_count == [1, 2] and meta.max_seq_len == 4
 
 
-# ----------------------------------------------------------------------------- CPU decode steps vs spec
-
-
-def _random_decode_case(rng: random.Random):
-    """A decode step (one column, one real token per row) on random tables, some narrower than the rows reach."""
-    num_rows = rng.randint(1, 70)
-    r = rng.choice([2, 3, 4, 8])
-    cap = r * -(-(r + rng.randint(0, 5)) // r)
-    prev_len = [_random_prev_len(rng, r) for _ in range(num_rows)]
-    names = ["main", "sliding", "conv"][: rng.randint(1, 3)]
-    qsa_table = rng.choice(names)
-    block_sizes = {n: r * rng.randint(1, 4) if n == qsa_table else rng.choice([1, 2, 3, 4, 8, 64]) for n in names}
-    tables = {n: _random_table(rng, num_rows, -(-(max(prev_len) + 1) // block_sizes[n])) for n in names}
-    qsa = None if rng.random() < 0.25 else QSAGeometry(compress_ratio=r, ring_capacity=cap, table=qsa_table)
-    return (_t(prev_len), _t([1] * num_rows), 1, tables, block_sizes, qsa)
-
-
-def test_cpu_decode_builder_matches_spec():
-    from hf_qsa_cache.ops.metadata_ref import build_decode_metadata_cpu
-
-    rng = random.Random(SEED + 1)
-    cases = [_random_decode_case(rng) for _ in range(300)] + [edge[0] for name, edge in _edge_cases().items()
-                                                             if name.startswith(("first", "decode"))]
-    for i, case in enumerate(cases):
-        error = _compare(case, build_decode_metadata_cpu)
-        assert error is None, f"case {i} mismatch: {error}\n{_describe(case)}"
-    with pytest.raises(ValueError, match="decode steps only"):  # a step with pads is not one
-        build_decode_metadata_cpu(_t([3, 4]), _t([1, 0]), 1, {}, {}, None, [3, 4], [1, 0])
-
-
-def test_cpu_steps_pick_the_decode_builder_for_decode_steps_only(monkeypatch):
-    from hf_qsa_cache import step
-    from hf_qsa_cache.ops import metadata_ref
-
-    built = []
-    monkeypatch.setattr(step, "build_decode_metadata_cpu",
-                        lambda *a: built.append(a[2]) or metadata_ref.build_decode_metadata_cpu(*a))
-    table = {"main": _t([[1, 2], [3, 4]])}
-    for query_len, count in ((1, [1, 1]), (1, [1, 0]), (2, [2, 2])):
-        step.build_step_metadata(_t([4, 5]), _t(count), query_len, table, {"main": 4}, None, [4, 5], count)
-    assert built == [1]  # the decode step only
-
-
 # ----------------------------------------------------------------------------- triton vs spec
 
 

@@ -42,29 +42,18 @@ def test_the_specification_writes_each_real_token_at_its_row_and_position():
     assert (position < 0).any() and (position >= 0).any()
 
 
-def test_the_cpu_write_is_the_specifications(monkeypatch):
-    for seed, rows, width in ((3, 1, 1), (4, 64, 1), (5, 7, 9), (6, 3, 16)):
-        log, position, token_row, ids = _case(seed, rows=rows, width=width)
-        want, got = log.clone(), log.clone()
-        token_log.log_tokens_torch(want, position, token_row, ids)
-        token_log.log_tokens_cpu(got, position, token_row, ids)
-        assert torch.equal(got[:-1], want[:-1])  # (the last row takes the pads: which pad lands there is free)
-
-
 def test_the_write_goes_to_the_kernel_only_with_the_fusion_on_and_on_cuda(monkeypatch):
     log, position, token_row, ids = _case(2, rows=2, width=3)
     calls = []
     monkeypatch.setattr(token_log, "log_tokens_torch", lambda *a: calls.append("torch"))
-    monkeypatch.setattr(token_log, "log_tokens_cpu", lambda *a: calls.append("cpu"))
     import hf_qsa_cache.ops.token_log_triton as kernel
 
     monkeypatch.setattr(kernel, "log_tokens_triton", lambda *a: calls.append("kernel"))
     for on, cuda in ((True, False), (False, True), (True, True)):
         monkeypatch.setitem(fusions.STATE, "token_log", on)
         monkeypatch.setattr(token_log, "use_triton", lambda t, cuda=cuda: cuda)
-        on_device = log.to("meta") if cuda else log  # (a log that is not on CPU)
-        token_log.log_tokens(on_device, position, token_row, ids)
-    assert calls == ["cpu", "torch", "kernel"]
+        token_log.log_tokens(log, position, token_row, ids)
+    assert calls == ["torch", "torch", "kernel"]
 
 
 def test_the_kernel_refuses_mismatched_inputs():

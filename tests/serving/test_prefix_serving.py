@@ -166,3 +166,25 @@ def test_rows_waiting_for_an_older_rows_prefix_step_aside_for_other_prefixes():
     scheduler.order()
     assert scheduler.rows[:6] == [requests[0], requests[1], requests[2], requests[3], requests[4], requests[5]]
     assert scheduler.rows[6] is requests[6] and set(scheduler.rows[7:]) == {requests[7], requests[8]}
+
+
+def test_a_prefix_that_cannot_be_cached_fails_no_request(family, monkeypatch):
+    """Caching a prefix after a step landed is optional: when it raises (a snapshot's copy out of memory, say),
+    the step's requests go on and finish exactly; the prefix is only a later miss."""
+    name, ref, ours = family
+    shared = random_prompts([18], vocab=90, seed=51)[0]
+    prompts = [shared + q for q in random_prompts([3, 5], vocab=90, seed=52)]
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=8, max_requests_per_batch=2)
+    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config) as manager:
+        failures = []
+
+        def refuse(*args, **kwargs):
+            failures.append(args[0])
+            raise RuntimeError("no memory for a snapshot")
+
+        monkeypatch.setattr(manager.cache, "cache_prefix", refuse)
+        monkeypatch.setattr(manager.cache, "snapshot_row", refuse)
+        results = run(manager, prompts)
+        check(ref, prompts, results)
+        assert manager.stats["failed_steps"] == 0
+    assert failures  # the inserts were tried (and refused)
