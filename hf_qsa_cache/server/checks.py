@@ -49,7 +49,12 @@ def refuse_unsupported(body, chat: bool) -> None:
     """OpenAI fields that ask for what this server does not do: a 400 naming the field."""
     if body.logit_bias:
         raise BadRequest("logit_bias is not supported by this server", "logit_bias")
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        raise BadRequest("continuous_usage_stats is not supported (include_usage gives usage with the last chunk)",
+                         "stream_options.continuous_usage_stats")
     if chat:
+        if body.reasoning_effort is not None:
+            raise BadRequest("reasoning_effort is not supported by this server", "reasoning_effort")
         if body.tools:
             raise BadRequest("tools are not supported by this server", "tools")
         if body.tool_choice not in (None, "none", "auto"):
@@ -144,3 +149,20 @@ def check_prompt_ids(served: Served, ids: list[int], param: str) -> None:
         check_prompt(ids, served.config.get_text_config().vocab_size, param)
     except ValueError as error:
         raise BadRequest(str(error), param) from None
+
+
+def refuse_unsupported_responses(body) -> None:
+    """The Responses API's fields that ask for what this server does not do: a 400 naming the field."""
+    if body.tools:
+        raise BadRequest("tools are not supported by this server", "tools")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise BadRequest("tool_choice is not supported by this server", "tool_choice")
+    if body.previous_response_id is not None:
+        raise BadRequest("this server keeps no responses: send the whole conversation in 'input'",
+                         "previous_response_id")
+    if body.text and (body.text.get("format") or {}).get("type", "text") != "text":
+        raise BadRequest("text formats other than text are not supported by this server", "text.format")
+    if body.reasoning:
+        raise BadRequest("reasoning is not supported by this server", "reasoning")
+    if body.truncation not in (None, "disabled"):
+        raise BadRequest("truncation is not supported: a prompt over the limit is refused", "truncation")

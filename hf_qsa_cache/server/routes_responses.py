@@ -10,7 +10,8 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from .checks import check_model, check_prompt_ids, max_tokens_of, read_body, sampling_of
+from .checks import (check_model, check_prompt_ids, max_tokens_of, read_body, refuse_unsupported_responses,
+                     sampling_of)
 from .prompts import BadRequest
 from .runs import Run, sse, stream_response, wait_all
 from .schemas import ResponsesRequest
@@ -53,11 +54,7 @@ async def responses(request: Request):
     served = served_of(request)
     body: ResponsesRequest = await read_body(served, request, ResponsesRequest)
     check_model(served, body.model)
-    if body.tools:
-        raise BadRequest("tools are not supported by this server", "tools")
-    if body.previous_response_id is not None:
-        raise BadRequest("this server keeps no responses: send the whole conversation in 'input'",
-                         "previous_response_id")
+    refuse_unsupported_responses(body)
     messages = responses_messages(body)
     sampling = sampling_of(served, body.temperature, body.top_p, body.top_k)
     has_media = any(isinstance(m["content"], list) and any(p["type"] != "text" for p in m["content"])

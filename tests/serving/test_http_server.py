@@ -310,6 +310,9 @@ def test_malformed_requests_get_a_4xx_and_change_nothing(servers):
         ({**good, "max_tokens": 0}, 400, "max_tokens"),
         ({**good, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({**good, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({**good, "reasoning_effort": "high"}, 400, "reasoning_effort"),
+        ({**good, "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+         "stream_options.continuous_usage_stats"),
         ({**good, "messages": [{"role": "user", "content": "x" * 150}]}, 400, "more than the limit 120"),
         ({**good, "messages": [{"role": "user", "content": [{"type": "image_url",
                                                               "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
@@ -325,6 +328,11 @@ def test_malformed_requests_get_a_4xx_and_change_nothing(servers):
     for body, status, words in completions:
         code, answer = post(server, "/v1/completions", body)
         assert code == status and words in answer["error"]["message"], answer
+    responses = [{"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+                 {"reasoning": {"effort": "high"}}, {"truncation": "auto"}, {"tool_choice": "required"}]
+    for extra in responses:
+        code, answer = post(server, "/v1/responses", {"model": "qwen-tiny", "input": "hi", **extra})
+        assert code == 400 and answer["error"]["param"].split(".")[0] in extra, answer
     assert post(server, "/v1/chat/completions", None, raw=b"{not json")[0] == 400
     assert post(server, "/v1/chat/completions", None, raw=b"[1, 2]")[0] == 400
     assert post(server, "/v1/chat/completions", None, raw=b'{"model": "qwen-tiny", "messages": "' + b"x" * 120_000
