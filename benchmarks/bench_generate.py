@@ -451,6 +451,9 @@ def main():
                              "fields (default: ONE_TOKEN_MIX_TILES, the GEMV form)")
     parser.add_argument("--end-to-end-calls", type=int, default=3,
                         help="decode_ms_end_to_end: the best of this many calls (more where the host is noisy)")
+    parser.add_argument("--step-undo", choices=["on", "off", "both"], default="on",
+                        help="our cache's step_undo (off: no copy-aside of in-place state, as continuous batching "
+                             "builds its cache); both: each case twice")
     parser.add_argument("--jsonl", default=None, help="append lines here (default: results_file of the GPU)")
     args = parser.parse_args()
     projection_choices = {**choose_projections(args.one_token_projections, args.alone_max_tokens),
@@ -509,7 +512,8 @@ def main():
         floor_ms = decode_bytes(ours, config, batch, length) / bandwidth * 1e3
         flops = prefill_flops(ours, config, batch, length)
         rows = []
-        for graphs, loop in [(g, lp) for g in graph_modes for lp in args.loops]:
+        undo_modes = {"on": [True], "off": [False], "both": [True, False]}[args.step_undo]
+        for graphs, loop, step_undo in [(g, lp, u) for g in graph_modes for lp in args.loops for u in undo_modes]:
             ours.use_cuda_graphs = graphs
             ours.lean_decoding = loop == "ours"
             # Kernel tuning keys on shapes: warm up at this case's batch first (a fresh cache each run); two
@@ -518,7 +522,7 @@ def main():
             run(ours, ids[:, :warm], mask[:, :warm], 3,
                 QSAPagedCache(config, max_batch_size=batch, max_cache_len=warm + args.new_tokens))
             # Room for `graphed_step_stats`'s steps after the timed generation.
-            cache = QSAPagedCache(config, max_batch_size=batch,
+            cache = QSAPagedCache(config, max_batch_size=batch, step_undo=step_undo,
                                   max_cache_len=max(args.cache_len, length + args.new_tokens + 8))
             result = run(ours, ids, mask, args.new_tokens, cache)
             if graphs and "status" not in result:
@@ -537,8 +541,8 @@ def main():
             del cache
             if graphs and "status" not in result and fusions.enabled("pdl") and result.get("prefill_s", 99) < 2:
                 result["graph_top_kernels_without_pdl"] = kernels_without_pdl(ours, config, ids, mask)
-            rows.append({**common, "impl": "paged", "graphs": graphs, "loop": loop, **result, "floor_ms": floor_ms,
-                         "floor_lookup_rows": True})
+            rows.append({**common, "impl": "paged", "graphs": graphs, "loop": loop, "step_undo": step_undo, **result,
+                         "floor_ms": floor_ms, "floor_lookup_rows": True})
         if upstream is not None:
             result = run(upstream, ids, mask, args.new_tokens, limit_s=args.upstream_limit)
             rows.append({**common, "impl": "upstream", "graphs": False, **result})

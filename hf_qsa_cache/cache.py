@@ -79,6 +79,12 @@ class QSAPagedCache(Cache):
             `hf_qsa_cache.ops.fp8`; ``docs/fp8_cache.md``).
         index_cache_dtype: the same for the QSA compressed index keys (Qwen4Exp; one scale per key). Recurrent
             state, conv windows and the QSA raw-key ring always stay in the model's dtype.
+        step_undo: a step copies aside the per-row state it overwrites in place (GatedDeltaNet / PLE state and
+            windows, the QSA raw-key ring), so a step that fails leaves the cache as it was (the default).
+            False: no copies (their memory, ``"step_undo"`` in `memory_stats`, and the copy a step costs are
+            saved); a failed step then leaves each row it fed unusable until that row is released
+            (`move_rows`) or the cache is `reset()` (the other rows go on): for continuous batching, which
+            fails the requests of a failed step anyway (``docs/failures.md``).
         prefix_caching: keep full blocks by content and snapshots of the per-row state at block-aligned
             points, so that a new row starts from the longest cached prefix of its tokens
             (`hf_qsa_cache.prefix_cache`, ``docs/prefix_caching.md``).
@@ -92,11 +98,12 @@ class QSAPagedCache(Cache):
                  num_blocks: int | None = None, num_speculative_tokens: int = 0,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  kv_cache_dtype: torch.dtype | None = None, index_cache_dtype: torch.dtype | None = None,
-                 prefix_caching: bool = False, prefix_snapshots: int | None = None,
+                 step_undo: bool = True, prefix_caching: bool = False, prefix_snapshots: int | None = None,
                  prefix_snapshot_bytes: int | None = None, prefix_blocks: int | None = None):
         config = text_config(config)
-        if not isinstance(prefix_caching, bool):
-            raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        for name, value in (("step_undo", step_undo), ("prefix_caching", prefix_caching)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
         for name, value in (("prefix_snapshots", prefix_snapshots), ("prefix_snapshot_bytes", prefix_snapshot_bytes),
                             ("prefix_blocks", prefix_blocks)):
             if value is not None:
@@ -141,7 +148,7 @@ class QSAPagedCache(Cache):
         self.rows = Rows(max_batch_size)
         self.token_log = TokenLog(max_batch_size, max_cache_len)  # what each row holds (`check_continues`)
         self.metadata = MetadataSlot()  # what the layers of the step in flight read
-        self.undo = UndoCopies(self.layers)  # the step's copies of the state it overwrites in place
+        self.undo = UndoCopies(self.layers, step_undo)  # the step's copies of the state it overwrites in place
         self._open: Step | None = None  # the step in flight (steps do not nest)
         self._scope: ForwardScope | None = None  # the model forward in flight (`forward_scope`)
         self.steps_started = 0  # steps opened, ever (graph runners notice steps they did not take)
@@ -172,6 +179,7 @@ class QSAPagedCache(Cache):
         if self.device is not None:
             for store in self.layer_stores():
                 store.allocate(self.device, self.dtype)
+            self.undo.track()
 
     # ------------------------------------------------------------------ the rows' state (owned by `self.rows`)
     @property
@@ -300,8 +308,8 @@ class QSAPagedCache(Cache):
         layer = self.layers[layer_idx]
         for store in layer.stores.values():
             if not store.allocated:
-                self.undo.clear()
                 store.allocate(device, self.dtype or dtype)
+                self.undo.track()
         return layer
 
     def reset_stores(self) -> None:
@@ -591,7 +599,6 @@ class QSAPagedCache(Cache):
         for name, table in self.tables.items():
             table.grow(pools[name], max_cache_len)
         self.max_cache_len = max_cache_len
-        self.undo.clear()
         self.graph_runners = weakref.WeakKeyDictionary()
 
     def memory_stats(self) -> dict:
@@ -611,6 +618,8 @@ class QSAPagedCache(Cache):
         if dtype is not None:
             for name, table in tables.items():
                 table["bytes_per_token"] = self.layout.bytes_per_token(name, dtype)
+        if self.undo.nbytes():
+            bytes_per_store["step_undo"] = self.undo.nbytes()
         stats = {"bytes": bytes_per_store, "total_bytes": sum(bytes_per_store.values()), "tables": tables,
                  "rows": self.num_rows, "lengths": self.lengths[: self.num_rows]}
         if self.prefix is not None:

@@ -139,6 +139,9 @@ class FullAttentionSpec:
     def dense_bytes(self, max_rows: int, dtype: torch.dtype) -> int:
         return 0
 
+    def undo_bytes(self, max_rows: int, dtype: torch.dtype) -> int:
+        return 0
+
     def build(self, max_rows: int) -> Store:
         return PagedKV(self.table, self.num_blocks, self.block_size, self.kv_heads, self.head_dim, self.kv_dtype)
 
@@ -155,7 +158,7 @@ class SlidingWindowSpec(FullAttentionSpec):
 class QSAIndexSpec:
     """The QSA indexer's compressed keys (paged on the main table, ``block_size / ratio`` a block; fp8 with a
     scale each under ``index_dtype`` fp8) and its per-row raw-key ring of the open group (keys and their three RoPE
-    positions, and the step's undo copy; always in the model's dtype)."""
+    positions; always in the model's dtype)."""
 
     table: str
     block_size: int
@@ -170,7 +173,10 @@ class QSAIndexSpec:
 
     def dense_bytes(self, max_rows: int, dtype: torch.dtype) -> int:
         per_key = self.index_head_dim * _itemsize(dtype) + 3 * 8  # the key, its int64 positions
-        return 2 * (max_rows + 1) * self.ring_capacity * per_key  # live (a spare row takes pads) and undo copy
+        return (max_rows + 1) * self.ring_capacity * per_key  # (a spare row takes pads)
+
+    def undo_bytes(self, max_rows: int, dtype: torch.dtype) -> int:
+        return self.dense_bytes(max_rows, dtype)  # the ring is overwritten in place
 
     def build(self, max_rows: int) -> Store:
         return QSAIndexStore(self.table, self.num_blocks, self.block_size, self.compress_ratio, max_rows,
@@ -193,6 +199,9 @@ class ConvTapsSpec:
         return self.block_size * self.kv_heads * head_width * _itemsize(dtype)
 
     def dense_bytes(self, max_rows: int, dtype: torch.dtype) -> int:
+        return 0
+
+    def undo_bytes(self, max_rows: int, dtype: torch.dtype) -> int:
         return 0
 
     def build(self, max_rows: int) -> Store:
@@ -220,12 +229,17 @@ class LinearStateSpec:
     def page_bytes(self, dtype: torch.dtype) -> int:
         return 0
 
-    def dense_bytes(self, max_rows: int, dtype: torch.dtype) -> int:
+    def _row_bytes(self, dtype: torch.dtype) -> int:
         item = _itemsize(dtype)
-        row = (self.conv_dim * (self.conv_kernel - 1) * item + self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
-               + self.ple_channels * self.ple_window * item + self.ngram_context * 8)
-        # live and the step's undo copy per row; the rollback ring keeps `history` states a row, and a spare row
-        return 2 * max_rows * row + (max_rows + 1) * self.history * row
+        return (self.conv_dim * (self.conv_kernel - 1) * item + self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
+                + self.ple_channels * self.ple_window * item + self.ngram_context * 8)
+
+    def dense_bytes(self, max_rows: int, dtype: torch.dtype) -> int:
+        # live per row; the rollback ring keeps `history` states a row, and a spare row
+        return max_rows * self._row_bytes(dtype) + (max_rows + 1) * self.history * self._row_bytes(dtype)
+
+    def undo_bytes(self, max_rows: int, dtype: torch.dtype) -> int:
+        return max_rows * self._row_bytes(dtype)  # the live state is overwritten in place
 
     def build(self, max_rows: int) -> Store:
         return LinearAttentionState(max_rows, self.conv_dim, self.conv_kernel, self.num_v_heads, self.head_k_dim,
@@ -255,10 +269,15 @@ class CacheLayout:
         """What the state kept per row (not paged) costs over every layer for ``max_rows`` rows."""
         return sum(spec.dense_bytes(max_rows, dtype) for layer in self.layers for spec in layer.stores.values())
 
-    def nbytes(self, max_rows: int, dtype: torch.dtype) -> int:
-        """What every layer's stores allocate (the token log excluded): whole pools plus the per-row state."""
+    def undo_bytes(self, max_rows: int, dtype: torch.dtype) -> int:
+        """What the step's copies of the state overwritten in place cost (`hf_qsa_cache.step.UndoCopies`)."""
+        return sum(spec.undo_bytes(max_rows, dtype) for layer in self.layers for spec in layer.stores.values())
+
+    def nbytes(self, max_rows: int, dtype: torch.dtype, step_undo: bool = True) -> int:
+        """What a cache allocates (the token log excluded): every layer's whole pools and per-row state, and with
+        ``step_undo`` the step's undo copies."""
         paged = sum(self.bytes_per_block(name, dtype) * table.num_blocks for name, table in self.tables.items())
-        return paged + self.dense_bytes(max_rows, dtype)
+        return paged + self.dense_bytes(max_rows, dtype) + (self.undo_bytes(max_rows, dtype) if step_undo else 0)
 
     def bytes_per_token(self, table: str, dtype: torch.dtype) -> float:
         """What one more token of a row costs on ``table`` over every layer (fp8 scales included)."""

@@ -8,7 +8,10 @@ A row is one sequence of a batch (a beam, a continuous-batching request). Per ro
   where the image's 3-D positions end. Zero for text-only rows;
 * ``crop_floor``: the shortest length a crop may reach (Qwen4Exp's rollback rings; `hf_qsa_cache.rollback`);
 * ``shared``: the length below which the row's blocks are shared with cached prefixes
-  (`hf_qsa_cache.prefix_cache`): the row never writes there, so no crop goes below it.
+  (`hf_qsa_cache.prefix_cache`): the row never writes there, so no crop goes below it;
+* ``lost``: 1 when a step that fed the row failed on a cache that keeps no undo copies
+  (``QSAPagedCache(step_undo=False)``): its in-place state is partly overwritten, so it takes no further
+  step until it is released.
 
 and for the batch: ``count`` (rows in flight), ``columns`` (the rectangular length, pads included, that
 `generate()` reasons in) and ``managed`` (rows placed one by one by continuous batching rather than a batch
@@ -38,7 +41,7 @@ class RowsSnapshot:
 
 
 class Rows:
-    PER_ROW = ("lengths", "rope_deltas", "crop_floor", "shared")
+    PER_ROW = ("lengths", "rope_deltas", "crop_floor", "shared", "lost")
 
     def __init__(self, max_rows: int):
         self.max_rows = max_rows
@@ -93,6 +96,11 @@ class Rows:
         self.crop_floor[row] = crop_floor
         self.rope_deltas[row] = 0
         self.count = max(self.count, row + 1)
+
+    def mark_lost(self, rows: list[int]) -> None:
+        """Rows ``rows`` lost their in-place state to a failed step (see ``lost`` above)."""
+        for b in rows:
+            self.lost[b] = 1
 
     def raise_shared(self, row: int, length: int) -> None:
         """Row ``row``'s blocks below ``length`` are now held by prefix entries as well."""

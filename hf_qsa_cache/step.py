@@ -14,7 +14,9 @@ What a step changes, and its one way back:
 * paged stores (attention K/V, QSA compressed keys, Inkling conv taps) and the token log: a step writes
   them only at positions past its rows' old lengths, which nothing reads once the lengths are back;
 * stores overwritten in place (GatedDeltaNet / PLE state and windows, the QSA raw-key ring): the step's
-  rows are copied aside before the first write (one batched copy) and copied back on abort;
+  rows are copied aside before the first write (one batched copy, `UndoCopies`) and copied back on abort.
+  A cache built with ``step_undo=False`` copies nothing: an abort marks the rows the step fed ``lost``
+  (`hf_qsa_cache.rows.Rows`), and a later step that feeds one of them is refused until it is released;
 * the speculative rollback rings (Qwen4Exp): not copied. An aborted step may have overwritten entries a
   crop would read, so after an abort a row cannot be cropped to its current length or below (a crop of
   rejected drafts after a retried verify step never goes there: the verified token stays).
@@ -161,6 +163,12 @@ def plan_step(cache, batch_size: int, query_len: int, attention_mask: torch.Tens
             f"the cache holds a batch of {rows.count} rows in flight, got {batch_size}; call reset() first"
         )
     plan = StepPlan(query_len, rows.lengths[:batch_size], row_counts(rows, batch_size, query_len, attention_mask))
+    lost = [b for b, n in enumerate(plan.counts) if n and rows.lost[b]]
+    if lost:
+        raise ValueError(
+            f"row {lost[0]} lost its state when a step that fed it failed (this cache keeps no undo copies: "
+            "step_undo=False): release the row (move_rows) or call cache.reset()"
+        )
     problem = why_not_fits(cache, plan.new_lengths)
     if problem is not None:
         raise ValueError(problem)
@@ -245,7 +253,9 @@ class Step:
             if self.started_empty:
                 cache.reset()
                 return
-            if self.saved_rows:
+            if not cache.undo.enabled:  # nothing to copy back: the rows the step fed keep what it half wrote
+                cache.rows.mark_lost([b for b, n in enumerate(self.plan.counts) if n])
+            elif self.saved_rows:
                 cache.copy_rows_back(self.saved_rows)
         except BaseException as error:  # the original error is the one the caller sees
             cache.mark_unusable(f"a forward failed and taking it back failed too ({type(error).__name__}: {error})")
@@ -400,27 +410,51 @@ class MetadataSlot:
 
 
 class UndoCopies:
-    """Views of the first rows of every state a step overwrites in place, and of their copies, one pair of
-    lists per (device, dtype): torch's foreach copy batches a list of one dtype into a few launches and copies
-    a mixed list one tensor at a time. Kept per row count (building ~100 views costs more host time than a
-    graphed decode step can spare); dropped whenever a store is allocated."""
+    """The copies a step takes of the per-row state it overwrites in place (GatedDeltaNet / PLE state and
+    windows, the QSA raw-key ring: each store's `inplace_rows`), made and owned here.
 
-    def __init__(self, layers: list):
+    With ``enabled=False`` (``QSAPagedCache(step_undo=False)``) no copy is made or taken: an aborted step then
+    leaves the rows it fed unusable until they are released (`Step.abort`), and the cache saves the copies'
+    memory and the copy a step costs (at 64 rows of Qwen4Exp's released config, 3.8 GiB and ~3 ms a decode step).
+
+    Copies are made as stores are allocated (`track`; never inside a recorded CUDA graph), one per in-place tensor.
+    Views of the first rows are kept per row count (building ~100 views costs more host time than a graphed
+    decode step can spare), one pair of lists per (device, dtype): torch's foreach copy batches a list of one
+    dtype into a few launches and copies a mixed list one tensor at a time."""
+
+    def __init__(self, layers: list, enabled: bool = True):
         self._layers = layers  # the cache's `LayerState`s (not the cache: a runner-free cache frees without gc)
+        self.enabled = enabled
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live, copy) of every in-place tensor
         self._views: dict[int, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
 
-    def clear(self) -> None:
+    def track(self) -> None:
+        """Copies for the in-place tensors of every allocated store (kept where the tensor is the same, made
+        where it is new, dropped where it is gone)."""
         self._views.clear()
+        if not self.enabled:
+            return
+        def key(t):  # the memory a tensor views (stores hand out fresh views of the same memory)
+            return t.device, t.data_ptr(), t.dtype, tuple(t.shape)
+
+        kept = {key(live): copy for live, copy in self._copies}
+        self._copies = []  # (the old live tensors are let go before new copies are made)
+        for store in (store for layer in self._layers for store in layer.stores.values()):
+            for live in store.inplace_rows():
+                copy = kept.get(key(live))
+                self._copies.append((live, copy if copy is not None else torch.empty_like(live)))
+
+    def nbytes(self) -> int:
+        return sum(copy.numel() * copy.element_size() for _, copy in self._copies)
 
     def views(self, rows: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         views = self._views.get(rows)
         if views is None:
             groups: dict[tuple, tuple[list, list]] = {}
-            for store in (store for layer in self._layers for store in layer.stores.values()):
-                for state, copy in store.inplace_rows():
-                    live, saved = groups.setdefault((state.device, state.dtype), ([], []))
-                    live.append(state[:rows])
-                    saved.append(copy[:rows])
+            for state, copy in self._copies:
+                live, saved = groups.setdefault((state.device, state.dtype), ([], []))
+                live.append(state[:rows])
+                saved.append(copy[:rows])
             views = self._views[rows] = list(groups.values())
         return views
 

@@ -41,11 +41,11 @@ def check_model(cache, config, dtype: torch.dtype) -> None:
     held = cache.dtype or next((s.dtype for s in cache.layer_stores() if s.allocated), None)
     if held is not None and held != dtype and cache.dtype is None and cache.columns_seen == 0:
         # Built to follow the model, and empty (new or reset): follow it into its new dtype.
-        cache.undo.clear()
         if cache.prefix is not None:  # snapshots and cached blocks hold the old dtype's state
             cache.prefix.clear()
         for store in cache.layer_stores():
             store.deallocate()
+        cache.undo.track()
     elif held is not None and held != dtype:
         if cache.dtype is None:
             raise ValueError(

@@ -83,10 +83,11 @@ class ContinuousBatchingManager:
         block_size = config.block_size or config.page_size
         num_blocks = config.num_blocks or rows * -(-min(per_row, max_len) // block_size) + 1
         # Prefix caching across requests and turns, unless allow_block_sharing=False (docs/prefix_caching.md).
+        # No undo copies: a failed step fails the requests it carried and their rows are released (`_run`).
         self.cache = QSAPagedCache(model.config, max_batch_size=rows, max_cache_len=max_len, block_size=block_size,
                                    num_blocks=num_blocks, num_speculative_tokens=self.lookup_drafts,
                                    kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype,
-                                   prefix_caching=bool(getattr(config, "allow_block_sharing", True)))
+                                   step_undo=False, prefix_caching=bool(getattr(config, "allow_block_sharing", True)))
         self.runner = ModelRunner(model, self.cache, return_logprobs=bool(config.return_logprobs))
         self.runner.peers = lambda: [*self.scheduler.rows, *self.scheduler.waiting]  # (prefix caching)
         self.scheduler = Scheduler(rows, config.max_batch_tokens or DEFAULT_BATCH_TOKENS,

@@ -9,8 +9,8 @@ treats alike for every store:
   moves by changing which blocks it owns, never by copying;
 * ``row_tensors``: indexed by cache row; copied when rows change place (`QSAPagedCache.select_rows`,
   `move_rows`);
-* ``inplace_rows``: ``(live, saved)`` pairs of the per-row state a step overwrites in place, and the
-  copies a step takes before it writes (`hf_qsa_cache.step`);
+* ``inplace_rows``: the per-row state a step overwrites in place (dim 0: cache row), which a step copies aside
+  before it writes (`hf_qsa_cache.step.UndoCopies`, which owns the copies);
 * ``snapshot_tensors``: the per-row state a prefix snapshot copies out and back (`hf_qsa_cache.prefix_cache`).
 """
 
@@ -69,7 +69,7 @@ class Store(ABC):
     def row_tensors(self) -> list[torch.Tensor]:
         return []
 
-    def inplace_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def inplace_rows(self) -> list[torch.Tensor]:
         return []
 
     def snapshot_tensors(self) -> list[torch.Tensor]:

@@ -38,8 +38,6 @@ class LinearAttentionState(Store):
         # Rollback rings, ``[(max_rows + 1) * history, *state]``: slot ``row * history + pos % history``
         # holds the state after position ``pos`` (`record`, `restore`).
         self.rings: dict[str, torch.Tensor] = {}
-        # Copies of the live state, taken before a step writes (`hf_qsa_cache.transaction`).
-        self.saved: dict[str, torch.Tensor] = {}
 
     def _marker(self) -> torch.Tensor | None:
         return self.conv
@@ -55,15 +53,14 @@ class LinearAttentionState(Store):
         if self.history:
             slots = (self.max_rows + 1) * self.history
             rings = {name: torch.zeros((slots, *t.shape[1:]), device=device, dtype=t.dtype) for name, t in live.items()}
-        saved = {name: torch.empty_like(t) for name, t in live.items()}
         # Set together once all exist (``conv`` marks the store allocated).
-        self.rings, self.saved = rings, saved
+        self.rings = rings
         self.recurrent, self.ple_conv, self.ngram_ids = live["recurrent"], live.get("ple_conv"), live.get("ngram_ids")
         self.conv = live["conv"]
 
     def deallocate(self) -> None:
         self.conv = self.recurrent = self.ple_conv = self.ngram_ids = None
-        self.rings, self.saved = {}, {}
+        self.rings = {}
 
     def _live(self) -> dict[str, torch.Tensor]:
         named = {"conv": self.conv, "recurrent": self.recurrent, "ple_conv": self.ple_conv, "ngram_ids": self.ngram_ids}
@@ -176,9 +173,10 @@ class LinearAttentionState(Store):
 
         return as_tensor(fresh), as_tensor([r for r, _ in kept]), as_tensor([s for _, s in kept])
 
-    def inplace_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(live, saved)`` pairs, row-major: the state a step overwrites in place, and its copy."""
-        return [(live, self.saved[name]) for name, live in self._live().items()]
+    def inplace_rows(self) -> list[torch.Tensor]:
+        """The state a step overwrites in place, row-major (all of it: conv and PLE windows, recurrent state,
+        n-gram context)."""
+        return list(self._live().values())
 
     def row_tensors(self) -> list[torch.Tensor]:
         rings = [r.view(self.max_rows + 1, self.history, *r.shape[1:]) for r in self.rings.values()]
@@ -211,5 +209,4 @@ class LinearAttentionState(Store):
             "ple_conv": tensor_bytes(self.ple_conv),
             "ple_ngram": tensor_bytes(self.ngram_ids),
             "rollback_headroom": tensor_bytes(*self.rings.values()),
-            "step_undo": tensor_bytes(*self.saved.values()),
         }

@@ -37,9 +37,6 @@ class QSAIndexStore(Store):
         self.index_dtype = index_dtype  # None: the model's dtype; torch.float8_e4m3fn: fp8 with scales
         self.compressed_scales: torch.Tensor | None = None  # fp8 only: [num_blocks, rows_per_block] fp32
         self._raw: torch.Tensor | None = None  # fp8 only: the compressed keys as bytes
-        # Copies of the ring, taken before a step writes (`hf_qsa_cache.transaction`).
-        self.saved_keys: torch.Tensor | None = None
-        self.saved_positions: torch.Tensor | None = None
 
     def _marker(self) -> torch.Tensor | None:
         return self.compressed
@@ -57,7 +54,6 @@ class QSAIndexStore(Store):
         ring_rows = (self.max_rows + 1) * self.capacity
         ring_keys = torch.zeros(ring_rows, self.index_head_dim, device=device, dtype=dtype)
         ring_positions = torch.zeros(ring_rows, 3, device=device, dtype=torch.int64)
-        saved_keys, saved_positions = torch.empty_like(ring_keys), torch.empty_like(ring_positions)
         shape = (self.num_blocks, self.rows_per_block, self.index_head_dim)
         if self.quantized:
             self.compressed_scales = torch.zeros(shape[:2], device=device, dtype=SCALE_DTYPE)
@@ -66,11 +62,10 @@ class QSAIndexStore(Store):
             compressed = torch.zeros(shape, device=device, dtype=dtype)
         # Set together once all exist (``compressed`` marks the store allocated).
         self.ring_keys, self.ring_positions = ring_keys, ring_positions
-        self.saved_keys, self.saved_positions = saved_keys, saved_positions
         self.compressed = compressed
 
     def deallocate(self) -> None:
-        self.ring_keys = self.ring_positions = self.compressed = self.saved_keys = self.saved_positions = None
+        self.ring_keys = self.ring_positions = self.compressed = None
         self.compressed_scales = self._raw = None
 
     def resize_blocks(self, num_blocks: int) -> None:
@@ -112,14 +107,10 @@ class QSAIndexStore(Store):
             return
         writes.add(self.compressed.view(-1, self.index_head_dim), rows, keys)
 
-    def inplace_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(live, saved)`` pairs, one row per cache row: the ring is overwritten in place by position
-        modulo its capacity (compressed keys are paged by position, so a step never overwrites a read one)."""
-        if not self.allocated:
-            return []
-        by_row = (self.max_rows + 1, self.capacity)
-        return [(self.ring_keys.view(*by_row, -1), self.saved_keys.view(*by_row, -1)),
-                (self.ring_positions.view(*by_row, 3), self.saved_positions.view(*by_row, 3))]
+    def inplace_rows(self) -> list[torch.Tensor]:
+        """The ring, one row per cache row: overwritten in place by position modulo its capacity (compressed
+        keys are paged by position, so a step never overwrites a read one)."""
+        return self.row_tensors()
 
     def paged_tensors(self) -> list[torch.Tensor]:
         if self.quantized:  # as raw bytes, and the scales: what copying a row's blocks copies
@@ -140,5 +131,4 @@ class QSAIndexStore(Store):
         return {
             "qsa_ring": tensor_bytes(self.ring_keys, self.ring_positions),
             "qsa_compressed": tensor_bytes(*self.paged_tensors()),
-            "step_undo": tensor_bytes(self.saved_keys, self.saved_positions),
         }

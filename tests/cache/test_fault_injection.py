@@ -69,13 +69,13 @@ class ReplayingGraphs(DecodeGraphs):
 class Scenario:
     """A cache brought to some state, then one step (``step``) and the step after it (``after``)."""
 
-    def __init__(self, model, family, kind):
-        self.model, self.family, self.kind = model, family, kind
+    def __init__(self, model, family, kind, step_undo=True):
+        self.model, self.family, self.kind, self.step_undo = model, family, kind, step_undo
 
     def build(self):
         model, kind = self.model, self.kind
         spec = K if kind in ("verify", "graph_verify") else 0
-        cache = QSAPagedCache(model.config, 4, 96, block_size=4, num_speculative_tokens=spec)
+        cache = QSAPagedCache(model.config, 4, 96, block_size=4, num_speculative_tokens=spec, step_undo=self.step_undo)
         ids, mask = _prompts(self.family)
         rows = ids.shape[0]
         runner = None
@@ -192,6 +192,59 @@ def _outcome_after_fault(scenario, global_n):
     assert same_but_crop_floor(host_state(cache), before), f"a fault at call {global_n} changed the host state"
     with torch.no_grad():
         return forward(*step), after(), cache
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_fault_in_a_step_without_undo_loses_only_the_rows_it_fed(qwen, ink, family):
+    """``step_undo=False`` (continuous batching's cache): a fault at any torch call of a step over rows [0, 2) of
+    three managed rows puts the host state back, marks rows 0 and 1 lost (a step that feeds one is refused,
+    naming reset()), and leaves row 2, which the step did not feed, exact: moved alone (the lost rows released)
+    it decodes as on a cache that never failed, and so do fresh rows placed where the lost ones were."""
+    model = qwen if family == "qwen4_exp" else ink
+    scenario = Scenario(model, family, "managed", step_undo=False)
+    fresh = torch.randint(2, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(9))
+
+    def survivors(cache):
+        """Row 2 alone, then two fresh rows beside it: their logits."""
+        with torch.no_grad():
+            cache.move_rows([2])
+            alone = model(torch.full((1, 1), 7), past_key_values=cache).logits
+            cache.move_rows([0, -1, -1])
+            beside = model(torch.cat([torch.full((1, 6), 7), fresh]), past_key_values=cache).logits
+        return alone, beside
+
+    cache, forward, step, _ = scenario.build()
+    assert cache.undo.nbytes() == 0 and "step_undo" not in cache.memory_stats()["bytes"]
+    with torch.no_grad():
+        forward(*step)
+    want = survivors(cache)
+
+    def setup_and_step():
+        _, forward, step, _ = scenario.build()
+        forward(*step)
+
+    with torch.no_grad():
+        setup = count_calls(scenario.build)
+        total = count_calls(setup_and_step) - setup
+    assert total > 100
+    points = range(1, total + 1) if EVERY else sample_points(total, dense_until=30, spread=16)
+    lost = []  # per point: whether it lost rows (from the step's begin on, every later point must)
+    for n in points:
+        with torch.no_grad(), FailAt(setup + n):
+            cache, forward, step, after = scenario.build()
+            before = host_state(cache)
+            with pytest.raises(Injected):
+                forward(*step)
+        assert host_state(cache) == before, f"a fault at call {n} changed the host state"
+        # A fault before the step began (its checks) loses nothing; from then on the rows it fed are lost.
+        assert cache.rows.lost[:3] in ([0, 0, 0], [1, 1, 0]), n
+        lost.append(bool(cache.rows.lost[0]))
+        if lost[-1]:
+            with pytest.raises(ValueError, match=r"row 0 lost its state.*reset\(\)"):
+                after()
+        for got, expected in zip(survivors(cache), want):
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=0, msg=lambda m: f"fault at {n}: {m}")
+    assert lost == sorted(lost) and sum(lost) >= 16, lost
 
 
 ROW_OPS = {

@@ -33,7 +33,10 @@ def test_layout_bytes_equal_what_the_stores_allocate(name, dtype, spec_tokens):
     cache = QSAPagedCache(config, max_batch_size=3, max_cache_len=40, num_speculative_tokens=spec_tokens,
                           device="cpu", dtype=dtype)
     held = sum(size for store in cache.layer_stores() for size in store.nbytes().values())
-    assert cache.layout.nbytes(3, dtype) == held
+    assert cache.layout.nbytes(3, dtype, step_undo=False) == held
+    assert cache.layout.undo_bytes(3, dtype) == cache.undo.nbytes()
+    assert cache.layout.nbytes(3, dtype) == held + cache.undo.nbytes()
+    assert QSAPagedCache(config, 3, 40, device="cpu", dtype=dtype, step_undo=False).undo.nbytes() == 0
     for name, table in cache.tables.items():  # a block costs the same over the stores paged on its table
         paged = sum(t.numel() * t.element_size() for s in cache.layer_stores() if s.table == name
                     for t in s.paged_tensors())
