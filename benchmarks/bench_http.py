@@ -201,17 +201,28 @@ def wait_up(url: str, process, timeout: float = 900) -> None:
     raise TimeoutError(f"{url} did not come up")
 
 
-def engine_kind(url: str) -> str | None:
-    """Where the server runs its engine, as its /health says: "process" or "in-process" (None if it does not
-    say)."""
+def server_health(url: str) -> dict:
+    """The server's /health body (an unhealthy server's too)."""
     import urllib.error
     import urllib.request
 
     try:
         with urllib.request.urlopen(url + "/health", timeout=10) as response:
-            return json.loads(response.read()).get("engine")
+            return json.loads(response.read())
     except urllib.error.HTTPError as error:  # unhealthy: its body says the same
-        return json.loads(error.read() or b"{}").get("engine")
+        return json.loads(error.read() or b"{}")
+
+
+STEP_COUNTS = ("prefill_steps", "decode_steps", "preemptions")
+
+
+def steps_taken(before: dict, after: dict, wall: float) -> dict:
+    """What the engine did during a level (its counters' growth), and the wall time per step: whether a slower
+    target ran more steps (scheduling: more, smaller prefill steps between decode steps) or slower ones."""
+    row = {name: after.get(name, 0) - before.get(name, 0) for name in STEP_COUNTS}
+    steps = row["prefill_steps"] + row["decode_steps"]
+    row["ms_per_step"] = round(1000 * wall / steps, 3) if steps else None
+    return row
 
 
 def main(argv=None) -> list[dict]:
@@ -286,13 +297,14 @@ def main(argv=None) -> list[dict]:
         server = subprocess.Popen(command + (["--api-key", args.api_key] if args.api_key else []))
     try:
         wait_up(url, server)
-        engine = engine_kind(url)
+        engine = server_health(url).get("engine")  # where the server runs it: "process" or "in-process"
         for c, prompts in levels():
             procs = args.client_processes
             http_level_processes(url, name, prompts[: min(len(prompts), c)], c, args.output_len, args.api_key, procs)
+            before = server_health(url)
             rows, wall = http_level_processes(url, name, prompts, c, args.output_len, args.api_key, procs)
             record({"target": "http", "engine": engine, "concurrency": c, "client_processes": min(procs, c),
-                    **summary(rows, wall)})
+                    **summary(rows, wall), **steps_taken(before, server_health(url), wall)})
     finally:
         if server is not None:
             server.terminate()
@@ -307,8 +319,10 @@ def main(argv=None) -> list[dict]:
         try:
             for c, prompts in levels():
                 in_process_level(manager, prompts[: min(len(prompts), c)], c, args.output_len)  # warm-up
+                before = dict(manager.stats)
                 rows, wall = in_process_level(manager, prompts, c, args.output_len)
-                row = {"target": "in-process", "concurrency": c, **summary(rows, wall)}
+                row = {"target": "in-process", "concurrency": c, **summary(rows, wall),
+                       **steps_taken(before, manager.stats, wall)}
                 http = next((r for r in results if r["target"] == "http" and r["concurrency"] == c), None)
                 if http and row["output_tokens_per_s"]:
                     row["http_over_in_process"] = round(http["output_tokens_per_s"] / row["output_tokens_per_s"], 3)

@@ -460,6 +460,9 @@ class QSAPagedCache(Cache):
         self.check_usable()
         if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.max_batch_size:
             raise ValueError(f"row must be an integer in [0, max_batch_size={self.max_batch_size}), got {row!r}")
+        if self.rows.lost[row]:
+            raise ValueError(f"row {row} lost its state when a step that fed it failed (step_undo=False): nothing of "
+                             "it is cached or restored into it until it is released (move_rows) or cache.reset()")
 
     def restore_prefix(self, row: int, tokens, limit: int | None = None, count: bool = True) -> int:
         """Start empty row ``row`` from the longest cached prefix of ``tokens`` (at most ``limit`` tokens, default

@@ -156,21 +156,27 @@ def test_fault_anywhere_in_a_step_leaves_the_cache_as_it_was(qwen, ink, family, 
     scenario = Scenario(model, family, kind)
     want_step, want_after, clean = _outcome(scenario)
 
-    def setup_and_step():
-        _, forward, step, _ = scenario.build()
-        forward(*step)
-
-    # The setup's calls run first (and all succeed): the injection is offset past them.
-    with torch.no_grad():
-        setup = count_calls(scenario.build)
-        total = count_calls(setup_and_step) - setup
-    assert total > 100, "the step must be counted, not only its setup"
-    points = range(1, total + 1) if EVERY else sample_points(total, dense_until=30, spread=16)
+    setup, points = fault_points(scenario)
     for n in points:
         got_step, got_after, cache = _outcome_after_fault(scenario, setup + n)
         torch.testing.assert_close(got_step, want_step, atol=1e-6, rtol=0, msg=lambda m: f"fault at {n}: {m}")
         torch.testing.assert_close(got_after, want_after, atol=1e-6, rtol=0, msg=lambda m: f"after fault at {n}: {m}")
         assert same_but_crop_floor(host_state(cache), host_state(clean))
+
+
+def fault_points(scenario) -> tuple[int, list[int]]:
+    """``(setup, points)``: the torch calls the scenario's setup makes (they run first and all succeed: an
+    injection is offset past them), and the calls of its step to inject a fault at (all with HF_QSA_FAULTS=all)."""
+
+    def setup_and_step():
+        _, forward, step, _ = scenario.build()
+        forward(*step)
+
+    with torch.no_grad():
+        setup = count_calls(scenario.build)
+        total = count_calls(setup_and_step) - setup
+    assert total > 100, "the step must be counted, not only its setup"
+    return setup, list(range(1, total + 1)) if EVERY else sample_points(total, dense_until=30, spread=16)
 
 
 def same_but_crop_floor(state, other) -> bool:
@@ -219,15 +225,7 @@ def test_fault_in_a_step_without_undo_loses_only_the_rows_it_fed(qwen, ink, fami
         forward(*step)
     want = survivors(cache)
 
-    def setup_and_step():
-        _, forward, step, _ = scenario.build()
-        forward(*step)
-
-    with torch.no_grad():
-        setup = count_calls(scenario.build)
-        total = count_calls(setup_and_step) - setup
-    assert total > 100
-    points = range(1, total + 1) if EVERY else sample_points(total, dense_until=30, spread=16)
+    setup, points = fault_points(scenario)
     lost = []  # per point: whether it lost rows (from the step's begin on, every later point must)
     for n in points:
         with torch.no_grad(), FailAt(setup + n):
@@ -245,6 +243,27 @@ def test_fault_in_a_step_without_undo_loses_only_the_rows_it_fed(qwen, ink, fami
         for got, expected in zip(survivors(cache), want):
             torch.testing.assert_close(got, expected, atol=1e-6, rtol=0, msg=lambda m: f"fault at {n}: {m}")
     assert lost == sorted(lost) and sum(lost) >= 16, lost
+
+
+def test_a_lost_row_is_neither_cached_nor_restored_into(qwen):
+    """With prefix caching, a row a failed step left lost (``step_undo=False``) is refused as a prefix and as a
+    target of a cached one; released, its place takes a cached prefix again."""
+    model = qwen
+    cache = QSAPagedCache(model.config, 2, 96, block_size=4, step_undo=False, prefix_caching=True)
+    prompt = torch.randint(2, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cache.move_rows([-1, -1])
+        model(prompt, past_key_values=cache)
+        cache.cache_prefix(1, prompt[1].tolist())
+        with pytest.raises(Injected), FailAt(400):
+            model(torch.full((2, 1), 7), past_key_values=cache)
+    assert cache.rows.lost[:2] == [1, 1]
+    for use in (lambda: cache.cache_prefix(0, prompt[0].tolist()), lambda: cache.snapshot_row(0),
+                lambda: cache.restore_prefix(0, prompt[1].tolist())):
+        with pytest.raises(ValueError, match="row 0 lost its state"):
+            use()
+    cache.move_rows([-1])  # both released, a fresh row in their place
+    assert cache.restore_prefix(0, prompt[1].tolist()) == 8
 
 
 ROW_OPS = {
