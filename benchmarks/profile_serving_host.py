@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers.generation.continuous_batching.requests import GenerationOutput
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -125,15 +126,26 @@ class Timings:
         runner.decode = timed("decode", runner.decode)
 
 
-def drive(manager, prompts, outputs, prefix: str) -> None:
-    """The manager's own loop, in this thread, until every request is done."""
-    ids = [manager.add_request(p, request_id=f"{prefix}{i}", max_new_tokens=n)
-           for i, (p, n) in enumerate(zip(prompts, outputs))]
+def drive(manager, prompts, outputs, prefix: str, stream: bool = False) -> None:
+    """The manager's own loop, in this thread, until every request is done. ``stream``: each request streams to
+    the result handler the HTTP server's engine process registers (`engine_process.Outbox`, its sender not
+    running: what the engine thread does per token is measured, not the pipe)."""
+    from hf_qsa_cache.server.engine_process import Outbox
+
+    outbox = Outbox(conn=None)
+    ids = []
+    for i, (p, n) in enumerate(zip(prompts, outputs)):
+        if stream:
+            manager.register_result_handler(f"{prefix}{i}", outbox.put, deltas=True)
+        ids.append(manager.add_request(p, request_id=f"{prefix}{i}", max_new_tokens=n, streaming=stream))
     manager._stop = "flush"
     manager._loop()
     results = {}
     while (result := manager.get_result(timeout=0)) is not None:  # the loop ended: what it delivered
         results[result.request_id] = result
+    for request_id, (tokens, _, finished, error) in outbox.news.items():
+        if finished:
+            results[request_id] = GenerationOutput(request_id=request_id, generated_tokens=tokens, error=error)
     bad = [r.error for r in results.values() if r.error]
     if len(results) != len(ids) or bad:
         raise RuntimeError(f"{len(results)}/{len(ids)} results, {len(bad)} failed: {bad[:1]}")
@@ -165,6 +177,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--stream", action="store_true",
+                        help="stream every request to the HTTP engine process's result handler")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -172,16 +186,16 @@ def main():
     prompts, outputs = workload(args, model.config.vocab_size)
     manager = make_manager(model, prompts, outputs, args)
     with torch.no_grad():
-        drive(manager, prompts[: args.rows], outputs[: args.rows], "warm")  # first-use costs out of the way
+        drive(manager, prompts[: args.rows], outputs[: args.rows], "warm", args.stream)  # first-use costs out of the way
         timings = Timings(manager)
         before = dict(manager.stats)
         start = time.perf_counter()
-        drive(manager, prompts, outputs, "r")
+        drive(manager, prompts, outputs, "r", args.stream)
         wall = time.perf_counter() - start
     stats = {k: v - before[k] if k != "most_rows" else v for k, v in manager.stats.items()}
     decode_only = [t for t, p, d in timings.iterations if not p]
     with_prefill = [t for t, p, d in timings.iterations if p]
-    print(f"{args.model}, {args.layers} layers (identity), {args.rows} rows, {args.requests} requests, page "
+    print(f"{args.model}, {args.layers} layers (identity), {args.rows} rows{', streamed' if args.stream else ''}, {args.requests} requests, page "
           f"{args.page_size}, prompts {args.min_prompt}..{args.max_prompt}, outputs {args.min_output}.."
           f"{args.max_output}; {len(timings.iterations)} iterations in {wall:.2f} s, stats {stats}")
     print(f"decode-only iteration : {us(decode_only)}")
@@ -193,7 +207,7 @@ def main():
     profile = cProfile.Profile()
     with torch.no_grad():
         profile.enable()
-        drive(manager, prompts, outputs, "p")
+        drive(manager, prompts, outputs, "p", args.stream)
         profile.disable()
     print(f"\ncProfile of a second run (top {args.top} by own time, then by cumulative time):")
     stats = pstats.Stats(profile).strip_dirs()

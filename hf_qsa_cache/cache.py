@@ -478,10 +478,7 @@ class QSAPagedCache(Cache):
         prefix = self.prefix
         if count:
             prefix.counters["lookup_tokens"] += len(tokens)
-        chain = prefix.match(tokens, limit)
-        self.prefix_matched = len(chain) * prefix.unit
-        while chain and (chain[-1].snapshot is None or not fits(self, chain[-1].snapshot)):
-            chain.pop()
+        chain, self.prefix_matched = self._restorable_chain(tokens, limit)
         if not chain:
             return 0
         snapshot = chain[-1].snapshot
@@ -523,11 +520,17 @@ class QSAPagedCache(Cache):
         if self.prefix is None:
             return 0, 0
         tokens = _token_list(tokens)
-        chain = self.prefix.match(tokens, len(tokens) if limit is None else min(int(limit), len(tokens)))
+        chain, matched = self._restorable_chain(tokens, len(tokens) if limit is None else min(int(limit), len(tokens)))
+        return len(chain) * self.prefix.unit, matched
+
+    def _restorable_chain(self, tokens: list[int], limit: int) -> tuple[list, int]:
+        """The cached entries of the longest prefix of ``tokens`` (at most ``limit``) whose last entry has a
+        snapshot this cache can take, and how many tokens cached blocks match (with or without a snapshot)."""
+        chain = self.prefix.match(tokens, limit)
         matched = len(chain) * self.prefix.unit
         while chain and (chain[-1].snapshot is None or not fits(self, chain[-1].snapshot)):
             chain.pop()
-        return len(chain) * self.prefix.unit, matched
+        return chain, matched
 
     def keep_tails(self, plan) -> None:
         """After a one-token step of generate()'s rows landed: rows that reached a unit boundary keep a snapshot

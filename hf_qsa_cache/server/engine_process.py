@@ -372,9 +372,10 @@ def _exit_reason(code: int | None) -> str:
 
 # ----------------------------------------------------------------------------- the engine's side (the child)
 class Outbox:
-    """The child's side of the pipe. The engine thread puts each request's result here (`handler`: only its
-    tokens since the request's previous result); a sender thread takes everything waiting and writes it as one
-    message, so the engine thread never waits on the pipe. What waits for one request is merged into one delta."""
+    """The child's side of the pipe. The engine thread puts each request's news here (`put`, the manager's delta
+    handler: only its tokens since the request's previous news); a sender thread takes everything waiting and
+    writes it as one message, so the engine thread never waits on the pipe. What waits for one request is merged
+    into one delta."""
 
     def __init__(self, conn):
         self.conn = conn
@@ -383,20 +384,10 @@ class Outbox:
         self.messages: list = []  # other messages, in order
         self.closed = False
 
-    def handler(self, request_id: str) -> Callable:
-        """The result handler of one request (the manager calls it on the engine thread)."""
-        sent = 0  # its tokens already put here
-
-        def on_result(output) -> None:
-            nonlocal sent
-            tokens = output.generated_tokens  # the manager's outputs only grow (preemption keeps tokens)
-            self.put(request_id, tokens[sent:], output.logprobs[sent:], output.is_finished(), output.error)
-            sent = len(tokens)
-
-        return on_result
-
     def put(self, request_id: str, tokens: list[int], logprobs: list[float], finished: bool,
             error: str | None) -> None:
+        """A request's news: its tokens (and log-probabilities) since its previous news (the manager's delta
+        handler, called on the engine thread)."""
         with self.ready:
             news = self.news.get(request_id)
             if news is None:
@@ -520,7 +511,7 @@ def _serve(manager, outbox: Outbox, message) -> None:
     kind = message[0]
     if kind == "submit":
         _, request_id, prompt, options, media = message
-        manager.register_result_handler(request_id, outbox.handler(request_id))
+        manager.register_result_handler(request_id, outbox.put, deltas=True)
         try:
             manager.add_request(prompt, request_id=request_id, **options, **(media or {}))
         except Exception as error:  # the server checked it already; should it still be refused, it fails alone

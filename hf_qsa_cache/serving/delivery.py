@@ -1,11 +1,14 @@
 """Where each request's results go: to the handler registered for it, else to its own queue.
 
-The engine thread puts every result (a streaming request's progress, a request's final result) here. A request
+The engine thread puts every request with news here (a streaming request's progress, a request's end). A request
 with a handler (`register_result_handler`, as transformers' server uses it) gets each result through that
 handler: on the asyncio loop that registered it (``call_soon_threadsafe``), or on the engine thread when it was
-registered outside a loop. Otherwise the result waits in the request's own queue: `get(request_id)` takes that
-request's next result, never another's, and `get()` the oldest result of any request. A handler that raises, or
-whose loop is closed, is logged and dropped; it never stops the engine.
+registered outside a loop. A delta handler (``deltas=True``: the HTTP server's engine process) gets only what is
+new, ``callback(request_id, tokens, logprobs, finished, error)``, on the engine thread, and no result object is
+built for it (a `GenerationOutput` copies every token so far: ~3 us a request a step). Otherwise the result
+waits in the request's own queue: `get(request_id)` takes that request's next result, never another's, and
+`get()` the oldest result of any request. A handler that raises, or whose loop is closed, is logged and dropped;
+it never stops the engine.
 """
 
 from __future__ import annotations
@@ -35,41 +38,51 @@ class Delivery:
         self._count = 0  # results queued so far (numbers their arrivals)
         self._live = 0  # results waiting in the queues
 
-    def register(self, request_id: str, callback: Callable) -> None:
-        """Results of ``request_id`` go to ``callback`` until its final one; results already waiting go now."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
+    def register(self, request_id: str, callback: Callable, deltas: bool = False) -> None:
+        """Results of ``request_id`` go to ``callback`` until its final one; results already waiting go now.
+        ``deltas``: only what is new (see the module docstring), always on the engine thread."""
+        loop = None
+        if not deltas:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                pass
+        handler = _Handler(callback, loop, 0 if deltas else None)
         with self._ready:
             waiting = [output for _, output in self._queues.pop(request_id, ())]
             self._live -= len(waiting)
             if not waiting or not waiting[-1].is_finished():
-                self._handlers[request_id] = (callback, loop)
+                self._handlers[request_id] = handler
         for output in waiting:
-            _call(callback, loop, output)
+            handler.hand(output)
 
     def unregister(self, request_id: str) -> None:
         with self._ready:
             self._handlers.pop(request_id, None)
 
-    def put(self, output: GenerationOutput) -> None:
+    def put(self, request) -> None:
+        """News of ``request`` (a `hf_qsa_cache.serving.requests.Request`: its tokens so far, its status)."""
+        request_id = request.request_id
         with self._ready:
-            handler = self._handlers.get(output.request_id)
+            handler = self._handlers.get(request_id)
             if handler is not None:
-                if output.is_finished():
-                    del self._handlers[output.request_id]
+                if request.done:
+                    del self._handlers[request_id]
             else:
+                output = request.output()
                 self._count += 1
-                self._queues.setdefault(output.request_id, deque()).append((self._count, output))
-                self._arrivals.append((output.request_id, self._count))
+                self._queues.setdefault(request_id, deque()).append((self._count, output))
+                self._arrivals.append((request_id, self._count))
                 self._live += 1
                 self._ready.notify_all()
-        if handler is not None:
-            if self._batch is not None:
-                self._batch.append((*handler, output))
-            else:
-                _call(*handler, output)
+        if handler is None:
+            return
+        if handler.sent is not None:
+            handler.hand_news(request_id, request.generated, request.logprobs, request.done, request.error)
+        elif self._batch is not None:
+            self._batch.append((handler.callback, handler.loop, request.output()))
+        else:
+            _call(handler.callback, handler.loop, request.output())
 
     @contextlib.contextmanager
     def batched(self):
@@ -142,6 +155,34 @@ class Delivery:
                     del self._queues[rid]
                 return output
         return None
+
+
+class _Handler:
+    """A registered handler: its callback, the loop it runs on (None: the engine thread), and for a delta handler
+    how many tokens it was handed so far (None: it takes whole results)."""
+
+    __slots__ = ("callback", "loop", "sent")
+
+    def __init__(self, callback: Callable, loop: asyncio.AbstractEventLoop | None, sent: int | None):
+        self.callback, self.loop, self.sent = callback, loop, sent
+
+    def hand(self, output: GenerationOutput) -> None:
+        """A result that waited in the queue before the handler came."""
+        if self.sent is None:
+            _call(self.callback, self.loop, output)
+        else:
+            self.hand_news(output.request_id, output.generated_tokens, output.logprobs or [], output.is_finished(),
+                           output.error)
+
+    def hand_news(self, request_id: str, tokens: list[int], logprobs: list[float], finished: bool,
+                  error: str | None) -> None:
+        """The tokens (and log-probabilities, if kept) past those handed before: a request's lists only grow
+        (a preempted request keeps its tokens)."""
+        sent, self.sent = self.sent, len(tokens)
+        try:
+            self.callback(request_id, tokens[sent:], logprobs[sent:], finished, error)
+        except Exception as error:  # a consumer's failure is its own: the engine goes on
+            logger.error("the result handler of request %s failed: %s", request_id, error, exc_info=True)
 
 
 def _run_all(calls: list[tuple[Callable, GenerationOutput]]) -> None:

@@ -256,12 +256,14 @@ class ContinuousBatchingManager:
         self.cancel_queue.put(request_id)
         self._wake.set()
 
-    def register_result_handler(self, request_id: str, callback) -> None:
+    def register_result_handler(self, request_id: str, callback, deltas: bool = False) -> None:
         """Every result of ``request_id`` (each token's when streaming, else the final one) goes to
         ``callback(GenerationOutput)``, not to `get_result`: on the asyncio loop this is called from (via
         ``call_soon_threadsafe``), or on the engine thread when called outside a loop. May come before
-        `add_request`; dropped after the final result."""
-        self.delivery.register(request_id, callback)
+        `add_request`; dropped after the final result. ``deltas=True`` (not in transformers): ``callback(request_id,
+        tokens, logprobs, finished, error)`` with only the tokens (and log-probabilities) since its previous call,
+        always on the engine thread, and no `GenerationOutput` built (`hf_qsa_cache.serving.delivery`)."""
+        self.delivery.register(request_id, callback, deltas)
 
     def remove_result_handler(self, request_id: str) -> None:
         """Drop the handler of a request that was never queued (its `add_request` raised)."""
@@ -449,7 +451,7 @@ class ContinuousBatchingManager:
                 if request.done:
                     self._end(request, request.status, request.error)
                 elif request.streaming and i == last[request]:
-                    self.delivery.put(request.output())
+                    self.delivery.put(request)
         self.scheduler.order()
         self.runner.place(self.scheduler.rows)
 
@@ -469,7 +471,7 @@ class ContinuousBatchingManager:
         self.runner.forget(request)
         with self._lock:
             self._in_flight.discard(request.request_id)
-        self.delivery.put(request.output())
+        self.delivery.put(request)
 
     def _fail_all(self, why: str) -> None:
         for request in [*self.scheduler.rows, *self.scheduler.waiting]:

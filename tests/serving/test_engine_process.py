@@ -7,18 +7,15 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+from transformers.generation.continuous_batching.requests import RequestStatus
 
 pytest.importorskip("fastapi")
 
 from hf_qsa_cache.server.engine import EngineDead  # noqa: E402
 from hf_qsa_cache.server.engine_process import EngineProcess, EngineSettings, Outbox  # noqa: E402
 from hf_qsa_cache.serving import Sampling  # noqa: E402
-
-
-def output(request_id, tokens, logprobs=(), status=RequestStatus.DECODING, error=None) -> GenerationOutput:
-    return GenerationOutput(request_id=request_id, generated_tokens=list(tokens), logprobs=list(logprobs),
-                            status=status, error=error)
+from hf_qsa_cache.serving.delivery import Delivery  # noqa: E402
+from hf_qsa_cache.serving.requests import Request  # noqa: E402
 
 
 class Pipe:
@@ -47,26 +44,41 @@ def engine() -> EngineProcess:
 
 
 def test_the_child_sends_only_new_tokens_and_the_server_keeps_the_sum():
-    """A streamed request's results as the manager gives them (each with every token so far) go out as deltas:
-    a message carries the tokens since the previous one (two results before a send merge into one delta); the
-    server's handler sees the tokens so far, which equal the sum of the deltas."""
-    outbox = Outbox(Pipe())
-    on_a, on_b = outbox.handler("a"), outbox.handler("b")
+    """A streamed request's news, as the manager's delivery hands it to the child's delta handler (`Outbox.put`),
+    goes out as deltas: a message carries the tokens since the previous one (two steps before a send merge into one
+    delta); the server's handler sees the tokens so far, which equal the sum of the deltas."""
+    outbox, delivery = Outbox(Pipe()), Delivery()
+    a = Request("a", [5, 6], 7, frozenset([1]), want_logprobs=True, streaming=True)
+    b = Request("b", [5, 6], 7, frozenset([1]), want_logprobs=True, streaming=True)
+    for request in (a, b):
+        delivery.register(request.request_id, outbox.put, deltas=True)
     full = [5, 9, 33, 2, 70, 8, 1]
-    on_a(output("a", full[:1], [-0.5]))
-    on_b(output("b", [7], [-1.0]))
+    logprobs = [-0.5, -0.25, -1.5, -2.0, -0.1, -0.2, -0.3]
+
+    def step(request, upto):  # the engine adds tokens and hands the request's news to its handler
+        while len(request.generated) < upto:
+            k = len(request.generated)
+            request.add_token(full[k], logprobs[k])
+        delivery.put(request)
+
+    step(a, 1)
+    b.add_token(7, -1.0)
+    delivery.put(b)
     step1 = outbox.take(0)
-    on_a(output("a", full[:2], [-0.5, -0.25]))
-    on_a(output("a", full[:4], [-0.5, -0.25, -1.5, -2.0]))  # two results before the sender looked: one delta
+    step(a, 2)
+    step(a, 4)  # two steps before the sender looked: one delta
     step2 = outbox.take(0)
-    on_a(output("a", full, [-0.1] * len(full), status=RequestStatus.FINISHED))
-    on_b(output("b", [7], [-1.0], status=RequestStatus.FAILED, error="cancelled"))
+    step(a, 7)  # its eos: finished
+    b.finish(RequestStatus.FAILED, "cancelled")
+    delivery.put(b)
     step3 = outbox.take(0)
     assert outbox.take(0) == []
     assert step1 == [("results", [("a", [5], [-0.5], False, None), ("b", [7], [-1.0], False, None)])]
     assert step2 == [("results", [("a", [9, 33, 2], [-0.25, -1.5, -2.0], False, None)])]
-    assert step3 == [("results", [("a", [70, 8, 1], [-0.1, -0.1, -0.1], True, None), ("b", [], [], True,
+    assert step3 == [("results", [("a", [70, 8, 1], [-0.1, -0.2, -0.3], True, None), ("b", [], [], True,
                                                                                          "cancelled")])]
+    delivery.put(a)  # a request's handler is dropped with its final news
+    assert outbox.take(0) == [] and delivery.get("a", timeout=0) is not None
 
     server = engine()
     seen = []

@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from helpers.qwen4 import random_prompts
+from helpers.qwen4 import make_pair, random_prompts
 from helpers.serving import FAMILIES, alone, family_pair, greedy, pools_full
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.requests import RequestStatus
@@ -189,6 +189,53 @@ def test_result_handlers_run_on_their_event_loop_in_order(qwen):
         assert manager.get_result("broken", timeout=0.1) is None  # its result went to its handler, not here
     finally:
         manager.stop(block=True)
+
+
+def test_delta_handlers_get_each_new_token_once():
+    """``register_result_handler(..., deltas=True)`` (the HTTP engine process's): on the engine thread, each call
+    carries only the tokens (and log-probabilities) since the previous one; their sum is the request's result, a
+    greedy one equal to generate(); a delta handler registered after its request finished gets the whole of it
+    once (on the thread that registers it); one that raises is logged and the engine goes on."""
+    ref, ours = make_pair(seed=3)
+    prompts = random_prompts([7, 12], vocab=90, seed=41)
+    config = ContinuousBatchingConfig(page_size=4, max_requests_per_batch=2)
+    manager = ours.init_continuous_batching(greedy(6), config)
+    news, threads, done = {}, set(), threading.Event()
+
+    def on_news(request_id, tokens, logprobs, finished, error):
+        got = news.setdefault(request_id, {"tokens": [], "logprobs": [], "calls": 0, "finished": False})
+        got["tokens"] += tokens
+        got["logprobs"] += logprobs
+        got["calls"] += 1
+        got["finished"] = finished
+        threads.add(threading.get_ident())
+        if finished and request_id == "streamed":
+            done.set()
+
+    def broken(*args):
+        raise RuntimeError("a consumer bug")
+
+    manager.start()
+    engine_thread = manager._thread.ident
+    try:
+        early = manager.add_request(prompts[1], max_new_tokens=3)
+        while manager.health()["rows_in_use"] or manager.health()["waiting"]:
+            time.sleep(0.01)
+        manager.register_result_handler("streamed", on_news, deltas=True)
+        manager.add_request(prompts[0], request_id="streamed", max_new_tokens=6, streaming=True, logprobs=True)
+        manager.register_result_handler("broken", broken, deltas=True)
+        manager.add_request(prompts[1], request_id="broken", max_new_tokens=4, streaming=True)
+        assert done.wait(60)
+        manager.register_result_handler(early, on_news, deltas=True)  # its result waited in its queue
+        after = manager.get_result(manager.add_request(prompts[1], max_new_tokens=2), timeout=60)
+    finally:
+        manager.stop(block=True)
+    streamed = news["streamed"]
+    assert streamed["calls"] == 6 and streamed["finished"] and len(streamed["logprobs"]) == 6
+    assert streamed["tokens"] == alone(ref, prompts[0], 6)
+    assert news[early]["calls"] == 1 and news[early]["tokens"] == alone(ref, prompts[1], 3)
+    assert threads == {engine_thread, threading.get_ident()}
+    assert after.status == RequestStatus.FINISHED and len(after.generated_tokens) == 2
 
 
 @pytest.mark.parametrize("where", ["move_rows", "admit", "why_not_fits", "order"])
@@ -395,16 +442,15 @@ def test_shared_prefixes_under_faults_match_the_reference(family_name, seed):
 def test_a_steps_results_reach_an_event_loop_in_one_hand_over():
     """Handlers registered from one asyncio loop get a step's results through one ``call_soon_threadsafe``
     (a server's loop wakes once a step, not once a request), each handler its own result, in order."""
-    from transformers.generation.continuous_batching.requests import GenerationOutput
-
     from hf_qsa_cache.serving.delivery import Delivery
+    from hf_qsa_cache.serving.requests import Request
 
     delivery, got = Delivery(), []
 
     def step(request_ids):  # what the engine thread does with a step's results
         with delivery.batched():
             for request_id in request_ids:
-                delivery.put(GenerationOutput(request_id=request_id, status=RequestStatus.DECODING))
+                delivery.put(Request(request_id, [1], 4, frozenset(), status=RequestStatus.DECODING))
 
     async def serve():
         loop = asyncio.get_running_loop()
