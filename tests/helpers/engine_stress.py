@@ -1,7 +1,7 @@
 """Model-based stress test of the continuous-batching engine: a seeded random sequence of request arrivals,
 cancellations and waits against a running engine on a tight block pool, with faults injected at random
-calls of its iterations: in a model step (a torch call inside the forward) and in its own bookkeeping (row
-moves, admission, row order, room checks).
+calls of its iterations: in a model step (at a random torch call inside the forward, after some layers wrote)
+and in its own bookkeeping (row moves, admission, row order, room checks).
 
 Every request must end with exactly one final result, and that result must be
 * its tokens from transformers' own model on its prompt alone (greedy), or
@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: `helpers`
-from helpers.faults import Injected  # noqa: E402
+from helpers.faults import FailAt, Injected  # noqa: E402
 from helpers.qwen4 import random_prompts  # noqa: E402
 from helpers.serving import alone, family_pair, greedy, pools_full  # noqa: E402
 from transformers import ContinuousBatchingConfig  # noqa: E402
@@ -64,11 +64,21 @@ class Faults:
     def _wrap(self, name, original):
         def faulty(*args, **kwargs):
             self.countdown -= 1
-            if self.countdown <= 0:
-                self.countdown = self.rng.randint(*self.every)
+            if self.countdown > 0:
+                return original(*args, **kwargs)
+            self.countdown = self.rng.randint(*self.every)
+            if name != "_forward":
                 self.fired[name] = self.fired.get(name, 0) + 1
                 raise Injected(f"injected fault in {name}")
-            return original(*args, **kwargs)
+            # A model step fails at a random torch call inside it, after some layers wrote their state (the
+            # engine's cache keeps no undo copies: the rows it fed are lost, their requests fail, the others go
+            # on); a step with fewer calls ends normally.
+            try:
+                with FailAt(self.rng.randint(1, 400)):
+                    return original(*args, **kwargs)
+            except Injected:
+                self.fired[name] = self.fired.get(name, 0) + 1
+                raise
 
         return faulty
 
