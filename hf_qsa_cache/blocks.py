@@ -24,8 +24,9 @@ held by the prefix cache. ``refs[b]`` counts the rows that list ``b``; ``cached`
 prefix entry keeps. A block is free only at zero references and not cached; a cached block at zero
 references is *idle*: it keeps its content for a later request, and counts as available capacity
 (`available`), because the prefix cache gives it back whenever the pool needs it (`PrefixCache.make_room`,
-always outside a step). Rows only write positions past their lengths, and a row's shared blocks lie below
-its shared floor (`Rows.shared`), so a shared block is never written.
+always outside a step). Rows copied from one another (beam search: `select_rows`) share their full blocks the
+same way. Rows only write positions past their lengths, and a row's shared blocks lie below its shared floor
+(`Rows.shared`), so a shared block is never written.
 """
 
 from __future__ import annotations
@@ -337,38 +338,57 @@ class BlockTable:
                     self._set(i, column, NULL_BLOCK)
             rows[i], bases[i] = blocks, base
 
-    def blocks_for_select(self, src: list[int], num_rows: int) -> int:
-        """Free blocks `select_rows(src, num_rows)` takes beyond those it gives back."""
+    def blocks_for_select(self, src: list[int], num_rows: int, lengths: list[int]) -> int:
+        """Free blocks `select_rows(src, num_rows, lengths)` takes beyond those it gives back."""
         moved = [i for i in range(len(src)) if src[i] != i]
-        dropped = range(len(src), num_rows)
-        taken = sum(self.row_blocks_in_use(src[i]) for i in moved)
-        # Only blocks no other row lists and no prefix entry holds come back.
-        refs, cached = self.refs, self.cached
-        returned = sum(1 for i in [*moved, *dropped] for b in self.rows[i]
-                       if b != NULL_BLOCK and refs[b] == 1 and b not in cached)
+        change: dict[int, int] = {}  # block -> its change of references
+        taken = 0
+        for i in moved:
+            full = lengths[src[i]] // self.block_size
+            for column, b in enumerate(self.rows[src[i]]):
+                if b != NULL_BLOCK:
+                    if column < full:
+                        change[b] = change.get(b, 0) + 1
+                    else:
+                        taken += 1
+        for i in [*moved, *range(len(src), num_rows)]:
+            for b in self.rows[i]:
+                if b != NULL_BLOCK:
+                    change[b] = change.get(b, 0) - 1
+        # Only blocks no row lists afterwards and no prefix entry holds come back.
+        returned = sum(1 for b, d in change.items() if d < 0 and self.refs[b] + d == 0 and b not in self.cached)
         return max(0, taken - returned)
 
-    def select_rows(self, src: list[int], num_rows: int) -> tuple[list[int], list[int]]:
-        """Row ``i`` takes a copy of row ``src[i]``'s blocks (beam search, repeat, select); rows
-        ``len(src) .. num_rows - 1`` give theirs back.
+    def select_rows(self, src: list[int], num_rows: int, lengths: list[int]) -> tuple[list[int], list[int]]:
+        """Row ``i`` takes row ``src[i]``'s blocks (beam search, repeat, select; ``lengths``: the rows' lengths
+        before); rows ``len(src) .. num_rows - 1`` give theirs back.
 
-        Only rows that change are touched: their sources' blocks are read first (a source may itself
-        be replaced), their own are freed, then each gets fresh blocks. Returns ``(old, new)``
-        physical blocks: the stores copy block ``old[j]`` into ``new[j]``.
+        A block wholly below its source row's length is never written again (a step writes past a row's length,
+        and the cache keeps crops above `Rows.shared`, which it raises here): the copy lists it, one reference more.
+        The last, partial block is copied into a fresh one. Only rows that change are touched: their sources'
+        blocks are read and referenced first (a source may itself be replaced), their own are released, then
+        each gets its list. Returns ``(old, new)`` physical blocks: the stores copy block ``old[j]`` into
+        ``new[j]``.
         """
         moved = [i for i in range(len(src)) if src[i] != i]
-        plan = [(i, list(self.rows[src[i]]), self.base[src[i]]) for i in moved]
-        old = [b for _, blocks, _ in plan for b in blocks if b != NULL_BLOCK]
+        plan = [(i, list(self.rows[src[i]]), self.base[src[i]], lengths[src[i]] // self.block_size) for i in moved]
+        for _, blocks, _, full in plan:  # shared before any row lets go of them
+            for b in blocks[:full]:
+                if b != NULL_BLOCK:
+                    self.refs[b] += 1
         for i in [*moved, *range(len(src), num_rows)]:
             self.release_row(i)
-        new = []
-        for i, blocks, base in plan:
+        old, new = [], []
+        for i, blocks, base, full in plan:
             for column, b in enumerate(blocks):
-                fresh = NULL_BLOCK if b == NULL_BLOCK else self._take()
-                self.rows[i].append(fresh)
-                if fresh != NULL_BLOCK:
-                    self._set(i, column, fresh)
-                    new.append(fresh)
+                block = b
+                if b != NULL_BLOCK and column >= full:
+                    block = self._take()
+                    old.append(b)
+                    new.append(block)
+                self.rows[i].append(block)
+                if block != NULL_BLOCK:
+                    self._set(i, column, block)
             self.base[i] = base
         return old, new
 

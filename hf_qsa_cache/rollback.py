@@ -155,7 +155,8 @@ def crop_rows(cache, drop: int | list[int]) -> None:
         if cache.lengths[b] - drops[b] < shared:
             raise ValueError(
                 f"cannot drop {drops[b]} tokens: row {b} holds {cache.lengths[b]} tokens and shares its first "
-                f"{shared} with cached prefixes (prefix_caching), which no row may write"
+                f"{shared} with cached prefixes (prefix_caching) or with rows copied from it or it from them "
+                "(beam search, repeat), which no row may write"
             )
     qwen = cache.model_family == "qwen4_exp"
     if qwen:

@@ -8,7 +8,8 @@ A row is one sequence of a batch (a beam, a continuous-batching request). Per ro
   where the image's 3-D positions end. Zero for text-only rows;
 * ``crop_floor``: the shortest length a crop may reach (Qwen4Exp's rollback rings; `hf_qsa_cache.rollback`);
 * ``shared``: the length below which the row's blocks are shared with cached prefixes
-  (`hf_qsa_cache.prefix_cache`): the row never writes there, so no crop goes below it;
+  (`hf_qsa_cache.prefix_cache`) or with rows copied from it or it from them (`select_rows`): the row never
+  writes there, so no crop goes below it;
 * ``lost``: 1 when a step that fed the row failed on a cache that keeps no undo copies
   (``QSAPagedCache(step_undo=False)``): its in-place state is partly overwritten, so it takes no further
   step until it is released.
@@ -166,6 +167,7 @@ def _check_idle(cache) -> None:
 
 def select_rows(cache, src: list[int]) -> None:
     """Row ``i`` of ``cache`` becomes a copy of row ``src[i]``; rows past ``len(src)`` are released (beam search).
+    A copy shares its source's full blocks (reference counted) and copies the last, partial one.
 
     Everything is checked first (row indices, ``max_batch_size``, free blocks for the copies), and the device
     data is gathered before anything is written, so a refusal changes nothing; a failure while writing refuses
@@ -177,8 +179,9 @@ def select_rows(cache, src: list[int]) -> None:
         raise ValueError(f"the cache can hold 1 to max_batch_size={cache.max_batch_size} rows, asked for {n}")
     if any(not 0 <= s < held for s in src):
         raise ValueError(f"row indices must lie in [0, {held}) (rows the cache holds), got {src}")
+    lengths = cache.rows.lengths
     for name, table in cache.tables.items():
-        need = table.blocks_for_select(src, held)
+        need = table.blocks_for_select(src, held, lengths)
         if cache.prefix is not None and need > len(table.free):
             cache.prefix.make_room(name, need)  # idle cached blocks go back to the pool
         have = len(table.free)
@@ -188,8 +191,14 @@ def select_rows(cache, src: list[int]) -> None:
     indices = _IndicesByDevice()
     gathered = [(t, t.index_select(0, indices(src, t.device)))  # read everything before the first write
                 for store in cache.all_stores() for t in store.row_tensors()]
-    plans = {name: table.select_rows(src, held) for name, table in cache.tables.items()}
+    plans = {name: table.select_rows(src, held, lengths) for name, table in cache.tables.items()}
+    # Every row that now lists blocks another row lists (each copy and its source) keeps its crops above them.
+    copied = {src[i] for i in range(n) if src[i] != i}
+    floors = [max(lengths[s] // t.block_size * t.block_size for t in cache.tables.values()) for s in src]
     cache.rows.select(src)
+    for i, s in enumerate(src):
+        if s in copied:
+            cache.rows.raise_shared(i, floors[i])
     try:
         for name, (old, new) in plans.items():
             for store in cache.layer_stores():

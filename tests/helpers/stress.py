@@ -78,16 +78,10 @@ class Stress:
         self.checked += 1
 
     def check_pools(self) -> None:
-        if self.prefix:
-            for table in self.cache.tables.values():
-                table.check_accounting()
-            return
-        for name, table in self.cache.tables.items():
-            held = [blk for row in table.rows for blk in row if blk != 0]
-            assert len(held) == len(set(held)), f"{name}: a block is held twice"
-            assert not set(held) & set(table.free), f"{name}: a held block is also free"
-            assert len(held) + len(table.free) == table.num_blocks - 1, (
-                f"{name}: {table.num_blocks - 1 - len(held) - len(table.free)} blocks leaked")
+        """Every block free, listed by rows (as often as its references say: copied rows share full blocks), or
+        idle in the prefix cache; none lost."""
+        for table in self.cache.tables.values():
+            table.check_accounting()
 
     # ------------------------------------------------------------------ steps
     def forward(self, new: list[list[int]]) -> torch.Tensor:
