@@ -108,8 +108,11 @@ class ContinuousBatchingManager:
         self.background_thread_status = LoopStatus()
         self._host_faults = 0  # bookkeeping faults in consecutive iterations
         # What the loop did (for tests, benchmarks and curious users).
+        # ``prefill_tokens``: prompt (and recomputed) tokens prefill steps fed; ``pad_tokens``: the pads that padded
+        # their rows (and verify steps' rows with fewer drafts) to one length.
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "preemptions": 0, "failed_steps": 0, "most_rows": 0,
-                      "host_faults": 0, "drafted_tokens": 0, "accepted_tokens": 0}
+                      "host_faults": 0, "drafted_tokens": 0, "accepted_tokens": 0, "prefill_tokens": 0,
+                      "pad_tokens": 0}
         self.warmed_up = False
         self._warned_unbounded = False  # a request bounded only by its row's room was reported (once)
         self._graphs_before = getattr(model, "use_cuda_graphs", True)
@@ -375,12 +378,16 @@ class ContinuousBatchingManager:
                 chunks = self._make_room(scheduler.prefill_chunks)
                 if chunks:
                     self.stats["prefill_steps"] += 1
+                    self.stats["prefill_tokens"] += sum(chunks)
+                    self.stats["pad_tokens"] += len(chunks) * max(chunks) - sum(chunks)
                     self._run(runner.rows[: len(chunks)], lambda: runner.prefill(chunks))
             elif self._make_room(self._decode_growth):
                 self.stats["decode_steps"] += 1
                 self.stats["most_rows"] = max(self.stats["most_rows"], len(runner.rows))
                 drafts = self._drafts
                 self.stats["drafted_tokens"] += sum(map(len, drafts))
+                if any(drafts):  # a verify step: rows with fewer drafts are padded to the most
+                    self.stats["pad_tokens"] += sum(max(map(len, drafts)) - len(d) for d in drafts)
                 self._run(runner.rows, lambda: runner.decode(drafts))
 
     def _decode_growth(self) -> list[int]:

@@ -299,6 +299,20 @@ def test_prefill_chunks_serve_the_oldest_first_within_budget_and_padding():
     assert chunks([1, 1], budget=4) == []  # rows with one pending token decode; nothing to prefill
 
 
+def test_stats_count_the_prefill_tokens_and_their_pads():
+    """Two prompts admitted together: one prefill step feeds both, the shorter padded to the longer (whose last
+    token comes in that step too: a prompt of n tokens is prefilled whole, its first token sampled there)."""
+    _, ours = qwen_pair()
+    prompts = random_prompts([10, 4], vocab=90, seed=17)
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=2,
+                                      allow_block_sharing=False)
+    with ours.continuous_batching_context_manager(greedy(3), continuous_batching_config=config) as manager:
+        manager.add_requests(prompts, max_new_tokens=3)
+        collect_results(manager, 2)
+        stats = dict(manager.stats)
+    assert stats["prefill_steps"] == 1 and stats["prefill_tokens"] == 14 and stats["pad_tokens"] == 6, stats
+
+
 def test_a_request_that_fills_the_row_exactly_runs():
     """prompt + max_new_tokens - 1 == max_cache_len: the row never holds more (its last token is not fed)."""
     ref, ours = qwen_pair(qwen_config(max_position_embeddings=24))
