@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from ..serving.requests import check_prompt
 from .prompts import BadRequest
 from .schemas import describe
-from .served import Served
+from .served import Served, served_of
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 256
@@ -141,6 +141,19 @@ def max_tokens_of(served: Served, requested: int | None, prompt_len: int, param:
 def check_n(served: Served, n: int) -> None:
     if not 1 <= n <= served.limits.max_n:
         raise BadRequest(f"n must lie in [1, {served.limits.max_n}], got {n}", "n")
+
+
+async def read_generation(request: Request, schema, chat: bool):
+    """``(served, body, stop, sampling)`` of a chat or text completion request: its body read and checked (the
+    model it names, fields the server does not do, ``n``), its stop strings and sampling parameters."""
+    served = served_of(request)
+    body = await read_body(served, request, schema)
+    check_model(served, body.model)
+    refuse_unsupported(body, chat=chat)
+    check_n(served, body.n)
+    sampling = sampling_of(served, body.temperature, body.top_p, body.top_k, body.min_p, body.presence_penalty,
+                           body.frequency_penalty, body.repetition_penalty)
+    return served, body, stops_of(body.stop), sampling
 
 
 def check_prompt_ids(served: Served, ids: list[int], param: str) -> None:

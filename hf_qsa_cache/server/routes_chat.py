@@ -9,12 +9,10 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from .checks import (check_model, check_n, check_prompt_ids, max_tokens_of, read_body, refuse_unsupported,
-                     sampling_of, stops_of)
+from .checks import check_prompt_ids, max_tokens_of, read_generation
 from .errors import error_body
 from .runs import Run, kept_now, sse, stream_chunk, stream_response, wait_all
 from .schemas import ChatRequest
-from .served import served_of
 from .text import Choice
 
 router = APIRouter()
@@ -31,14 +29,7 @@ def chat_logprobs(tokenizer, choice: Choice, start: int, end: int) -> dict:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    served = served_of(request)
-    body: ChatRequest = await read_body(served, request, ChatRequest)
-    check_model(served, body.model)
-    refuse_unsupported(body, chat=True)
-    check_n(served, body.n)
-    stop = stops_of(body.stop)
-    sampling = sampling_of(served, body.temperature, body.top_p, body.top_k, body.min_p, body.presence_penalty,
-                           body.frequency_penalty, body.repetition_penalty)
+    served, body, stop, sampling = await read_generation(request, ChatRequest, chat=True)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     has_media = any(isinstance(m.get("content"), list) and any(p["type"] in ("image_url", "input_audio")
                                                                 for p in m["content"]) for m in messages)

@@ -8,13 +8,11 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from .checks import (check_model, check_n, check_prompt_ids, max_tokens_of, read_body, refuse_unsupported,
-                     sampling_of, stops_of)
+from .checks import check_prompt_ids, max_tokens_of, read_generation
 from .errors import error_body
 from .prompts import BadRequest, Prompt
 from .runs import Run, kept_now, sse, stream_chunk, stream_response, wait_all
 from .schemas import CompletionRequest
-from .served import served_of
 from .text import Choice
 
 router = APIRouter()
@@ -34,14 +32,7 @@ def completion_logprobs(tokenizer, choice: Choice, start: int, end: int, offset:
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    served = served_of(request)
-    body: CompletionRequest = await read_body(served, request, CompletionRequest)
-    check_model(served, body.model)
-    refuse_unsupported(body, chat=False)
-    check_n(served, body.n)
-    stop = stops_of(body.stop)
-    sampling = sampling_of(served, body.temperature, body.top_p, body.top_k, body.min_p, body.presence_penalty,
-                           body.frequency_penalty, body.repetition_penalty)
+    served, body, stop, sampling = await read_generation(request, CompletionRequest, chat=False)
     raw = body.prompt
     if isinstance(raw, str):
         raw = [raw]
