@@ -102,7 +102,9 @@ def continuous(manager, prompts, outputs, gaps, prefix="r") -> dict:
             "graph_buckets": sum(b.graph is not None for r in manager.cache.graph_runners.values()
                                  for b in r.buckets.values()),
             "graph_replays": graph_replays(manager) - replays_before,  # of stats["decode_steps"]
-            "first_error": failed[0] if failed else None, **prefix_stats(manager), **stats}
+            "first_error": failed[0] if failed else None, **prefix_stats(manager), **stats,
+            # the loop's time outside its steps (host work between them, waiting for arrivals)
+            "outside_steps_s": (end - start) - stats["prefill_s"] - stats["decode_s"]}
 
 
 def prefix_stats(manager) -> dict:

@@ -109,10 +109,12 @@ class ContinuousBatchingManager:
         self._host_faults = 0  # bookkeeping faults in consecutive iterations
         # What the loop did (for tests, benchmarks and curious users).
         # ``prefill_tokens``: prompt (and recomputed) tokens prefill steps fed; ``pad_tokens``: the pads that padded
-        # their rows (and verify steps' rows with fewer drafts) to one length.
+        # their rows (and verify steps' rows with fewer drafts) to one length; ``prefill_s`` / ``decode_s``: the wall
+        # seconds of those steps (forward and sampling: the loop waits for each); the rest of the loop's time is
+        # its own host work and idle waits.
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "preemptions": 0, "failed_steps": 0, "most_rows": 0,
                       "host_faults": 0, "drafted_tokens": 0, "accepted_tokens": 0, "prefill_tokens": 0,
-                      "pad_tokens": 0}
+                      "pad_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
         self.warmed_up = False
         self._warned_unbounded = False  # a request bounded only by its row's room was reported (once)
         self._graphs_before = getattr(model, "use_cuda_graphs", True)
@@ -380,7 +382,7 @@ class ContinuousBatchingManager:
                     self.stats["prefill_steps"] += 1
                     self.stats["prefill_tokens"] += sum(chunks)
                     self.stats["pad_tokens"] += len(chunks) * max(chunks) - sum(chunks)
-                    self._run(runner.rows[: len(chunks)], lambda: runner.prefill(chunks))
+                    self._run(runner.rows[: len(chunks)], lambda: runner.prefill(chunks), "prefill_s")
             elif self._make_room(self._decode_growth):
                 self.stats["decode_steps"] += 1
                 self.stats["most_rows"] = max(self.stats["most_rows"], len(runner.rows))
@@ -388,7 +390,7 @@ class ContinuousBatchingManager:
                 self.stats["drafted_tokens"] += sum(map(len, drafts))
                 if any(drafts):  # a verify step: rows with fewer drafts are padded to the most
                     self.stats["pad_tokens"] += sum(max(map(len, drafts)) - len(d) for d in drafts)
-                self._run(runner.rows, lambda: runner.decode(drafts))
+                self._run(runner.rows, lambda: runner.decode(drafts), "decode_s")
 
     def _decode_growth(self) -> list[int]:
         """A decode step feeds every row one token, and a greedy decoding row its drafts (prompt lookup, planned
@@ -436,7 +438,10 @@ class ContinuousBatchingManager:
             scheduler.order()
             runner.place(scheduler.rows)
 
-    def _run(self, rows: list[Request], step) -> None:
+    def _run(self, rows: list[Request], step, clock: str) -> None:
+        """``step()`` (a prefill or decode step of ``rows``, its sampling included: its wall time is added to
+        ``stats[clock]``), then its tokens handed out."""
+        start = time.perf_counter()
         try:
             picked = step()
         except Exception as error:  # the cache took the step back: these requests fail, the others go on
@@ -447,6 +452,8 @@ class ContinuousBatchingManager:
             self.scheduler.order()  # their rows go back before the iteration's next step (it must not carry them)
             self.runner.place(self.scheduler.rows)
             return
+        finally:
+            self.stats[clock] += time.perf_counter() - start
         with self.delivery.batched():  # the step's results reach a server's loop in one hand-over
             last = {request: i for i, (request, _, _) in enumerate(picked)}  # a row may bring several tokens
             for i, (request, token, logprob) in enumerate(picked):

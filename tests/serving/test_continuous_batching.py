@@ -299,7 +299,7 @@ def test_prefill_chunks_serve_the_oldest_first_within_budget_and_padding():
     assert chunks([1, 1], budget=4) == []  # rows with one pending token decode; nothing to prefill
 
 
-def test_stats_count_the_prefill_tokens_and_their_pads():
+def test_stats_count_the_prefill_tokens_their_pads_and_step_time():
     """Two prompts admitted together: one prefill step feeds both, the shorter padded to the longer (whose last
     token comes in that step too: a prompt of n tokens is prefilled whole, its first token sampled there)."""
     _, ours = qwen_pair()
@@ -311,6 +311,7 @@ def test_stats_count_the_prefill_tokens_and_their_pads():
         collect_results(manager, 2)
         stats = dict(manager.stats)
     assert stats["prefill_steps"] == 1 and stats["prefill_tokens"] == 14 and stats["pad_tokens"] == 6, stats
+    assert stats["prefill_s"] > 0 and stats["decode_s"] > 0  # the steps' wall time, by kind
 
 
 def test_a_request_that_fills_the_row_exactly_runs():
