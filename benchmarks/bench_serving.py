@@ -3,6 +3,7 @@ generate() batches, side by side in one run, same random weights, bf16, one GPU.
 
     python benchmarks/bench_serving.py --model qwen4_exp --layers 40 --requests 256 --arrival all
     python benchmarks/bench_serving.py --model inkling --layers 6 --requests 256 --arrival poisson --rate 8
+    python benchmarks/bench_serving.py --model qwen4_exp --layers 40 --requests 256 --load 0.8
 
 The workload is seeded: prompt lengths log-uniform in [--min-prompt, --max-prompt], output lengths
 uniform in [--min-output, --max-output], random tokens, no eos (each request generates exactly its
@@ -162,6 +163,10 @@ def main():
     parser.add_argument("--max-output", type=int, default=512)
     parser.add_argument("--arrival", choices=["all", "poisson"], default="all")
     parser.add_argument("--rate", type=float, default=8.0, help="requests per second (poisson)")
+    parser.add_argument("--load", type=float, default=None,
+                        help="measure the maximum rate first (every request at once: requests / wall time), then "
+                             "Poisson arrivals at this fraction of it (other tokens, the same lengths); continuous "
+                             "batching only")
     parser.add_argument("--rows", type=int, default=64, help="requests in flight (max_requests_per_batch)")
     parser.add_argument("--batch-tokens", type=int, default=8192, help="prefill tokens per step")
     parser.add_argument("--page-size", type=int, default=256)
@@ -212,6 +217,11 @@ def main():
             f.write(json.dumps(line) + "\n")
         return row
 
+    if args.load is not None:
+        loaded(manager, prompts, outputs, args, common, record)
+        manager.stop()
+        manager.destroy()
+        return
     rows = [record(continuous(manager, prompts, outputs, gaps))]
     manager.stop()
     manager.destroy()
@@ -234,6 +244,23 @@ def main():
     print("throughput ratios: " + ", ".join(
         f"{r['impl']} {ours_cb / r['tokens_per_s']:.2f}x" if r["tokens_per_s"] else f"{r['impl']} made no token"
         for r in rows[1:]))
+
+
+def loaded(manager, prompts, outputs, args, common: dict, record) -> None:
+    """The Poisson target: the maximum rate (every request at once: requests over the wall time), then Poisson
+    arrivals at ``args.load`` times it, on prompts of the same lengths and other tokens (none found cached from
+    the first run); TPOT p99 against p50 and TTFT p99 reported beside."""
+    common.update(arrival="all", rate=None)
+    saturated = record(continuous(manager, prompts, outputs, [0.0] * len(prompts), prefix="max"))
+    max_rate = len(prompts) / saturated["wall_s"]
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    vocab = manager.model.config.get_text_config().vocab_size
+    others = [torch.randint(2, vocab, (len(p),), generator=gen).tolist() for p in prompts]
+    gaps = torch.empty(len(prompts)).exponential_(args.load * max_rate, generator=gen).tolist()
+    common.update(arrival="poisson", rate=args.load * max_rate, load=args.load, max_rate=max_rate)
+    row = continuous(manager, others, outputs, gaps, prefix="load")
+    row["tpot_p99_over_p50"] = row["tpot_p99_ms"] / row["tpot_p50_ms"] if row["tpot_p50_ms"] else None
+    record(row)
 
 
 if __name__ == "__main__":
