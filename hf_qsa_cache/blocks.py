@@ -338,20 +338,35 @@ class BlockTable:
                     self._set(i, column, NULL_BLOCK)
             rows[i], bases[i] = blocks, base
 
+    def _select_plan(self, src: list[int], num_rows: int, lengths: list[int]):
+        """What `select_rows` does: ``(moved, released, plan)``, ``plan`` one ``(row, blocks, base, keep)`` per
+        moved row, where the row lists ``blocks[:keep]`` by reference and copies the rest. It keeps its source's
+        full blocks (wholly below the source's length: never written again); the last, partial block too when
+        the source row is released and this is the first row to take it (a permutation of rows copies nothing)."""
+        moved = [i for i in range(len(src)) if src[i] != i]
+        released = [*moved, *range(len(src), num_rows)]
+        gone = set(released) - {i for i in range(len(src)) if src[i] == i}  # source rows whose own row is released
+        plan = []
+        for i in moved:
+            s, blocks = src[i], self.rows[src[i]]
+            keep = len(blocks) if s in gone else lengths[s] // self.block_size
+            gone.discard(s)  # a second copy of the same row copies its partial block
+            plan.append((i, list(blocks), self.base[s], keep))
+        return moved, released, plan
+
     def blocks_for_select(self, src: list[int], num_rows: int, lengths: list[int]) -> int:
         """Free blocks `select_rows(src, num_rows, lengths)` takes beyond those it gives back."""
-        moved = [i for i in range(len(src)) if src[i] != i]
+        _, released, plan = self._select_plan(src, num_rows, lengths)
         change: dict[int, int] = {}  # block -> its change of references
         taken = 0
-        for i in moved:
-            full = lengths[src[i]] // self.block_size
-            for column, b in enumerate(self.rows[src[i]]):
+        for _, blocks, _, keep in plan:
+            for column, b in enumerate(blocks):
                 if b != NULL_BLOCK:
-                    if column < full:
+                    if column < keep:
                         change[b] = change.get(b, 0) + 1
                     else:
                         taken += 1
-        for i in [*moved, *range(len(src), num_rows)]:
+        for i in released:
             for b in self.rows[i]:
                 if b != NULL_BLOCK:
                     change[b] = change.get(b, 0) - 1
@@ -364,25 +379,24 @@ class BlockTable:
         before); rows ``len(src) .. num_rows - 1`` give theirs back.
 
         A block wholly below its source row's length is never written again (a step writes past a row's length,
-        and the cache keeps crops above `Rows.shared`, which it raises here): the copy lists it, one reference more.
-        The last, partial block is copied into a fresh one. Only rows that change are touched: their sources'
-        blocks are read and referenced first (a source may itself be replaced), their own are released, then
-        each gets its list. Returns ``(old, new)`` physical blocks: the stores copy block ``old[j]`` into
-        ``new[j]``.
+        and the cache keeps crops above the blocks rows share, `Rows.shared`): the row lists it, one reference
+        more. The last, partial block is copied into a fresh one, unless the source row is released and this is
+        its first taker (`_select_plan`). Only rows that change are touched: their sources' blocks are read and
+        referenced first (a source may itself be replaced), their own are released, then each gets its list.
+        Returns ``(old, new)`` physical blocks: the stores copy block ``old[j]`` into ``new[j]``.
         """
-        moved = [i for i in range(len(src)) if src[i] != i]
-        plan = [(i, list(self.rows[src[i]]), self.base[src[i]], lengths[src[i]] // self.block_size) for i in moved]
-        for _, blocks, _, full in plan:  # shared before any row lets go of them
-            for b in blocks[:full]:
+        _, released, plan = self._select_plan(src, num_rows, lengths)
+        for _, blocks, _, keep in plan:  # referenced before any row lets go of them
+            for b in blocks[:keep]:
                 if b != NULL_BLOCK:
                     self.refs[b] += 1
-        for i in [*moved, *range(len(src), num_rows)]:
+        for i in released:
             self.release_row(i)
         old, new = [], []
-        for i, blocks, base, full in plan:
+        for i, blocks, base, keep in plan:
             for column, b in enumerate(blocks):
                 block = b
-                if b != NULL_BLOCK and column >= full:
+                if b != NULL_BLOCK and column >= keep:
                     block = self._take()
                     old.append(b)
                     new.append(block)
@@ -391,6 +405,14 @@ class BlockTable:
                     self._set(i, column, block)
             self.base[i] = base
         return old, new
+
+    def shared_columns(self, row: int) -> int:
+        """Columns of ``row`` up to its last block another row lists too (0: none)."""
+        blocks, refs = self.rows[row], self.refs
+        for column in range(len(blocks) - 1, self.base[row] - 1, -1):
+            if blocks[column] != NULL_BLOCK and refs[blocks[column]] > 1:
+                return column + 1
+        return 0
 
     # ------------------------------------------------------------------ views
     def blocks_in_use(self) -> int:

@@ -167,7 +167,8 @@ def _check_idle(cache) -> None:
 
 def select_rows(cache, src: list[int]) -> None:
     """Row ``i`` of ``cache`` becomes a copy of row ``src[i]``; rows past ``len(src)`` are released (beam search).
-    A copy shares its source's full blocks (reference counted) and copies the last, partial one.
+    A copy shares its source's full blocks (reference counted) and copies the last, partial one (which it takes
+    over instead when the source row is released: a permutation copies nothing).
 
     Everything is checked first (row indices, ``max_batch_size``, free blocks for the copies), and the device
     data is gathered before anything is written, so a refusal changes nothing; a failure while writing refuses
@@ -192,13 +193,13 @@ def select_rows(cache, src: list[int]) -> None:
     gathered = [(t, t.index_select(0, indices(src, t.device)))  # read everything before the first write
                 for store in cache.all_stores() for t in store.row_tensors()]
     plans = {name: table.select_rows(src, held, lengths) for name, table in cache.tables.items()}
-    # Every row that now lists blocks another row lists (each copy and its source) keeps its crops above them.
-    copied = {src[i] for i in range(n) if src[i] != i}
-    floors = [max(lengths[s] // t.block_size * t.block_size for t in cache.tables.values()) for s in src]
     cache.rows.select(src)
-    for i, s in enumerate(src):
-        if s in copied:
-            cache.rows.raise_shared(i, floors[i])
+    # A row that now lists blocks another row lists (a copy and its source) keeps its crops above them.
+    copied = {src[i] for i in range(n) if src[i] != i}
+    for i in (i for i in range(n) if src[i] in copied):
+        floor = max(t.shared_columns(i) * t.block_size for t in cache.tables.values())
+        if floor:
+            cache.rows.raise_shared(i, floor)
     try:
         for name, (old, new) in plans.items():
             for store in cache.layer_stores():

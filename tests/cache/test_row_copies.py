@@ -1,5 +1,6 @@
 """Rows copied from one another (beam search's `reorder_cache`, `batch_repeat_interleave`, `batch_select_indices`)
-share their full blocks by reference and copy only the last, partial one (`BlockTable.select_rows`).
+share their full blocks by reference and copy only the last, partial one (`BlockTable.select_rows`); a row whose
+source is released takes its partial block over (a permutation copies nothing).
 
 The copies then decode different tokens exactly as rows prefilled apart do (a shared block a row wrote into
 would change the others' logits), the pools hold one row's full blocks and not one per copy, and a crop below
@@ -28,7 +29,7 @@ def _decode(model, cache, steps):
         return [model(ids, past_key_values=cache).logits for ids in steps]
 
 
-@pytest.mark.parametrize("copy", ["repeat", "reorder"])
+@pytest.mark.parametrize("copy", ["repeat", "reorder", "permute", "fork"])
 @pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
 def test_copies_share_full_blocks_and_decode_as_rows_prefilled_apart(models, family, copy):
     model = models[family]
@@ -49,21 +50,33 @@ def test_copies_share_full_blocks_and_decode_as_rows_prefilled_apart(models, fam
             model(prompt, past_key_values=cache)
             before = {name: (t.blocks_in_use(), list(t.rows[0])) for name, t in cache.tables.items()}
             cache.batch_repeat_interleave(3)
-        else:  # beam search's reorder: row 1 is dropped for a second copy of row 0, row 2 stays
+        elif copy == "reorder":  # beam search's reorder: row 1 is dropped for a second copy of row 0, row 2 stays
             model(prompt.repeat(3, 1), past_key_values=cache)
             before = {name: (t.blocks_in_use() - t.row_blocks_in_use(1), list(t.rows[0]))
                       for name, t in cache.tables.items()}
             cache.reorder_cache(torch.tensor([0, 0, 2]))
+        elif copy == "fork":  # row 0 is dropped, rows 0 and 1 take row 2 (the first takes its partial block over)
+            model(prompt.repeat(3, 1), past_key_values=cache)
+            before = {name: (t.blocks_in_use() - t.row_blocks_in_use(0), list(t.rows[2]))
+                      for name, t in cache.tables.items()}
+            cache.reorder_cache(torch.tensor([2, 2, 1]))
+        else:  # a permutation: every row's blocks change hands, none is copied or shared
+            model(prompt.repeat(3, 1), past_key_values=cache)
+            before = {name: (t.blocks_in_use(), list(t.rows[0])) for name, t in cache.tables.items()}
+            cache.reorder_cache(torch.tensor([1, 2, 0]))
     for name, table in cache.tables.items():
         used, blocks = before[name]
         full = PROMPT // table.block_size
         partial = sum(b != NULL_BLOCK for b in blocks[full:])
-        copies = 2 if copy == "repeat" else 1
-        assert table.blocks_in_use() == used + copies * partial, name  # one row's full blocks, a partial each
-        assert table.rows[1][:full] == blocks[:full], name
+        copies = {"repeat": 2, "reorder": 1, "permute": 0, "fork": 1}[copy]
+        assert table.blocks_in_use() == used + copies * partial, name  # one row's full blocks, a partial a copy
+        assert table.rows[1 if copy != "permute" else 2][:full] == blocks[:full], name
         table.check_accounting()
     for got, expected in zip(_decode(model, cache, steps), want):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)  # (a 1-row prefill rounds apart from 3)
+    if copy == "permute":  # nothing shared: crops go where they went before
+        assert cache.rows.shared[:3] == [0, 0, 0]
+        return
     floor = max(PROMPT // t.block_size * t.block_size for t in cache.tables.values())
     with pytest.raises(ValueError, match="rows copied from it"):
         cache.crop(-(PROMPT + len(steps) - floor + 1))
