@@ -34,14 +34,10 @@ import threading
 import time
 
 import torch
+from percentiles import pct
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-
-
-def pct(values, q):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
 def summary(rows: list[dict], wall: float) -> dict:

@@ -36,6 +36,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from bench_generate import commit, inkling_config, qwen4_exp_config, results_file
+from percentiles import pct
 
 
 def tiny_config(model: str, layers: int):
@@ -67,11 +68,6 @@ def tiny_config(model: str, layers: int):
         conv_kernel_size=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4,
         num_experts_per_tok=2, n_shared_experts=1, eos_token_id=1, pad_token_id=0, max_position_embeddings=4096,
     )
-
-
-def pct(values, q):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
 def tokens(gen: torch.Generator, n: int, vocab: int) -> list[int]:

@@ -31,6 +31,7 @@ import time
 import torch
 import transformers
 from bench_generate import RESULTS, commit, inkling_config, qwen4_exp_config, run
+from percentiles import pct
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 
@@ -44,11 +45,6 @@ def workload(args, vocab: int):
     if args.arrival == "poisson":
         gaps = torch.empty(args.requests).exponential_(args.rate, generator=gen).tolist()
     return prompts, outputs, gaps
-
-
-def pct(values, q):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
 def serving_manager(model, prompts, outputs, args):
