@@ -11,7 +11,7 @@ from ..cache import QSAPagedCache
 from ..ops import int_tensor
 from ..rollback import crop_rows
 from .requests import Request
-from .sampling import next_token_scores
+from .sampling import draw, penalize, warp_rows
 
 logger = logging.getLogger(__name__)
 
@@ -258,23 +258,29 @@ class ModelRunner:
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[tuple[Request, int, float | None]]:
         """The next token of each row that has fed everything it had: the argmax of its scores (greedy) or a
-        draw from its own random stream, after its penalties and warpers (`sampling.next_token_scores`)."""
+        draw with one uniform number from its own random stream, after its penalties and warpers
+        (`sampling.next_token_scores`: penalties row by row, the warpers and the draw for all sampled rows at
+        once)."""
         ready = [i for i, r in enumerate(rows) if r.pending == 0]
         if not ready:
             return []
         logits = (logits if len(ready) == len(rows) else logits[ready]).float()
         scores = logits
-        processed = [j for j, i in enumerate(ready) if not rows[i].sampling.plain_greedy]
-        if processed:  # penalties and warpers, row by row (an all-greedy step is one argmax)
+        requests = [rows[i] for i in ready]
+        penalized = [j for j, r in enumerate(requests) if r.sampling.penalized]
+        sampled = [j for j, r in enumerate(requests) if r.sampling.do_sample]
+        if penalized or sampled:  # (an all-greedy step is one argmax)
             scores = logits.clone()
-            for j in processed:
-                request = rows[ready[j]]
-                scores[j] = next_token_scores(logits[j], request.sampling, request.prompt, request.generated)
+            for j in penalized:
+                request = requests[j]
+                scores[j] = penalize(logits[j], request.sampling, request.prompt, request.generated)
+        if sampled:
+            picked = torch.tensor(sampled, device=scores.device)
+            scores[picked] = warp_rows(scores[picked], [requests[j].sampling for j in sampled])
         tokens = scores.argmax(dim=-1)
-        for j in processed:
-            request = rows[ready[j]]
-            if request.sampling.do_sample:
-                tokens[j] = torch.multinomial(scores[j].softmax(-1), 1, generator=_generator(request, logits.device))[0]
+        if sampled:
+            uniforms = torch.cat([torch.rand(1, generator=_generator(requests[j])) for j in sampled])
+            tokens[picked] = draw(scores[picked], uniforms)
         logprobs = None
         if self.return_logprobs or any(rows[i].want_logprobs for i in ready):
             logprobs = scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0].tolist()
@@ -315,10 +321,11 @@ def _tokens(request: Request, n: int) -> list[int]:
     return tokens + request.generated[: n - len(tokens)]
 
 
-def _generator(request: Request, device: torch.device) -> torch.Generator:
-    """The request's own random stream: its draws do not depend on what it was batched with."""
+def _generator(request: Request) -> torch.Generator:
+    """The request's own random stream (on the host: one number a token), so its draws do not depend on what it
+    was batched with."""
     if request.generator is None:
-        request.generator = torch.Generator(device=device)
+        request.generator = torch.Generator()
         if request.seed is not None:
             request.generator.manual_seed(request.seed)
         else:

@@ -3,7 +3,9 @@
 `Sampling` holds one request's parameters (checked when it is built); `next_token_scores` turns a row's logits
 into the scores its token is drawn from (or its argmax taken), in transformers' order: repetition penalty on
 the prompt and generated tokens, OpenAI's presence and frequency penalties on the generated ones, then
-temperature, top-k, top-p and min-p. `request_seed` gives a request a seed from its id, so its draws do not
+temperature, top-k, top-p and min-p. The engine does the same for a step's rows at once (`penalize` per
+penalized row, `warp_rows` for the sampled ones) and draws each row's token with one uniform number from the
+request's own random stream (`draw`). `request_seed` gives a request a seed from its id, so its draws do not
 depend on how many requests came before it.
 """
 
@@ -73,7 +75,17 @@ class Sampling:
 
 def next_token_scores(logits: torch.Tensor, sampling: Sampling, prompt: list[int], generated: list[int]) -> torch.Tensor:
     """One row's ``logits [vocab]`` (fp32) as the scores its next token comes from: penalties, then (when
-    sampling) the warpers. Filtered-out tokens get the dtype's lowest value."""
+    sampling) the warpers. Filtered-out tokens get the dtype's lowest value. (The engine runs the same arithmetic
+    on a step's rows at once: `penalize` row by row, `warp_rows` for all.)"""
+    scores = penalize(logits, sampling, prompt, generated)
+    if sampling.do_sample:
+        scores = warp(scores, sampling)
+    return scores
+
+
+def penalize(logits: torch.Tensor, sampling: Sampling, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """One row's ``logits [vocab]`` after its repetition, presence and frequency penalties (the logits themselves,
+    unchanged, when it has none)."""
     scores = logits
     if sampling.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt) | set(generated)), dtype=torch.long, device=logits.device)
@@ -86,8 +98,6 @@ def next_token_scores(logits: torch.Tensor, sampling: Sampling, prompt: list[int
         n = torch.tensor(list(counts.values()), dtype=scores.dtype, device=logits.device)
         scores = scores.clone()
         scores[ids] -= sampling.presence_penalty + sampling.frequency_penalty * n
-    if sampling.do_sample:
-        scores = warp(scores, sampling)
     return scores
 
 
@@ -110,6 +120,45 @@ def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         drop[probs.argmax()] = False
         scores = scores.masked_fill(drop, neg)
     return scores
+
+
+def warp_rows(logits: torch.Tensor, samplings: list[Sampling]) -> torch.Tensor:
+    """`warp` of every row of ``logits [rows, vocab]`` (fp32) with its own parameters, in a few batched ops (a
+    step's sampled rows: per-row warpers cost ~10 launches a row)."""
+    rows, vocab = logits.shape
+    device, neg = logits.device, torch.finfo(logits.dtype).min
+
+    def column(values, dtype=logits.dtype):
+        return torch.tensor(values, dtype=dtype, device=device)[:, None]
+
+    scores = logits / column([s.temperature for s in samplings])
+    top_k = [s.top_k if s.top_k and s.top_k < vocab else 0 for s in samplings]
+    if any(top_k):
+        values = torch.topk(scores, max(top_k), dim=-1).values  # [rows, most k], descending
+        kth = values.gather(1, column([max(k, 1) - 1 for k in top_k], torch.long))
+        scores = scores.masked_fill((scores < kth) & column([k > 0 for k in top_k], torch.bool), neg)
+    top_p = [s.top_p if s.top_p is not None else 1.0 for s in samplings]
+    if any(p < 1.0 for p in top_p):
+        ordered, order = scores.sort(dim=-1)
+        drop = ordered.softmax(-1).cumsum(-1) <= 1 - column(top_p)
+        drop[:, -1] = False  # the most likely token always stays
+        drop &= column([p < 1.0 for p in top_p], torch.bool)
+        scores = scores.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), neg)
+    min_p = [s.min_p or 0.0 for s in samplings]
+    if any(min_p):
+        probs = scores.softmax(-1)
+        drop = probs < column(min_p) * probs.max(-1, keepdim=True).values
+        drop.scatter_(1, probs.argmax(-1, keepdim=True), False)
+        scores = scores.masked_fill(drop, neg)
+    return scores
+
+
+def draw(scores: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row ``r``'s token from ``softmax(scores[r])`` for its uniform number ``uniforms[r]`` in [0, 1): the first
+    token whose cumulative probability passes it (in fp64, so no token's share is lost to rounding)."""
+    cumulative = scores.softmax(-1).double().cumsum(-1)
+    target = uniforms.to(cumulative.device, torch.float64)[:, None] * cumulative[:, -1:]
+    return (cumulative <= target).sum(-1).clamp_max(scores.shape[-1] - 1)
 
 
 def request_seed(base: int, request_id: str) -> int:

@@ -1,5 +1,7 @@
 """A request's next-token scores (`serving.sampling.next_token_scores`) against transformers' own logits
-processors and warpers on random logits; OpenAI's presence and frequency penalties against their definition."""
+processors and warpers on random logits; OpenAI's presence and frequency penalties against their definition;
+the engine's batched warpers (`warp_rows`) against the per-row ones, and its draw (`draw`) against the
+probabilities it draws from."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from hf_qsa_cache.serving.sampling import Sampling, next_token_scores, request_seed
+from hf_qsa_cache.serving.sampling import Sampling, draw, next_token_scores, request_seed, warp, warp_rows
 
 VOCAB = 50
 
@@ -64,3 +66,42 @@ def test_request_seeds_depend_on_the_engine_seed_and_the_id_only():
     assert request_seed(0, "req_3") == request_seed(0, "req_3")
     assert len({request_seed(0, "req_3"), request_seed(1, "req_3"), request_seed(0, "req_4")}) == 3
     assert 0 <= request_seed(12345, "x") < 2**63
+
+
+ROWS = [Sampling(do_sample=True, temperature=0.7), Sampling(do_sample=True, temperature=1.3, top_k=7),
+        Sampling(do_sample=True, top_p=0.8), Sampling(do_sample=True, min_p=0.2),
+        Sampling(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05),
+        Sampling(do_sample=True, top_k=VOCAB + 5, top_p=1.0), Sampling(do_sample=True, top_k=1),
+        Sampling(do_sample=True, top_k=3, top_p=0.5)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_batched_warpers_equal_each_rows_own(seed):
+    """Rows with different parameters (none, one or all warpers; top-k past the vocabulary, top-p 1, top-k 1)
+    warped at once keep exactly the tokens, and the values, each row's own warpers keep."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(ROWS), VOCAB, generator=gen) * 3
+    batched = warp_rows(logits, ROWS)
+    neg = torch.finfo(logits.dtype).min
+    for row, sampling in enumerate(ROWS):
+        alone = warp(logits[row], sampling)
+        assert torch.equal(batched[row] > neg, alone > neg), sampling
+        torch.testing.assert_close(batched[row][alone > neg], alone[alone > neg])
+
+
+def test_a_draw_follows_the_probabilities():
+    """The token a uniform number picks is the first whose cumulative probability passes it; over many uniform
+    numbers each token comes as often as its probability says, and a filtered-out token never."""
+    scores = torch.tensor([[0.0, torch.finfo(torch.float32).min, 1.0, 2.0]])
+    probs = scores.softmax(-1)[0].double()
+    edges = probs.cumsum(0)
+    assert draw(scores, torch.tensor([0.0])).item() == 0  # the first token with any probability
+    assert draw(scores[:, [1, 0]], torch.tensor([0.0])).item() == 1  # (not a filtered-out one before it)
+    assert draw(scores, torch.tensor([edges[0].item() - 1e-6])).item() == 0
+    assert draw(scores, torch.tensor([edges[0].item() + 1e-6])).item() == 2  # token 1 has none: skipped
+    assert draw(scores, torch.tensor([1 - 1e-9])).item() == 3
+    uniforms = torch.rand(20000, generator=torch.Generator().manual_seed(1))
+    tokens = draw(scores.expand(len(uniforms), -1), uniforms)
+    counts = torch.bincount(tokens, minlength=4).double() / len(uniforms)
+    assert counts[1] == 0
+    torch.testing.assert_close(counts, probs, atol=0.015, rtol=0)
