@@ -11,7 +11,7 @@ from ..cache import QSAPagedCache
 from ..ops import int_tensor
 from ..rollback import crop_rows
 from .requests import Request
-from .sampling import draw, penalize, warp_rows
+from .sampling import PenaltyTables, draw, warp_rows
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,8 @@ class ModelRunner:
         # Prefix caching: the other requests in flight or waiting (set by the manager), whose prompts a request's
         # prefill may share: it stops where the longest such shared part ends, to cache its state there.
         self.peers = lambda: []
+        # The penalized requests' token histories (made at the first penalized request), a slot while it holds a row.
+        self.penalties: PenaltyTables | None = None
 
     def encode(self, request: Request) -> None:
         if request.media is not None and request not in self.encoded:
@@ -50,6 +52,9 @@ class ModelRunner:
             return
         index = {r: i for i, r in enumerate(self.rows)}
         src = [index.get(r, -1) for r in order]
+        if self.penalties is not None:  # requests that leave their rows give their slots back
+            for request in set(self.rows).difference(order):
+                self.penalties.release(request)
         if order:
             self.cache.move_rows(src)
         else:
@@ -71,6 +76,7 @@ class ModelRunner:
         self.cache.reset()
         self.rows = []
         self.tails.clear()
+        self.penalties = None
 
     def _restore(self, row: int, request: Request) -> None:
         """Start the request's empty row from the longest cached prefix of its tokens; where cached blocks reach
@@ -259,8 +265,8 @@ class ModelRunner:
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[tuple[Request, int, float | None]]:
         """The next token of each row that has fed everything it had: the argmax of its scores (greedy) or a
         draw with one uniform number from its own random stream, after its penalties and warpers
-        (`sampling.next_token_scores`: penalties row by row, the warpers and the draw for all sampled rows at
-        once)."""
+        (`sampling.next_token_scores`, for all rows at once: the penalties from each request's history tables,
+        `PenaltyTables`; the warpers and the draw)."""
         ready = [i for i, r in enumerate(rows) if r.pending == 0]
         if not ready:
             return []
@@ -271,9 +277,13 @@ class ModelRunner:
         sampled = [j for j, r in enumerate(requests) if r.sampling.do_sample]
         if penalized or sampled:  # (an all-greedy step is one argmax)
             scores = logits.clone()
-            for j in penalized:
-                request = requests[j]
-                scores[j] = penalize(logits[j], request.sampling, request.prompt, request.generated)
+        if penalized:
+            if self.penalties is None:
+                self.penalties = PenaltyTables(self.cache.max_batch_size, logits.shape[-1], logits.device)
+            rows_penalized = torch.tensor(penalized, device=scores.device)
+            slots = self.penalties.slots([requests[j] for j in penalized])
+            scores[rows_penalized] = self.penalties.apply(scores[rows_penalized], slots,
+                                                          [requests[j].sampling for j in penalized])
         if sampled:
             picked = torch.tensor(sampled, device=scores.device)
             scores[picked] = warp_rows(scores[picked], [requests[j].sampling for j in sampled])
@@ -281,6 +291,8 @@ class ModelRunner:
         if sampled:
             uniforms = torch.cat([torch.rand(1, generator=_generator(requests[j])) for j in sampled])
             tokens[picked] = draw(scores[picked], uniforms)
+        if penalized:
+            self.penalties.took(slots, tokens[rows_penalized])
         logprobs = None
         if self.return_logprobs or any(rows[i].want_logprobs for i in ready):
             logprobs = scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0].tolist()

@@ -394,19 +394,23 @@ def test_copies_of_a_prompt_and_seeded_requests_draw_their_own_streams(qwen):
 
 def test_per_request_penalties_match_transformers_greedy(family):
     """Greedy with a repetition penalty, per request, beside a plain greedy request: each equals transformers'
-    generate() with that setting alone."""
+    generate() with that setting alone; five penalized requests through two rows (each leaves its history slot
+    to the next) too."""
     from hf_qsa_cache.serving import Sampling
 
     name, ref, ours = family
-    prompts = random_prompts([12, 15], vocab=90, seed=41)
+    prompts = random_prompts([12, 15, 9, 20, 6], vocab=90, seed=41)
     config = ContinuousBatchingConfig(page_size=4, max_requests_per_batch=2)
     with ours.continuous_batching_context_manager(greedy(8), continuous_batching_config=config) as manager:
         penalized = manager.add_request(prompts[0], max_new_tokens=8, sampling=Sampling(repetition_penalty=1.8))
         plain = manager.add_request(prompts[1], max_new_tokens=8)
         got = {i: manager.get_result(i, timeout=60) for i in (penalized, plain)}
+        more = [manager.add_request(p, max_new_tokens=6, sampling=Sampling(repetition_penalty=1.8)) for p in prompts]
+        more = [manager.get_result(i, timeout=60) for i in more]
     assert got[penalized].generated_tokens == alone(ref, prompts[0], 8, repetition_penalty=1.8)
     assert got[plain].generated_tokens == alone(ref, prompts[1], 8)
     assert alone(ref, prompts[0], 8, repetition_penalty=1.8) != alone(ref, prompts[0], 8)  # the penalty mattered
+    assert [r.generated_tokens for r in more] == [alone(ref, p, 6, repetition_penalty=1.8) for p in prompts]
 
 
 @pytest.mark.parametrize("family_name, seed, lookup", [("qwen4_exp", 0, 0), ("inkling", 1, 2)],

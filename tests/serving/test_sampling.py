@@ -11,7 +11,9 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from hf_qsa_cache.serving.sampling import Sampling, draw, next_token_scores, request_seed, warp, warp_rows
+from hf_qsa_cache.serving.requests import Request
+from hf_qsa_cache.serving.sampling import (PenaltyTables, Sampling, draw, next_token_scores, penalize, request_seed,
+                                           warp, warp_rows)
 
 VOCAB = 50
 
@@ -105,3 +107,32 @@ def test_a_draw_follows_the_probabilities():
     counts = torch.bincount(tokens, minlength=4).double() / len(uniforms)
     assert counts[1] == 0
     torch.testing.assert_close(counts, probs, atol=0.015, rtol=0)
+
+
+def test_penalty_tables_equal_each_rows_own_penalties_step_after_step():
+    """Requests with different penalties (repetition, presence, frequency, all, none) penalized from their history
+    tables, step after step as they take tokens, and after one leaves and a new one takes its slot: the scores
+    each row's own `penalize` gives on its prompt and generated tokens."""
+    gen = torch.Generator().manual_seed(4)
+    samplings = [Sampling(repetition_penalty=1.7), Sampling(presence_penalty=0.5), Sampling(frequency_penalty=-0.4),
+                 Sampling(repetition_penalty=0.8, presence_penalty=-1.0, frequency_penalty=0.3), Sampling()]
+    requests = [Request(f"r{i}", torch.randint(0, VOCAB, (5 + 3 * i,), generator=gen).tolist(), 20, frozenset(), s)
+                for i, s in enumerate(samplings)]
+    requests[1].generated = [4, 4, 9]  # (a request preempted after it generated: its slot starts from them)
+    tables = PenaltyTables(len(requests), VOCAB, torch.device("cpu"))
+    for step in range(6):
+        if step == 3:  # the first request leaves; a new one takes its slot
+            tables.release(requests[0])
+            requests[0] = Request("new", [1, 2, 3, 3], 20, frozenset(), Sampling(repetition_penalty=1.3,
+                                                                                  frequency_penalty=0.7))
+        logits = torch.randn(len(requests), VOCAB, generator=gen) * 3
+        slots = tables.slots(requests)
+        got = tables.apply(logits, slots, [r.sampling for r in requests])
+        for row, request in enumerate(requests):
+            want = penalize(logits[row], request.sampling, request.prompt, request.generated)
+            torch.testing.assert_close(got[row], want, rtol=0, atol=1e-6, msg=lambda m: f"step {step}, row {row}: {m}")
+        tokens = torch.randint(0, VOCAB, (len(requests),), generator=gen)
+        tokens[2] = requests[2].prompt[0] if step == 1 else tokens[2]  # a prompt token generated again
+        tables.took(slots, tokens)
+        for request, token in zip(requests, tokens.tolist()):
+            request.generated.append(token)
