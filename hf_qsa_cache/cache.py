@@ -84,7 +84,7 @@ class QSAPagedCache(Cache):
             False: no copies (their memory, ``"step_undo"`` in `memory_stats`, and the copy a step costs are
             saved); a failed step then leaves each row it fed unusable until that row is released
             (`move_rows`) or the cache is `reset()` (the other rows go on): for continuous batching, which
-            fails the requests of a failed step anyway (``docs/failures.md``).
+            releases the rows of a failed step's requests anyway (``docs/failures.md``).
         prefix_caching: keep full blocks by content and snapshots of the per-row state at block-aligned
             points, so that a new row starts from the longest cached prefix of its tokens
             (`hf_qsa_cache.prefix_cache`, ``docs/prefix_caching.md``).

@@ -6,8 +6,10 @@ making sure the pools hold exactly what it feeds (preempting the latest admitted
 each result to its request's own delivery (`delivery`). Everything a request holds is given back the moment
 it finishes, is cancelled or fails.
 
-Failures: a step that fails leaves the cache as it was (every forward is a transaction): the requests in that
-step fail with the error, the others go on. A fault in the loop's own bookkeeping (admission, row moves, room
+Failures: a step that fails is taken back (its rows' state, which the engine's cache keeps no copy of, is
+released with them): the requests in that step go back to the queue with their tokens so far, to be fed again
+(a transient fault costs them time, not their result; their tokens are the same: a draw depends on the seed
+and the token's index only); a request in a second failed step fails with the error. The others go on. A fault in the loop's own bookkeeping (admission, row moves, room
 checks) sends every running request back to the queue (its tokens so far are kept and fed again) and the loop
 goes on; only when that happens three iterations in a row do the requests then running fail with the error.
 The loop ends for good (`background_thread_status.fatal_error`) only if it cannot even reset its cache.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 import warnings
@@ -43,6 +46,7 @@ _UNUSED_FIELDS = ("max_memory_percent", "max_blocks_per_request", "use_async_bat
                   "kv_padding_interval_size", "varlen_compile_config", "decode_compile_config", "cpu_offload_space",
                   "per_request_processors", "max_cached_graphs")
 _IGNORED_SAMPLING = ("no_repeat_ngram_size", "min_new_tokens", "typical_p")
+STEP_RETRIES = 1  # times a request whose step failed is fed again before it fails
 HOST_FAULTS_IN_A_ROW = 3  # bookkeeping faults in consecutive iterations before the running requests fail
 
 
@@ -114,7 +118,7 @@ class ContinuousBatchingManager:
         # its own host work and idle waits.
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "preemptions": 0, "failed_steps": 0, "most_rows": 0,
                       "host_faults": 0, "drafted_tokens": 0, "accepted_tokens": 0, "prefill_tokens": 0,
-                      "pad_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
+                      "pad_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0, "retried_requests": 0}
         self.warmed_up = False
         self._warned_unbounded = False  # a request bounded only by its row's room was reported (once)
         self._graphs_before = getattr(model, "use_cuda_graphs", True)
@@ -236,7 +240,7 @@ class ContinuousBatchingManager:
             requests = []
             for k, rid in enumerate(ids):
                 own_seed = (seed + k if seed is not None
-                            else None if self.seed is None else request_seed(self.seed, rid))
+                            else secrets.randbits(63) if self.seed is None else request_seed(self.seed, rid))
                 requests.append(Request(rid, prompt, max_new_tokens, eos, sampling or self.sampling, seed=own_seed,
                                         want_logprobs=logprobs, streaming=streaming,
                                         record_timestamps=record_timestamps, media=media))
@@ -444,11 +448,16 @@ class ContinuousBatchingManager:
         start = time.perf_counter()
         try:
             picked = step()
-        except Exception as error:  # the cache took the step back: these requests fail, the others go on
+        except Exception as error:  # the cache took the step back: these requests run again, or fail; others go on
             logger.error("a continuous batching step failed: %s", error, exc_info=True)
             self.stats["failed_steps"] += 1
-            for request in list(rows):
-                self._end(request, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
+            for request in sorted(rows, key=lambda r: r.admitted, reverse=True):  # the oldest ends up first in line
+                request.step_failures += 1
+                if request.step_failures > STEP_RETRIES:
+                    self._end(request, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
+                else:
+                    self.scheduler.preempt(request)
+                    self.stats["retried_requests"] += 1
             self.scheduler.order()  # their rows go back before the iteration's next step (it must not carry them)
             self.runner.place(self.scheduler.rows)
             return

@@ -99,7 +99,7 @@ class Request:
     max_new_tokens: int
     eos_token_ids: frozenset[int]
     sampling: Sampling = Sampling()
-    seed: int | None = None  # the request's own sampling stream (independent of how it is batched)
+    seed: int = 0  # its draws' seed (`sampling.token_uniform`: independent of how it is batched or retried)
     want_logprobs: bool = False  # its result carries the log-probability of each generated token
     streaming: bool = False
     record_timestamps: bool = False
@@ -119,7 +119,7 @@ class Request:
     prefix_key: int = 0
     prefix_seen: int = -1
     admitted: int = -1  # admission number (the latest admitted is preempted first)
-    generator: object = None  # its torch.Generator, made at its first sampled token
+    step_failures: int = 0  # steps that failed while it was in them (a second one fails it)
     media: dict | None = None  # a multimodal prompt's media inputs (the model's `media_inputs`), or None
     _eos: object = None  # `eos_array`, made once
     _array: object = None  # `token_array`'s buffer (prompt, then generated tokens as they come), and its fill

@@ -11,7 +11,7 @@ from ..cache import QSAPagedCache
 from ..ops import int_tensor
 from ..rollback import crop_rows
 from .requests import Request
-from .sampling import PenaltyTables, draw, warp_rows
+from .sampling import PenaltyTables, draw, token_uniform, warp_rows
 
 logger = logging.getLogger(__name__)
 
@@ -264,9 +264,9 @@ class ModelRunner:
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[tuple[Request, int, float | None]]:
         """The next token of each row that has fed everything it had: the argmax of its scores (greedy) or a
-        draw with one uniform number from its own random stream, after its penalties and warpers
-        (`sampling.next_token_scores`, for all rows at once: the penalties from each request's history tables,
-        `PenaltyTables`; the warpers and the draw)."""
+        draw with one uniform number from its seed and the token's index (`token_uniform`), after its penalties
+        and warpers (`sampling.next_token_scores`, for all rows at once: the penalties from each request's history
+        tables, `PenaltyTables`; the warpers and the draw)."""
         ready = [i for i, r in enumerate(rows) if r.pending == 0]
         if not ready:
             return []
@@ -289,7 +289,8 @@ class ModelRunner:
             scores[picked] = warp_rows(scores[picked], [requests[j].sampling for j in sampled])
         tokens = scores.argmax(dim=-1)
         if sampled:
-            uniforms = torch.cat([torch.rand(1, generator=_generator(requests[j])) for j in sampled])
+            uniforms = torch.tensor([token_uniform(requests[j].seed, len(requests[j].generated)) for j in sampled],
+                                    dtype=torch.float64)
             tokens[picked] = draw(scores[picked], uniforms)
         if penalized:
             self.penalties.took(slots, tokens[rows_penalized])
@@ -331,15 +332,3 @@ def _tokens(request: Request, n: int) -> list[int]:
     """The first ``n`` tokens of the request (its prompt, then what it generated)."""
     tokens = request.prompt[:n]
     return tokens + request.generated[: n - len(tokens)]
-
-
-def _generator(request: Request) -> torch.Generator:
-    """The request's own random stream (on the host: one number a token), so its draws do not depend on what it
-    was batched with."""
-    if request.generator is None:
-        request.generator = torch.Generator()
-        if request.seed is not None:
-            request.generator.manual_seed(request.seed)
-        else:
-            request.generator.seed()
-    return request.generator

@@ -4,8 +4,8 @@
 into the scores its token is drawn from (or its argmax taken), in transformers' order: repetition penalty on
 the prompt and generated tokens, OpenAI's presence and frequency penalties on the generated ones, then
 temperature, top-k, top-p and min-p. The engine does the same for a step's rows at once (`PenaltyTables` for
-the penalized rows, `warp_rows` for the sampled ones) and draws each row's token with one uniform number from
-the request's own random stream (`draw`). `request_seed` gives a request a seed from its id, so its draws do not
+the penalized rows, `warp_rows` for the sampled ones) and draws each row's token with one uniform number, a hash
+of the request's seed and the token's index (`token_uniform`, `draw`). `request_seed` gives a request a seed from its id, so its draws do not
 depend on how many requests came before it.
 """
 
@@ -216,6 +216,19 @@ def draw(scores: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cumulative = scores.softmax(-1).double().cumsum(-1)
     target = uniforms.to(cumulative.device, torch.float64)[:, None] * cumulative[:, -1:]
     return (cumulative <= target).sum(-1).clamp_max(scores.shape[-1] - 1)
+
+
+_MASK64 = 2**64 - 1
+
+
+def token_uniform(seed: int, index: int) -> float:
+    """The uniform number in [0, 1) a request with ``seed`` draws its ``index``-th generated token with: a hash
+    (SplitMix64) of the two, no generator state, so a token is the same however its request was batched, and when a
+    failed step's requests are run again (`ContinuousBatchingManager`) or a preempted one recomputed."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
 
 
 def request_seed(base: int, request_id: str) -> int:

@@ -5,7 +5,7 @@ and in its own bookkeeping (row moves, admission, row order, room checks).
 
 Every request must end with exactly one final result, and that result must be
 * its tokens from transformers' own model on its prompt alone (greedy), or
-* FAILED because its own step failed or bookkeeping failed three iterations in a row (the injected error), or
+* FAILED because two steps it was in failed, or bookkeeping failed three iterations in a row (the injected error), or
 * FAILED "cancelled" when it was cancelled;
 and at the end every block is back in its pool (or cached by prefix caching and idle), no row is held, no media
 encoding or id is left behind. With ``shared=True`` prompts continue a few common prefixes (cut anywhere) and

@@ -126,19 +126,22 @@ def test_a_request_that_cannot_fit_alone_fails_and_the_others_go_on(family):
         assert results[f"req_{i}"].generated_tokens == _alone(ref, prompts[i])
 
 
-def test_a_failed_step_fails_its_requests_only(family, monkeypatch):
-    """A prefill step that raises fails the requests it carried; the request decoding beside it and a request
-    submitted afterwards are exact, and the pools come back full."""
+@pytest.mark.parametrize("fault", ["once", "always"])
+def test_a_failed_step_runs_its_requests_again_or_fails_them(family, monkeypatch, fault):
+    """A prefill step that raises: its requests go back to the queue and, run again, equal transformers (a fault
+    that comes once); a second failed step fails them with the error (a fault that comes every time their prompts
+    are fed). The request decoding beside them and one submitted afterwards are exact; the pools come back full."""
     name, ref, ours = family
     from hf_qsa_cache.serving.runner import ModelRunner
 
     prompts = random_prompts([15, 9, 20, 11], vocab=90, seed=13)
+    doomed_prompts = [tuple(p) for p in prompts[1:3]]
     armed = {"on": False}
     forward = ModelRunner._forward
 
     def failing(self, rows, ids, mask):
-        if armed["on"] and mask is not None:  # the next prefill step
-            armed["on"] = False
+        if armed["on"] and mask is not None and any(tuple(r.prompt) in doomed_prompts for r in rows):
+            armed["on"] = fault == "always"
             raise RuntimeError("injected fault")
         return forward(self, rows, ids, mask)
 
@@ -154,15 +157,53 @@ def test_a_failed_step_fails_its_requests_only(family, monkeypatch):
             result = manager.get_result(timeout=60)
             if result.is_finished():
                 finals[result.request_id] = result
+        armed["on"] = False
         after = manager.add_request(prompts[3], max_new_tokens=12)
         finals[after] = next(r for r in manager.request_id_iter(after) if r.is_finished())
         cache, stats = manager.cache, dict(manager.stats)
-    assert stats["failed_steps"] == 1
-    for request_id in doomed:
-        assert finals[request_id].status == RequestStatus.FAILED and "injected fault" in finals[request_id].error
+    for request_id, prompt in zip(doomed, prompts[1:3]):
+        if fault == "once":
+            assert finals[request_id].generated_tokens == _alone(ref, prompt, new=12)
+        else:
+            assert finals[request_id].status == RequestStatus.FAILED and "injected fault" in finals[request_id].error
+    assert stats["retried_requests"] >= 1
+    assert stats["failed_steps"] == 1 if fault == "once" else stats["failed_steps"] >= 2  # (a second attempt each)
     assert finals[first].generated_tokens == _alone(ref, prompts[0], new=12)
     assert finals[after].generated_tokens == _alone(ref, prompts[3], new=12)
     assert pools_full(cache)
+
+
+def test_a_sampled_request_run_again_after_a_failed_step_draws_the_same_tokens(family, monkeypatch):
+    """A seeded, sampled request whose decode step fails once goes back to the queue and is fed again: its tokens
+    equal a run without the fault (a draw depends on the seed and the token's index, not on what was drawn)."""
+    name, ref, ours = family
+    from hf_qsa_cache.serving import Sampling
+    from hf_qsa_cache.serving.runner import ModelRunner
+
+    prompt = random_prompts([14], vocab=90, seed=23)[0]
+    sampling = Sampling(do_sample=True, temperature=1.5, top_k=40)
+    forward, calls = ModelRunner._forward, {"n": 0, "fail_at": None}
+
+    def failing(self, rows, ids, mask):
+        calls["n"] += 1
+        if calls["n"] == calls["fail_at"]:
+            raise RuntimeError("injected fault")
+        return forward(self, rows, ids, mask)
+
+    monkeypatch.setattr(ModelRunner, "_forward", failing)
+
+    def run(fail_at):
+        calls["n"], calls["fail_at"] = 0, fail_at
+        config = ContinuousBatchingConfig(page_size=4, max_requests_per_batch=2)
+        with ours.continuous_batching_context_manager(_greedy(new=10), continuous_batching_config=config) as m:
+            result = m.get_result(m.add_request(prompt, max_new_tokens=10, sampling=sampling, seed=77), timeout=60)
+            return result, dict(m.stats)
+
+    clean, _ = run(None)
+    again, stats = run(5)  # the prefill, then a decode step fails
+    assert stats["failed_steps"] == 1 and stats["retried_requests"] == 1
+    assert again.status == RequestStatus.FINISHED and again.generated_tokens == clean.generated_tokens
+    assert len(set(clean.generated_tokens)) > 3  # (it did sample)
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_batching(family):
@@ -306,10 +347,14 @@ def test_stats_count_the_prefill_tokens_their_pads_and_step_time():
     prompts = random_prompts([10, 4], vocab=90, seed=17)
     config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=2,
                                       allow_block_sharing=False)
-    with ours.continuous_batching_context_manager(greedy(3), continuous_batching_config=config) as manager:
-        manager.add_requests(prompts, max_new_tokens=3)
+    manager = ours.init_continuous_batching(greedy(3), config)
+    manager.add_requests(prompts, max_new_tokens=3)  # queued before the loop starts: admitted together
+    manager.start()
+    try:
         collect_results(manager, 2)
         stats = dict(manager.stats)
+    finally:
+        manager.stop(block=True)
     assert stats["prefill_steps"] == 1 and stats["prefill_tokens"] == 14 and stats["pad_tokens"] == 6, stats
     assert stats["prefill_s"] > 0 and stats["decode_s"] > 0  # the steps' wall time, by kind
 

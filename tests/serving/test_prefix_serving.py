@@ -92,10 +92,15 @@ def test_requests_admitted_together_restore_what_the_first_cached(family):
     # there to cache a snapshot; the others wait for it, then start from it (giving back a token a decode step
     # fed them meanwhile).
     config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=8, max_requests_per_batch=4)
-    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config) as manager:
-        results = run(manager, prompts)
-        check(ref, prompts, results)
+    manager = ours.init_continuous_batching(greedy(NEW), config)
+    ids = manager.add_requests(prompts)  # queued before the loop starts: its first iteration admits all four
+    manager.start()
+    try:
+        results = collect_results(manager, len(prompts))
+        check(ref, prompts, [results[i] for i in ids])
         stats = manager.cache.memory_stats()["prefix_cache"]
+    finally:
+        manager.stop(block=True)
     assert pools_full(manager.cache)
     assert stats["hit_tokens"] >= 3 * 16, stats
 
