@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import threading
 import time
 

@@ -285,13 +285,13 @@ class ModelRunner:
             scores[rows_penalized] = self.penalties.apply(scores[rows_penalized], slots,
                                                           [requests[j].sampling for j in penalized])
         if sampled:
-            picked = torch.tensor(sampled, device=scores.device)
-            scores[picked] = warp_rows(scores[picked], [requests[j].sampling for j in sampled])
+            rows_sampled = torch.tensor(sampled, device=scores.device)
+            scores[rows_sampled] = warp_rows(scores[rows_sampled], [requests[j].sampling for j in sampled])
         tokens = scores.argmax(dim=-1)
         if sampled:
             uniforms = torch.tensor([token_uniform(requests[j].seed, len(requests[j].generated)) for j in sampled],
                                     dtype=torch.float64)
-            tokens[picked] = draw(scores[picked], uniforms)
+            tokens[rows_sampled] = draw(scores[rows_sampled], uniforms)
         if penalized:
             self.penalties.took(slots, tokens[rows_penalized])
         logprobs = None
