@@ -1,0 +1,66 @@
+"""`benchmarks/bench_serving.py`'s Poisson-load run (`--load`) at tiny shapes on the CPU (its CUDA memory counters
+stubbed): the maximum rate measured with every request at once, then Poisson arrivals at a fraction of it on
+prompts of the same lengths and other tokens; every request served, the lines carry the rates and the stats."""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
+import bench_serving  # noqa: E402
+from profile_serving_host import tiny_config  # noqa: E402
+
+
+def test_load_run_measures_the_maximum_rate_then_poisson_arrivals(monkeypatch):
+    for name in ("reset_peak_memory_stats", "memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: 0)
+    from modeling import InklingForCausalLM
+
+    config = tiny_config("inkling", 2, 64, 4096)
+    torch.manual_seed(0)
+    model = InklingForCausalLM(config).eval()
+    args = types.SimpleNamespace(requests=10, min_prompt=8, max_prompt=48, min_output=2, max_output=6, arrival="all",
+                                 rate=8.0, seed=0, rows=4, batch_tokens=64, page_size=16, num_blocks=None, load=0.8)
+    prompts, outputs, _ = bench_serving.workload(args, config.vocab_size)
+    manager = bench_serving.serving_manager(model, prompts, outputs, args)
+    common, lines = {"bench": "serving"}, []
+
+    def record(row: dict) -> dict:
+        lines.append({**common, **row})
+        return row
+
+    manager.start()
+    try:
+        bench_serving.loaded(manager, prompts, outputs, args, common, record)
+    finally:
+        manager.stop(block=True)
+    saturated, poisson = lines
+    assert saturated["arrival"] == "all" and poisson["arrival"] == "poisson"
+    assert poisson["rate"] == 0.8 * poisson["max_rate"] and poisson["max_rate"] == len(prompts) / saturated["wall_s"]
+    for line in lines:
+        assert line["failed"] == 0 and line["output_tokens"] == sum(outputs)
+        assert line["prefill_tokens"] > 0 and line["decode_s"] > 0 and line["outside_steps_s"] >= 0
+    assert poisson["tpot_p99_over_p50"] >= 1
+
+
+def test_load_scales_the_arrival_rate(monkeypatch):
+    """The Poisson run's gaps shrink with the load: at half the load each gap is twice as long (the same draws)."""
+    taken = []
+
+    def continuous(manager, prompts, outputs, gaps, prefix="r"):
+        taken.append(list(gaps))
+        return {"wall_s": 2.0, "tpot_p50_ms": 1.0, "tpot_p99_ms": 1.5}
+
+    monkeypatch.setattr(bench_serving, "continuous", continuous)
+    manager = types.SimpleNamespace(model=types.SimpleNamespace(config=tiny_config("inkling", 2, 64, 4096)))
+    prompts, outputs = [[5] * n for n in (3, 9, 4, 7)], [2, 3, 2, 4]
+    for load in (0.8, 0.4):
+        args = types.SimpleNamespace(seed=0, load=load)
+        bench_serving.loaded(manager, prompts, outputs, args, {}, lambda row: row)
+    full, heavy, _, light = taken  # (each load: the saturated run's gaps, then the Poisson run's)
+    assert full == [0.0] * 4
+    assert all(abs(b - 2 * a) < 1e-6 * b for a, b in zip(heavy, light))
