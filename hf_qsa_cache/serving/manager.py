@@ -9,9 +9,10 @@ it finishes, is cancelled or fails.
 Failures: a step that fails is taken back (its rows' state, which the engine's cache keeps no copy of, is
 released with them): the requests in that step go back to the queue with their tokens so far, to be fed again
 (a transient fault costs them time, not their result; their tokens are the same: a draw depends on the seed
-and the token's index only); a request in a second failed step fails with the error. The others go on. A fault in the loop's own bookkeeping (admission, row moves, room
-checks) sends every running request back to the queue (its tokens so far are kept and fed again) and the loop
-goes on; only when that happens three iterations in a row do the requests then running fail with the error.
+and the token's index only); a request in a second failed step fails with the error. The others go on. A
+fault in the loop's own bookkeeping (admission, row moves, room checks) sends every running request back to
+the queue (its tokens so far are kept and fed again) and the loop goes on; only when that happens three
+iterations in a row do the requests then running fail with the error.
 The loop ends for good (`background_thread_status.fatal_error`) only if it cannot even reset its cache.
 """
 

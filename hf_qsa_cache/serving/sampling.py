@@ -5,8 +5,8 @@ into the scores its token is drawn from (or its argmax taken), in transformers' 
 the prompt and generated tokens, OpenAI's presence and frequency penalties on the generated ones, then
 temperature, top-k, top-p and min-p. The engine does the same for a step's rows at once (`PenaltyTables` for
 the penalized rows, `warp_rows` for the sampled ones) and draws each row's token with one uniform number, a hash
-of the request's seed and the token's index (`token_uniform`, `draw`). `request_seed` gives a request a seed from its id, so its draws do not
-depend on how many requests came before it.
+of the request's seed and the token's index (`token_uniform`, `draw`). `request_seed` gives a request a seed
+from its id, so its draws do not depend on how many requests came before it.
 """
 
 from __future__ import annotations
@@ -144,7 +144,8 @@ class PenaltyTables:
                 slot = self.slot[request] = self.free.pop()
                 self.seen[slot] = False
                 self.counts[slot] = 0.0
-                self.seen[slot, torch.tensor(request.prompt + request.generated, dtype=torch.long, device=device)] = True
+                history = torch.tensor(request.prompt + request.generated, dtype=torch.long, device=device)
+                self.seen[slot, history] = True
                 if request.generated:
                     generated = torch.tensor(request.generated, dtype=torch.long, device=device)
                     self.counts[slot].index_add_(0, generated, torch.ones(len(generated), device=device))
