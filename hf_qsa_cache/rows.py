@@ -192,15 +192,15 @@ def select_rows(cache, src: list[int]) -> None:
     indices = _IndicesByDevice()
     gathered = [(t, t.index_select(0, indices(src, t.device)))  # read everything before the first write
                 for store in cache.all_stores() for t in store.row_tensors()]
-    plans = {name: table.select_rows(src, held, lengths) for name, table in cache.tables.items()}
-    cache.rows.select(src)
-    # A row that now lists blocks another row lists (a copy and its source) keeps its crops above them.
-    copied = {src[i] for i in range(n) if src[i] != i}
-    for i in (i for i in range(n) if src[i] in copied):
-        floor = max(t.shared_columns(i) * t.block_size for t in cache.tables.values())
-        if floor:
-            cache.rows.raise_shared(i, floor)
-    try:
+    try:  # from the first change on, a failure refuses further steps (naming reset())
+        plans = {name: table.select_rows(src, held, lengths) for name, table in cache.tables.items()}
+        cache.rows.select(src)
+        # A row that now lists blocks another row lists (a copy and its source) keeps its crops above them.
+        copied = {src[i] for i in range(n) if src[i] != i}
+        for i in (i for i in range(n) if src[i] in copied):
+            floor = max(t.shared_columns(i) * t.block_size for t in cache.tables.values())
+            if floor:
+                cache.rows.raise_shared(i, floor)
         for name, (old, new) in plans.items():
             for store in cache.layer_stores():
                 if new and store.table == name and store.allocated:

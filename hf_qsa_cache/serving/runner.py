@@ -280,12 +280,12 @@ class ModelRunner:
         if penalized:
             if self.penalties is None:
                 self.penalties = PenaltyTables(self.cache.max_batch_size, logits.shape[-1], logits.device)
-            rows_penalized = torch.tensor(penalized, device=scores.device)
+            rows_penalized = int_tensor(penalized).to(scores.device, non_blocking=True)
             slots = self.penalties.slots([requests[j] for j in penalized])
             scores[rows_penalized] = self.penalties.apply(scores[rows_penalized], slots,
                                                           [requests[j].sampling for j in penalized])
         if sampled:
-            rows_sampled = torch.tensor(sampled, device=scores.device)
+            rows_sampled = int_tensor(sampled).to(scores.device, non_blocking=True)
             scores[rows_sampled] = warp_rows(scores[rows_sampled], [requests[j].sampling for j in sampled])
         tokens = scores.argmax(dim=-1)
         if sampled:

@@ -122,6 +122,12 @@ def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return scores
 
 
+def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A step's per-row values as a ``[rows, 1]`` tensor on ``device``: one copy, which the host does not wait for
+    (a decode step's sampling makes a few)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)[:, None]
+
+
 class PenaltyTables:
     """The token history the penalties read, for the penalized requests that hold rows, as device tables with one
     slot a request: ``seen [slots, vocab]`` (its prompt and generated tokens: the repetition penalty) and
@@ -149,14 +155,12 @@ class PenaltyTables:
                 if request.generated:
                     generated = torch.tensor(request.generated, dtype=torch.long, device=device)
                     self.counts[slot].index_add_(0, generated, torch.ones(len(generated), device=device))
-        return torch.tensor([self.slot[r] for r in requests], dtype=torch.long, device=device)
+        return _column([self.slot[r] for r in requests], torch.long, device)[:, 0]
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor, samplings: list[Sampling]) -> torch.Tensor:
         """`penalize` of every row of ``logits [rows, vocab]`` (fp32) with its slot's history and its parameters."""
-        device = logits.device
-
         def column(values):
-            return torch.tensor(values, dtype=logits.dtype, device=device)[:, None]
+            return _column(values, logits.dtype, logits.device)
 
         scores = logits
         if any(s.repetition_penalty != 1.0 for s in samplings):
@@ -184,10 +188,10 @@ def warp_rows(logits: torch.Tensor, samplings: list[Sampling]) -> torch.Tensor:
     """`warp` of every row of ``logits [rows, vocab]`` (fp32) with its own parameters, in a few batched ops (a
     step's sampled rows: per-row warpers cost ~10 launches a row)."""
     rows, vocab = logits.shape
-    device, neg = logits.device, torch.finfo(logits.dtype).min
+    neg = torch.finfo(logits.dtype).min
 
     def column(values, dtype=logits.dtype):
-        return torch.tensor(values, dtype=dtype, device=device)[:, None]
+        return _column(values, dtype, logits.device)
 
     scores = logits / column([s.temperature for s in samplings])
     top_k = [s.top_k if s.top_k and s.top_k < vocab else 0 for s in samplings]
