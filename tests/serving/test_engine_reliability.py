@@ -282,13 +282,17 @@ def test_a_fault_every_iteration_fails_the_running_requests_and_serves_later_one
 
     monkeypatch.setattr(QSAPagedCache, "move_rows", faulty)
     config = ContinuousBatchingConfig(page_size=4, max_requests_per_batch=3)
-    with qwen.continuous_batching_context_manager(greedy(4), continuous_batching_config=config) as manager:
-        doomed = manager.add_requests(prompts[:2], max_new_tokens=4)
+    manager = qwen.init_continuous_batching(greedy(4), config)
+    doomed = manager.add_requests(prompts[:2], max_new_tokens=4)  # queued first: both run in the failing iterations
+    manager.start()
+    try:
         failed = [manager.get_result(i, timeout=60) for i in doomed]
         broken["on"] = False
         later = manager.add_request(prompts[2], max_new_tokens=4)
         served = manager.get_result(later, timeout=60)
         health = manager.health()
+    finally:
+        manager.stop(block=True)
     assert all(r.status == RequestStatus.FAILED and "a persistent fault" in r.error for r in failed)
     assert served.status == RequestStatus.FINISHED and len(served.generated_tokens) == 4
     assert health["host_faults"] == 3 and health["fatal_error"] is None
