@@ -29,7 +29,8 @@ from .blocks import default_num_blocks
 from .layout import build_layout, model_family, rollback_costs_nothing, state_geometry, text_config
 from .metadata import StepMetadata
 from .ops.fp8 import check_cache_dtype
-from .prefix_cache import PrefixCache, Snapshot, capture, fits, prefix_unit, restore
+from . import prefix_rows
+from .prefix_cache import PrefixCache, Snapshot, prefix_unit
 from .rollback import crop_rows
 from .rows import Rows, move_rows, select_rows
 from .validation import check_continues, check_model, check_request
@@ -40,17 +41,6 @@ from .stores.layer_state import LayerState
 from .stores.token_log import TokenLog
 
 __all__ = ["QSAPagedCache", "LayerState", "model_family", "rollback_costs_nothing", "state_geometry"]
-
-
-class _NoRoom(Exception):
-    """A restore found no room in a windowed pool (the row then starts empty)."""
-
-
-def _token_list(tokens) -> list[int]:
-    """Token ids as a list of ints (a list of ints as is: the serving loop looks prefixes up often)."""
-    if type(tokens) is list and all(type(t) is int for t in tokens[:1]):
-        return tokens
-    return [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -451,103 +441,30 @@ class QSAPagedCache(Cache):
         self.prefix_tails = {}
         move_rows(self, src)
 
-    # ------------------------------------------------------------------ prefix caching (`hf_qsa_cache.prefix_cache`)
-    def _check_prefix_row(self, row: int) -> None:
-        if self.prefix is None:
-            raise ValueError("this cache was built without prefix_caching=True")
-        if self._open is not None or (self._scope is not None and self._scope.pending is not None):
-            raise RuntimeError("cached prefixes change only between steps, never inside one")
-        self.check_usable()
-        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.max_batch_size:
-            raise ValueError(f"row must be an integer in [0, max_batch_size={self.max_batch_size}), got {row!r}")
-        if self.rows.lost[row]:
-            raise ValueError(f"row {row} lost its state when a step that fed it failed (step_undo=False): nothing of "
-                             "it is cached or restored into it until it is released (move_rows) or cache.reset()")
-
+    # ------------------------------------------------------------------ prefix caching (`hf_qsa_cache.prefix_rows`)
     def restore_prefix(self, row: int, tokens, limit: int | None = None, count: bool = True) -> int:
         """Start empty row ``row`` from the longest cached prefix of ``tokens`` (at most ``limit`` tokens, default
         all) that has a snapshot: its shared blocks are listed (reference counted), its per-row state and windows
         copied from the snapshot, its length set. Returns the length restored (0: none cached; the row stays
         empty). ``count=False``: a second look for the same tokens (not counted again in the hit rate). Outside a
         forward only; nothing changes if it raises."""
-        self._check_prefix_row(row)
-        tokens = _token_list(tokens)
-        limit = len(tokens) if limit is None else min(int(limit), len(tokens))
-        if self.rows.lengths[row] or any(t.rows[row] for t in self.tables.values()):
-            raise ValueError(f"row {row} holds tokens: a cached prefix starts an empty row")
-        prefix = self.prefix
-        if count:
-            prefix.counters["lookup_tokens"] += len(tokens)
-        chain, self.prefix_matched = self._restorable_chain(tokens, limit)
-        if not chain:
-            return 0
-        snapshot = chain[-1].snapshot
-        length = snapshot.length
-        prefix.touch(chain)
-        try:
-            for name, blocks in prefix.chain_blocks(chain).items():
-                self.tables[name].attach(row, blocks)
-            for name, table in self.tables.items():  # windowed tables: fresh blocks at the snapshot's columns
-                if table.window is not None:
-                    if table.blocks_needed(row, length) > len(table.free):
-                        raise _NoRoom
-                    table.reserve(row, length)
-            restore(self, row, snapshot)
-            if self.token_log.ids is None and snapshot.state:
-                self.token_log.allocate(snapshot.state[0].device)
-            if self.token_log.ids is not None:
-                self.token_log.ids[row, :length] = torch.tensor(tokens[:length], dtype=torch.int32,
-                                                                device=self.token_log.ids.device)
-        except BaseException as error:
-            for table in self.tables.values():
-                table.release_row(row)
-            self.rows.clear_row(row)
-            for store in self.layer_stores():
-                if store.allocated:
-                    store.reset_rows([row])
-            if isinstance(error, _NoRoom):
-                return 0
-            raise
-        # Qwen4Exp's rollback ring holds nothing of the restored row: no crop to its length or below.
-        floor = length + 1 if self.keeps_rollback_history else 0
-        self.rows.start_at(row, length, floor)
-        prefix.counters["hit_tokens"] += length
-        return length
+        return prefix_rows.restore_prefix(self, row, tokens, limit, count)
 
     def prefix_lookup(self, tokens, limit: int | None = None) -> tuple[int, int]:
         """``(restorable, matched)``: the longest cached prefix of ``tokens`` `restore_prefix` would restore (at
         most ``limit`` tokens), and how far cached blocks reach (with or without a snapshot). Changes nothing."""
-        if self.prefix is None:
-            return 0, 0
-        tokens = _token_list(tokens)
-        chain, matched = self._restorable_chain(tokens, len(tokens) if limit is None else min(int(limit), len(tokens)))
-        return len(chain) * self.prefix.unit, matched
-
-    def _restorable_chain(self, tokens: list[int], limit: int) -> tuple[list, int]:
-        """The cached entries of the longest prefix of ``tokens`` (at most ``limit``) whose last entry has a
-        snapshot this cache can take, and how many tokens cached blocks match (with or without a snapshot)."""
-        chain = self.prefix.match(tokens, limit)
-        matched = len(chain) * self.prefix.unit
-        while chain and (chain[-1].snapshot is None or not fits(self, chain[-1].snapshot)):
-            chain.pop()
-        return chain, matched
+        return prefix_rows.prefix_lookup(self, tokens, limit)
 
     def keep_tails(self, plan) -> None:
         """After a one-token step of generate()'s rows landed: rows that reached a unit boundary keep a snapshot
-        there (what the row caches when it is retired). A snapshot that cannot be taken is only a later miss."""
-        unit = self.prefix.unit
-        for b, (n, c) in enumerate(zip(plan.new_lengths, plan.counts)):
-            if c and n % unit == 0:
-                try:
-                    self.prefix_tails[b] = capture(self, b)
-                except Exception:  # noqa: BLE001 (the step landed; the tail is an optimisation)
-                    self.prefix_tails.pop(b, None)
+        there (what the row caches when it is retired)."""
+        prefix_rows.keep_tails(self, plan)
 
     def snapshot_row(self, row: int) -> Snapshot:
         """A copy of ``row``'s non-paged state and windows at its current length (`cache_prefix` takes it later,
         while the row's blocks below that length are unchanged)."""
-        self._check_prefix_row(row)
-        return capture(self, row)
+        prefix_rows.check_prefix_row(self, row)
+        return prefix_rows.capture(self, row)
 
     def cache_prefix(self, row: int, tokens, snapshot: Snapshot | None = None) -> int:
         """Keep the first tokens row ``row`` holds as a cached prefix: its whole units up to its length (which
@@ -555,19 +472,7 @@ class QSAPagedCache(Cache):
         ``snapshot.length`` with ``snapshot`` (`snapshot_row`, taken when the row was that long). ``tokens``: the
         row's tokens from its first (at least that many). The row's blocks below that point are shared from now
         on (no crop goes below it). Returns the length cached (0: not aligned)."""
-        self._check_prefix_row(row)
-        length = snapshot.length if snapshot is not None else self.rows.lengths[row]
-        if length == 0 or length % self.prefix.unit or length > self.rows.lengths[row]:
-            return 0
-        tokens = _token_list(tokens[:length])
-        if len(tokens) < length:
-            raise ValueError(f"row {row} caches {length} tokens, {len(tokens)} given")
-        if snapshot is None and not self.prefix.has_snapshot(tokens, length):
-            snapshot = capture(self, row)
-        blocks = {name: self.tables[name].rows[row] for name in self.prefix.shared}
-        covered = self.prefix.insert(blocks, tokens, length, snapshot)
-        self.rows.raise_shared(row, covered)
-        return covered
+        return prefix_rows.cache_prefix(self, row, tokens, snapshot)
 
     @property
     def prefix_unit(self) -> int:

@@ -19,7 +19,7 @@ import logging
 import torch
 
 from .cache import QSAPagedCache
-from .prefix_cache import capture
+from .prefix_rows import capture
 
 logger = logging.getLogger(__name__)
 
