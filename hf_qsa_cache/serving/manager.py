@@ -47,7 +47,11 @@ _UNUSED_FIELDS = ("max_memory_percent", "max_blocks_per_request", "use_async_bat
                   "kv_padding_interval_size", "varlen_compile_config", "decode_compile_config", "cpu_offload_space",
                   "per_request_processors", "max_cached_graphs")
 _IGNORED_SAMPLING = ("no_repeat_ngram_size", "min_new_tokens", "typical_p")
-STEP_RETRIES = 1  # times a request whose step failed is fed again before it fails
+# Times a request whose step failed is fed again before it fails. One whose steps failed beside other requests is
+# then isolated instead (fed alone up to where its step failed: `Request.alone_until`), at most MAX_ISOLATIONS
+# times: only a step that fed it alone, or a fault that follows it through every isolation, fails it.
+STEP_RETRIES = 1
+MAX_ISOLATIONS = 2
 HOST_FAULTS_IN_A_ROW = 3  # bookkeeping faults in consecutive iterations before the running requests fail
 
 
@@ -119,7 +123,8 @@ class ContinuousBatchingManager:
         # its own host work and idle waits.
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "preemptions": 0, "failed_steps": 0, "most_rows": 0,
                       "host_faults": 0, "drafted_tokens": 0, "accepted_tokens": 0, "prefill_tokens": 0,
-                      "pad_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0, "retried_requests": 0}
+                      "pad_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0, "retried_requests": 0,
+                      "isolated_requests": 0}
         self.warmed_up = False
         self._warned_unbounded = False  # a request bounded only by its row's room was reported (once)
         self._graphs_before = getattr(model, "use_cuda_graphs", True)
@@ -358,6 +363,10 @@ class ContinuousBatchingManager:
 
     def _iteration(self) -> None:
         scheduler, runner = self.scheduler, self.runner
+        if scheduler.isolated_waits():  # the rows make way (they are fed again after it)
+            for request in sorted(scheduler.rows, key=lambda r: r.admitted, reverse=True):
+                scheduler.preempt(request)
+                self.stats["preemptions"] += 1
         runner.place(scheduler.rows)  # rows of requests that ended (cancelled) go back before admission
         for request in scheduler.admit(self._fits_first_step):
             if request.started < 0:
@@ -455,10 +464,15 @@ class ContinuousBatchingManager:
             for request in sorted(rows, key=lambda r: r.admitted, reverse=True):  # the oldest ends up first in line
                 request.step_failures += 1
                 if request.step_failures > STEP_RETRIES:
-                    self._end(request, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
-                else:
-                    self.scheduler.preempt(request)
-                    self.stats["retried_requests"] += 1
+                    if len(rows) == 1 or request.isolations >= MAX_ISOLATIONS:
+                        self._end(request, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
+                        continue
+                    # Failed again beside others: which of them brings the fault? Each is fed alone again up to
+                    # where this step failed; the one that fails alone fails, the others go on.
+                    request.alone_until, request.isolations = request.total, request.isolations + 1
+                    self.stats["isolated_requests"] += 1
+                self.scheduler.preempt(request)
+                self.stats["retried_requests"] += 1
             self.scheduler.order()  # their rows go back before the iteration's next step (it must not carry them)
             self.runner.place(self.scheduler.rows)
             return
@@ -476,6 +490,9 @@ class ContinuousBatchingManager:
                     self._end(request, request.status, request.error)
                 elif request.streaming and i == last[request]:
                     self.delivery.put(request)
+        for request in rows:
+            if request.alone_until and request.held >= request.alone_until:  # fed alone past its failed step
+                request.alone_until = request.step_failures = 0
         self.scheduler.order()
         self.runner.place(self.scheduler.rows)
 

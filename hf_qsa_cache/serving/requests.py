@@ -119,7 +119,11 @@ class Request:
     prefix_key: int = 0
     prefix_seen: int = -1
     admitted: int = -1  # admission number (the latest admitted is preempted first)
-    step_failures: int = 0  # steps that failed while it was in them (a second one fails it)
+    step_failures: int = 0  # steps that failed while it was in them (a second one fails it, or isolates it)
+    # Isolation (`ContinuousBatchingManager._run`): after failed steps shared with others, its steps feed it alone
+    # until it holds ``alone_until`` tokens (what it held and fed when the step failed); 0 when not isolated.
+    alone_until: int = 0
+    isolations: int = 0  # times it was isolated (bounded: a fault that needs other rows fails it in the end)
     media: dict | None = None  # a multimodal prompt's media inputs (the model's `media_inputs`), or None
     _eos: object = None  # `eos_array`, made once
     _array: object = None  # `token_array`'s buffer (prompt, then generated tokens as they come), and its fill

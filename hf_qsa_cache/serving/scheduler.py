@@ -15,7 +15,8 @@ first (rows ``[0, p)``), then those decoding. Two kinds of step follow:
   its next prompt token (useful work, and one real token per row: the CUDA-graph decode step applies).
 
 Admission is first come, first served while rows are free and the block pools hold the next request's
-first step beside the running rows' next tokens; when the pools cannot hold a step about to run (each step
+first step beside the running rows' next tokens (an *isolated* request, one the manager suspects of a fault,
+runs alone: `Request.alone_until`); when the pools cannot hold a step about to run (each step
 is checked with exactly the tokens it feeds), the request admitted last is preempted (its row and blocks released; its tokens so far are fed
 again when it is readmitted, so it loses no token and gains no wrong one).
 """
@@ -54,6 +55,8 @@ class Scheduler:
         admitted = []
         while self.waiting and len(self.rows) < self.max_rows:
             request = self.waiting[0]
+            if self.runs_isolated() or (request.alone_until and self.rows):
+                break  # an isolated request runs alone: it waits for the rows to go, then nothing joins it
             if fits is not None and self.rows and not fits(request, admitted):
                 break
             self.waiting.popleft()
@@ -133,12 +136,23 @@ class Scheduler:
             self.waiting.remove(request)
 
     def preempt(self, request: Request) -> None:
-        """Back to the front of the queue, without a row: its tokens so far are fed again when readmitted."""
+        """Back to the front of the queue (behind the isolated requests), without a row: its tokens so far are fed
+        again when readmitted."""
         self.rows.remove(request)
         self._ordered = None
         request.held = 0
         request.status = RequestStatus.PENDING
         self.waiting.appendleft(request)
+        if not request.alone_until and any(r.alone_until for r in self.waiting):
+            self.waiting = deque(sorted(self.waiting, key=lambda r: not r.alone_until))  # (a stable sort)
+
+    def runs_isolated(self) -> bool:
+        """Whether an isolated request holds a row (it is then the only one: `admit`)."""
+        return any(r.alone_until for r in self.rows)
+
+    def isolated_waits(self) -> bool:
+        """Whether an isolated request waits for the rows while others hold them (the manager preempts them)."""
+        return bool(self.waiting and self.waiting[0].alone_until and self.rows and not self.runs_isolated())
 
     def victim(self) -> Request | None:
         """Whom to preempt when the pools cannot hold the next step: the latest admitted (None if alone)."""

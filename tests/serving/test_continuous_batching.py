@@ -173,6 +173,50 @@ def test_a_failed_step_runs_its_requests_again_or_fails_them(family, monkeypatch
     assert pools_full(cache)
 
 
+@pytest.mark.parametrize("poisoned", [0, 2], ids=["oldest-poisoned", "later-poisoned"])
+def test_a_fault_one_request_brings_fails_it_alone(family, monkeypatch, poisoned):
+    """Every step that feeds one request its second generated token raises (a fault its content brings): after
+    two failed steps beside the others, each of them is fed alone up to where the step failed (in chunks of 6:
+    the fault is past the first), so that request fails and the three that shared its steps finish exact
+    (without isolation they failed too)."""
+    name, ref, ours = family
+    from hf_qsa_cache.serving.runner import ModelRunner
+
+    prompts = random_prompts([13, 9, 17, 11], vocab=90, seed=41)
+    forward = ModelRunner._forward
+    poison = f"req_{poisoned}"
+
+    fed = []  # the requests of each step
+
+    def failing(self, rows, ids, mask):
+        fed.append({r.request_id for r in rows})
+        if any(r.request_id == poison and r.held + ids.shape[1] >= len(r.prompt) + 2 for r in rows):
+            raise RuntimeError("injected fault")
+        return forward(self, rows, ids, mask)
+
+    monkeypatch.setattr(ModelRunner, "_forward", failing)
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=6, max_requests_per_batch=4)
+    manager = ours.init_continuous_batching(_greedy(new=8), config)
+    ids = manager.add_requests(prompts, max_new_tokens=8)  # queued first: admitted together, their steps shared
+    manager.start()
+    try:
+        results = {i: manager.get_result(i, timeout=120) for i in ids}
+        stats, cache = dict(manager.stats), manager.cache
+    finally:
+        manager.stop(block=True)
+    assert results[poison].status == RequestStatus.FAILED and "injected fault" in results[poison].error
+    for request_id, prompt in zip(ids, prompts):
+        if request_id != poison:
+            assert results[request_id].status == RequestStatus.FINISHED, results[request_id].error
+            assert results[request_id].generated_tokens == _alone(ref, prompt, new=8), request_id
+    assert stats["isolated_requests"] >= 2 and stats["failed_steps"] >= 3
+    # Isolation lasts until a request is fed past its failed step: the others then share steps again.
+    last_poisoned = max(i for i, step in enumerate(fed) if poison in step)
+    assert fed[last_poisoned] == {poison}, fed  # it failed in a step of its own
+    assert any(len(step) >= 2 for step in fed[last_poisoned + 1:]), fed
+    assert pools_full(cache)
+
+
 def test_a_sampled_request_run_again_after_a_failed_step_draws_the_same_tokens(family, monkeypatch):
     """A seeded, sampled request whose decode step fails once goes back to the queue and is fed again: its tokens
     equal a run without the fault (a draw depends on the seed and the token's index, not on what was drawn)."""
