@@ -12,10 +12,11 @@ process of its own instead (`engine_process.EngineProcess`, the same interface).
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import logging
-import uuid
 from collections.abc import Callable
+
+from .inflight import InFlight, News
 
 logger = logging.getLogger(__name__)
 
@@ -24,20 +25,20 @@ class EngineDead(RuntimeError):
     """The manager's loop died: no request can be served (the server answers 503)."""
 
 
-class Engine:
+class Engine(InFlight):
     kind = "in-process"
 
     def __init__(self, model, generation_config=None, continuous_batching_config=None, cache_dtypes=None):
+        InFlight.__init__(self)
         self.model = model
         self.generation_config = generation_config
         self.continuous_batching_config = continuous_batching_config
         self.cache_dtypes = cache_dtypes or {}  # kv_cache_dtype / index_cache_dtype (fp8 caches)
         self.manager = None
-        self.inflight: dict[str, Callable] = {}  # request id -> its handler, until its final result
-        self._ids = itertools.count()
-        self._prefix = uuid.uuid4().hex[:8]
         self.stopping = False
-        self.counts = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0}
+        # The manager's thread leaves each request's new tokens here; the event loop takes them all at once.
+        self.news = News(on_first=self._wake)
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
         """Build and start the manager (once: later calls change nothing)."""
@@ -85,46 +86,44 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def submit(self, prompt: list[int], handler: Callable, *, max_new_tokens: int, eos_token_id, sampling,
                seed: int | None, logprobs: bool, streaming: bool, media: dict | None = None) -> str:
-        """Queue one request; ``handler(output)`` gets its `GenerationOutput`s on the event loop (every token
+        """Queue one request; ``handler(result)`` gets its `inflight.Result`s on the event loop (every step's news
         when ``streaming``, else only the final one). A bad value raises `ValueError` and queues nothing."""
         self.check_alive()
-        request_id = f"{self._prefix}-{next(self._ids)}"
-
-        def deliver(output, request_id=request_id):
-            if output.is_finished() or output.error is not None:
-                if self.inflight.pop(request_id, None) is None:
-                    return  # already ended (cancelled and answered)
-                self._count(output)
-            elif request_id not in self.inflight:
-                return
-            handler(output)
-
-        self.inflight[request_id] = handler
-        self.manager.register_result_handler(request_id, deliver)
+        if self.loop is None:
+            try:
+                self.loop = asyncio.get_running_loop()
+            except RuntimeError:  # called outside a loop: results are handed out on the engine thread
+                pass
+        request_id = self.track(handler)
+        self.manager.register_result_handler(request_id, self.news.put, deltas=True)
         try:
             self.manager.add_request(prompt, request_id=request_id, max_new_tokens=max_new_tokens,
                                      streaming=streaming, eos_token_id=eos_token_id, sampling=sampling, seed=seed,
                                      logprobs=logprobs, **(media or {}))
         except BaseException:
-            self.inflight.pop(request_id, None)
+            self.untrack(request_id)
             self.manager.remove_result_handler(request_id)
             raise
-        self.counts["submitted"] += 1
+        self.queued()
         return request_id
+
+    def _wake(self) -> None:
+        """News came into an empty box (on the engine thread): the event loop takes it in one call."""
+        loop = self.loop
+        if loop is None:
+            self._hand_out()
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(self._hand_out)
+
+    def _hand_out(self) -> None:
+        for news in self.news.take():
+            self.deliver(*news)
 
     def cancel(self, request_id: str) -> None:
         """End a request in flight (its row is freed before the engine's next step); its handler gets nothing
         more."""
-        if self.inflight.pop(request_id, None) is not None:
-            self.counts["cancelled"] += 1
-            if self.manager is not None:
-                self.manager.cancel_request(request_id)
-
-    def cancel_all(self) -> int:
-        ids = list(self.inflight)
-        for request_id in ids:
-            self.cancel(request_id)
-        return len(ids)
+        if self.cancelled(request_id) and self.manager is not None:
+            self.manager.cancel_request(request_id)
 
     def stop(self, timeout: float = 2.0) -> None:
         """Cancel every request still in flight and stop the manager."""
@@ -132,9 +131,3 @@ class Engine:
         self.cancel_all()
         if self.manager is not None:
             self.manager.stop(block=True, timeout=timeout)
-
-    def _count(self, output) -> None:
-        if output.error is None:
-            self.counts["finished"] += 1
-        else:
-            self.counts["failed"] += 1

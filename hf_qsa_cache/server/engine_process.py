@@ -42,13 +42,13 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for
 
 from ..serving.requests import check_eos, check_max_new_tokens, check_media, check_options, check_prompt
 from .engine import EngineDead
+from .inflight import InFlight, News
 
 logger = logging.getLogger(__name__)
 
@@ -79,35 +79,8 @@ class EngineSettings:
     log_level: int = logging.WARNING
 
 
-class Result:
-    """One request's news as its handler gets it: the names `text.Choice.update` reads of transformers'
-    `GenerationOutput`. ``generated_tokens`` and ``logprobs`` are the request's own lists, not copies (a copy per
-    step would cost the event loop every token so far): they only grow, so a handler that reads them later sees
-    the same tokens and perhaps the next ones."""
-
-    __slots__ = ("request_id", "generated_tokens", "logprobs", "error", "finished")
-
-    def __init__(self, request_id: str, generated_tokens: list[int], logprobs: list[float], error: str | None,
-                 finished: bool):
-        self.request_id, self.generated_tokens, self.logprobs = request_id, generated_tokens, logprobs
-        self.error, self.finished = error, finished
-
-    def is_finished(self) -> bool:
-        """Done, by eos, length or failure (as `GenerationOutput.is_finished`)."""
-        return self.finished
-
-
-class _Request:
-    """A request in flight, on the server's side: its handler and its tokens (and log-probabilities) so far."""
-
-    __slots__ = ("handler", "tokens", "logprobs")
-
-    def __init__(self, handler: Callable):
-        self.handler, self.tokens, self.logprobs = handler, [], []
-
-
 # ----------------------------------------------------------------------------- the server's side
-class EngineProcess:
+class EngineProcess(InFlight):
     kind = "process"
 
     def __init__(self, settings: EngineSettings, config):
@@ -125,13 +98,10 @@ class EngineProcess:
         self._fds: tuple[int, int] | None = None  # (pipe, sentinel) while the loop reads them
         self.max_len: int | None = None  # the cache's max_cache_len, as the child reports it when ready
         self.fatal_error: str | None = None  # why the engine cannot serve (its process died, its loop failed)
-        self.inflight: dict[str, _Request] = {}  # until its final result (or its cancel)
-        self._ids = itertools.count()
-        self._prefix = uuid.uuid4().hex[:8]
+        InFlight.__init__(self)
         self._health: dict[int, asyncio.Future] = {}  # /health questions waiting for the child's answer
         self._tokens = itertools.count()
         self.stopping = False
-        self.counts = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -273,33 +243,25 @@ class EngineProcess:
         check_max_new_tokens(max_new_tokens)
         check_eos(eos_token_id)
         check_options(sampling, seed, logprobs)
-        request_id = f"{self._prefix}-{next(self._ids)}"
         options = {"max_new_tokens": max_new_tokens, "eos_token_id": eos_token_id, "sampling": sampling,
                    "seed": seed, "logprobs": logprobs, "streaming": streaming}
-        self.inflight[request_id] = _Request(handler)
+        request_id = self.track(handler)
         try:
             self._send(("submit", request_id, prompt, options, media))
         except BaseException:
-            self.inflight.pop(request_id, None)
+            self.untrack(request_id)
             raise
-        self.counts["submitted"] += 1
+        self.queued()
         return request_id
 
     def cancel(self, request_id: str) -> None:
         """End a request in flight (the child frees its row before its next step); its handler gets nothing
         more."""
-        if self.inflight.pop(request_id, None) is not None:
-            self.counts["cancelled"] += 1
+        if self.cancelled(request_id):
             try:
                 self._send(("cancel", request_id))
             except EngineDead:  # the child is gone: nothing runs
                 pass
-
-    def cancel_all(self) -> int:
-        ids = list(self.inflight)
-        for request_id in ids:
-            self.cancel(request_id)
-        return len(ids)
 
     def _send(self, message) -> None:
         try:
@@ -319,8 +281,8 @@ class EngineProcess:
     def handle(self, message) -> None:
         kind = message[0]
         if kind == "results":
-            for request_id, tokens, logprobs, finished, error in message[1]:
-                self._deliver(request_id, tokens, logprobs, finished, error)
+            for news in message[1]:
+                self.deliver(*news)
         elif kind == "health":
             future = self._health.pop(message[1], None)
             if future is not None and not future.done():
@@ -328,21 +290,6 @@ class EngineProcess:
         elif kind == "fatal":
             self.fatal_error = message[1]
             logger.error("the engine stopped: %s", message[1])
-
-    def _deliver(self, request_id: str, tokens: list[int], logprobs: list[float], finished: bool,
-                 error: str | None) -> None:
-        request = self.inflight.get(request_id)
-        if request is None:
-            return  # cancelled: its handler gets nothing more
-        request.tokens += tokens
-        request.logprobs += logprobs
-        if finished:
-            del self.inflight[request_id]
-            self.counts["finished" if error is None else "failed"] += 1
-        try:
-            request.handler(Result(request_id, request.tokens, request.logprobs, error, finished))
-        except Exception as failure:  # a handler's failure is its own: the others go on
-            logger.error("the result handler of request %s failed: %s", request_id, failure, exc_info=True)
 
     def _lost(self) -> None:
         """The child is gone (its sentinel fired or its pipe ended): every request in flight fails."""
@@ -355,7 +302,7 @@ class EngineProcess:
         self.fatal_error = f"{reason}" if self.fatal_error is None else f"{self.fatal_error}; {reason}"
         logger.error("the engine stopped: %s; failing %d request(s) in flight", reason, len(self.inflight))
         for request_id in list(self.inflight):
-            self._deliver(request_id, [], [], True, self.fatal_error)
+            self.deliver(request_id, [], [], True, self.fatal_error)
         self._answer_health()
 
 
@@ -380,22 +327,13 @@ class Outbox:
     def __init__(self, conn):
         self.conn = conn
         self.ready = threading.Condition()
-        self.news: dict[str, list] = {}  # request id -> [new tokens, new logprobs, finished, error]
+        self.news = News(on_first=self._wake)
+        self.put = self.news.put  # the manager's delta handler (engine thread): a request's news since its last
         self.messages: list = []  # other messages, in order
         self.closed = False
 
-    def put(self, request_id: str, tokens: list[int], logprobs: list[float], finished: bool,
-            error: str | None) -> None:
-        """A request's news: its tokens (and log-probabilities) since its previous news (the manager's delta
-        handler, called on the engine thread)."""
+    def _wake(self) -> None:
         with self.ready:
-            news = self.news.get(request_id)
-            if news is None:
-                self.news[request_id] = [tokens, logprobs, finished, error]
-            else:  # its previous delta is not sent yet: one delta for both
-                news[0] += tokens
-                news[1] += logprobs
-                news[2], news[3] = finished, error
             self.ready.notify()
 
     def post(self, message) -> None:
@@ -406,12 +344,12 @@ class Outbox:
     def take(self, timeout: float | None = None) -> list:
         """What is to be sent now (waiting up to ``timeout`` seconds for something): the results first."""
         with self.ready:
-            if not (self.news or self.messages or self.closed):
+            if not (self.news.news or self.messages or self.closed):
                 self.ready.wait(timeout)
             out = []
-            if self.news:
-                out.append(("results", [(request_id, *news) for request_id, news in self.news.items()]))
-                self.news = {}
+            results = self.news.take()
+            if results:
+                out.append(("results", results))
             out += self.messages
             self.messages = []
             return out

@@ -153,3 +153,72 @@ def test_a_checkpoint_the_child_cannot_load_is_an_engine_dead_naming_why(tmp_pat
     assert server.process.exitcode == 1
     with pytest.raises(EngineDead):
         server.check_alive()
+
+
+class StandInManager:
+    """What `Engine` calls on a manager; its delta handlers are called by the test, as the engine thread would."""
+
+    def __init__(self):
+        self.handlers, self.cancelled = {}, []
+        self.background_thread_status = type("Status", (), {"fatal_error": None})()
+
+    def is_running(self) -> bool:
+        return True
+
+    def register_result_handler(self, request_id, callback, deltas=False):
+        assert deltas  # no GenerationOutput is built per token for the server
+        self.handlers[request_id] = callback
+
+    def add_request(self, prompt, request_id, **options):
+        pass
+
+    def cancel_request(self, request_id):
+        self.cancelled.append(request_id)
+
+
+def test_the_in_process_engine_hands_every_requests_news_out_on_the_loop_at_once():
+    """`Engine` (the engine in the server's process) takes deltas: news the engine thread leaves for several
+    requests before the loop looks reaches each handler in one hand-out, on the loop's thread, as the tokens so far;
+    a cancelled request's news reaches nobody."""
+    import asyncio
+    import threading
+
+    from hf_qsa_cache.server.engine import Engine
+
+    server = Engine(model=None)
+    server.manager = StandInManager()
+    seen: dict[str, list] = {}
+    threads = set()
+
+    def handler(result):
+        threads.add(threading.get_ident())
+        seen.setdefault(result.request_id, []).append((list(result.generated_tokens), result.is_finished()))
+
+    async def run():
+        ids = [server.submit([5, 6], handler, max_new_tokens=4, eos_token_id=[1], sampling=None, seed=None,
+                             logprobs=False, streaming=True) for _ in range(3)]
+        put = server.manager.handlers
+
+        def engine_thread():  # two steps before the loop looks: one delta each, every request in one hand-out
+            for rid, tokens in zip(ids, ([3], [4], [8])):
+                put[rid](rid, tokens, [], False, None)
+            put[ids[0]](ids[0], [9, 1], [], True, None)
+            put[ids[1]](ids[1], [7], [], False, None)
+
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        thread.join()
+        await asyncio.sleep(0.05)
+        server.cancel(ids[2])
+        put[ids[2]](ids[2], [2], [], True, None)
+        put[ids[1]](ids[1], [1], [], True, "boom")
+        await asyncio.sleep(0.05)
+        return ids, threading.get_ident()
+
+    ids, loop_thread = asyncio.run(run())
+    assert seen[ids[0]] == [([3, 9, 1], True)]
+    assert seen[ids[1]] == [([4, 7], False), ([4, 7, 1], True)]
+    assert seen[ids[2]] == [([8], False)]
+    assert threads == {loop_thread}
+    assert server.inflight == {} and server.manager.cancelled == [ids[2]]
+    assert server.counts == {"submitted": 3, "finished": 1, "failed": 1, "cancelled": 1}
