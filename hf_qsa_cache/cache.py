@@ -35,7 +35,8 @@ from .rollback import crop_rows
 from .rows import Rows, move_rows, select_rows
 from .validation import check_continues, check_model, check_request
 from .step import (
-    ForwardScope, MetadataSlot, Step, UndoCopies, forward_scope, graph_step_metadata, plan_step, transaction, why_not_fits,
+    ForwardScope, MetadataSlot, RowGroup, Step, UndoCopies, forward_scope, graph_step_metadata, group_counts, plan_step,
+    transaction, why_not_fits,
 )
 from .stores.layer_state import LayerState
 from .stores.token_log import TokenLog
@@ -260,6 +261,21 @@ class QSAPagedCache(Cache):
             meta = step.build_metadata(device)
             self.log_tokens(meta, input_ids)
             yield meta
+
+    @contextlib.contextmanager
+    def grouped_step(self, groups: list[RowGroup], counts: list[int], device: torch.device,
+                     input_ids: list[torch.Tensor | None] | None = None):
+        """``with cache.grouped_step(groups, counts, device) as metas:`` one step over rows placed by `move_rows`,
+        run as consecutive rectangles of rows (`hf_qsa_cache.step.RowGroup`; row ``b`` takes ``counts[b]`` real
+        tokens, in its group's last columns): one metadata per group, each group's layers run under
+        ``cache.replaying(metas[i])``. A transaction as `step` is. ``input_ids``: each group's ``[rows, query_len]``
+        ids, logged for `check_continues`."""
+        batch_size = group_counts(self, groups, counts)
+        with self.transaction(batch_size, max(g.query_len for g in groups), None, counts=counts) as step:
+            metas = step.build_group_metadata(groups, device)
+            for meta, ids in zip(metas, input_ids or [None] * len(metas)):
+                self.token_log.write(meta.position, meta.token_row + meta.row_offset, ids)
+            yield metas
 
     def graph_step_metadata(self, lengths: torch.Tensor, query_len: int,
                             block_tables: dict[str, torch.Tensor] | None = None, reach: int | None = None

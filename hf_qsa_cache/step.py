@@ -3,8 +3,10 @@
 A step is planned (`plan_step`: validation, nothing changes), begun (blocks reserved, rows advanced, the
 state it overwrites in place copied aside), and ends with exactly one of `Step.commit` or `Step.abort`.
 A plan is a list of pieces, one ``(row, start, count)`` span of real tokens per row; the steps of
-`generate()` and of the continuous-batching loop are rectangles (rows ``0 .. B-1``, ``L`` columns each,
-left-padded), the shape the step metadata is built for today.
+`generate()` are rectangles (rows ``0 .. B-1``, ``L`` columns each, left-padded), the shape the step metadata
+is built for. A *grouped* step (continuous batching: decoding rows one token each beside prefill chunks) is a
+list of such rectangles over consecutive rows (`RowGroup`), its tokens one rectangle after the other; it is
+planned and taken back as one step, and its metadata is one per group.
 
 What a step changes, and its one way back:
 
@@ -49,6 +51,29 @@ class Piece:
     row: int
     start: int
     count: int
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Rows ``first .. first + rows - 1`` of a grouped step, ``query_len`` columns each (a row's real tokens in
+    its last columns). A grouped step's tokens are its groups' rectangles one after the other, row-major."""
+
+    first: int
+    rows: int
+    query_len: int
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.query_len
+
+
+def row_groups(shape: list[tuple[int, int]]) -> list[RowGroup]:
+    """``[(rows, query_len), ...]`` as `RowGroup`s over consecutive rows from row 0."""
+    groups, first = [], 0
+    for rows, query_len in shape:
+        groups.append(RowGroup(first, int(rows), int(query_len)))
+        first += int(rows)
+    return groups
 
 
 @dataclass(frozen=True)
@@ -147,8 +172,29 @@ def why_not_fits(cache, new_lengths: list[int], what: str = "this step") -> str 
     return None
 
 
-def plan_step(cache, batch_size: int, query_len: int, attention_mask: torch.Tensor | None) -> StepPlan:
-    """Validate a forward of ``[batch_size, query_len]`` tokens on ``cache`` and plan it; changes nothing."""
+def group_counts(cache, groups: list[RowGroup], counts: list[int]) -> int:
+    """Check a grouped step's shape (`QSAPagedCache.grouped_step`); its rows."""
+    if not cache.rows.managed:
+        raise ValueError("a grouped step runs on rows placed with move_rows (continuous batching)")
+    first = 0
+    for g in groups:
+        if g.first != first or g.rows < 1 or g.query_len < 1:
+            raise ValueError(f"row groups must cover rows 0, 1, ... in order, each with at least one row and one "
+                             f"column; got {groups}")
+        first += g.rows
+    if len(counts) != first:
+        raise ValueError(f"the groups cover {first} rows, {len(counts)} counts given")
+    for g in groups:
+        for b in range(g.first, g.first + g.rows):
+            if not 1 <= counts[b] <= g.query_len:
+                raise ValueError(f"row {b} takes {counts[b]} tokens in a group of {g.query_len} columns")
+    return first
+
+
+def plan_step(cache, batch_size: int, query_len: int, attention_mask: torch.Tensor | None,
+              counts: list[int] | None = None) -> StepPlan:
+    """Validate a forward of ``[batch_size, query_len]`` tokens on ``cache`` and plan it; changes nothing.
+    ``counts``: each row's real tokens, given (a grouped step) instead of read from ``attention_mask``."""
     cache.check_usable()
     rows = cache.rows
     if query_len < 1 or batch_size < 1:
@@ -162,7 +208,9 @@ def plan_step(cache, batch_size: int, query_len: int, attention_mask: torch.Tens
         raise ValueError(
             f"the cache holds a batch of {rows.count} rows in flight, got {batch_size}; call reset() first"
         )
-    plan = StepPlan(query_len, rows.lengths[:batch_size], row_counts(rows, batch_size, query_len, attention_mask))
+    if counts is None:
+        counts = row_counts(rows, batch_size, query_len, attention_mask)
+    plan = StepPlan(query_len, rows.lengths[:batch_size], counts)
     lost = [b for b, n in enumerate(plan.counts) if n and rows.lost[b]]
     if lost:
         raise ValueError(
@@ -226,6 +274,28 @@ class Step:
                                    plan.prev, plan.counts)
         cache.metadata.set(meta, device)
         return meta
+
+    def build_group_metadata(self, groups: list[RowGroup], device: torch.device) -> list[StepMetadata]:
+        """One metadata per group of a grouped step (its rows numbered from 0, `StepMetadata.row_offset` its first
+        cache row: stores with per-row state are read from there, `Store.rows_from`). The first is set as the
+        step's; each group's layers run under ``cache.replaying(its metadata)``."""
+        cache, plan = self.cache, self.plan
+        device = canonical_device(device)
+        lengths = int_tensor([plan.prev, plan.counts], torch.int32)  # one host-to-device copy a step
+        if device.type == "cuda":
+            lengths = lengths.to(device, non_blocking=True)
+        tables = {name: t.device_table(plan.rows, device) for name, t in cache.tables.items()}
+        block_sizes = {name: t.block_size for name, t in cache.tables.items()}
+        metas = []
+        for g in groups:
+            rows = slice(g.first, g.first + g.rows)
+            meta = build_step_metadata(lengths[0, rows], lengths[1, rows], g.query_len,
+                                       {name: t[rows].contiguous() for name, t in tables.items()}, block_sizes,
+                                       cache.qsa, plan.prev[rows], plan.counts[rows])
+            meta.row_offset = g.first
+            metas.append(meta)
+        cache.metadata.set(metas[0], device)
+        return metas
 
     def rows_saved(self, rows: int) -> None:
         """``rows`` rows of in-place state were copied aside: an abort copies them back."""
@@ -302,7 +372,7 @@ class ForwardScope:
 
 @contextlib.contextmanager
 def transaction(cache, batch_size: int, query_len: int, attention_mask: torch.Tensor | None, copy_rows: bool = True,
-                rope_deltas: list[int | None] | None = None):
+                rope_deltas: list[int | None] | None = None, counts: list[int] | None = None):
     """``with transaction(cache, B, L, mask) as step:`` one step of ``cache``, as a transaction.
 
     Validates first (`plan_step`: nothing changes on error), then begins the `Step` (``step.prev``: each row's
@@ -317,7 +387,7 @@ def transaction(cache, batch_size: int, query_len: int, attention_mask: torch.Te
     scope = cache._scope
     if scope is not None:
         scope.land_pending()  # the previous chunk of this forward lands first
-    plan = plan_step(cache, batch_size, query_len, attention_mask)
+    plan = plan_step(cache, batch_size, query_len, attention_mask, counts)
     if cache.prefix is not None:  # idle cached blocks the step needs go back to the pools before it begins
         cache.prefix.make_room_for(plan.new_lengths)
     step = cache._open = Step(cache, plan)
@@ -402,7 +472,7 @@ class MetadataSlot:
             yield
             return
         saved = self.current, self._by_device
-        self.current, self._by_device = meta, {}
+        self.current, self._by_device = meta, {canonical_device(meta.position.device): meta}
         try:
             yield
         finally:

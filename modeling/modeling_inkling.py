@@ -43,6 +43,7 @@ from hf_qsa_cache.cuda_graphs import decode_graphs_for
 from hf_qsa_cache.generation import (
     PagedCacheGenerationMixin, check_token_ids, forward_cache, lands_whole,
 )
+from hf_qsa_cache.grouped import GroupPart, group_parts, per_group
 from hf_qsa_cache.metadata import StepMetadata
 from hf_qsa_cache.padding import on_output_path, runs_any_padding
 from hf_qsa_cache.serving import ContinuousBatchingMixin
@@ -55,6 +56,7 @@ from hf_qsa_cache.ops.experts import default_experts_implementation
 from hf_qsa_cache.ops.moe import inkling_moe
 from hf_qsa_cache.ops.rms_norm import defers_residual, normed_embedding
 from hf_qsa_cache.ops.sconv import ConvTaps, short_conv
+from hf_qsa_cache.step import RowGroup
 from hf_qsa_cache.stores.inkling import STREAM_ATTN, STREAM_K, STREAM_MLP, STREAM_V
 
 from .checkpoints import StrictLoadingMixin, use_upstream_conversions
@@ -230,6 +232,23 @@ class InklingPagedDecoderLayer(GradientCheckpointingLayer):
         return (out, residual) if defer_residual else residual + self.mlp_sconv(out, cache, meta)
 
 
+    def forward_grouped(self, hidden_states: torch.Tensor, parts: list[GroupPart], cache: QSAPagedCache,
+                        residual: torch.Tensor | None, pending_conv: InklingPagedShortConvolution | None):
+        """The layer on a grouped step's ``[1, T, H]`` (`hf_qsa_cache.grouped`): the convolutions and the attention
+        one group at a time, the MLP over every token at once. Returns ``(MLP output before its conv, residual)``:
+        its conv and sum are left to the next norm (as ``defer_residual``)."""
+        cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype)
+
+        def mixer(part, h, r):
+            meta = part.meta
+            r, normed = conv_add_norm(pending_conv, h, r, self.input_layernorm, cache, meta)
+            attn = self.self_attn(normed, cache, meta)
+            return conv_add_norm(self.attn_sconv, attn, r, self.post_attention_layernorm, cache, meta)
+
+        residual, normed = per_group(cache, parts, mixer, hidden_states, residual)
+        return self.mlp(normed), residual
+
+
 class InklingPagedPreTrainedModel(StrictLoadingMixin, InklingPreTrainedModel):
     config_class = InklingTextConfig
     config: InklingTextConfig
@@ -381,6 +400,28 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         return conv_add_norm(pending_conv, hidden_states, residual, self.norm, cache, meta)[1]
 
 
+    def forward_grouped(self, input_ids: torch.Tensor, cache: QSAPagedCache, groups: list[RowGroup],
+                        counts: list[int]) -> torch.Tensor:
+        """The final-normed hidden state ``[1, T, H]`` of a grouped step (`hf_qsa_cache.grouped`: ``input_ids``
+        ``[1, T]``, the groups' rectangles one after the other; row ``b`` takes ``counts[b]`` real tokens). Text
+        only, no extra outputs."""
+        check_token_ids(input_ids, self.config.vocab_size)
+        embeds = self.embed(input_ids)
+        cache.check_model(self.config, embeds.dtype)
+        logged, start = [], 0
+        for g in groups:
+            logged.append(input_ids[0, start:start + g.tokens].view(g.rows, g.query_len))
+            start += g.tokens
+        with cache.grouped_step(groups, counts, embeds.device, logged) as metas:
+            parts = group_parts(metas, groups)
+            hidden_states, residual, pending_conv = embeds, None, None
+            for layer in self.layers:
+                hidden_states, residual = layer.forward_grouped(hidden_states, parts, cache, residual, pending_conv)
+                pending_conv = layer.mlp_sconv
+            return per_group(cache, parts, lambda part, h, r: conv_add_norm(pending_conv, h, r, self.norm, cache,
+                                                                             part.meta)[1], hidden_states, residual)
+
+
 class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, PagedCacheGenerationMixin,
                          GenerationMixin):
     _tied_weights_keys = {}
@@ -447,6 +488,10 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, P
             router_logits=outputs.router_logits if output_router_logits else None,
         )
         return out if return_dict is not False else out.to_tuple()
+
+    def grouped_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits of a grouped step's last hidden states (`hf_qsa_cache.grouped.grouped_logits`)."""
+        return self._logits(hidden_states)
 
     def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         config = self.language_model.config

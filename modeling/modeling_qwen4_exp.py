@@ -32,7 +32,9 @@ from hf_qsa_cache.cuda_graphs import decode_graphs_for
 from hf_qsa_cache.generation import (
     PagedCacheGenerationMixin, check_token_ids, forward_cache, lands_whole,
 )
+from hf_qsa_cache.grouped import GroupPart, group_parts, per_group
 from hf_qsa_cache.padding import on_output_path, runs_any_padding
+from hf_qsa_cache.step import RowGroup
 from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops import hyper_connection, records_grad
 from hf_qsa_cache.ops.gated_delta import recurrence, short_conv
@@ -85,7 +87,8 @@ class PagedQSAAttention(upstream.Qwen4ExpTextAttention):
         q_index = norm_rope(idx.q_layernorm, q_index.view(n, idx.index_n_heads, idx.index_head_dim), cos, sin)
 
         selected = qsa_index_step(
-            q_index, raw_keys, positions3, meta, layer.index, main.block_size, idx.block_topk,
+            q_index, raw_keys, positions3, meta, layer.index.rows_from(meta.row_offset), main.block_size,
+            idx.block_topk,
             finish_group=lambda pooled, first_pos: self._finish_group(pooled, first_pos, meta), writes=writes,
         )
         pages, scales = (layer.kv.keys, layer.kv.values), layer.kv.scales()  # scales: an fp8 store's, else {}
@@ -142,7 +145,9 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
     @force_accelerate_hooks("conv1d")  # its weight is read directly; offloading hooks must load it first
     def forward(self, hidden_states, valid, cache: QSAPagedCache):
         B, L, _ = hidden_states.shape
-        state = cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype).linear
+        meta = cache.step_metadata(hidden_states.device)
+        layer = cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype)
+        state = layer.linear.rows_from(meta.row_offset)  # this step's (or row group's) rows from its row 0
         # Pads read as zeros (their projections are zeros), in the fused projections' loads.
         mixed_qkv, z, b, a = project(hidden_states, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a,
                                      keep=valid)
@@ -151,7 +156,6 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
 
         # Causal depthwise conv over [last K-1 inputs | this step's real inputs] (pads are zero and moved
         # in front of the kept inputs).
-        meta = cache.step_metadata(hidden_states.device)
         weight = self.conv1d.weight.squeeze(1)
         kept = step_history(cache, state, hidden_states.device, B, L)  # rollback ring (speculative decoding)
         mixed_qkv, one_step = short_conv(state, mixed_qkv, weight, self.activation, meta.leading_pads(),
@@ -189,9 +193,10 @@ class PagedPLELayer(upstream.Qwen4ExpTextPLELayer):
 
     def forward(self, hidden_states, input_ids, valid, cache: QSAPagedCache):
         B, L, _ = hidden_states.shape
-        state = cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype).linear
-        kept = step_history(cache, state, hidden_states.device, B, L)  # rollback ring (speculative decoding)
         meta = cache.step_metadata(hidden_states.device)
+        layer = cache.ensure_allocated(self.layer_idx, hidden_states.device, hidden_states.dtype)
+        state = layer.linear.rows_from(meta.row_offset)  # this step's (or row group's) rows from its row 0
+        kept = step_history(cache, state, hidden_states.device, B, L)  # rollback ring (speculative decoding)
         # The lookup and the gating in one launch each where fused (hf_qsa_cache.ops.ple).
         history = self._ngram_history(input_ids, state, kept, meta)
         return ple_layer(self, history, hidden_states, valid, state, kept, meta)
@@ -261,6 +266,26 @@ class Qwen4ExpTextDecoderLayer(upstream.Qwen4ExpTextDecoderLayer):
         return add_injection(hyper_input, out, inject)
 
 
+    def forward_grouped(self, hidden_states, parts: list[GroupPart], cache, residual=None):
+        """The layer on a grouped step's streams ``[1, T, hc * H]`` (`hf_qsa_cache.grouped`): PLE and the mixer
+        (attention or GatedDeltaNet) one group at a time, the rest over every token at once. Returns ``(streams,
+        (out, inject))``, this layer's MoE residual left to the next layer (`defers_residual`)."""
+        if self.ple is not None:
+            if residual is not None:
+                hidden_states, residual = add_injection(hidden_states, *residual), None
+            hidden_states = hidden_states + per_group(
+                cache, parts, lambda part, h: self.ple(h, part.extra["ple_ids"], part.extra["valid"], cache),
+                hidden_states)
+        block_input, hyper_input, inject = gated_residual(self.attn_hyper_connection, hidden_states, residual)
+        if self.layer_type == "linear_attention":
+            out = per_group(cache, parts, lambda part, x: self.linear_attn(x, part.extra["valid"], cache), block_input)
+        else:
+            out = per_group(cache, parts, lambda part, x: self.self_attn(
+                x, part.extra["cos"], part.extra["sin"], part.extra["positions3"], cache), block_input)
+        block_input, hyper_input, inject = gated_residual(self.mlp_hyper_connection, hyper_input, (out, inject))
+        return hyper_input, (self.mlp(block_input), inject)
+
+
 def defers_residual(layer: Qwen4ExpTextDecoderLayer, streams: torch.Tensor) -> bool:
     """Whether the layer loop leaves ``layer``'s MoE residual for the next layer's fused norm to add (one launch
     a layer less): with the ``hc`` fusion on, autograd not recording (the fused norm runs only then, and
@@ -307,8 +332,9 @@ def _positions3(position_ids, meta, B: int, L: int, cache: QSAPagedCache) -> tor
     if position_ids is not None:
         return step_position_ids(position_ids, B, L)
     position = meta.position.clamp_min(0)
-    if any(cache.rope_deltas[:B]):
-        deltas = torch.tensor(cache.rope_deltas[:B], dtype=position.dtype).to(position.device, non_blocking=True)
+    if any(cache.rope_deltas[meta.rows]):
+        deltas = torch.tensor(cache.rope_deltas[meta.rows], dtype=position.dtype).to(position.device,
+                                                                                    non_blocking=True)
         position = position + deltas[meta.token_row.long()]
     return position.view(1, B, L).expand(3, B, L)
 
@@ -423,6 +449,36 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         return gated_residual(self.hyper_connection_mixer, hidden_states, residual)[0]
 
 
+    def forward_grouped(self, input_ids: torch.Tensor, cache: QSAPagedCache, groups: list[RowGroup],
+                        counts: list[int]) -> torch.Tensor:
+        """The last hidden state ``[1, T, H]`` of a grouped step (`hf_qsa_cache.grouped`: ``input_ids`` ``[1, T]``,
+        the groups' rectangles one after the other; row ``b`` takes ``counts[b]`` real tokens). Text only, no
+        extra outputs."""
+        check_token_ids(input_ids, self.config.vocab_size)
+        embeds = self.embed_tokens(input_ids)
+        cache.check_model(self.config, embeds.dtype)
+        logged, start = [], 0
+        for g in groups:
+            logged.append(input_ids[0, start:start + g.tokens].view(g.rows, g.query_len))
+            start += g.tokens
+        with cache.grouped_step(groups, counts, embeds.device, logged) as metas:
+            parts = group_parts(metas, groups)
+            for part in parts:  # what every layer of a group reads, computed once
+                meta, B, L = part.meta, part.rows, part.query_len
+                valid = meta.valid.view(B, L)
+                positions3 = _positions3(None, meta, B, L, cache)
+                cos, sin = self.rotary_emb(part.view(embeds), positions3)
+                ple_ids = torch.where(valid, part.view(input_ids), _eos_id(self.config)) \
+                    if self.config.ple_layer_ids else None
+                part.extra.update(valid=valid, cos=cos, sin=sin, positions3=positions3.reshape(3, -1).t(),
+                                  ple_ids=ple_ids)
+            hidden_states = embeds.repeat(1, 1, self.config.hc_count)
+            residual = None
+            for layer in self.layers[: self.config.num_hidden_layers]:
+                hidden_states, residual = layer.forward_grouped(hidden_states, parts, cache, residual)
+            return gated_residual(self.hyper_connection_mixer, hidden_states, residual)[0]
+
+
 class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, ContinuousBatchingMixin, PagedCacheGenerationMixin, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -485,6 +541,10 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, ContinuousBatchingMixin, Page
             loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states, attentions=outputs.attentions, router_logits=outputs.router_logits,
         )
+
+    def grouped_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits of a grouped step's last hidden states (`hf_qsa_cache.grouped.grouped_logits`)."""
+        return self.lm_head(hidden_states)
 
     _decode_uses_position_ids = True  # the CUDA-graph decode step keeps a position buffer
     step_positions = staticmethod(step_position_ids)  # what it writes there from a caller's position_ids

@@ -50,6 +50,15 @@ class StepMetadata:
     # the step's reach in a CUDA graph (`cuda_graphs.reach_bucket`). Shapes that grow with context are
     # sized from it.
     max_seq_len: int
+    # A grouped step (`hf_qsa_cache.step.RowGroup`) runs its groups of rows one rectangle at a time: this metadata's
+    # rows are the group's own (0 .. num_rows - 1), and they are cache rows ``row_offset ..``. Per-row state read
+    # by row index (recurrent state, windows, the QSA ring) is addressed from there; block tables are the group's.
+    row_offset: int = 0
+
+    @property
+    def rows(self) -> slice:
+        """The cache rows this metadata's rows are."""
+        return slice(self.row_offset, self.row_offset + self.num_rows)
 
     def derived(self, key, make):
         """``make()``, computed once per step for ``key`` and shared by every layer that asks (index tensors

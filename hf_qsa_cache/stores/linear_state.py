@@ -12,6 +12,8 @@ ring row absorbs pad writes.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .base import Store, tensor_bytes
@@ -61,6 +63,18 @@ class LinearAttentionState(Store):
     def deallocate(self) -> None:
         self.conv = self.recurrent = self.ple_conv = self.ngram_ids = None
         self.rings = {}
+
+    def rows_from(self, first: int) -> "LinearAttentionState":
+        """This store seen from cache row ``first`` on (a group of a grouped step: its row 0 is row ``first``): the
+        same memory, every per-row tensor and ring viewed from there."""
+        if not first:
+            return self
+        view = copy.copy(self)
+        view.max_rows = self.max_rows - first  # the rings' spare row stays where it is
+        for name, t in self._live().items():
+            setattr(view, name, t[first:])
+        view.rings = {name: ring[first * self.history:] for name, ring in self.rings.items()}
+        return view
 
     def _live(self) -> dict[str, torch.Tensor]:
         named = {"conv": self.conv, "recurrent": self.recurrent, "ple_conv": self.ple_conv, "ngram_ids": self.ngram_ids}

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..ops.fp8 import FP8, SCALE_DTYPE, fp8_zeros
@@ -79,6 +81,17 @@ class QSAIndexStore(Store):
             else:
                 self.compressed = grown_pool(self.compressed, num_blocks)
         self.num_blocks = max(num_blocks, self.num_blocks)
+
+    def rows_from(self, first: int) -> "QSAIndexStore":
+        """This store seen from cache row ``first`` on (a group of a grouped step): its ring viewed from that row's
+        entries (the spare ring stays where it is); the compressed keys are paged, the same for every row."""
+        if not first:
+            return self
+        view = copy.copy(self)
+        view.max_rows = self.max_rows - first
+        view.ring_keys = self.ring_keys[first * self.capacity:]
+        view.ring_positions = self.ring_positions[first * self.capacity:]
+        return view
 
     def ring_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Ring rows of a step's tokens from their ring slots (`StepMetadata.ring_slot`; -1: the trash row)."""

@@ -1,0 +1,85 @@
+"""Grouped steps (`hf_qsa_cache.grouped`): rows of one step in consecutive rectangles of their own lengths, decoding
+rows one token each beside prefill chunks of others. Every token's logits equal transformers' own model on that
+row's sequence alone (fp32, CPU), under random schedules: chunks that end inside QSA groups, Inkling windows and
+conv spans, rows fed one token beside rows fed eight, groups of several rows with left pads."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers.serving import FAMILIES, family_pair
+
+from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache.grouped import grouped_logits
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return (request.param, *family_pair(request.param))
+
+
+def _reference_logits(ref, sequence: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return ref(input_ids=torch.tensor([sequence])).logits[0]
+
+
+def _schedule(rng: random.Random, fed: list[int], total: list[int]):
+    """One grouped step: rows fed one token (a run of them makes one group), rows fed a chunk (alone, or two
+    neighbours in one group of the longer chunk, the shorter left-padded)."""
+    chunks = [min(total[b] - fed[b], 1 if rng.random() < 0.4 else rng.randint(2, 8)) for b in range(len(fed))]
+    shape, counts, b = [], [], 0
+    while b < len(fed):
+        if chunks[b] == 1:
+            run = 1
+            while b + run < len(fed) and chunks[b + run] == 1:
+                run += 1
+            shape.append((run, 1))
+            counts += [1] * run
+        elif b + 1 < len(fed) and chunks[b + 1] > 1 and rng.random() < 0.5:
+            run = 2
+            shape.append((2, max(chunks[b], chunks[b + 1])))
+            counts += chunks[b:b + 2]
+        else:
+            run = 1
+            shape.append((1, chunks[b]))
+            counts.append(chunks[b])
+        b += run
+    return shape, counts
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_token_of_random_grouped_steps_equals_transformers_alone(family, seed):
+    name, ref, ours = family
+    rng = random.Random(seed)
+    rows = 4
+    steps = 7
+    total = [rng.randint(steps, 40) for _ in range(rows)]
+    sequences = [[rng.randrange(1, 90) for _ in range(n)] for n in total]
+    expected = [_reference_logits(ref, s) for s in sequences]
+    cache = QSAPagedCache(ours.config, max_batch_size=rows, max_cache_len=48, block_size=4)
+    cache.move_rows([-1] * rows)
+    fed = [0] * rows
+    for _ in range(steps):
+        if min(t - f for t, f in zip(total, fed)) == 0:
+            break
+        shape, counts = _schedule(rng, fed, total)
+        ids, keep, where = [], [], []
+        start = b = 0
+        for group_rows, length in shape:
+            for r in range(b, b + group_rows):
+                pads = length - counts[r]
+                tokens = sequences[r][fed[r]:fed[r] + counts[r]]
+                ids += [0] * pads + tokens
+                keep += range(start + pads, start + length)
+                where += [(r, fed[r] + j) for j in range(counts[r])]
+                start += length
+            b += group_rows
+        logits = grouped_logits(ours, cache, shape, counts, torch.tensor([ids]), torch.tensor(keep))
+        got = {rw: logits[i] for i, rw in enumerate(where)}
+        for (r, position), value in got.items():
+            torch.testing.assert_close(value, expected[r][position], atol=2e-4, rtol=2e-4,
+                                       msg=lambda m, r=r, p=position, s=shape: f"row {r} position {p}, step {s}: {m}")
+        fed = [f + c for f, c in zip(fed, counts)]
+    assert cache.lengths[:rows] == fed and sum(fed) > 4 * rows
