@@ -209,14 +209,14 @@ def server_health(url: str) -> dict:
         return json.loads(error.read() or b"{}")
 
 
-STEP_COUNTS = ("prefill_steps", "decode_steps", "preemptions")
+STEP_COUNTS = ("prefill_steps", "decode_steps", "grouped_steps", "preemptions")
 
 
 def steps_taken(before: dict, after: dict, wall: float) -> dict:
     """What the engine did during a level (its counters' growth), and the wall time per step: whether a slower
     target ran more steps (scheduling: more, smaller prefill steps between decode steps) or slower ones."""
     row = {name: after.get(name, 0) - before.get(name, 0) for name in STEP_COUNTS}
-    steps = row["prefill_steps"] + row["decode_steps"]
+    steps = row["prefill_steps"] + row["decode_steps"] + row["grouped_steps"]
     row["ms_per_step"] = round(1000 * wall / steps, 3) if steps else None
     return row
 

@@ -46,8 +46,9 @@ def workload(args, vocab: int):
     return prompts, outputs, gaps
 
 
-def serving_manager(model, prompts, outputs, args):
-    """One manager for the warm-up and the measured run: CUDA graphs live on its cache."""
+def serving_manager(model, prompts, outputs, args, grouped: bool = True):
+    """One manager for the warm-up and the measured run: CUDA graphs live on its cache. ``grouped``: its grouped
+    steps (decoding rows beside prefill chunks, no pads) on or off."""
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     config = ContinuousBatchingConfig(page_size=args.page_size, max_requests_per_batch=args.rows,
@@ -55,7 +56,7 @@ def serving_manager(model, prompts, outputs, args):
     gen_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(outputs))
     hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=max(outputs),
                           num_requests=len(prompts))
-    return model.init_continuous_batching(gen_config, config, hints)
+    return model.init_continuous_batching(gen_config, config, hints, grouped_steps=grouped)
 
 
 def continuous(manager, prompts, outputs, gaps, prefix="r") -> dict:
@@ -100,7 +101,7 @@ def continuous(manager, prompts, outputs, gaps, prefix="r") -> dict:
             "graph_replays": graph_replays(manager) - replays_before,  # of stats["decode_steps"]
             "first_error": failed[0] if failed else None, **prefix_stats(manager), **stats,
             # the loop's time outside its steps (host work between them, waiting for arrivals)
-            "outside_steps_s": (end - start) - stats["prefill_s"] - stats["decode_s"]}
+            "outside_steps_s": (end - start) - stats["prefill_s"] - stats["decode_s"] - stats["grouped_s"]}
 
 
 def prefix_stats(manager) -> dict:
@@ -173,6 +174,9 @@ def main():
     parser.add_argument("--upstream-batch", type=int, default=None, help="upstream's batch (default --static-batch)")
     parser.add_argument("--skip-static", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--grouped-steps", choices=["on", "off", "both"], default="on",
+                        help="decoding rows beside prefill chunks in one step (on), prefill and decode steps apart "
+                             "(off), or each in turn on the same workload")
     parser.add_argument("--jsonl", default=RESULTS)
     args = parser.parse_args()
 
@@ -195,15 +199,19 @@ def main():
               "prompt_tokens": sum(map(len, prompts)), "wanted_tokens": sum(outputs), "rows": args.rows,
               "batch_tokens": args.batch_tokens, "static_batch": args.static_batch, "commit": commit()}
 
-    # Warm-up on the manager of the measured run: kernel compilation, and one CUDA graph per decode batch
-    # size (rows finish one by one).
-    manager = serving_manager(ours, prompts, outputs, args)
-    manager.start()
-    warm = [[5] * (16 + 8 * i) for i in range(args.rows)]
-    continuous(manager, warm, [2 + i for i in range(args.rows)], [0.0] * args.rows, prefix="warm")
-    run(ours, torch.randint(2, 100, (2, 40), device="cuda"), torch.ones(2, 40, dtype=torch.long, device="cuda"), 4)
+    def warm_manager(grouped: bool):
+        # Warm-up on the manager of the measured run: kernel compilation, and one CUDA graph per decode batch
+        # size (rows finish one by one).
+        manager = serving_manager(ours, prompts, outputs, args, grouped)
+        manager.start()
+        warm = [[5] * (16 + 8 * i) for i in range(args.rows)]
+        continuous(manager, warm, [2 + i for i in range(args.rows)], [0.0] * args.rows, prefix="warm")
+        run(ours, torch.randint(2, 100, (2, 40), device="cuda"), torch.ones(2, 40, dtype=torch.long, device="cuda"),
+            4)
+        return manager
 
     os.makedirs(os.path.dirname(args.jsonl), exist_ok=True)
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.grouped_steps]
 
     def record(row: dict) -> dict:  # each result is written as soon as it is measured
         line = {**common, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}}
@@ -212,14 +220,19 @@ def main():
             f.write(json.dumps(line) + "\n")
         return row
 
-    if args.load is not None:
-        loaded(manager, prompts, outputs, args, common, record)
+    rows = []
+    for grouped in modes:  # one manager at a time: each holds its own cache
+        common["grouped_steps"] = grouped
+        manager = warm_manager(grouped)
+        if args.load is not None:
+            loaded(manager, prompts, outputs, args, dict(common), record)
+        else:
+            rows.append(record(continuous(manager, prompts, outputs, gaps)))
         manager.stop()
         manager.destroy()
+    if args.load is not None:
         return
-    rows = [record(continuous(manager, prompts, outputs, gaps))]
-    manager.stop()
-    manager.destroy()
+    common.pop("grouped_steps")
     if not args.skip_static:
         rows.append(record(static(ours, prompts, outputs, args, limit_s=args.static_limit)))
     if args.upstream_limit:
@@ -235,7 +248,7 @@ def main():
         torch.set_default_dtype(torch.float32)
         rows.append(record(static(upstream, prompts, outputs, args, limit_s=args.upstream_limit,
                                   name="upstream static", batch_size=args.upstream_batch)))
-    ours_cb = rows[0]["tokens_per_s"]
+    ours_cb = rows[0]["tokens_per_s"]  # (the first mode's)
     print("throughput ratios: " + ", ".join(
         f"{r['impl']} {ours_cb / r['tokens_per_s']:.2f}x" if r["tokens_per_s"] else f"{r['impl']} made no token"
         for r in rows[1:]))

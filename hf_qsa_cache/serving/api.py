@@ -20,13 +20,14 @@ class ContinuousBatchingMixin:
     """Put before `GenerationMixin` in a ForCausalLM's bases."""
 
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
-                                 workload_hints=None, **cache_dtypes) -> ContinuousBatchingManager:
-        """transformers' signature, plus the cache's ``kv_cache_dtype`` / ``index_cache_dtype`` (fp8 caches)."""
+                                 workload_hints=None, **options) -> ContinuousBatchingManager:
+        """transformers' signature, plus the manager's own options (`ContinuousBatchingManager`: the cache's
+        ``kv_cache_dtype`` / ``index_cache_dtype`` for fp8 caches, ``grouped_steps``)."""
         cached = getattr(self, "_cached_continuous_batching_manager", None)
         if isinstance(cached, ContinuousBatchingManager):
             return cached
         return ContinuousBatchingManager(self, generation_config, continuous_batching_config, workload_hints,
-                                         **cache_dtypes)
+                                         **options)
 
     def destroy_cached_continuous_batching_manager(self) -> None:
         cached = getattr(self, "_cached_continuous_batching_manager", None)
@@ -37,9 +38,9 @@ class ContinuousBatchingMixin:
     @contextlib.contextmanager
     def continuous_batching_context_manager(self, generation_config=None, block: bool = True, timeout=None,
                                             continuous_batching_config=None, persistent_manager: bool = False,
-                                            warmup: bool = True, workload_hints=None, **cache_dtypes):
+                                            warmup: bool = True, workload_hints=None, **options):
         manager = self.init_continuous_batching(generation_config, continuous_batching_config, workload_hints,
-                                                **cache_dtypes)
+                                                **options)
         if warmup and not manager.warmed_up:
             manager.warmup()
         manager.start()
@@ -63,10 +64,10 @@ class ContinuousBatchingMixin:
         config = generation_config if generation_config is not None else self.generation_config
         copies = config.num_return_sequences or 1
         max_new_tokens = kwargs.pop("max_new_tokens", None)
-        cache_dtypes = {k: kwargs.pop(k) for k in ("kv_cache_dtype", "index_cache_dtype") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("kv_cache_dtype", "index_cache_dtype", "grouped_steps") if k in kwargs}
         if kwargs:
             raise TypeError(f"generate_batch got unexpected keyword arguments {sorted(kwargs)} (max_new_tokens, "
-                            f"kv_cache_dtype and index_cache_dtype are the ones it takes)")
+                            f"kv_cache_dtype, index_cache_dtype and grouped_steps are the ones it takes)")
         # The requests' arguments are checked before the manager sizes its cache from them.
         if max_new_tokens is None:
             max_new_tokens = check_max_new_tokens(config.max_new_tokens, "GenerationConfig.max_new_tokens")
@@ -78,7 +79,7 @@ class ContinuousBatchingMixin:
                               max_generated_length=max_new_tokens or 0, num_requests=len(inputs) * copies)
         results: dict[str, GenerationOutput] = {}
         with self.continuous_batching_context_manager(config, True, None, continuous_batching_config,
-                                                      persistent_manager, warmup, hints, **cache_dtypes) as manager, \
+                                                      persistent_manager, warmup, hints, **options) as manager, \
                 tqdm(total=len(inputs) * copies, disable=not progress_bar, desc="requests", unit="request") as bar:
             ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps)
             while len(results) < len(inputs) * copies:

@@ -65,10 +65,15 @@ class LoopStatus:
 class ContinuousBatchingManager:
     def __init__(self, model, generation_config: GenerationConfig | None = None,
                  continuous_batching_config: ContinuousBatchingConfig | None = None, workload_hints=None, *,
-                 kv_cache_dtype: torch.dtype | None = None, index_cache_dtype: torch.dtype | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, index_cache_dtype: torch.dtype | None = None,
+                 grouped_steps: bool = True):
         """``kv_cache_dtype`` / ``index_cache_dtype``: the cache's fp8 switches (`QSAPagedCache`; None: the
-        model's dtype), which transformers' `ContinuousBatchingConfig` has no field for."""
+        model's dtype), which transformers' `ContinuousBatchingConfig` has no field for. ``grouped_steps``: while
+        requests prefill, the decoding rows ride in the same step as the prefill chunks (`hf_qsa_cache.grouped`: no
+        pads, one step an iteration); False: a prefill step of rows padded to one length, then a decode step."""
         self.model = model
+        self.grouped_steps = grouped_steps
+        self._chunks: list[int] = []  # the next grouped step's prefill chunks (rows 0, 1, ...)
         self.generation_config = generation_config if generation_config is not None else model.generation_config
         config = continuous_batching_config if continuous_batching_config is not None else ContinuousBatchingConfig()
         self.continuous_batching_config = config
@@ -101,7 +106,8 @@ class ContinuousBatchingManager:
         self.runner.peers = lambda: [*self.scheduler.rows, *self.scheduler.waiting]  # (prefix caching)
         self.scheduler = Scheduler(rows, config.max_batch_tokens or DEFAULT_BATCH_TOKENS,
                                    prefill_first=config.scheduler_type == "prefill_first",
-                                   unit=self.cache.prefix.unit if self.cache.prefix is not None else None)
+                                   unit=self.cache.prefix.unit if self.cache.prefix is not None else None,
+                                   packed=grouped_steps)
         if config.scheduler_type not in ("fifo", "prefill_first"):
             raise ValueError(f"scheduler_type must be 'fifo' or 'prefill_first', got {config.scheduler_type!r}")
         self.input_queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size or 0)
@@ -117,14 +123,14 @@ class ContinuousBatchingManager:
         self.background_thread_status = LoopStatus()
         self._host_faults = 0  # bookkeeping faults in consecutive iterations
         # What the loop did (for tests, benchmarks and curious users).
-        # ``prefill_tokens``: prompt (and recomputed) tokens prefill steps fed; ``pad_tokens``: the pads that padded
-        # their rows (and verify steps' rows with fewer drafts) to one length; ``prefill_s`` / ``decode_s``: the wall
-        # seconds of those steps (forward and sampling: the loop waits for each); the rest of the loop's time is
-        # its own host work and idle waits.
+        # ``prefill_tokens``: prompt (and recomputed) tokens prefill and grouped steps fed; ``pad_tokens``: the pads
+        # that padded their rows (and verify steps' rows with fewer drafts) to one length; ``prefill_s`` /
+        # ``decode_s`` / ``grouped_s``: the wall seconds of those steps (forward and sampling: the loop waits for
+        # each); the rest of the loop's time is its own host work and idle waits.
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "preemptions": 0, "failed_steps": 0, "most_rows": 0,
                       "host_faults": 0, "drafted_tokens": 0, "accepted_tokens": 0, "prefill_tokens": 0,
                       "pad_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0, "retried_requests": 0,
-                      "isolated_requests": 0}
+                      "isolated_requests": 0, "grouped_steps": 0, "grouped_s": 0.0}
         self.warmed_up = False
         self._warned_unbounded = False  # a request bounded only by its row's room was reported (once)
         self._graphs_before = getattr(model, "use_cuda_graphs", True)
@@ -387,6 +393,15 @@ class ContinuousBatchingManager:
         if runner.retry_restores():  # rows that have fed nothing start from what was cached meanwhile
             scheduler.order()
             runner.place(scheduler.rows)
+        if self.grouped_steps and scheduler.prefilling() and runner.can_group():
+            growth = self._make_room(self._grouped_growth)
+            if growth:  # the prefill chunks and every other row's token, in one step without pads
+                chunks = self._chunks
+                self.stats["grouped_steps"] += 1
+                self.stats["prefill_tokens"] += sum(chunks)
+                self.stats["most_rows"] = max(self.stats["most_rows"], len(runner.rows))
+                self._run(runner.rows, lambda: runner.grouped(chunks), "grouped_s")
+                return
         steps = ("prefill", "decode") if scheduler.prefill_first else ("decode", "prefill")
         for kind in steps:
             if kind == "prefill":
@@ -405,6 +420,14 @@ class ContinuousBatchingManager:
                 if any(drafts):  # a verify step: rows with fewer drafts are padded to the most
                     self.stats["pad_tokens"] += sum(max(map(len, drafts)) - len(d) for d in drafts)
                 self._run(runner.rows, lambda: runner.decode(drafts), "decode_s")
+
+    def _grouped_growth(self) -> list[int]:
+        """A grouped step feeds the first prefilling rows their chunks (`Scheduler.prefill_chunks`) and every other
+        row one token; none runs without a chunk to feed."""
+        self._chunks = self.scheduler.prefill_chunks()
+        if not self._chunks:
+            return []
+        return self._chunks + [1] * (len(self.scheduler.rows) - len(self._chunks))
 
     def _decode_growth(self) -> list[int]:
         """A decode step feeds every row one token, and a greedy decoding row its drafts (prompt lookup, planned

@@ -8,6 +8,7 @@ import logging
 import torch
 
 from ..cache import QSAPagedCache
+from ..grouped import grouped_logits
 from ..ops import int_tensor
 from ..rollback import crop_rows
 from .requests import Request
@@ -196,6 +197,33 @@ class ModelRunner:
             self._after_step(rows)
         return self._sample(rows, logits[:, -1])
 
+    def can_group(self) -> bool:
+        """Whether the next step may be a grouped step (`grouped`): the model runs them (a text model of ours) and
+        no row still feeds prompt tokens whose embeddings its media encoding gives."""
+        if not hasattr(self.model, "grouped_head"):
+            return False
+        return not (self.encoded and any(r in self.encoded and r.held < len(r.prompt) for r in self.rows))
+
+    def grouped(self, chunks: list[int]) -> list[tuple[Request, int, float | None]]:
+        """One grouped step (`hf_qsa_cache.grouped`): rows ``[0, len(chunks))`` take their next ``chunks[i]`` tokens,
+        each row a group of its own, and every other row one token (its last sampled token, or its next prompt
+        token), together one group: no pads. Returns the sampled (request, token, logprob) of rows that have then
+        fed everything they had."""
+        rows, k = self.rows, len(chunks)
+        counts = list(chunks) + [1] * (len(rows) - k)
+        shape = [(1, n) for n in chunks] + ([(len(rows) - k, 1)] if len(rows) > k else [])
+        ids, last, end = [], [], 0
+        for request, n in zip(rows, counts):
+            ids += request.next_tokens(n)
+            end += n
+            last.append(end - 1)  # each row's last token: its logits sample the next one
+        logits = self._forward_grouped(rows, shape, counts, ids, last)
+        for request, n in zip(rows, counts):
+            request.held += n
+        if self.cache.prefix is not None:
+            self._after_step(rows)
+        return self._sample(rows, logits)
+
     def decode(self, drafts: list[list[int]] | None = None) -> list[tuple[Request, int, float | None]]:
         """Every row takes one token (its last sampled token, or its next prompt token); with ``drafts``, row
         ``i`` then takes ``drafts[i]`` too (prompt lookup's guesses of its next tokens, greedy rows only), and
@@ -261,6 +289,13 @@ class ModelRunner:
         out = self.model(**inputs, attention_mask=mask, past_key_values=self.cache, use_cache=True,
                          logits_to_keep=keep)
         return out.logits[:, -keep:]
+
+    def _forward_grouped(self, rows: list[Request], shape: list[tuple[int, int]], counts: list[int], ids: list[int],
+                         last: list[int]) -> torch.Tensor:
+        """The logits ``[rows, vocab]`` at each row's last token of a grouped step (``shape``: its groups,
+        ``counts``: each row's tokens, ``ids``: the tokens, row after row)."""
+        return grouped_logits(self.model, self.cache, shape, counts, torch.tensor([ids], device=self.device),
+                              torch.tensor(last, device=self.device))
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[tuple[Request, int, float | None]]:
         """The next token of each row that has fed everything it had: the argmax of its scores (greedy) or a

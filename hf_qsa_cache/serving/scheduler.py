@@ -29,8 +29,10 @@ from .requests import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, max_rows: int, max_batch_tokens: int, prefill_first: bool, unit: int | None = None):
+    def __init__(self, max_rows: int, max_batch_tokens: int, prefill_first: bool, unit: int | None = None,
+                 packed: bool = False):
         self.max_rows = max_rows
+        self.packed = packed  # prefill chunks go in grouped steps (no pads): they only share the token budget
         self.unit = unit  # prefix caching: chunks stop at each request's snapshot point (`snapshot_point`)
         self.max_batch_tokens = max_batch_tokens
         self.prefill_first = prefill_first
@@ -191,7 +193,8 @@ class Scheduler:
         The oldest prefilling request takes as much of the budget as it can use (its first token comes
         soonest, first come first served); the step's length is its chunk, and the rows after it join
         while ``k * length`` fits the budget and pads (a row with less than that length is padded) stay at
-        most half of the step."""
+        most half of the step. In grouped steps (``packed``: no pads) the rows after it take what is left of the
+        budget, each as much as it can use."""
         p = self.prefilling()
         if p == 0:
             return []
@@ -199,12 +202,16 @@ class Scheduler:
         chunks = [length]
         computing = {_stop(self.rows[0])}
         for r in self.rows[1:p]:
-            if (len(chunks) + 1) * length > self.max_batch_tokens:
+            left = self.max_batch_tokens - sum(chunks)
+            if (left if self.packed else self.max_batch_tokens - len(chunks) * length) < (1 if self.packed else length):
                 break
             stop = _stop(r)
             if stop is not None and stop in computing:
                 break  # an older row is computing the same cached-blocks prefix: start from its snapshot instead
             computing.add(stop)
+            if self.packed:  # no pads (a grouped step): the rows share the budget, each taking what it can use
+                chunks.append(self._to_snapshot(r, min(r.pending, left)))
+                continue
             chunk = self._to_snapshot(r, min(r.pending, length))
             # Every row of the step is padded to `length`: a row joins only while pads stay at most half the step.
             if (len(chunks) + 1) * length > 2 * (sum(chunks) + chunk):

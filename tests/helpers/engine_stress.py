@@ -36,9 +36,11 @@ from hf_qsa_cache import QSAPagedCache  # noqa: E402
 from hf_qsa_cache.serving.runner import ModelRunner  # noqa: E402
 from hf_qsa_cache.serving.scheduler import Scheduler  # noqa: E402
 
-# Where faults go: (owner, method). `_forward` is the model step; the others are the loop's bookkeeping.
-FAULT_SITES = [(ModelRunner, "_forward"), (QSAPagedCache, "move_rows"), (Scheduler, "admit"), (Scheduler, "order"),
-               (ModelRunner, "why_not_fits")]
+# Where faults go: (owner, method). `_forward` and `_forward_grouped` are the model's steps; the others are the
+# loop's bookkeeping.
+MODEL_STEPS = ("_forward", "_forward_grouped")
+FAULT_SITES = [(ModelRunner, "_forward"), (ModelRunner, "_forward_grouped"), (QSAPagedCache, "move_rows"),
+               (Scheduler, "admit"), (Scheduler, "order"), (ModelRunner, "why_not_fits")]
 
 
 class Faults:
@@ -67,7 +69,7 @@ class Faults:
             if self.countdown > 0:
                 return original(*args, **kwargs)
             self.countdown = self.rng.randint(*self.every)
-            if name != "_forward":
+            if name not in MODEL_STEPS:
                 self.fired[name] = self.fired.get(name, 0) + 1
                 raise Injected(f"injected fault in {name}")
             # A model step fails at a random torch call inside it, after some layers wrote their state (the

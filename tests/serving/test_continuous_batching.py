@@ -37,13 +37,16 @@ def _greedy(new=NEW, **kwargs):
     return greedy(new, **kwargs)
 
 
-def test_generate_batch_equals_each_prompt_alone_with_preemption_and_small_chunks(family):
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-steps", "prefill-then-decode"])
+def test_generate_batch_equals_each_prompt_alone_with_preemption_and_small_chunks(family, grouped):
     name, ref, ours = family
     prompts = random_prompts(LENGTHS, vocab=90, seed=3)
     # 3 rows, 5-token prefill budget (chunks end inside QSA groups of 2, Inkling windows of 6 and conv
-    # spans of 4), a pool too small for three long rows at once: preemption must happen.
+    # spans of 4), a pool too small for three long rows at once: preemption must happen. Grouped steps carry the
+    # decoding rows beside the prefill chunks; without them a prefill step (rows padded) and a decode step alternate.
     config = ContinuousBatchingConfig(page_size=4, num_blocks=12, max_batch_tokens=5, max_requests_per_batch=3)
-    with ours.continuous_batching_context_manager(_greedy(), continuous_batching_config=config) as manager:
+    with ours.continuous_batching_context_manager(_greedy(), continuous_batching_config=config,
+                                                  grouped_steps=grouped) as manager:
         ids = manager.add_requests(prompts)
         results = collect_results(manager, len(prompts))
         stats = dict(manager.stats)
@@ -53,7 +56,9 @@ def test_generate_batch_equals_each_prompt_alone_with_preemption_and_small_chunk
         assert result.status == RequestStatus.FINISHED and result.error is None
         assert result.prompt_ids == prompt
         assert result.generated_tokens == _alone(ref, prompt), request_id
-    assert stats["preemptions"] > 0 and stats["prefill_steps"] > len(prompts)
+    assert stats["preemptions"] > 0 and stats["prefill_steps"] + stats["grouped_steps"] > len(prompts)
+    assert (stats["grouped_steps"] > 0) == grouped and (stats["prefill_steps"] > 0) != grouped
+    assert stats["pad_tokens"] == 0 if grouped else stats["pad_tokens"] > 0
     assert stats["most_rows"] == 3
     assert pools_full(cache)
 
@@ -139,13 +144,23 @@ def test_a_failed_step_runs_its_requests_again_or_fails_them(family, monkeypatch
     armed = {"on": False}
     forward = ModelRunner._forward
 
-    def failing(self, rows, ids, mask):
-        if armed["on"] and mask is not None and any(tuple(r.prompt) in doomed_prompts for r in rows):
+    forward_grouped = ModelRunner._forward_grouped
+
+    def fail(prefilling):
+        if armed["on"] and any(tuple(r.prompt) in doomed_prompts for r in prefilling):
             armed["on"] = fault == "always"
             raise RuntimeError("injected fault")
+
+    def failing(self, rows, ids, mask):
+        fail(rows if mask is not None else [])
         return forward(self, rows, ids, mask)
 
+    def failing_grouped(self, rows, shape, counts, ids, last):  # (a grouped step carries the prefill chunks)
+        fail([r for r in rows if r.held < len(r.prompt)])
+        return forward_grouped(self, rows, shape, counts, ids, last)
+
     monkeypatch.setattr(ModelRunner, "_forward", failing)
+    monkeypatch.setattr(ModelRunner, "_forward_grouped", failing_grouped)
     config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=3)
     with ours.continuous_batching_context_manager(_greedy(new=12), continuous_batching_config=config) as manager:
         first = manager.add_request(prompts[0], max_new_tokens=12, streaming=True)
@@ -186,15 +201,24 @@ def test_a_fault_one_request_brings_fails_it_alone(family, monkeypatch, poisoned
     forward = ModelRunner._forward
     poison = f"req_{poisoned}"
 
+    forward_grouped = ModelRunner._forward_grouped
     fed = []  # the requests of each step
 
-    def failing(self, rows, ids, mask):
+    def fail(rows, counts):
         fed.append({r.request_id for r in rows})
-        if any(r.request_id == poison and r.held + ids.shape[1] >= len(r.prompt) + 2 for r in rows):
+        if any(r.request_id == poison and r.held + n >= len(r.prompt) + 2 for r, n in zip(rows, counts)):
             raise RuntimeError("injected fault")
+
+    def failing(self, rows, ids, mask):
+        fail(rows, [ids.shape[1]] * len(rows))
         return forward(self, rows, ids, mask)
 
+    def failing_grouped(self, rows, shape, counts, ids, last):
+        fail(rows, counts)
+        return forward_grouped(self, rows, shape, counts, ids, last)
+
     monkeypatch.setattr(ModelRunner, "_forward", failing)
+    monkeypatch.setattr(ModelRunner, "_forward_grouped", failing_grouped)
     config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=6, max_requests_per_batch=4)
     manager = ours.init_continuous_batching(_greedy(new=8), config)
     ids = manager.add_requests(prompts, max_new_tokens=8)  # queued first: admitted together, their steps shared
@@ -384,14 +408,15 @@ def test_prefill_chunks_serve_the_oldest_first_within_budget_and_padding():
     assert chunks([1, 1], budget=4) == []  # rows with one pending token decode; nothing to prefill
 
 
-def test_stats_count_the_prefill_tokens_their_pads_and_step_time():
-    """Two prompts admitted together: one prefill step feeds both, the shorter padded to the longer (whose last
-    token comes in that step too: a prompt of n tokens is prefilled whole, its first token sampled there)."""
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-steps", "prefill-then-decode"])
+def test_stats_count_the_prefill_tokens_their_pads_and_step_time(grouped):
+    """Two prompts admitted together: one prefill step feeds both (a prompt of n tokens is prefilled whole, its
+    first token sampled there); a rectangular one pads the shorter to the longer, a grouped one nothing."""
     _, ours = qwen_pair()
     prompts = random_prompts([10, 4], vocab=90, seed=17)
     config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=2,
                                       allow_block_sharing=False)
-    manager = ours.init_continuous_batching(greedy(3), config)
+    manager = ours.init_continuous_batching(greedy(3), config, grouped_steps=grouped)
     manager.add_requests(prompts, max_new_tokens=3)  # queued before the loop starts: admitted together
     manager.start()
     try:
@@ -399,8 +424,10 @@ def test_stats_count_the_prefill_tokens_their_pads_and_step_time():
         stats = dict(manager.stats)
     finally:
         manager.stop(block=True)
-    assert stats["prefill_steps"] == 1 and stats["prefill_tokens"] == 14 and stats["pad_tokens"] == 6, stats
-    assert stats["prefill_s"] > 0 and stats["decode_s"] > 0  # the steps' wall time, by kind
+    kind = "grouped" if grouped else "prefill"
+    assert stats[f"{kind}_steps"] == 1 and stats["prefill_tokens"] == 14, stats
+    assert stats["pad_tokens"] == (0 if grouped else 6), stats
+    assert stats[f"{kind}_s"] > 0 and stats["decode_s"] > 0  # the steps' wall time, by kind
 
 
 def test_a_request_that_fills_the_row_exactly_runs():

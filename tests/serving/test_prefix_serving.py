@@ -193,3 +193,26 @@ def test_a_prefix_that_cannot_be_cached_fails_no_request(family, monkeypatch):
         check(ref, prompts, results)
         assert manager.stats["failed_steps"] == 0
     assert failures  # the inserts were tried (and refused)
+
+
+def test_prompts_prefilled_in_one_grouped_step_each_cache_their_prefix(family):
+    """Three prompts admitted together share one grouped step's budget (each row a chunk of its own): every
+    chunk still stops at its row's snapshot point, so the same prompts with more after them restore it."""
+    name, ref, ours = family
+    prompts = random_prompts([13, 10, 15], vocab=90, seed=41)
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=64, max_requests_per_batch=3)
+    manager = ours.init_continuous_batching(greedy(NEW), config)
+    first = manager.add_requests(prompts)  # queued before the loop starts: admitted together
+    manager.start()
+    try:
+        results = collect_results(manager, len(prompts))
+        check(ref, prompts, [results[i] for i in first])
+        before = manager.cache.memory_stats()["prefix_cache"]["hit_tokens"]
+        again = [p + [7, 8] for p in prompts]
+        check(ref, again, run(manager, again))
+        hits = manager.cache.memory_stats()["prefix_cache"]["hit_tokens"] - before
+        stats = dict(manager.stats)
+    finally:
+        manager.stop(block=True)
+    assert stats["grouped_steps"] > 0
+    assert hits >= sum((len(p) - 1) // 4 * 4 for p in prompts), hits

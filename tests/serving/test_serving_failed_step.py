@@ -32,7 +32,9 @@ def test_a_failed_prefill_steps_requests_are_not_decoded(monkeypatch):
     gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=3,
                                       scheduler_type="prefill_first")
-    with ours.continuous_batching_context_manager(gen, continuous_batching_config=config) as manager:
+    # The rectangular path: a prefill step, then a decode step in the same iteration (grouped steps are one step).
+    with ours.continuous_batching_context_manager(gen, continuous_batching_config=config,
+                                                  grouped_steps=False) as manager:
         first = manager.add_request(prompts[0], max_new_tokens=8, streaming=True)
         next(manager.request_id_iter(first))  # it decodes
         armed["on"] = True
