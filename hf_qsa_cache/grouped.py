@@ -69,8 +69,9 @@ def grouped_logits(model, cache, shape: list[tuple[int, int]], counts: list[int]
                    keep: torch.Tensor) -> torch.Tensor:
     """The logits ``[len(keep), vocab]`` at the step's token indices ``keep`` of a grouped step of ``model`` (a
     ForCausalLM of either family) on ``cache``: ``shape`` ``[(rows, query_len), ...]`` its groups over rows
-    ``0, 1, ...``, ``counts`` each row's real tokens (in its group's last columns), ``input_ids`` ``[1, T]``."""
+    ``0, 1, ...``, ``counts`` each row's real tokens (in its group's last columns), ``input_ids`` ``[1, T]``. The
+    step lands only if the head's logits are computed too (the caller runs it under ``torch.no_grad()``)."""
     groups = row_groups(shape)
-    with torch.no_grad(), cache.forward_scope():
+    with cache.forward_scope():
         hidden = model.language_model.forward_grouped(input_ids, cache, groups, counts)
         return model.grouped_head(hidden[0, keep])

@@ -2,7 +2,8 @@
 
 For each kind of step (decode, verify of k + 1 drafts, a prompt continued by several tokens, the second
 chunk of a chunked prefill, the static-buffer step a CUDA graph records, its replay, a step over a prefix
-of rows placed one by one as continuous batching does) and both families,
+of rows placed one by one as continuous batching does, a grouped step of a chunk beside one-token rows) and
+both families,
 a fault is injected at the n-th torch call of the step (`faults.FailAt`), for every n up to the end of
 the metadata and an even spread over the rest. After each fault:
 
@@ -29,6 +30,7 @@ from helpers.batches import family_prompts as _prompts
 
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.cuda_graphs import DecodeGraphs, graphs_of
+from hf_qsa_cache.grouped import grouped_logits
 
 EVERY = os.environ.get("HF_QSA_FAULTS") == "all"
 K = 2  # drafts per verify step
@@ -107,7 +109,7 @@ class Scenario:
             return step_ids, state["mask"]
 
         with torch.no_grad():
-            if kind == "managed":  # rows placed one by one, as continuous batching does
+            if kind in ("managed", "grouped"):  # rows placed one by one, as continuous batching does
                 cache.move_rows([-1] * rows)
             if kind != "chunk":  # the chunked prefill is the step itself
                 forward(ids, mask)
@@ -124,6 +126,19 @@ class Scenario:
                 step_mask[0, :3] = 0
                 next_ids = tokens(1)
                 return cache, forward, (step_ids, step_mask), lambda: forward(next_ids, None)
+            if kind == "grouped":
+                # A grouped step: row 0 takes a chunk of 3 tokens (a group of its own), the other rows one token
+                # each (one group); the step after it decodes every row.
+                chunk, singles = tokens(3)[0], tokens(1)[1:, 0]
+                shape, counts = [(1, 3), (rows - 1, 1)], [3] + [1] * (rows - 1)
+                step_ids = torch.cat([chunk, singles])[None]
+                keep = torch.tensor([2] + [3 + b for b in range(rows - 1)])
+                next_ids = tokens(1)
+
+                def grouped(step_ids, keep):
+                    return grouped_logits(model, cache, shape, counts, step_ids, keep)
+
+                return cache, grouped, (step_ids, keep), lambda: forward(next_ids, None)
             length = {"decode": 1, "graph": 1, "replay": 1, "verify": K + 1, "graph_verify": K + 1,
                       "continue": 5}.get(kind)
             step = (ids, mask) if kind == "chunk" else run(length)
@@ -146,7 +161,7 @@ def _outcome(scenario):
         return forward(*step), after(), cache
 
 
-KINDS = ["decode", "verify", "continue", "chunk", "graph", "graph_verify", "replay", "managed"]
+KINDS = ["decode", "verify", "continue", "chunk", "graph", "graph_verify", "replay", "managed", "grouped"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
