@@ -12,8 +12,9 @@ CPU ops. The stores are allocated up front (tiny widths), so row moves and the t
 as they do on a device. The cache geometry (page size, window, layer schedule) follows bench_serving.py.
 
 Reported: host microseconds per loop iteration, split into decode-only iterations and iterations that run a
-prefill step (most of those run a decode step too), and per step (`ModelRunner.decode` / `prefill`: the
-forward with its cache step, and sampling); then a cProfile top-20 of a second, profiled run.
+prefill step (a grouped step, or a prefill step and most often a decode step with ``--grouped-steps off``), and
+per step (`ModelRunner.decode` / `grouped` / `prefill`: the forward with its cache step, and sampling); then a
+cProfile top-20 of a second, profiled run.
 """
 
 from __future__ import annotations
@@ -77,6 +78,17 @@ def stubbed_model(args):
         return inputs_embeds
 
     model.model.run_layers = identity_layers
+    for layer in model.model.layers:  # a grouped step's layers (`forward_grouped`): not run either
+        layer.forward_grouped = lambda hidden_states, *rest, **kwargs: (hidden_states, None)
+    # nor the final norm after them (and Inkling's last MLP conv before it), which `run_layers` holds
+    import modeling.modeling_inkling as inkling_module
+    import modeling.modeling_qwen4_exp as qwen_module
+
+    if args.model == "inkling":
+        inkling_module.conv_add_norm = lambda conv, hidden_states, *rest: (hidden_states, hidden_states)
+    else:
+        width = config.hidden_size  # the final mixer's output: the first stream stands for it
+        qwen_module.gated_residual = lambda module, streams, residual=None: (streams[..., :width], streams, None)
     model.use_cuda_graphs = False
     return model
 
@@ -88,7 +100,7 @@ def workload(args, vocab: int):
 
 
 def make_manager(model, prompts, outputs, args):
-    manager = bench_serving.serving_manager(model, prompts, outputs, args)
+    manager = bench_serving.serving_manager(model, prompts, outputs, args, args.grouped_steps == "on")
     for layer in manager.cache.layers:  # the layers never run: allocate their state as their first step would
         for store in layer.stores.values():
             if not store.allocated:
@@ -100,8 +112,9 @@ class Timings:
     """Wraps the manager's iteration and the runner's steps with timers."""
 
     def __init__(self, manager):
-        self.iterations: list[tuple[float, bool, bool]] = []  # (seconds, ran a prefill step, ran a decode step)
-        self.steps = {"prefill": [], "decode": []}
+        # (seconds, ran a prefill or grouped step, ran a decode step)
+        self.iterations: list[tuple[float, bool, bool]] = []
+        self.steps = {"prefill": [], "decode": [], "grouped": []}
         iteration, runner = manager._iteration, manager.runner
 
         def timed_iteration():
@@ -109,8 +122,8 @@ class Timings:
             start = time.perf_counter()
             iteration()
             took = time.perf_counter() - start
-            self.iterations.append((took, manager.stats["prefill_steps"] > before["prefill_steps"],
-                                    manager.stats["decode_steps"] > before["decode_steps"]))
+            prefill = sum(manager.stats[k] - before[k] for k in ("prefill_steps", "grouped_steps")) > 0
+            self.iterations.append((took, prefill, manager.stats["decode_steps"] > before["decode_steps"]))
 
         def timed(kind, step):
             def run(*a, **k):
@@ -124,6 +137,7 @@ class Timings:
         manager._iteration = timed_iteration
         runner.prefill = timed("prefill", runner.prefill)
         runner.decode = timed("decode", runner.decode)
+        runner.grouped = timed("grouped", runner.grouped)
 
 
 def drive(manager, prompts, outputs, prefix: str, stream: bool = False) -> None:
@@ -143,7 +157,7 @@ def drive(manager, prompts, outputs, prefix: str, stream: bool = False) -> None:
     results = {}
     while (result := manager.get_result(timeout=0)) is not None:  # the loop ended: what it delivered
         results[result.request_id] = result
-    for request_id, (tokens, _, finished, error) in outbox.news.items():
+    for request_id, tokens, _, finished, error in outbox.news.take():
         if finished:
             results[request_id] = GenerationOutput(request_id=request_id, generated_tokens=tokens, error=error)
     bad = [r.error for r in results.values() if r.error]
@@ -177,6 +191,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--grouped-steps", choices=["on", "off"], default="on",
+                        help="prefill chunks and decoding rows in one step (on) or prefill and decode steps (off)")
     parser.add_argument("--stream", action="store_true",
                         help="stream every request to the HTTP engine process's result handler")
     args = parser.parse_args()
@@ -202,6 +218,7 @@ def main():
     print(f"iteration with prefill: {us(with_prefill)}")
     print(f"decode step           : {us(timings.steps['decode'])}")
     print(f"prefill step          : {us(timings.steps['prefill'])}")
+    print(f"grouped step          : {us(timings.steps['grouped'])}")
     if args.no_profile:
         return
     profile = cProfile.Profile()

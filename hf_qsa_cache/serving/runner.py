@@ -206,12 +206,19 @@ class ModelRunner:
 
     def grouped(self, chunks: list[int]) -> list[tuple[Request, int, float | None]]:
         """One grouped step (`hf_qsa_cache.grouped`): rows ``[0, len(chunks))`` take their next ``chunks[i]`` tokens,
-        each row a group of its own, and every other row one token (its last sampled token, or its next prompt
-        token), together one group: no pads. Returns the sampled (request, token, logprob) of rows that have then
+        each row a group of its own (neighbours with chunks of one length one group), and every other row one token
+        (its last sampled token, or its next prompt token), together one group: no pads. Returns the sampled (request, token, logprob) of rows that have then
         fed everything they had."""
         rows, k = self.rows, len(chunks)
         counts = list(chunks) + [1] * (len(rows) - k)
-        shape = [(1, n) for n in chunks] + ([(len(rows) - k, 1)] if len(rows) > k else [])
+        shape = []  # neighbouring chunks of one length share a rectangle (fewer launches, still no pads)
+        for n in chunks:
+            if shape and shape[-1][1] == n:
+                shape[-1] = (shape[-1][0] + 1, n)
+            else:
+                shape.append((1, n))
+        if len(rows) > k:
+            shape.append((len(rows) - k, 1))
         ids, last, end = [], [], 0
         for request, n in zip(rows, counts):
             ids += request.next_tokens(n)

@@ -449,3 +449,31 @@ def test_a_request_that_fills_the_row_exactly_runs():
         result = next(r for r in manager.request_id_iter(too_many) if r.is_finished())
     assert done.status == RequestStatus.FINISHED and done.generated_tokens == _alone(ref, full, new=1)
     assert result.status == RequestStatus.FAILED and "needs 25 slots" in result.error
+
+
+def test_neighbouring_chunks_of_one_length_share_a_rectangle(monkeypatch):
+    """A grouped step's prefill rows with chunks of one length run as one rectangle (no pads either way; fewer
+    launches of the per-row ops); the tokens equal transformers alone."""
+    from hf_qsa_cache.serving.runner import ModelRunner
+
+    ref, ours = qwen_pair()
+    ref.generation_config.eos_token_id = ours.generation_config.eos_token_id = None
+    prompts = random_prompts([9, 9, 5], vocab=90, seed=43)
+    shapes, forward_grouped = [], ModelRunner._forward_grouped
+
+    def spy(self, rows, shape, counts, ids, last):
+        shapes.append(list(shape))
+        return forward_grouped(self, rows, shape, counts, ids, last)
+
+    monkeypatch.setattr(ModelRunner, "_forward_grouped", spy)
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=3)
+    manager = ours.init_continuous_batching(_greedy(new=4), config)
+    ids = manager.add_requests(prompts, max_new_tokens=4)  # queued before the loop starts: admitted together
+    manager.start()
+    try:
+        results = collect_results(manager, 3)
+    finally:
+        manager.stop(block=True)
+    assert shapes[0] == [(2, 8), (1, 4)]  # (prefix caching stops each chunk at its last unit boundary, 4 tokens)
+    for request_id, prompt in zip(ids, prompts):
+        assert results[request_id].generated_tokens == _alone(ref, prompt, new=4)

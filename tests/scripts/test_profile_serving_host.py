@@ -1,0 +1,28 @@
+"""benchmarks/profile_serving_host.py: the real continuous-batching loop on a model whose layers are taken out,
+with grouped steps and without, every request streamed to the HTTP engine process's delta handler; each run
+serves every request (the script raises otherwise) and reports its steps."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("model, grouped", [("inkling", "on"), ("qwen4_exp", "off")])
+def test_the_loop_serves_every_request_and_reports_its_steps(model, grouped):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "profile_serving_host.py"), "--model", model, "--layers",
+         "2", "--rows", "4", "--requests", "12", "--min-prompt", "8", "--max-prompt", "64", "--min-output", "2",
+         "--max-output", "8", "--page-size", "16", "--window", "16", "--batch-tokens", "32", "--no-profile",
+         "--stream", "--grouped-steps", grouped],
+        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    kind = "grouped step" if grouped == "on" else "prefill step"
+    line = next(line for line in out.stdout.splitlines() if line.startswith(kind))
+    assert "n/a" not in line, out.stdout
