@@ -13,6 +13,7 @@ from helpers.serving import FAMILIES, family_pair
 
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.grouped import grouped_logits
+from hf_qsa_cache.rollback import crop_rows
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -26,8 +27,8 @@ def _reference_logits(ref, sequence: list[int]) -> torch.Tensor:
 
 
 def _schedule(rng: random.Random, fed: list[int], total: list[int]):
-    """One grouped step: rows fed one token (a run of them makes one group), rows fed a chunk (alone, or two
-    neighbours in one group of the longer chunk, the shorter left-padded)."""
+    """One grouped step: rows fed one token (a run of them makes one group), rows fed a chunk (alone, or with the
+    next row in one group of the longer chunk, the shorter left-padded)."""
     chunks = [min(total[b] - fed[b], 1 if rng.random() < 0.4 else rng.randint(2, 8)) for b in range(len(fed))]
     shape, counts, b = [], [], 0
     while b < len(fed):
@@ -37,7 +38,7 @@ def _schedule(rng: random.Random, fed: list[int], total: list[int]):
                 run += 1
             shape.append((run, 1))
             counts += [1] * run
-        elif b + 1 < len(fed) and chunks[b + 1] > 1 and rng.random() < 0.5:
+        elif b + 1 < len(fed) and rng.random() < 0.5:  # (a one-token neighbour: pads in its last columns)
             run = 2
             shape.append((2, max(chunks[b], chunks[b + 1])))
             counts += chunks[b:b + 2]
@@ -49,18 +50,23 @@ def _schedule(rng: random.Random, fed: list[int], total: list[int]):
     return shape, counts
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_every_token_of_random_grouped_steps_equals_transformers_alone(family, seed):
+@pytest.mark.parametrize("seed, spec", [(0, 0), (1, 0), (2, 0), (3, 2), (4, 2)])
+def test_every_token_of_random_grouped_steps_equals_transformers_alone(family, seed, spec):
+    """``spec``: the cache keeps rollback history for that many tokens, and after each step some rows drop up to
+    that many of the tokens they just took (`crop_rows`, as a verify step's rejected drafts), fed again later:
+    the state comes back from the rollback rings the groups wrote."""
     name, ref, ours = family
     rng = random.Random(seed)
     rows = 4
-    steps = 7
+    steps = 7 if not spec else 9
     total = [rng.randint(steps, 40) for _ in range(rows)]
     sequences = [[rng.randrange(1, 90) for _ in range(n)] for n in total]
     expected = [_reference_logits(ref, s) for s in sequences]
-    cache = QSAPagedCache(ours.config, max_batch_size=rows, max_cache_len=48, block_size=4)
+    cache = QSAPagedCache(ours.config, max_batch_size=rows, max_cache_len=48, block_size=4,
+                          num_speculative_tokens=spec)
     cache.move_rows([-1] * rows)
     fed = [0] * rows
+    cropped = 0
     for _ in range(steps):
         if min(t - f for t, f in zip(total, fed)) == 0:
             break
@@ -82,4 +88,10 @@ def test_every_token_of_random_grouped_steps_equals_transformers_alone(family, s
             torch.testing.assert_close(value, expected[r][position], atol=2e-4, rtol=2e-4,
                                        msg=lambda m, r=r, p=position, s=shape: f"row {r} position {p}, step {s}: {m}")
         fed = [f + c for f, c in zip(fed, counts)]
+        if spec:
+            drops = [rng.randint(0, min(spec, c - 1)) for c in counts]
+            crop_rows(cache, drops)
+            fed = [f - d for f, d in zip(fed, drops)]
+            cropped += sum(drops)
     assert cache.lengths[:rows] == fed and sum(fed) > 4 * rows
+    assert not spec or cropped > 0
