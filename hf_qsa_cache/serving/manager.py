@@ -395,12 +395,13 @@ class ContinuousBatchingManager:
             runner.place(scheduler.rows)
         if self.grouped_steps and scheduler.prefilling() and runner.can_group():
             growth = self._make_room(self._grouped_growth)
-            if growth:  # the prefill chunks and every other row's token, in one step without pads
-                chunks = self._chunks
+            if growth:  # the prefill chunks and every other row's token (and drafts), in one step without pads
+                chunks, drafts = self._chunks, self._drafts
                 self.stats["grouped_steps"] += 1
                 self.stats["prefill_tokens"] += sum(chunks)
                 self.stats["most_rows"] = max(self.stats["most_rows"], len(runner.rows))
-                self._run(runner.rows, lambda: runner.grouped(chunks), "grouped_s")
+                self._count_drafts(drafts)
+                self._run(runner.rows, lambda: runner.grouped(chunks, drafts), "grouped_s")
                 return
         steps = ("prefill", "decode") if scheduler.prefill_first else ("decode", "prefill")
         for kind in steps:
@@ -416,18 +417,23 @@ class ContinuousBatchingManager:
                 self.stats["decode_steps"] += 1
                 self.stats["most_rows"] = max(self.stats["most_rows"], len(runner.rows))
                 drafts = self._drafts
-                self.stats["drafted_tokens"] += sum(map(len, drafts))
-                if any(drafts):  # a verify step: rows with fewer drafts are padded to the most
-                    self.stats["pad_tokens"] += sum(max(map(len, drafts)) - len(d) for d in drafts)
+                self._count_drafts(drafts)
                 self._run(runner.rows, lambda: runner.decode(drafts), "decode_s")
 
     def _grouped_growth(self) -> list[int]:
         """A grouped step feeds the first prefilling rows their chunks (`Scheduler.prefill_chunks`) and every other
-        row one token; none runs without a chunk to feed."""
+        row one token, and a greedy decoding row its drafts (prompt lookup); none runs without a chunk to feed."""
         self._chunks = self.scheduler.prefill_chunks()
         if not self._chunks:
             return []
-        return self._chunks + [1] * (len(self.scheduler.rows) - len(self._chunks))
+        rest = self.scheduler.rows[len(self._chunks):]
+        self._drafts = [self._lookup(r) for r in rest] if self.lookup_drafts else []
+        return self._chunks + ([1 + len(d) for d in self._drafts] if self._drafts else [1] * len(rest))
+
+    def _count_drafts(self, drafts: list[list[int]]) -> None:
+        self.stats["drafted_tokens"] += sum(map(len, drafts))
+        if any(drafts):  # a verify step: rows with fewer drafts are padded to the most
+            self.stats["pad_tokens"] += sum(max(map(len, drafts)) - len(d) for d in drafts)
 
     def _decode_growth(self) -> list[int]:
         """A decode step feeds every row one token, and a greedy decoding row its drafts (prompt lookup, planned

@@ -204,13 +204,16 @@ class ModelRunner:
             return False
         return not (self.encoded and any(r in self.encoded and r.held < len(r.prompt) for r in self.rows))
 
-    def grouped(self, chunks: list[int]) -> list[tuple[Request, int, float | None]]:
+    def grouped(self, chunks: list[int], drafts: list[list[int]] | None = None) -> list[tuple[Request, int, float | None]]:
         """One grouped step (`hf_qsa_cache.grouped`): rows ``[0, len(chunks))`` take their next ``chunks[i]`` tokens,
         each row a group of its own (neighbours with chunks of one length one group), and every other row one token
-        (its last sampled token, or its next prompt token), together one group: no pads. Returns the sampled (request, token, logprob) of rows that have then
-        fed everything they had."""
+        (its last sampled token, or its next prompt token), together one group: no pads. With ``drafts`` (one list
+        per row after the chunks' rows), those rows also take their drafts and the step verifies them as `decode`
+        does (that group is then left-padded to its longest row). Returns the sampled (request, token, logprob), a
+        row's in order, of the rows that have then fed everything they had."""
         rows, k = self.rows, len(chunks)
-        counts = list(chunks) + [1] * (len(rows) - k)
+        drafts = drafts if drafts and any(drafts) else [[] for _ in rows[k:]]
+        width = 1 + max((len(d) for d in drafts), default=0)  # the decoding rows' group's columns
         shape = []  # neighbouring chunks of one length share a rectangle (fewer launches, still no pads)
         for n in chunks:
             if shape and shape[-1][1] == n:
@@ -218,18 +221,29 @@ class ModelRunner:
             else:
                 shape.append((1, n))
         if len(rows) > k:
-            shape.append((len(rows) - k, 1))
-        ids, last, end = [], [], 0
-        for request, n in zip(rows, counts):
+            shape.append((len(rows) - k, width))
+        counts = list(chunks) + [1 + len(d) for d in drafts]
+        ids, keep, end = [], [], 0
+        for request, n in zip(rows[:k], chunks):
             ids += request.next_tokens(n)
             end += n
-            last.append(end - 1)  # each row's last token: its logits sample the next one
-        logits = self._forward_grouped(rows, shape, counts, ids, last)
+            keep.append(end - 1)  # a prefill row's last token: its logits sample the next one
+        for request, guess in zip(rows[k:], drafts):
+            ids += [0] * (width - 1 - len(guess)) + request.next_tokens(1) + guess
+            keep += range(end, end + width)  # a decoding row's columns: its token's logits, then each draft's
+            end += width
+        logits = self._forward_grouped(rows, shape, counts, ids, keep)
         for request, n in zip(rows, counts):
             request.held += n
-        if self.cache.prefix is not None:
+        picked, drops = self._sample(rows[:k], logits[:k]) if k else [], []
+        if len(rows) > k:
+            verified, drops = self._verify(rows[k:], drafts, logits[k:].view(len(rows) - k, width, -1))
+            picked += verified
+        if any(drops):
+            crop_rows(self.cache, [0] * k + drops)
+        if self.cache.prefix is not None:  # (after the crop: each row's state is at what it holds)
             self._after_step(rows)
-        return self._sample(rows, logits)
+        return picked
 
     def decode(self, drafts: list[list[int]] | None = None) -> list[tuple[Request, int, float | None]]:
         """Every row takes one token (its last sampled token, or its next prompt token); with ``drafts``, row
@@ -256,11 +270,25 @@ class ModelRunner:
         logits = self._forward(rows, ids, mask, keep=length)
         for request, guess in zip(rows, drafts):
             request.held += 1 + len(guess)
+        picked, drops = self._verify(rows, drafts, logits)
+        if any(drops):
+            crop_rows(self.cache, drops)
+        if self.cache.prefix is not None:  # (after the crop: each row's state is at what it holds)
+            self._after_step(rows)
+        return picked
+
+    def _verify(self, rows: list[Request], drafts: list[list[int]], logits: torch.Tensor):
+        """``(picked, drops)`` of a step that fed row ``i`` its token and ``drafts[i]`` (left-padded; ``logits``
+        ``[rows, columns, vocab]`` of its last columns, rows already advanced past what they fed): a row with no
+        drafts samples its next token; a drafting row keeps its drafts up to the first its own logits disagree
+        with, plus the token those logits give, and drops the rest (``drops[i]``, taken off its ``held``; the
+        caller crops the cache)."""
+        length = logits.shape[1]
         plain = [i for i, guess in enumerate(drafts) if not guess]
         picked = self._sample([rows[i] for i in plain], logits[plain, -1]) if plain else []
         drops = [0] * len(rows)
         drafted = [i for i, guess in enumerate(drafts) if guess]
-        greedy = logits[drafted].argmax(dim=-1).tolist()  # every drafting row's picks: one read of the device
+        greedy = logits[drafted].argmax(dim=-1).tolist() if drafted else []  # one read of the device
         for i, best_row in zip(drafted, greedy):
             guess = drafts[i]
             request, m = rows[i], len(guess)
@@ -276,11 +304,7 @@ class ModelRunner:
             picked += [(request, t, lp) for t, lp in zip(tokens, logprobs)]
             drops[i] = m - kept
             request.held -= drops[i]
-        if any(drops):
-            crop_rows(self.cache, drops)
-        if self.cache.prefix is not None:  # (after the crop: each row's state is at what it holds)
-            self._after_step(rows)
-        return picked
+        return picked, drops
 
     def _forward(self, rows: list[Request], ids: torch.Tensor, mask: torch.Tensor | None,
                  keep: int = 1) -> torch.Tensor:
@@ -298,11 +322,11 @@ class ModelRunner:
         return out.logits[:, -keep:]
 
     def _forward_grouped(self, rows: list[Request], shape: list[tuple[int, int]], counts: list[int], ids: list[int],
-                         last: list[int]) -> torch.Tensor:
-        """The logits ``[rows, vocab]`` at each row's last token of a grouped step (``shape``: its groups,
-        ``counts``: each row's tokens, ``ids``: the tokens, row after row)."""
+                         keep: list[int]) -> torch.Tensor:
+        """The logits ``[len(keep), vocab]`` at the step's token indices ``keep`` of a grouped step (``shape``: its
+        groups, ``counts``: each row's tokens, ``ids``: the tokens, rectangle after rectangle)."""
         return grouped_logits(self.model, self.cache, shape, counts, torch.tensor([ids], device=self.device),
-                              torch.tensor(last, device=self.device))
+                              torch.tensor(keep, device=self.device))
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[tuple[Request, int, float | None]]:
         """The next token of each row that has fed everything it had: the argmax of its scores (greedy) or a

@@ -526,8 +526,8 @@ def test_prompt_lookup_inside_the_loop_gives_each_prompts_own_tokens(family):
 def test_verified_drafts_keep_exactly_the_right_ones(family, monkeypatch, wrong_at):
     """Drafts from an oracle (the reference's own next tokens, one of them made wrong): a row keeps the drafts
     before the wrong one plus its own token and drops the rest of its row (each row its own count); rows that
-    sample, rows still prefilling and a request whose eos falls inside its drafts ride along; every request
-    equals its reference alone."""
+    sample, rows still prefilling and a request whose eos falls inside its drafts ride along, in decode steps and
+    in grouped steps beside prefill chunks; every request equals its reference alone."""
     from hf_qsa_cache.serving import ContinuousBatchingManager, Sampling
 
     name, ref, ours = family
@@ -548,6 +548,15 @@ def test_verified_drafts_keep_exactly_the_right_ones(family, monkeypatch, wrong_
             drafts[wrong_at] = (drafts[wrong_at] + 1) % 90
         return list(drafts)
 
+    from hf_qsa_cache.serving.runner import ModelRunner
+
+    grouped, carried = ModelRunner.grouped, []
+
+    def spy(self, chunks, drafts=None):  # grouped steps (a prompt prefilling beside) verify drafts too
+        carried.append(bool(drafts and any(drafts)))
+        return grouped(self, chunks, drafts)
+
+    monkeypatch.setattr(ModelRunner, "grouped", spy)
     monkeypatch.setattr(ContinuousBatchingManager, "_lookup", oracle)
     config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=8, max_requests_per_batch=4, seed=3)
     with ours.continuous_batching_context_manager(_lookup_config(new), continuous_batching_config=config) as m:
@@ -560,6 +569,7 @@ def test_verified_drafts_keep_exactly_the_right_ones(family, monkeypatch, wrong_
         assert results[request_id].generated_tokens == want, (request_id, wrong_at)
     assert results[ids[1]].generated_tokens[-1] == eos and len(results[ids[1]].generated_tokens) == 5
     assert results[sampled].status == RequestStatus.FINISHED and len(results[sampled].generated_tokens) == new
+    assert any(carried) and not all(carried)
     if wrong_at is None:
         assert stats["accepted_tokens"] == stats["drafted_tokens"] > 0
     else:
