@@ -42,6 +42,15 @@ class GroupPart:
         return x[:, self.span].reshape(self.rows, self.query_len, *x.shape[2:])
 
 
+def group_ids(input_ids: torch.Tensor, groups: list[RowGroup]) -> list[torch.Tensor]:
+    """Each group's ids ``[rows, query_len]`` of a grouped step's ``[1, T]`` (what the cache logs per group)."""
+    ids, start = [], 0
+    for group in groups:
+        ids.append(input_ids[0, start:start + group.tokens].view(group.rows, group.query_len))
+        start += group.tokens
+    return ids
+
+
 def group_parts(metas: list[StepMetadata], groups: list[RowGroup]) -> list[GroupPart]:
     parts, start = [], 0
     for meta, group in zip(metas, groups):

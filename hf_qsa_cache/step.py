@@ -263,17 +263,7 @@ class Step:
     def build_metadata(self, device: torch.device) -> StepMetadata:
         """The step's metadata on ``device`` (the step's lengths copied once from the host), which the layers
         then read from ``cache.metadata``."""
-        cache, plan = self.cache, self.plan
-        device = canonical_device(device)
-        lengths = int_tensor([plan.prev, plan.counts], torch.int32)  # one host-to-device copy a step
-        if device.type == "cuda":
-            lengths = lengths.to(device, non_blocking=True)
-        block_tables = {name: t.device_table(plan.rows, device) for name, t in cache.tables.items()}
-        block_sizes = {name: t.block_size for name, t in cache.tables.items()}
-        meta = build_step_metadata(lengths[0], lengths[1], plan.query_len, block_tables, block_sizes, cache.qsa,
-                                   plan.prev, plan.counts)
-        cache.metadata.set(meta, device)
-        return meta
+        return self.build_group_metadata([RowGroup(0, self.plan.rows, self.plan.query_len)], device)[0]
 
     def build_group_metadata(self, groups: list[RowGroup], device: torch.device) -> list[StepMetadata]:
         """One metadata per group of a grouped step (its rows numbered from 0, `StepMetadata.row_offset` its first

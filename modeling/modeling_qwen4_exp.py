@@ -32,7 +32,7 @@ from hf_qsa_cache.cuda_graphs import decode_graphs_for
 from hf_qsa_cache.generation import (
     PagedCacheGenerationMixin, check_token_ids, forward_cache, lands_whole,
 )
-from hf_qsa_cache.grouped import GroupPart, group_parts, per_group
+from hf_qsa_cache.grouped import GroupPart, group_ids, group_parts, per_group
 from hf_qsa_cache.padding import on_output_path, runs_any_padding
 from hf_qsa_cache.step import RowGroup
 from hf_qsa_cache.serving import ContinuousBatchingMixin
@@ -457,11 +457,7 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         check_token_ids(input_ids, self.config.vocab_size)
         embeds = self.embed_tokens(input_ids)
         cache.check_model(self.config, embeds.dtype)
-        logged, start = [], 0
-        for g in groups:
-            logged.append(input_ids[0, start:start + g.tokens].view(g.rows, g.query_len))
-            start += g.tokens
-        with cache.grouped_step(groups, counts, embeds.device, logged) as metas:
+        with cache.grouped_step(groups, counts, embeds.device, group_ids(input_ids, groups)) as metas:
             parts = group_parts(metas, groups)
             for part in parts:  # what every layer of a group reads, computed once
                 meta, B, L = part.meta, part.rows, part.query_len
