@@ -95,3 +95,28 @@ def test_every_token_of_random_grouped_steps_equals_transformers_alone(family, s
             cropped += sum(drops)
     assert cache.lengths[:rows] == fed and sum(fed) > 4 * rows
     assert not spec or cropped > 0
+
+
+@pytest.mark.parametrize("shape, counts, message", [
+    ([(1, 3), (2, 1)], [3, 1], "the groups cover 3 rows, 2 counts given"),
+    ([(1, 3), (2, 1)], [4, 1, 1], "row 0 takes 4 tokens in a group of 3 columns"),
+    ([(1, 3), (2, 1)], [3, 0, 1], "row 1 takes 0 tokens in a group of 1 columns"),
+    ([(0, 3), (3, 1)], [1, 1, 1], "each with at least one row and one column"),
+    ([(1, 3), (3, 1)], [3, 1, 1, 1], "a step over 4 rows, the cache holds 3"),
+], ids=["counts-short", "count-past-group", "row-without-token", "empty-group", "more-rows-than-placed"])
+def test_a_bad_grouped_step_is_refused_before_anything_changes(shape, counts, message):
+    _, ours = family_pair("qwen4_exp")
+    cache = QSAPagedCache(ours.config, max_batch_size=4, max_cache_len=48, block_size=4)
+    cache.move_rows([-1] * 3)
+    before = (list(cache.lengths), {n: list(t.free) for n, t in cache.tables.items()})
+    ids = torch.ones(1, sum(r * n for r, n in shape), dtype=torch.long)
+    with pytest.raises(ValueError, match=message), torch.no_grad():
+        grouped_logits(ours, cache, shape, counts, ids, torch.tensor([0]))
+    assert (list(cache.lengths), {n: list(t.free) for n, t in cache.tables.items()}) == before
+
+
+def test_a_grouped_step_needs_rows_placed_by_move_rows():
+    _, ours = family_pair("qwen4_exp")
+    cache = QSAPagedCache(ours.config, max_batch_size=2, max_cache_len=48, block_size=4)
+    with pytest.raises(ValueError, match="rows placed with move_rows"), torch.no_grad():
+        grouped_logits(ours, cache, [(2, 1)], [1, 1], torch.ones(1, 2, dtype=torch.long), torch.tensor([0, 1]))
