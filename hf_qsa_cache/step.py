@@ -173,7 +173,7 @@ def why_not_fits(cache, new_lengths: list[int], what: str = "this step") -> str 
 
 
 def group_counts(cache, groups: list[RowGroup], counts: list[int]) -> int:
-    """Check a grouped step's shape (`QSAPagedCache.grouped_step`); its rows."""
+    """Check a grouped step's shape (`QSAPagedCache.grouped_step`; a row may take no token, all pads); its rows."""
     if not cache.rows.managed:
         raise ValueError("a grouped step runs on rows placed with move_rows (continuous batching)")
     first = 0
@@ -186,8 +186,10 @@ def group_counts(cache, groups: list[RowGroup], counts: list[int]) -> int:
         raise ValueError(f"the groups cover {first} rows, {len(counts)} counts given")
     for g in groups:
         for b in range(g.first, g.first + g.rows):
-            if not 1 <= counts[b] <= g.query_len:
+            if not 0 <= counts[b] <= g.query_len:
                 raise ValueError(f"row {b} takes {counts[b]} tokens in a group of {g.query_len} columns")
+    if not any(counts):
+        raise ValueError("a grouped step feeds at least one token")
     return first
 
 

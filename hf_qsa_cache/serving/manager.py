@@ -401,7 +401,8 @@ class ContinuousBatchingManager:
                 self.stats["prefill_tokens"] += sum(chunks)
                 self.stats["most_rows"] = max(self.stats["most_rows"], len(runner.rows))
                 self._count_drafts(drafts)
-                self._run(runner.rows, lambda: runner.grouped(chunks, drafts), "grouped_s")
+                fed = [r for r, n in zip(runner.rows, growth) if n]  # (rows still prefilling without a chunk wait)
+                self._run(fed, lambda: runner.grouped(chunks, drafts), "grouped_s")
                 return
         steps = ("prefill", "decode") if scheduler.prefill_first else ("decode", "prefill")
         for kind in steps:
@@ -421,14 +422,16 @@ class ContinuousBatchingManager:
                 self._run(runner.rows, lambda: runner.decode(drafts), "decode_s")
 
     def _grouped_growth(self) -> list[int]:
-        """A grouped step feeds the first prefilling rows their chunks (`Scheduler.prefill_chunks`) and every other
-        row one token, and a greedy decoding row its drafts (prompt lookup); none runs without a chunk to feed."""
+        """A grouped step feeds the first prefilling rows their chunks (`Scheduler.prefill_chunks`), every decoding
+        row one token and, greedy, its drafts (prompt lookup); the other prefilling rows nothing (`ModelRunner.grouped`).
+        None runs without a chunk to feed."""
         self._chunks = self.scheduler.prefill_chunks()
         if not self._chunks:
             return []
         rest = self.scheduler.rows[len(self._chunks):]
         self._drafts = [self._lookup(r) for r in rest] if self.lookup_drafts else []
-        return self._chunks + ([1 + len(d) for d in self._drafts] if self._drafts else [1] * len(rest))
+        drafts = self._drafts or [[]] * len(rest)
+        return self._chunks + [0 if r.in_prefill else 1 + len(d) for r, d in zip(rest, drafts)]
 
     def _count_drafts(self, drafts: list[list[int]]) -> None:
         self.stats["drafted_tokens"] += sum(map(len, drafts))

@@ -146,14 +146,15 @@ class ModelRunner:
             self._restore(row, request)
         return any(request.held for _, request in again)
 
-    def _after_step(self, rows: list[Request]) -> None:
+    def _after_step(self, rows: list[Request], counts: list[int] | None = None) -> None:
         """Prefix caching, after a step landed (before its tokens are sampled): a row that reached its snapshot
         point (the scheduler stopped its prefill there) is cached as a prefix; a row at any other unit boundary
-        keeps a snapshot for when it finishes (`retire`)."""
+        keeps a snapshot for when it finishes (`retire`). ``counts``: the tokens each row took (a row that took
+        none is left as it was)."""
         unit = self.cache.prefix.unit
         for row, request in enumerate(rows):
             held = request.held
-            if held == 0 or held % unit or request.media is not None:
+            if held == 0 or held % unit or request.media is not None or (counts is not None and not counts[row]):
                 continue  # (a prompt with media: its tokens do not say what its state holds)
             try:
                 if held == (request.total - 1) // unit * unit or held == request.prefix_stop:
@@ -206,13 +207,18 @@ class ModelRunner:
 
     def grouped(self, chunks: list[int], drafts: list[list[int]] | None = None) -> list[tuple[Request, int, float | None]]:
         """One grouped step (`hf_qsa_cache.grouped`): rows ``[0, len(chunks))`` take their next ``chunks[i]`` tokens,
-        each row a group of its own (neighbours with chunks of one length one group), and every other row one token
-        (its last sampled token, or its next prompt token), together one group: no pads. With ``drafts`` (one list
-        per row after the chunks' rows), those rows also take their drafts and the step verifies them as `decode`
+        each row a group of its own (neighbours with chunks of one length one group), and every decoding row its
+        last sampled token, together one group: no pads. Rows still prefilling without a chunk take nothing (they
+        wait for a chunk, or for a prefix an older row is caching: they may restore it yet); inside the decoding
+        rows' group they are all pads, after the last decoding row not in the step. With ``drafts`` (one list per
+        row after the chunks' rows), decoding rows also take their drafts and the step verifies them as `decode`
         does (that group is then left-padded to its longest row). Returns the sampled (request, token, logprob), a
         row's in order, of the rows that have then fed everything they had."""
         rows, k = self.rows, len(chunks)
-        drafts = drafts if drafts and any(drafts) else [[] for _ in rows[k:]]
+        rest = rows[k:]
+        while rest and rest[-1].in_prefill:  # (decoding rows come last: this leaves them, or nothing)
+            rest = rest[:-1]
+        drafts = drafts[:len(rest)] if drafts and any(drafts) else [[] for _ in rest]
         width = 1 + max((len(d) for d in drafts), default=0)  # the decoding rows' group's columns
         shape = []  # neighbouring chunks of one length share a rectangle (fewer launches, still no pads)
         for n in chunks:
@@ -220,29 +226,30 @@ class ModelRunner:
                 shape[-1] = (shape[-1][0] + 1, n)
             else:
                 shape.append((1, n))
-        if len(rows) > k:
-            shape.append((len(rows) - k, width))
-        counts = list(chunks) + [1 + len(d) for d in drafts]
+        if rest:
+            shape.append((len(rest), width))
+        counts = list(chunks) + [0 if r.in_prefill else 1 + len(d) for r, d in zip(rest, drafts)]
         ids, keep, end = [], [], 0
         for request, n in zip(rows[:k], chunks):
             ids += request.next_tokens(n)
             end += n
             keep.append(end - 1)  # a prefill row's last token: its logits sample the next one
-        for request, guess in zip(rows[k:], drafts):
-            ids += [0] * (width - 1 - len(guess)) + request.next_tokens(1) + guess
+        for request, guess, n in zip(rest, drafts, counts[k:]):
+            ids += [0] * (width - n) + (request.next_tokens(1) + guess if n else [])
             keep += range(end, end + width)  # a decoding row's columns: its token's logits, then each draft's
             end += width
-        logits = self._forward_grouped(rows, shape, counts, ids, keep)
-        for request, n in zip(rows, counts):
+        fed = rows[:k + len(rest)]
+        logits = self._forward_grouped(fed, shape, counts, ids, keep)
+        for request, n in zip(fed, counts):
             request.held += n
         picked, drops = self._sample(rows[:k], logits[:k]) if k else [], []
-        if len(rows) > k:
-            verified, drops = self._verify(rows[k:], drafts, logits[k:].view(len(rows) - k, width, -1))
+        if rest:  # (a row that took nothing has work left: `_sample` skips it)
+            verified, drops = self._verify(rest, drafts, logits[k:].view(len(rest), width, -1))
             picked += verified
         if any(drops):
-            crop_rows(self.cache, [0] * k + drops)
+            crop_rows(self.cache, [0] * k + drops + [0] * (len(rows) - len(fed)))
         if self.cache.prefix is not None:  # (after the crop: each row's state is at what it holds)
-            self._after_step(rows)
+            self._after_step(rows[:len(fed)], counts)
         return picked
 
     def decode(self, drafts: list[list[int]] | None = None) -> list[tuple[Request, int, float | None]]:

@@ -27,17 +27,21 @@ def _reference_logits(ref, sequence: list[int]) -> torch.Tensor:
 
 
 def _schedule(rng: random.Random, fed: list[int], total: list[int]):
-    """One grouped step: rows fed one token (a run of them makes one group), rows fed a chunk (alone, or with the
-    next row in one group of the longer chunk, the shorter left-padded)."""
+    """One grouped step: rows fed one token or none (a run of them makes one group: a row fed none is all pads, as a
+    prefilling row beside decoding ones), rows fed a chunk (alone, or with the next row in one group of the longer
+    chunk, the shorter left-padded)."""
     chunks = [min(total[b] - fed[b], 1 if rng.random() < 0.4 else rng.randint(2, 8)) for b in range(len(fed))]
+    chunks = [0 if c == 1 and rng.random() < 0.3 else c for c in chunks]
+    if not any(chunks):
+        chunks[0] = 1
     shape, counts, b = [], [], 0
     while b < len(fed):
-        if chunks[b] == 1:
+        if chunks[b] <= 1:
             run = 1
-            while b + run < len(fed) and chunks[b + run] == 1:
+            while b + run < len(fed) and chunks[b + run] <= 1:
                 run += 1
             shape.append((run, 1))
-            counts += [1] * run
+            counts += chunks[b:b + run]
         elif b + 1 < len(fed) and rng.random() < 0.5:  # (a one-token neighbour: pads in its last columns)
             run = 2
             shape.append((2, max(chunks[b], chunks[b + 1])))
@@ -89,7 +93,7 @@ def test_every_token_of_random_grouped_steps_equals_transformers_alone(family, s
                                        msg=lambda m, r=r, p=position, s=shape: f"row {r} position {p}, step {s}: {m}")
         fed = [f + c for f, c in zip(fed, counts)]
         if spec:
-            drops = [rng.randint(0, min(spec, c - 1)) for c in counts]
+            drops = [rng.randint(0, min(spec, max(c - 1, 0))) for c in counts]
             crop_rows(cache, drops)
             fed = [f - d for f, d in zip(fed, drops)]
             cropped += sum(drops)
@@ -100,10 +104,11 @@ def test_every_token_of_random_grouped_steps_equals_transformers_alone(family, s
 @pytest.mark.parametrize("shape, counts, message", [
     ([(1, 3), (2, 1)], [3, 1], "the groups cover 3 rows, 2 counts given"),
     ([(1, 3), (2, 1)], [4, 1, 1], "row 0 takes 4 tokens in a group of 3 columns"),
-    ([(1, 3), (2, 1)], [3, 0, 1], "row 1 takes 0 tokens in a group of 1 columns"),
+    ([(1, 3), (2, 1)], [3, -1, 1], "row 1 takes -1 tokens in a group of 1 columns"),
+    ([(1, 3), (2, 1)], [0, 0, 0], "feeds at least one token"),
     ([(0, 3), (3, 1)], [1, 1, 1], "each with at least one row and one column"),
     ([(1, 3), (3, 1)], [3, 1, 1, 1], "a step over 4 rows, the cache holds 3"),
-], ids=["counts-short", "count-past-group", "row-without-token", "empty-group", "more-rows-than-placed"])
+], ids=["counts-short", "count-past-group", "negative-count", "no-token", "empty-group", "more-rows-than-placed"])
 def test_a_bad_grouped_step_is_refused_before_anything_changes(shape, counts, message):
     _, ours = family_pair("qwen4_exp")
     cache = QSAPagedCache(ours.config, max_batch_size=4, max_cache_len=48, block_size=4)

@@ -477,3 +477,33 @@ def test_neighbouring_chunks_of_one_length_share_a_rectangle(monkeypatch):
     assert shapes[0] == [(2, 8), (1, 4)]  # (prefix caching stops each chunk at its last unit boundary, 4 tokens)
     for request_id, prompt in zip(ids, prompts):
         assert results[request_id].generated_tokens == _alone(ref, prompt, new=4)
+
+
+def test_a_prefilling_row_without_a_chunk_takes_nothing_in_a_grouped_step(monkeypatch):
+    """A grouped step feeds the prefill chunks and the decoding rows; a row still prefilling that got no chunk (the
+    budget went to older rows) takes nothing, so it may still start from a prefix an older row caches meanwhile;
+    every request equals transformers alone."""
+    from hf_qsa_cache.serving.runner import ModelRunner
+
+    ref, ours = qwen_pair()
+    ref.generation_config.eos_token_id = ours.generation_config.eos_token_id = None
+    prompts = random_prompts([5, 12, 10, 9], vocab=90, seed=45)
+    steps, forward_grouped = [], ModelRunner._forward_grouped
+
+    def spy(self, rows, shape, counts, ids, keep):
+        steps.append([(r.in_prefill, n) for r, n in zip(rows, counts)])
+        return forward_grouped(self, rows, shape, counts, ids, keep)
+
+    monkeypatch.setattr(ModelRunner, "_forward_grouped", spy)
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=6, max_requests_per_batch=4,
+                                      allow_block_sharing=False)
+    with ours.continuous_batching_context_manager(_greedy(new=6), continuous_batching_config=config) as manager:
+        first = manager.add_request(prompts[0], max_new_tokens=6, streaming=True)
+        next(manager.request_id_iter(first))  # it decodes
+        ids = manager.add_requests(prompts[1:], max_new_tokens=6)
+        results = {i: r for i, r in collect_results(manager, 4).items()}
+    waited = [n for step in steps for prefilling, n in step[1:] if prefilling and n == 0]
+    assert waited, steps  # rows waited beside a chunk and decoding rows
+    assert all(n == 1 for step in steps for prefilling, n in step if not prefilling), steps
+    for request_id, prompt in zip([first, *ids], prompts):
+        assert results[request_id].generated_tokens == _alone(ref, prompt, new=6)
