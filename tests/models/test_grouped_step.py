@@ -9,11 +9,11 @@ import random
 
 import pytest
 import torch
+from helpers.grouped import run_schedule
 from helpers.serving import FAMILIES, family_pair
 
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.grouped import grouped_logits
-from hf_qsa_cache.rollback import crop_rows
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -21,37 +21,15 @@ def family(request):
     return (request.param, *family_pair(request.param))
 
 
+_references: dict = {}
+
+
 def _reference_logits(ref, sequence: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return ref(input_ids=torch.tensor([sequence])).logits[0]
-
-
-def _schedule(rng: random.Random, fed: list[int], total: list[int]):
-    """One grouped step: rows fed one token or none (a run of them makes one group: a row fed none is all pads, as a
-    prefilling row beside decoding ones), rows fed a chunk (alone, or with the next row in one group of the longer
-    chunk, the shorter left-padded)."""
-    chunks = [min(total[b] - fed[b], 1 if rng.random() < 0.4 else rng.randint(2, 8)) for b in range(len(fed))]
-    chunks = [0 if c == 1 and rng.random() < 0.3 else c for c in chunks]
-    if not any(chunks):
-        chunks[0] = 1
-    shape, counts, b = [], [], 0
-    while b < len(fed):
-        if chunks[b] <= 1:
-            run = 1
-            while b + run < len(fed) and chunks[b + run] <= 1:
-                run += 1
-            shape.append((run, 1))
-            counts += chunks[b:b + run]
-        elif b + 1 < len(fed) and rng.random() < 0.5:  # (a one-token neighbour: pads in its last columns)
-            run = 2
-            shape.append((2, max(chunks[b], chunks[b + 1])))
-            counts += chunks[b:b + 2]
-        else:
-            run = 1
-            shape.append((1, chunks[b]))
-            counts.append(chunks[b])
-        b += run
-    return shape, counts
+    key = (ref, tuple(sequence))
+    if key not in _references:
+        with torch.no_grad():
+            _references[key] = ref(input_ids=torch.tensor([sequence])).logits[0]
+    return _references[key]
 
 
 @pytest.mark.parametrize("seed, spec", [(0, 0), (1, 0), (2, 0), (3, 2), (4, 2)])
@@ -61,44 +39,13 @@ def test_every_token_of_random_grouped_steps_equals_transformers_alone(family, s
     the state comes back from the rollback rings the groups wrote."""
     name, ref, ours = family
     rng = random.Random(seed)
-    rows = 4
     steps = 7 if not spec else 9
-    total = [rng.randint(steps, 40) for _ in range(rows)]
-    sequences = [[rng.randrange(1, 90) for _ in range(n)] for n in total]
-    expected = [_reference_logits(ref, s) for s in sequences]
-    cache = QSAPagedCache(ours.config, max_batch_size=rows, max_cache_len=48, block_size=4,
-                          num_speculative_tokens=spec)
-    cache.move_rows([-1] * rows)
-    fed = [0] * rows
-    cropped = 0
-    for _ in range(steps):
-        if min(t - f for t, f in zip(total, fed)) == 0:
-            break
-        shape, counts = _schedule(rng, fed, total)
-        ids, keep, where = [], [], []
-        start = b = 0
-        for group_rows, length in shape:
-            for r in range(b, b + group_rows):
-                pads = length - counts[r]
-                tokens = sequences[r][fed[r]:fed[r] + counts[r]]
-                ids += [0] * pads + tokens
-                keep += range(start + pads, start + length)
-                where += [(r, fed[r] + j) for j in range(counts[r])]
-                start += length
-            b += group_rows
-        logits = grouped_logits(ours, cache, shape, counts, torch.tensor([ids]), torch.tensor(keep))
-        got = {rw: logits[i] for i, rw in enumerate(where)}
-        for (r, position), value in got.items():
-            torch.testing.assert_close(value, expected[r][position], atol=2e-4, rtol=2e-4,
-                                       msg=lambda m, r=r, p=position, s=shape: f"row {r} position {p}, step {s}: {m}")
-        fed = [f + c for f, c in zip(fed, counts)]
-        if spec:
-            drops = [rng.randint(0, min(spec, max(c - 1, 0))) for c in counts]
-            crop_rows(cache, drops)
-            fed = [f - d for f, d in zip(fed, drops)]
-            cropped += sum(drops)
-    assert cache.lengths[:rows] == fed and sum(fed) > 4 * rows
-    assert not spec or cropped > 0
+    sequences = [[rng.randrange(1, 90) for _ in range(rng.randint(20, 40))] for _ in range(4)]
+    got, cache, dropped = run_schedule(ours, sequences, steps, seed, spec)
+    for (r, position), value in got.items():
+        torch.testing.assert_close(value, _reference_logits(ref, sequences[r])[position], atol=2e-4, rtol=2e-4,
+                                   msg=lambda m, r=r, p=position: f"row {r} position {p}: {m}")
+    assert len(got) > 24 and (dropped > 0) == bool(spec)
 
 
 @pytest.mark.parametrize("shape, counts, message", [
