@@ -337,6 +337,36 @@ def test_continuous_batching_with_media(models, upstream_alone):
         assert results[f"r{i}"].generated_tokens == tokens, f"request {i}"
 
 
+def test_a_text_prompt_prefills_in_grouped_steps_beside_a_decoding_row_with_media(models, upstream_alone):
+    """A request with images decodes (its RoPE positions offset by its images: `rope_deltas`) while a text prompt
+    prefills in chunks beside it, in grouped steps: both equal upstream on their prompts alone."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    _, ours, _ = models
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=5, max_requests_per_batch=2)
+    manager = ours.init_continuous_batching(GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False,
+                                                             eos_token_id=None, pad_token_id=0), config)
+    manager.start()
+    try:
+        inputs = batch([ROWS[0]])
+        ids = inputs.pop("input_ids")[0].tolist()
+        inputs.pop("attention_mask")
+        manager.add_request(ids, request_id="media", streaming=True, **inputs)
+        next(manager.request_id_iter("media"))  # it decodes
+        assert manager.cache.rope_deltas[0] != 0
+        manager.add_request(ROWS[2].ids, request_id="text")
+        results = {r.request_id: r for r in [manager.get_result("media", timeout=60)]}
+        while not results["media"].is_finished():
+            results["media"] = manager.get_result("media", timeout=60)
+        results["text"] = manager.get_result("text", timeout=60)
+        stats = dict(manager.stats)
+    finally:
+        manager.stop(block=True)
+    assert stats["grouped_steps"] >= 3
+    assert results["media"].generated_tokens == upstream_alone[0][0]
+    assert results["text"].generated_tokens == upstream_alone[2][0]
+
+
 def test_text_model_refuses_media_in_a_request():
     from helpers.qwen4 import make_pair
 
