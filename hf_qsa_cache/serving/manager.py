@@ -106,8 +106,7 @@ class ContinuousBatchingManager:
         self.runner.peers = lambda: [*self.scheduler.rows, *self.scheduler.waiting]  # (prefix caching)
         self.scheduler = Scheduler(rows, config.max_batch_tokens or DEFAULT_BATCH_TOKENS,
                                    prefill_first=config.scheduler_type == "prefill_first",
-                                   unit=self.cache.prefix.unit if self.cache.prefix is not None else None,
-                                   packed=grouped_steps)
+                                   unit=self.cache.prefix.unit if self.cache.prefix is not None else None)
         if config.scheduler_type not in ("fifo", "prefill_first"):
             raise ValueError(f"scheduler_type must be 'fifo' or 'prefill_first', got {config.scheduler_type!r}")
         self.input_queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size or 0)
@@ -425,7 +424,7 @@ class ContinuousBatchingManager:
         """A grouped step feeds the first prefilling rows their chunks (`Scheduler.prefill_chunks`), every decoding
         row one token and, greedy, its drafts (prompt lookup); the other prefilling rows nothing (`ModelRunner.grouped`).
         None runs without a chunk to feed."""
-        self._chunks = self.scheduler.prefill_chunks()
+        self._chunks = self.scheduler.prefill_chunks(packed=True)
         if not self._chunks:
             return []
         rest = self.scheduler.rows[len(self._chunks):]

@@ -1,7 +1,10 @@
 """Which requests hold cache rows, in what order, what each step feeds, and whom to preempt (host only).
 
 The cache's steps cover a prefix of its rows, so rows are kept in one order: requests still prefilling
-first (rows ``[0, p)``), then those decoding. Two kinds of step follow:
+first (rows ``[0, p)``), then those decoding. While requests prefill, the manager runs *grouped steps*: the
+prefill chunks below (``prefill_chunks(packed=True)``: no pads, the rows share the budget) and the decoding rows'
+tokens in one step (`ModelRunner.grouped`). Without them (``grouped_steps=False``, or rows whose prompt tokens
+come from a media encoding) two kinds of step follow:
 
 * a prefill step feeds the oldest prefilling requests a chunk of their pending tokens (rows ``[0, k)``:
   the oldest takes as much of ``max_batch_tokens`` as it can use, the next ones join while ``k`` chunks of
@@ -29,10 +32,8 @@ from .requests import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, max_rows: int, max_batch_tokens: int, prefill_first: bool, unit: int | None = None,
-                 packed: bool = False):
+    def __init__(self, max_rows: int, max_batch_tokens: int, prefill_first: bool, unit: int | None = None):
         self.max_rows = max_rows
-        self.packed = packed  # prefill chunks go in grouped steps (no pads): they only share the token budget
         self.unit = unit  # prefix caching: chunks stop at each request's snapshot point (`snapshot_point`)
         self.max_batch_tokens = max_batch_tokens
         self.prefill_first = prefill_first
@@ -187,13 +188,13 @@ class Scheduler:
                 return point - request.held
         return chunk
 
-    def prefill_chunks(self) -> list[int]:
+    def prefill_chunks(self, packed: bool = False) -> list[int]:
         """Tokens the first ``k`` prefilling rows get in a prefill step (rows ``[0, k)``, oldest first).
 
         The oldest prefilling request takes as much of the budget as it can use (its first token comes
         soonest, first come first served); the step's length is its chunk, and the rows after it join
         while ``k * length`` fits the budget and pads (a row with less than that length is padded) stay at
-        most half of the step. In grouped steps (``packed``: no pads) the rows after it take what is left of the
+        most half of the step. ``packed`` (a grouped step: no pads), the rows after it take what is left of the
         budget, each as much as it can use."""
         p = self.prefilling()
         if p == 0:
@@ -203,13 +204,13 @@ class Scheduler:
         computing = {_stop(self.rows[0])}
         for r in self.rows[1:p]:
             left = self.max_batch_tokens - sum(chunks)
-            if (left if self.packed else self.max_batch_tokens - len(chunks) * length) < (1 if self.packed else length):
+            if left < 1 or (not packed and (len(chunks) + 1) * length > self.max_batch_tokens):
                 break
             stop = _stop(r)
             if stop is not None and stop in computing:
                 break  # an older row is computing the same cached-blocks prefix: start from its snapshot instead
             computing.add(stop)
-            if self.packed:  # no pads (a grouped step): the rows share the budget, each taking what it can use
+            if packed:  # no pads (a grouped step): the rows share the budget, each taking what it can use
                 chunks.append(self._to_snapshot(r, min(r.pending, left)))
                 continue
             chunk = self._to_snapshot(r, min(r.pending, length))

@@ -507,3 +507,24 @@ def test_a_prefilling_row_without_a_chunk_takes_nothing_in_a_grouped_step(monkey
     assert all(n == 1 for step in steps for prefilling, n in step if not prefilling), steps
     for request_id, prompt in zip([first, *ids], prompts):
         assert results[request_id].generated_tokens == _alone(ref, prompt, new=6)
+
+
+def test_prefill_chunks_share_the_budget_when_packed_and_stay_a_half_padded_rectangle_otherwise():
+    """A grouped step's chunks (``packed``) take what is left of the token budget, each row as much as it can use;
+    a rectangular prefill step's rows join only while ``k`` chunks of the first's length fit and pads stay at most
+    half the step."""
+    from hf_qsa_cache.serving.requests import Request
+    from hf_qsa_cache.serving.scheduler import Scheduler
+
+    scheduler = Scheduler(max_rows=4, max_batch_tokens=32, prefill_first=False)
+    for i, n in enumerate([30, 3, 20]):
+        scheduler.submit(Request(f"r{i}", list(range(1, n + 1)), 4, frozenset()))
+    scheduler.admit()
+    assert scheduler.prefill_chunks(packed=True) == [30, 2]
+    assert scheduler.prefill_chunks() == [30]
+    small = Scheduler(max_rows=4, max_batch_tokens=32, prefill_first=False)
+    for i, n in enumerate([10, 9, 2, 8]):
+        small.submit(Request(f"s{i}", list(range(1, n + 1)), 4, frozenset()))
+    small.admit()
+    assert small.prefill_chunks(packed=True) == [10, 9, 2, 8]
+    assert small.prefill_chunks() == [10, 9, 2]  # a fourth row of 10 columns would not fit 32 tokens
