@@ -274,7 +274,7 @@ class QSAPagedCache(Cache):
         with self.transaction(batch_size, max(g.query_len for g in groups), None, counts=counts) as step:
             metas = step.build_group_metadata(groups, device)
             for meta, ids in zip(metas, input_ids or [None] * len(metas)):
-                self.token_log.write(meta.position, meta.token_row + meta.row_offset, ids)
+                self.log_tokens(meta, ids)
             yield metas
 
     def graph_step_metadata(self, lengths: torch.Tensor, query_len: int,
@@ -297,7 +297,8 @@ class QSAPagedCache(Cache):
             self._scope.on_land.append(fn)
 
     def log_tokens(self, meta: StepMetadata, input_ids: torch.Tensor | None) -> None:
-        self.token_log.write(meta.position, meta.token_row, input_ids)
+        rows = meta.token_row + meta.row_offset if meta.row_offset else meta.token_row  # (a grouped step's group)
+        self.token_log.write(meta.position, rows, input_ids)
 
     def step_metadata(self, device: torch.device) -> StepMetadata:
         """This forward's metadata on ``device`` (copied once per device, for split models)."""

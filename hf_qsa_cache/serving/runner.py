@@ -338,8 +338,8 @@ class ModelRunner:
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[tuple[Request, int, float | None]]:
         """The next token of each row that has fed everything it had: the argmax of its scores (greedy) or a
         draw with one uniform number from its seed and the token's index (`token_uniform`), after its penalties
-        and warpers (`sampling.next_token_scores`, for all rows at once: the penalties from each request's history
-        tables, `PenaltyTables`; the warpers and the draw)."""
+        and warpers: `sampling.next_token_scores`'s arithmetic for all rows at once (the penalties from each
+        request's history table, `PenaltyTables.apply`; the warpers, `warp_rows`; the draw, `draw`)."""
         ready = [i for i, r in enumerate(rows) if r.pending == 0]
         if not ready:
             return []

@@ -46,6 +46,9 @@ def test_every_token_of_random_grouped_steps_equals_transformers_alone(family, s
         torch.testing.assert_close(value, _reference_logits(ref, sequences[r])[position], atol=2e-4, rtol=2e-4,
                                    msg=lambda m, r=r, p=position: f"row {r} position {p}: {m}")
     assert len(got) > 24 and (dropped > 0) == bool(spec)
+    for r, sequence in enumerate(sequences):  # each group's ids logged in its own rows (`check_continues` reads them)
+        held = cache.lengths[r]
+        assert cache.token_log.ids[r, :held].tolist() == sequence[:held], r
 
 
 @pytest.mark.parametrize("shape, counts, message", [
