@@ -39,3 +39,26 @@ def _fp32_means_fp32():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.fixture(autouse=True)
+def _transformers_on_the_cpu_runs_its_torch_functions(monkeypatch):
+    """The references here run transformers' models on the CPU. Where flash-linear-attention is installed,
+    transformers binds its Triton kernels (GatedDeltaNet's chunked and recurrent rules) at import, for CPU tensors
+    too, which Triton refuses: on CPU tensors each such function runs the torch function it wraps instead."""
+    import transformers.models.inkling.modeling_inkling as inkling
+    import transformers.models.qwen4_exp.modeling_qwen4_exp as qwen4_exp
+
+    for module in (qwen4_exp, inkling):
+        for name, fn in list(vars(module).items()):
+            reference = getattr(fn, "__wrapped__", None)
+            if callable(fn) and reference is not None and getattr(fn, "__module__", None) == module.__name__:
+                monkeypatch.setattr(module, name, _by_device(fn, reference))
+
+
+def _by_device(kernel, reference):
+    def run(*args, **kwargs):
+        first = next(x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor))
+        return (kernel if first.is_cuda else reference)(*args, **kwargs)
+
+    return run
