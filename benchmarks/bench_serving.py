@@ -174,9 +174,9 @@ def main():
     parser.add_argument("--upstream-batch", type=int, default=None, help="upstream's batch (default --static-batch)")
     parser.add_argument("--skip-static", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--grouped-steps", choices=["on", "off", "both"], default="on",
+    parser.add_argument("--grouped-steps", choices=["on", "off", "both"], default="off",
                         help="decoding rows beside prefill chunks in one step (on), prefill and decode steps apart "
-                             "(off), or each in turn on the same workload")
+                             "(off, the engine's default), or each in turn on the same workload")
     parser.add_argument("--jsonl", default=RESULTS)
     args = parser.parse_args()
 

@@ -12,7 +12,7 @@ CPU ops. The stores are allocated up front (tiny widths), so row moves and the t
 as they do on a device. The cache geometry (page size, window, layer schedule) follows bench_serving.py.
 
 Reported: host microseconds per loop iteration, split into decode-only iterations and iterations that run a
-prefill step (a grouped step, or a prefill step and most often a decode step with ``--grouped-steps off``), and
+prefill step (a prefill step and most often a decode step; a grouped step with ``--grouped-steps on``), and
 per step (`ModelRunner.decode` / `grouped` / `prefill`: the forward with its cache step, and sampling); then a
 cProfile top-20 of a second, profiled run.
 """
@@ -191,8 +191,9 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--no-profile", action="store_true")
-    parser.add_argument("--grouped-steps", choices=["on", "off"], default="on",
-                        help="prefill chunks and decoding rows in one step (on) or prefill and decode steps (off)")
+    parser.add_argument("--grouped-steps", choices=["on", "off"], default="off",
+                        help="prefill chunks and decoding rows in one step (on) or prefill and decode steps (off, the "
+                             "engine's default)")
     parser.add_argument("--stream", action="store_true",
                         help="stream every request to the HTTP engine process's result handler")
     args = parser.parse_args()

@@ -66,11 +66,13 @@ class ContinuousBatchingManager:
     def __init__(self, model, generation_config: GenerationConfig | None = None,
                  continuous_batching_config: ContinuousBatchingConfig | None = None, workload_hints=None, *,
                  kv_cache_dtype: torch.dtype | None = None, index_cache_dtype: torch.dtype | None = None,
-                 grouped_steps: bool = True):
+                 grouped_steps: bool = False):
         """``kv_cache_dtype`` / ``index_cache_dtype``: the cache's fp8 switches (`QSAPagedCache`; None: the
         model's dtype), which transformers' `ContinuousBatchingConfig` has no field for. ``grouped_steps``: while
         requests prefill, the decoding rows ride in the same step as the prefill chunks (`hf_qsa_cache.grouped`: no
-        pads, one step an iteration); False: a prefill step of rows padded to one length, then a decode step."""
+        pads, one step an iteration); False (the default): a prefill step of rows padded to one length, then a decode
+        step, replayed from a CUDA graph. On an H100 the separate steps are the faster (docs/serving.md: a grouped
+        step runs its groups' layers eagerly, one pass a group, and eager steps are bound by host work)."""
         self.model = model
         self.grouped_steps = grouped_steps
         self._chunks: list[int] = []  # the next grouped step's prefill chunks (rows 0, 1, ...)

@@ -87,9 +87,11 @@ class Faults:
 
 class EngineStress:
     def __init__(self, family: str, seed: int, rows: int = 3, budget: int = 7, blocks: int = 24,
-                 fault_every: tuple[int, int] = (20, 120), shared: bool = False, lookup: int = 0):
+                 fault_every: tuple[int, int] = (20, 120), shared: bool = False, lookup: int = 0,
+                 grouped_steps: bool = False):
         self.family, self.seed = family, seed
         self.shared = shared
+        self.grouped_steps = grouped_steps  # the loop's schedule (`ContinuousBatchingManager`)
         self.lookup = lookup  # prompt lookup's drafts per decode step (verified inside the loop), 0: none
         self.bases = random_prompts([18, 25, 12], vocab=90, seed=seed + 7)  # common prefixes (shared=True)
         self.ref, self.ours = family_pair(family)
@@ -107,7 +109,8 @@ class EngineStress:
         self.faults.install()
         try:
             gen = greedy(10, prompt_lookup_num_tokens=self.lookup or None)
-            with self.ours.continuous_batching_context_manager(gen, continuous_batching_config=self.config) as manager:
+            with self.ours.continuous_batching_context_manager(gen, continuous_batching_config=self.config,
+                                                               grouped_steps=self.grouped_steps) as manager:
                 for op in range(ops):
                     kind = rng.random()
                     if kind < 0.6:
@@ -184,10 +187,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shared", action="store_true", help="prompts continue common prefixes (prefix caching)")
     parser.add_argument("--lookup", type=int, default=0, help="prompt lookup drafts per decode step")
+    parser.add_argument("--grouped-steps", action="store_true", help="the loop runs grouped steps")
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.time()
-    stress = EngineStress(args.family, args.seed, shared=args.shared, lookup=args.lookup)
+    stress = EngineStress(args.family, args.seed, shared=args.shared, lookup=args.lookup,
+                          grouped_steps=args.grouped_steps)
     stress.run(args.ops, timeout=3600)
     print(f"{args.family} seed {args.seed}: {args.ops} operations, {len(stress.submitted)} requests, "
           f"{stress.counts}, faults fired {stress.faults.fired}, {stress.manager.stats}, {time.time() - start:.0f} s")

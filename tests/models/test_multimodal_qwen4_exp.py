@@ -345,7 +345,8 @@ def test_a_text_prompt_prefills_in_grouped_steps_beside_a_decoding_row_with_medi
     _, ours, _ = models
     config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=5, max_requests_per_batch=2)
     manager = ours.init_continuous_batching(GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False,
-                                                             eos_token_id=None, pad_token_id=0), config)
+                                                             eos_token_id=None, pad_token_id=0), config,
+                                             grouped_steps=True)
     manager.start()
     try:
         inputs = batch([ROWS[0]])

@@ -467,7 +467,7 @@ def test_neighbouring_chunks_of_one_length_share_a_rectangle(monkeypatch):
 
     monkeypatch.setattr(ModelRunner, "_forward_grouped", spy)
     config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=3)
-    manager = ours.init_continuous_batching(_greedy(new=4), config)
+    manager = ours.init_continuous_batching(_greedy(new=4), config, grouped_steps=True)
     ids = manager.add_requests(prompts, max_new_tokens=4)  # queued before the loop starts: admitted together
     manager.start()
     try:
@@ -497,7 +497,8 @@ def test_a_prefilling_row_without_a_chunk_takes_nothing_in_a_grouped_step(monkey
     monkeypatch.setattr(ModelRunner, "_forward_grouped", spy)
     config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=6, max_requests_per_batch=4,
                                       allow_block_sharing=False)
-    with ours.continuous_batching_context_manager(_greedy(new=6), continuous_batching_config=config) as manager:
+    with ours.continuous_batching_context_manager(_greedy(new=6), continuous_batching_config=config,
+                                                  grouped_steps=True) as manager:
         first = manager.add_request(prompts[0], max_new_tokens=6, streaming=True)
         next(manager.request_id_iter(first))  # it decodes
         ids = manager.add_requests(prompts[1:], max_new_tokens=6)

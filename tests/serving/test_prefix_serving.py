@@ -201,7 +201,7 @@ def test_prompts_prefilled_in_one_grouped_step_each_cache_their_prefix(family):
     name, ref, ours = family
     prompts = random_prompts([13, 10, 15], vocab=90, seed=41)
     config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=64, max_requests_per_batch=3)
-    manager = ours.init_continuous_batching(greedy(NEW), config)
+    manager = ours.init_continuous_batching(greedy(NEW), config, grouped_steps=True)
     first = manager.add_requests(prompts)  # queued before the loop starts: admitted together
     manager.start()
     try:
