@@ -5,7 +5,8 @@
 
 ``--rows`` rows hold ``--past`` tokens each and decode one token; ``--chunks`` more rows (the first rows) each prefill a
 chunk of ``--chunk`` tokens from empty. Three ways to run one such iteration, each timed over ``--repeat`` iterations (the
-decoding rows are cropped back after each, the prefilling rows emptied, so every iteration sees the same state):
+prefilling rows emptied after each; the decoding rows keep their tokens, a few more each time, so every iteration
+sees nearly the same state; the cache keeps no rollback history, as continuous batching's without drafts):
 
 * ``decode``: the decoding rows alone (one eager rectangular step, no CUDA graph);
 * ``prefill``: the prefilling rows' chunks alone (one rectangular step);
@@ -34,7 +35,6 @@ from profile_serving_host import tiny_config  # noqa: E402
 
 from hf_qsa_cache import QSAPagedCache  # noqa: E402
 from hf_qsa_cache.grouped import grouped_logits  # noqa: E402
-from hf_qsa_cache.rollback import crop_rows  # noqa: E402
 
 
 def build(args):
@@ -51,9 +51,8 @@ def build(args):
     dtype = torch.float32 if args.tiny else torch.bfloat16
     model = Model(config).to(device=device, dtype=dtype).eval()
     rows = args.rows + args.chunks
-    length = args.past + args.repeat * 2 + args.chunks * args.chunk + 8
-    cache = QSAPagedCache(config, rows, length, block_size=args.block, device=device, dtype=dtype,
-                          num_speculative_tokens=1)
+    length = args.past + 3 * (args.repeat + 1) + args.chunks * args.chunk + 8  # (what the decoding rows take)
+    cache = QSAPagedCache(config, rows, length, block_size=args.block, device=device, dtype=dtype)
     return model, cache, device
 
 
@@ -102,8 +101,7 @@ def main(argv=None) -> dict:
     def run(kind):
         step(model, cache, *shapes[kind], device, vocab)
 
-    def undo():  # the decoding rows back to their past, the prefilling rows fresh
-        crop_rows(cache, [0] * K + [cache.lengths[K + b] - args.past for b in range(R)])
+    def undo():  # the prefilling rows fresh (the decoding rows keep what they took)
         cache.move_rows([-1] * K + list(range(K, K + R)))
 
     result = {"model": args.model, "layers": args.layers, "rows": R, "past": args.past, "chunk": C, "chunks": K,
