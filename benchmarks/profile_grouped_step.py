@@ -3,18 +3,21 @@
     python benchmarks/profile_grouped_step.py --model qwen4_exp --layers 40 --rows 63 --chunk 2048      # GPU
     python benchmarks/profile_grouped_step.py --model qwen4_exp --layers 40 --rows 63 --chunk 64 --tiny  # CPU
 
-``--rows`` rows hold ``--past`` tokens each and decode one token; ``--chunks`` more rows (the first rows) each prefill a
-chunk of ``--chunk`` tokens from empty. Three ways to run one such iteration, each timed over ``--repeat`` iterations (the
-prefilling rows emptied after each; the decoding rows keep their tokens, a few more each time, so every iteration
-sees nearly the same state; the cache keeps no rollback history, as continuous batching's without drafts):
+``--rows`` rows hold ``--past`` tokens each and decode one token; ``--chunks`` more rows (the first rows) each
+prefill a chunk of ``--chunk`` tokens from empty. Three ways to run one such iteration, each timed over
+``--repeat`` iterations (the prefilling rows emptied after each; the decoding rows keep their tokens, a few more
+each time, so every iteration sees nearly the same state; the cache keeps no rollback history, as continuous
+batching's without drafts):
 
 * ``decode``: the decoding rows alone (one eager rectangular step, no CUDA graph);
 * ``prefill``: the prefilling rows' chunks alone (one rectangular step);
-* ``grouped``: one grouped step of every chunk (a group each) and the decoding rows (`hf_qsa_cache.grouped.grouped_logits`).
+* ``grouped``: one grouped step of every chunk (a rectangle each) and the decoding rows
+  (`hf_qsa_cache.grouped.grouped_logits`).
 
-A grouped step should cost about ``decode + prefill`` of GPU time, less what the two share (the weights read once).
-With ``--trace`` a torch profiler table of the grouped step (top ops by self CPU and by device time) follows. On
-the CPU use ``--tiny`` (widths of `profile_serving_host.tiny_config`): what is left is host work.
+A grouped step should cost about ``decode + prefill`` of GPU time, less what the two share (the weights read
+once). With ``--trace`` torch profiler tables of the prefill and the grouped step (top ops by self CPU and, on a
+GPU, by device time) follow. On the CPU use ``--tiny`` (widths of `profile_serving_host.tiny_config`): what is
+left is mostly host work.
 """
 
 from __future__ import annotations

@@ -417,7 +417,8 @@ def test_per_request_penalties_match_transformers_greedy(family):
     assert [r.generated_tokens for r in more] == [alone(ref, p, 6, repetition_penalty=1.8) for p in prompts]
 
 
-@pytest.mark.parametrize("family_name, seed, lookup, grouped_steps", [("qwen4_exp", 0, 0, False), ("inkling", 1, 2, True)],
+@pytest.mark.parametrize("family_name, seed, lookup, grouped_steps",
+                         [("qwen4_exp", 0, 0, False), ("inkling", 1, 2, True)],
                          ids=["qwen4_exp", "inkling-prompt-lookup-grouped-steps"])
 def test_random_arrivals_cancels_and_faults_match_the_reference(family_name, seed, lookup, grouped_steps):
     """A short run of the engine's model-based stress test (tests/helpers/engine_stress.py); Inkling's with
