@@ -25,8 +25,9 @@ prefix entry keeps. A block is free only at zero references and not cached; a ca
 references is *idle*: it keeps its content for a later request, and counts as available capacity
 (`available`), because the prefix cache gives it back whenever the pool needs it (`PrefixCache.make_room`,
 always outside a step). Rows copied from one another (beam search: `select_rows`) share their full blocks the
-same way. Rows only write positions past their lengths, and a row's shared blocks lie below its shared floor
-(`Rows.shared`), so a shared block is never written.
+same way. Rows only write positions past their lengths, and a crop never brings a row's length into a shared block
+(`shares_from`, which `rollback.crop_rows` asks), so a shared block is never written. The tables alone know which
+blocks are shared: nothing else keeps a copy of it.
 """
 
 from __future__ import annotations
@@ -379,7 +380,7 @@ class BlockTable:
         before); rows ``len(src) .. num_rows - 1`` give theirs back.
 
         A block wholly below its source row's length is never written again (a step writes past a row's length,
-        and the cache keeps crops above the blocks rows share, `Rows.shared`): the row lists it, one reference
+        and a crop never reaches into a block rows share, `shares_from`): the row lists it, one reference
         more. The last, partial block is copied into a fresh one, unless the source row is released and this is
         its first taker (`_select_plan`). Only rows that change are touched: their sources' blocks are read and
         referenced first (a source may itself be replaced), their own are released, then each gets its list.
@@ -406,11 +407,21 @@ class BlockTable:
             self.base[i] = base
         return old, new
 
+    def _shared(self, block: int) -> bool:
+        """Whether ``block`` is listed by more than one row or kept by a prefix entry (it is never written)."""
+        return block != NULL_BLOCK and (self.refs[block] > 1 or block in self.cached)
+
+    def shares_from(self, row: int, length: int) -> bool:
+        """Whether a block of ``row`` holding a position ``>= length`` is shared (`_shared`): ``row`` cropped to
+        ``length`` would write it. Looks only at those blocks, so a crop's check costs what it drops."""
+        blocks, first = self.rows[row], max(length // self.block_size, self.base[row])
+        return any(self._shared(blocks[column]) for column in range(first, len(blocks)))
+
     def shared_columns(self, row: int) -> int:
-        """Columns of ``row`` up to its last block another row lists too (0: none)."""
-        blocks, refs = self.rows[row], self.refs
+        """Columns of ``row`` up to its last shared block (`_shared`; 0: none)."""
+        blocks = self.rows[row]
         for column in range(len(blocks) - 1, self.base[row] - 1, -1):
-            if blocks[column] != NULL_BLOCK and refs[blocks[column]] > 1:
+            if self._shared(blocks[column]):
                 return column + 1
         return 0
 

@@ -133,9 +133,7 @@ def cache_prefix(cache, row: int, tokens, snapshot: Snapshot | None) -> int:
     if snapshot is None and not cache.prefix.has_snapshot(tokens, length):
         snapshot = capture(cache, row)
     blocks = {name: cache.tables[name].rows[row] for name in cache.prefix.shared}
-    covered = cache.prefix.insert(blocks, tokens, length, snapshot)
-    cache.rows.raise_shared(row, covered)
-    return covered
+    return cache.prefix.insert(blocks, tokens, length, snapshot)
 
 
 # ---------------------------------------------------------------------- a row's state in and out of a snapshot

@@ -151,8 +151,8 @@ def crop_rows(cache, drop: int | list[int]) -> None:
         if cache.lengths[b] < drops[b]:
             raise ValueError(f"row {b} holds {cache.lengths[b]} tokens, cannot drop {drops[b]}")
     for b in range(cache.num_rows):
-        shared = cache.rows.shared[b]
-        if cache.lengths[b] - drops[b] < shared:
+        if drops[b] and any(t.shares_from(b, cache.lengths[b] - drops[b]) for t in cache.tables.values()):
+            shared = max(t.shared_columns(b) * t.block_size for t in cache.tables.values())
             raise ValueError(
                 f"cannot drop {drops[b]} tokens: row {b} holds {cache.lengths[b]} tokens and shares its first "
                 f"{shared} with cached prefixes (prefix_caching) or with rows copied from it or it from them "

@@ -7,9 +7,6 @@ A row is one sequence of a batch (a beam, a continuous-batching request). Per ro
   position ids is rotated at its logical position plus this delta, so text after an image continues
   where the image's 3-D positions end. Zero for text-only rows;
 * ``crop_floor``: the shortest length a crop may reach (Qwen4Exp's rollback rings; `hf_qsa_cache.rollback`);
-* ``shared``: the length below which the row's blocks are shared with cached prefixes
-  (`hf_qsa_cache.prefix_cache`) or with rows copied from it or it from them (`select_rows`): the row never
-  writes there, so no crop goes below it;
 * ``lost``: 1 when a step that fed the row failed on a cache that keeps no undo copies
   (``QSAPagedCache(step_undo=False)``): its in-place state is partly overwritten, so it takes no further
   step until it is released.
@@ -42,7 +39,7 @@ class RowsSnapshot:
 
 
 class Rows:
-    PER_ROW = ("lengths", "rope_deltas", "crop_floor", "shared", "lost")
+    PER_ROW = ("lengths", "rope_deltas", "crop_floor", "lost")
 
     def __init__(self, max_rows: int):
         self.max_rows = max_rows
@@ -93,7 +90,6 @@ class Rows:
     def start_at(self, row: int, length: int, crop_floor: int) -> None:
         """Empty row ``row`` starts from a cached prefix of ``length`` tokens (its blocks below are shared)."""
         self.lengths[row] = length
-        self.shared[row] = length
         self.crop_floor[row] = crop_floor
         self.rope_deltas[row] = 0
         self.count = max(self.count, row + 1)
@@ -102,10 +98,6 @@ class Rows:
         """Rows ``rows`` lost their in-place state to a failed step (see ``lost`` above)."""
         for b in rows:
             self.lost[b] = 1
-
-    def raise_shared(self, row: int, length: int) -> None:
-        """Row ``row``'s blocks below ``length`` are now held by prefix entries as well."""
-        self.shared[row] = max(self.shared[row], length)
 
     def set_columns(self, columns: int) -> None:
         """The batch's rectangular width after a prefill that started rows from cached prefixes (the columns
@@ -195,12 +187,6 @@ def select_rows(cache, src: list[int]) -> None:
     try:  # from the first change on, a failure refuses further steps (naming reset())
         plans = {name: table.select_rows(src, held, lengths) for name, table in cache.tables.items()}
         cache.rows.select(src)
-        # A row that now lists blocks another row lists (a copy and its source) keeps its crops above them.
-        copied = {src[i] for i in range(n) if src[i] != i}
-        for i in (i for i in range(n) if src[i] in copied):
-            floor = max(t.shared_columns(i) * t.block_size for t in cache.tables.values())
-            if floor:
-                cache.rows.raise_shared(i, floor)
         for name, (old, new) in plans.items():
             for store in cache.layer_stores():
                 if new and store.table == name and store.allocated:
