@@ -101,9 +101,11 @@ def check_linear_rollback(cache, drops: list[int]) -> None:
         )
 
 
-def restore_linear_states(cache, new_lengths: list[int]) -> None:
-    """Every row of a Qwen4Exp cache takes its recurrent / conv / PLE state after ``new_lengths[b] - 1``."""
-    rows = list(range(cache.num_rows))
+def restore_linear_states(cache, rows: list[int], new_lengths: list[int]) -> None:
+    """Row ``rows[i]`` of a Qwen4Exp cache takes its recurrent / conv / PLE state after position ``new_lengths[i] -
+    1``, from its rollback ring. Only the rows a crop shortens: a row that took no token in the last step (a row
+    waiting beside a grouped step's others, one just started from a cached prefix) may have nothing of its state
+    in its ring, and its state is already where it stays."""
     for b in rows:
         # What the ring held before this crop bounds every later crop until the row grows past it.
         cache.rows.raise_crop_floor(b, cache.lengths[b] - cache.num_speculative_tokens)
@@ -164,14 +166,15 @@ def crop_rows(cache, drop: int | list[int]) -> None:
     _check_windows(cache, drops)
     if qwen:
         before = cache.rows.snapshot()
+        cropped = [b for b in range(cache.num_rows) if drops[b]]
         try:
-            restore_linear_states(cache, [cache.lengths[b] - drops[b] for b in range(cache.num_rows)])
+            restore_linear_states(cache, cropped, [cache.lengths[b] - drops[b] for b in cropped])
         except BaseException as error:
             # Some layers may hold the cropped state already: put every layer back to the current lengths
             # (the ring holds the state after each row's last position, which the checks above guarantee),
             # or refuse further steps.
             try:
-                restore_linear_states(cache, cache.lengths[: cache.num_rows])
+                restore_linear_states(cache, cropped, [cache.lengths[b] for b in cropped])
                 cache.rows.restore(before)  # the floors before this crop (restoring raises them)
             except BaseException:
                 cache.mark_unusable(f"a crop failed half way ({type(error).__name__}: {error})")

@@ -14,6 +14,7 @@ from helpers.serving import FAMILIES, family_pair
 
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.grouped import grouped_logits
+from hf_qsa_cache.rollback import crop_rows
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -75,3 +76,36 @@ def test_a_grouped_step_needs_rows_placed_by_move_rows():
     cache = QSAPagedCache(ours.config, max_batch_size=2, max_cache_len=48, block_size=4)
     with pytest.raises(ValueError, match="rows placed with move_rows"), torch.no_grad():
         grouped_logits(ours, cache, [(2, 1)], [1, 1], torch.ones(1, 2, dtype=torch.long), torch.tensor([0, 1]))
+
+
+def test_a_row_crop_leaves_a_row_that_took_nothing_as_it_is(family):
+    """A grouped step where one row verifies drafts and another row, just started from a cached prefix, takes
+    nothing (a waiting row beside it); the first drops its rejected drafts (`crop_rows` with a count per row).
+    The waiting row's rollback ring holds nothing of its restored state, so the crop must leave it alone: both
+    rows then go on equal to transformers alone (the engine's grouped steps with prompt lookup and prefix caching
+    gave wrong tokens when every row was restored from its ring)."""
+    name, ref, ours = family
+    rng = random.Random(7)
+    prefix = [rng.randrange(1, 90) for _ in range(8)]
+    first = prefix + [rng.randrange(1, 90) for _ in range(12)]
+    second = prefix + [rng.randrange(1, 90) for _ in range(6)]
+    cache = QSAPagedCache(ours.config, max_batch_size=2, max_cache_len=48, block_size=4, num_speculative_tokens=2,
+                          prefix_caching=True)
+
+    def step(shape, counts, ids):
+        with torch.no_grad():
+            return grouped_logits(ours, cache, shape, counts, torch.tensor([ids]), torch.arange(len(ids)))
+
+    cache.move_rows([-1])
+    step([(1, 8)], [8], first[:8])
+    assert cache.cache_prefix(0, first[:8]) == 8
+    step([(1, 2)], [2], first[8:10])
+    cache.move_rows([0, -1])
+    assert cache.restore_prefix(1, second) == 8
+    step([(2, 3)], [3, 0], first[10:13] + [0, 0, 0])  # row 0: its token and two drafts; row 1 all pads
+    crop_rows(cache, [2, 0])  # both drafts rejected
+    assert cache.lengths[:2] == [11, 8]
+    got = step([(1, 2), (1, 3)], [2, 3], first[11:13] + second[8:11])
+    for i, (sequence, position) in enumerate([(first, 11), (first, 12), (second, 8), (second, 9), (second, 10)]):
+        torch.testing.assert_close(got[i], _reference_logits(ref, sequence)[position], atol=2e-4, rtol=2e-4,
+                                   msg=lambda m, i=i: f"token {i}: {m}")

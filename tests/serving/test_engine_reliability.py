@@ -435,16 +435,19 @@ def test_random_arrivals_cancels_and_faults_match_the_reference(family_name, see
     assert sum(stress.faults.fired.values()) >= 3, stress.faults.fired
 
 
-@pytest.mark.parametrize("family_name, seed, grouped_steps", [("qwen4_exp", 2, True), ("inkling", 3, False)],
-                         ids=["qwen4_exp-grouped-steps", "inkling"])
-def test_shared_prefixes_under_faults_match_the_reference(family_name, seed, grouped_steps):
+@pytest.mark.parametrize("family_name, seed, lookup, grouped_steps",
+                         [("qwen4_exp", 2, 2, True), ("inkling", 3, 0, False)],
+                         ids=["qwen4_exp-prompt-lookup-grouped-steps", "inkling"])
+def test_shared_prefixes_under_faults_match_the_reference(family_name, seed, lookup, grouped_steps):
     """The engine stress test with prompts that share prefixes (and continue earlier answers): rows start from
-    cached prefixes, cached blocks are taken back for new work, faults fire in steps and bookkeeping."""
+    cached prefixes, cached blocks are taken back for new work, faults fire in steps and bookkeeping. Qwen4Exp's
+    with prompt lookup's drafts in grouped steps: rows restored from a prefix wait beside rows that crop."""
     from helpers.engine_stress import EngineStress
 
-    stress = EngineStress(family_name, seed, shared=True, grouped_steps=grouped_steps)
+    stress = EngineStress(family_name, seed, shared=True, lookup=lookup, grouped_steps=grouped_steps)
     stress.run(ops=60)
     assert stress.counts["finished"] > 10, stress.counts
+    assert (stress.manager.stats["drafted_tokens"] > 0) == bool(lookup), stress.manager.stats
     assert stress.faults.fired, stress.faults.fired
     stats = stress.prefix_stats
     assert stats["hit_tokens"] > 0 and stats["evictions"] > 0, stats
