@@ -34,8 +34,8 @@ def check(ref, prompts, results):
 
 @pytest.mark.parametrize("lookup", [0, 2])
 def test_shared_system_prompt_and_next_turns(family, lookup):
-    """``lookup``: prompt lookup inside the loop (verify steps, per-row crops that never reach into shared blocks; Qwen4Exp's
-    cache then keeps rollback history, which a restored row does not have below its prefix)."""
+    """``lookup``: prompt lookup inside the loop (verify steps, per-row crops that never reach into shared blocks;
+    Qwen4Exp's cache then keeps rollback history, which a restored row does not have below its prefix)."""
     name, ref, ours = family
     system = random_prompts([14], vocab=90, seed=21)[0]
     users = random_prompts([5, 7, 3], vocab=90, seed=22)
