@@ -4,7 +4,8 @@ calls of its iterations: in a model step (at a random torch call inside the forw
 and in its own bookkeeping (row moves, admission, row order, room checks).
 
 Every request must end with exactly one final result, and that result must be
-* its tokens from transformers' own model on its prompt alone (greedy), or
+* its tokens from transformers' own model on its prompt alone (greedy; a fifth of the requests with a repetition
+  penalty, whose history must follow the request through row moves, preemption and faults), or
 * FAILED because two steps it was in failed, or bookkeeping failed three iterations in a row (the injected error), or
 * FAILED "cancelled" when it was cancelled;
 and at the end every block is back in its pool (or cached by prefix caching and idle), no row is held, no media
@@ -33,12 +34,14 @@ from transformers import ContinuousBatchingConfig  # noqa: E402
 from transformers.generation.continuous_batching.requests import RequestStatus  # noqa: E402
 
 from hf_qsa_cache import QSAPagedCache  # noqa: E402
+from hf_qsa_cache.serving import Sampling  # noqa: E402
 from hf_qsa_cache.serving.runner import ModelRunner  # noqa: E402
 from hf_qsa_cache.serving.scheduler import Scheduler  # noqa: E402
 
 # Where faults go: (owner, method). `_forward` and `_forward_grouped` are the model's steps; the others are the
 # loop's bookkeeping.
 MODEL_STEPS = ("_forward", "_forward_grouped")
+PENALTY = 1.8  # a penalized request's repetition penalty (strong enough to change greedy tokens)
 FAULT_SITES = [(ModelRunner, "_forward"), (ModelRunner, "_forward_grouped"), (QSAPagedCache, "move_rows"),
                (Scheduler, "admit"), (Scheduler, "order"), (ModelRunner, "why_not_fits")]
 
@@ -99,7 +102,7 @@ class EngineStress:
         self.config = ContinuousBatchingConfig(page_size=4, num_blocks=blocks, max_batch_tokens=budget,
                                                max_requests_per_batch=rows)
         self.faults = Faults(random.Random(seed + 1), fault_every)
-        self.submitted: dict[str, tuple[list[int], int]] = {}
+        self.submitted: dict[str, tuple[list[int], int, float]] = {}  # prompt, new tokens, repetition penalty
         self.cancelled: set[str] = set()
         self.finals: dict[str, object] = {}
         self.counts = {"finished": 0, "failed_by_fault": 0, "cancelled": 0}
@@ -118,8 +121,10 @@ class EngineStress:
                         if self.shared:
                             prompt = self.shared_prompt(prompt)
                         new = rng.randint(1, 10)
-                        request_id = manager.add_request(prompt, request_id=f"s{op}", max_new_tokens=new)
-                        self.submitted[request_id] = (prompt, new)
+                        penalty = PENALTY if rng.random() < 0.2 else 1.0
+                        request_id = manager.add_request(prompt, request_id=f"s{op}", max_new_tokens=new,
+                                                         sampling=Sampling(repetition_penalty=penalty))
+                        self.submitted[request_id] = (prompt, new, penalty)
                     elif kind < 0.75:
                         open_ids = [i for i in self.submitted if i not in self.finals]
                         if open_ids:
@@ -162,9 +167,10 @@ class EngineStress:
             self._check(result)
 
     def _check(self, result) -> None:
-        prompt, new = self.submitted[result.request_id]
+        prompt, new, penalty = self.submitted[result.request_id]
         if result.status == RequestStatus.FINISHED:
-            assert result.generated_tokens == alone(self.ref, prompt, new), result.request_id
+            penalized = {"repetition_penalty": penalty} if penalty != 1.0 else {}
+            assert result.generated_tokens == alone(self.ref, prompt, new, **penalized), result.request_id
             self.counts["finished"] += 1
         elif result.error == "cancelled":
             assert result.request_id in self.cancelled, result.request_id
