@@ -220,3 +220,44 @@ def test_copied_rows_carry_their_fp8_pages_and_scales(family, qwen, ink):
                                                                          1), past_key_values=cache).logits
     torch.testing.assert_close(out[2], out[0], atol=1e-5, rtol=0)  # a copy of row 0 (batch rounding aside)
     assert not torch.allclose(out[1], out[0], atol=1e-2)
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_a_restored_prefix_on_an_fp8_cache_gives_what_its_chunks_give_without_prefix_caching(family, qwen, ink):
+    """Prefix caching on fp8 stores: a row restored from a cached prefix (the prefix's fp8 pages and scales
+    shared, its state from the snapshot) then fed the rest gives the logits of a cache without prefix caching fed
+    the prefix and then the rest (the rest's step reads the prefix from fp8 pages in both); the shared pages and
+    scales are not written."""
+    model = qwen if family == "qwen4_exp" else ink
+    kw = BOTH if family == "qwen4_exp" else dict(kv_cache_dtype=FP8)
+    prompt = q.random_prompts([19], seed=9)[0] if family == "qwen4_exp" else ink_helpers.make_prompts([19])[0].tolist()
+    prefix, rest = prompt[:8], prompt[8:]
+
+    def feed(cache, ids):
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([ids]), past_key_values=cache).logits[0]
+
+    plain = QSAPagedCache(model.config, 1, 32, block_size=4, **kw)
+    feed(plain, prefix)
+    want = feed(plain, rest)
+    cached = QSAPagedCache(model.config, 1, 32, block_size=4, prefix_caching=True, **kw)
+    feed(cached, prefix)
+    assert cached.cache_prefix(0, prefix) == 8
+    cached.reset()  # the row goes, its prefix stays cached
+
+    def paged(name):  # the paged tensors of table ``name``'s stores: fp8 pages (kept as their bytes), scales
+        return [t for store in cached.layer_stores() if store.table == name and store.allocated
+                for t in store.paged_tensors()]
+
+    def shared_pages():  # their rows in the blocks the prefix cache keeps
+        return [t[sorted(table.cached)].clone() for name, table in cached.tables.items() for t in paged(name)]
+
+    before = shared_pages()
+    assert any(t.dtype == torch.uint8 for t in before)
+    for name, table in cached.tables.items():  # freed window blocks keep their bytes: the restore must write them
+        for t in paged(name) if table.window is not None else []:
+            t[sorted(table.free)] = 1
+    assert cached.restore_prefix(0, prompt, limit=len(prompt) - 1) == 8
+    got = feed(cached, rest)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(before, shared_pages()))
