@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import threading
 import time
 
@@ -46,7 +47,12 @@ def workload(args, vocab: int):
     return prompts, outputs, gaps
 
 
-def serving_manager(model, prompts, outputs, args, grouped: bool = True):
+def progress(message: str) -> None:
+    """Where a long run is (stderr, at once): a run stopped by a time limit still says how far it got."""
+    print(f"[bench_serving] {message}", file=sys.stderr, flush=True)
+
+
+def serving_manager(model, prompts, outputs, args, grouped: bool = False):
     """One manager for the warm-up and the measured run: CUDA graphs live on its cache. ``grouped``: its grouped
     steps (decoding rows beside prefill chunks, no pads) on or off."""
     from transformers.generation.continuous_batching.utils import WorkloadHints
@@ -189,10 +195,12 @@ def main():
         from modeling import InklingForCausalLM as Ours
 
         config, Upstream = inkling_config(args.layers), transformers.InklingForCausalLM
+    started = time.perf_counter()
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         ours = Ours(config).eval()
     torch.set_default_dtype(torch.float32)
+    progress(f"model built in {time.perf_counter() - started:.0f} s")
     prompts, outputs, gaps = workload(args, config.vocab_size)
     common = {"bench": "serving", "model": args.model, "layers": args.layers, "requests": args.requests,
               "arrival": args.arrival, "rate": args.rate if args.arrival == "poisson" else None,
@@ -202,12 +210,15 @@ def main():
     def warm_manager(grouped: bool):
         # Warm-up on the manager of the measured run: kernel compilation, and one CUDA graph per decode batch
         # size (rows finish one by one).
+        started = time.perf_counter()
         manager = serving_manager(ours, prompts, outputs, args, grouped)
         manager.start()
         warm = [[5] * (16 + 8 * i) for i in range(args.rows)]
         continuous(manager, warm, [2 + i for i in range(args.rows)], [0.0] * args.rows, prefix="warm")
         run(ours, torch.randint(2, 100, (2, 40), device="cuda"), torch.ones(2, 40, dtype=torch.long, device="cuda"),
             4)
+        common["warmup_s"] = time.perf_counter() - started
+        progress(f"grouped steps {'on' if grouped else 'off'}: warmed up in {common['warmup_s']:.0f} s, measuring")
         return manager
 
     os.makedirs(os.path.dirname(args.jsonl), exist_ok=True)
@@ -233,6 +244,7 @@ def main():
     if args.load is not None:
         return
     common.pop("grouped_steps")
+    common.pop("warmup_s", None)
     if not args.skip_static:
         rows.append(record(static(ours, prompts, outputs, args, limit_s=args.static_limit)))
     if args.upstream_limit:
