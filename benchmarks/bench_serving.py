@@ -58,7 +58,8 @@ def serving_manager(model, prompts, outputs, args, grouped: bool = False):
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     config = ContinuousBatchingConfig(page_size=args.page_size, max_requests_per_batch=args.rows,
-                                      max_batch_tokens=args.batch_tokens, num_blocks=args.num_blocks)
+                                      max_batch_tokens=args.batch_tokens, num_blocks=args.num_blocks,
+                                      allow_block_sharing=args.prefix_caching == "on")
     gen_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(outputs))
     hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=max(outputs),
                           num_requests=len(prompts))
@@ -183,6 +184,8 @@ def main():
     parser.add_argument("--grouped-steps", choices=["on", "off", "both"], default="off",
                         help="decoding rows beside prefill chunks in one step (on), prefill and decode steps apart "
                              "(off, the engine's default), or each in turn on the same workload")
+    parser.add_argument("--prefix-caching", choices=["on", "off"], default="on",
+                        help="the engine's prefix caching (on by default; its snapshot points stop prefill chunks)")
     parser.add_argument("--jsonl", default=RESULTS)
     args = parser.parse_args()
 

@@ -194,6 +194,8 @@ def main():
     parser.add_argument("--grouped-steps", choices=["on", "off"], default="off",
                         help="prefill chunks and decoding rows in one step (on) or prefill and decode steps (off, the "
                              "engine's default)")
+    parser.add_argument("--prefix-caching", choices=["on", "off"], default="on",
+                        help="the engine's prefix caching (on by default; its snapshot points stop prefill chunks)")
     parser.add_argument("--stream", action="store_true",
                         help="stream every request to the HTTP engine process's result handler")
     args = parser.parse_args()

@@ -24,7 +24,8 @@ def test_load_run_measures_the_maximum_rate_then_poisson_arrivals(monkeypatch):
     torch.manual_seed(0)
     model = InklingForCausalLM(config).eval()
     args = types.SimpleNamespace(requests=10, min_prompt=8, max_prompt=48, min_output=2, max_output=6, arrival="all",
-                                 rate=8.0, seed=0, rows=4, batch_tokens=64, page_size=16, num_blocks=None, load=0.8)
+                                 rate=8.0, seed=0, rows=4, batch_tokens=64, page_size=16, num_blocks=None, load=0.8,
+                                 prefix_caching="on")
     prompts, outputs, _ = bench_serving.workload(args, config.vocab_size)
     manager = bench_serving.serving_manager(model, prompts, outputs, args)
     common, lines = {"bench": "serving"}, []
