@@ -231,7 +231,6 @@ class InklingPagedDecoderLayer(GradientCheckpointingLayer):
         out = self.mlp(normed)
         return (out, residual) if defer_residual else residual + self.mlp_sconv(out, cache, meta)
 
-
     def forward_grouped(self, hidden_states: torch.Tensor, parts: list[GroupPart], cache: QSAPagedCache,
                         residual: torch.Tensor | None, pending_conv: InklingPagedShortConvolution | None):
         """The layer on a grouped step's ``[1, T, H]`` (`hf_qsa_cache.grouped`): the convolutions and the attention
@@ -398,7 +397,6 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         if all_hidden is not None:
             all_hidden.append(hidden_states)
         return conv_add_norm(pending_conv, hidden_states, residual, self.norm, cache, meta)[1]
-
 
     def forward_grouped(self, input_ids: torch.Tensor, cache: QSAPagedCache, groups: list[RowGroup],
                         counts: list[int]) -> torch.Tensor:

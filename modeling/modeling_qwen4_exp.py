@@ -265,7 +265,6 @@ class Qwen4ExpTextDecoderLayer(upstream.Qwen4ExpTextDecoderLayer):
             return hyper_input, (out, inject)
         return add_injection(hyper_input, out, inject)
 
-
     def forward_grouped(self, hidden_states, parts: list[GroupPart], cache, residual=None):
         """The layer on a grouped step's streams ``[1, T, hc * H]`` (`hf_qsa_cache.grouped`): PLE and the mixer
         (attention or GatedDeltaNet) one group at a time, the rest over every token at once. Returns ``(streams,
@@ -417,19 +416,26 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
             attentions=attentions,
         )
 
+    def layer_inputs(self, embeds, ple_input_ids, position_ids, meta, cache: QSAPagedCache) -> dict:
+        """What every layer of a step (or of a grouped step's group) reads, computed once: its real tokens
+        (``valid``), RoPE's ``cos`` / ``sin`` and flat ``positions3``, and PLE's ids (``ple_ids``, pads read as eos;
+        None without PLE ids)."""
+        B, L = embeds.shape[:2]
+        valid = meta.valid.view(B, L)
+        ple_ids = None if ple_input_ids is None else torch.where(valid, ple_input_ids, _eos_id(self.config))
+        positions3 = _positions3(position_ids, meta, B, L, cache)
+        cos, sin = self.rotary_emb(embeds, positions3)
+        return {"valid": valid, "cos": cos, "sin": sin, "positions3": positions3.reshape(3, -1).t(),
+                "ple_ids": ple_ids}
+
     def run_layers(self, inputs_embeds, ple_input_ids, position_ids, meta, cache: QSAPagedCache,
                    attentions: list | None = None) -> torch.Tensor:
         """Every layer and the final mixer over this step's embeddings (device work only: the step's
         metadata is built, so a CUDA graph can record this). Each QSA layer appends its attention
         probabilities by key position to ``attentions`` when given."""
-        B, L = inputs_embeds.shape[:2]
-        valid = meta.valid.view(B, L)
-        if ple_input_ids is not None:
-            ple_input_ids = torch.where(valid, ple_input_ids, _eos_id(self.config))
-        positions3 = _positions3(position_ids, meta, B, L, cache)
-        cos, sin = self.rotary_emb(inputs_embeds, positions3)
-        flat_positions3 = positions3.reshape(3, -1).t()
-
+        inputs = self.layer_inputs(inputs_embeds, ple_input_ids, position_ids, meta, cache)
+        cos, sin, valid = inputs["cos"], inputs["sin"], inputs["valid"]
+        flat_positions3, ple_input_ids = inputs["positions3"], inputs["ple_ids"]
         hidden_states = inputs_embeds.repeat(1, 1, self.config.hc_count)
         # Layer inputs and outputs that transformers' recorder keeps as hidden states: on the outputs' autograd path
         # on reordered steps too (`on_output_path`), so retain_grad() on them works.
@@ -448,7 +454,6 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         # The final mixer (with the last layer's residual, added in its fused norm's pass where fused).
         return gated_residual(self.hyper_connection_mixer, hidden_states, residual)[0]
 
-
     def forward_grouped(self, input_ids: torch.Tensor, cache: QSAPagedCache, groups: list[RowGroup],
                         counts: list[int]) -> torch.Tensor:
         """The last hidden state ``[1, T, H]`` of a grouped step (`hf_qsa_cache.grouped`: ``input_ids`` ``[1, T]``,
@@ -460,14 +465,8 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         with cache.grouped_step(groups, counts, embeds.device, group_ids(input_ids, groups)) as metas:
             parts = group_parts(metas, groups)
             for part in parts:  # what every layer of a group reads, computed once
-                meta, B, L = part.meta, part.rows, part.query_len
-                valid = meta.valid.view(B, L)
-                positions3 = _positions3(None, meta, B, L, cache)
-                cos, sin = self.rotary_emb(part.view(embeds), positions3)
-                ple_ids = torch.where(valid, part.view(input_ids), _eos_id(self.config)) \
-                    if self.config.ple_layer_ids else None
-                part.extra.update(valid=valid, cos=cos, sin=sin, positions3=positions3.reshape(3, -1).t(),
-                                  ple_ids=ple_ids)
+                ple_ids = part.view(input_ids) if self.config.ple_layer_ids else None
+                part.extra.update(self.layer_inputs(part.view(embeds), ple_ids, None, part.meta, cache))
             hidden_states = embeds.repeat(1, 1, self.config.hc_count)
             residual = None
             for layer in self.layers[: self.config.num_hidden_layers]:

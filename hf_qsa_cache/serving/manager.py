@@ -424,8 +424,8 @@ class ContinuousBatchingManager:
 
     def _grouped_growth(self) -> list[int]:
         """A grouped step feeds the first prefilling rows their chunks (`Scheduler.prefill_chunks`), every decoding
-        row one token and, greedy, its drafts (prompt lookup); the other prefilling rows nothing (`ModelRunner.grouped`).
-        None runs without a chunk to feed."""
+        row one token and, greedy, its drafts (prompt lookup); the other prefilling rows nothing
+        (`ModelRunner.grouped`). None runs without a chunk to feed."""
         self._chunks = self.scheduler.prefill_chunks(packed=True)
         if not self._chunks:
             return []

@@ -205,7 +205,8 @@ class ModelRunner:
             return False
         return not (self.encoded and any(r in self.encoded and r.held < len(r.prompt) for r in self.rows))
 
-    def grouped(self, chunks: list[int], drafts: list[list[int]] | None = None) -> list[tuple[Request, int, float | None]]:
+    def grouped(self, chunks: list[int],
+                drafts: list[list[int]] | None = None) -> list[tuple[Request, int, float | None]]:
         """One grouped step (`hf_qsa_cache.grouped`): rows ``[0, len(chunks))`` take their next ``chunks[i]`` tokens,
         each row a group of its own (neighbours with chunks of one length one group), and every decoding row its
         last sampled token, together one group: no pads. Rows still prefilling without a chunk take nothing (they

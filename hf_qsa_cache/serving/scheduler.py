@@ -1,10 +1,10 @@
 """Which requests hold cache rows, in what order, what each step feeds, and whom to preempt (host only).
 
 The cache's steps cover a prefix of its rows, so rows are kept in one order: requests still prefilling
-first (rows ``[0, p)``), then those decoding. While requests prefill, the manager runs *grouped steps*: the
-prefill chunks below (``prefill_chunks(packed=True)``: no pads, the rows share the budget) and the decoding rows'
-tokens in one step (`ModelRunner.grouped`). Without them (``grouped_steps=False``, or rows whose prompt tokens
-come from a media encoding) two kinds of step follow:
+first (rows ``[0, p)``), then those decoding. Two kinds of step follow (with ``grouped_steps=True`` the
+manager runs both in one *grouped step* instead, unless a row's prompt tokens come from a media encoding: the
+prefill chunks of ``prefill_chunks(packed=True)``, no pads, the rows sharing the budget, beside the decoding
+rows' tokens, `ModelRunner.grouped`):
 
 * a prefill step feeds the oldest prefilling requests a chunk of their pending tokens (rows ``[0, k)``:
   the oldest takes as much of ``max_batch_tokens`` as it can use, the next ones join while ``k`` chunks of
@@ -19,9 +19,9 @@ come from a media encoding) two kinds of step follow:
 
 Admission is first come, first served while rows are free and the block pools hold the next request's
 first step beside the running rows' next tokens (an *isolated* request, one the manager suspects of a fault,
-runs alone: `Request.alone_until`); when the pools cannot hold a step about to run (each step
-is checked with exactly the tokens it feeds), the request admitted last is preempted (its row and blocks released; its tokens so far are fed
-again when it is readmitted, so it loses no token and gains no wrong one).
+runs alone: `Request.alone_until`); when the pools cannot hold a step about to run (each step is checked with
+exactly the tokens it feeds), the request admitted last is preempted (its row and blocks released; its tokens so
+far are fed again when it is readmitted, so it loses no token and gains no wrong one).
 """
 
 from __future__ import annotations
