@@ -21,6 +21,7 @@ length). Requests arrive all at once or at a Poisson rate. Reported, as JSON lin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -30,6 +31,7 @@ import time
 
 import torch
 import transformers
+import triton
 from bench_generate import RESULTS, commit, inkling_config, qwen4_exp_config, run
 from percentiles import pct
 from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -45,6 +47,12 @@ def workload(args, vocab: int):
     if args.arrival == "poisson":
         gaps = torch.empty(args.requests).exponential_(args.rate, generator=gen).tolist()
     return prompts, outputs, gaps
+
+
+def retokened(prompts, vocab: int, seed: int):
+    """``prompts``' lengths with other random tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (len(p),), generator=gen).tolist() for p in prompts]
 
 
 def progress(message: str) -> None:
@@ -109,6 +117,35 @@ def continuous(manager, prompts, outputs, gaps, prefix="r") -> dict:
             "first_error": failed[0] if failed else None, **prefix_stats(manager), **stats,
             # the loop's time outside its steps (host work between them, waiting for arrivals)
             "outside_steps_s": (end - start) - stats["prefill_s"] - stats["decode_s"] - stats["grouped_s"]}
+
+
+@contextlib.contextmanager
+def kernel_builds():
+    """Triton kernels compiled while the block runs (autotuning compiles each config it times), counted in the
+    dict it yields (``kernel_compiles``, and by kernel in ``compiled``); where Triton has no compile hook (before
+    its ``knobs``), ``kernel_compiles`` stays None."""
+    counts = {"kernel_compiles": None, "compiled": {}}
+    knobs = getattr(triton, "knobs", None)
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        yield counts
+        return
+    counts["kernel_compiles"] = 0
+    saved = runtime.jit_post_compile_hook
+
+    def hook(*args, **kwargs):
+        fn = kwargs.get("fn")
+        name = getattr(fn, "name", None) or str(getattr(fn, "__name__", fn))
+        counts["kernel_compiles"] += 1
+        counts["compiled"][name] = counts["compiled"].get(name, 0) + 1
+        progress(f"compiled {name} (#{counts['compiled'][name]})")
+        return saved(*args, **kwargs) if saved is not None else None
+
+    runtime.jit_post_compile_hook = hook
+    try:
+        yield counts
+    finally:
+        runtime.jit_post_compile_hook = saved
 
 
 def prefix_stats(manager) -> dict:
@@ -186,6 +223,9 @@ def main():
                              "(off, the engine's default), or each in turn on the same workload")
     parser.add_argument("--prefix-caching", choices=["on", "off"], default="on",
                         help="the engine's prefix caching (on by default; its snapshot points stop prefill chunks)")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="measure the workload this many times on one manager: later passes meet no shape for "
+                             "the first time (no kernel compiled or autotuned while they run)")
     parser.add_argument("--jsonl", default=RESULTS)
     args = parser.parse_args()
 
@@ -241,7 +281,14 @@ def main():
         if args.load is not None:
             loaded(manager, prompts, outputs, args, dict(common), record)
         else:
-            rows.append(record(continuous(manager, prompts, outputs, gaps)))
+            for k in range(args.passes):
+                # Later passes: the same lengths, other tokens (nothing cached by an earlier pass is hit).
+                tokens = prompts if k == 0 else retokened(prompts, config.vocab_size, args.seed + k)
+                with kernel_builds() as builds:
+                    row = continuous(manager, tokens, outputs, gaps, prefix=f"p{k}r")
+                row = record({**row, "pass": k + 1, **builds})
+                if k == 0:
+                    rows.append(row)
         manager.stop()
         manager.destroy()
     if args.load is not None:

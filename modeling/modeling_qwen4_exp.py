@@ -37,7 +37,7 @@ from hf_qsa_cache.padding import on_output_path, runs_any_padding
 from hf_qsa_cache.step import RowGroup
 from hf_qsa_cache.serving import ContinuousBatchingMixin
 from hf_qsa_cache.ops import hyper_connection, records_grad
-from hf_qsa_cache.ops.gated_delta import recurrence, short_conv
+from hf_qsa_cache.ops.gated_delta import chunked_rule, recurrence, short_conv
 from hf_qsa_cache.ops.hyper_connection import add_injection, gated_residual
 from hf_qsa_cache.ops.linears import project, project_alone
 from hf_qsa_cache.ops.experts import default_experts_implementation
@@ -170,11 +170,14 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
             states = None
             initial_state = state.initial_recurrent(B, meta.starts_fresh)
             if kept is None:
-                rule = upstream.torch_recurrent_gated_delta_rule if L == 1 else upstream.torch_chunk_gated_delta_rule
-                core, last_state = rule(
-                    query, key, value, g=g, beta=beta, initial_state=initial_state,
-                    output_final_state=True, use_qk_l2norm_in_kernel=True,
-                )
+                if L == 1:
+                    core, last_state = upstream.torch_recurrent_gated_delta_rule(
+                        query, key, value, g=g, beta=beta, initial_state=initial_state,
+                        output_final_state=True, use_qk_l2norm_in_kernel=True,
+                    )
+                else:  # (rows packed into one batch where the kernel takes them: no autotuning per shape)
+                    core, last_state = chunked_rule(upstream.torch_chunk_gated_delta_rule, query, key, value, g, beta,
+                                                    initial_state)
             else:
                 core, last_state, states = gated_delta_keeping_states(
                     upstream.torch_chunk_gated_delta_rule, upstream.torch_recurrent_gated_delta_rule, query, key,

@@ -13,6 +13,11 @@
   cuDNN conv, the activation and copies of the whole prompt chunk).
 * `gated_rms_norm`: the output norm with its gate (transformers' ``Qwen4ExpTextRMSNormGated``: RMS norm
   in fp32, rounded, times the weight, times ``act(gate)``), 8 launches upstream.
+* `chunked_rule`: transformers' chunked delta rule over a step of several tokens a row. Where it runs
+  flash-linear-attention's kernel, the rows go in as one packed batch (``cu_seqlens``) with the queries' and keys'
+  L2 norms taken here: that kernel's autotuned launches are keyed on the batch size and on the token count (its
+  L2 norm's blocks), so rows of a shape not seen before would have it time its configurations again, about 0.7 s
+  each on an H100, and a serving loop meets new shapes every few steps. Packed, every step has the same keys.
 * `recurrent_step` (``gdn_step``, on top of ``gdn``): a one-token step after the
   conv, in one launch: the gates, the queries' and keys' L2 norms, the delta rule's update of the recurrent
   state in place in the cache, the output and its gated norm. Without it that is `delta_gates`, the recurrence
@@ -24,6 +29,9 @@ The torch functions are the specification (what the CPU runs, and CUDA unless fu
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -216,6 +224,54 @@ def recurrent_step_torch(state: torch.Tensor, query: torch.Tensor, key: torch.Te
     state.copy_(s)
     out = (s * q[..., None]).sum(-2).to(value.dtype)
     return gated_rms_norm_torch(out, gate, norm_weight, eps, activation)
+
+
+def chunked_rule(rule, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                 beta: torch.Tensor, initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rule(query, key, value, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
+    use_qk_l2norm_in_kernel=True)`` (transformers' chunked gated delta rule, ``[B, L, ...]`` in, the output and
+    the final state out), with the rows packed into one sequence batch where ``rule`` takes them so (see the
+    module doc)."""
+    if not takes_packed_sequences(rule) or records_grad(query, key, value, g, beta):
+        return rule(query, key, value, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
+                    use_qk_l2norm_in_kernel=True)
+    B, L = query.shape[:2]
+    cu_seqlens, chunk_indices = _packed_rows(B, L, query.device)
+
+    def packed(x):
+        return x.reshape(1, B * L, *x.shape[2:])
+
+    core, state = rule(packed(l2_normed(query)), packed(l2_normed(key)), packed(value), g=packed(g),
+                       beta=packed(beta), initial_state=initial_state, output_final_state=True,
+                       use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    return core.reshape(B, L, *core.shape[2:]), state
+
+
+def l2_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim in fp32, rounded to ``x``'s dtype (as the kernel's own)."""
+    wide = x.float()
+    return (wide * torch.rsqrt(wide.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def takes_packed_sequences(rule) -> bool:
+    """Whether transformers bound ``rule`` to a kernel that takes packed sequences (flash-linear-attention's)
+    rather than its torch reference, which refuses them: read from the argument names its wrapper passes on."""
+    try:
+        names = inspect.getclosurevars(rule).nonlocals.get("applicable_params", ())
+    except (TypeError, ValueError):
+        return False
+    return "cu_seqlens" in names and "chunk_indices" in names
+
+
+@functools.lru_cache(maxsize=64)
+def _packed_rows(rows: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` sequences of ``length`` tokens, one after the other: their bounds (``cu_seqlens``) and the kernel's
+    64-token chunks as (sequence, chunk) pairs (``chunk_indices``), made once per shape (no host sync)."""
+    chunks = -(-length // 64)
+    bounds = torch.arange(0, (rows + 1) * length, length, dtype=torch.long)
+    pairs = torch.stack([torch.arange(rows).repeat_interleave(chunks), torch.arange(chunks).repeat(rows)], 1)
+    return bounds.to(device), pairs.to(device)
 
 
 def short_conv(state, x: torch.Tensor, weight: torch.Tensor, activation: str, leading_pads, fresh: bool, kept,

@@ -193,7 +193,7 @@ def _scan_new(acc, m, l, lo, hi, q, qpos, qtau, rel_rows, r_tile, proj_ptr, row_
 
 @triton.jit
 def _key_ranges(pos_ptr, prev_ptr, b, t, row_ok, query_len, split, split_len, window, extent,
-                WINDOWED: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                WINDOWED: tl.constexpr, SPLIT: tl.constexpr):
     """From the step's metadata (read before the wait, `pdl_begin`): the query rows' positions (-1: none), the
     row's earlier length, its last position, and the keys ``[k_lo, k_hi)`` this program scans, the far ones (no
     bias, no causal mask: without a window, keys up to the tile's first query - extent) below ``far_hi``."""
@@ -207,7 +207,7 @@ def _key_ranges(pos_ptr, prev_ptr, b, t, row_ok, query_len, split, split_len, wi
         k_lo = tl.maximum(q_lo - window + 1, 0)
     else:
         k_lo = q_hi * 0
-    if NUM_SPLITS > 1:
+    if SPLIT:
         k_lo = k_lo + split * split_len
         k_hi = tl.minimum(q_hi, k_lo + split_len)
     else:
@@ -233,19 +233,20 @@ def _store_keys_to_l2(kst_ptr, vst_ptr, table_row, lo, hi, kv, skst_s, skst_h, s
         prefetch_rows_l2(vst_ptr + kv * svst_h, kslot, kmask, svst_s, HEAD_DIM, LINES)
 
 
-# Sizes that change with the cache or the step are not specialised (no recompilation per cache size).
+# Sizes that change with the cache or the step (lengths, table width, key splits) are plain arguments, not
+# specialised: a serving loop meets new ones every step, and each specialisation is a compilation.
 # Longer than 100 lines: one loop body over the key tiles, which helper calls would split at the cost of speed.
-@triton.jit(do_not_specialize=["stab_b", "query_len", "num_q_tiles", "table_cols", "split_len"])
+@triton.jit(do_not_specialize=["stab_b", "query_len", "num_q_tiles", "table_cols", "split_len", "num_splits"])
 def _rel_attention_kernel(
     q_ptr, k_ptr, v_ptr, rel_ptr, proj_ptr, kst_ptr, vst_ptr, table_ptr, slots_ptr, pos_ptr, prev_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, ks_ptr, vs_ptr, sks_s, sks_h, svs_s, svs_h,
     sq_b, sq_l, sq_h, sq_d, sk_b, sk_l, sk_h, sk_d, sv_b, sv_l, sv_h, sv_d,
     skst_s, skst_h, skst_d, svst_s, svst_h, svst_d, stab_b,
-    query_len, num_q_tiles, table_cols, block_size, window, extent, split_len,
+    query_len, num_q_tiles, table_cols, block_size, window, extent, split_len, num_splits,
     qk_scale, n_floor, alpha,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, WINDOWED: tl.constexpr, LOG_SCALING: tl.constexpr,
+    SPLIT: tl.constexpr, WINDOWED: tl.constexpr, LOG_SCALING: tl.constexpr,
     IEEE: tl.constexpr, WIDEN: tl.constexpr, REL_FROM_R: tl.constexpr, D_REL: tl.constexpr, DR_PAD: tl.constexpr,
     R_DTYPE: tl.constexpr, KEY_LINES: tl.constexpr, QUANT: tl.constexpr = False, KV_DTYPE: tl.constexpr = None,
     PDL: tl.constexpr = False,
@@ -269,7 +270,7 @@ def _rel_attention_kernel(
     row_ok = (col < query_len) & (g < GROUP)
     t = b64 * query_len + col
     qpos, prev, last_pos, k_lo, k_hi, far_hi = _key_ranges(pos_ptr, prev_ptr, b, t, row_ok, query_len, split,
-                                                            split_len, window, extent, WINDOWED, NUM_SPLITS)
+                                                            split_len, window, extent, WINDOWED, SPLIT)
     table_row = table_ptr + b64 * stab_b
     if PDL:  # launched early: this program's keys of earlier steps into L2 while the kernel before still runs
         _store_keys_to_l2(kst_ptr, vst_ptr, table_row, k_lo, tl.minimum(k_hi, prev), kv, skst_s, skst_h, svst_s,
@@ -352,8 +353,8 @@ def _rel_attention_kernel(
                           REL_FROM_R, D_REL, R_DTYPE)
 
     omask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS > 1:
-        part = (t * NUM_HEADS + head) * NUM_SPLITS + split
+    if SPLIT:
+        part = (t * NUM_HEADS + head) * num_splits + split
         tl.store(part_m_ptr + part, m, mask=row_ok)
         tl.store(part_l_ptr + part, l, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=omask)
@@ -363,19 +364,19 @@ def _rel_attention_kernel(
                  _round(out, out_ptr.dtype.element_ty, WIDEN), mask=omask)
 
 
-@triton.jit
-def _merge_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
-                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_splits,
+                         HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr,
                          D_PAD: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (token, query head): combine the splits' (max, sum, accumulator)."""
     pdl_begin(PDL)
     th = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
-    s_ok = s < NUM_SPLITS
-    m = tl.load(part_m_ptr + th * NUM_SPLITS + s, mask=s_ok, other=float("-inf"))
-    l = tl.load(part_l_ptr + th * NUM_SPLITS + s, mask=s_ok, other=0.0)
-    acc = tl.load(part_acc_ptr + (th * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
+    s_ok = s < num_splits
+    m = tl.load(part_m_ptr + th * num_splits + s, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + th * num_splits + s, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + (th * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
                   mask=s_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     top = tl.max(m, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)
@@ -510,10 +511,10 @@ def _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots
         prev_len.contiguous(), out, part_m, part_l, part_acc, *scale_args,
         *q.stride(), *k.stride(), *v.stride(),
         *key_store.stride(), *value_store.stride(), table.stride(0),
-        L, num_q_tiles, table.shape[1], block_size, window if window is not None else 0, E, split_len,
+        L, num_q_tiles, table.shape[1], block_size, window if window is not None else 0, E, split_len, num_splits,
         float(scaling) * LOG2E, float(n_floor), float(alpha),
         NUM_HEADS=Hq, GROUP=G, HEAD_DIM=hd, G_PAD=g_pad, BLOCK_M=block_m, D_PAD=d_pad, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, WINDOWED=window is not None, LOG_SCALING=log_scaling is not None,
+        SPLIT=num_splits > 1, WINDOWED=window is not None, LOG_SCALING=log_scaling is not None,
         IEEE=ieee, WIDEN=INTERPRET, REL_FROM_R=from_r, D_REL=d_rel, DR_PAD=pow2(d_rel), R_DTYPE=TL_DTYPES[rel.dtype],
         KEY_LINES=l2_lines(hd, key_store.dtype), QUANT=quant, KV_DTYPE=TL_DTYPES[k.dtype] if quant else None,
         num_warps=num_warps,
@@ -521,7 +522,7 @@ def _launch(q, k, v, rel, proj, key_store, value_store, table, block_size, slots
     )
     if num_splits > 1:
         _merge_splits_kernel[(T * Hq,)](
-            part_m, part_l, part_acc, out, HEAD_DIM=hd, NUM_SPLITS=num_splits,
+            part_m, part_l, part_acc, out, num_splits, HEAD_DIM=hd,
             S_PAD=triton.next_power_of_2(num_splits), D_PAD=triton.next_power_of_2(hd), WIDEN=INTERPRET,
             num_warps=4, **pdl(part_m),
         )

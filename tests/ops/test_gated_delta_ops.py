@@ -330,3 +330,67 @@ def test_triton_kernels_match_torch(case):
 
 if __name__ == "__main__":
     sys.exit(case_main(KERNEL_CASES))
+
+
+def _packed_kernel_rule(calls: list):
+    """A chunked rule bound by transformers' own decorator to a stand-in for flash-linear-attention's kernel (a
+    package of its own): it takes packed sequences (``cu_seqlens``, ``chunk_indices``) and runs transformers'
+    torch reference on each sequence alone. ``calls`` records what it was given."""
+    import types
+
+    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import torch_chunk_gated_delta_rule
+
+    reference = torch_chunk_gated_delta_rule.__wrapped__
+
+    def kernel(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_indices=None, **kwargs):
+        calls.append({"batch": q.shape[0], "cu_seqlens": cu_seqlens, "chunk_indices": chunk_indices,
+                      "l2norm": use_qk_l2norm_in_kernel})
+        bounds = cu_seqlens.tolist()
+        outs, states = [], []
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            o, s = reference(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g=g[:, lo:hi], beta=beta[:, lo:hi],
+                             initial_state=initial_state[i:i + 1], output_final_state=True,
+                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            outs.append(o)
+            states.append(s)
+        return torch.cat(outs, 1), torch.cat(states)
+
+    package = types.ModuleType("packed_kernel_stand_in")
+    package.chunk_gated_delta_rule = kernel
+    sys.modules[package.__name__] = package
+    try:
+        return use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", package.__name__)(reference)
+    finally:
+        del sys.modules[package.__name__]
+
+
+@pytest.mark.parametrize("rows, length", [(1, 5), (3, 70), (2, 128)], ids=["one-row", "chunk-boundary", "two-chunks"])
+def test_chunked_rule_packs_rows_for_a_kernel_that_takes_packed_sequences(rows, length):
+    """Rows packed into one batch of sequences (the kernel's autotuning then sees one shape) give what the rule
+    gives on the rectangle with its own L2 norms: outputs and final states. Transformers' own torch reference
+    (the CPU here) takes the rectangle as before."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import torch_chunk_gated_delta_rule
+
+    calls = []
+    rule = _packed_kernel_rule(calls)
+    assert gated_delta.takes_packed_sequences(rule)
+    assert not gated_delta.takes_packed_sequences(torch_chunk_gated_delta_rule)  # (no such kernel on the CPU)
+    g = torch.Generator().manual_seed(rows * length)
+    H, K, V = 2, 8, 6
+    q, k = (torch.randn(rows, length, H, K, generator=g) * 2 for _ in range(2))
+    v = torch.randn(rows, length, H, V, generator=g)
+    decay = -torch.rand(rows, length, H, generator=g)
+    beta = torch.rand(rows, length, H, generator=g)
+    state = torch.randn(rows, H, K, V, generator=g)
+    want, want_state = torch_chunk_gated_delta_rule.__wrapped__(
+        q, k, v, g=decay, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    have, have_state = gated_delta.chunked_rule(rule, q, k, v, decay, beta, state)
+    torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(have_state, want_state, rtol=1e-5, atol=1e-5)
+    (call,) = calls
+    assert call["batch"] == 1 and not call["l2norm"]
+    assert call["cu_seqlens"].tolist() == [i * length for i in range(rows + 1)]
+    chunks = -(-length // 64)
+    assert call["chunk_indices"].tolist() == [[r, c] for r in range(rows) for c in range(chunks)]

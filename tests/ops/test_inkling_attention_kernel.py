@@ -224,6 +224,35 @@ def test_the_rel_bias_fusion_picks_the_bias_path(monkeypatch):
     assert in_kernel == [False, False, True, False, False]
 
 
+def _check_step_shapes_compile_once() -> str | None:
+    """Steps of other lengths, earlier lengths and key split counts launch one compiled attention kernel (and one
+    merge kernel per padded split count): the sizes a serving loop meets anew every few steps are plain arguments,
+    and each specialisation would be a compilation on the GPU (~0.3 s each)."""
+    from collections import Counter
+
+    from helpers import kernel_compile
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from hf_qsa_cache.ops.inkling_attention_triton import paged_rel_attention_triton
+
+    # (rows as (earlier length, new tokens), step length, key splits): spans of 57, 128, 160, 224 keys in tiles of
+    # 16 split into exactly 2, 3, 5, 7 ranges
+    steps = [(FULL_ROWS, 20, 2), ([(100, 28), (5, 9)], 28, 3), ([(140, 20)], 20, 5), ([(200, 24), (0, 24), (64, 2)], 24, 7)]
+    seen: dict = {}
+    run = kernel_compile.record_into(seen)
+    try:
+        for i, (rows, L, splits) in enumerate(steps):
+            args, _ = make_case(i, rows=rows, L=L, heads=6, kv_heads=2, head_dim=16, extent=12)
+            paged_rel_attention_triton(**args, block_m=4, block_n=16, num_splits=splits)
+    finally:
+        InterpretedFunction.run = run
+    kernels = Counter(entry["name"] for entry in seen.values())
+    padded = {entry["constants"]["S_PAD"] for entry in seen.values() if entry["name"] == "_merge_splits_kernel"}
+    if kernels["_rel_attention_kernel"] != 1 or kernels["_merge_splits_kernel"] != len(padded) or len(padded) != 3:
+        return f"launches compiled apart: {dict(kernels)}, merge kernels padded to {sorted(padded)} splits"
+    return None
+
+
 def _case_id(name: str) -> str:
     """A case's name as a test id: words joined by hyphens, without punctuation."""
     return "-".join(name.replace(",", "").replace("(", "").replace(")", "").split())
@@ -233,6 +262,7 @@ def _case_id(name: str) -> str:
 KERNEL_CASES = {
     **{_case_id(name): partial(_check, name, case, overrides) for name, case, overrides in CASES},
     "out-of-shared-memory-retries-smaller-tiles": _check_out_of_shared_memory,
+    "step-shapes-compile-once": _check_step_shapes_compile_once,
 }
 
 

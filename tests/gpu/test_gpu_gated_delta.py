@@ -1,0 +1,90 @@
+"""GatedDeltaNet's chunked rule with flash-linear-attention's kernel (bf16, CUDA): a step's rows packed into one
+batch of sequences (`hf_qsa_cache.ops.gated_delta.chunked_rule`, so the kernel's autotuning sees one shape)
+against the same kernel on the rectangle, at the benchmark's head sizes; then a model's prefill both ways.
+
+    python -m pytest -m gpu -n 0 tests/gpu/test_gpu_gated_delta.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _kernel_rule():
+    """transformers' chunked rule bound as at its import (the conftest routes the module's own name to the torch
+    reference for fp32 and CPU tensors, which hides the kernel from `takes_packed_sequences`)."""
+    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import torch_chunk_gated_delta_rule
+
+    reference = torch_chunk_gated_delta_rule.__wrapped__
+    return use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")(reference)
+
+
+@pytest.mark.parametrize("rows, length", [(1, 300), (3, 200), (7, 64), (5, 17)])
+def test_packed_rows_equal_the_rectangle(rows, length):
+    from hf_qsa_cache.ops.gated_delta import chunked_rule, takes_packed_sequences
+
+    rule = _kernel_rule()
+    if not takes_packed_sequences(rule):
+        pytest.skip("flash-linear-attention is not installed")
+    g = torch.Generator(device="cuda").manual_seed(rows * length)
+    H, K, V = 16, 128, 128
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    q, k, v = rand(rows, length, H, K), rand(rows, length, H, K), rand(rows, length, H, V)
+    decay = -torch.rand(rows, length, H, generator=g, device="cuda")
+    beta = torch.rand(rows, length, H, generator=g, device="cuda").to(torch.bfloat16)
+    state = torch.randn(rows, H, K, V, generator=g, device="cuda")
+    pads = length // 3  # left pads of the last row: zero inputs, no decay, no update
+    q[-1, :pads] = k[-1, :pads] = v[-1, :pads] = 0
+    decay[-1, :pads] = beta[-1, :pads] = 0
+    want, want_state = rule(q, k, v, g=decay, beta=beta, initial_state=state.clone(), output_final_state=True,
+                            use_qk_l2norm_in_kernel=True)
+    have, have_state = chunked_rule(rule, q, k, v, decay, beta, state.clone())
+    scale = want.float().abs().mean().item()
+    assert (have.float() - want.float()).abs().max().item() <= 0.02 * scale + 1e-3
+    torch.testing.assert_close(have_state, want_state, rtol=2e-2, atol=2e-2)
+
+
+def test_a_prefill_packed_and_not_gives_the_same_logits(monkeypatch):
+    """bf16 Qwen4Exp at the benchmark's widths (4 layers: three GatedDeltaNet, one QSA), a ragged batch prefilled
+    with the rows packed and on the rectangle."""
+    import transformers.models.qwen4_exp.modeling_qwen4_exp as upstream
+    from bench_generate import qwen4_exp_config
+
+    from hf_qsa_cache import QSAPagedCache
+    from hf_qsa_cache.ops import gated_delta
+    from modeling import Qwen4ExpForCausalLM
+
+    rule = _kernel_rule()
+    if not gated_delta.takes_packed_sequences(rule):
+        pytest.skip("flash-linear-attention is not installed")
+    monkeypatch.setattr(upstream, "torch_chunk_gated_delta_rule", rule)
+    config = qwen4_exp_config(4)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen4ExpForCausalLM(config).to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(4)
+    lengths = [300, 130, 41]
+    ids = torch.zeros(3, max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, -n:] = torch.randint(2, 30000, (n,), generator=g)
+        mask[row, -n:] = 1
+    ids, mask = ids.cuda(), mask.cuda()
+
+    def logits():
+        cache = QSAPagedCache(config, 3, 320, block_size=64, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits.float()
+
+    packed = logits()
+    monkeypatch.setattr(gated_delta, "takes_packed_sequences", lambda rule: False)
+    rectangle = logits()
+    real = mask.bool()
+    assert (packed[real] - rectangle[real]).abs().max().item() <= 0.05 * rectangle[real].abs().mean().item()
