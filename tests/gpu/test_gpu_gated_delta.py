@@ -16,10 +16,13 @@ pytestmark = pytest.mark.gpu
 def _kernel_rule():
     """transformers' chunked rule bound as at its import (the conftest routes the module's own name to the torch
     reference for fp32 and CPU tensors, which hides the kernel from `takes_packed_sequences`)."""
-    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
-    from transformers.models.qwen4_exp.modeling_qwen4_exp import torch_chunk_gated_delta_rule
+    import inspect
 
-    reference = torch_chunk_gated_delta_rule.__wrapped__
+    import transformers.models.qwen4_exp.modeling_qwen4_exp as upstream
+    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+
+    bound = upstream.torch_chunk_gated_delta_rule  # (the conftest's router holds the reference as ``reference``)
+    reference = getattr(bound, "__wrapped__", None) or inspect.getclosurevars(bound).nonlocals["reference"]
     return use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")(reference)
 
 
@@ -51,9 +54,13 @@ def test_packed_rows_equal_the_rectangle(rows, length):
     torch.testing.assert_close(have_state, want_state, rtol=2e-2, atol=2e-2)
 
 
-def test_a_prefill_packed_and_not_gives_the_same_logits(monkeypatch):
-    """bf16 Qwen4Exp at the benchmark's widths (4 layers: three GatedDeltaNet, one QSA), a ragged batch prefilled
-    with the rows packed and on the rectangle."""
+def test_a_prefill_packed_is_as_close_to_fp32_as_the_rectangle(monkeypatch):
+    """Qwen4Exp at the benchmark's widths (4 layers: three GatedDeltaNet, one QSA), a ragged batch prefilled in bf16
+    with the rows packed and on the rectangle: each one's mean logit error against the fp32 model (the torch
+    reference rule) is about the other's (bf16 runs that differ in rounding drift apart on random weights, and the
+    QSA selection turns a rounding into a different key group now and then: judged against fp32, not each other)."""
+    import copy
+
     import transformers.models.qwen4_exp.modeling_qwen4_exp as upstream
     from bench_generate import qwen4_exp_config
 
@@ -64,11 +71,11 @@ def test_a_prefill_packed_and_not_gives_the_same_logits(monkeypatch):
     rule = _kernel_rule()
     if not gated_delta.takes_packed_sequences(rule):
         pytest.skip("flash-linear-attention is not installed")
-    monkeypatch.setattr(upstream, "torch_chunk_gated_delta_rule", rule)
     config = qwen4_exp_config(4)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = Qwen4ExpForCausalLM(config).to(torch.bfloat16).eval()
+        exact = Qwen4ExpForCausalLM(config).eval()
+    low = copy.deepcopy(exact).to(torch.bfloat16)
     g = torch.Generator().manual_seed(4)
     lengths = [300, 130, 41]
     ids = torch.zeros(3, max(lengths), dtype=torch.long)
@@ -77,14 +84,17 @@ def test_a_prefill_packed_and_not_gives_the_same_logits(monkeypatch):
         ids[row, -n:] = torch.randint(2, 30000, (n,), generator=g)
         mask[row, -n:] = 1
     ids, mask = ids.cuda(), mask.cuda()
-
-    def logits():
-        cache = QSAPagedCache(config, 3, 320, block_size=64, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            return model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits.float()
-
-    packed = logits()
-    monkeypatch.setattr(gated_delta, "takes_packed_sequences", lambda rule: False)
-    rectangle = logits()
     real = mask.bool()
-    assert (packed[real] - rectangle[real]).abs().max().item() <= 0.05 * rectangle[real].abs().mean().item()
+
+    def logits(model):
+        cache = QSAPagedCache(config, 3, 320, block_size=64, device="cuda", dtype=model.dtype)
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits.float()[real]
+
+    want = logits(exact)  # (fp32 tensors: the conftest's router runs the torch reference)
+    monkeypatch.setattr(upstream, "torch_chunk_gated_delta_rule", rule)
+    packed = (logits(low) - want).abs().mean().item()
+    monkeypatch.setattr(gated_delta, "takes_packed_sequences", lambda rule: False)
+    rectangle = (logits(low) - want).abs().mean().item()
+    print(f"mean |logit - fp32|: packed {packed:.4g}, rectangle {rectangle:.4g}")
+    assert packed <= 1.3 * rectangle, (packed, rectangle)
