@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .blocks import NULL_BLOCK
+from .ops.gated_delta import chunked_rule
 
 
 def step_history(cache, state, device, num_rows: int, query_len: int):
@@ -47,9 +48,9 @@ def gated_delta_keeping_states(chunk_rule, recurrent_rule, query, key, value, g,
     kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
     outs, states = [], []
     state = initial_state
-    if head > 0:
-        out, state = chunk_rule(query[:, :head], key[:, :head], value[:, :head], g=g[:, :head], beta=beta[:, :head],
-                                initial_state=state, **kwargs)
+    if head > 0:  # (rows packed where the kernel takes them: `chunked_rule`)
+        out, state = chunked_rule(chunk_rule, query[:, :head], key[:, :head], value[:, :head], g[:, :head],
+                                  beta[:, :head], state)
         outs.append(out)
     for t in range(head, L):
         s = slice(t, t + 1)
