@@ -16,6 +16,11 @@ length). Requests arrive all at once or at a Poisson rate. Reported, as JSON lin
   longest request is done (only each request's own tokens count), a request's latency is its batch's end;
 * upstream static: the same batches through transformers' own class under --upstream-limit seconds; if a
   batch does not finish, the throughput is extrapolated from the tokens it made and marked so.
+
+``--passes N`` measures the continuous run N times on one engine (later passes: the same lengths, other tokens),
+each line with its ``pass`` and the Triton kernels compiled while it ran (``kernel_compiles``, by name in
+``compiled``; autotuning that re-times already compiled configurations is not counted): a first pass that is
+slower than the second pays for shapes met for the first time.
 """
 
 from __future__ import annotations
