@@ -54,10 +54,23 @@ def workload(args, vocab: int):
     return prompts, outputs, gaps
 
 
-def retokened(prompts, vocab: int, seed: int):
-    """``prompts``' lengths with other random tokens."""
-    gen = torch.Generator().manual_seed(seed)
+def retokened(prompts, vocab: int, gen: torch.Generator):
+    """``prompts``' lengths with other random tokens (none of them found cached from a run on ``prompts``)."""
     return [torch.randint(2, vocab, (len(p),), generator=gen).tolist() for p in prompts]
+
+
+def measured_passes(manager, prompts, outputs, gaps, args, record) -> dict:
+    """The continuous run ``args.passes`` times on one manager (later passes on `retokened` prompts), each line with
+    its ``pass`` and the kernels compiled while it ran (`kernel_builds`); returns the first pass's row."""
+    vocab = manager.model.config.get_text_config().vocab_size
+    first = None
+    for k in range(args.passes):
+        tokens = prompts if k == 0 else retokened(prompts, vocab, torch.Generator().manual_seed(args.seed + k))
+        with kernel_builds() as builds:
+            row = continuous(manager, tokens, outputs, gaps, prefix=f"p{k}r")
+        row = record({**row, "pass": k + 1, **builds})
+        first = first or row
+    return first
 
 
 def progress(message: str) -> None:
@@ -286,14 +299,7 @@ def main():
         if args.load is not None:
             loaded(manager, prompts, outputs, args, dict(common), record)
         else:
-            for k in range(args.passes):
-                # Later passes: the same lengths, other tokens (nothing cached by an earlier pass is hit).
-                tokens = prompts if k == 0 else retokened(prompts, config.vocab_size, args.seed + k)
-                with kernel_builds() as builds:
-                    row = continuous(manager, tokens, outputs, gaps, prefix=f"p{k}r")
-                row = record({**row, "pass": k + 1, **builds})
-                if k == 0:
-                    rows.append(row)
+            rows.append(measured_passes(manager, prompts, outputs, gaps, args, record))
         manager.stop()
         manager.destroy()
     if args.load is not None:
@@ -329,8 +335,7 @@ def loaded(manager, prompts, outputs, args, common: dict, record) -> None:
     saturated = record(continuous(manager, prompts, outputs, [0.0] * len(prompts), prefix="max"))
     max_rate = len(prompts) / saturated["wall_s"]
     gen = torch.Generator().manual_seed(args.seed + 1)
-    vocab = manager.model.config.get_text_config().vocab_size
-    others = [torch.randint(2, vocab, (len(p),), generator=gen).tolist() for p in prompts]
+    others = retokened(prompts, manager.model.config.get_text_config().vocab_size, gen)
     gaps = torch.empty(len(prompts)).exponential_(args.load * max_rate, generator=gen).tolist()
     common.update(arrival="poisson", rate=args.load * max_rate, load=args.load, max_rate=max_rate)
     row = continuous(manager, others, outputs, gaps, prefix="load")

@@ -8,6 +8,7 @@ import os
 import sys
 import types
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
@@ -65,3 +66,52 @@ def test_load_scales_the_arrival_rate(monkeypatch):
     full, heavy, _, light = taken  # (each load: the saturated run's gaps, then the Poisson run's)
     assert full == [0.0] * 4
     assert all(abs(b - 2 * a) < 1e-6 * b for a, b in zip(heavy, light))
+
+
+def test_passes_run_the_workload_again_on_other_tokens(monkeypatch):
+    """``--passes 2``: two lines on one manager, the second on prompts of the same lengths and other tokens, each
+    with its pass number and compile count; every request served both times."""
+    for name in ("reset_peak_memory_stats", "memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: 0)
+    from modeling import InklingForCausalLM
+
+    config = tiny_config("inkling", 2, 64, 4096)
+    torch.manual_seed(0)
+    model = InklingForCausalLM(config).eval()
+    args = types.SimpleNamespace(requests=6, min_prompt=8, max_prompt=40, min_output=2, max_output=5, arrival="all",
+                                 rate=8.0, seed=0, rows=4, batch_tokens=64, page_size=16, num_blocks=None,
+                                 prefix_caching="on", passes=2)
+    prompts, outputs, gaps = bench_serving.workload(args, config.vocab_size)
+    manager = bench_serving.serving_manager(model, prompts, outputs, args)
+    fed, lines = [], []
+    continuous = bench_serving.continuous
+
+    def recording(manager, tokens, *rest, **kwargs):
+        fed.append(tokens)
+        return continuous(manager, tokens, *rest, **kwargs)
+
+    monkeypatch.setattr(bench_serving, "continuous", recording)
+    manager.start()
+    try:
+        first = bench_serving.measured_passes(manager, prompts, outputs, gaps, args, lambda row: lines.append(row) or row)
+    finally:
+        manager.stop(block=True)
+    assert [line["pass"] for line in lines] == [1, 2] and first is lines[0]
+    assert fed[0] == prompts and [len(p) for p in fed[1]] == [len(p) for p in prompts] and fed[1] != prompts
+    for line in lines:
+        assert line["failed"] == 0 and line["output_tokens"] == sum(outputs)
+        assert line["kernel_compiles"] in (0, None) and line["compiled"] == {}
+
+
+def test_kernel_builds_counts_compilations_by_kernel_and_puts_the_hook_back():
+    triton = bench_serving.triton
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no compile hook (kernel_compiles stays None, as the bench says)")
+    before = runtime.jit_post_compile_hook
+    with bench_serving.kernel_builds() as builds:
+        hook = runtime.jit_post_compile_hook
+        for name in ("a_kernel", "b_kernel", "a_kernel"):
+            hook(fn=types.SimpleNamespace(name=name))
+    assert builds == {"kernel_compiles": 3, "compiled": {"a_kernel": 2, "b_kernel": 1}}
+    assert runtime.jit_post_compile_hook is before
