@@ -1,8 +1,9 @@
 """The first call of Qwen4Exp's chunked GatedDeltaNet at each new batch size against the calls after it, on the
 rectangle (transformers' bound kernel as is) and packed (`hf_qsa_cache.ops.gated_delta.chunked_rule`), bf16, one
 GPU. flash-linear-attention autotunes per batch size, so on the rectangle each new size costs its first call a
-round of timings (716-736 ms against 0.9-1.6 ms after, H100, measured at 6525d61 by a first version of this
-script); packed, every size has the same autotuning keys (this script not yet run on a GPU).
+round of timings (716-736 ms against 0.9-1.6 ms after, H100, at 6525d61: a probe that called
+flash-linear-attention's function directly as this script's rectangle half does, 16 heads of 128, 64 tokens);
+packed, every size has the same autotuning keys (this script itself not yet run on a GPU).
 
     python benchmarks/check_first_shapes.py --sizes 1 2 3 5 8 13 --length 64
 

@@ -215,8 +215,8 @@ def recurrent_step_torch(state: torch.Tensor, query: torch.Tensor, key: torch.Te
     beta, g = (x[:, 0] for x in delta_gates_torch(b[:, None], a[:, None], A_log, dt_bias, valid[:, None]))
     q = query.float().repeat_interleave(ratio, dim=1)
     k = key.float().repeat_interleave(ratio, dim=1)
-    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / q.shape[-1] ** 0.5
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = l2_normed(q) / q.shape[-1] ** 0.5
+    k = l2_normed(k)
     s = state * g.exp()[..., None, None]
     remembered = (s * k[..., None]).sum(-2)  # [B, Hv, Dv]
     delta = (value.float() - remembered) * beta.float()[..., None]
@@ -241,16 +241,17 @@ def chunked_rule(rule, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     def packed(x):
         return x.reshape(1, B * L, *x.shape[2:])
 
-    core, state = rule(packed(l2_normed(query)), packed(l2_normed(key)), packed(value), g=packed(g),
+    query, key = l2_normed(query).to(query.dtype), l2_normed(key).to(key.dtype)  # (rounded as the kernel's own)
+    core, state = rule(packed(query), packed(key), packed(value), g=packed(g),
                        beta=packed(beta), initial_state=initial_state, output_final_state=True,
                        use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     return core.reshape(B, L, *core.shape[2:]), state
 
 
 def l2_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x / sqrt(sum(x^2) + eps)`` over the last dim in fp32, rounded to ``x``'s dtype (as the kernel's own)."""
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim, in fp32 (the delta rule's query and key norm)."""
     wide = x.float()
-    return (wide * torch.rsqrt(wide.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+    return wide * torch.rsqrt(wide.square().sum(-1, keepdim=True) + eps)
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,7 +16,8 @@ import bench_serving  # noqa: E402
 from profile_serving_host import tiny_config  # noqa: E402
 
 
-def test_load_run_measures_the_maximum_rate_then_poisson_arrivals(monkeypatch):
+def _tiny_run(monkeypatch, **settings):
+    """A tiny Inkling's workload and manager on the CPU (the bench's CUDA memory counters stubbed)."""
     for name in ("reset_peak_memory_stats", "memory_allocated", "max_memory_allocated"):
         monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: 0)
     from modeling import InklingForCausalLM
@@ -24,11 +25,14 @@ def test_load_run_measures_the_maximum_rate_then_poisson_arrivals(monkeypatch):
     config = tiny_config("inkling", 2, 64, 4096)
     torch.manual_seed(0)
     model = InklingForCausalLM(config).eval()
-    args = types.SimpleNamespace(requests=10, min_prompt=8, max_prompt=48, min_output=2, max_output=6, arrival="all",
-                                 rate=8.0, seed=0, rows=4, batch_tokens=64, page_size=16, num_blocks=None, load=0.8,
-                                 prefix_caching="on")
-    prompts, outputs, _ = bench_serving.workload(args, config.vocab_size)
-    manager = bench_serving.serving_manager(model, prompts, outputs, args)
+    args = types.SimpleNamespace(min_prompt=8, arrival="all", rate=8.0, seed=0, rows=4, batch_tokens=64, page_size=16,
+                                 num_blocks=None, prefix_caching="on", min_output=2, **settings)
+    prompts, outputs, gaps = bench_serving.workload(args, config.vocab_size)
+    return args, prompts, outputs, gaps, bench_serving.serving_manager(model, prompts, outputs, args)
+
+
+def test_load_run_measures_the_maximum_rate_then_poisson_arrivals(monkeypatch):
+    args, prompts, outputs, _, manager = _tiny_run(monkeypatch, requests=10, max_prompt=48, max_output=6, load=0.8)
     common, lines = {"bench": "serving"}, []
 
     def record(row: dict) -> dict:
@@ -71,18 +75,7 @@ def test_load_scales_the_arrival_rate(monkeypatch):
 def test_passes_run_the_workload_again_on_other_tokens(monkeypatch):
     """``--passes 2``: two lines on one manager, the second on prompts of the same lengths and other tokens, each
     with its pass number and compile count; every request served both times."""
-    for name in ("reset_peak_memory_stats", "memory_allocated", "max_memory_allocated"):
-        monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: 0)
-    from modeling import InklingForCausalLM
-
-    config = tiny_config("inkling", 2, 64, 4096)
-    torch.manual_seed(0)
-    model = InklingForCausalLM(config).eval()
-    args = types.SimpleNamespace(requests=6, min_prompt=8, max_prompt=40, min_output=2, max_output=5, arrival="all",
-                                 rate=8.0, seed=0, rows=4, batch_tokens=64, page_size=16, num_blocks=None,
-                                 prefix_caching="on", passes=2)
-    prompts, outputs, gaps = bench_serving.workload(args, config.vocab_size)
-    manager = bench_serving.serving_manager(model, prompts, outputs, args)
+    args, prompts, outputs, gaps, manager = _tiny_run(monkeypatch, requests=6, max_prompt=40, max_output=5, passes=2)
     fed, lines = [], []
     continuous = bench_serving.continuous
 
