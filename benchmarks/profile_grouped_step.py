@@ -40,9 +40,11 @@ from hf_qsa_cache import QSAPagedCache  # noqa: E402
 from hf_qsa_cache.grouped import grouped_logits  # noqa: E402
 
 
-def build(args):
+def build_model(args):
+    """``(model, device, dtype)``: ``args.model`` at ``args.layers`` layers, random weights; the benchmark's widths
+    in bf16 on the GPU, or with ``args.tiny`` `profile_serving_host.tiny_config`'s in fp32 on the CPU."""
     if args.tiny:
-        config = tiny_config(args.model, args.layers, window=512, max_len=1 << 21)
+        config = tiny_config(args.model, args.layers, window=getattr(args, "window", 512), max_len=1 << 21)
     else:
         config = (qwen4_exp_config if args.model == "qwen4_exp" else inkling_config)(args.layers)
     if args.model == "inkling":
@@ -52,7 +54,12 @@ def build(args):
     torch.manual_seed(0)
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    model = Model(config).to(device=device, dtype=dtype).eval()
+    return Model(config).to(device=device, dtype=dtype).eval(), device, dtype
+
+
+def build(args):
+    model, device, dtype = build_model(args)
+    config = model.config
     rows = args.rows + args.chunks
     length = args.past + 3 * (args.repeat + 1) + args.chunks * args.chunk + 8  # (what the decoding rows take)
     cache = QSAPagedCache(config, rows, length, block_size=args.block, device=device, dtype=dtype)

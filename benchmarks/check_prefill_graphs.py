@@ -1,0 +1,112 @@
+"""Can a prefill-sized step run from a CUDA graph, and what would that save?
+
+    python benchmarks/check_prefill_graphs.py --model qwen4_exp --layers 40 --shapes 1x256 4x256 1x2048   # GPU
+    python benchmarks/check_prefill_graphs.py --model qwen4_exp --layers 4 --shapes 3x12 --tiny           # CPU
+
+Why: an eager prefill step of Qwen4Exp at 40 layers is bound by host work (about 125-134 ms a step on an H100,
+whatever its size up to a few thousand tokens: benchmarks/RESULTS.md, Continuous batching), and prefill steps are
+most of the serving workload's time there. Decode and verify steps already replay graphs
+(`hf_qsa_cache.cuda_graphs.DecodeGraphs`); its step takes any length, but only steps of up to ``MAX_STEP_LEN``
+tokens are sent to it. This script sends it longer ones.
+
+For each ``ROWSxL`` shape, two caches take the same ``--past`` random tokens a row, then ``--repeat`` + 1 steps of
+``L`` new tokens a row (the same tokens for both): the ordinary forward on one cache (eager), `DecodeGraphs.step`
+on the other (its first step of each shape runs eagerly on the graph's path and captures; later ones replay).
+Reported per shape, as a JSON line: whether a graph was captured (else the error that stopped it), the median
+eager step and the median replayed step in ms (synchronised), the replays, and the largest difference between the
+two caches' logits. On the CPU (``--tiny``) nothing is recorded: the graph's path runs eagerly from its static
+buffers, which checks that path against the forward at these lengths (tests/scripts/test_check_prefill_graphs.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from profile_grouped_step import build_model, sync  # noqa: E402
+
+from hf_qsa_cache import QSAPagedCache  # noqa: E402
+from hf_qsa_cache.cuda_graphs import capture_failures, graphs_of  # noqa: E402
+
+
+def check_shape(model, rows: int, length: int, args, device, dtype) -> dict:
+    config, vocab = model.config, model.config.vocab_size
+    capacity = args.past + (args.repeat + 1) * length
+    eager, static = (QSAPagedCache(config, rows, capacity, block_size=args.block, device=device, dtype=dtype)
+                     for _ in range(2))
+    runner = graphs_of(model, static, device, record=device == "cuda")
+    gen = torch.Generator().manual_seed(args.seed)
+    past = torch.randint(2, vocab, (rows, args.past), generator=gen).to(device)
+    mask = torch.ones_like(past)
+    eager_ms, replay_ms, worst, scale = [], [], 0.0, 0.0
+    with torch.no_grad():
+        for cache in (eager, static):
+            model(past, attention_mask=mask, past_key_values=cache)
+        for i in range(args.repeat + 1):
+            chunk = torch.randint(2, vocab, (rows, length), generator=gen).to(device)
+            mask = torch.cat([mask, torch.ones_like(chunk)], dim=1)
+            sync(device)
+            start = time.perf_counter()
+            want = model(chunk, attention_mask=mask, past_key_values=eager).logits
+            sync(device)
+            if i:  # (the first step of a shape compiles and tunes kernels)
+                eager_ms.append(1e3 * (time.perf_counter() - start))
+            replays = runner.replays
+            start = time.perf_counter()
+            got = runner.step(chunk, None, mask)
+            sync(device)
+            if runner.replays > replays:
+                replay_ms.append(1e3 * (time.perf_counter() - start))
+            worst = max(worst, (got.float() - want.float()).abs().max().item())
+            scale = max(scale, want.float().abs().max().item())
+    failures = [str(error) for key, error in capture_failures(model).items() if key[-1] == length]
+    return {"rows": rows, "length": length, "past": args.past, "captured": any(
+                b.graph is not None for b in runner.buckets.values()), "capture_error": failures[0] if failures else None,
+            "eager_ms": round(statistics.median(eager_ms), 3) if eager_ms else None,
+            "replay_ms": round(statistics.median(replay_ms), 3) if replay_ms else None,
+            "replays": runner.replays, "steps": args.repeat + 1, "max_logit_diff": worst,
+            "max_abs_logit": scale,
+            "buckets": [list(k) for k in runner.buckets]}
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
+    parser.add_argument("--layers", type=int, default=40)
+    parser.add_argument("--shapes", nargs="+", default=["1x256", "4x256", "1x2048"], help="ROWSxL step shapes")
+    parser.add_argument("--past", type=int, default=1024, help="tokens each row holds before the timed steps")
+    parser.add_argument("--repeat", type=int, default=4)
+    parser.add_argument("--block", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny", action="store_true", help="tiny widths on the CPU (fp32)")
+    parser.add_argument("--window", type=int, default=512, help="--tiny Inkling's sliding window")
+    parser.add_argument("--jsonl", default=None, help="also append the lines to this file")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        torch.set_num_threads(1)
+    model, device, dtype = build_model(args)
+    out = []
+    for shape in args.shapes:
+        rows, length = (int(x) for x in shape.split("x"))
+        line = {"check": "prefill_graphs", "model": args.model, "layers": args.layers,
+                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                **check_shape(model, rows, length, args, device, dtype)}
+        print(json.dumps(line), flush=True)
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        out.append(line)
+    return out
+
+
+if __name__ == "__main__":
+    main()
