@@ -81,7 +81,7 @@ class StepMetadata:
 
     def leading_pads(self) -> torch.Tensor | None:
         """``[B]`` pad columns before each row's real tokens in this step, or None when no row has any
-        (always None for a CUDA-graph step: decode and verify steps carry no pads)."""
+        (always None for a CUDA-graph step: a step with pads runs eagerly, `cuda_graphs.carries_pads`)."""
         if self.host_count is None or all(c == self.query_len for c in self.host_count):
             return None
         return self.query_len - self.count.long()

@@ -126,3 +126,41 @@ def test_a_step_is_sized_for_its_reach_not_the_cache_capacity(family, monkeypatc
     assert all(longest <= reach < max(2 * longest, 17) for reach, longest in sized), sized
     assert len({reach for reach, _ in sized}) >= 2  # the rows crossed a power of two
     assert {key[2] for key in runner.buckets} == {reach for reach, _ in sized}
+
+
+def _mask(rows: list[list[int]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long)
+
+
+@pytest.mark.parametrize("length, mask, pads", [
+    pytest.param(4, _mask([[1] * 6, [1] * 6]), False, id="every-row-takes-all"),
+    pytest.param(4, _mask([[1] * 6, [1, 1, 0, 1, 1, 1]]), True, id="ragged-drafts"),
+    pytest.param(4, _mask([[1] * 6, [0, 0, 1, 1, 1, 1]]), False, id="pads-before-the-step"),
+    pytest.param(1, _mask([[1] * 6, [1] * 5 + [0]]), False, id="one-token-step-not-read"),
+    pytest.param(4, None, False, id="no-mask"),
+])
+def test_a_step_whose_rows_carry_pads_runs_eagerly(length, mask, pads):
+    """The recorded step takes every row's columns as real (positions follow its length; no leading pads in its
+    metadata), so a verify step in which rows drafted different counts (left-padded: continuous batching with prompt
+    lookup) must not replay it. On Qwen4Exp that path gives other logits for such a step (the pads go into the
+    conv and n-gram windows, the real tokens' positions shift)."""
+    ids = torch.zeros(2, length, dtype=torch.long)
+    assert cuda_graphs.carries_pads(ids, mask) is pads
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_the_forward_asks_about_its_step_mask(family, monkeypatch):
+    """Each family's forward hands its attention mask to the graphs' choice (`decode_graphs_for`), which refuses a
+    step with pads in its columns before anything else is looked at."""
+    model, (ids, mask) = _pair(family)
+    cache = QSAPagedCache(model.config, 4, 64, block_size=4, num_speculative_tokens=3)
+    seen = []
+    real = cuda_graphs.carries_pads
+    monkeypatch.setattr(cuda_graphs, "carries_pads", lambda i, m: seen.append(m) or real(i, m))
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+        step = torch.ones(ids.shape[0], 3, dtype=torch.long)
+        step[0, 0] = 0  # row 0 drafted one token fewer
+        model(torch.full_like(step, 5), attention_mask=torch.cat([mask, step], dim=1), past_key_values=cache)
+    assert seen and seen[-1] is not None and seen[-1].shape[1] == mask.shape[1] + 3
+    assert real(torch.zeros_like(step), seen[-1])

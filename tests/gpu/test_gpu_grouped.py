@@ -1,7 +1,9 @@
 """Grouped steps on the CUDA path (Triton kernels reading a group's view of the stores: GatedDeltaNet/PLE state and
 rings, the QSA ring from the group's first row): random schedules of chunks beside one-token rows, fp32, every
 fed token's logits within 1e-3 of transformers' own model on that row's sequence alone (CPU, fp32), with and
-without rollback history; and continuous batching with grouped steps and without gives the same tokens.
+without rollback history; continuous batching with grouped steps and without gives the same tokens; and prompt
+lookup inside the loop, whose verify steps carry pads where rows drafted different counts (those steps run
+eagerly, `cuda_graphs.carries_pads`), gives each prompt transformers' tokens alone.
 
     python -m pytest -m gpu -n 0 tests/gpu/test_gpu_grouped.py
 """
@@ -15,7 +17,7 @@ import pytest
 import torch
 from helpers.grouped import run_schedule
 from helpers.qwen4 import random_prompts
-from helpers.serving import FAMILIES, family_pair, greedy
+from helpers.serving import FAMILIES, alone, family_pair, greedy
 from transformers import ContinuousBatchingConfig
 
 pytestmark = pytest.mark.gpu
@@ -48,3 +50,15 @@ def test_continuous_batching_gives_the_same_tokens_with_grouped_steps_and_withou
         tokens[grouped] = [results[f"req_{i}"].generated_tokens for i in range(len(prompts))]
         gpu.destroy_cached_continuous_batching_manager()
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_lookup_inside_the_loop_with_ragged_drafts_equals_transformers_alone(family):
+    ref, ours = family_pair(family)
+    gpu = copy.deepcopy(ours).cuda()
+    base = random_prompts([8, 5, 12], vocab=90, seed=51)
+    prompts = [p * 3 for p in base] + random_prompts([15, 9], vocab=90, seed=52)  # repeats: lookup finds n-grams
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=16, max_requests_per_batch=4)
+    results = gpu.generate_batch(prompts, greedy(12, prompt_lookup_num_tokens=3), config)
+    for i, prompt in enumerate(prompts):
+        assert results[f"req_{i}"].generated_tokens == alone(ref, prompt, 12), f"request {i}"

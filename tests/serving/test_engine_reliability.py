@@ -528,6 +528,36 @@ def test_prompt_lookup_inside_the_loop_gives_each_prompts_own_tokens(family):
     assert pools_full(cache)
 
 
+def test_prompt_lookup_inside_the_loop_on_the_graphs_path(family, monkeypatch):
+    """The same workload with each step routed as on a GPU: a step the recorded (CUDA-graph) step computes
+    (`cuda_graphs.takes_graph_step`) runs that path, from its static buffers, the others the forward. Rows that
+    drafted different counts share verify steps (left-padded), which must go to the forward: the recorded step
+    takes every row's columns as real. Every request's tokens equal transformers' alone."""
+    import modeling.modeling_inkling as inkling_module
+    import modeling.modeling_qwen4_exp as qwen_module
+
+    from hf_qsa_cache import cuda_graphs
+
+    name, ref, ours = family
+    routed = []
+
+    def as_on_a_gpu(model, cache, input_ids, inputs_embeds, extra_outputs, attention_mask=None):
+        if not cuda_graphs.takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs, attention_mask):
+            return None
+        routed.append(input_ids.shape[1])
+        return cuda_graphs.graphs_of(model, cache, "cpu", record=False)
+
+    for module in (qwen_module, inkling_module):
+        monkeypatch.setattr(module, "decode_graphs_for", as_on_a_gpu)
+    base = random_prompts([8, 5, 12], vocab=90, seed=51)
+    prompts = [p * 3 for p in base] + random_prompts([15, 9], vocab=90, seed=52)
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=16, max_requests_per_batch=4)
+    results, stats, cache = _run_all(ours, prompts, [12] * len(prompts), config, _lookup_config(12))
+    for prompt, result in zip(prompts, results):
+        assert result.generated_tokens == alone(ref, prompt, 12), result.request_id
+    assert stats["drafted_tokens"] > 0 and 1 in routed and max(routed) > 1  # decode and verify steps took the path
+
+
 @pytest.mark.parametrize("wrong_at", [None, 0, 1, 2], ids=["all-right", "first-wrong", "second-wrong", "third-wrong"])
 def test_verified_drafts_keep_exactly_the_right_ones(family, monkeypatch, wrong_at):
     """Drafts from an oracle (the reference's own next tokens, one of them made wrong): a row keeps the drafts
