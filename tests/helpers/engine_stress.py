@@ -10,7 +10,9 @@ Every request must end with exactly one final result, and that result must be
 * FAILED "cancelled" when it was cancelled;
 and at the end every block is back in its pool (or cached by prefix caching and idle), no row is held, no media
 encoding or id is left behind. With ``shared=True`` prompts continue a few common prefixes (cut anywhere) and
-earlier requests' prompts and answers, so rows start from cached prefixes while faults fire.
+earlier requests' prompts and answers, so rows start from cached prefixes while faults fire. With
+``graph_path=True`` (``--graph-path``) every step a GPU would replay from a CUDA graph takes the recorded step's path
+(from its static buffers), which the CPU otherwise never runs.
 
 CI runs a short sequence (tests/serving/test_engine_reliability.py); run a long one with
 ``python tests/helpers/engine_stress.py --family inkling --ops 2000 --seed 0``.
@@ -19,6 +21,7 @@ CI runs a short sequence (tests/serving/test_engine_reliability.py); run a long 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import sys
@@ -29,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: `helpers`
 from helpers.faults import FailAt, Injected  # noqa: E402
 from helpers.qwen4 import random_prompts  # noqa: E402
-from helpers.serving import alone, family_pair, greedy, pools_full  # noqa: E402
+from helpers.serving import alone, family_pair, greedy, pools_full, steps_routed_as_on_a_gpu  # noqa: E402
 from transformers import ContinuousBatchingConfig  # noqa: E402
 from transformers.generation.continuous_batching.requests import RequestStatus  # noqa: E402
 
@@ -91,8 +94,10 @@ class Faults:
 class EngineStress:
     def __init__(self, family: str, seed: int, rows: int = 3, budget: int = 7, blocks: int = 24,
                  fault_every: tuple[int, int] = (20, 120), shared: bool = False, lookup: int = 0,
-                 grouped_steps: bool = False):
+                 grouped_steps: bool = False, graph_path: bool = False):
         self.family, self.seed = family, seed
+        self.graph_path = graph_path  # steps a GPU replays from a graph take that path (`steps_routed_as_on_a_gpu`)
+        self.graph_steps: list[int] = []  # the lengths of those steps
         self.shared = shared
         self.grouped_steps = grouped_steps  # the loop's schedule (`ContinuousBatchingManager`)
         self.lookup = lookup  # prompt lookup's drafts per decode step (verified inside the loop), 0: none
@@ -112,8 +117,9 @@ class EngineStress:
         self.faults.install()
         try:
             gen = greedy(10, prompt_lookup_num_tokens=self.lookup or None)
-            with self.ours.continuous_batching_context_manager(gen, continuous_batching_config=self.config,
-                                                               grouped_steps=self.grouped_steps) as manager:
+            routing = steps_routed_as_on_a_gpu() if self.graph_path else contextlib.nullcontext([])
+            with routing as self.graph_steps, self.ours.continuous_batching_context_manager(
+                    gen, continuous_batching_config=self.config, grouped_steps=self.grouped_steps) as manager:
                 for op in range(ops):
                     kind = rng.random()
                     if kind < 0.6:
@@ -194,11 +200,13 @@ def main() -> None:
     parser.add_argument("--shared", action="store_true", help="prompts continue common prefixes (prefix caching)")
     parser.add_argument("--lookup", type=int, default=0, help="prompt lookup drafts per decode step")
     parser.add_argument("--grouped-steps", action="store_true", help="the loop runs grouped steps")
+    parser.add_argument("--graph-path", action="store_true",
+                        help="steps a GPU replays from a CUDA graph take that path (from its static buffers)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.time()
     stress = EngineStress(args.family, args.seed, shared=args.shared, lookup=args.lookup,
-                          grouped_steps=args.grouped_steps)
+                          grouped_steps=args.grouped_steps, graph_path=args.graph_path)
     stress.run(args.ops, timeout=3600)
     print(f"{args.family} seed {args.seed}: {args.ops} operations, {len(stress.submitted)} requests, "
           f"{stress.counts}, faults fired {stress.faults.fired}, {stress.manager.stats}, {time.time() - start:.0f} s")

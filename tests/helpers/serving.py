@@ -1,12 +1,16 @@
 """Shared pieces of the continuous-batching tests: both families' model pairs, each prompt's tokens from
-transformers' own model alone (the reference), greedy configs and the pools-are-full check."""
+transformers' own model alone (the reference), greedy configs, the pools-are-full check and steps routed as a GPU
+routes them."""
 
 from __future__ import annotations
+
+import contextlib
+from unittest import mock
 
 import torch
 from transformers import GenerationConfig
 
-from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache import QSAPagedCache, cuda_graphs
 
 from .inkling import make_config as inkling_config
 from .inkling import make_pair as inkling_pair
@@ -50,3 +54,25 @@ def pools_full(cache: QSAPagedCache) -> bool:
         t.check_accounting()
     return all(t.available() == t.num_blocks - 1 and not any(t.refs) for t in cache.tables.values()) \
         and cache.num_rows == 0
+
+
+@contextlib.contextmanager
+def steps_routed_as_on_a_gpu():
+    """While open, each family's forward runs every step the recorded CUDA-graph step computes
+    (`cuda_graphs.takes_graph_step`: decode steps, verify steps without pads) on that path, from its static buffers
+    (`DecodeGraphs(record=False)`), as a GPU replays it; the CPU otherwise never takes it. Yields the lengths of the
+    steps so routed (a list that grows)."""
+    import modeling.modeling_inkling as inkling_module
+    import modeling.modeling_qwen4_exp as qwen_module
+
+    lengths = []
+
+    def as_on_a_gpu(model, cache, input_ids, inputs_embeds, extra_outputs, attention_mask=None):
+        if not cuda_graphs.takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs, attention_mask):
+            return None
+        lengths.append(input_ids.shape[1])
+        return cuda_graphs.graphs_of(model, cache, "cpu", record=False)
+
+    with mock.patch.object(qwen_module, "decode_graphs_for", as_on_a_gpu), \
+            mock.patch.object(inkling_module, "decode_graphs_for", as_on_a_gpu):
+        yield lengths

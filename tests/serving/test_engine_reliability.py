@@ -15,7 +15,7 @@ import time
 
 import pytest
 from helpers.qwen4 import make_pair, random_prompts
-from helpers.serving import FAMILIES, alone, family_pair, greedy, pools_full
+from helpers.serving import FAMILIES, alone, family_pair, greedy, pools_full, steps_routed_as_on_a_gpu
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.requests import RequestStatus
 
@@ -435,19 +435,23 @@ def test_random_arrivals_cancels_and_faults_match_the_reference(family_name, see
     assert sum(stress.faults.fired.values()) >= 3, stress.faults.fired
 
 
-@pytest.mark.parametrize("family_name, seed, lookup, grouped_steps",
-                         [("qwen4_exp", 2, 2, True), ("inkling", 3, 0, False)],
-                         ids=["qwen4_exp-prompt-lookup-grouped-steps", "inkling"])
-def test_shared_prefixes_under_faults_match_the_reference(family_name, seed, lookup, grouped_steps):
+@pytest.mark.parametrize("family_name, seed, lookup, grouped_steps, graph_path",
+                         [("qwen4_exp", 2, 2, True, False), ("inkling", 3, 0, False, False),
+                          ("qwen4_exp", 4, 2, False, True)],
+                         ids=["qwen4_exp-prompt-lookup-grouped-steps", "inkling", "qwen4_exp-prompt-lookup-graph-path"])
+def test_shared_prefixes_under_faults_match_the_reference(family_name, seed, lookup, grouped_steps, graph_path):
     """The engine stress test with prompts that share prefixes (and continue earlier answers): rows start from
     cached prefixes, cached blocks are taken back for new work, faults fire in steps and bookkeeping. Qwen4Exp's
-    with prompt lookup's drafts in grouped steps: rows restored from a prefix wait beside rows that crop."""
+    with prompt lookup's drafts in grouped steps: rows restored from a prefix wait beside rows that crop; and with
+    its decode and verify steps on the CUDA graphs' path, as a GPU runs them."""
     from helpers.engine_stress import EngineStress
 
-    stress = EngineStress(family_name, seed, shared=True, lookup=lookup, grouped_steps=grouped_steps)
+    stress = EngineStress(family_name, seed, shared=True, lookup=lookup, grouped_steps=grouped_steps,
+                          graph_path=graph_path)
     stress.run(ops=60)
     assert stress.counts["finished"] > 10, stress.counts
     assert (stress.manager.stats["drafted_tokens"] > 0) == bool(lookup), stress.manager.stats
+    assert (max(stress.graph_steps, default=0) > 1) == graph_path, stress.graph_steps  # verify steps took it
     assert stress.faults.fired, stress.faults.fired
     stats = stress.prefix_stats
     assert stats["hit_tokens"] > 0 and stats["evictions"] > 0, stats
@@ -528,31 +532,16 @@ def test_prompt_lookup_inside_the_loop_gives_each_prompts_own_tokens(family):
     assert pools_full(cache)
 
 
-def test_prompt_lookup_inside_the_loop_on_the_graphs_path(family, monkeypatch):
-    """The same workload with each step routed as on a GPU: a step the recorded (CUDA-graph) step computes
-    (`cuda_graphs.takes_graph_step`) runs that path, from its static buffers, the others the forward. Rows that
-    drafted different counts share verify steps (left-padded), which must go to the forward: the recorded step
-    takes every row's columns as real. Every request's tokens equal transformers' alone."""
-    import modeling.modeling_inkling as inkling_module
-    import modeling.modeling_qwen4_exp as qwen_module
-
-    from hf_qsa_cache import cuda_graphs
-
+def test_prompt_lookup_inside_the_loop_on_the_graphs_path(family):
+    """The same workload with each step routed as on a GPU (`steps_routed_as_on_a_gpu`): rows that drafted
+    different counts share verify steps (left-padded), which must go to the forward, since the recorded step takes
+    every row's columns as real. Every request's tokens equal transformers' alone."""
     name, ref, ours = family
-    routed = []
-
-    def as_on_a_gpu(model, cache, input_ids, inputs_embeds, extra_outputs, attention_mask=None):
-        if not cuda_graphs.takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs, attention_mask):
-            return None
-        routed.append(input_ids.shape[1])
-        return cuda_graphs.graphs_of(model, cache, "cpu", record=False)
-
-    for module in (qwen_module, inkling_module):
-        monkeypatch.setattr(module, "decode_graphs_for", as_on_a_gpu)
     base = random_prompts([8, 5, 12], vocab=90, seed=51)
     prompts = [p * 3 for p in base] + random_prompts([15, 9], vocab=90, seed=52)
     config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=16, max_requests_per_batch=4)
-    results, stats, cache = _run_all(ours, prompts, [12] * len(prompts), config, _lookup_config(12))
+    with steps_routed_as_on_a_gpu() as routed:
+        results, stats, cache = _run_all(ours, prompts, [12] * len(prompts), config, _lookup_config(12))
     for prompt, result in zip(prompts, results):
         assert result.generated_tokens == alone(ref, prompt, 12), result.request_id
     assert stats["drafted_tokens"] > 0 and 1 in routed and max(routed) > 1  # decode and verify steps took the path
