@@ -82,10 +82,10 @@ def main(argv=None) -> dict:
     module = sys.modules[type(model).__module__]
     real = module.decode_graphs_for
 
-    def graphs_for(model_, cache_, input_ids, inputs_embeds, extra_outputs):
-        """The stand-in graphs where the GPU would take them (decode steps of rows that all started)."""
-        decode = input_ids is not None and input_ids.shape[1] == 1 and cache_.columns_seen > 0
-        return runner if decode and not extra_outputs and not torch.is_grad_enabled() else None
+    def graphs_for(model_, cache_, input_ids, inputs_embeds, extra_outputs, attention_mask=None):
+        """The stand-in graphs where the GPU would take them (`cuda_graphs.takes_graph_step`)."""
+        takes = cuda_graphs.takes_graph_step(cache_, input_ids, inputs_embeds, extra_outputs, attention_mask)
+        return runner if takes else None
 
     module.decode_graphs_for = graphs_for
     try:
