@@ -82,10 +82,9 @@ def main(argv=None) -> dict:
     module = sys.modules[type(model).__module__]
     real = module.decode_graphs_for
 
-    def graphs_for(model_, cache_, input_ids, inputs_embeds, extra_outputs, attention_mask=None):
+    def graphs_for(model_, cache_, input_ids, inputs_embeds, extra_outputs):
         """The stand-in graphs where the GPU would take them (`cuda_graphs.takes_graph_step`)."""
-        takes = cuda_graphs.takes_graph_step(cache_, input_ids, inputs_embeds, extra_outputs, attention_mask)
-        return runner if takes else None
+        return runner if cuda_graphs.takes_graph_step(cache_, input_ids, inputs_embeds, extra_outputs) else None
 
     module.decode_graphs_for = graphs_for
     try:

@@ -210,8 +210,8 @@ class DecodeGraphs:
         entry.lengths.copy_(int_tensor([prev + pad, counts + pad], torch.int32), non_blocking=True)
         entry.ids[:rows].copy_(input_ids)
         if entry.positions is not None:
-            if position_ids is None:  # a recorded step has no pads (`carries_pads`): positions follow the length
-                start = [p + d for p, d in zip(prev, self.cache.rope_deltas)]  # (plus a row's multimodal offset)
+            if position_ids is None:  # a row's real tokens are its last `count` columns, after its length
+                start = [p + d - (length - c) for p, d, c in zip(prev, self.cache.rope_deltas, counts)]
                 steps = int_tensor(start)[:, None] + torch.arange(length)
                 entry.positions[:, :rows] = steps.to(self.device, non_blocking=True)
             else:  # the step's columns of what the caller passed, as the eager forward reads them
@@ -347,13 +347,12 @@ def experts_running(experts: list, implementation: str | None):
             config._experts_implementation_internal = value
 
 
-def decode_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: bool,
-                      attention_mask: torch.Tensor | None = None) -> DecodeGraphs | None:
+def decode_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: bool) -> DecodeGraphs | None:
     """The graphs to run this forward with, or None when it must run eagerly: a step `takes_graph_step` allows,
     of a model held whole on one CUDA device (no offloading hooks), its inputs there, outside another capture."""
     if not (getattr(model, "use_cuda_graphs", True) and enabled_by_default()):
         return None
-    if (not takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs, attention_mask)
+    if (not takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs)
             or not input_ids.is_cuda or torch.cuda.is_current_stream_capturing()):
         return None
     device = _single_cuda_device(model)
@@ -362,29 +361,15 @@ def decode_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: boo
     return graphs_of(model, cache, device)
 
 
-def takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs: bool,
-                     attention_mask: torch.Tensor | None) -> bool:
+def takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs: bool) -> bool:
     """Whether a forward is a step the recorded step computes, whatever the device: a decode step (one token a
-    row) or a verify step (up to ``num_speculative_tokens + 1`` tokens, at most ``MAX_STEP_LEN``, every row taking
-    all of them: `carries_pads`) of token ids, without gradients or per-layer outputs, over all the rows of a
+    row) or a verify step (up to ``num_speculative_tokens + 1`` tokens, at most ``MAX_STEP_LEN``; rows that drafted
+    fewer are left-padded) of token ids, without gradients or per-layer outputs, over all the rows of a
     `QSAPagedCache` whose rows have all started."""
     return not (input_ids is None or inputs_embeds is not None or input_ids.dim() != 2
                 or not 1 <= input_ids.shape[1] <= min(getattr(cache, "num_speculative_tokens", 0) + 1, MAX_STEP_LEN)
-                or carries_pads(input_ids, attention_mask)
                 or extra_outputs or torch.is_grad_enabled() or not isinstance(cache, QSAPagedCache)
                 or cache.columns_seen == 0 or input_ids.shape[0] != cache.num_rows)
-
-
-def carries_pads(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
-    """Whether a step of several tokens a row has a pad in its own columns: continuous batching's verify step
-    when rows drafted different counts (the shorter ones are left-padded). The recorded step takes each row's
-    tokens as the last ``count`` of its ``L`` columns without pads before them (positions follow the row's length,
-    and its metadata has no leading pads), so such a step runs eagerly: on Qwen4Exp the recorded path would feed
-    the pads into the conv and n-gram windows and shift the real tokens' positions. One host read of the step's
-    mask columns (the step's own check reads the mask anyway); a one-token step is not read (a pad there is a row
-    taking no token, which the recorded step's lengths say)."""
-    length = input_ids.shape[1]
-    return length > 1 and attention_mask is not None and not bool(attention_mask[:, -length:].all())
 
 
 def graphs_of(model, cache: QSAPagedCache, device, record: bool = True) -> DecodeGraphs:

@@ -457,8 +457,7 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, P
         if output_router_logits is None:
             output_router_logits = getattr(config, "output_router_logits", False)
         extra = labels is not None or bool(output_hidden_states) or output_attentions or output_router_logits
-        graphs = decode_graphs_for(self, past_key_values, input_ids, inputs_embeds, extra_outputs=extra,
-                                   attention_mask=attention_mask)
+        graphs = decode_graphs_for(self, past_key_values, input_ids, inputs_embeds, extra_outputs=extra)
         if graphs is not None:
             logits = slice_logits_to_keep(graphs.step(input_ids, position_ids, attention_mask), logits_to_keep)
             out = InklingCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)

@@ -508,8 +508,7 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, ContinuousBatchingMixin, Page
             output_attentions = getattr(config, "output_attentions", False)
         graphs = decode_graphs_for(self, past_key_values, input_ids, inputs_embeds,
                                    extra_outputs=labels is not None or output_hidden_states or output_router_logits
-                                   or output_attentions or "ple_input_ids" in kwargs or "rope_deltas" in kwargs,
-                                   attention_mask=attention_mask)
+                                   or output_attentions or "ple_input_ids" in kwargs or "rope_deltas" in kwargs)
         if graphs is not None:
             logits = slice_logits_to_keep(graphs.step(input_ids, position_ids, attention_mask), logits_to_keep)
             return MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)

@@ -80,9 +80,13 @@ class StepMetadata:
         return self.host_prev_len is not None and not any(self.host_prev_len)
 
     def leading_pads(self) -> torch.Tensor | None:
-        """``[B]`` pad columns before each row's real tokens in this step, or None when no row has any
-        (always None for a CUDA-graph step: a step with pads runs eagerly, `cuda_graphs.carries_pads`)."""
-        if self.host_count is None or all(c == self.query_len for c in self.host_count):
+        """``[B]`` pad columns before each row's real tokens in this step, or None when no row has any. A CUDA-graph
+        step's counts are not known on the host: for a step of several tokens a row (a verify step, whose rows may
+        have drafted different counts) it is always the device tensor, zeros for full rows; a one-token step has
+        none (a row without a token there is one the step skips)."""
+        if self.host_count is None:
+            return None if self.query_len == 1 else self.query_len - self.count.long()
+        if all(c == self.query_len for c in self.host_count):
             return None
         return self.query_len - self.count.long()
 

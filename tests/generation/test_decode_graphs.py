@@ -128,39 +128,30 @@ def test_a_step_is_sized_for_its_reach_not_the_cache_capacity(family, monkeypatc
     assert {key[2] for key in runner.buckets} == {reach for reach, _ in sized}
 
 
-def _mask(rows: list[list[int]]) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long)
 
-
-@pytest.mark.parametrize("length, mask, pads", [
-    pytest.param(4, _mask([[1] * 6, [1] * 6]), False, id="every-row-takes-all"),
-    pytest.param(4, _mask([[1] * 6, [1, 1, 0, 1, 1, 1]]), True, id="ragged-drafts"),
-    pytest.param(4, _mask([[1] * 6, [0, 0, 1, 1, 1, 1]]), False, id="pads-before-the-step"),
-    pytest.param(1, _mask([[1] * 6, [1] * 5 + [0]]), False, id="one-token-step-not-read"),
-    pytest.param(4, None, False, id="no-mask"),
-])
-def test_a_step_whose_rows_carry_pads_runs_eagerly(length, mask, pads):
-    """The recorded step takes every row's columns as real (positions follow its length; no leading pads in its
-    metadata), so a verify step in which rows drafted different counts (left-padded: continuous batching with prompt
-    lookup) must not replay it. On Qwen4Exp that path gives other logits for such a step (the pads go into the
-    conv and n-gram windows, the real tokens' positions shift)."""
-    ids = torch.zeros(2, length, dtype=torch.long)
-    assert cuda_graphs.carries_pads(ids, mask) is pads
-
-
+@pytest.mark.parametrize("length, pads", [(4, [0, 2, 3]), (20, [0, 7, 13])], ids=["verify-sized", "longer"])
 @pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
-def test_the_forward_asks_about_its_step_mask(family, monkeypatch):
-    """Each family's forward hands its attention mask to the graphs' choice (`decode_graphs_for`), which refuses a
-    step with pads in its columns before anything else is looked at."""
+def test_static_buffer_step_with_padded_rows_equals_the_forward(family, length, pads):
+    """Rows that take fewer tokens than the step (continuous batching's verify steps when rows drafted different
+    counts: left-padded): the recorded step puts each row's real tokens after its length (positions) and moves its
+    pads in front of its conv and n-gram windows (the metadata's leading pads), as the forward does. Logits of the
+    real columns equal the forward's."""
     model, (ids, mask) = _pair(family)
-    cache = QSAPagedCache(model.config, 4, 64, block_size=4, num_speculative_tokens=3)
-    seen = []
-    real = cuda_graphs.carries_pads
-    monkeypatch.setattr(cuda_graphs, "carries_pads", lambda i, m: seen.append(m) or real(i, m))
+    eager = QSAPagedCache(model.config, 4, 128, block_size=4, num_speculative_tokens=3)
+    static = QSAPagedCache(model.config, 4, 128, block_size=4, num_speculative_tokens=3)
+    runner = graphs_of(model, static, "cpu", record=False)
+    gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache)
-        step = torch.ones(ids.shape[0], 3, dtype=torch.long)
-        step[0, 0] = 0  # row 0 drafted one token fewer
-        model(torch.full_like(step, 5), attention_mask=torch.cat([mask, step], dim=1), past_key_values=cache)
-    assert seen and seen[-1] is not None and seen[-1].shape[1] == mask.shape[1] + 3
-    assert real(torch.zeros_like(step), seen[-1])
+        model(ids, attention_mask=mask, past_key_values=eager)
+        model(ids, attention_mask=mask, past_key_values=static)
+        for _ in range(2):
+            step = torch.randint(2, model.config.vocab_size, (ids.shape[0], length), generator=gen)
+            real = torch.ones_like(step)
+            for row, n in enumerate(pads):
+                real[row, :n] = 0
+            mask = torch.cat([mask, real], dim=1)
+            want = model(step, attention_mask=mask, past_key_values=eager).logits
+            got = runner.step(step, None, mask)
+            keep = real.bool()
+            torch.testing.assert_close(got[keep], want[keep], atol=5e-5, rtol=0)
+    assert static.lengths == eager.lengths

@@ -2,8 +2,8 @@
 rings, the QSA ring from the group's first row): random schedules of chunks beside one-token rows, fp32, every
 fed token's logits within 1e-3 of transformers' own model on that row's sequence alone (CPU, fp32), with and
 without rollback history; continuous batching with grouped steps and without gives the same tokens; and prompt
-lookup inside the loop, whose verify steps carry pads where rows drafted different counts (those steps run
-eagerly, `cuda_graphs.carries_pads`), gives each prompt transformers' tokens alone.
+lookup inside the loop, whose verify steps carry pads where rows drafted different counts (replayed from graphs
+like the others), gives each prompt transformers' tokens alone.
 
     python -m pytest -m gpu -n 0 tests/gpu/test_gpu_grouped.py
 """

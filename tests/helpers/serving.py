@@ -59,7 +59,7 @@ def pools_full(cache: QSAPagedCache) -> bool:
 @contextlib.contextmanager
 def steps_routed_as_on_a_gpu():
     """While open, each family's forward runs every step the recorded CUDA-graph step computes
-    (`cuda_graphs.takes_graph_step`: decode steps, verify steps without pads) on that path, from its static buffers
+    (`cuda_graphs.takes_graph_step`: decode and verify steps) on that path, from its static buffers
     (`DecodeGraphs(record=False)`), as a GPU replays it; the CPU otherwise never takes it. Yields the lengths of the
     steps so routed (a list that grows)."""
     import modeling.modeling_inkling as inkling_module
@@ -67,8 +67,8 @@ def steps_routed_as_on_a_gpu():
 
     lengths = []
 
-    def as_on_a_gpu(model, cache, input_ids, inputs_embeds, extra_outputs, attention_mask=None):
-        if not cuda_graphs.takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs, attention_mask):
+    def as_on_a_gpu(model, cache, input_ids, inputs_embeds, extra_outputs):
+        if not cuda_graphs.takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs):
             return None
         lengths.append(input_ids.shape[1])
         return cuda_graphs.graphs_of(model, cache, "cpu", record=False)

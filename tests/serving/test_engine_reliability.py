@@ -534,8 +534,8 @@ def test_prompt_lookup_inside_the_loop_gives_each_prompts_own_tokens(family):
 
 def test_prompt_lookup_inside_the_loop_on_the_graphs_path(family):
     """The same workload with each step routed as on a GPU (`steps_routed_as_on_a_gpu`): rows that drafted
-    different counts share verify steps (left-padded), which must go to the forward, since the recorded step takes
-    every row's columns as real. Every request's tokens equal transformers' alone."""
+    different counts share verify steps (left-padded), which the recorded step runs too. Every request's tokens
+    equal transformers' alone."""
     name, ref, ours = family
     base = random_prompts([8, 5, 12], vocab=90, seed=51)
     prompts = [p * 3 for p in base] + random_prompts([15, 9], vocab=90, seed=52)
