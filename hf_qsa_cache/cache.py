@@ -278,11 +278,11 @@ class QSAPagedCache(Cache):
             yield metas
 
     def graph_step_metadata(self, lengths: torch.Tensor, query_len: int,
-                            block_tables: dict[str, torch.Tensor] | None = None, reach: int | None = None
-                            ) -> StepMetadata:
+                            block_tables: dict[str, torch.Tensor] | None = None, reach: int | None = None,
+                            padded: bool = False) -> StepMetadata:
         """Metadata of a step whose lengths (``[2, rows]``) sit in a device buffer, for every replay of a CUDA
         graph (`hf_qsa_cache.step.graph_step_metadata`)."""
-        return graph_step_metadata(self, lengths, query_len, block_tables, reach)
+        return graph_step_metadata(self, lengths, query_len, block_tables, reach, padded)
 
     # ``with cache.forward_scope():`` one call of a model's forward: its steps land only if the whole call returns
     # (`hf_qsa_cache.step.forward_scope`).

@@ -80,6 +80,7 @@ class _Bucket:
     eager: bool = False  # capture failed (here or on an earlier cache): run the static-buffer step eagerly
     experts: str | None = None  # experts implementation the step runs instead of the model's own
     key: tuple = ()  # what decides whether the step captures (`capture_key`)
+    padded: bool = False  # recorded for rows that take fewer tokens than the step (left-padded verify steps)
 
 
 class DecodeGraphs:
@@ -98,7 +99,8 @@ class DecodeGraphs:
         self.device = torch.device(device)
         self.record = record
         self.pool = torch.cuda.graph_pool_handle() if record and self.device.type == "cuda" else None
-        self.buckets: dict[tuple[int, int, int], _Bucket] = {}  # (rows bucket, step length, reach) -> buffers, graph
+        # (rows bucket, step length, reach, padded) -> buffers, graph
+        self.buckets: dict[tuple[int, int, int, bool], _Bucket] = {}
         self.model_state = model_fingerprint(model)  # what the recorded graphs read (checked at replay)
         self.probe = _probe(model)  # the cheap part of that check, done every step
         self.steps_seen = -1  # cache.steps_started when this runner last opened a step
@@ -145,7 +147,10 @@ class DecodeGraphs:
             # Changed table entries land before the step reads them; a table that moved (another
             # device) invalidates the graphs recorded against its old address.
             ptrs = {n: t.device_table(size, self.device).data_ptr() for n, t in cache.tables.items()}
-            shape = (size, length, self.reach_bucket(max(p + c for p, c in zip(prev, counts))))
+            # Rows that drafted fewer tokens than the step are left-padded: a graph of their own moves their pads
+            # (steps without pads skip that work).
+            padded = length > 1 and any(c < length for c in counts)
+            shape = (size, length, self.reach_bucket(max(p + c for p, c in zip(prev, counts))), padded)
             entry = self.buckets.get(shape)
             if entry is not None and entry.table_ptrs != ptrs:
                 self.buckets.clear()
@@ -192,16 +197,16 @@ class DecodeGraphs:
         self.experts_own = experts_family(self.expert_configs)  # what the recorded steps' experts started from
 
     # ------------------------------------------------------------------ internals
-    def _new_bucket(self, size: int, length: int, reach: int, ptrs: dict[str, int]) -> _Bucket:
+    def _new_bucket(self, size: int, length: int, reach: int, padded: bool, ptrs: dict[str, int]) -> _Bucket:
         model = self.model
         uses_positions = getattr(model, "_decode_uses_position_ids", False)
         experts = graph_experts(model, self.experts, self.device, size * length)
-        key = capture_key(model, self.experts, self.device, experts, size, length)
+        key = capture_key(model, self.experts, self.device, experts, size, length, padded)
         return _Bucket(
             ids=torch.zeros(size, length, dtype=torch.int64, device=self.device), reach=reach,
             lengths=torch.zeros(2, size, dtype=torch.int32, device=self.device),
             positions=torch.zeros(3, size, length, dtype=torch.int64, device=self.device) if uses_positions else None,
-            table_ptrs=ptrs, experts=experts, key=key, eager=key in capture_failures(model),
+            table_ptrs=ptrs, experts=experts, key=key, eager=key in capture_failures(model), padded=padded,
         )
 
     def _fill(self, entry: _Bucket, prev: list[int], counts: list[int], input_ids, position_ids) -> None:
@@ -231,7 +236,8 @@ class DecodeGraphs:
     def _body(self, entry: _Bucket, tables: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The step proper: metadata from the static buffers, then every layer (experts as `graph_experts`
         chose for this bucket)."""
-        meta = self.cache.graph_step_metadata(entry.lengths, entry.ids.shape[1], tables, reach=entry.reach)
+        meta = self.cache.graph_step_metadata(entry.lengths, entry.ids.shape[1], tables, reach=entry.reach,
+                                              padded=entry.padded)
         self.cache.log_tokens(meta, entry.ids)
         with experts_running(self.experts, entry.experts):
             return self.model._decode_logits(entry.ids, entry.positions, meta, self.cache)
@@ -281,7 +287,8 @@ def collector_paused():
 
 
 # ----------------------------------------------------------------------------- failed captures
-def capture_key(model, experts: list, device: torch.device, substitute: str | None, size: int, length: int) -> tuple:
+def capture_key(model, experts: list, device: torch.device, substitute: str | None, size: int, length: int,
+                padded: bool = False) -> tuple:
     """What decides whether a step of ``size`` rows x ``length`` tokens captures: the device, the weights'
     dtype, the experts implementation the step runs, and the step's shape.
 
@@ -292,7 +299,7 @@ def capture_key(model, experts: list, device: torch.device, substitute: str | No
     the graphs of shapes that capture. Each failing shape is paid once per model and process.
     """
     implementation = substitute or (experts[0][1]._experts_implementation if experts else None)
-    return (str(device), model.dtype, implementation, size, length)
+    return (str(device), model.dtype, implementation, size, length, padded)
 
 
 def capture_failures(model) -> dict[tuple, str]:

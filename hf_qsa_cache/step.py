@@ -107,12 +107,14 @@ def build_step_metadata(prev_len: torch.Tensor, *args, **kwargs) -> StepMetadata
 
 
 def graph_step_metadata(cache, lengths: torch.Tensor, query_len: int,
-                        block_tables: dict[str, torch.Tensor] | None = None, reach: int | None = None) -> StepMetadata:
+                        block_tables: dict[str, torch.Tensor] | None = None, reach: int | None = None,
+                        padded: bool = False) -> StepMetadata:
     """Metadata of a step of ``cache`` whose lengths (``[2, rows]``: before the step, real tokens) sit in a
     device buffer, so that the same launches serve every replay of a CUDA graph: no host copies of the
     lengths, shapes sized for ``reach`` tokens per row (default: the cache's capacity; the caller guarantees
     no row holds more after the step). ``block_tables``: the device tables to read (default: the persistent
-    ones, brought up to date). The layers read it from ``cache.metadata``."""
+    ones, brought up to date). ``padded``: rows may take fewer tokens than ``query_len`` (left-padded). The
+    layers read it from ``cache.metadata``."""
     reach = cache.max_cache_len if reach is None else reach
     rows = lengths.shape[1]
     if block_tables is None:
@@ -120,6 +122,7 @@ def graph_step_metadata(cache, lengths: torch.Tensor, query_len: int,
     block_sizes = {name: t.block_size for name, t in cache.tables.items()}
     meta = build_step_metadata(lengths[0], lengths[1], query_len, block_tables, block_sizes, cache.qsa, None,
                                None, max_seq_len=reach)
+    meta.padded = padded
     cache.metadata.set(meta, lengths.device)
     return meta
 

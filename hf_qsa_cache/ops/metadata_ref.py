@@ -50,6 +50,10 @@ class StepMetadata:
     # the step's reach in a CUDA graph (`cuda_graphs.reach_bucket`). Shapes that grow with context are
     # sized from it.
     max_seq_len: int
+    # A CUDA-graph step whose rows may take fewer tokens than the step (left-padded: verify steps of rows that drafted
+    # different counts): its leading pads come from the device counts (`leading_pads`). Recorded apart from the
+    # steps without pads, which skip the pads' work.
+    padded: bool = False
     # A grouped step (`hf_qsa_cache.step.RowGroup`) runs its groups of rows one rectangle at a time: this metadata's
     # rows are the group's own (0 .. num_rows - 1), and they are cache rows ``row_offset ..``. Per-row state read
     # by row index (recurrent state, windows, the QSA ring) is addressed from there; block tables are the group's.
@@ -81,11 +85,10 @@ class StepMetadata:
 
     def leading_pads(self) -> torch.Tensor | None:
         """``[B]`` pad columns before each row's real tokens in this step, or None when no row has any. A CUDA-graph
-        step's counts are not known on the host: for a step of several tokens a row (a verify step, whose rows may
-        have drafted different counts) it is always the device tensor, zeros for full rows; a one-token step has
-        none (a row without a token there is one the step skips)."""
+        step's counts are not known on the host: the device tensor when it was recorded for padded rows
+        (``padded``), else None."""
         if self.host_count is None:
-            return None if self.query_len == 1 else self.query_len - self.count.long()
+            return self.query_len - self.count.long() if self.padded else None
         if all(c == self.query_len for c in self.host_count):
             return None
         return self.query_len - self.count.long()

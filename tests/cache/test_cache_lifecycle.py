@@ -179,16 +179,16 @@ def test_graphs_are_forgotten_when_weights_move_or_hooks_change(qwen):
 
         step()
         step()
-        assert runner.buckets[4, 1, 64].graph.replays == 1
+        assert runner.buckets[4, 1, 64, False].graph.replays == 1
         weight = model.lm_head.weight  # moved (as model.cpu(); model.cuda() may do): new storage
         weight.data = weight.data.clone()
         step()
-        assert runner.buckets[4, 1, 64].graph is not None and runner.buckets[4, 1, 64].graph.replays == 0
+        assert runner.buckets[4, 1, 64, False].graph is not None and runner.buckets[4, 1, 64, False].graph.replays == 0
         step()
         handle = model.model.layers[1].register_forward_hook(lambda *a: None)
         try:
             step()  # the first graphed step after the hook: a fresh capture, not a replay
-            assert runner.buckets[4, 1, 64].graph.replays == 0
+            assert runner.buckets[4, 1, 64, False].graph.replays == 0
         finally:
             handle.remove()
 
@@ -213,7 +213,7 @@ def test_recorded_step_reads_whole_sequence_position_ids(qwen, record):
             got = runner.step(nxt, positions, mask)
             torch.testing.assert_close(got, logits, atol=5e-5, rtol=0, msg=lambda m: f"step {step}: {m}")
     if record:
-        assert runner.buckets[4, 1, 64].graph.replays == 3
+        assert runner.buckets[4, 1, 64, False].graph.replays == 3
 
 
 def test_replay_reads_the_tables_it_was_recorded_with(ink):
@@ -285,4 +285,4 @@ def test_graphed_decode_steps_walk_the_model_once(qwen, monkeypatch):
     monkeypatch.setattr(qwen_module, "decode_graphs_for", lambda model, cache, ids, *a, **k:  # as on a GPU
                         runner if cache is not None and cache.columns_seen and ids.shape[1] == 1 else None)
     _generate(model, ids, mask, cache, new=6)
-    assert len(walks) == 1 and runner.buckets[4, 1, 64].graph.replays == 4
+    assert len(walks) == 1 and runner.buckets[4, 1, 64, False].graph.replays == 4

@@ -116,16 +116,16 @@ def test_failed_capture_is_paid_once_per_model(ink, capture):
     assert len(capture) == 1 and len(warned) == 1  # the bucket's first step tried, then ran eagerly
     assert CAPTURE_ERROR in str(warned[0].message) and "from now on" in str(warned[0].message)
     key = capture[0]
-    assert key == ("cpu", torch.float32, "batched_mm", 4, 1) and CAPTURE_ERROR in capture_failures(model)[key]
-    assert runner.buckets[4, 1, 96].eager and runner.buckets[4, 1, 96].graph is None
+    assert key == ("cpu", torch.float32, "batched_mm", 4, 1, False) and CAPTURE_ERROR in capture_failures(model)[key]
+    assert runner.buckets[4, 1, 96, False].eager and runner.buckets[4, 1, 96, False].graph is None
     # Each generate() builds a new cache, hence a new runner: it runs eagerly at once, quietly.
     for _ in range(2):
         runner, warned = _decode(model, ids, mask, 3)
-        assert len(capture) == 1 and not warned and runner.buckets[4, 1, 96].eager
+        assert len(capture) == 1 and not warned and runner.buckets[4, 1, 96, False].eager
     # A new shape (a verify step) gets its try; failing the same way as the first, it fails quietly.
     runner, warned = _decode(model, ids, mask, 3, num_speculative_tokens=3, verify=(1,))
-    assert capture[1:] == [("cpu", torch.float32, "batched_mm", 4, 4)] and not warned
-    assert runner.buckets[4, 1, 96].eager and runner.buckets[4, 4, 96].eager
+    assert capture[1:] == [("cpu", torch.float32, "batched_mm", 4, 4, False)] and not warned
+    assert runner.buckets[4, 1, 96, False].eager and runner.buckets[4, 4, 96, False].eager
     # Another experts implementation is another path: it gets its own try (and its own warning).
     model.set_experts_implementation("eager")
     try:
@@ -133,7 +133,7 @@ def test_failed_capture_is_paid_once_per_model(ink, capture):
         _, again = _decode(model, ids, mask, 2)
     finally:
         model.set_experts_implementation("grouped_mm")
-    assert capture[2:] == [("cpu", torch.float32, "eager", 4, 1)] and len(warned) == 1 and not again
+    assert capture[2:] == [("cpu", torch.float32, "eager", 4, 1, False)] and len(warned) == 1 and not again
     # Another model has its own memory.
     other = _ink_model()
     _decode(other, ids, mask, 2)
@@ -146,13 +146,13 @@ def test_a_failing_shape_does_not_cost_shapes_that_capture(ink, capture):
     model, ids, mask = ink
     capture.fails = lambda entry: entry.ids.shape[1] > 1
     runner, warned = _decode(model, ids, mask, 6, num_speculative_tokens=3, verify=(1, 4))
-    assert [key[3:] for key in capture] == [(4, 1), (4, 4)] and len(warned) == 1
-    assert runner.buckets[4, 1, 96].graph is not None and not runner.buckets[4, 1, 96].eager
-    assert runner.buckets[4, 4, 96].eager and runner.buckets[4, 4, 96].graph is None
+    assert [key[3:5] for key in capture] == [(4, 1), (4, 4)] and len(warned) == 1
+    assert runner.buckets[4, 1, 96, False].graph is not None and not runner.buckets[4, 1, 96, False].eager
+    assert runner.buckets[4, 4, 96, False].eager and runner.buckets[4, 4, 96, False].graph is None
     runner, warned = _decode(model, ids, mask, 6, num_speculative_tokens=3, verify=(2, 3))
-    assert [key[3:] for key in capture] == [(4, 1), (4, 4), (4, 1)] and not warned
-    assert runner.buckets[4, 1, 96].graph is not None and runner.buckets[4, 4, 96].eager
-    assert list(capture_failures(model)) == [("cpu", torch.float32, "batched_mm", 4, 4)]
+    assert [key[3:5] for key in capture] == [(4, 1), (4, 4), (4, 1)] and not warned
+    assert runner.buckets[4, 1, 96, False].graph is not None and runner.buckets[4, 4, 96, False].eager
+    assert list(capture_failures(model)) == [("cpu", torch.float32, "batched_mm", 4, 4, False)]
 
 
 # ----------------------------------------------------------------------------- experts in graph steps
@@ -227,7 +227,7 @@ def test_graph_steps_run_batched_mm_and_restore_the_models_experts(family, monke
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
         runner.step(nxt, None, mask)
-        assert set(calls) == {"batched_mm"} and runner.buckets[4, 1, 64].experts == "batched_mm"
+        assert set(calls) == {"batched_mm"} and runner.buckets[4, 1, 64, False].experts == "batched_mm"
         assert model.config._experts_implementation == OURS
         # A step that fails inside the layers still gives the model its own experts back.
         monkeypatch.setattr(model, "_decode_logits", lambda *a: 1 / 0)
@@ -254,11 +254,11 @@ def test_graph_steps_follow_the_experts_the_user_chooses_later(monkeypatch):
         nxt = model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
         for step, implementation in enumerate((OURS, "batched_mm", "eager")):
             model.set_experts_implementation(implementation)
-            first = runner.buckets.get((4, 1, 64))
+            first = runner.buckets.get((4, 1, 64, False))
             calls.clear()
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
             nxt = runner.step(nxt, None, mask)[:, -1].argmax(-1, keepdim=True)
-            entry = runner.buckets[4, 1, 64]
+            entry = runner.buckets[4, 1, 64, False]
             if implementation == OURS:  # ours on the CPU: transformers' batched_mm in graph steps
                 assert entry.experts == "batched_mm" and calls == ["batched_mm"] * 4
             if implementation == "batched_mm":  # the user's choice: recorded anew, running it as chosen

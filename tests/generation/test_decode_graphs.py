@@ -53,7 +53,7 @@ def test_static_buffer_step_equals_the_forward(family, positions):
             # order than the forward (Inkling differed by up to 1.6e-5 on one CPU).
             torch.testing.assert_close(got, logits, atol=5e-5, rtol=0, msg=lambda m: f"step {step}: {m}")
     assert static.lengths == eager.lengths and static.columns_seen == eager.columns_seen
-    assert list(runner.buckets) == [(4, 1, 64)] and runner.buckets[4, 1, 64].experts == "batched_mm"
+    assert list(runner.buckets) == [(4, 1, 64, False)] and runner.buckets[4, 1, 64, False].experts == "batched_mm"
 
 
 @pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
@@ -81,7 +81,7 @@ def test_static_buffer_verify_steps_equal_the_forward(family):
                 static.crop(-drop)
                 mask = mask[:, :-drop]
     assert static.lengths == eager.lengths
-    assert list(runner.buckets) == [(4, k + 1, 96)]
+    assert list(runner.buckets) == [(4, k + 1, 96, False)]
 
 
 def test_buckets_are_powers_of_two_up_to_the_cache_rows():
@@ -155,3 +155,4 @@ def test_static_buffer_step_with_padded_rows_equals_the_forward(family, length, 
             keep = real.bool()
             torch.testing.assert_close(got[keep], want[keep], atol=5e-5, rtol=0)
     assert static.lengths == eager.lengths
+    assert list(runner.buckets) == [(4, length, 128, True)]  # recorded apart from steps without pads

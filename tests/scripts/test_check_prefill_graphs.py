@@ -20,7 +20,7 @@ def test_long_steps_on_the_graph_path_equal_the_forward(model):
     lines = script.main(["--model", model, "--tiny", "--layers", "4", "--shapes", "3x40", "--past", "300",
                          "--repeat", "2", "--block", "4", "--window", "16"])
     (line,) = lines
-    assert line["buckets"] == [[3, 40, 420]]  # every step went through the graph's path, one shape
+    assert line["buckets"] == [[3, 40, 420, False]]  # every step went through the graph's path, one shape
     assert not line["captured"] and line["replays"] == 0  # (nothing is recorded on the CPU)
     assert line["eager_ms"] > 0 and line["max_abs_logit"] > 0
     assert line["max_logit_diff"] <= 1e-5 * line["max_abs_logit"], line
