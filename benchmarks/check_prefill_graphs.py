@@ -69,8 +69,9 @@ def check_shape(model, rows: int, length: int, args, device, dtype) -> dict:
             worst = max(worst, (got.float() - want.float()).abs().max().item())
             scale = max(scale, want.float().abs().max().item())
     failures = [error for key, error in capture_failures(model).items() if key[3:5] == (runner.bucket(rows), length)]
-    return {"rows": rows, "length": length, "past": args.past, "captured": any(
-                b.graph is not None for b in runner.buckets.values()), "capture_error": failures[0] if failures else None,
+    captured = any(b.graph is not None for b in runner.buckets.values())
+    return {"rows": rows, "length": length, "past": args.past, "captured": captured,
+            "capture_error": failures[0] if failures else None,
             "eager_ms": round(statistics.median(eager_ms), 3) if eager_ms else None,
             "replay_ms": round(statistics.median(replay_ms), 3) if replay_ms else None,
             "replays": runner.replays, "steps": args.repeat + 1, "max_logit_diff": worst,

@@ -30,6 +30,17 @@ def _pair(family):
     return ours, inkling.left_pad(inkling.make_prompts([11, 4, 8], seed=10))
 
 
+def _prompt_on_twin_caches(model, ids, mask, capacity: int, k: int):
+    """``(eager, static, runner)``: two caches of four rows with rollback headroom ``k``, each holding the prompt, and
+    the recorded step's runner on ``static`` (run from its static buffers)."""
+    eager, static = (QSAPagedCache(model.config, 4, capacity, block_size=4, num_speculative_tokens=k) for _ in range(2))
+    runner = graphs_of(model, static, "cpu", record=False)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=eager)
+        model(ids, attention_mask=mask, past_key_values=static)
+    return eager, static, runner
+
+
 @pytest.mark.parametrize("family, positions", [("qwen4_exp", "implicit"), ("qwen4_exp", "passed"),
                                                ("inkling", "implicit")])  # Inkling has no position ids
 def test_static_buffer_step_equals_the_forward(family, positions):
@@ -62,13 +73,9 @@ def test_static_buffer_verify_steps_equal_the_forward(family):
     a different depth (none, some, all drafts rejected): the recorded path equals the forward."""
     model, (ids, mask) = _pair(family)
     k = 3
-    eager = QSAPagedCache(model.config, 4, 96, block_size=4, num_speculative_tokens=k)
-    static = QSAPagedCache(model.config, 4, 96, block_size=4, num_speculative_tokens=k)
-    runner = graphs_of(model, static, "cpu", record=False)
+    eager, static, runner = _prompt_on_twin_caches(model, ids, mask, 96, k)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=eager)
-        model(ids, attention_mask=mask, past_key_values=static)
         for step in range(6):
             drafts = torch.randint(2, model.config.vocab_size, (ids.shape[0], k + 1), generator=gen)
             mask = torch.cat([mask, torch.ones_like(drafts)], dim=1)
@@ -137,13 +144,9 @@ def test_static_buffer_step_with_padded_rows_equals_the_forward(family, length, 
     pads in front of its conv and n-gram windows (the metadata's leading pads), as the forward does. Logits of the
     real columns equal the forward's."""
     model, (ids, mask) = _pair(family)
-    eager = QSAPagedCache(model.config, 4, 128, block_size=4, num_speculative_tokens=3)
-    static = QSAPagedCache(model.config, 4, 128, block_size=4, num_speculative_tokens=3)
-    runner = graphs_of(model, static, "cpu", record=False)
+    eager, static, runner = _prompt_on_twin_caches(model, ids, mask, 128, 3)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=eager)
-        model(ids, attention_mask=mask, past_key_values=static)
         for _ in range(2):
             step = torch.randint(2, model.config.vocab_size, (ids.shape[0], length), generator=gen)
             real = torch.ones_like(step)
