@@ -8,7 +8,8 @@ rows' tokens, `ModelRunner.grouped`):
 
 * a prefill step feeds the oldest prefilling requests a chunk of their pending tokens (rows ``[0, k)``:
   the oldest takes as much of ``max_batch_tokens`` as it can use, the next ones join while ``k`` chunks of
-  that length fit and pads stay at most half the step; a chunk may end anywhere: inside a QSA group, a
+  that length fit and pads stay at most half the step (the next row's longer chunk sets the length instead
+  where that feeds more tokens); a chunk may end anywhere: inside a QSA group, a
   window, a conv span, except that with prefix caching a chunk ends at the request's snapshot point, the last
   unit boundary before its last token, when it passes it: the runner caches the prefix there). With prefix
   caching, a request whose prefix an older one is computing (the same stop, the same tokens) waits for it and
@@ -192,15 +193,31 @@ class Scheduler:
         """Tokens the first ``k`` prefilling rows get in a prefill step (rows ``[0, k)``, oldest first).
 
         The oldest prefilling request takes as much of the budget as it can use (its first token comes
-        soonest, first come first served); the step's length is its chunk, and the rows after it join
-        while ``k * length`` fits the budget and pads (a row with less than that length is padded) stay at
-        most half of the step. ``packed`` (a grouped step: no pads), the rows after it take what is left of the
-        budget, each as much as it can use."""
+        soonest, first come first served). The step's length is its chunk, and the rows after it join while
+        ``k * length`` fits the budget and pads (a row with less than that length is padded) stay at most half
+        of the step; except that when the oldest chunk is short (a prompt's last tokens after its snapshot
+        point, say) and the next row can use more, the step takes that row's length if it feeds more tokens so:
+        the short chunk rides along, padded, instead of setting a short step of its own (each step costs its
+        host work, whatever its size). ``packed`` (a grouped step: no pads), the rows after it take what is left
+        of the budget, each as much as it can use."""
         p = self.prefilling()
         if p == 0:
             return []
-        length = self._to_snapshot(self.rows[0], min(self.rows[0].pending, self.max_batch_tokens))
-        chunks = [length]
+        first = self._to_snapshot(self.rows[0], min(self.rows[0].pending, self.max_batch_tokens))
+        chunks = self._joined(first, first, p, packed)
+        if packed or p < 2:
+            return chunks
+        longer = self._to_snapshot(self.rows[1], min(self.rows[1].pending, self.max_batch_tokens // 2))
+        if longer > first:
+            wider = self._joined(first, longer, p, packed=False)
+            if sum(wider) > sum(chunks):
+                return wider
+        return chunks
+
+    def _joined(self, first: int, length: int, p: int, packed: bool) -> list[int]:
+        """The oldest prefilling row's ``first`` tokens, then the rows after it as they join a step of ``length``
+        columns (``packed``: the budget left) in order, until one does not."""
+        chunks = [first]
         computing = {_stop(self.rows[0])}
         for r in self.rows[1:p]:
             left = self.max_batch_tokens - sum(chunks)

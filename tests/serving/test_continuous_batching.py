@@ -406,6 +406,13 @@ def test_prefill_chunks_serve_the_oldest_first_within_budget_and_padding():
     assert chunks([8, 2, 8, 8], budget=100) == [8, 2, 8, 8]  # pads 6 of 32 columns
     assert chunks([8, 2, 2, 2], budget=100) == [8, 2, 2]  # pads 12 of 24; a fourth short row: 18 of 32
     assert chunks([1, 1], budget=4) == []  # rows with one pending token decode; nothing to prefill
+    # A short oldest chunk (a prompt's tail after its snapshot point, say) rides along, padded, when the next
+    # row's longer chunk feeds more tokens: 44 tokens in one step, not 12 in a step of 4 columns.
+    assert chunks([4, 40, 40], budget=100) == [4, 40]  # a third row of 40 columns would exceed the budget
+    assert chunks([4, 40, 40], budget=64) == [4, 32]  # the next row's chunk: at most half the budget
+    assert chunks([4, 5, 40], budget=100) == [4, 5, 5]
+    assert chunks([3, 3, 3, 3, 3, 3, 40], budget=64) == [3] * 7  # (the next row is no longer: nothing changes)
+    assert chunks([2, 3, 3, 3], budget=9) == [2, 2, 2, 2]  # 8 tokens either way: the fewer pads
 
 
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped-steps", "prefill-then-decode"])
