@@ -38,12 +38,26 @@ from hf_qsa_cache import QSAPagedCache  # noqa: E402
 from hf_qsa_cache.cuda_graphs import capture_failures, graphs_of  # noqa: E402
 
 
+def count_captures(runner) -> list[int]:
+    """A one-item list counting the graphs ``runner`` records from now on (a shape recorded more than once lost
+    its graph between steps)."""
+    count, capture = [0], runner._capture
+
+    def counted(entry):
+        count[0] += 1
+        return capture(entry)
+
+    runner._capture = counted
+    return count
+
+
 def check_shape(model, rows: int, length: int, args, device, dtype) -> dict:
     config, vocab = model.config, model.config.vocab_size
     capacity = args.past + (args.repeat + 1) * length
     eager, static = (QSAPagedCache(config, rows, capacity, block_size=args.block, device=device, dtype=dtype)
                      for _ in range(2))
     runner = graphs_of(model, static, device, record=device == "cuda")
+    captures = count_captures(runner)
     gen = torch.Generator().manual_seed(args.seed)
     past = torch.randint(2, vocab, (rows, args.past), generator=gen).to(device)
     mask = torch.ones_like(past)
@@ -74,7 +88,7 @@ def check_shape(model, rows: int, length: int, args, device, dtype) -> dict:
             "capture_error": failures[0] if failures else None,
             "eager_ms": round(statistics.median(eager_ms), 3) if eager_ms else None,
             "replay_ms": round(statistics.median(replay_ms), 3) if replay_ms else None,
-            "replays": runner.replays, "steps": args.repeat + 1, "max_logit_diff": worst,
+            "replays": runner.replays, "captures": captures[0], "steps": args.repeat + 1, "max_logit_diff": worst,
             "max_abs_logit": scale,
             "buckets": [list(k) for k in runner.buckets]}
 

@@ -1,0 +1,169 @@
+"""One eager prefill step as continuous batching runs it: is it bound by the host, and where does the host time go?
+
+    python benchmarks/profile_prefill_step.py --model qwen4_exp --layers 40 --shapes 1x256 1x2048 4x2048  # GPU
+    python benchmarks/profile_prefill_step.py --model qwen4_exp --layers 4 --shapes 2x16 --tiny           # CPU
+
+For each ``ROWSxL`` shape a cache whose rows hold ``--past`` random tokens takes steps of ``L`` new tokens a row
+through the model's forward with ``logits_to_keep=1`` (as `serving.runner` calls it), each timed three ways:
+
+* ``host_ms``: until the forward returns (the host has queued every kernel; nothing waits for the GPU unless the
+  step reads the device on the host);
+* ``wall_ms``: until the GPU is done too;
+* ``gpu_ms``: CUDA events around the step (the GPU's span, including its idle gaps).
+
+``wall_ms`` close to ``host_ms`` and well above the GPU's busy time means the host sets the pace. Then the
+step's host reads of the device (``syncs``: each call that waited for the GPU, counted by the first frame in this
+project's code, from torch's sync debug mode) and a cProfile of one step (``--top`` functions by their own time)
+say where it goes. One JSON line per shape (``--jsonl`` appends it to a file); the cProfile table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import collections
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from profile_grouped_step import build_model, sync  # noqa: E402
+
+from hf_qsa_cache import QSAPagedCache  # noqa: E402
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+PACKAGES = tuple(os.path.join(ROOT, name, "") for name in ("hf_qsa_cache", "modeling"))
+
+
+def own_frame(stack) -> str:
+    """The innermost frame of this project's packages (`hf_qsa_cache`, `modeling`) in ``stack``, as ``file:line
+    function``."""
+    for frame in reversed(stack):
+        if frame.filename.startswith(PACKAGES):
+            return f"{Path(frame.filename).relative_to(ROOT)}:{frame.lineno} {frame.name}"
+    return "outside this project"
+
+
+def host_syncs(run) -> collections.Counter:
+    """Where ``run()`` made the host wait for the device, counted by `own_frame` (CUDA only)."""
+    seen: collections.Counter = collections.Counter()
+    original = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            seen[own_frame(traceback.extract_stack()[:-1])] += 1
+        else:
+            original(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = original
+    return seen
+
+
+def profile_shape(model, rows: int, length: int, args, device, dtype) -> dict:
+    config, vocab = model.config, model.config.vocab_size
+    steps = args.repeat + 3  # a first step (compiles, tunes), the timed ones, a sync check, a profiled one
+    cache = QSAPagedCache(config, rows, args.past + steps * length, block_size=args.block, device=device,
+                          dtype=dtype)
+    gen = torch.Generator().manual_seed(args.seed)
+    mask = torch.ones(rows, args.past, dtype=torch.long, device=device)
+
+    def forward(ids):
+        return model(ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+
+    def next_chunk():
+        nonlocal mask
+        chunk = torch.randint(2, vocab, (rows, length), generator=gen).to(device)
+        mask = torch.cat([mask, torch.ones_like(chunk)], dim=1)
+        return chunk
+
+    host, wall, gpu = [], [], []
+    with torch.no_grad():
+        model(torch.randint(2, vocab, (rows, args.past), generator=gen).to(device), attention_mask=mask,
+              past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for i in range(args.repeat + 1):
+            chunk = next_chunk()
+            sync(device)
+            if device == "cuda":
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+            start = time.perf_counter()
+            forward(chunk)
+            queued = time.perf_counter()
+            if device == "cuda":
+                end.record()
+            sync(device)
+            done = time.perf_counter()
+            if i:  # (the first step of a shape compiles and tunes kernels)
+                host.append(1e3 * (queued - start))
+                wall.append(1e3 * (done - start))
+                if device == "cuda":
+                    gpu.append(begin.elapsed_time(end))
+        syncs = host_syncs(lambda: forward(next_chunk())) if device == "cuda" else collections.Counter()
+        sync(device)
+        chunk = next_chunk()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        forward(chunk)
+        sync(device)
+        profiler.disable()
+    table = io.StringIO()
+    pstats.Stats(profiler, stream=table).sort_stats("tottime").print_stats(args.top)
+    median = (lambda xs: round(statistics.median(xs), 3) if xs else None)
+    return {"rows": rows, "length": length, "past": args.past, "host_ms": median(host), "wall_ms": median(wall),
+            "gpu_ms": median(gpu), "steps": args.repeat, "syncs": dict(syncs.most_common())}, table.getvalue()
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
+    parser.add_argument("--layers", type=int, default=40)
+    parser.add_argument("--shapes", nargs="+", default=["1x256", "1x2048", "4x2048"], help="ROWSxL step shapes")
+    parser.add_argument("--past", type=int, default=1024, help="tokens each row holds before the timed steps")
+    parser.add_argument("--repeat", type=int, default=4)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--top", type=int, default=30, help="cProfile rows printed")
+    parser.add_argument("--tiny", action="store_true", help="tiny widths on the CPU (fp32)")
+    parser.add_argument("--window", type=int, default=512, help="--tiny Inkling's sliding window")
+    parser.add_argument("--jsonl", default=None, help="also append the lines to this file")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        torch.set_num_threads(1)
+    model, device, dtype = build_model(args)
+    out = []
+    for shape in args.shapes:
+        rows, length = (int(x) for x in shape.split("x"))
+        result, table = profile_shape(model, rows, length, args, device, dtype)
+        line = {"bench": "prefill_step", "model": args.model, "layers": args.layers,
+                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", **result}
+        print(json.dumps(line), flush=True)
+        print(table, flush=True)
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        out.append(line)
+    return out
+
+
+if __name__ == "__main__":
+    main()
