@@ -1,10 +1,16 @@
-"""Decode and verify steps replayed from captured CUDA graphs.
+"""Decode, verify and short prefill steps replayed from captured CUDA graphs.
 
 A decode step of a small batch is launch-bound: hundreds of small kernels per layer, a few
 microseconds of GPU work each. `DecodeGraphs` captures the whole step (metadata kernel, every
 layer, the LM head) once per (batch-size bucket, step length) and replays it. Step lengths are 1
 (decode) and, on a cache with ``num_speculative_tokens = k``, up to ``min(k + 1, MAX_STEP_LEN)``
-(verifying drafts).
+(verifying drafts). A short prefill step (`short_prefill_length`: a power-of-two count of the first
+rows, every one of them started, at most ``SHORT_PREFILL_TOKENS`` tokens once its length is rounded up
+to a power of two) is bound by host work the same way (about 125 ms an eager step at 40 layers of
+Qwen4Exp on an H100, whatever its size up to a few thousand tokens, against milliseconds of GPU
+work); its tokens are left-padded to the rounded length and it replays that length's graph. Continuous
+batching sends many: a prompt's last tokens after its prefix-caching snapshot point, a short prompt
+admitted while the others decode.
 Everything the step reads lives in static device buffers updated in place before a replay:
 
 * ``ids`` ``[bucket, L]``, ``lengths`` ``[2, bucket]`` (each row's length before the step, and its
@@ -59,6 +65,11 @@ from .ops.experts import graph_experts
 
 # Longest verify step that gets graphs (one per length and bucket); longer ones run eagerly.
 MAX_STEP_LEN = 8
+# Prefill steps of the first rows (a power of two of them, all started) whose rows x length, the length rounded up
+# to a power of two of at least SHORT_PREFILL_MIN_LEN, is at most SHORT_PREFILL_TOKENS replay graphs of that
+# length (`short_prefill_length`); longer ones run eagerly (their GPU work outweighs the host's).
+SHORT_PREFILL_TOKENS = 256
+SHORT_PREFILL_MIN_LEN = 32
 # Shortest reach a graph step is sized for (`reach_bucket`): below it, widths cost about the same, and
 # fewer reaches mean fewer captures.
 MIN_GRAPH_REACH = 4096
@@ -134,7 +145,11 @@ class DecodeGraphs:
              attention_mask: torch.Tensor | None) -> torch.Tensor:
         """One step of ``input_ids`` ``[B, L]``; returns logits ``[B, L, vocab]``."""
         cache = self.cache
-        rows, length = input_ids.shape
+        rows, taken = input_ids.shape
+        # (A shape `takes_graph_step` refuses runs at its own length: benchmarks/check_prefill_graphs.py sends any.)
+        length = recorded_length(cache, rows, taken) or taken
+        if length > taken:  # a short prefill step: left-padded to its recorded length
+            input_ids, position_ids, attention_mask = left_padded(input_ids, position_ids, attention_mask, length)
         size = self.bucket(rows)
         model = self.model
         cache.check_model(model.config, model.dtype)
@@ -162,11 +177,11 @@ class DecodeGraphs:
                 entry.graph.replay()  # a launch runs whole (its copy included) or raises before running
                 self.replays += 1
                 step.rows_saved(size)
-                logits = entry.logits[:rows].clone()
+                logits = entry.logits[:rows, length - taken:].clone()
             elif self.record and not entry.eager:
-                logits = self._run_and_capture(entry)[:rows].clone()
+                logits = self._run_and_capture(entry)[:rows, length - taken:].clone()
             else:
-                logits = self._eager(entry)[:rows].clone()
+                logits = self._eager(entry)[:rows, length - taken:].clone()
         return logits
 
     def _forget_stale_graphs(self, model) -> None:
@@ -369,14 +384,53 @@ def decode_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: boo
 
 
 def takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs: bool) -> bool:
-    """Whether a forward is a step the recorded step computes, whatever the device: a decode step (one token a
-    row) or a verify step (up to ``num_speculative_tokens + 1`` tokens, at most ``MAX_STEP_LEN``; rows that drafted
-    fewer are left-padded) of token ids, without gradients or per-layer outputs, over all the rows of a
-    `QSAPagedCache` whose rows have all started."""
+    """Whether a forward is a step the recorded step computes, whatever the device: token ids, without gradients
+    or per-layer outputs, on a `QSAPagedCache` that holds tokens, of a length `recorded_length` takes."""
     return not (input_ids is None or inputs_embeds is not None or input_ids.dim() != 2
-                or not 1 <= input_ids.shape[1] <= min(getattr(cache, "num_speculative_tokens", 0) + 1, MAX_STEP_LEN)
                 or extra_outputs or torch.is_grad_enabled() or not isinstance(cache, QSAPagedCache)
-                or cache.columns_seen == 0 or input_ids.shape[0] != cache.num_rows)
+                or cache.columns_seen == 0
+                or recorded_length(cache, input_ids.shape[0], input_ids.shape[1]) is None)
+
+
+def recorded_length(cache: QSAPagedCache, rows: int, length: int) -> int | None:
+    """The length of the recorded step that takes a step of ``rows`` x ``length`` tokens, or None if none does:
+    a decode step (one token a row) or a verify step (up to ``num_speculative_tokens + 1`` tokens, at most
+    ``MAX_STEP_LEN``; rows that drafted fewer are left-padded) over all the rows, at its own length; else a short
+    prefill step (`short_prefill_length`)."""
+    if 1 <= length <= min(getattr(cache, "num_speculative_tokens", 0) + 1, MAX_STEP_LEN):
+        return length if rows == cache.num_rows else None
+    return short_prefill_length(cache, rows, length)
+
+
+def short_prefill_length(cache: QSAPagedCache, rows: int, length: int) -> int | None:
+    """The recorded length of a short prefill step of the first ``rows`` rows, ``length`` tokens each at most:
+    ``length`` rounded up to a power of two, at least ``SHORT_PREFILL_MIN_LEN``, if ``rows`` times that is at
+    most ``SHORT_PREFILL_TOKENS``; else None. ``rows`` must be a power of two (the graph's rows are then exactly
+    the step's: a rows bucket larger than the step would take live rows after it as its padding rows) and every
+    one of them must have started (the recorded step continues a row's state; a row's first tokens take the
+    eager prefill)."""
+    padded = max(SHORT_PREFILL_MIN_LEN, 1 << max(0, length - 1).bit_length())
+    if rows < 1 or rows & (rows - 1) or rows * padded > SHORT_PREFILL_TOKENS or rows > cache.num_rows:
+        return None
+    return padded if 0 not in cache.lengths[:rows] else None
+
+
+def left_padded(input_ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                length: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A step's ``input_ids`` ``[B, L]``, ``position_ids`` (last dim: columns) and ``attention_mask`` (its last
+    ``L`` columns the step's) with ``length - L`` pad columns put in front of the step's columns (id 0, mask 0,
+    the first column's positions): what a row with fewer tokens than its step has."""
+    rows, taken = input_ids.shape
+    pads = length - taken
+    ids = torch.cat([input_ids.new_zeros(rows, pads), input_ids], dim=1)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    mask = torch.cat([attention_mask[:, :-taken], attention_mask.new_zeros(rows, pads), attention_mask[:, -taken:]],
+                     dim=1)
+    if position_ids is not None:
+        steps = position_ids[..., -taken:]
+        position_ids = torch.cat([steps[..., :1].expand(*steps.shape[:-1], pads), steps], dim=-1)
+    return ids, position_ids, mask
 
 
 def graphs_of(model, cache: QSAPagedCache, device, record: bool = True) -> DecodeGraphs:

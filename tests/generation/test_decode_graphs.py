@@ -159,3 +159,53 @@ def test_static_buffer_step_with_padded_rows_equals_the_forward(family, length, 
             torch.testing.assert_close(got[keep], want[keep], atol=5e-5, rtol=0)
     assert static.lengths == eager.lengths
     assert list(runner.buckets) == [(4, length, 128, True)]  # recorded apart from steps without pads
+
+
+@pytest.mark.parametrize("length", [20, 64], ids=["padded-to-32", "a-power-of-two"])
+@pytest.mark.parametrize("family, positions", [("qwen4_exp", "implicit"), ("qwen4_exp", "passed"),
+                                               ("inkling", "implicit")])
+def test_short_prefill_steps_take_the_recorded_step_at_a_power_of_two_length(family, positions, length):
+    """A prefill step of two started rows (a power of two) and at most `SHORT_PREFILL_TOKENS` tokens once its length
+    is rounded up to a power of two goes through the forward to the recorded step (`takes_graph_step`), its tokens
+    left-padded to that length; the logits of its own columns equal the forward's, over steps that close QSA
+    groups and evict window blocks."""
+    from helpers.serving import steps_routed_as_on_a_gpu
+
+    model, (ids, mask) = _pair(family)
+    ids, mask = ids[:2], mask[:2]
+    eager, static, runner = _prompt_on_twin_caches(model, ids, mask, 160, 0)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for _ in range(2):
+            step = torch.randint(2, model.config.vocab_size, (2, length), generator=gen)
+            pos = mask.sum(1, keepdim=True) + torch.arange(length) if positions == "passed" else None
+            mask = torch.cat([mask, torch.ones_like(step)], dim=1)
+            want = model(step, attention_mask=mask, past_key_values=eager, position_ids=pos).logits
+            with steps_routed_as_on_a_gpu() as routed:
+                got = model(step, attention_mask=mask, past_key_values=static, position_ids=pos).logits
+            assert routed == [length]
+            torch.testing.assert_close(got, want, atol=5e-5, rtol=0)
+    assert static.lengths == eager.lengths
+    recorded = max(length, cuda_graphs.SHORT_PREFILL_MIN_LEN)
+    assert list(runner.buckets) == [(2, recorded, 160, recorded > length)]
+
+
+@pytest.mark.parametrize("rows, length, lengths, spec, recorded", [
+    (4, 1, [5, 5, 5, 5], 0, 1),  # a decode step
+    (4, 3, [5, 5, 5, 5], 3, 3),  # a verify step
+    (2, 1, [5, 5, 5, 5], 0, None),  # one token for some rows only: not a decode step
+    (1, 20, [5, 5, 5, 5], 0, 32),  # short prefill steps, rounded up to a power of two of at least 32
+    (1, 256, [5, 5, 5, 5], 0, 256),
+    (1, 257, [5, 5, 5, 5], 0, None),  # longer than SHORT_PREFILL_TOKENS
+    (2, 128, [5, 5, 5, 5], 0, 128),
+    (2, 129, [5, 5, 5, 5], 0, None),
+    (4, 3, [5, 5, 5, 5], 0, 32),  # no drafts on this cache: a three-token step is a prefill step
+    (3, 20, [5, 5, 5, 5], 0, None),  # three rows: the rows bucket (4) would take a live row as its padding
+    (2, 20, [5, 0, 5, 5], 0, None),  # a row's first tokens take the eager prefill
+], ids=["decode", "verify", "decode-of-some-rows", "short", "short-at-the-limit", "too-long", "two-rows",
+        "two-rows-too-long", "three-tokens-without-drafts", "three-rows", "a-row-not-started"])
+def test_which_steps_the_recorded_step_takes(rows, length, lengths, spec, recorded):
+    from types import SimpleNamespace
+
+    cache = SimpleNamespace(num_rows=len(lengths), lengths=lengths, num_speculative_tokens=spec)
+    assert cuda_graphs.recorded_length(cache, rows, length) == recorded

@@ -498,8 +498,9 @@ def test_fp8_caches_through_continuous_batching(family):
 
     name, ref, ours = family
     fp8 = dict(kv_cache_dtype=torch.float8_e4m3fn, index_cache_dtype=torch.float8_e4m3fn if name == "qwen4_exp" else None)
-    prompts = random_prompts([19, 33, 7], vocab=90, seed=43)
-    # (Without prefix caching, whose snapshot points would split a prefill in two.)
+    prompts = random_prompts([33, 19, 7], vocab=90, seed=43)
+    # (Longest first: a step's later rows take at most the first row's length, or half the budget. Without prefix
+    # caching, whose snapshot points would split a prefill in two.)
     config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=3,
                                       allow_block_sharing=False)
     manager = ours.init_continuous_batching(greedy(6), config, **fp8)

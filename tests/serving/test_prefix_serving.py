@@ -65,6 +65,30 @@ def test_shared_system_prompt_and_next_turns(family, lookup):
     assert hits >= sum(reached), (hits, reached)
 
 
+def test_short_prefill_steps_on_the_graphs_path(family):
+    """The shared-prompt workload with each step routed as on a GPU (`steps_routed_as_on_a_gpu`): a prompt's tokens
+    after its snapshot point and its later chunks (started rows, steps of one or two rows, at most
+    `cuda_graphs.SHORT_PREFILL_TOKENS`) take the recorded step, left-padded to a power-of-two length; every
+    request's tokens equal transformers' alone, and the next turns restore what the first cached."""
+    from helpers.serving import steps_routed_as_on_a_gpu
+
+    name, ref, ours = family
+    system = random_prompts([14], vocab=90, seed=21)[0]
+    first = [system + u for u in random_prompts([5, 7, 3], vocab=90, seed=22)]
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=5, max_requests_per_batch=3)
+    with steps_routed_as_on_a_gpu() as routed, \
+            ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config) as manager:
+        results = run(manager, first)
+        check(ref, first, results)
+        second = [p + r.generated_tokens + m for p, r, m in zip(first, results,
+                                                                  random_prompts([4, 6, 2], vocab=90, seed=23))]
+        check(ref, second, run(manager, second))
+        stats = manager.cache.memory_stats()["prefix_cache"]
+    assert stats["hit_tokens"] > 0
+    assert 1 in routed and any(n > 1 for n in routed)  # decode steps and short prefill steps took the path
+    assert pools_full(manager.cache)
+
+
 def test_tight_pool_evicts_cached_blocks_and_sharing_can_be_turned_off(family):
     name, ref, ours = family
     prompts = random_prompts([19, 22, 17, 21, 18], vocab=90, seed=31)
