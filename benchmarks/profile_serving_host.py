@@ -13,8 +13,9 @@ as they do on a device. The cache geometry (page size, window, layer schedule) f
 
 Reported: host microseconds per loop iteration, split into decode-only iterations and iterations that run a
 prefill step (a prefill step and most often a decode step; a grouped step with ``--grouped-steps on``), and
-per step (`ModelRunner.decode` / `grouped` / `prefill`: the forward with its cache step, and sampling); then a
-cProfile top-20 of a second, profiled run.
+per step (`ModelRunner.decode` / `grouped` / `prefill`: the forward with its cache step, and sampling) and how many
+prefill steps are short ones a GPU replays from CUDA graphs (`cuda_graphs.short_prefill_length`); then a cProfile
+top-20 of a second, profiled run.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_serving  # noqa: E402  (its workload and manager settings)
+
+from hf_qsa_cache.cuda_graphs import recorded_length  # noqa: E402
 
 
 def tiny_config(model: str, layers: int, window: int, max_len: int):
@@ -134,8 +137,15 @@ class Timings:
                     self.steps[kind].append(time.perf_counter() - start)
             return run
 
+        def counted(step):
+            def run(chunks):  # (before the step: the rows' lengths decide)
+                self.short_prefills += recorded_length(manager.cache, len(chunks), max(chunks)) is not None
+                return step(chunks)
+            return run
+
+        self.short_prefills = 0  # prefill steps a GPU replays from graphs (`cuda_graphs.short_prefill_length`)
         manager._iteration = timed_iteration
-        runner.prefill = timed("prefill", runner.prefill)
+        runner.prefill = timed("prefill", counted(runner.prefill))
         runner.decode = timed("decode", runner.decode)
         runner.grouped = timed("grouped", runner.grouped)
 
@@ -220,7 +230,8 @@ def main():
     print(f"decode-only iteration : {us(decode_only)}")
     print(f"iteration with prefill: {us(with_prefill)}")
     print(f"decode step           : {us(timings.steps['decode'])}")
-    print(f"prefill step          : {us(timings.steps['prefill'])}")
+    print(f"prefill step          : {us(timings.steps['prefill'])}; {timings.short_prefills} of "
+          f"{len(timings.steps['prefill'])} short (a GPU replays them from graphs)")
     print(f"grouped step          : {us(timings.steps['grouped'])}")
     if args.no_profile:
         return
