@@ -59,6 +59,7 @@ import torch
 
 from .cache import QSAPagedCache
 from .ops import int_tensor
+from .step import canonical_device
 # The experts a graph step runs are chosen by the experts op (`hf_qsa_cache.ops.experts.graph_experts`).
 from .ops.experts import graph_experts
 
@@ -107,7 +108,9 @@ class DecodeGraphs:
         # which may run in the middle of another capture, where destroying a graph invalidates it.
         self._model = weakref.ref(model)
         self._cache = weakref.ref(cache)
-        self.device = torch.device(device)
+        # ("cuda" and "cuda:0" are unequal devices: the block tables would move to a new copy every step, and the
+        # graphs that read the old one be dropped and captured again.)
+        self.device = canonical_device(device)
         self.record = record
         self.pool = torch.cuda.graph_pool_handle() if record and self.device.type == "cuda" else None
         # (rows bucket, step length, reach, padded) -> buffers, graph
@@ -487,9 +490,6 @@ def _single_cuda_device(model) -> torch.device | None:
         devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
         hooked = any(hasattr(m, "_hf_hook") for m in model.modules())
         one = len(devices) == 1 and next(iter(devices)).type == "cuda" and not hooked
-        model.__dict__["_graph_device"] = _canonical_cuda(next(iter(devices))) if one else None
+        model.__dict__["_graph_device"] = canonical_device(next(iter(devices))) if one else None
     return model.__dict__["_graph_device"]
 
-
-def _canonical_cuda(device: torch.device) -> torch.device:
-    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())

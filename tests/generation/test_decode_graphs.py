@@ -209,3 +209,13 @@ def test_which_steps_the_recorded_step_takes(rows, length, lengths, spec, record
 
     cache = SimpleNamespace(num_rows=len(lengths), lengths=lengths, num_speculative_tokens=spec)
     assert cuda_graphs.recorded_length(cache, rows, length) == recorded
+
+
+def test_the_runner_names_its_device_with_its_index(monkeypatch):
+    """``"cuda"`` and ``"cuda:0"`` are unequal devices: a runner that kept ``"cuda"`` would ask the block tables for a
+    copy on another device than theirs every step (a new tensor each time), and drop and capture its graphs again
+    (their recorded table addresses changed), never replaying one."""
+    model, _ = _pair("qwen4_exp")
+    cache = QSAPagedCache(model.config, 2, 32, block_size=4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert graphs_of(model, cache, "cuda", record=False).device == torch.device("cuda", 0)
