@@ -21,7 +21,6 @@ buffers, which checks that path against the forward at these lengths (tests/scri
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_grouped_step import build_model, sync  # noqa: E402
+from profile_grouped_step import add_shape_arguments, run_shapes, sync  # noqa: E402
 
 from hf_qsa_cache import QSAPagedCache  # noqa: E402
 from hf_qsa_cache.cuda_graphs import capture_failures, graphs_of  # noqa: E402
@@ -95,32 +94,10 @@ def check_shape(model, rows: int, length: int, args, device, dtype) -> dict:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
-    parser.add_argument("--layers", type=int, default=40)
-    parser.add_argument("--shapes", nargs="+", default=["1x256", "4x256", "1x2048"], help="ROWSxL step shapes")
-    parser.add_argument("--past", type=int, default=1024, help="tokens each row holds before the timed steps")
-    parser.add_argument("--repeat", type=int, default=4)
-    parser.add_argument("--block", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tiny", action="store_true", help="tiny widths on the CPU (fp32)")
-    parser.add_argument("--window", type=int, default=512, help="--tiny Inkling's sliding window")
-    parser.add_argument("--jsonl", default=None, help="also append the lines to this file")
+    add_shape_arguments(parser, ["1x256", "4x256", "1x2048"], block=256)
     args = parser.parse_args(argv)
-    if args.tiny:
-        torch.set_num_threads(1)
-    model, device, dtype = build_model(args)
-    out = []
-    for shape in args.shapes:
-        rows, length = (int(x) for x in shape.split("x"))
-        line = {"check": "prefill_graphs", "model": args.model, "layers": args.layers,
-                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                **check_shape(model, rows, length, args, device, dtype)}
-        print(json.dumps(line), flush=True)
-        if args.jsonl:
-            with open(args.jsonl, "a") as f:
-                f.write(json.dumps(line) + "\n")
-        out.append(line)
-    return out
+    return run_shapes(args, {"check": "prefill_graphs"},
+                      lambda model, rows, length, device, dtype: check_shape(model, rows, length, args, device, dtype))
 
 
 if __name__ == "__main__":

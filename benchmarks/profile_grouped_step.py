@@ -57,6 +57,40 @@ def build_model(args):
     return Model(config).to(device=device, dtype=dtype).eval(), device, dtype
 
 
+def add_shape_arguments(parser, shapes: list[str], block: int) -> None:
+    """The arguments of the scripts that time steps of ``ROWSxL`` shapes on a model of `build_model` (`run_shapes`)."""
+    parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
+    parser.add_argument("--layers", type=int, default=40)
+    parser.add_argument("--shapes", nargs="+", default=shapes, help="ROWSxL step shapes")
+    parser.add_argument("--past", type=int, default=1024, help="tokens each row holds before the timed steps")
+    parser.add_argument("--repeat", type=int, default=4)
+    parser.add_argument("--block", type=int, default=block)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny", action="store_true", help="tiny widths on the CPU (fp32)")
+    parser.add_argument("--window", type=int, default=512, help="--tiny Inkling's sliding window")
+    parser.add_argument("--jsonl", default=None, help="also append the lines to this file")
+
+
+def run_shapes(args, key: dict, measure) -> list[dict]:
+    """`build_model`, then for each of ``args.shapes`` one JSON line: ``key``, the model, its device and
+    ``measure(model, rows, length, device, dtype)`` (a dict); printed, appended to ``args.jsonl`` if given, returned."""
+    if args.tiny:
+        torch.set_num_threads(1)
+    model, device, dtype = build_model(args)
+    out = []
+    for shape in args.shapes:
+        rows, length = (int(x) for x in shape.split("x"))
+        line = {**key, "model": args.model, "layers": args.layers,
+                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                **measure(model, rows, length, device, dtype)}
+        print(json.dumps(line), flush=True)
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        out.append(line)
+    return out
+
+
 def build(args):
     model, device, dtype = build_model(args)
     config = model.config

@@ -23,7 +23,6 @@ import argparse
 import cProfile
 import collections
 import io
-import json
 import os
 import pstats
 import statistics
@@ -38,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_grouped_step import build_model, sync  # noqa: E402
+from profile_grouped_step import add_shape_arguments, run_shapes, sync  # noqa: E402
 
 from hf_qsa_cache import QSAPagedCache  # noqa: E402
 
@@ -135,34 +134,16 @@ def profile_shape(model, rows: int, length: int, args, device, dtype) -> dict:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
-    parser.add_argument("--layers", type=int, default=40)
-    parser.add_argument("--shapes", nargs="+", default=["1x256", "1x2048", "4x2048"], help="ROWSxL step shapes")
-    parser.add_argument("--past", type=int, default=1024, help="tokens each row holds before the timed steps")
-    parser.add_argument("--repeat", type=int, default=4)
-    parser.add_argument("--block", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    add_shape_arguments(parser, ["1x256", "1x2048", "4x2048"], block=64)
     parser.add_argument("--top", type=int, default=30, help="cProfile rows printed")
-    parser.add_argument("--tiny", action="store_true", help="tiny widths on the CPU (fp32)")
-    parser.add_argument("--window", type=int, default=512, help="--tiny Inkling's sliding window")
-    parser.add_argument("--jsonl", default=None, help="also append the lines to this file")
     args = parser.parse_args(argv)
-    if args.tiny:
-        torch.set_num_threads(1)
-    model, device, dtype = build_model(args)
-    out = []
-    for shape in args.shapes:
-        rows, length = (int(x) for x in shape.split("x"))
+
+    def measure(model, rows, length, device, dtype):
         result, table = profile_shape(model, rows, length, args, device, dtype)
-        line = {"bench": "prefill_step", "model": args.model, "layers": args.layers,
-                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", **result}
-        print(json.dumps(line), flush=True)
         print(table, flush=True)
-        if args.jsonl:
-            with open(args.jsonl, "a") as f:
-                f.write(json.dumps(line) + "\n")
-        out.append(line)
-    return out
+        return result
+
+    return run_shapes(args, {"bench": "prefill_step"}, measure)
 
 
 if __name__ == "__main__":
