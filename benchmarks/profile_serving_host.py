@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_serving  # noqa: E402  (its workload and manager settings)
 
+from hf_qsa_cache import cuda_graphs  # noqa: E402
 from hf_qsa_cache.cuda_graphs import recorded_length  # noqa: E402
 
 
@@ -71,6 +72,35 @@ def tiny_config(model: str, layers: int, window: int, max_len: int):
     )
 
 
+class IdleGraph:
+    """Stands in for a captured CUDA graph: its replay launches nothing (the GPU's part of the step)."""
+
+    def replay(self) -> None:
+        pass
+
+
+class IdleGraphs(cuda_graphs.DecodeGraphs):
+    """`DecodeGraphs` on the CPU whose first run of a bucket runs the body once (its static buffers and logits
+    take their shapes) and whose later runs replay an `IdleGraph`."""
+
+    def _run_and_capture(self, entry):
+        logits = self._eager(entry)
+        entry.logits = logits.clone()
+        entry.graph = IdleGraph()
+        return logits
+
+
+def idle_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: bool):
+    """`cuda_graphs.decode_graphs_for` as on a GPU, with `IdleGraphs`: the steps a GPU replays from graphs take
+    the recorded step's host path (its transaction, the static buffers' fill, a replay that launches nothing)."""
+    if not cuda_graphs.takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs):
+        return None
+    runner = cache.graph_runners.get(model)
+    if runner is None:
+        runner = cache.graph_runners[model] = IdleGraphs(model, cache, "cpu", record=True)
+    return runner
+
+
 def stubbed_model(args):
     from modeling import InklingForCausalLM, Qwen4ExpForCausalLM
 
@@ -93,6 +123,8 @@ def stubbed_model(args):
         width = config.hidden_size  # the final mixer's output: the first stream stands for it
         qwen_module.gated_residual = lambda module, streams, residual=None: (streams[..., :width], streams, None)
     model.use_cuda_graphs = False
+    if args.graph_steps:  # the host path a GPU takes for decode and short prefill steps (`idle_graphs_for`)
+        inkling_module.decode_graphs_for = qwen_module.decode_graphs_for = idle_graphs_for
     return model
 
 
@@ -206,6 +238,9 @@ def main():
                              "engine's default)")
     parser.add_argument("--prefix-caching", choices=["on", "off"], default="on",
                         help="the engine's prefix caching (on by default; its snapshot points stop prefill chunks)")
+    parser.add_argument("--graph-steps", action="store_true",
+                        help="steps a GPU replays from CUDA graphs take the recorded step's host path, their replay "
+                             "launching nothing (else every step runs the eager forward's host path)")
     parser.add_argument("--stream", action="store_true",
                         help="stream every request to the HTTP engine process's result handler")
     args = parser.parse_args()
@@ -229,7 +264,9 @@ def main():
           f"{args.max_output}; {len(timings.iterations)} iterations in {wall:.2f} s, stats {stats}")
     print(f"decode-only iteration : {us(decode_only)}")
     print(f"iteration with prefill: {us(with_prefill)}")
-    print(f"decode step           : {us(timings.steps['decode'])}")
+    replays = sum(runner.replays for runner in manager.cache.graph_runners.values())
+    print(f"decode step           : {us(timings.steps['decode'])}"
+          + (f"; {replays} steps replayed recorded steps (both runs)" if args.graph_steps else ""))
     print(f"prefill step          : {us(timings.steps['prefill'])}; {timings.short_prefills} of "
           f"{len(timings.steps['prefill'])} short (a GPU replays them from graphs)")
     print(f"grouped step          : {us(timings.steps['grouped'])}")

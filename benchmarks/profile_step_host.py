@@ -30,27 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_generate import decode_ms_end_to_end, prefilled  # noqa: E402
-from profile_serving_host import tiny_config  # noqa: E402
+from profile_serving_host import IdleGraph, idle_graphs_for, tiny_config  # noqa: E402, F401  (IdleGraph: tests patch it)
 
-from hf_qsa_cache import QSAPagedCache, cuda_graphs  # noqa: E402
-
-
-class IdleGraph:
-    """Stands in for a captured CUDA graph: its replay launches nothing (the GPU's part of the step)."""
-
-    def replay(self) -> None:
-        pass
-
-
-class IdleGraphs(cuda_graphs.DecodeGraphs):
-    """`DecodeGraphs` on the CPU whose first run of a bucket runs the body once (its static buffers and logits
-    take their shapes) and whose later runs replay an `IdleGraph`."""
-
-    def _run_and_capture(self, entry):
-        logits = self._eager(entry)
-        entry.logits = logits.clone()
-        entry.graph = IdleGraph()
-        return logits
+from hf_qsa_cache import QSAPagedCache  # noqa: E402
 
 
 def build(model_name: str, layers: int, rows: int, length: int):
@@ -78,15 +60,9 @@ def main(argv=None) -> dict:
     model, ids = build(args.model, args.layers, args.rows, args.prompt)
     mask = torch.ones_like(ids)
     cache = QSAPagedCache(model.config, args.rows, args.prompt + args.tokens + 1)
-    runner = IdleGraphs(model, cache, "cpu", record=True)
     module = sys.modules[type(model).__module__]
     real = module.decode_graphs_for
-
-    def graphs_for(model_, cache_, input_ids, inputs_embeds, extra_outputs):
-        """The stand-in graphs where the GPU would take them (`cuda_graphs.takes_graph_step`)."""
-        return runner if cuda_graphs.takes_graph_step(cache_, input_ids, inputs_embeds, extra_outputs) else None
-
-    module.decode_graphs_for = graphs_for
+    module.decode_graphs_for = idle_graphs_for  # the stand-in graphs where a GPU would take them
     try:
         with torch.no_grad():
             step_us = decode_ms_end_to_end(model, ids, mask, args.tokens, cache) * 1e3
