@@ -15,7 +15,9 @@ Reported: host microseconds per loop iteration, split into decode-only iteration
 prefill step (a prefill step and most often a decode step; a grouped step with ``--grouped-steps on``), and
 per step (`ModelRunner.decode` / `grouped` / `prefill`: the forward with its cache step, and sampling) and how many
 prefill steps are short ones a GPU replays from CUDA graphs (`cuda_graphs.short_prefill_length`); then a cProfile
-top-20 of a second, profiled run.
+top-20 of a second, profiled run. With ``--graph-steps`` the steps a GPU replays from graphs (decode and short
+prefill steps) take the recorded step's host path, their replay launching nothing (`IdleGraphs`): the host work a
+GPU's step costs, where the default runs every step on the eager forward's host path.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """One decode step and one verify step of each model (the benchmark configs, bf16) captured in a CUDA graph: a
 capture that fails fails here with its traceback (the graphed runner itself only warns and falls back to eager).
+Short prefill steps through the forward replay their graph and give the eager forward's logits.
 
     python -m pytest -m gpu -n 0 tests/gpu/test_gpu_capture.py
 """
@@ -53,8 +54,33 @@ def test_step_is_captured(name, step_len, bf16_default):
         prev, counts = step.prev, step.counts
         ptrs = {n: t.device_table(2, runner.device).data_ptr() for n, t in cache.tables.items()}
         reach = runner.reach_bucket(max(p + c for p, c in zip(prev, counts)))
-        entry = runner._new_bucket(2, step_len, reach, ptrs)
+        entry = runner._new_bucket(2, step_len, reach, False, ptrs)
         assert not entry.eager, f"this step failed to capture before: {capture_failures(net)[entry.key]}"
         runner._fill(entry, prev, counts, tokens, None)
         runner._warm_up(entry)  # eager first, on a side stream: compiles the kernels
         runner._capture(entry)
+
+
+@pytest.mark.parametrize("name", ["inkling", "qwen4_exp"])
+@torch.no_grad()
+def test_short_prefill_steps_replay_graphs_and_equal_the_eager_forward(name, bf16_default):
+    """Steps of 40 tokens over both rows of a cache holding 600 (a short prefill step: recorded at 64 columns,
+    left-padded): the first captures, the next two replay, each step's logits those of the eager forward on a twin
+    cache (the same kernels but for the recorded step's reach-sized shapes)."""
+    net, config = model(name)
+    eager, graphed = (QSAPagedCache(config, max_batch_size=2, max_cache_len=2048) for _ in range(2))
+    prompt = torch.randint(2, 1000, (2, 600), device="cuda")
+    for cache in (eager, graphed):
+        net(prompt, past_key_values=cache, logits_to_keep=1)
+    try:
+        for _ in range(3):
+            chunk = torch.randint(2, 1000, (2, 40), device="cuda")
+            net.use_cuda_graphs = False
+            want = net(chunk, past_key_values=eager).logits.float()
+            net.use_cuda_graphs = True
+            got = net(chunk, past_key_values=graphed).logits.float()
+            assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item()
+    finally:
+        net.use_cuda_graphs = True
+    runner = graphed.graph_runners[net]
+    assert list(runner.buckets) == [(2, 64, 2048, True)] and runner.replays == 2
