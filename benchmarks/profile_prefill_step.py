@@ -57,24 +57,19 @@ def own_frame(stack) -> str:
 def host_syncs(run) -> collections.Counter:
     """Where ``run()`` made the host wait for the device, counted by `own_frame` (CUDA only)."""
     seen: collections.Counter = collections.Counter()
-    original = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" in str(message):
             seen[own_frame(traceback.extract_stack()[:-1])] += 1
-        else:
-            original(message, category, filename, lineno, file, line)
 
-    warnings.showwarning = record
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
+    with warnings.catch_warnings():  # (restores the warning filters and `showwarning` on exit)
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
             run()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = original
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return seen
 
 

@@ -59,7 +59,7 @@ def pools_full(cache: QSAPagedCache) -> bool:
 @contextlib.contextmanager
 def steps_routed_as_on_a_gpu():
     """While open, each family's forward runs every step the recorded CUDA-graph step computes
-    (`cuda_graphs.takes_graph_step`: decode and verify steps) on that path, from its static buffers
+    (`cuda_graphs.takes_graph_step`: decode, verify and short prefill steps) on that path, from its static buffers
     (`DecodeGraphs(record=False)`), as a GPU replays it; the CPU otherwise never takes it. Yields the lengths of the
     steps so routed (a list that grows)."""
     import modeling.modeling_inkling as inkling_module
