@@ -236,7 +236,7 @@ def chunked_rule(rule, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         return rule(query, key, value, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
                     use_qk_l2norm_in_kernel=True)
     B, L = query.shape[:2]
-    cu_seqlens, chunk_indices = _packed_rows(B, L, query.device)
+    cu_seqlens, chunk_indices = packed_rows(B, L, query.device)
 
     def packed(x):
         return x.reshape(1, B * L, *x.shape[2:])
@@ -265,14 +265,27 @@ def takes_packed_sequences(rule) -> bool:
     return "cu_seqlens" in names and "chunk_indices" in names
 
 
-@functools.lru_cache(maxsize=64)
-def _packed_rows(rows: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_rows(rows: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` sequences of ``length`` tokens, one after the other: their bounds (``cu_seqlens``) and the kernel's
-    64-token chunks as (sequence, chunk) pairs (``chunk_indices``), made once per shape (no host sync)."""
+    64-token chunks as (sequence, chunk) pairs (``chunk_indices``). Eagerly made once per shape and kept; inside a
+    CUDA graph capture made by the graph itself. A graph must own what it reads: a kept pair is freed when the
+    cache lets it go, and flash-linear-attention memoizes what it derives from ``cu_seqlens`` by identity, a few
+    entries deep (the chunk offsets), so a graph that recorded a kept pair would read memory reused by then
+    (garbage offsets, writes out of bounds)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _make_packed_rows(rows, length, device)
+    return _kept_packed_rows(rows, length, device)
+
+
+def _make_packed_rows(rows: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`packed_rows`' tensors, made on ``device`` (no host copy: a graph records the launches)."""
     chunks = -(-length // 64)
-    bounds = torch.arange(0, (rows + 1) * length, length, dtype=torch.long)
-    pairs = torch.stack([torch.arange(rows).repeat_interleave(chunks), torch.arange(chunks).repeat(rows)], 1)
-    return bounds.to(device), pairs.to(device)
+    bounds = torch.arange(0, (rows + 1) * length, length, dtype=torch.long, device=device)
+    pair = torch.arange(rows * chunks, dtype=torch.long, device=device)
+    return bounds, torch.stack([pair // chunks, pair % chunks], 1)
+
+
+_kept_packed_rows = functools.lru_cache(maxsize=64)(_make_packed_rows)
 
 
 def short_conv(state, x: torch.Tensor, weight: torch.Tensor, activation: str, leading_pads, fresh: bool, kept,

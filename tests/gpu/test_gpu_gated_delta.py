@@ -98,3 +98,45 @@ def test_a_prefill_packed_is_as_close_to_fp32_as_the_rectangle(monkeypatch):
     rectangle = (logits(low) - want).abs().mean().item()
     print(f"mean |logit - fp32|: packed {packed:.4g}, rectangle {rectangle:.4g}")
     assert packed <= 1.3 * rectangle, (packed, rectangle)
+
+
+def test_a_graph_owns_the_packed_rows_it_reads():
+    """The packed rule recorded in a CUDA graph (a short prefill step's), then eager calls of 70 other shapes (more
+    than the kept pairs and flash-linear-attention's memo of chunk offsets hold) and the freed memory taken by
+    tensors of other values: the replay still equals the eager rule. A graph that recorded the kept pair read
+    memory it did not own (in serving: garbage chunk offsets, an illegal memory access)."""
+    from hf_qsa_cache.ops.gated_delta import chunked_rule, takes_packed_sequences
+
+    rule = _kernel_rule()
+    if not takes_packed_sequences(rule):
+        pytest.skip("flash-linear-attention is not installed")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    H, K, V = 4, 64, 64
+
+    def inputs(rows, length):
+        q, k, v = (torch.randn(rows, length, H, D, generator=g, device="cuda").to(torch.bfloat16) for D in (K, K, V))
+        decay = -torch.rand(rows, length, H, generator=g, device="cuda")
+        beta = torch.rand(rows, length, H, generator=g, device="cuda").to(torch.bfloat16)
+        return q, k, v, decay, beta, torch.randn(rows, H, K, V, generator=g, device="cuda")
+
+    static = inputs(2, 128)
+    want, want_state = chunked_rule(rule, *static[:5], static[5].clone())
+    current, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    side.wait_stream(current)
+    with torch.cuda.stream(side):  # (a graph's first use of each kernel, as DecodeGraphs warms up)
+        chunked_rule(rule, *static[:5], static[5].clone())
+    current.wait_stream(side)
+    graph, state = torch.cuda.CUDAGraph(), static[5].clone()
+    with torch.cuda.graph(graph):
+        out, out_state = chunked_rule(rule, *static[:5], state)
+    for length in range(33, 103):  # other shapes: the kept pairs and the memo move on
+        chunked_rule(rule, *inputs(1, length))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    scribbles = [torch.full((16,), 1 << 40, dtype=torch.long, device="cuda") for _ in range(20000)]
+    state.copy_(static[5])
+    graph.replay()
+    torch.cuda.synchronize()
+    del scribbles
+    torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out_state, want_state, rtol=2e-2, atol=2e-2)

@@ -366,6 +366,19 @@ def _packed_kernel_rule(calls: list):
         del sys.modules[package.__name__]
 
 
+def test_packed_rows_are_kept_eagerly_and_made_again_inside_a_graph_capture(monkeypatch):
+    """Eagerly a shape's packed bounds are made once and kept; while a CUDA graph captures they are made again, by the
+    graph (it must own what it reads: tests/gpu/test_gpu_gated_delta.py shows what a kept pair did to a replay)."""
+    kept = gated_delta.packed_rows(3, 70, torch.device("cpu"))
+    assert gated_delta.packed_rows(3, 70, torch.device("cpu"))[0] is kept[0]
+    made = []
+    monkeypatch.setattr(gated_delta, "_make_packed_rows", lambda *shape: made.append(shape) or kept)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    for _ in range(2):
+        gated_delta.packed_rows(3, 70, torch.device("cuda"))
+    assert made == [(3, 70, torch.device("cuda"))] * 2
+
+
 @pytest.mark.parametrize("rows, length", [(1, 5), (3, 70), (2, 128)], ids=["one-row", "chunk-boundary", "two-chunks"])
 def test_chunked_rule_packs_rows_for_a_kernel_that_takes_packed_sequences(rows, length):
     """Rows packed into one batch of sequences (the kernel's autotuning then sees one shape) give what the rule
