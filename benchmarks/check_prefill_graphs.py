@@ -13,8 +13,8 @@ For each ``ROWSxL`` shape, two caches take the same ``--past`` random tokens a r
 ``L`` new tokens a row (the same tokens for both): the ordinary forward on one cache (eager), `DecodeGraphs.step`
 on the other (its first step of each shape runs eagerly on the graph's path and captures; later ones replay).
 Reported per shape, as a JSON line: whether a graph was captured (else the error that stopped it), the median
-eager step and the median replayed step in ms (synchronised), the replays, and the largest difference between the
-two caches' logits. On the CPU (``--tiny``) nothing is recorded: the graph's path runs eagerly from its static
+eager step and the median replayed step in ms (synchronised), the replays, each capture's ms (what recording a new
+shape costs, on top of that step run eagerly), and the largest difference between the two caches' logits. On the CPU (``--tiny``) nothing is recorded: the graph's path runs eagerly from its static
 buffers, which checks that path against the forward at these lengths (tests/scripts/test_check_prefill_graphs.py).
 """
 
@@ -37,17 +37,20 @@ from hf_qsa_cache import QSAPagedCache  # noqa: E402
 from hf_qsa_cache.cuda_graphs import capture_failures, graphs_of  # noqa: E402
 
 
-def count_captures(runner) -> list[int]:
-    """A one-item list counting the graphs ``runner`` records from now on (a shape recorded more than once lost
-    its graph between steps)."""
-    count, capture = [0], runner._capture
+def count_captures(runner) -> list[float]:
+    """The milliseconds of each graph ``runner`` records from now on, one item per capture (a shape recorded more
+    than once lost its graph between steps)."""
+    took, capture = [], runner._capture
 
     def counted(entry):
-        count[0] += 1
-        return capture(entry)
+        start = time.perf_counter()
+        try:
+            return capture(entry)
+        finally:
+            took.append(round(1e3 * (time.perf_counter() - start), 1))
 
     runner._capture = counted
-    return count
+    return took
 
 
 def check_shape(model, rows: int, length: int, args, device, dtype) -> dict:
@@ -87,8 +90,8 @@ def check_shape(model, rows: int, length: int, args, device, dtype) -> dict:
             "capture_error": failures[0] if failures else None,
             "eager_ms": round(statistics.median(eager_ms), 3) if eager_ms else None,
             "replay_ms": round(statistics.median(replay_ms), 3) if replay_ms else None,
-            "replays": runner.replays, "captures": captures[0], "steps": args.repeat + 1, "max_logit_diff": worst,
-            "max_abs_logit": scale,
+            "replays": runner.replays, "captures": len(captures), "capture_ms": captures, "steps": args.repeat + 1,
+            "max_logit_diff": worst, "max_abs_logit": scale,
             "buckets": [list(k) for k in runner.buckets]}
 
 
