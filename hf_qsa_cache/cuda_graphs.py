@@ -116,6 +116,7 @@ class DecodeGraphs:
         # (rows bucket, step length, reach, padded) -> buffers, graph
         self.buckets: dict[tuple[int, int, int, bool], _Bucket] = {}
         self.model_state = model_fingerprint(model)  # what the recorded graphs read (checked at replay)
+        self.model_dtype = model.dtype  # (walks the parameters: refreshed with model_state, not every step)
         self.probe = _probe(model)  # the cheap part of that check, done every step
         self.steps_seen = -1  # cache.steps_started when this runner last opened a step
         self.replays = 0  # steps replayed from a recorded graph (benchmarks count them)
@@ -155,8 +156,8 @@ class DecodeGraphs:
             input_ids, position_ids, attention_mask = left_padded(input_ids, position_ids, attention_mask, length)
         size = self.bucket(rows)
         model = self.model
-        cache.check_model(model.config, model.dtype)
         self._forget_stale_graphs(model)
+        cache.check_model(model.config, self.model_dtype)
         # The rows the step overwrites in place are copied aside inside the recorded step (`_recorded`):
         # one graph launch instead of a host launch per state tensor.
         with cache.transaction(rows, length, attention_mask, copy_rows=False) as step:
@@ -207,7 +208,7 @@ class DecodeGraphs:
         if probe != self.probe or state != self.model_state:
             self.buckets.clear()
             self._set_experts(experts_modules(model))
-        self.probe, self.model_state = probe, state
+        self.probe, self.model_state, self.model_dtype = probe, state, model.dtype
 
     def _set_experts(self, experts: list) -> None:
         self.experts = experts

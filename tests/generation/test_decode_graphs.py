@@ -219,3 +219,20 @@ def test_the_runner_names_its_device_with_its_index(monkeypatch):
     cache = QSAPagedCache(model.config, 2, 32, block_size=4)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert graphs_of(model, cache, "cuda", record=False).device == torch.device("cuda", 0)
+
+
+def test_the_recorded_step_sees_the_model_move_to_another_dtype():
+    """The runner keeps the model's dtype from its last full check (reading it walks every parameter); a model cast
+    to another dtype between two steps still meets the cache's check at the next one, as the forward does."""
+    model, (ids, mask) = _pair("qwen4_exp")
+    cache = QSAPagedCache(model.config, 4, 64, block_size=4)
+    runner = graphs_of(model, cache, "cpu", record=False)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+        runner.step(nxt, None, mask)
+        model.to(torch.float64)
+        mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+        with pytest.raises(ValueError, match="this one runs in dtype=torch.float64"):
+            runner.step(nxt, None, mask)
