@@ -35,13 +35,15 @@ def step_history(cache, state, device, num_rows: int, query_len: int):
                         lambda: state.history_slots(meta.position, num_rows, query_len))
 
 
-def gated_delta_keeping_states(chunk_rule, recurrent_rule, query, key, value, g, beta, initial_state, keep: int):
+def gated_delta_keeping_states(chunk_rule, recurrent_rule, query, key, value, g, beta, initial_state, keep: int,
+                               meta=None):
     """The gated delta rule over ``[B, L, ...]`` inputs, also returning the recurrent state after each of
     the last ``keep`` tokens.
 
     The first ``L - keep`` tokens run as one chunked pass; the last ``keep`` run one at a time through
     the recurrent rule (a decode step does exactly that, so verifying a draft costs the same arithmetic
-    as decoding it). Returns ``(core [B, L, Hv, Dv], final state, states [B, keep, Hv, Dk, Dv])``.
+    as decoding it). Returns ``(core [B, L, Hv, Dv], final state, states [B, keep, Hv, Dk, Dv])``. ``meta``: the
+    step's metadata (`chunked_rule`).
     """
     L = query.shape[1]
     head = L - keep
@@ -50,7 +52,7 @@ def gated_delta_keeping_states(chunk_rule, recurrent_rule, query, key, value, g,
     state = initial_state
     if head > 0:  # (rows packed where the kernel takes them: `chunked_rule`)
         out, state = chunked_rule(chunk_rule, query[:, :head], key[:, :head], value[:, :head], g[:, :head],
-                                  beta[:, :head], state)
+                                  beta[:, :head], state, meta)
         outs.append(out)
     for t in range(head, L):
         s = slice(t, t + 1)

@@ -177,11 +177,11 @@ class PagedGatedDeltaNet(upstream.Qwen4ExpTextGatedDeltaNet):
                     )
                 else:  # (rows packed into one batch where the kernel takes them: no autotuning per shape)
                     core, last_state = chunked_rule(upstream.torch_chunk_gated_delta_rule, query, key, value, g, beta,
-                                                    initial_state)
+                                                    initial_state, meta)
             else:
                 core, last_state, states = gated_delta_keeping_states(
                     upstream.torch_chunk_gated_delta_rule, upstream.torch_recurrent_gated_delta_rule, query, key,
-                    value, g, beta, initial_state, keep=kept[0],
+                    value, g, beta, initial_state, keep=kept[0], meta=meta,
                 )
             state.write_recurrent(last_state, kept, states)
             return core

@@ -227,16 +227,16 @@ def recurrent_step_torch(state: torch.Tensor, query: torch.Tensor, key: torch.Te
 
 
 def chunked_rule(rule, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
-                 beta: torch.Tensor, initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 beta: torch.Tensor, initial_state: torch.Tensor, meta=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``rule(query, key, value, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
     use_qk_l2norm_in_kernel=True)`` (transformers' chunked gated delta rule, ``[B, L, ...]`` in, the output and
     the final state out), with the rows packed into one sequence batch where ``rule`` takes them so (see the
-    module doc)."""
+    module doc). ``meta``: the step's metadata, on which the packed bounds are made once for all its layers."""
     if not takes_packed_sequences(rule) or records_grad(query, key, value, g, beta):
         return rule(query, key, value, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
                     use_qk_l2norm_in_kernel=True)
     B, L = query.shape[:2]
-    cu_seqlens, chunk_indices = packed_rows(B, L, query.device)
+    cu_seqlens, chunk_indices = packed_rows(B, L, query.device, meta)
 
     def packed(x):
         return x.reshape(1, B * L, *x.shape[2:])
@@ -265,27 +265,25 @@ def takes_packed_sequences(rule) -> bool:
     return "cu_seqlens" in names and "chunk_indices" in names
 
 
-def packed_rows(rows: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_rows(rows: int, length: int, device: torch.device, meta=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` sequences of ``length`` tokens, one after the other: their bounds (``cu_seqlens``) and the kernel's
-    64-token chunks as (sequence, chunk) pairs (``chunk_indices``). Eagerly made once per shape and kept; inside a
-    CUDA graph capture made by the graph itself. A graph must own what it reads: a kept pair is freed when the
-    cache lets it go, and flash-linear-attention memoizes what it derives from ``cu_seqlens`` by identity, a few
-    entries deep (the chunk offsets), so a graph that recorded a kept pair would read memory reused by then
-    (garbage offsets, writes out of bounds)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    64-token chunks as (sequence, chunk) pairs (``chunk_indices``), made on ``device`` without a host copy; once a
+    step when ``meta`` (the step's metadata) is given, shared by its layers.
+
+    Never kept past the step: a CUDA graph that records a step records the launches that make them, so it owns
+    what it reads. A pair kept beside the graph (once per shape, say) would be freed when its keeper moved on, and
+    so would the chunk offsets flash-linear-attention memoizes from ``cu_seqlens`` (by identity, four deep); the
+    replays would then read memory reused by other tensors (in serving: an illegal memory access)."""
+    if meta is None:
         return _make_packed_rows(rows, length, device)
-    return _kept_packed_rows(rows, length, device)
+    return meta.derived(("packed_rows", rows, length, device), lambda: _make_packed_rows(rows, length, device))
 
 
 def _make_packed_rows(rows: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """`packed_rows`' tensors, made on ``device`` (no host copy: a graph records the launches)."""
     chunks = -(-length // 64)
     bounds = torch.arange(0, (rows + 1) * length, length, dtype=torch.long, device=device)
     pair = torch.arange(rows * chunks, dtype=torch.long, device=device)
     return bounds, torch.stack([pair // chunks, pair % chunks], 1)
-
-
-_kept_packed_rows = functools.lru_cache(maxsize=64)(_make_packed_rows)
 
 
 def short_conv(state, x: torch.Tensor, weight: torch.Tensor, activation: str, leading_pads, fresh: bool, kept,

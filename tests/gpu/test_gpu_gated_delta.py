@@ -102,9 +102,9 @@ def test_a_prefill_packed_is_as_close_to_fp32_as_the_rectangle(monkeypatch):
 
 def test_a_graph_owns_the_packed_rows_it_reads():
     """The packed rule recorded in a CUDA graph (a short prefill step's), then eager calls of 70 other shapes (more
-    than the kept pairs and flash-linear-attention's memo of chunk offsets hold) and the freed memory taken by
-    tensors of other values: the replay still equals the eager rule. A graph that recorded the kept pair read
-    memory it did not own (in serving: garbage chunk offsets, an illegal memory access)."""
+    than a memo of 64 shapes, or flash-linear-attention's memo of chunk offsets, four deep, would hold) and the freed
+    memory taken by tensors of other values: the replay still equals the eager rule. A graph that recorded bounds
+    kept per shape read memory it did not own (in serving: garbage chunk offsets, an illegal memory access)."""
     from hf_qsa_cache.ops.gated_delta import chunked_rule, takes_packed_sequences
 
     rule = _kernel_rule()

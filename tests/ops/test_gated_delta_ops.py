@@ -351,7 +351,7 @@ def _packed_kernel_rule(calls: list):
         outs, states = [], []
         for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
             o, s = reference(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g=g[:, lo:hi], beta=beta[:, lo:hi],
-                             initial_state=initial_state[i:i + 1], output_final_state=True,
+                             initial_state=None if initial_state is None else initial_state[i:i + 1], output_final_state=True,
                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
             outs.append(o)
             states.append(s)
@@ -366,17 +366,27 @@ def _packed_kernel_rule(calls: list):
         del sys.modules[package.__name__]
 
 
-def test_packed_rows_are_kept_eagerly_and_made_again_inside_a_graph_capture(monkeypatch):
-    """Eagerly a shape's packed bounds are made once and kept; while a CUDA graph captures they are made again, by the
-    graph (it must own what it reads: tests/gpu/test_gpu_gated_delta.py shows what a kept pair did to a replay)."""
-    kept = gated_delta.packed_rows(3, 70, torch.device("cpu"))
-    assert gated_delta.packed_rows(3, 70, torch.device("cpu"))[0] is kept[0]
+def test_packed_rows_are_made_once_a_step_and_never_kept_past_it(monkeypatch):
+    """Every GatedDeltaNet layer of a step gets the same packed bounds, made for that step; the next step gets new
+    ones. Nothing is kept across steps: a CUDA graph records the launches that make them, so it reads only what it
+    owns (tests/gpu/test_gpu_gated_delta.py shows what a pair kept per shape did to a replay)."""
+    import transformers.models.qwen4_exp.modeling_qwen4_exp as upstream
+    from helpers.qwen4 import make_pair
+
+    from hf_qsa_cache import QSAPagedCache
+
+    calls = []
+    monkeypatch.setattr(upstream, "torch_chunk_gated_delta_rule", _packed_kernel_rule(calls))
+    _, model = make_pair(seed=3)
+    cache = QSAPagedCache(model.config, 2, 64, block_size=4)
+    layers = sum(t == "linear_attention" for t in model.config.layer_types)
     made = []
-    monkeypatch.setattr(gated_delta, "_make_packed_rows", lambda *shape: made.append(shape) or kept)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    for _ in range(2):
-        gated_delta.packed_rows(3, 70, torch.device("cuda"))
-    assert made == [(3, 70, torch.device("cuda"))] * 2
+    with torch.no_grad():
+        for _ in range(2):
+            model(torch.randint(2, 90, (2, 12)), past_key_values=cache)
+            made.append({id(c["cu_seqlens"]) for c in calls[-layers:]})
+    assert len(calls) == 2 * layers > 2 and all(len(ids) == 1 for ids in made) and made[0] != made[1]
+    assert calls[-1]["cu_seqlens"].tolist() == [0, 12, 24]
 
 
 @pytest.mark.parametrize("rows, length", [(1, 5), (3, 70), (2, 128)], ids=["one-row", "chunk-boundary", "two-chunks"])
