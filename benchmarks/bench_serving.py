@@ -98,6 +98,7 @@ def continuous(manager, prompts, outputs, gaps, prefix="r") -> dict:
     submitted = {}
     stats_before = dict(manager.stats)
     replays_before = graph_replays(manager)
+    recordings_before = graph_recordings(manager)
     start = time.perf_counter()
 
     def feed():
@@ -131,7 +132,9 @@ def continuous(manager, prompts, outputs, gaps, prefix="r") -> dict:
             # decode steps recorded as CUDA graphs (one per batch bucket), i.e. replayed by the loop
             "graph_buckets": sum(b.graph is not None for r in manager.cache.graph_runners.values()
                                  for b in r.buckets.values()),
-            "graph_replays": graph_replays(manager) - replays_before,  # of stats["decode_steps"]
+            "graph_replays": graph_replays(manager) - replays_before,  # decode and short prefill steps
+            # steps that met a new shape and recorded its graph during this pass, and their host seconds
+            **{k: v - recordings_before[k] for k, v in graph_recordings(manager).items()},
             "first_error": failed[0] if failed else None, **prefix_stats(manager), **stats,
             # the loop's time outside its steps (host work between them, waiting for arrivals)
             "outside_steps_s": (end - start) - stats["prefill_s"] - stats["decode_s"] - stats["grouped_s"]}
@@ -178,6 +181,12 @@ def prefix_stats(manager) -> dict:
 
 def graph_replays(manager) -> int:
     return sum(r.replays for r in manager.cache.graph_runners.values())
+
+
+def graph_recordings(manager) -> dict:
+    runners = manager.cache.graph_runners.values()
+    return {"graph_recordings": sum(r.recordings for r in runners),
+            "graph_recording_s": sum(r.recording_s for r in runners)}
 
 
 def static(model, prompts, outputs, args, limit_s=None, name="ours static", batch_size=None) -> dict:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import time
 import traceback
 import warnings
 import weakref
@@ -120,6 +121,9 @@ class DecodeGraphs:
         self.probe = _probe(model)  # the cheap part of that check, done every step
         self.steps_seen = -1  # cache.steps_started when this runner last opened a step
         self.replays = 0  # steps replayed from a recorded graph (benchmarks count them)
+        # Steps that recorded a graph, and the host seconds they took (the step itself run on the graph's path, then
+        # its capture): what meeting a new shape costs a serving loop (benchmarks count them).
+        self.recordings, self.recording_s = 0, 0.0
         self._set_experts(experts_modules(model))  # refreshed with model_state
 
     @property
@@ -183,7 +187,9 @@ class DecodeGraphs:
                 step.rows_saved(size)
                 logits = entry.logits[:rows, length - taken:].clone()
             elif self.record and not entry.eager:
+                started = time.perf_counter()
                 logits = self._run_and_capture(entry)[:rows, length - taken:].clone()
+                self.recordings, self.recording_s = self.recordings + 1, self.recording_s + time.perf_counter() - started
             else:
                 logits = self._eager(entry)[:rows, length - taken:].clone()
         return logits

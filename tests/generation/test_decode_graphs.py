@@ -236,3 +236,25 @@ def test_the_recorded_step_sees_the_model_move_to_another_dtype():
         mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
         with pytest.raises(ValueError, match="this one runs in dtype=torch.float64"):
             runner.step(nxt, None, mask)
+
+
+def test_the_runner_counts_the_steps_that_record_a_graph():
+    """A shape's first step records its graph, counted with its host seconds (what meeting a new shape costs a serving
+    loop: `bench_serving` reports both); the later steps of that shape replay it."""
+    from types import SimpleNamespace
+
+    class Recorded(cuda_graphs.DecodeGraphs):  # (no GPU here: a capture that only marks the bucket recorded)
+        def _run_and_capture(self, entry):
+            logits = self._eager(entry)
+            entry.logits, entry.graph = logits.clone(), SimpleNamespace(replay=lambda: None)
+            return logits
+
+    model, (ids, mask) = _pair("qwen4_exp")
+    cache = QSAPagedCache(model.config, 4, 64, block_size=4)
+    runner = Recorded(model, cache, "cpu", record=True)
+    with torch.no_grad():
+        nxt = model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(3):
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            runner.step(nxt, None, mask)
+    assert (runner.recordings, runner.replays) == (1, 2) and runner.recording_s > 0
