@@ -173,11 +173,15 @@ class Timings:
 
         def counted(step):
             def run(chunks):  # (before the step: the rows' lengths decide)
-                self.short_prefills += recorded_length(manager.cache, len(chunks), max(chunks)) is not None
+                if recorded_length(manager.cache, len(chunks), max(chunks)) is not None:
+                    self.short_prefills += 1
+                else:
+                    self.eager_cells.append(len(chunks) * max(chunks))
                 return step(chunks)
             return run
 
         self.short_prefills = 0  # prefill steps a GPU replays from graphs (`cuda_graphs.short_prefill_length`)
+        self.eager_cells: list[int] = []  # rows x length of each other prefill step (eager on a GPU)
         manager._iteration = timed_iteration
         runner.prefill = timed("prefill", counted(runner.prefill))
         runner.decode = timed("decode", runner.decode)
@@ -271,6 +275,10 @@ def main():
           + (f"; {replays} steps replayed recorded steps (both runs)" if args.graph_steps else ""))
     print(f"prefill step          : {us(timings.steps['prefill'])}; {timings.short_prefills} of "
           f"{len(timings.steps['prefill'])} short (a GPU replays them from graphs)")
+    bounds = (512, 2048, 4096, 8192)
+    sizes = [sum(lo < c <= hi for c in timings.eager_cells) for lo, hi in zip((0, *bounds), (*bounds, 1 << 62))]
+    print("eager prefill steps by rows x length: " + ", ".join(
+        [f"<= {b}: {n}" for b, n in zip(bounds, sizes)] + [f"more: {sizes[-1]}"]))
     print(f"grouped step          : {us(timings.steps['grouped'])}")
     if args.no_profile:
         return
