@@ -92,10 +92,10 @@ class IdleGraphs(cuda_graphs.DecodeGraphs):
         return logits
 
 
-def idle_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: bool):
+def idle_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: bool, logits_to_keep=0):
     """`cuda_graphs.decode_graphs_for` as on a GPU, with `IdleGraphs`: the steps a GPU replays from graphs take
     the recorded step's host path (its transaction, the static buffers' fill, a replay that launches nothing)."""
-    if not cuda_graphs.takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs):
+    if not cuda_graphs.takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs, logits_to_keep):
         return None
     runner = cache.graph_runners.get(model)
     if runner is None:

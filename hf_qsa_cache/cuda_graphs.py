@@ -151,7 +151,8 @@ class DecodeGraphs:
 
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
              attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """One step of ``input_ids`` ``[B, L]``; returns logits ``[B, L, vocab]``."""
+        """One step of ``input_ids`` ``[B, L]``; returns logits ``[B, L, vocab]``, or ``[B, 1, vocab]`` (the last
+        column) for a prefill-sized step (`keeps_last_column`)."""
         cache = self.cache
         rows, taken = input_ids.shape
         # (A shape `takes_graph_step` refuses runs at its own length: benchmarks/check_prefill_graphs.py sends any.)
@@ -181,17 +182,18 @@ class DecodeGraphs:
             if entry is None:
                 entry = self.buckets[shape] = self._new_bucket(*shape, ptrs)
             self._fill(entry, prev, counts, input_ids, position_ids)
+            columns = slice(None) if keeps_last_column(length) else slice(length - taken, None)
             if entry.graph is not None:
                 entry.graph.replay()  # a launch runs whole (its copy included) or raises before running
                 self.replays += 1
                 step.rows_saved(size)
-                logits = entry.logits[:rows, length - taken:].clone()
+                logits = entry.logits[:rows, columns].clone()
             elif self.record and not entry.eager:
                 started = time.perf_counter()
-                logits = self._run_and_capture(entry)[:rows, length - taken:].clone()
+                logits = self._run_and_capture(entry)[:rows, columns].clone()
                 self.recordings, self.recording_s = self.recordings + 1, self.recording_s + time.perf_counter() - started
             else:
-                logits = self._eager(entry)[:rows, length - taken:].clone()
+                logits = self._eager(entry)[:rows, columns].clone()
         return logits
 
     def _forget_stale_graphs(self, model) -> None:
@@ -264,8 +266,9 @@ class DecodeGraphs:
         meta = self.cache.graph_step_metadata(entry.lengths, entry.ids.shape[1], tables, reach=entry.reach,
                                               padded=entry.padded)
         self.cache.log_tokens(meta, entry.ids)
+        keep = 1 if keeps_last_column(entry.ids.shape[1]) else 0
         with experts_running(self.experts, entry.experts):
-            return self.model._decode_logits(entry.ids, entry.positions, meta, self.cache)
+            return self.model._decode_logits(entry.ids, entry.positions, meta, self.cache, keep)
 
     def _run_and_capture(self, entry: _Bucket) -> torch.Tensor:
         logits = self._warm_up(entry)
@@ -379,12 +382,13 @@ def experts_running(experts: list, implementation: str | None):
             config._experts_implementation_internal = value
 
 
-def decode_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: bool) -> DecodeGraphs | None:
+def decode_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: bool,
+                      logits_to_keep=0) -> DecodeGraphs | None:
     """The graphs to run this forward with, or None when it must run eagerly: a step `takes_graph_step` allows,
     of a model held whole on one CUDA device (no offloading hooks), its inputs there, outside another capture."""
     if not (getattr(model, "use_cuda_graphs", True) and enabled_by_default()):
         return None
-    if (not takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs)
+    if (not takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs, logits_to_keep)
             or not input_ids.is_cuda or torch.cuda.is_current_stream_capturing()):
         return None
     device = _single_cuda_device(model)
@@ -393,13 +397,27 @@ def decode_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: boo
     return graphs_of(model, cache, device)
 
 
-def takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs: bool) -> bool:
+def takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs: bool, logits_to_keep=0) -> bool:
     """Whether a forward is a step the recorded step computes, whatever the device: token ids, without gradients
-    or per-layer outputs, on a `QSAPagedCache` that holds tokens, of a length `recorded_length` takes."""
-    return not (input_ids is None or inputs_embeds is not None or input_ids.dim() != 2
-                or extra_outputs or torch.is_grad_enabled() or not isinstance(cache, QSAPagedCache)
-                or cache.columns_seen == 0
-                or recorded_length(cache, input_ids.shape[0], input_ids.shape[1]) is None)
+    or per-layer outputs, on a `QSAPagedCache` that holds tokens, of a length `recorded_length` takes; a
+    prefill-sized one only when its caller keeps the last column's logits alone (``logits_to_keep=1``, as the
+    serving loop and generate()'s prefill do: `keeps_last_column`)."""
+    if (input_ids is None or inputs_embeds is not None or input_ids.dim() != 2
+            or extra_outputs or torch.is_grad_enabled() or not isinstance(cache, QSAPagedCache)
+            or cache.columns_seen == 0):
+        return False
+    length = recorded_length(cache, input_ids.shape[0], input_ids.shape[1])
+    if length is None:
+        return False
+    return not keeps_last_column(length) or (type(logits_to_keep) is int and logits_to_keep == 1)
+
+
+def keeps_last_column(length: int) -> bool:
+    """Whether the recorded step of ``length`` columns is a prefill step (at least ``SHORT_PREFILL_MIN_LEN``; decode
+    and verify steps are at most ``MAX_STEP_LEN``), whose graph computes the last column's logits alone: a buffer
+    of every column would hold rows x length x vocabulary (78 MB at 256 columns of a 151,936-token vocabulary, per
+    recorded shape)."""
+    return length >= SHORT_PREFILL_MIN_LEN
 
 
 def recorded_length(cache: QSAPagedCache, rows: int, length: int) -> int | None:

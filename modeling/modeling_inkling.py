@@ -457,7 +457,8 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, P
         if output_router_logits is None:
             output_router_logits = getattr(config, "output_router_logits", False)
         extra = labels is not None or bool(output_hidden_states) or output_attentions or output_router_logits
-        graphs = decode_graphs_for(self, past_key_values, input_ids, inputs_embeds, extra_outputs=extra)
+        graphs = decode_graphs_for(self, past_key_values, input_ids, inputs_embeds, extra_outputs=extra,
+                                   logits_to_keep=logits_to_keep)
         if graphs is not None:
             logits = slice_logits_to_keep(graphs.step(input_ids, position_ids, attention_mask), logits_to_keep)
             out = InklingCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
@@ -506,10 +507,12 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, P
                                                 kwargs.get("logits_processor"))
         return super()._get_candidate_generator(generation_config=generation_config, **kwargs)
 
-    def _decode_logits(self, input_ids, position_ids, meta, cache: QSAPagedCache) -> torch.Tensor:
-        """Logits of a step whose metadata is built (what a captured decode graph runs)."""
+    def _decode_logits(self, input_ids, position_ids, meta, cache: QSAPagedCache, keep: int = 0) -> torch.Tensor:
+        """Logits of a step whose metadata is built (what a captured decode graph runs): of its last ``keep``
+        columns, or of all (0)."""
         text = self.language_model
-        return self._logits(text.run_layers(text.embed(input_ids), cache, meta))
+        hidden = text.run_layers(text.embed(input_ids), cache, meta)
+        return self._logits(hidden[:, -keep:] if keep else hidden)
 
 
 # Convert checkpoint layouts as transformers does for its own Inkling classes (if it has conversions).

@@ -508,7 +508,8 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, ContinuousBatchingMixin, Page
             output_attentions = getattr(config, "output_attentions", False)
         graphs = decode_graphs_for(self, past_key_values, input_ids, inputs_embeds,
                                    extra_outputs=labels is not None or output_hidden_states or output_router_logits
-                                   or output_attentions or "ple_input_ids" in kwargs or "rope_deltas" in kwargs)
+                                   or output_attentions or "ple_input_ids" in kwargs or "rope_deltas" in kwargs,
+                                   logits_to_keep=logits_to_keep)
         if graphs is not None:
             logits = slice_logits_to_keep(graphs.step(input_ids, position_ids, attention_mask), logits_to_keep)
             return MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
@@ -547,10 +548,12 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, ContinuousBatchingMixin, Page
     _decode_uses_position_ids = True  # the CUDA-graph decode step keeps a position buffer
     step_positions = staticmethod(step_position_ids)  # what it writes there from a caller's position_ids
 
-    def _decode_logits(self, input_ids, position_ids, meta, cache: QSAPagedCache) -> torch.Tensor:
-        """Logits of a step whose metadata is built (what a captured decode graph runs)."""
+    def _decode_logits(self, input_ids, position_ids, meta, cache: QSAPagedCache, keep: int = 0) -> torch.Tensor:
+        """Logits of a step whose metadata is built (what a captured decode graph runs): of its last ``keep``
+        columns, or of all (0)."""
         embeds = self.language_model.embed_tokens(input_ids)
-        return self.lm_head(self.language_model.run_layers(embeds, input_ids, position_ids, meta, cache))
+        hidden = self.language_model.run_layers(embeds, input_ids, position_ids, meta, cache)
+        return self.lm_head(hidden[:, -keep:] if keep else hidden)
 
 
 # Upstream checkpoints store experts per expert and the n-gram table in shards: convert as upstream does.

@@ -166,9 +166,10 @@ def test_static_buffer_step_with_padded_rows_equals_the_forward(family, length, 
                                                ("inkling", "implicit")])
 def test_short_prefill_steps_take_the_recorded_step_at_a_power_of_two_length(family, positions, length):
     """A prefill step of two started rows (a power of two) and at most `SHORT_PREFILL_TOKENS` tokens once its length
-    is rounded up to a power of two goes through the forward to the recorded step (`takes_graph_step`), its tokens
-    left-padded to that length; the logits of its own columns equal the forward's, over steps that close QSA
-    groups and evict window blocks."""
+    is rounded up to a power of two, whose caller keeps the last column's logits (``logits_to_keep=1``), goes through
+    the forward to the recorded step (`takes_graph_step`), its tokens left-padded to that length; its logits equal
+    the forward's, over steps that close QSA groups and evict window blocks. A caller that keeps every column runs
+    the forward (the recorded step computes the last column alone)."""
     from helpers.serving import steps_routed_as_on_a_gpu
 
     model, (ids, mask) = _pair(family)
@@ -180,11 +181,13 @@ def test_short_prefill_steps_take_the_recorded_step_at_a_power_of_two_length(fam
             step = torch.randint(2, model.config.vocab_size, (2, length), generator=gen)
             pos = mask.sum(1, keepdim=True) + torch.arange(length) if positions == "passed" else None
             mask = torch.cat([mask, torch.ones_like(step)], dim=1)
-            want = model(step, attention_mask=mask, past_key_values=eager, position_ids=pos).logits
+            want = model(step, attention_mask=mask, past_key_values=eager, position_ids=pos, logits_to_keep=1).logits
             with steps_routed_as_on_a_gpu() as routed:
-                got = model(step, attention_mask=mask, past_key_values=static, position_ids=pos).logits
-            assert routed == [length]
-            torch.testing.assert_close(got, want, atol=5e-5, rtol=0)
+                got = model(step, attention_mask=mask, past_key_values=static, position_ids=pos, logits_to_keep=1)
+            assert routed == [length] and got.logits.shape == want.shape == (2, 1, model.config.vocab_size)
+            torch.testing.assert_close(got.logits, want, atol=5e-5, rtol=0)
+            assert not cuda_graphs.takes_graph_step(static, step, None, False, logits_to_keep=0)
+            assert not cuda_graphs.takes_graph_step(static, step, None, False, logits_to_keep=2)
     assert static.lengths == eager.lengths
     recorded = max(length, cuda_graphs.SHORT_PREFILL_MIN_LEN)
     assert list(runner.buckets) == [(2, recorded, 160, recorded > length)]
@@ -238,23 +241,45 @@ def test_the_recorded_step_sees_the_model_move_to_another_dtype():
             runner.step(nxt, None, mask)
 
 
+class _MarkedRecorded(cuda_graphs.DecodeGraphs):
+    """No GPU here: a bucket's first step runs the recorded body, keeps its logits as a graph's buffer would and marks
+    the bucket recorded; later steps "replay" (launch nothing, read that buffer)."""
+
+    def _run_and_capture(self, entry):
+        from types import SimpleNamespace
+
+        logits = self._eager(entry)
+        entry.logits, entry.graph = logits.clone(), SimpleNamespace(replay=lambda: None)
+        return logits
+
+
 def test_the_runner_counts_the_steps_that_record_a_graph():
     """A shape's first step records its graph, counted with its host seconds (what meeting a new shape costs a serving
     loop: `bench_serving` reports both); the later steps of that shape replay it."""
-    from types import SimpleNamespace
-
-    class Recorded(cuda_graphs.DecodeGraphs):  # (no GPU here: a capture that only marks the bucket recorded)
-        def _run_and_capture(self, entry):
-            logits = self._eager(entry)
-            entry.logits, entry.graph = logits.clone(), SimpleNamespace(replay=lambda: None)
-            return logits
-
     model, (ids, mask) = _pair("qwen4_exp")
     cache = QSAPagedCache(model.config, 4, 64, block_size=4)
-    runner = Recorded(model, cache, "cpu", record=True)
+    runner = _MarkedRecorded(model, cache, "cpu", record=True)
     with torch.no_grad():
         nxt = model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(3):
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
             runner.step(nxt, None, mask)
     assert (runner.recordings, runner.replays) == (1, 2) and runner.recording_s > 0
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
+def test_a_prefill_sized_recorded_step_keeps_its_last_column_alone(family):
+    """A short prefill step's graph computes and keeps the last column's logits only (a buffer of every column would
+    hold rows x length x vocabulary per recorded shape): its logits equal the forward's last column."""
+    model, (ids, mask) = _pair(family)
+    ids, mask = ids[:2], mask[:2]
+    eager, static, _ = _prompt_on_twin_caches(model, ids, mask, 160, 0)
+    runner = _MarkedRecorded(model, static, "cpu", record=True)
+    step = torch.randint(2, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(6))
+    mask = torch.cat([mask, torch.ones_like(step)], dim=1)
+    with torch.no_grad():
+        want = model(step, attention_mask=mask, past_key_values=eager, logits_to_keep=1).logits
+        got = runner.step(step, None, mask)
+    (entry,) = runner.buckets.values()
+    assert entry.ids.shape == (2, 32) and entry.logits.shape == got.shape == (2, 1, model.config.vocab_size)
+    torch.testing.assert_close(got, want, atol=5e-5, rtol=0)

@@ -67,8 +67,8 @@ def steps_routed_as_on_a_gpu():
 
     lengths = []
 
-    def as_on_a_gpu(model, cache, input_ids, inputs_embeds, extra_outputs):
-        if not cuda_graphs.takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs):
+    def as_on_a_gpu(model, cache, input_ids, inputs_embeds, extra_outputs, logits_to_keep=0):
+        if not cuda_graphs.takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs, logits_to_keep):
             return None
         lengths.append(input_ids.shape[1])
         return cuda_graphs.graphs_of(model, cache, "cpu", record=False)
