@@ -126,7 +126,10 @@ def stubbed_model(args):
         qwen_module.gated_residual = lambda module, streams, residual=None: (streams[..., :width], streams, None)
     model.use_cuda_graphs = False
     if args.graph_steps:  # the host path a GPU takes for decode and short prefill steps (`idle_graphs_for`)
+        import hf_qsa_cache.serving.runner as runner_module  # (the serving runner takes such steps straight there)
+
         inkling_module.decode_graphs_for = qwen_module.decode_graphs_for = idle_graphs_for
+        runner_module.decode_graphs_for = idle_graphs_for
     return model
 
 

@@ -8,6 +8,7 @@ import logging
 import torch
 
 from ..cache import QSAPagedCache
+from ..cuda_graphs import decode_graphs_for
 from ..grouped import grouped_logits
 from ..ops import int_tensor
 from ..rollback import crop_rows
@@ -324,6 +325,13 @@ class ModelRunner:
             inputs = self.model.prompt_step_inputs(ids, mask, [(self.encoded.get(r), r.held) for r in rows],
                                                    self.cache)
         else:
+            # A step the recorded (CUDA-graph) step takes goes straight to it: the model's forward routes it there
+            # too, through wrappers and an output object that cost a decode iteration a fifth of its host work. (Only
+            # logits are read here: outputs a model's config asks for do not keep a step off the graphs.)
+            graphs = decode_graphs_for(self.model, self.cache, ids, None, extra_outputs=False, logits_to_keep=keep)
+            if graphs is not None:
+                with self.cache.forward_scope():
+                    return graphs.step(ids, None, mask)[:, -keep:]
             inputs = {"input_ids": ids}
         out = self.model(**inputs, attention_mask=mask, past_key_values=self.cache, use_cache=True,
                          logits_to_keep=keep)

@@ -65,6 +65,8 @@ def steps_routed_as_on_a_gpu():
     import modeling.modeling_inkling as inkling_module
     import modeling.modeling_qwen4_exp as qwen_module
 
+    import hf_qsa_cache.serving.runner as runner_module
+
     lengths = []
 
     def as_on_a_gpu(model, cache, input_ids, inputs_embeds, extra_outputs, logits_to_keep=0):
@@ -74,5 +76,6 @@ def steps_routed_as_on_a_gpu():
         return cuda_graphs.graphs_of(model, cache, "cpu", record=False)
 
     with mock.patch.object(qwen_module, "decode_graphs_for", as_on_a_gpu), \
-            mock.patch.object(inkling_module, "decode_graphs_for", as_on_a_gpu):
+            mock.patch.object(inkling_module, "decode_graphs_for", as_on_a_gpu), \
+            mock.patch.object(runner_module, "decode_graphs_for", as_on_a_gpu):
         yield lengths

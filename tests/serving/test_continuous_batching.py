@@ -63,6 +63,29 @@ def test_generate_batch_equals_each_prompt_alone_with_preemption_and_small_chunk
     assert pools_full(cache)
 
 
+def test_steps_the_graphs_take_go_straight_to_them_not_through_the_forward(family, monkeypatch):
+    """Routed as on a GPU, the loop hands decode (and short prefill) steps straight to the recorded step: the model's
+    forward runs only the other prefill steps (its wrappers and output object cost a decode iteration a fifth of its
+    host work), even when the model's config asks for router logits (the loop reads logits alone). Every request's
+    tokens are transformers' alone."""
+    from helpers.serving import steps_routed_as_on_a_gpu
+
+    name, ref, ours = family
+    prompts = random_prompts(LENGTHS, vocab=90, seed=3)
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=8, max_requests_per_batch=3)
+    forward, through_forward = ours.forward, []
+    monkeypatch.setattr(ours, "forward", lambda input_ids=None, **kw: through_forward.append(input_ids.shape[1])
+                        or forward(input_ids=input_ids, **kw))
+    monkeypatch.setattr(ours.config, "output_router_logits", True, raising=False)
+    with steps_routed_as_on_a_gpu() as routed, \
+            ours.continuous_batching_context_manager(_greedy(), continuous_batching_config=config) as manager:
+        ids = manager.add_requests(prompts)
+        results = collect_results(manager, len(prompts))
+    for request_id, prompt in zip(ids, prompts):
+        assert results[request_id].generated_tokens == _alone(ref, prompt), request_id
+    assert routed.count(1) >= NEW and 1 not in through_forward and through_forward
+
+
 def test_requests_arriving_while_others_decode(family):
     name, ref, ours = family
     prompts = random_prompts([19, 7, 26, 11], vocab=90, seed=5)
