@@ -63,7 +63,7 @@ class Sampling:
                    top_k=config.top_k or None, top_p=config.top_p, min_p=config.min_p,
                    repetition_penalty=config.repetition_penalty or 1.0)
 
-    @property
+    @functools.cached_property  # (asked per row per step; the parameters never change)
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
