@@ -129,7 +129,7 @@ def test_a_graph_owns_the_packed_rows_it_reads():
     graph, state = torch.cuda.CUDAGraph(), static[5].clone()
     with torch.cuda.graph(graph):
         out, out_state = chunked_rule(rule, *static[:5], state)
-    for length in range(33, 103):  # other shapes: the kept pairs and the memo move on
+    for length in range(33, 103):  # other shapes: a memo of shapes, and flash-linear-attention's, would move on
         chunked_rule(rule, *inputs(1, length))
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

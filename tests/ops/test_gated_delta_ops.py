@@ -350,8 +350,9 @@ def _packed_kernel_rule(calls: list):
         bounds = cu_seqlens.tolist()
         outs, states = [], []
         for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            start = None if initial_state is None else initial_state[i:i + 1]  # (a first step starts from none)
             o, s = reference(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g=g[:, lo:hi], beta=beta[:, lo:hi],
-                             initial_state=None if initial_state is None else initial_state[i:i + 1], output_final_state=True,
+                             initial_state=start, output_final_state=True,
                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
             outs.append(o)
             states.append(s)
