@@ -18,7 +18,7 @@ import torch
 from helpers.faults import host_state
 from helpers.qwen4 import make_pair
 from helpers.batches import family_prompts as _prompts
-from test_fault_injection import ReplayingGraphs
+from helpers.graphs import ReplayingGraphs
 
 from hf_qsa_cache import QSAPagedCache
 from hf_qsa_cache.cuda_graphs import graphs_of

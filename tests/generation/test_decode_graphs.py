@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import helpers.inkling as inkling
 import torch
+from helpers.graphs import ReplayingGraphs
 from helpers.qwen4 import left_pad, make_pair, random_prompts
 
 from hf_qsa_cache import QSAPagedCache
@@ -241,24 +242,12 @@ def test_the_recorded_step_sees_the_model_move_to_another_dtype():
             runner.step(nxt, None, mask)
 
 
-class _MarkedRecorded(cuda_graphs.DecodeGraphs):
-    """No GPU here: a bucket's first step runs the recorded body, keeps its logits as a graph's buffer would and marks
-    the bucket recorded; later steps "replay" (launch nothing, read that buffer)."""
-
-    def _run_and_capture(self, entry):
-        from types import SimpleNamespace
-
-        logits = self._eager(entry)
-        entry.logits, entry.graph = logits.clone(), SimpleNamespace(replay=lambda: None)
-        return logits
-
-
 def test_the_runner_counts_the_steps_that_record_a_graph():
     """A shape's first step records its graph, counted with its host seconds (what meeting a new shape costs a serving
     loop: `bench_serving` reports both); the later steps of that shape replay it."""
     model, (ids, mask) = _pair("qwen4_exp")
     cache = QSAPagedCache(model.config, 4, 64, block_size=4)
-    runner = _MarkedRecorded(model, cache, "cpu", record=True)
+    runner = ReplayingGraphs(model, cache, "cpu", record=True)
     with torch.no_grad():
         nxt = model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(3):
@@ -270,16 +259,21 @@ def test_the_runner_counts_the_steps_that_record_a_graph():
 @pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
 def test_a_prefill_sized_recorded_step_keeps_its_last_column_alone(family):
     """A short prefill step's graph computes and keeps the last column's logits only (a buffer of every column would
-    hold rows x length x vocabulary per recorded shape): its logits equal the forward's last column."""
+    hold rows x length x vocabulary per recorded shape): the recording step's logits and the replay's equal the
+    forward's last column."""
     model, (ids, mask) = _pair(family)
     ids, mask = ids[:2], mask[:2]
     eager, static, _ = _prompt_on_twin_caches(model, ids, mask, 160, 0)
-    runner = _MarkedRecorded(model, static, "cpu", record=True)
-    step = torch.randint(2, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(6))
-    mask = torch.cat([mask, torch.ones_like(step)], dim=1)
+    runner = ReplayingGraphs(model, static, "cpu", record=True)
+    gen = torch.Generator().manual_seed(6)
     with torch.no_grad():
-        want = model(step, attention_mask=mask, past_key_values=eager, logits_to_keep=1).logits
-        got = runner.step(step, None, mask)
+        for _ in range(2):
+            step = torch.randint(2, model.config.vocab_size, (2, 20), generator=gen)
+            mask = torch.cat([mask, torch.ones_like(step)], dim=1)
+            want = model(step, attention_mask=mask, past_key_values=eager, logits_to_keep=1).logits
+            got = runner.step(step, None, mask)
+            assert got.shape == (2, 1, model.config.vocab_size)
+            torch.testing.assert_close(got, want, atol=5e-5, rtol=0)
     (entry,) = runner.buckets.values()
-    assert entry.ids.shape == (2, 32) and entry.logits.shape == got.shape == (2, 1, model.config.vocab_size)
-    torch.testing.assert_close(got, want, atol=5e-5, rtol=0)
+    assert entry.ids.shape == (2, 32) and entry.logits.shape == (2, 1, model.config.vocab_size)
+    assert (runner.recordings, runner.replays) == (1, 1)
