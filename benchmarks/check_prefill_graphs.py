@@ -14,8 +14,10 @@ For each ``ROWSxL`` shape, two caches take the same ``--past`` random tokens a r
 on the other (its first step of each shape runs eagerly on the graph's path and captures; later ones replay).
 Reported per shape, as a JSON line: whether a graph was captured (else the error that stopped it), the median
 eager step and the median replayed step in ms (synchronised), the replays, each capture's ms (what recording a new
-shape costs, on top of that step run eagerly), and the largest difference between the two caches' logits. On the CPU (``--tiny``) nothing is recorded: the graph's path runs eagerly from its static
-buffers, which checks that path against the forward at these lengths (tests/scripts/test_check_prefill_graphs.py).
+shape costs, on top of that step run eagerly), and the largest difference between the two caches' logits (the last
+column's: a prefill-sized recorded step computes that one alone). On the CPU (``--tiny``) nothing is recorded: the
+graph's path runs eagerly from its static buffers, which checks that path against the forward at these lengths
+(tests/scripts/test_check_prefill_graphs.py).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def check_shape(model, rows: int, length: int, args, device, dtype) -> dict:
             sync(device)
             if runner.replays > replays:
                 replay_ms.append(1e3 * (time.perf_counter() - start))
-            want = want[:, -got.shape[1]:]  # (a prefill-sized recorded step computes its last column: keeps_last_column)
+            want = want[:, -got.shape[1]:]  # (a prefill-sized recorded step computes its last column alone)
             worst = max(worst, (got.float() - want.float()).abs().max().item())
             scale = max(scale, want.float().abs().max().item())
     failures = [error for key, error in capture_failures(model).items() if key[3:5] == (runner.bucket(rows), length)]

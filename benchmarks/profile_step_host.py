@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_generate import decode_ms_end_to_end, prefilled  # noqa: E402
-from profile_serving_host import IdleGraph, idle_graphs_for, tiny_config  # noqa: E402, F401  (IdleGraph: tests patch it)
+# (IdleGraph: tests/scripts/test_profile_step_host.py patches it here)
+from profile_serving_host import IdleGraph, idle_graphs_for, tiny_config  # noqa: E402, F401
 
 from hf_qsa_cache import QSAPagedCache  # noqa: E402
 

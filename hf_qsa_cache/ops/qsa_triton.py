@@ -1,6 +1,4 @@
-"""Triton versions of the two QSA hot ops.
-
-Same signatures and outputs as the torch specification in `hf_qsa_cache.ops.qsa`:
+"""Triton versions of the QSA hot ops, with the signatures and outputs of their torch specification (`ops.qsa`):
 
 * `sparse_paged_attention_triton`: one program per (token, KV head, split) runs all GQA query heads
   of that KV head over a contiguous range of the token's selected positions, in tiles of ``BLOCK_W``,
@@ -19,6 +17,7 @@ Same signatures and outputs as the torch specification in `hf_qsa_cache.ops.qsa`
   one pass per row. Decode runs one token per program, the groups split across programs. With
   ``tile > 1`` it writes only each tile of groups' best score (the long-context selection ranks tiles
   first, then rescores the best tiles' groups with `candidate_scores_triton`, one program per token).
+* `pool_groups_triton`: each group a step closes, its mean raw key and first position (ring or step keys), one launch.
 
 Block-table lookups clamp the logical block to the table's last column, like `paged_rows`.
 """
