@@ -40,6 +40,7 @@ import triton
 from bench_generate import RESULTS, commit, inkling_config, qwen4_exp_config, run
 from percentiles import pct
 from transformers import ContinuousBatchingConfig, GenerationConfig
+from hf_qsa_cache import cuda_graphs
 
 
 def workload(args, vocab: int):
@@ -253,8 +254,13 @@ def main():
     parser.add_argument("--passes", type=int, default=1,
                         help="measure the workload this many times on one manager: later passes meet no shape for "
                              "the first time (no kernel compiled or autotuned while they run)")
+    parser.add_argument("--short-prefill-tokens", type=int, default=None,
+                        help="largest rows x length (rounded up) of a prefill step that replays a CUDA graph "
+                             f"(default {cuda_graphs.SHORT_PREFILL_TOKENS}); set once, before the model runs")
     parser.add_argument("--jsonl", default=RESULTS)
     args = parser.parse_args()
+    if args.short_prefill_tokens is not None:
+        cuda_graphs.SHORT_PREFILL_TOKENS = args.short_prefill_tokens
 
     torch.manual_seed(0)
     if args.model == "qwen4_exp":
@@ -275,7 +281,8 @@ def main():
     common = {"bench": "serving", "model": args.model, "layers": args.layers, "requests": args.requests,
               "arrival": args.arrival, "rate": args.rate if args.arrival == "poisson" else None,
               "prompt_tokens": sum(map(len, prompts)), "wanted_tokens": sum(outputs), "rows": args.rows,
-              "batch_tokens": args.batch_tokens, "static_batch": args.static_batch, "commit": commit()}
+              "batch_tokens": args.batch_tokens, "static_batch": args.static_batch, "commit": commit(),
+              "short_prefill_tokens": cuda_graphs.SHORT_PREFILL_TOKENS}
 
     def warm_manager(grouped: bool):
         # Warm-up on the manager of the measured run: kernel compilation, and one CUDA graph per decode batch
