@@ -387,15 +387,22 @@ def decode_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: boo
                       logits_to_keep=0) -> DecodeGraphs | None:
     """The graphs to run this forward with, or None when it must run eagerly: a step `takes_graph_step` allows,
     of a model held whole on one CUDA device (no offloading hooks), its inputs there, outside another capture."""
-    if not (getattr(model, "use_cuda_graphs", True) and enabled_by_default()):
-        return None
     if (not takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs, logits_to_keep)
             or not input_ids.is_cuda or torch.cuda.is_current_stream_capturing()):
         return None
-    device = _single_cuda_device(model)
+    device = graphs_device(model)
     if device is None or device != input_ids.device:
         return None
     return graphs_of(model, cache, device)
+
+
+def graphs_device(model) -> torch.device | None:
+    """The device ``model``'s recorded steps replay on, or None where every step of it runs eagerly: graphs turned
+    off (``model.use_cuda_graphs = False``, ``HF_QSA_CUDA_GRAPHS=0``), or the model not held whole on one CUDA
+    device."""
+    if not (getattr(model, "use_cuda_graphs", True) and enabled_by_default()):
+        return None
+    return _single_cuda_device(model)
 
 
 def takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs: bool, logits_to_keep=0) -> bool:

@@ -108,7 +108,8 @@ class ContinuousBatchingManager:
         self.runner.peers = lambda: [*self.scheduler.rows, *self.scheduler.waiting]  # (prefix caching)
         self.scheduler = Scheduler(rows, config.max_batch_tokens or DEFAULT_BATCH_TOKENS,
                                    prefill_first=config.scheduler_type == "prefill_first",
-                                   unit=self.cache.prefix.unit if self.cache.prefix is not None else None)
+                                   unit=self.cache.prefix.unit if self.cache.prefix is not None else None,
+                                   replays=self.runner.replays_prefill)
         if config.scheduler_type not in ("fifo", "prefill_first"):
             raise ValueError(f"scheduler_type must be 'fifo' or 'prefill_first', got {config.scheduler_type!r}")
         self.input_queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size or 0)

@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from .. import cuda_graphs
 from ..cache import QSAPagedCache
 from ..cuda_graphs import decode_graphs_for
 from ..grouped import grouped_logits
@@ -198,6 +199,15 @@ class ModelRunner:
         if self.cache.prefix is not None:
             self._after_step(rows)
         return self._sample(rows, logits[:, -1])
+
+    def replays_prefill(self, rows: int, length: int) -> bool:
+        """Whether a prefill step of the first ``rows`` rows, ``length`` tokens the longest, would replay a recorded
+        graph (`_forward`'s route: `cuda_graphs.recorded_length`) rather than run eagerly."""
+        if cuda_graphs.graphs_device(self.model) is None or self.cache.columns_seen == 0:
+            return False
+        if self.encoded and any(r in self.encoded and r.held < len(r.prompt) for r in self.rows[:rows]):
+            return False  # (prompt embeddings: the eager forward)
+        return cuda_graphs.recorded_length(self.cache, rows, length) is not None
 
     def can_group(self) -> bool:
         """Whether the next step may be a grouped step (`grouped`): the model runs them (a text model of ours) and

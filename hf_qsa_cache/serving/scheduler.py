@@ -33,8 +33,12 @@ from .requests import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, max_rows: int, max_batch_tokens: int, prefill_first: bool, unit: int | None = None):
+    def __init__(self, max_rows: int, max_batch_tokens: int, prefill_first: bool, unit: int | None = None,
+                 replays=None):
         self.max_rows = max_rows
+        # replays(rows, length): whether a prefill step of the first rows, length tokens the longest, replays a
+        # recorded graph (`ModelRunner.replays_prefill`; None: never, as on a CPU).
+        self.replays = replays or (lambda rows, length: False)
         self.unit = unit  # prefix caching: chunks stop at each request's snapshot point (`snapshot_point`)
         self.max_batch_tokens = max_batch_tokens
         self.prefill_first = prefill_first
@@ -197,15 +201,16 @@ class Scheduler:
         ``k * length`` fits the budget and pads (a row with less than that length is padded) stay at most half
         of the step; except that when the oldest chunk is short (a prompt's last tokens after its snapshot
         point, say) and the next row can use more, the step takes that row's length if it feeds more tokens so:
-        the short chunk rides along, padded, instead of setting a short step of its own (each step costs its
-        host work, whatever its size). ``packed`` (a grouped step: no pads), the rows after it take what is left
+        the short chunk rides along, padded, instead of setting a short step of its own (an eager step costs its
+        host work, whatever its size), unless its own step replays a recorded graph (``replays``: then it costs a
+        fraction of that, and riding along would cost the pads' GPU work). ``packed`` (a grouped step: no pads), the rows after it take what is left
         of the budget, each as much as it can use."""
         p = self.prefilling()
         if p == 0:
             return []
         first = self._to_snapshot(self.rows[0], min(self.rows[0].pending, self.max_batch_tokens))
         chunks = self._joined(first, first, p, packed)
-        if packed or p < 2:
+        if packed or p < 2 or self.replays(len(chunks), first):
             return chunks
         longer = self._to_snapshot(self.rows[1], min(self.rows[1].pending, self.max_batch_tokens // 2))
         if longer > first:

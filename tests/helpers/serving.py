@@ -60,8 +60,9 @@ def pools_full(cache: QSAPagedCache) -> bool:
 def steps_routed_as_on_a_gpu():
     """While open, each family's forward runs every step the recorded CUDA-graph step computes
     (`cuda_graphs.takes_graph_step`: decode, verify and short prefill steps) on that path, from its static buffers
-    (`DecodeGraphs(record=False)`), as a GPU replays it; the CPU otherwise never takes it. Yields the lengths of the
-    steps so routed (a list that grows)."""
+    (`DecodeGraphs(record=False)`), as a GPU replays it, and the serving scheduler plans for those replays
+    (`cuda_graphs.graphs_device`); the CPU otherwise never takes it. Yields the lengths of the steps so routed (a
+    list that grows)."""
     import modeling.modeling_inkling as inkling_module
     import modeling.modeling_qwen4_exp as qwen_module
 
@@ -77,5 +78,6 @@ def steps_routed_as_on_a_gpu():
 
     with mock.patch.object(qwen_module, "decode_graphs_for", as_on_a_gpu), \
             mock.patch.object(inkling_module, "decode_graphs_for", as_on_a_gpu), \
-            mock.patch.object(runner_module, "decode_graphs_for", as_on_a_gpu):
+            mock.patch.object(runner_module, "decode_graphs_for", as_on_a_gpu), \
+            mock.patch.object(cuda_graphs, "graphs_device", lambda model: torch.device("cpu")):
         yield lengths

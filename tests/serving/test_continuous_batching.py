@@ -419,8 +419,8 @@ def test_prefill_chunks_serve_the_oldest_first_within_budget_and_padding():
     from hf_qsa_cache.serving.requests import Request
     from hf_qsa_cache.serving.scheduler import Scheduler
 
-    def chunks(pending, budget):
-        scheduler = Scheduler(max_rows=8, max_batch_tokens=budget, prefill_first=False)
+    def chunks(pending, budget, replays=None):
+        scheduler = Scheduler(max_rows=8, max_batch_tokens=budget, prefill_first=False, replays=replays)
         scheduler.rows = [Request(f"r{i}", [5] * n, 4, frozenset()) for i, n in enumerate(pending)]
         return scheduler.prefill_chunks()
 
@@ -436,6 +436,18 @@ def test_prefill_chunks_serve_the_oldest_first_within_budget_and_padding():
     assert chunks([4, 5, 40], budget=100) == [4, 5, 5]
     assert chunks([3, 3, 3, 3, 3, 3, 40], budget=64) == [3] * 7  # (the next row is no longer: nothing changes)
     assert chunks([2, 3, 3, 3], budget=9) == [2, 2, 2, 2]  # 8 tokens either way: the fewer pads
+    # Unless the short chunk's own step replays a recorded graph (a fraction of an eager step's host work): then
+    # it steps with the rows that join it at its length, and the longer chunk waits for the next step.
+    asked = []
+
+    def small_steps_replay(rows, length):
+        asked.append((rows, length))
+        return rows * length <= 8
+
+    assert chunks([4, 40], budget=100) == [4, 40]
+    assert chunks([4, 40], budget=100, replays=small_steps_replay) == [4, 4]
+    assert chunks([4, 40, 40], budget=100, replays=small_steps_replay) == [4, 40]  # 3 x 4: eager, rides along
+    assert asked == [(2, 4), (3, 4)]
 
 
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped-steps", "prefill-then-decode"])

@@ -6,6 +6,8 @@ inside QSA groups, windows and conv spans; pools are tight enough that cached bl
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from helpers.qwen4 import collect_results, random_prompts
 from helpers.serving import FAMILIES, alone, family_pair, greedy, pools_full
@@ -87,6 +89,33 @@ def test_short_prefill_steps_on_the_graphs_path(family):
     assert stats["hit_tokens"] > 0
     assert 1 in routed and any(n > 1 for n in routed)  # decode steps and short prefill steps took the path
     assert pools_full(manager.cache)
+
+
+def test_a_short_tail_that_replays_a_graph_steps_without_riding_along(family, monkeypatch):
+    """A prompt's last tokens after its snapshot point, beside a started row with more to feed: where their own step
+    replays a recorded graph (as on a GPU), the short chunks step alone, without pads, instead of riding along in the
+    longer row's step (`Scheduler.prefill_chunks`). Tokens equal transformers' alone either way."""
+    from helpers.serving import steps_routed_as_on_a_gpu
+
+    name, ref, ours = family
+    prompts = random_prompts([14, 70], vocab=90, seed=24)  # 14: snapshot point 12, a tail of 2
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=32, max_requests_per_batch=2)
+
+    def steps(routed_as_on_a_gpu: bool) -> list[list[int]]:
+        with contextlib.ExitStack() as stack:
+            if routed_as_on_a_gpu:
+                stack.enter_context(steps_routed_as_on_a_gpu())
+            manager = stack.enter_context(ours.continuous_batching_context_manager(
+                greedy(NEW), continuous_batching_config=config))
+            planned, plan = [], manager.scheduler.prefill_chunks
+            monkeypatch.setattr(manager.scheduler, "prefill_chunks",
+                                lambda packed=False: planned.append(plan(packed)) or planned[-1])
+            check(ref, prompts, run(manager, prompts))
+        return [c for c in planned if c]
+
+    eager, replayed = steps(False), steps(True)
+    assert eager[:2] == [[12, 16], [2, 16]]  # the tail rides along, padded, in the eager step
+    assert replayed[:3] == [[12, 16], [2, 2], [32]]  # its own step replays: with the row that joins at its length
 
 
 def test_tight_pool_evicts_cached_blocks_and_sharing_can_be_turned_off(family):
