@@ -219,6 +219,13 @@ class DecodeGraphs:
             self._set_experts(experts_modules(model))
         self.probe, self.model_state, self.model_dtype = probe, state, model.dtype
 
+    def steps_were_own(self) -> None:
+        """The steps the cache took since this runner's last one were its caller's own eager steps (the serving
+        loop's prefill steps), with no user code run in between: the next step checks the cheap probe alone, not
+        every weight (`_forget_stale_graphs`: a walk of milliseconds at the released depths, after every such
+        step)."""
+        self.steps_seen = self.cache.steps_started
+
     def _set_experts(self, experts: list) -> None:
         self.experts = experts
         self.expert_configs = list({id(config): config for _, config in experts}.values())

@@ -159,6 +159,7 @@ class ContinuousBatchingManager:
             self._stop = None
             self._accepting = True
         self.background_thread_status.fatal_error = None
+        self.runner.start_session()
         if self.continuous_batching_config.use_cuda_graph is not None:
             self.model.use_cuda_graphs = bool(self.continuous_batching_config.use_cuda_graph)
         self._thread = threading.Thread(target=self._loop, name="hf-qsa-continuous-batching", daemon=True)

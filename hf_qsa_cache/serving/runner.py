@@ -36,8 +36,15 @@ class ModelRunner:
         # Prefix caching: the other requests in flight or waiting (set by the manager), whose prompts a request's
         # prefill may share: it stops where the longest such shared part ends, to cache its state there.
         self.peers = lambda: []
+        # Whether a recorded step ran since the loop (re)started (`start_session`), checking the model then. No user
+        # code runs between the loop's steps, so the eager steps after it need not make the next recorded step walk
+        # every weight to see whether the model changed (`DecodeGraphs.steps_were_own`); before it user code may have.
+        self.graphs_checked = False
         # The penalized requests' token histories (made at the first penalized request), a slot while it holds a row.
         self.penalties: PenaltyTables | None = None
+
+    def start_session(self) -> None:
+        self.graphs_checked = False
 
     def encode(self, request: Request) -> None:
         if request.media is not None and request not in self.encoded:
@@ -341,18 +348,29 @@ class ModelRunner:
             graphs = decode_graphs_for(self.model, self.cache, ids, None, extra_outputs=False, logits_to_keep=keep)
             if graphs is not None:
                 with self.cache.forward_scope():
-                    return graphs.step(ids, None, mask)[:, -keep:]
+                    logits = graphs.step(ids, None, mask)[:, -keep:]
+                self.graphs_checked = True
+                return logits
             inputs = {"input_ids": ids}
         out = self.model(**inputs, attention_mask=mask, past_key_values=self.cache, use_cache=True,
                          logits_to_keep=keep)
+        self._ran_eagerly()
         return out.logits[:, -keep:]
 
     def _forward_grouped(self, rows: list[Request], shape: list[tuple[int, int]], counts: list[int], ids: list[int],
                          keep: list[int]) -> torch.Tensor:
         """The logits ``[len(keep), vocab]`` at the step's token indices ``keep`` of a grouped step (``shape``: its
         groups, ``counts``: each row's tokens, ``ids``: the tokens, rectangle after rectangle)."""
-        return grouped_logits(self.model, self.cache, shape, counts, torch.tensor([ids], device=self.device),
-                              torch.tensor(keep, device=self.device))
+        logits = grouped_logits(self.model, self.cache, shape, counts, torch.tensor([ids], device=self.device),
+                                torch.tensor(keep, device=self.device))
+        self._ran_eagerly()
+        return logits
+
+    def _ran_eagerly(self) -> None:
+        """An eager step of this loop landed: after a recorded step of this session, the recorded steps learn that it
+        was the loop's own."""
+        if self.graphs_checked:
+            self.cache.graph_runners[self.model].steps_were_own()
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[tuple[Request, int, float | None]]:
         """The next token of each row that has fed everything it had: the argmax of its scores (greedy) or a

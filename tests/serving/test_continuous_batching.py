@@ -86,6 +86,48 @@ def test_steps_the_graphs_take_go_straight_to_them_not_through_the_forward(famil
     assert routed.count(1) >= NEW and 1 not in through_forward and through_forward
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["prefill-steps", "grouped-steps"])
+def test_the_loops_own_eager_steps_spare_the_recorded_steps_a_walk_of_every_weight(family, monkeypatch, grouped,
+                                                                                   request):
+    """A recorded step after steps it did not take walks every weight and hook of the model to see whether it
+    changed (`DecodeGraphs._forget_stale_graphs`): milliseconds at the released depths. Inside the loop the eager
+    steps between are its own (`DecodeGraphs.steps_were_own`), so the walk comes once per session (after its first
+    step), not after every eager step; a hook added between sessions is still seen."""
+    from helpers.serving import steps_routed_as_on_a_gpu
+
+    from hf_qsa_cache import cuda_graphs
+
+    name, ref, ours = family
+    walks = []
+    fingerprint = cuda_graphs.model_fingerprint
+    monkeypatch.setattr(cuda_graphs, "model_fingerprint", lambda model: walks.append(1) or fingerprint(model))
+    prompts = random_prompts(LENGTHS, vocab=90, seed=3)
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=8, max_requests_per_batch=3)
+    manager = ours.init_continuous_batching(generation_config=_greedy(), continuous_batching_config=config)
+    monkeypatch.setattr(manager, "grouped_steps", grouped)
+    request.addfinalizer(ours.destroy_cached_continuous_batching_manager)  # (kept on the model between sessions)
+    with steps_routed_as_on_a_gpu() as routed:
+        manager.start()
+        ids = manager.add_requests(prompts)
+        results = collect_results(manager, len(prompts))
+        manager.stop(keep_for_next_session=True)
+        eager_steps = manager.stats["grouped_steps" if grouped else "prefill_steps"]
+        assert routed.count(1) >= NEW and eager_steps >= 4
+        assert len(walks) == 2  # the recorded steps' first (made, then first step), whatever the eager steps
+        for request_id, prompt in zip(ids, prompts):
+            assert results[request_id].generated_tokens == _alone(ref, prompt), request_id
+        # Between sessions user code may change the model: the next session's first recorded step walks again.
+        hooked = next(m for m in ours.modules() if isinstance(m, torch.nn.Linear))
+        handle = hooked.register_forward_hook(lambda *args: None)
+        manager.start()
+        stale = len(walks)
+        manager.add_request(prompts[0])
+        collect_results(manager, 1)
+        manager.stop()
+        handle.remove()
+    assert len(walks) > stale
+
+
 def test_requests_arriving_while_others_decode(family):
     name, ref, ours = family
     prompts = random_prompts([19, 7, 26, 11], vocab=90, seed=5)
