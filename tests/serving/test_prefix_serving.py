@@ -102,15 +102,19 @@ def test_a_short_tail_that_replays_a_graph_steps_without_riding_along(family, mo
     config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=32, max_requests_per_batch=2)
 
     def steps(routed_as_on_a_gpu: bool) -> list[list[int]]:
-        with contextlib.ExitStack() as stack:
-            if routed_as_on_a_gpu:
-                stack.enter_context(steps_routed_as_on_a_gpu())
-            manager = stack.enter_context(ours.continuous_batching_context_manager(
-                greedy(NEW), continuous_batching_config=config))
-            planned, plan = [], manager.scheduler.prefill_chunks
-            monkeypatch.setattr(manager.scheduler, "prefill_chunks",
-                                lambda packed=False: planned.append(plan(packed)) or planned[-1])
-            check(ref, prompts, run(manager, prompts))
+        manager = ours.init_continuous_batching(greedy(NEW), config)
+        planned, plan = [], manager.scheduler.prefill_chunks
+        monkeypatch.setattr(manager.scheduler, "prefill_chunks",
+                            lambda packed=False: planned.append(plan(packed)) or planned[-1])
+        ids = manager.add_requests(prompts)  # both before the loop starts: its first step sees both
+        with steps_routed_as_on_a_gpu() if routed_as_on_a_gpu else contextlib.nullcontext():
+            manager.start()
+            try:
+                results = collect_results(manager, len(prompts))
+            finally:
+                manager.stop()
+                manager.destroy()
+        check(ref, prompts, [results[i] for i in ids])
         return [c for c in planned if c]
 
     eager, replayed = steps(False), steps(True)
