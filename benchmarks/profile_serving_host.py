@@ -130,6 +130,7 @@ def stubbed_model(args):
 
         inkling_module.decode_graphs_for = qwen_module.decode_graphs_for = idle_graphs_for
         runner_module.decode_graphs_for = idle_graphs_for
+        cuda_graphs.graphs_device = lambda model: torch.device("cpu")  # (the scheduler plans for those replays too)
     return model
 
 
