@@ -369,8 +369,9 @@ class ModelRunner:
     def _ran_eagerly(self) -> None:
         """An eager step of this loop landed: after a recorded step of this session, the recorded steps learn that it
         was the loop's own."""
-        if self.graphs_checked:
-            self.cache.graph_runners[self.model].steps_were_own()
+        graphs = self.cache.graph_runners.get(self.model) if self.graphs_checked else None
+        if graphs is not None:
+            graphs.steps_were_own()
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[tuple[Request, int, float | None]]:
         """The next token of each row that has fed everything it had: the argmax of its scores (greedy) or a

@@ -203,8 +203,8 @@ class Scheduler:
         point, say) and the next row can use more, the step takes that row's length if it feeds more tokens so:
         the short chunk rides along, padded, instead of setting a short step of its own (an eager step costs its
         host work, whatever its size), unless its own step replays a recorded graph (``replays``: then it costs a
-        fraction of that, and riding along would cost the pads' GPU work). ``packed`` (a grouped step: no pads), the rows after it take what is left
-        of the budget, each as much as it can use."""
+        fraction of that, and riding along would cost the pads' GPU work). ``packed`` (a grouped step: no pads), the
+        rows after it take what is left of the budget, each as much as it can use."""
         p = self.prefilling()
         if p == 0:
             return []
