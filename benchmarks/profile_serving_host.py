@@ -253,8 +253,13 @@ def main():
                              "launching nothing (else every step runs the eager forward's host path)")
     parser.add_argument("--stream", action="store_true",
                         help="stream every request to the HTTP engine process's result handler")
+    parser.add_argument("--short-prefill-tokens", type=int, default=None,
+                        help="as bench_serving.py's: the largest prefill step that replays a CUDA graph "
+                             f"(default {cuda_graphs.SHORT_PREFILL_TOKENS})")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.short_prefill_tokens is not None:
+        cuda_graphs.SHORT_PREFILL_TOKENS = args.short_prefill_tokens
 
     model = stubbed_model(args)
     prompts, outputs = workload(args, model.config.vocab_size)
