@@ -418,13 +418,19 @@ def takes_graph_step(cache, input_ids, inputs_embeds, extra_outputs: bool, logit
     prefill-sized one only when its caller keeps the last column's logits alone (``logits_to_keep=1``, as the
     serving loop and generate()'s prefill do: `keeps_last_column`)."""
     if (input_ids is None or inputs_embeds is not None or input_ids.dim() != 2
-            or extra_outputs or torch.is_grad_enabled() or not isinstance(cache, QSAPagedCache)
-            or cache.columns_seen == 0):
+            or extra_outputs or torch.is_grad_enabled()):
         return False
-    length = recorded_length(cache, input_ids.shape[0], input_ids.shape[1])
-    if length is None:
+    return takes_graph_shape(cache, input_ids.shape[0], input_ids.shape[1], logits_to_keep)
+
+
+def takes_graph_shape(cache, rows: int, length: int, logits_to_keep=0) -> bool:
+    """`takes_graph_step`'s part that the step's shape decides (what a scheduler asks before it plans a step)."""
+    if not isinstance(cache, QSAPagedCache) or cache.columns_seen == 0:
         return False
-    return not keeps_last_column(length) or (type(logits_to_keep) is int and logits_to_keep == 1)
+    recorded = recorded_length(cache, rows, length)
+    if recorded is None:
+        return False
+    return not keeps_last_column(recorded) or (type(logits_to_keep) is int and logits_to_keep == 1)
 
 
 def keeps_last_column(length: int) -> bool:

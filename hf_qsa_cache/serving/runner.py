@@ -209,19 +209,20 @@ class ModelRunner:
 
     def replays_prefill(self, rows: int, length: int) -> bool:
         """Whether a prefill step of the first ``rows`` rows, ``length`` tokens the longest, would replay a recorded
-        graph (`_forward`'s route: `cuda_graphs.recorded_length`) rather than run eagerly."""
-        if cuda_graphs.graphs_device(self.model) is None or self.cache.columns_seen == 0:
-            return False
-        if self.encoded and any(r in self.encoded and r.held < len(r.prompt) for r in self.rows[:rows]):
-            return False  # (prompt embeddings: the eager forward)
-        return cuda_graphs.recorded_length(self.cache, rows, length) is not None
+        graph (`_forward`'s route) rather than run eagerly."""
+        return (cuda_graphs.graphs_device(self.model) is not None and not self._feeds_embeddings(self.rows[:rows])
+                and cuda_graphs.takes_graph_shape(self.cache, rows, length, logits_to_keep=1))
+
+    def _feeds_embeddings(self, rows: list[Request]) -> bool:
+        """Whether a row feeds prompt tokens whose embeddings its media encoding gives (the eager forward's inputs)."""
+        return bool(self.encoded) and any(r in self.encoded and r.held < len(r.prompt) for r in rows)
 
     def can_group(self) -> bool:
         """Whether the next step may be a grouped step (`grouped`): the model runs them (a text model of ours) and
         no row still feeds prompt tokens whose embeddings its media encoding gives."""
         if not hasattr(self.model, "grouped_head"):
             return False
-        return not (self.encoded and any(r in self.encoded and r.held < len(r.prompt) for r in self.rows))
+        return not self._feeds_embeddings(self.rows)
 
     def grouped(self, chunks: list[int],
                 drafts: list[list[int]] | None = None) -> list[tuple[Request, int, float | None]]:
@@ -337,7 +338,7 @@ class ModelRunner:
         """The logits ``[rows, keep, vocab]`` of the step's last ``keep`` columns."""
         ids = ids.to(self.device)
         mask = None if mask is None else mask.to(self.device)
-        if self.encoded and any(r in self.encoded and r.held < len(r.prompt) for r in rows):
+        if self._feeds_embeddings(rows):
             # Prompt tokens of a multimodal request: the model's encoding gives their embeddings (and positions).
             inputs = self.model.prompt_step_inputs(ids, mask, [(self.encoded.get(r), r.held) for r in rows],
                                                    self.cache)
