@@ -13,8 +13,10 @@ through the model's forward with ``logits_to_keep=1`` (as `serving.runner` calls
 
 ``wall_ms`` close to ``host_ms`` and well above the GPU's busy time means the host sets the pace. Then the
 step's host reads of the device (``syncs``: each call that waited for the GPU, counted by the first frame in this
-project's code, from torch's sync debug mode) and a cProfile of one step (``--top`` functions by their own time)
-say where it goes. One JSON line per shape (``--jsonl`` appends it to a file); the cProfile table is printed.
+project's code, from torch's sync debug mode), its Triton launches and the host time inside Triton's launchers
+(``triton_launches``, ``triton_launch_ms``, ``triton_kernels``: launches by kernel, from `launch_census`; the rest of
+``host_ms`` is torch's ops and Python) and a cProfile of one step (``--top`` functions by their own time) say where
+it goes. One JSON line per shape (``--jsonl`` appends it to a file); the cProfile table is printed.
 """
 
 from __future__ import annotations
@@ -73,9 +75,52 @@ def host_syncs(run) -> collections.Counter:
     return seen
 
 
+def _kernel_name(launcher) -> str:
+    """The Python function behind a Triton launcher (a JIT function, or an autotuner or heuristics around one)."""
+    fn = launcher
+    while not callable(getattr(fn, "__code__", None)) and hasattr(fn, "fn"):
+        fn = fn.fn
+    return getattr(fn, "__name__", type(launcher).__name__)
+
+
+def launch_census(run) -> tuple[collections.Counter, float]:
+    """``(launches by kernel name, host seconds inside the launchers)`` of the Triton kernels ``run()`` launches.
+    Each outermost launcher call counts once (an autotuner's call of the kernel it wraps is inside its own)."""
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    launches: collections.Counter = collections.Counter()
+    spent, depth = [0.0], [0]
+    originals = {cls: cls.run for cls in (JITFunction, Autotuner, Heuristics, InterpretedFunction)}
+
+    def counted(original):
+        def run_counted(self, *args, **kwargs):
+            if depth[0]:
+                return original(self, *args, **kwargs)
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+                depth[0] -= 1
+                launches[_kernel_name(self)] += 1
+        return run_counted
+
+    for cls, original in originals.items():
+        cls.run = counted(original)
+    try:
+        run()
+    finally:
+        for cls, original in originals.items():
+            cls.run = original
+    return launches, spent[0]
+
+
 def profile_shape(model, rows: int, length: int, args, device, dtype) -> dict:
     config, vocab = model.config, model.config.vocab_size
-    steps = args.repeat + 3  # a first step (compiles, tunes), the timed ones, a sync check, a profiled one
+    steps = args.repeat + 4  # a first step (compiles, tunes), the timed ones, a sync check, a census, a profiled one
     cache = QSAPagedCache(config, rows, args.past + steps * length, block_size=args.block, device=device,
                           dtype=dtype)
     gen = torch.Generator().manual_seed(args.seed)
@@ -115,6 +160,9 @@ def profile_shape(model, rows: int, length: int, args, device, dtype) -> dict:
         syncs = host_syncs(lambda: forward(next_chunk())) if device == "cuda" else collections.Counter()
         sync(device)
         chunk = next_chunk()
+        launches, launch_s = launch_census(lambda: forward(chunk))
+        sync(device)
+        chunk = next_chunk()
         profiler = cProfile.Profile()
         profiler.enable()
         forward(chunk)
@@ -124,7 +172,9 @@ def profile_shape(model, rows: int, length: int, args, device, dtype) -> dict:
     pstats.Stats(profiler, stream=table).sort_stats("tottime").print_stats(args.top)
     median = (lambda xs: round(statistics.median(xs), 3) if xs else None)
     return {"rows": rows, "length": length, "past": args.past, "host_ms": median(host), "wall_ms": median(wall),
-            "gpu_ms": median(gpu), "steps": args.repeat, "syncs": dict(syncs.most_common())}, table.getvalue()
+            "gpu_ms": median(gpu), "steps": args.repeat, "syncs": dict(syncs.most_common()),
+            "triton_launches": sum(launches.values()), "triton_launch_ms": round(1e3 * launch_s, 3),
+            "triton_kernels": dict(launches.most_common())}, table.getvalue()
 
 
 def main(argv=None) -> list[dict]:

@@ -27,8 +27,39 @@ def test_steps_feed_the_rows_and_report_times(monkeypatch):
                            "--repeat", "2", "--top", "5"])
     assert (line["rows"], line["length"], line["steps"]) == (2, 8, 2)
     assert line["host_ms"] > 0 and line["wall_ms"] >= line["host_ms"] and line["gpu_ms"] is None
-    # the first prompt, 1 + 2 timed steps, the sync check's and the profiled one's (the check runs on CUDA only)
-    assert seen[0].get_seq_length() == 20 + 4 * 8
+    assert line["triton_launches"] == 0 and line["triton_kernels"] == {}  # (the CPU runs the torch specifications)
+    # the first prompt, 1 + 2 timed steps, the sync check's, the launch census's and the profiled one's (the sync
+    # check runs on CUDA only)
+    assert seen[0].get_seq_length() == 20 + 5 * 8
+
+
+def test_the_launch_census_counts_each_outermost_launch_once_and_restores_the_launchers(monkeypatch):
+    import triton
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    def plain_kernel(x):
+        pass
+
+    def tuned_kernel(x):
+        pass
+
+    launched = []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kw: launched.append(self.fn.__name__))
+    monkeypatch.setattr(Autotuner, "run", lambda self, *args, **kw: self.fn.run(*args, **kw))  # (no tuning)
+    stubs = JITFunction.run, Autotuner.run
+    plain = triton.jit(plain_kernel)
+    tuned = triton.autotune([triton.Config({})], key=[])(triton.jit(tuned_kernel))
+
+    def step():
+        plain[(1,)](1)
+        tuned[(1,)](1)
+        tuned[(2,)](1)
+
+    launches, seconds = script.launch_census(step)
+    assert launched == ["plain_kernel", "tuned_kernel", "tuned_kernel"]  # each launcher still ran
+    assert launches == {"plain_kernel": 1, "tuned_kernel": 2} and seconds >= 0  # the autotuner's inner run: once
+    assert (JITFunction.run, Autotuner.run) == stubs
 
 
 def test_own_frame_names_the_projects_innermost_frame():
