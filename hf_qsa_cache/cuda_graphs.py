@@ -5,12 +5,12 @@ microseconds of GPU work each. `DecodeGraphs` captures the whole step (metadata 
 layer, the LM head) once per (batch-size bucket, step length) and replays it. Step lengths are 1
 (decode) and, on a cache with ``num_speculative_tokens = k``, up to ``min(k + 1, MAX_STEP_LEN)``
 (verifying drafts). A short prefill step (`short_prefill_length`: a power-of-two count of the first
-rows, every one of them started, at most ``SHORT_PREFILL_TOKENS`` tokens once its length is rounded up
-to a power of two) is bound by host work the same way (an eager step at 40 layers of Qwen4Exp on an
-H100: about 125 ms at 1 x 256, 186 ms at 1 x 2048, nearly all host work, against milliseconds of GPU
-work); its tokens are left-padded to the rounded length and it replays that length's graph. Continuous
-batching sends many: a prompt's last tokens after its prefix-caching snapshot point, a short prompt
-admitted while the others decode.
+rows, every one of them started or placed by continuous batching, at most ``SHORT_PREFILL_TOKENS`` tokens
+once its length is rounded up to a power of two) is bound by host work the same way (an eager step at 40
+layers of Qwen4Exp on an H100: about 125 ms at 1 x 256, 186 ms at 1 x 2048, nearly all host work, against
+milliseconds of GPU work); its tokens are left-padded to the rounded length and it replays that length's
+graph. Continuous batching sends many: a prompt's last tokens after its prefix-caching snapshot point, a
+short prompt admitted while the others decode (its first step too).
 Everything the step reads lives in static device buffers updated in place before a replay:
 
 * ``ids`` ``[bucket, L]``, ``lengths`` ``[2, bucket]`` (each row's length before the step, and its
@@ -67,9 +67,10 @@ from .ops.experts import graph_experts
 
 # Longest verify step that gets graphs (one per length and bucket); longer ones run eagerly.
 MAX_STEP_LEN = 8
-# Prefill steps of the first rows (a power of two of them, all started) whose rows x length, the length rounded up
-# to a power of two of at least SHORT_PREFILL_MIN_LEN, is at most SHORT_PREFILL_TOKENS replay graphs of that
-# length (`short_prefill_length`); longer ones run eagerly (their GPU work outweighs the host's).
+# Prefill steps of the first rows (a power of two of them, all started or placed by continuous batching) whose
+# rows x length, the length rounded up to a power of two of at least SHORT_PREFILL_MIN_LEN, is at most
+# SHORT_PREFILL_TOKENS replay graphs of that length (`short_prefill_length`); longer ones run eagerly (their GPU
+# work outweighs the host's).
 SHORT_PREFILL_TOKENS = 256
 SHORT_PREFILL_MIN_LEN = 32
 # Shortest reach a graph step is sized for (`reach_bucket`): below it, widths cost about the same, and
@@ -455,13 +456,14 @@ def short_prefill_length(cache: QSAPagedCache, rows: int, length: int) -> int | 
     """The recorded length of a short prefill step of the first ``rows`` rows, ``length`` tokens each at most:
     ``length`` rounded up to a power of two, at least ``SHORT_PREFILL_MIN_LEN``, if ``rows`` times that is at
     most ``SHORT_PREFILL_TOKENS``; else None. ``rows`` must be a power of two (the graph's rows are then exactly
-    the step's: a rows bucket larger than the step would take live rows after it as its padding rows) and every
-    one of them must have started (the recorded step continues a row's state; a row's first tokens take the
-    eager prefill)."""
+    the step's: a rows bucket larger than the step would take live rows after it as its padding rows). The recorded
+    step continues each row's state, so a row that has not started takes it only where continuous batching placed it
+    (`QSAPagedCache.move_rows` gives a new row the state a fresh row starts from: zero recurrent state and conv
+    windows, an eos-filled n-gram context, no blocks); elsewhere a row's first tokens take the eager prefill."""
     padded = max(SHORT_PREFILL_MIN_LEN, 1 << max(0, length - 1).bit_length())
     if rows < 1 or rows & (rows - 1) or rows * padded > SHORT_PREFILL_TOKENS or rows > cache.num_rows:
         return None
-    return padded if 0 not in cache.lengths[:rows] else None
+    return padded if cache.rows.managed or 0 not in cache.lengths[:rows] else None
 
 
 def left_padded(input_ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,

@@ -202,22 +202,36 @@ class Scheduler:
         of the step; except that when the oldest chunk is short (a prompt's last tokens after its snapshot
         point, say) and the next row can use more, the step takes that row's length if it feeds more tokens so:
         the short chunk rides along, padded, instead of setting a short step of its own (an eager step costs its
-        host work, whatever its size), unless its own step replays a recorded graph (``replays``: then it costs a
-        fraction of that, and riding along would cost the pads' GPU work). ``packed`` (a grouped step: no pads), the
+        host work, whatever its size). But where a step of the first rows replays a recorded graph (``replays``: a
+        fraction of that host work), the step is those rows: as many as replay (a power of two: a step of three rows
+        that would run eagerly takes two, the third waits for the next step), the short chunk with the rows that
+        join it at its length (riding along would cost the pads' GPU work). ``packed`` (a grouped step: no pads), the
         rows after it take what is left of the budget, each as much as it can use."""
         p = self.prefilling()
         if p == 0:
             return []
         first = self._to_snapshot(self.rows[0], min(self.rows[0].pending, self.max_batch_tokens))
         chunks = self._joined(first, first, p, packed)
-        if packed or p < 2 or self.replays(len(chunks), first):
+        if packed or p < 2:
             return chunks
+        replaying = self._replaying_rows(chunks)
+        if replaying:
+            return chunks[:replaying]
         longer = self._to_snapshot(self.rows[1], min(self.rows[1].pending, self.max_batch_tokens // 2))
         if longer > first:
             wider = self._joined(first, longer, p, packed=False)
             if sum(wider) > sum(chunks):
                 return wider
         return chunks
+
+    def _replaying_rows(self, chunks: list[int]) -> int:
+        """The most of the step's first rows (a power of two of them) whose step of their ``chunks`` replays a
+        recorded graph (``replays``), or 0 if none does. A replay costs a fraction of an eager step's host work, so
+        rows that would make the step eager wait for the next one instead."""
+        k = 1 << (len(chunks).bit_length() - 1)
+        while k and not self.replays(k, max(chunks[:k])):
+            k //= 2
+        return k
 
     def _joined(self, first: int, length: int, p: int, packed: bool) -> list[int]:
         """The oldest prefilling row's ``first`` tokens, then the rows after it as they join a step of ``length``

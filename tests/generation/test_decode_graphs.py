@@ -194,24 +194,27 @@ def test_short_prefill_steps_take_the_recorded_step_at_a_power_of_two_length(fam
     assert list(runner.buckets) == [(2, recorded, 160, recorded > length)]
 
 
-@pytest.mark.parametrize("rows, length, lengths, spec, recorded", [
-    (4, 1, [5, 5, 5, 5], 0, 1),  # a decode step
-    (4, 3, [5, 5, 5, 5], 3, 3),  # a verify step
-    (2, 1, [5, 5, 5, 5], 0, None),  # one token for some rows only: not a decode step
-    (1, 20, [5, 5, 5, 5], 0, 32),  # short prefill steps, rounded up to a power of two of at least 32
-    (1, 256, [5, 5, 5, 5], 0, 256),
-    (1, 257, [5, 5, 5, 5], 0, None),  # longer than SHORT_PREFILL_TOKENS
-    (2, 128, [5, 5, 5, 5], 0, 128),
-    (2, 129, [5, 5, 5, 5], 0, None),
-    (4, 3, [5, 5, 5, 5], 0, 32),  # no drafts on this cache: a three-token step is a prefill step
-    (3, 20, [5, 5, 5, 5], 0, None),  # three rows: the rows bucket (4) would take a live row as its padding
-    (2, 20, [5, 0, 5, 5], 0, None),  # a row's first tokens take the eager prefill
+@pytest.mark.parametrize("rows, length, lengths, spec, managed, recorded", [
+    (4, 1, [5, 5, 5, 5], 0, False, 1),  # a decode step
+    (4, 3, [5, 5, 5, 5], 3, False, 3),  # a verify step
+    (2, 1, [5, 5, 5, 5], 0, False, None),  # one token for some rows only: not a decode step
+    (1, 20, [5, 5, 5, 5], 0, False, 32),  # short prefill steps, rounded up to a power of two of at least 32
+    (1, 256, [5, 5, 5, 5], 0, False, 256),
+    (1, 257, [5, 5, 5, 5], 0, False, None),  # longer than SHORT_PREFILL_TOKENS
+    (2, 128, [5, 5, 5, 5], 0, False, 128),
+    (2, 129, [5, 5, 5, 5], 0, False, None),
+    (4, 3, [5, 5, 5, 5], 0, False, 32),  # no drafts on this cache: a three-token step is a prefill step
+    (3, 20, [5, 5, 5, 5], 0, False, None),  # three rows: the rows bucket (4) would take a live row as its padding
+    (2, 20, [5, 0, 5, 5], 0, False, None),  # a row's first tokens take the eager prefill
+    (2, 20, [5, 0, 5, 5], 0, True, 32),  # unless continuous batching placed it (a fresh row's state: move_rows)
 ], ids=["decode", "verify", "decode-of-some-rows", "short", "short-at-the-limit", "too-long", "two-rows",
-        "two-rows-too-long", "three-tokens-without-drafts", "three-rows", "a-row-not-started"])
-def test_which_steps_the_recorded_step_takes(rows, length, lengths, spec, recorded):
+        "two-rows-too-long", "three-tokens-without-drafts", "three-rows", "a-row-not-started",
+        "a-new-row-placed-by-continuous-batching"])
+def test_which_steps_the_recorded_step_takes(rows, length, lengths, spec, managed, recorded):
     from types import SimpleNamespace
 
-    cache = SimpleNamespace(num_rows=len(lengths), lengths=lengths, num_speculative_tokens=spec)
+    cache = SimpleNamespace(num_rows=len(lengths), lengths=lengths, num_speculative_tokens=spec,
+                            rows=SimpleNamespace(managed=managed))
     assert cuda_graphs.recorded_length(cache, rows, length) == recorded
 
 

@@ -18,7 +18,7 @@ from helpers.serving import FAMILIES, alone, family_pair, greedy, pools_full
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.requests import RequestStatus
 
-from hf_qsa_cache import QSAPagedCache
+from hf_qsa_cache import QSAPagedCache, cuda_graphs
 
 NEW = 6
 LENGTHS = [23, 9, 17, 30, 5, 14]
@@ -77,6 +77,7 @@ def test_steps_the_graphs_take_go_straight_to_them_not_through_the_forward(famil
     monkeypatch.setattr(ours, "forward", lambda input_ids=None, **kw: through_forward.append(input_ids.shape[1])
                         or forward(input_ids=input_ids, **kw))
     monkeypatch.setattr(ours.config, "output_router_logits", True, raising=False)
+    monkeypatch.setattr(cuda_graphs, "SHORT_PREFILL_TOKENS", 32)  # steps of several rows run eagerly
     with steps_routed_as_on_a_gpu() as routed, \
             ours.continuous_batching_context_manager(_greedy(), continuous_batching_config=config) as manager:
         ids = manager.add_requests(prompts)
@@ -84,6 +85,43 @@ def test_steps_the_graphs_take_go_straight_to_them_not_through_the_forward(famil
     for request_id, prompt in zip(ids, prompts):
         assert results[request_id].generated_tokens == _alone(ref, prompt), request_id
     assert routed.count(1) >= NEW and 1 not in through_forward and through_forward
+    assert any(n > 1 for n in routed)  # and a one-row prefill step replays
+
+
+@pytest.mark.parametrize("sharing", [False, True], ids=["prefix-caching-off", "prefix-caching-on"])
+def test_a_new_requests_first_short_chunk_replays_a_graph_on_its_fresh_row(family, sharing, monkeypatch):
+    """Routed as on a GPU, a short prompt in a row continuous batching placed (`move_rows` gives a new row a fresh
+    row's state) takes the recorded step from its first chunk (`cuda_graphs.short_prefill_length`): every prefill
+    step of these short prompts replays, the loop's first one and that of the request that waited for a free row
+    included, none runs eagerly. Every request's tokens are transformers' alone."""
+    from helpers.serving import steps_routed_as_on_a_gpu
+
+    name, ref, ours = family
+    prompts = random_prompts([12, 6, 11], vocab=90, seed=8)  # two rows: the third waits for a free one
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=32, max_requests_per_batch=2,
+                                      allow_block_sharing=sharing)
+    manager = ours.init_continuous_batching(_greedy(), config)
+    planned, plan = [], manager.scheduler.prefill_chunks
+
+    def planning(packed=False):  # each prefill step's chunks, and whether a row of it starts there
+        chunks = plan(packed)
+        planned.append((chunks, 0 in manager.cache.lengths[:len(chunks)]))
+        return chunks
+
+    monkeypatch.setattr(manager.scheduler, "prefill_chunks", planning)
+    ids = manager.add_requests(prompts)  # before the loop starts: its first step takes the first two
+    with steps_routed_as_on_a_gpu() as routed:
+        manager.start()
+        try:
+            results = collect_results(manager, len(prompts))
+        finally:
+            manager.stop()
+            manager.destroy()
+    for request_id, prompt in zip(ids, prompts):
+        assert results[request_id].generated_tokens == _alone(ref, prompt), request_id
+    steps = [(max(chunks), starts) for chunks, starts in planned if chunks]
+    assert [starts for _, starts in steps].count(True) == 2  # the first two requests' step, then the third's
+    assert [n for n in routed if n > 1] == [n for n, _ in steps]  # every prefill step took the recorded step
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["prefill-steps", "grouped-steps"])
@@ -95,12 +133,11 @@ def test_the_loops_own_eager_steps_spare_the_recorded_steps_a_walk_of_every_weig
     step), not after every eager step; a hook added between sessions is still seen."""
     from helpers.serving import steps_routed_as_on_a_gpu
 
-    from hf_qsa_cache import cuda_graphs
-
     name, ref, ours = family
     walks = []
     fingerprint = cuda_graphs.model_fingerprint
     monkeypatch.setattr(cuda_graphs, "model_fingerprint", lambda model: walks.append(1) or fingerprint(model))
+    monkeypatch.setattr(cuda_graphs, "SHORT_PREFILL_TOKENS", 32)  # steps of several rows run eagerly
     prompts = random_prompts(LENGTHS, vocab=90, seed=3)
     config = ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=8, max_requests_per_batch=3)
     manager = ours.init_continuous_batching(generation_config=_greedy(), continuous_batching_config=config)
@@ -479,17 +516,24 @@ def test_prefill_chunks_serve_the_oldest_first_within_budget_and_padding():
     assert chunks([3, 3, 3, 3, 3, 3, 40], budget=64) == [3] * 7  # (the next row is no longer: nothing changes)
     assert chunks([2, 3, 3, 3], budget=9) == [2, 2, 2, 2]  # 8 tokens either way: the fewer pads
     # Unless the short chunk's own step replays a recorded graph (a fraction of an eager step's host work): then
-    # it steps with the rows that join it at its length, and the longer chunk waits for the next step.
+    # it steps with the rows that join it at its length, as many of them as still replay (a power of two: a step of
+    # three rows runs eagerly), and the others wait for the next step.
     asked = []
 
-    def small_steps_replay(rows, length):
-        asked.append((rows, length))
-        return rows * length <= 8
+    def replays_up_to(cells):
+        def replays(rows, length):
+            asked.append((rows, length))
+            return rows * length <= cells
+        return replays
 
     assert chunks([4, 40], budget=100) == [4, 40]
-    assert chunks([4, 40], budget=100, replays=small_steps_replay) == [4, 4]
-    assert chunks([4, 40, 40], budget=100, replays=small_steps_replay) == [4, 40]  # 3 x 4: eager, rides along
-    assert asked == [(2, 4), (3, 4)]
+    assert chunks([4, 40], budget=100, replays=replays_up_to(8)) == [4, 4]
+    assert chunks([4, 40, 40], budget=100, replays=replays_up_to(8)) == [4, 4]  # 3 x 4 is eager: 2 x 4 replays
+    assert chunks([4, 4, 4], budget=100, replays=replays_up_to(4)) == [4]  # only one row's step replays
+    assert asked == [(2, 4), (2, 4), (2, 4), (1, 4)]
+    asked.clear()
+    assert chunks([6, 40], budget=100, replays=replays_up_to(4)) == [6, 40]  # none replays: it rides along
+    assert asked == [(2, 6), (1, 6)]
 
 
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped-steps", "prefill-then-decode"])
