@@ -14,6 +14,7 @@ from hf_qsa_cache import QSAPagedCache, cuda_graphs
 
 from .inkling import make_config as inkling_config
 from .inkling import make_pair as inkling_pair
+from .qwen4 import collect_results
 from .qwen4 import make_pair as qwen_pair
 
 FAMILIES = ["qwen4_exp", "inkling"]
@@ -54,6 +55,17 @@ def pools_full(cache: QSAPagedCache) -> bool:
         t.check_accounting()
     return all(t.available() == t.num_blocks - 1 and not any(t.refs) for t in cache.tables.values()) \
         and cache.num_rows == 0
+
+
+def serve_queued(manager, count: int) -> dict:
+    """Start ``manager`` on the requests queued before (its first iteration sees them all), collect ``count``
+    results by id, then stop it and empty its cache."""
+    manager.start()
+    try:
+        return collect_results(manager, count)
+    finally:
+        manager.stop()
+        manager.destroy()
 
 
 @contextlib.contextmanager

@@ -94,7 +94,7 @@ def test_a_new_requests_first_short_chunk_replays_a_graph_on_its_fresh_row(famil
     row's state) takes the recorded step from its first chunk (`cuda_graphs.short_prefill_length`): every prefill
     step of these short prompts replays, the loop's first one and that of the request that waited for a free row
     included, none runs eagerly. Every request's tokens are transformers' alone."""
-    from helpers.serving import steps_routed_as_on_a_gpu
+    from helpers.serving import serve_queued, steps_routed_as_on_a_gpu
 
     name, ref, ours = family
     prompts = random_prompts([12, 6, 11], vocab=90, seed=8)  # two rows: the third waits for a free one
@@ -111,12 +111,7 @@ def test_a_new_requests_first_short_chunk_replays_a_graph_on_its_fresh_row(famil
     monkeypatch.setattr(manager.scheduler, "prefill_chunks", planning)
     ids = manager.add_requests(prompts)  # before the loop starts: its first step takes the first two
     with steps_routed_as_on_a_gpu() as routed:
-        manager.start()
-        try:
-            results = collect_results(manager, len(prompts))
-        finally:
-            manager.stop()
-            manager.destroy()
+        results = serve_queued(manager, len(prompts))
     for request_id, prompt in zip(ids, prompts):
         assert results[request_id].generated_tokens == _alone(ref, prompt), request_id
     steps = [(max(chunks), starts) for chunks, starts in planned if chunks]

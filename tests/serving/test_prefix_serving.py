@@ -95,7 +95,7 @@ def test_a_short_tail_that_replays_a_graph_steps_without_riding_along(family, mo
     """A prompt's last tokens after its snapshot point, beside a started row with more to feed: where their own step
     replays a recorded graph (as on a GPU), the short chunks step alone, without pads, instead of riding along in the
     longer row's step (`Scheduler.prefill_chunks`). Tokens equal transformers' alone either way."""
-    from helpers.serving import steps_routed_as_on_a_gpu
+    from helpers.serving import serve_queued, steps_routed_as_on_a_gpu
 
     name, ref, ours = family
     prompts = random_prompts([14, 70], vocab=90, seed=24)  # 14: snapshot point 12, a tail of 2
@@ -108,12 +108,7 @@ def test_a_short_tail_that_replays_a_graph_steps_without_riding_along(family, mo
                             lambda packed=False: planned.append(plan(packed)) or planned[-1])
         ids = manager.add_requests(prompts)  # both before the loop starts: its first step sees both
         with steps_routed_as_on_a_gpu() if routed_as_on_a_gpu else contextlib.nullcontext():
-            manager.start()
-            try:
-                results = collect_results(manager, len(prompts))
-            finally:
-                manager.stop()
-                manager.destroy()
+            results = serve_queued(manager, len(prompts))
         check(ref, prompts, [results[i] for i in ids])
         return [c for c in planned if c]
 
