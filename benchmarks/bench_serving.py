@@ -100,6 +100,15 @@ def continuous(manager, prompts, outputs, gaps, prefix="r") -> dict:
     stats_before = dict(manager.stats)
     replays_before = graph_replays(manager)
     recordings_before = graph_recordings(manager)
+    eager_prefills, runner = [], manager.runner  # rows x length of each prefill step that ran eagerly (no graph)
+    prefill = runner.prefill
+
+    def counted_prefill(chunks):
+        if not runner.replays_prefill(len(chunks), max(chunks)):
+            eager_prefills.append(len(chunks) * max(chunks))
+        return prefill(chunks)
+
+    runner.prefill = counted_prefill  # (the loop looks it up at each step; the class's again after this pass)
     start = time.perf_counter()
 
     def feed():
@@ -111,12 +120,15 @@ def continuous(manager, prompts, outputs, gaps, prefix="r") -> dict:
     feeder = threading.Thread(target=feed)
     feeder.start()
     results = {}
-    while len(results) < len(prompts):
-        result = manager.get_result(timeout=1)
-        if result is not None and result.is_finished():
-            results[result.request_id] = result
-    end = time.perf_counter()
-    feeder.join()
+    try:
+        while len(results) < len(prompts):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+        end = time.perf_counter()
+        feeder.join()
+    finally:
+        del runner.prefill
     stats = {k: v - stats_before.get(k, 0) if k != "most_rows" else v for k, v in manager.stats.items()}
     failed = [r.error for r in results.values() if r.error]
     tokens = sum(len(r.generated_tokens) for r in results.values())
@@ -134,6 +146,8 @@ def continuous(manager, prompts, outputs, gaps, prefix="r") -> dict:
             "graph_buckets": sum(b.graph is not None for r in manager.cache.graph_runners.values()
                                  for b in r.buckets.values()),
             "graph_replays": graph_replays(manager) - replays_before,  # decode and short prefill steps
+            # prefill steps that ran eagerly (the others replayed graphs), and their rows x length
+            "eager_prefill_steps": len(eager_prefills), "eager_prefill_cells": sum(eager_prefills),
             # steps that met a new shape and recorded its graph during this pass, and their host seconds
             **{k: v - recordings_before[k] for k, v in graph_recordings(manager).items()},
             "first_error": failed[0] if failed else None, **prefix_stats(manager), **stats,

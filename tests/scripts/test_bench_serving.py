@@ -25,8 +25,9 @@ def _tiny_run(monkeypatch, **settings):
     config = tiny_config("inkling", 2, 64, 4096)
     torch.manual_seed(0)
     model = InklingForCausalLM(config).eval()
-    args = types.SimpleNamespace(min_prompt=8, arrival="all", rate=8.0, seed=0, rows=4, batch_tokens=64, page_size=16,
-                                 num_blocks=None, prefix_caching="on", min_output=2, **settings)
+    args = types.SimpleNamespace(**{"min_prompt": 8, "arrival": "all", "rate": 8.0, "seed": 0, "rows": 4,
+                                    "batch_tokens": 64, "page_size": 16, "num_blocks": None, "prefix_caching": "on",
+                                    "min_output": 2, **settings})
     prompts, outputs, gaps = bench_serving.workload(args, config.vocab_size)
     return args, prompts, outputs, gaps, bench_serving.serving_manager(model, prompts, outputs, args)
 
@@ -50,6 +51,7 @@ def test_load_run_measures_the_maximum_rate_then_poisson_arrivals(monkeypatch):
     for line in lines:
         assert line["failed"] == 0 and line["output_tokens"] == sum(outputs)
         assert line["prefill_tokens"] > 0 and line["decode_s"] > 0 and line["outside_steps_s"] >= 0
+        assert line["eager_prefill_steps"] == line["prefill_steps"]  # (no graphs on the CPU)
     assert poisson["tpot_p99_over_p50"] >= 1
 
 
@@ -108,3 +110,23 @@ def test_kernel_builds_counts_compilations_by_kernel_and_puts_the_hook_back():
             hook(fn=types.SimpleNamespace(name=name))
     assert builds == {"kernel_compiles": 3, "compiled": {"a_kernel": 2, "b_kernel": 1}}
     assert runtime.jit_post_compile_hook is before
+
+
+def test_a_pass_counts_the_prefill_steps_that_ran_eagerly(monkeypatch):
+    """Routed as on a GPU, short prefill steps replay recorded graphs: the line counts the others
+    (``eager_prefill_steps``, their rows x length in ``eager_prefill_cells``), and the runner's own prefill is back
+    after the pass."""
+    from helpers.serving import steps_routed_as_on_a_gpu
+
+    args, prompts, outputs, gaps, manager = _tiny_run(monkeypatch, requests=8, max_prompt=600, max_output=4,
+                                                      batch_tokens=512)
+    with steps_routed_as_on_a_gpu():
+        manager.start()
+        try:
+            line = bench_serving.continuous(manager, prompts, outputs, gaps)
+        finally:
+            manager.stop(block=True)
+    assert line["failed"] == 0
+    assert 0 < line["eager_prefill_steps"] < line["prefill_steps"]  # steps past 256 tokens run eagerly
+    assert line["eager_prefill_cells"] > 256 * line["eager_prefill_steps"] // 2
+    assert "prefill" not in vars(manager.runner)
