@@ -36,6 +36,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from bench_generate import commit, inkling_config, qwen4_exp_config, results_file
+from bench_serving import eager_prefills_counted
 from percentiles import pct
 
 
@@ -251,7 +252,9 @@ def main(argv=None):
         manager = build_manager(model, args, sharing, max_prompt)
         try:
             warm_up(manager, args, vocab)
-            row = (chat if args.workload == "chat" else shared)(manager, args, vocab)
+            with eager_prefills_counted(manager) as eager:  # (prefill steps that did not replay a graph)
+                row = (chat if args.workload == "chat" else shared)(manager, args, vocab)
+            row.update(eager_prefill_steps=len(eager), eager_prefill_cells=sum(eager))
             stats = manager.cache.memory_stats()
             if sharing:
                 prefix = stats["prefix_cache"]

@@ -93,6 +93,25 @@ def serving_manager(model, prompts, outputs, args, grouped: bool = False):
     return model.init_continuous_batching(gen_config, config, hints, grouped_steps=grouped)
 
 
+@contextlib.contextmanager
+def eager_prefills_counted(manager):
+    """While open, the rows x length of each prefill step the manager's runner runs eagerly (the others replay
+    recorded graphs: `ModelRunner.replays_prefill`) go into the list it yields."""
+    eager, runner = [], manager.runner
+    prefill = runner.prefill
+
+    def counted(chunks):
+        if not runner.replays_prefill(len(chunks), max(chunks)):
+            eager.append(len(chunks) * max(chunks))
+        return prefill(chunks)
+
+    runner.prefill = counted  # (the loop looks it up at each step; the class's again on exit)
+    try:
+        yield eager
+    finally:
+        del runner.prefill
+
+
 def continuous(manager, prompts, outputs, gaps, prefix="r") -> dict:
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -100,15 +119,6 @@ def continuous(manager, prompts, outputs, gaps, prefix="r") -> dict:
     stats_before = dict(manager.stats)
     replays_before = graph_replays(manager)
     recordings_before = graph_recordings(manager)
-    eager_prefills, runner = [], manager.runner  # rows x length of each prefill step that ran eagerly (no graph)
-    prefill = runner.prefill
-
-    def counted_prefill(chunks):
-        if not runner.replays_prefill(len(chunks), max(chunks)):
-            eager_prefills.append(len(chunks) * max(chunks))
-        return prefill(chunks)
-
-    runner.prefill = counted_prefill  # (the loop looks it up at each step; the class's again after this pass)
     start = time.perf_counter()
 
     def feed():
@@ -118,17 +128,15 @@ def continuous(manager, prompts, outputs, gaps, prefix="r") -> dict:
                                           record_timestamps=True)] = time.perf_counter()
 
     feeder = threading.Thread(target=feed)
-    feeder.start()
     results = {}
-    try:
+    with eager_prefills_counted(manager) as eager_prefills:
+        feeder.start()
         while len(results) < len(prompts):
             result = manager.get_result(timeout=1)
             if result is not None and result.is_finished():
                 results[result.request_id] = result
         end = time.perf_counter()
         feeder.join()
-    finally:
-        del runner.prefill
     stats = {k: v - stats_before.get(k, 0) if k != "most_rows" else v for k, v in manager.stats.items()}
     failed = [r.error for r in results.values() if r.error]
     tokens = sum(len(r.generated_tokens) for r in results.values())

@@ -28,3 +28,5 @@ def test_smoke_run_writes_both_sides_and_hits(tmp_path, model, workload):
     assert with_["output_tokens"] == without["output_tokens"] > 0
     assert with_["hit_rate"] > 0.2 and with_["snapshots"] > 0 and with_["snapshot_bytes"] > 0
     assert "hit_rate" not in without and lines[-1]["ttft_p50_lower_x"] > 0
+    for side in (with_, without):  # (no graphs on the CPU: every prefill step of the workload ran eagerly)
+        assert 0 < side["eager_prefill_steps"] <= side["prefill_steps"] and side["eager_prefill_cells"] > 0
