@@ -11,7 +11,9 @@ length). Requests arrive all at once or at a Poisson rate. Reported, as JSON lin
 ``benchmarks/results/h200.jsonl`` (key ``bench: "serving"``):
 
 * ours continuous (`generate_batch`'s engine: `init_continuous_batching`): output tokens/s, time to first
-  token and time per output token (p50 / p99, from per-token timestamps), latency, peak memory;
+  token and time per output token (p50 / p99, from per-token timestamps), latency, peak memory, the loop's step
+  counts, and the prefill steps that ran eagerly rather than replaying a CUDA graph (``eager_prefill_steps``:
+  at released depths each costs far more host work than a replay);
 * ours static: `generate()` in batches of --static-batch in arrival order; a batch runs until its
   longest request is done (only each request's own tokens count), a request's latency is its batch's end;
 * upstream static: the same batches through transformers' own class under --upstream-limit seconds; if a
