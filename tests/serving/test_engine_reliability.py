@@ -487,12 +487,17 @@ def test_a_steps_results_reach_an_event_loop_in_one_hand_over():
     assert got == [(2, "r2"), (0, "r0"), (1, "r1")]
 
 
-def test_fp8_caches_through_continuous_batching(family):
+@pytest.mark.parametrize("route", ["eager", "graphs"])
+def test_fp8_caches_through_continuous_batching(family, route):
     """``kv_cache_dtype`` / ``index_cache_dtype`` reach the engine's cache (transformers' config has no field for
     them): each request's tokens equal our generate() on that prompt alone on an fp8 cache. Each prompt prefills
     in one step, as generate() does: a step reads its own keys from the activations and earlier steps' from the
-    fp8 pages, so other chunkings round differently (by design, as on any fp8 cache)."""
+    fp8 pages, so other chunkings round differently (by design, as on any fp8 cache). Routed as on a GPU
+    (``graphs``), the prefill steps of these short prompts replay the recorded step, new rows' first steps too."""
+    import contextlib
+
     import torch
+    from helpers.serving import steps_routed_as_on_a_gpu
 
     from hf_qsa_cache import QSAPagedCache
 
@@ -505,7 +510,9 @@ def test_fp8_caches_through_continuous_batching(family):
                                       allow_block_sharing=False)
     manager = ours.init_continuous_batching(greedy(6), config, **fp8)
     assert manager.cache.kv_cache_dtype == torch.float8_e4m3fn
-    results = ours.generate_batch(prompts, greedy(6), config, **fp8)
+    with steps_routed_as_on_a_gpu() if route == "graphs" else contextlib.nullcontext() as routed:
+        results = ours.generate_batch(prompts, greedy(6), config, **fp8)
+    assert route == "eager" or 33 in routed  # the first prompt's step, on its new row
     for i, prompt in enumerate(prompts):
         cache = QSAPagedCache(ours.config, 1, len(prompt) + 8, block_size=4, **fp8)
         with torch.no_grad():
