@@ -7,6 +7,7 @@ Short prefill steps through the forward replay their graph and give the eager fo
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -65,22 +66,29 @@ def test_step_is_captured(name, step_len, bf16_default):
 @torch.no_grad()
 def test_short_prefill_steps_replay_graphs_and_equal_the_eager_forward(name, bf16_default):
     """Steps of 40 tokens over both rows of a cache holding 600 (a short prefill step: recorded at 64 columns,
-    left-padded, its last column's logits kept, as serving asks): the first captures, the next two replay, each
-    step's logits those of the eager forward on a twin cache (the same kernels but for the recorded step's
-    reach-sized shapes)."""
+    left-padded, its last column's logits kept, as serving asks): the first captures, the next two replay. Two bf16
+    paths of different shapes drift apart (the recorded step pads to 64 columns, so its chunked kernels split and
+    round differently), so each step's bf16 logits, recorded and eager, are judged against the same step of the
+    model in fp32 on a third cache: the recorded step's error may not exceed twice the eager one's (plus 1% of the
+    logits' range). A stale or misplaced replay is off by the logits' own size."""
     net, config = model(name)
-    eager, graphed = (QSAPagedCache(config, max_batch_size=2, max_cache_len=2048) for _ in range(2))
+    exact = copy.deepcopy(net).float()
+    exact.use_cuda_graphs = False
+    eager, graphed, reference = (QSAPagedCache(config, max_batch_size=2, max_cache_len=2048) for _ in range(3))
     prompt = torch.randint(2, 1000, (2, 600), device="cuda")
     for cache in (eager, graphed):
         net(prompt, past_key_values=cache, logits_to_keep=1)
+    exact(prompt, past_key_values=reference, logits_to_keep=1)
     try:
         for _ in range(3):
             chunk = torch.randint(2, 1000, (2, 40), device="cuda")
+            want = exact(chunk, past_key_values=reference, logits_to_keep=1).logits
             net.use_cuda_graphs = False
-            want = net(chunk, past_key_values=eager, logits_to_keep=1).logits.float()
+            eager_error = (net(chunk, past_key_values=eager, logits_to_keep=1).logits.float() - want).abs().max()
             net.use_cuda_graphs = True
-            got = net(chunk, past_key_values=graphed, logits_to_keep=1).logits.float()
-            assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item()
+            graph_error = (net(chunk, past_key_values=graphed, logits_to_keep=1).logits.float() - want).abs().max()
+            scale = want.abs().max().item()
+            assert graph_error.item() <= 2 * eager_error.item() + 0.01 * scale, (graph_error, eager_error, scale)
     finally:
         net.use_cuda_graphs = True
     runner = graphed.graph_runners[net]

@@ -197,3 +197,20 @@ def _generate_case(launches: list) -> str | None:
 
 if __name__ == "__main__":
     sys.exit(case_main(_kernel_case))
+
+
+def test_rows_of_every_length_up_to_max_block_share_two_compiled_variants(monkeypatch):
+    """A kernel variant is compiled per block size: rows that grow through a serving run (a context of up to
+    MAX_BLOCK groups) meet two of them, not one per power of two they cross."""
+    from hf_qsa_cache.ops import top_set_triton as ts
+
+    blocks = set()
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, BLOCK, ONE_CHUNK, **options: blocks.add((BLOCK, ONE_CHUNK))
+
+    monkeypatch.setattr(ts, "_top_set_kernel", Recorder())
+    for groups in (1, 5, 100, 1000, 1024, 1025, 2200, 4400, 8192):
+        ts.top_set_triton(torch.zeros(2, groups), 1)
+    assert blocks == {(ts.SMALL_BLOCK, True), (ts.MAX_BLOCK, True)}
