@@ -9,7 +9,9 @@ through the model's forward with ``logits_to_keep=1`` (as `serving.runner` calls
 * ``host_ms``: until the forward returns (the host has queued every kernel; nothing waits for the GPU unless the
   step reads the device on the host);
 * ``wall_ms``: until the GPU is done too;
-* ``gpu_ms``: CUDA events around the step (the GPU's span, including its idle gaps).
+* ``gpu_ms``: CUDA events around the step (the GPU's span, including its idle gaps);
+* ``gpu_busy_ms``: the step's kernels' own times summed (torch's profiler; ``gpu_busy_top``: the 12 longest by
+  kernel, ms).
 
 ``wall_ms`` close to ``host_ms`` and well above the GPU's busy time means the host sets the pace. Then the
 step's host reads of the device (``syncs``: each call that waited for the GPU, counted by the first frame in this
@@ -118,9 +120,25 @@ def launch_census(run) -> tuple[collections.Counter, float]:
     return launches, spent[0]
 
 
+def gpu_busy(run) -> tuple[float, collections.Counter]:
+    """The GPU's busy milliseconds during ``run()`` (its kernels' own times summed: one stream, so they do not
+    overlap) and those milliseconds by kernel name, from torch's profiler (CUDA only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    by_kernel = collections.Counter()
+    for event in prof.key_averages():
+        if event.self_device_time_total > 0:
+            by_kernel[event.key[:60]] += event.self_device_time_total / 1e3
+    return sum(by_kernel.values()), by_kernel
+
+
 def profile_shape(model, rows: int, length: int, args, device, dtype) -> dict:
     config, vocab = model.config, model.config.vocab_size
-    steps = args.repeat + 4  # a first step (compiles, tunes), the timed ones, a sync check, a census, a profiled one
+    steps = args.repeat + 5  # a first step (compiles, tunes), the timed ones, a sync check, the GPU's busy time,
+    # a census, a profiled one
     cache = QSAPagedCache(config, rows, args.past + steps * length, block_size=args.block, device=device,
                           dtype=dtype)
     gen = torch.Generator().manual_seed(args.seed)
@@ -160,6 +178,9 @@ def profile_shape(model, rows: int, length: int, args, device, dtype) -> dict:
         syncs = host_syncs(lambda: forward(next_chunk())) if device == "cuda" else collections.Counter()
         sync(device)
         chunk = next_chunk()
+        busy, by_kernel = gpu_busy(lambda: forward(chunk)) if device == "cuda" else (None, collections.Counter())
+        sync(device)
+        chunk = next_chunk()
         launches, launch_s = launch_census(lambda: forward(chunk))
         sync(device)
         chunk = next_chunk()
@@ -173,6 +194,8 @@ def profile_shape(model, rows: int, length: int, args, device, dtype) -> dict:
     median = (lambda xs: round(statistics.median(xs), 3) if xs else None)
     return {"rows": rows, "length": length, "past": args.past, "host_ms": median(host), "wall_ms": median(wall),
             "gpu_ms": median(gpu), "steps": args.repeat, "syncs": dict(syncs.most_common()),
+            "gpu_busy_ms": None if busy is None else round(busy, 3),
+            "gpu_busy_top": {name: round(ms, 3) for name, ms in by_kernel.most_common(12)},
             "triton_launches": sum(launches.values()), "triton_launch_ms": round(1e3 * launch_s, 3),
             "triton_kernels": dict(launches.most_common())}, table.getvalue()
 
