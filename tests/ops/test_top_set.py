@@ -199,9 +199,9 @@ if __name__ == "__main__":
     sys.exit(case_main(_kernel_case))
 
 
-def test_rows_of_every_length_up_to_max_block_share_two_compiled_variants(monkeypatch):
+def test_rows_of_every_length_up_to_max_block_share_four_compiled_variants(monkeypatch):
     """A kernel variant is compiled per block size: rows that grow through a serving run (a context of up to
-    MAX_BLOCK groups) meet two of them, not one per power of two they cross."""
+    MAX_BLOCK groups) meet four of them, rows of up to SMALL_BLOCK groups one, not one per power of two."""
     from hf_qsa_cache.ops import top_set_triton as ts
 
     blocks = set()
@@ -211,6 +211,9 @@ def test_rows_of_every_length_up_to_max_block_share_two_compiled_variants(monkey
             return lambda *args, BLOCK, ONE_CHUNK, **options: blocks.add((BLOCK, ONE_CHUNK))
 
     monkeypatch.setattr(ts, "_top_set_kernel", Recorder())
-    for groups in (1, 5, 100, 1000, 1024, 1025, 2200, 4400, 8192):
+    for groups in (1, 5, 100, 1000, 1024):
         ts.top_set_triton(torch.zeros(2, groups), 1)
-    assert blocks == {(ts.SMALL_BLOCK, True), (ts.MAX_BLOCK, True)}
+    assert blocks == {(ts.SMALL_BLOCK, True)}
+    for groups in (1025, 2200, 4400, 8192):
+        ts.top_set_triton(torch.zeros(2, groups), 1)
+    assert blocks == {(block, True) for block in (1024, 2048, 4096, 8192)}
