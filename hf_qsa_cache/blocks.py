@@ -449,12 +449,38 @@ class BlockTable:
             self._device = host.to(device)
             self._changed.clear()
         elif self._changed:
-            width = self.max_columns
-            changes = int_tensor([[r * width + c for r, c in self._changed],
-                                  list(self._changed.values())]).to(device, non_blocking=True)
-            self._device.view(-1).index_copy_(0, changes[0], changes[1].to(torch.int32))
-            self._changed.clear()
+            _land_changes([self], device)
         view = self._view
         if view is None or view[0] is not self._device or view[1] != num_rows:
             view = self._view = (self._device, num_rows, self._device[:num_rows])  # kept while both hold
         return view[2]
+
+
+def _land_changes(tables: list[BlockTable], device: torch.device) -> None:
+    """Write the entries each of ``tables`` changed since it last landed them into its device table (every one
+    already on ``device``): one host-to-device copy for all of them, one ``index_copy_`` each."""
+    offsets, values, ends = [], [], []
+    for table in tables:
+        width = table.max_columns
+        offsets.extend(r * width + c for r, c in table._changed)
+        values.extend(table._changed.values())
+        ends.append(len(offsets))
+    changes = int_tensor([offsets, values]).to(device, non_blocking=True)
+    entries = changes[1].to(torch.int32)
+    start = 0
+    for table, end in zip(tables, ends):
+        table._device.view(-1).index_copy_(0, changes[0, start:end], entries[start:end])
+        table._changed.clear()
+        start = end
+
+
+def device_tables(tables: dict[str, BlockTable], num_rows: int, device) -> dict[str, torch.Tensor]:
+    """`BlockTable.device_table` of each of ``tables`` (by name), the entries they changed since the last step
+    landed with one host-to-device copy for all of them instead of one a table (a decode step of Inkling changes
+    its conv table's entries at almost every step, and often the others')."""
+    device = device if isinstance(device, torch.device) else torch.device(device)
+    changed = [t for t in tables.values() if t._changed and t._device is not None and t._device.device == device]
+    if len(changed) > 1:
+        _land_changes(changed, device)
+    return {name: table.device_table(num_rows, device) for name, table in tables.items()}
+

@@ -58,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from .blocks import device_tables
 from .cache import QSAPagedCache
 from .ops import int_tensor
 from .step import canonical_device
@@ -171,7 +172,7 @@ class DecodeGraphs:
             self.steps_seen = cache.steps_started
             # Changed table entries land before the step reads them; a table that moved (another
             # device) invalidates the graphs recorded against its old address.
-            ptrs = {n: t.device_table(size, self.device).data_ptr() for n, t in cache.tables.items()}
+            ptrs = {name: t.data_ptr() for name, t in device_tables(cache.tables, size, self.device).items()}
             # Rows that drafted fewer tokens than the step are left-padded: a graph of their own moves their pads
             # (steps without pads skip that work).
             padded = length > 1 and any(c < length for c in counts)

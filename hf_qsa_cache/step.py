@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .blocks import device_tables
 from .metadata import StepMetadata, build_step_metadata_torch
 from .ops import int_tensor
 from .padding import host_step_columns
@@ -118,7 +119,7 @@ def graph_step_metadata(cache, lengths: torch.Tensor, query_len: int,
     reach = cache.max_cache_len if reach is None else reach
     rows = lengths.shape[1]
     if block_tables is None:
-        block_tables = {name: t.device_table(rows, lengths.device) for name, t in cache.tables.items()}
+        block_tables = device_tables(cache.tables, rows, lengths.device)
     block_sizes = {name: t.block_size for name, t in cache.tables.items()}
     meta = build_step_metadata(lengths[0], lengths[1], query_len, block_tables, block_sizes, cache.qsa, None,
                                None, max_seq_len=reach)
@@ -279,7 +280,7 @@ class Step:
         lengths = int_tensor([plan.prev, plan.counts], torch.int32)  # one host-to-device copy a step
         if device.type == "cuda":
             lengths = lengths.to(device, non_blocking=True)
-        tables = {name: t.device_table(plan.rows, device) for name, t in cache.tables.items()}
+        tables = device_tables(cache.tables, plan.rows, device)
         block_sizes = {name: t.block_size for name, t in cache.tables.items()}
         metas = []
         for g in groups:

@@ -149,6 +149,42 @@ def test_moving_a_row_costs_its_live_blocks_not_its_length():
         _check_table(t, 4)
 
 
+def test_device_tables_land_every_tables_changes_with_one_copy(monkeypatch):
+    """Three tables (one plain, two windowed, as Inkling's main, sliding and conv) through steps and row moves:
+    each step's `device_tables` equal the host rows and built one host tensor of changes for all the tables that
+    changed (one host-to-device copy a step, not one a table)."""
+    from hf_qsa_cache import blocks
+
+    rng = random.Random(0)
+    tables = {"main": BlockTable("main", 80, 2, 4, 64), "sliding": BlockTable("sliding", 80, 3, 4, 64, window=5),
+              "conv": BlockTable("conv", 80, 4, 4, 64, window=4)}
+    blocks.device_tables(tables, 4, "cpu")  # (each table on the device: later calls land changes only)
+    built = []
+    real = blocks.int_tensor
+    monkeypatch.setattr(blocks, "int_tensor", lambda values, *args: built.append(values) or real(values, *args))
+    lengths, merged = [0] * 4, 0
+    for step in range(40):
+        lengths = [n + rng.randint(0, 3) for n in lengths]
+        for t in tables.values():
+            t.begin_step(4)
+            t.reserve_rows(lengths)
+            t.commit_step(lengths)
+        if step % 7 == 6:  # a row finishes, the others move up, a new one takes the last row
+            for t in tables.values():
+                t.move_rows([1, 2, 3, -1], 4)
+            lengths = lengths[1:] + [0]
+        built.clear()
+        merged += sum(bool(t._changed) for t in tables.values()) > 1
+        views = blocks.device_tables(tables, 4, "cpu")
+        assert len(built) <= 1, f"step {step}: {len(built)} host tensors of changes"
+        for name, t in tables.items():
+            host = torch.zeros(t.max_rows, t.max_columns, dtype=torch.int32)
+            for r, row in enumerate(t.rows):
+                host[r, : len(row)] = torch.tensor(row, dtype=torch.int32)
+            assert torch.equal(views[name], host), f"step {step}: {name}'s device table != its rows"
+    assert merged >= 20, merged  # (most steps changed several tables: the one copy carried them all)
+
+
 # ----------------------------------------------------------------------------- one host read of the mask
 class DeviceMask(torch.Tensor):
     """A mask that counts its reads to the host, as if it lived on an accelerator: what is computed from it
