@@ -105,11 +105,11 @@ class ContinuousBatchingManager:
                                    kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype,
                                    step_undo=False, prefix_caching=bool(getattr(config, "allow_block_sharing", True)))
         self.runner = ModelRunner(model, self.cache, return_logprobs=bool(config.return_logprobs))
-        self.runner.peers = lambda: [*self.scheduler.rows, *self.scheduler.waiting]  # (prefix caching)
         self.scheduler = Scheduler(rows, config.max_batch_tokens or DEFAULT_BATCH_TOKENS,
                                    prefill_first=config.scheduler_type == "prefill_first",
                                    unit=self.cache.prefix.unit if self.cache.prefix is not None else None,
                                    replays=self.runner.replays_prefill)
+        self.runner.sharing_head = self.scheduler.sharing_head  # (prefix caching)
         if config.scheduler_type not in ("fifo", "prefill_first"):
             raise ValueError(f"scheduler_type must be 'fifo' or 'prefill_first', got {config.scheduler_type!r}")
         self.input_queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size or 0)

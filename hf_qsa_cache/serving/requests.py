@@ -128,11 +128,19 @@ class Request:
     _eos: object = None  # `eos_array`, made once
     _array: object = None  # `token_array`'s buffer (prompt, then generated tokens as they come), and its fill
     _filled: int = 0
+    _head: tuple = (0, None)  # `prompt_head`'s (unit, hash), made once
 
     @property
     def total(self) -> int:
         """Tokens the row must hold before the next token can be sampled."""
         return len(self.prompt) + len(self.generated)
+
+    def prompt_head(self, unit: int) -> int | None:
+        """A hash of its prompt's first ``unit`` tokens (None if the prompt is shorter), made once: placing a
+        request compares its head with every request in flight or waiting (`ModelRunner._shared_with_peers`)."""
+        if self._head[0] != unit:
+            self._head = (unit, hash(tuple(self.prompt[:unit])) if len(self.prompt) >= unit else None)
+        return self._head[1]
 
     @property
     def most_held(self) -> int:

@@ -33,9 +33,10 @@ class ModelRunner:
         # Prefix caching: each decoding request's snapshot at the last unit boundary its row reached (the state a
         # finished request's prefix is cached with), kept while the request holds its row.
         self.tails: dict[Request, object] = {}
-        # Prefix caching: the other requests in flight or waiting (set by the manager), whose prompts a request's
-        # prefill may share: it stops where the longest such shared part ends, to cache its state there.
-        self.peers = lambda: []
+        # Prefix caching: the requests in flight or waiting whose prompt's first unit hashes to a given
+        # `Request.prompt_head` (the manager sets it: `Scheduler.sharing_head`), whose prompts a request's prefill
+        # may share: it stops where the longest such shared part ends, to cache its state there.
+        self.sharing_head = lambda head: []
         # Whether a recorded step ran since the loop (re)started (`start_session`), checking the model then. No user
         # code runs between the loop's steps, so the eager steps after it need not make the next recorded step walk
         # every weight to see whether the model changed (`DecodeGraphs.steps_were_own`); before it user code may have.
@@ -108,7 +109,7 @@ class ModelRunner:
             return 0
         tokens = _tokens(request, limit)
         head, best = tokens[:unit], 0
-        for other in self.peers():
+        for other in self.sharing_head(hash(tuple(head))):  # (those whose first unit may be ours, not the queue)
             theirs = other.prompt
             if other is request or other.media is not None or len(theirs) < best + unit or theirs[:unit] != head:
                 continue

@@ -47,9 +47,21 @@ class Scheduler:
         self._slot: dict[Request, int] = {}  # each request's row at the last `order`
         self._ordered: tuple[list[Request], int] | None = None  # (rows as `order` left them, how many prefill)
         self._admissions = 0
+        # Prefix caching: the requests in flight or waiting by `Request.prompt_head` (prompts of a unit or more), so
+        # that placing a request finds those sharing its first unit without a pass over the queue. Only `submit`
+        # and `release` change who is in flight or waiting (admission and preemption move requests between the two).
+        self._by_head: dict[int, list[Request]] = {}
 
     def submit(self, request: Request) -> None:
         self.waiting.append(request)
+        head = request.prompt_head(self.unit) if self.unit else None
+        if head is not None:
+            self._by_head.setdefault(head, []).append(request)
+
+    def sharing_head(self, head: int) -> list[Request]:
+        """The requests in flight or waiting whose prompt's first unit hashes to ``head`` (`Request.prompt_head`;
+        a hash: the caller compares the tokens)."""
+        return self._by_head.get(head, [])
 
     @property
     def has_work(self) -> bool:
@@ -142,6 +154,14 @@ class Scheduler:
             self._ordered = None
         elif request in self.waiting:
             self.waiting.remove(request)
+        else:
+            return
+        head = request.prompt_head(self.unit) if self.unit else None
+        if head is not None:
+            sharing = self._by_head[head]
+            sharing.remove(request)
+            if not sharing:
+                del self._by_head[head]
 
     def preempt(self, request: Request) -> None:
         """Back to the front of the queue (behind the isolated requests), without a row: its tokens so far are fed

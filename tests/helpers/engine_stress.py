@@ -189,6 +189,7 @@ class EngineStress:
         assert pools_full(self.cache), "blocks still held after every request ended"
         assert not self.runner.encoded and not self.runner.rows
         assert not self.manager.scheduler.rows and not self.manager.scheduler.waiting
+        assert not self.manager.scheduler._by_head, "an ended request is still indexed by its prompt's head"
         assert not self.manager._in_flight
 
 

@@ -167,11 +167,12 @@ def test_the_prefix_shared_with_peers_is_the_longest_whole_unit_one(unit):
     import random
     from types import SimpleNamespace
 
+    from hf_qsa_cache.serving.requests import Request
     from hf_qsa_cache.serving.runner import ModelRunner
+    from hf_qsa_cache.serving.scheduler import Scheduler
 
     def request(prompt, generated=(), media=None):
-        return SimpleNamespace(prompt=list(prompt), generated=list(generated), media=media,
-                               total=len(prompt) + len(generated))
+        return Request("r", list(prompt), 8, frozenset(), generated=list(generated), media=media)
 
     def definition(mine, peers):
         tokens = mine.prompt + mine.generated
@@ -194,7 +195,11 @@ def test_the_prefix_shared_with_peers_is_the_longest_whole_unit_one(unit):
         cut = rng.randrange(len(base) + 1)
         mine = request(base[:cut] or [0], base[cut:])  # part of its tokens generated (a preempted request)
         peers.append(mine)
-        runner = SimpleNamespace(cache=SimpleNamespace(prefix=SimpleNamespace(unit=unit)), peers=lambda: peers)
+        scheduler = Scheduler(max_rows=8, max_batch_tokens=64, prefill_first=True, unit=unit)
+        for peer in peers:  # (the peers are found through the scheduler's index, as the manager wires it)
+            scheduler.submit(peer)
+        runner = SimpleNamespace(cache=SimpleNamespace(prefix=SimpleNamespace(unit=unit)),
+                                 sharing_head=scheduler.sharing_head)
         assert ModelRunner._shared_with_peers(runner, mine) == definition(mine, peers), (mine, peers)
 
 
@@ -225,6 +230,34 @@ def test_rows_waiting_for_an_older_rows_prefix_step_aside_for_other_prefixes():
     scheduler.order()
     assert scheduler.rows[:6] == [requests[0], requests[1], requests[2], requests[3], requests[4], requests[5]]
     assert scheduler.rows[6] is requests[6] and set(scheduler.rows[7:]) == {requests[7], requests[8]}
+
+
+def test_the_scheduler_finds_requests_sharing_a_prompts_first_unit_until_they_end():
+    """Placing a request looks for the requests in flight or waiting that share its prompt's first unit
+    (`Scheduler.sharing_head`, an index, not a pass over the queue): submitted requests are found while they wait,
+    run and wait again after preemption, and not once released; prompts shorter than a unit are not indexed."""
+    from hf_qsa_cache.serving.requests import Request
+    from hf_qsa_cache.serving.scheduler import Scheduler
+
+    head = [5, 6, 7, 8]
+    a, b = Request("a", head + [1, 2], 4, frozenset()), Request("b", head + [3], 4, frozenset())
+    other, short = Request("c", [9, 6, 7, 8, 1], 4, frozenset()), Request("d", head[:3], 4, frozenset())
+    scheduler = Scheduler(max_rows=2, max_batch_tokens=64, prefill_first=True, unit=4)
+    for request in (a, b, other, short):
+        scheduler.submit(request)
+    key = hash(tuple(head))
+    assert scheduler.sharing_head(key) == [a, b] and scheduler.sharing_head(hash((9, 6, 7, 8))) == [other]
+    assert scheduler.admit() == [a, b] and scheduler.sharing_head(key) == [a, b]  # running
+    scheduler.preempt(b)
+    assert scheduler.sharing_head(key) == [a, b]  # waiting again
+    scheduler.release(a)
+    scheduler.release(a)  # (a second release changes nothing)
+    assert scheduler.sharing_head(key) == [b]
+    scheduler.release(b)
+    assert scheduler.sharing_head(key) == [] and not scheduler._by_head.get(key)
+    scheduler.release(short)
+    scheduler.release(other)
+    assert not scheduler._by_head
 
 
 def test_a_prefix_that_cannot_be_cached_fails_no_request(family, monkeypatch):
