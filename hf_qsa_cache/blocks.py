@@ -483,4 +483,3 @@ def device_tables(tables: dict[str, BlockTable], num_rows: int, device) -> dict[
     if len(changed) > 1:
         _land_changes(changed, device)
     return {name: table.device_table(num_rows, device) for name, table in tables.items()}
-

@@ -109,7 +109,8 @@ def _top_set_kernel(scores_ptr, out_ptr, num_groups, k, stride_row, BLOCK: tl.co
 @on_device_of_first_tensor
 def top_set_triton(scores: torch.Tensor, k: int, block: int | None = None) -> torch.Tensor:
     """`top_set.top_group_set` of ``scores [N, G]`` (float32, ``1 <= k <= G``) in one launch; ``block``: scores a
-    program holds at once (default: the row's power of two, from `SMALL_BLOCK` to `MAX_BLOCK`; tests force it small)."""
+    program holds at once (default: the row's power of two, from `SMALL_BLOCK` to `MAX_BLOCK`; tests force it
+    small)."""
     n, groups = scores.shape
     if not 0 < k <= groups:
         raise ValueError(f"top_set_triton needs 1 <= k <= {groups} groups; got k={k}")

@@ -198,8 +198,10 @@ class ContinuousBatchingManager:
         fatal = self.background_thread_status.fatal_error
         return {"running": self.is_running(), "accepting": self._accepting and fatal is None,
                 "fatal_error": None if fatal is None else f"{type(fatal).__name__}: {fatal}",
-                "rows_in_use": len(self.scheduler.rows), "waiting": len(self.scheduler.waiting) + self.input_queue.qsize(),
-                "free_blocks": {name: table.available() for name, table in self.cache.tables.items()},  # idle cached too
+                "rows_in_use": len(self.scheduler.rows),
+                "waiting": len(self.scheduler.waiting) + self.input_queue.qsize(),
+                # (idle cached blocks count as free)
+                "free_blocks": {name: table.available() for name, table in self.cache.tables.items()},
                 **self.stats}
 
     # ------------------------------------------------------------------ requests

@@ -136,8 +136,8 @@ class Request:
         return len(self.prompt) + len(self.generated)
 
     def prompt_head(self, unit: int) -> int | None:
-        """A hash of its prompt's first ``unit`` tokens (None if the prompt is shorter), made once: placing a
-        request compares its head with every request in flight or waiting (`ModelRunner._shared_with_peers`)."""
+        """A hash of its prompt's first ``unit`` tokens (None if the prompt is shorter), made once: the scheduler
+        indexes the requests in flight or waiting by it (`Scheduler.sharing_head`)."""
         if self._head[0] != unit:
             self._head = (unit, hash(tuple(self.prompt[:unit])) if len(self.prompt) >= unit else None)
         return self._head[1]

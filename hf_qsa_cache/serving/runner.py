@@ -328,7 +328,8 @@ class ModelRunner:
             logprobs = [None] * len(tokens)
             if self.return_logprobs or request.want_logprobs:
                 scores = logits[i, length - 1 - m: length - m + kept].float()
-                logprobs = scores.log_softmax(-1).gather(1, torch.tensor(tokens, device=scores.device)[:, None])[:, 0].tolist()
+                picked_ids = torch.tensor(tokens, device=scores.device)[:, None]
+                logprobs = scores.log_softmax(-1).gather(1, picked_ids)[:, 0].tolist()
             picked += [(request, t, lp) for t, lp in zip(tokens, logprobs)]
             drops[i] = m - kept
             request.held -= drops[i]

@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+import torch
 from helpers.qwen4 import make_pair, random_prompts
 from helpers.serving import FAMILIES, alone, family_pair, greedy, pools_full, steps_routed_as_on_a_gpu
 from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -538,6 +539,39 @@ def test_prompt_lookup_inside_the_loop_gives_each_prompts_own_tokens(family):
         assert result.generated_tokens == alone(ref, prompt, 12), result.request_id
     assert stats["drafted_tokens"] > 0 and cache.num_speculative_tokens == 3
     assert pools_full(cache)
+
+
+def test_verified_drafts_carry_the_log_probabilities_of_plain_decoding(family, monkeypatch):
+    """With ``return_logprobs``, the tokens a verify step keeps (the drafts its logits agree with, then its own
+    token) carry the log-probabilities plain greedy decoding gives them, one a token. Drafts from an oracle (the
+    plain run's own tokens; every other request's second draft made wrong)."""
+    from hf_qsa_cache.serving import ContinuousBatchingManager
+
+    name, ref, ours = family
+    prompts = random_prompts([14, 9, 21, 6], vocab=90, seed=53)
+    config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=16, max_requests_per_batch=4,
+                                      return_logprobs=True)
+    plain, _, _ = _run_all(ours, prompts, [10] * len(prompts), config, greedy(10))
+    truth = {tuple(p): (i, r.generated_tokens) for i, (p, r) in enumerate(zip(prompts, plain))}
+
+    def oracle(self, request):
+        room = request.max_new_tokens - len(request.generated) - 1
+        if request.in_prefill or room < 1:
+            return []
+        i, tokens = truth[tuple(request.prompt)]
+        drafts = list(tokens[len(request.generated): len(request.generated) + min(3, room)])
+        if i % 2 and len(drafts) > 1:
+            drafts[1] = (drafts[1] + 1) % 90
+        return drafts
+
+    monkeypatch.setattr(ContinuousBatchingManager, "_lookup", oracle)
+    drafted, stats, _ = _run_all(ours, prompts, [10] * len(prompts), config, _lookup_config(10))
+    assert stats["accepted_tokens"] > 0 and stats["drafted_tokens"] > stats["accepted_tokens"]
+    for with_drafts, without in zip(drafted, plain):
+        assert with_drafts.generated_tokens == without.generated_tokens
+        assert len(with_drafts.logprobs) == len(without.logprobs) == 10
+        torch.testing.assert_close(torch.tensor(with_drafts.logprobs), torch.tensor(without.logprobs),
+                                   rtol=0, atol=1e-4)
 
 
 def test_prompt_lookup_inside_the_loop_on_the_graphs_path(family):
