@@ -352,14 +352,16 @@ def test_the_latest_admitted_request_is_preempted():
     from hf_qsa_cache.serving.requests import Request
 
     scheduler = Scheduler(max_rows=3, max_batch_tokens=8, prefill_first=False)
-    requests = [Request(f"r{i}", [1] * (5 + i), 4, frozenset()) for i in range(3)]
+    requests = [Request(f"r{i}", [1] * (5 + i), 4, frozenset()) for i in range(4)]
     for request in requests:
         scheduler.submit(request)
     scheduler.admit()
+    assert list(scheduler.waiting) == [requests[3]]
     assert scheduler.victim() is requests[2]
     scheduler.preempt(requests[2])
-    assert scheduler.waiting[0] is requests[2]  # first in line again
+    assert list(scheduler.waiting) == [requests[2], requests[3]]  # first in line again, before those who came later
     assert scheduler.victim() is requests[1]
+    assert scheduler.admit() == [requests[2]]  # readmitted first (one row free)
 
 
 def test_admission_waits_while_the_pools_cannot_hold_a_first_step():
@@ -372,6 +374,7 @@ def test_admission_waits_while_the_pools_cannot_hold_a_first_step():
     assert scheduler.admit(lambda request, admitted: len(admitted) < 2) == requests[:2]
     assert list(scheduler.waiting) == requests[2:]
     assert scheduler.first_chunk(requests[2]) == 5
+    assert scheduler.first_chunk(Request("long", [1] * 20, 4, frozenset())) == 8  # at most the prefill budget
 
 
 def test_copies_of_a_prompt_and_seeded_requests_draw_their_own_streams(qwen):
@@ -395,6 +398,30 @@ def test_copies_of_a_prompt_and_seeded_requests_draw_their_own_streams(qwen):
         second = manager.get_result(again, timeout=60)
     assert len({tuple(c.generated_tokens) for c in copies}) == 3
     assert first.generated_tokens == second.generated_tokens
+
+
+def test_a_sampled_request_draws_each_token_with_its_own_uniform(family):
+    """A seeded sampled request's ``i``-th token is `draw` of `next_token_scores` (transformers' model on its
+    tokens so far, alone) for `token_uniform(seed, i)`, beside another request; not one number for every token."""
+    from hf_qsa_cache.serving import Sampling
+    from hf_qsa_cache.serving.sampling import draw, next_token_scores, token_uniform
+
+    name, ref, ours = family
+    prompt, other = random_prompts([10, 13], vocab=90, seed=44)
+    hot = Sampling(do_sample=True, temperature=1.5, top_k=40)
+    config = ContinuousBatchingConfig(page_size=4, max_requests_per_batch=2)
+    with ours.continuous_batching_context_manager(greedy(8), continuous_batching_config=config) as manager:
+        ids = [manager.add_request(prompt, max_new_tokens=8, sampling=hot, seed=21),
+               manager.add_request(other, max_new_tokens=8)]
+        got = manager.get_result(ids[0], timeout=60).generated_tokens
+        manager.get_result(ids[1], timeout=60)
+    want = []
+    with torch.no_grad():
+        for i in range(8):
+            logits = ref(torch.tensor([prompt + want])).logits[0, -1].float()
+            scores = next_token_scores(logits, hot, prompt, want)
+            want.append(int(draw(scores[None], torch.tensor([token_uniform(21, i)]))[0]))
+    assert got == want and len(set(want)) > 2
 
 
 def test_per_request_penalties_match_transformers_greedy(family):
