@@ -138,6 +138,39 @@ def test_tight_pool_evicts_cached_blocks_and_sharing_can_be_turned_off(family):
         assert "prefix_cache" not in manager.cache.memory_stats()
 
 
+def test_a_prompt_that_ends_at_a_cached_snapshot_still_feeds_its_last_token(family):
+    """A next turn that is exactly a finished request's prompt and answer up to the unit boundary its decoding
+    reached (a snapshot there): the restore stops a unit short of its last token, which it feeds, so its tokens are
+    transformers' alone (a restore of every token would leave nothing to feed)."""
+    name, ref, ours = family
+    first = random_prompts([8], vocab=90, seed=24)[0]
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=8, max_requests_per_batch=2)
+    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config) as manager:
+        answer = run(manager, [first])[0].generated_tokens
+        again = first + answer[:4]  # 12 tokens: the decode tail at 12 is cached with a snapshot
+        assert manager.cache.prefix_lookup(again, limit=None)[0] == 12
+        before = manager.cache.memory_stats()["prefix_cache"]["hit_tokens"]
+        check(ref, [again], run(manager, [again]))
+        assert 0 < manager.cache.memory_stats()["prefix_cache"]["hit_tokens"] - before < 12
+
+
+def test_pool_pressure_gives_back_the_least_recently_used_prefix_first(family):
+    """Two cached prefixes, the older used again since: when a request needs blocks only idle cached ones can give,
+    the least recently used prefix's go (the other still hits); requests stay exact."""
+    name, ref, ours = family
+    a, b = random_prompts([17, 17], vocab=90, seed=25)
+    big = random_prompts([30], vocab=90, seed=26)[0]
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=16, max_batch_tokens=8, max_requests_per_batch=1)
+    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config) as manager:
+        cache = manager.cache
+        cache.prefix.max_snapshots = 32  # (the default, two a row, would evict snapshots, and prefixes with them)
+        for prompts in ([a], [b], [a + [3]]):  # a, b cached; then a used again: b is the least recently used
+            check(ref, prompts, run(manager, prompts))
+        check(ref, [big], run(manager, [big]))  # needs blocks the cached prefixes hold
+        assert cache.memory_stats()["prefix_cache"]["evictions"] > 0
+        assert cache.prefix_lookup(a + [3], limit=None)[0] >= 16 and cache.prefix_lookup(b + [3], limit=None)[0] == 0
+
+
 def test_requests_admitted_together_restore_what_the_first_cached(family):
     name, ref, ours = family
     shared = random_prompts([18], vocab=90, seed=41)[0]
