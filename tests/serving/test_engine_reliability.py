@@ -299,6 +299,58 @@ def test_a_fault_every_iteration_fails_the_running_requests_and_serves_later_one
     assert health["host_faults"] == 3 and health["fatal_error"] is None
 
 
+def test_a_failed_step_sends_its_requests_back_oldest_first_and_fails_one_on_its_second_failure(qwen):
+    """A model step that raises: its requests go back to the queue in the order they were admitted (the oldest
+    first in line), ahead of those already waiting; a request alone in a step that fails a second time fails."""
+    from hf_qsa_cache.serving.manager import STEP_RETRIES
+
+    prompts = random_prompts([9, 13, 7], vocab=90, seed=34)
+    manager = qwen.init_continuous_batching(greedy(4), ContinuousBatchingConfig(page_size=4,
+                                                                              max_requests_per_batch=2))
+    ids = manager.add_requests(prompts, max_new_tokens=4)
+    manager._intake()
+    scheduler = manager.scheduler
+    running = scheduler.admit()
+    manager.runner.place(scheduler.rows)
+    waiting = list(scheduler.waiting)
+
+    def boom():
+        raise RuntimeError("a step fault")
+
+    manager._run(list(scheduler.rows), boom, "decode_s")
+    assert [r.request_id for r in scheduler.waiting] == [*(r.request_id for r in running), *ids[2:]]
+    assert list(scheduler.waiting)[len(running):] == waiting and not scheduler.rows
+    lone = scheduler.waiting[0]
+    assert lone.step_failures == 1 and not lone.done
+    scheduler.max_rows = 1  # alone in its steps from here on
+    for failures in range(2, STEP_RETRIES + 2):
+        assert scheduler.admit() == [lone]
+        manager.runner.place(scheduler.rows)
+        manager._run([lone], boom, "decode_s")
+        assert lone.step_failures == failures
+        assert lone.done == (failures == STEP_RETRIES + 1), failures
+    assert lone.status == RequestStatus.FAILED and "a step fault" in lone.error
+    manager.runner.release_all()
+
+
+def test_results_fetched_by_id_leave_no_growing_trail():
+    """Results taken by request id, newest first (none through the any-request order), leave stale entries in the
+    arrival order `get()` without an id reads; they are dropped once they outnumber the live results, so a server
+    that fetches by id holds memory for what waits, not for every result it ever delivered."""
+    from hf_qsa_cache.serving.delivery import Delivery
+    from hf_qsa_cache.serving.requests import Request
+
+    delivery = Delivery()
+    for batch in range(20):
+        requests = [Request(f"r{batch}-{i}", [1, 2], 2, frozenset()) for i in range(50)]
+        for request in requests:
+            delivery.put(request)
+        for request in reversed(requests):
+            assert delivery.get(request.request_id, timeout=0).request_id == request.request_id
+        assert len(delivery._arrivals) <= 64 + 2 * delivery._live, (batch, len(delivery._arrivals))
+    assert delivery.get(timeout=0) is None
+
+
 def test_lifecycle_refuses_instead_of_losing_requests(qwen):
     config = ContinuousBatchingConfig(page_size=4, max_requests_per_batch=2)
     prompt = random_prompts([6], vocab=90, seed=35)[0]
