@@ -149,6 +149,18 @@ def test_moving_a_row_costs_its_live_blocks_not_its_length():
         _check_table(t, 4)
 
 
+@pytest.mark.parametrize("window", [None, 5], ids=["plain", "windowed"])
+def test_a_row_cannot_reserve_past_its_table(window):
+    """A table's own bound (the cache's capacity checks refuse first, so nothing else reaches it): a row that would
+    need one block more than its table's columns is refused with a ValueError naming both, and nothing changes."""
+    t = BlockTable("t", 40, 4, 2, 32, window=window)  # 8 columns of 4 tokens
+    t.reserve(0, 32)
+    before = _state(t)
+    with pytest.raises(ValueError, match=r"row 0 needs 9 blocks, the table holds 8"):
+        t.reserve(0, 33)
+    assert _same(_state(t), before)
+
+
 def test_device_tables_land_every_tables_changes_with_one_copy(monkeypatch):
     """Three tables (one plain, two windowed, as Inkling's main, sliding and conv) through steps and row moves:
     each step's `device_tables` equal the host rows and built one host tensor of changes for all the tables that
