@@ -100,18 +100,21 @@ def eager_prefills_counted(manager):
     """While open, the rows x length of each prefill step the manager's runner runs eagerly (the others replay
     recorded graphs: `ModelRunner.replays_prefill`) go into the list it yields."""
     eager, runner = [], manager.runner
-    prefill = runner.prefill
+    prefill, wrapped = runner.prefill, "prefill" in vars(runner)  # (another wrapper's, e.g. a profiler's, stays)
 
     def counted(chunks):
         if not runner.replays_prefill(len(chunks), max(chunks)):
             eager.append(len(chunks) * max(chunks))
         return prefill(chunks)
 
-    runner.prefill = counted  # (the loop looks it up at each step; the class's again on exit)
+    runner.prefill = counted  # (the loop looks it up at each step)
     try:
         yield eager
     finally:
-        del runner.prefill
+        if wrapped:
+            runner.prefill = prefill
+        else:
+            del runner.prefill
 
 
 def continuous(manager, prompts, outputs, gaps, prefix="r") -> dict:

@@ -14,7 +14,9 @@ as they do on a device. The cache geometry (page size, window, layer schedule) f
 Reported: host microseconds per loop iteration, split into decode-only iterations and iterations that run a
 prefill step (a prefill step and most often a decode step; a grouped step with ``--grouped-steps on``), and
 per step (`ModelRunner.decode` / `grouped` / `prefill`: the forward with its cache step, and sampling) and how many
-prefill steps are short ones a GPU replays from CUDA graphs (`cuda_graphs.short_prefill_length`); then a cProfile
+prefill steps are short ones a GPU replays from CUDA graphs (`cuda_graphs.short_prefill_length`), and per new row
+with prefix caching on, its prefix lookup (`ModelRunner._restore`: the cached prefix and the requests in flight or
+waiting that share its start, the whole queue there when all requests arrive at once); then a cProfile
 top-20 of a second, profiled run. With ``--graph-steps`` the steps a GPU replays from graphs (decode and short
 prefill steps) take the recorded step's host path, their replay launching nothing (`IdleGraphs`): the host work a
 GPU's step costs, where the default runs every step on the eager forward's host path.
@@ -155,7 +157,7 @@ class Timings:
     def __init__(self, manager):
         # (seconds, ran a prefill or grouped step, ran a decode step)
         self.iterations: list[tuple[float, bool, bool]] = []
-        self.steps = {"prefill": [], "decode": [], "grouped": []}
+        self.steps = {"prefill": [], "decode": [], "grouped": [], "restore": []}
         iteration, runner = manager._iteration, manager.runner
 
         def timed_iteration():
@@ -190,6 +192,7 @@ class Timings:
         runner.prefill = timed("prefill", counted(runner.prefill))
         runner.decode = timed("decode", runner.decode)
         runner.grouped = timed("grouped", runner.grouped)
+        runner._restore = timed("restore", runner._restore)  # (a new row's prefix lookup, prefix caching on)
 
 
 def drive(manager, prompts, outputs, prefix: str, stream: bool = False) -> None:
@@ -289,6 +292,7 @@ def main():
     print("eager prefill steps by rows x length: " + ", ".join(
         [f"<= {b}: {n}" for b, n in zip(bounds, sizes)] + [f"more: {sizes[-1]}"]))
     print(f"grouped step          : {us(timings.steps['grouped'])}")
+    print(f"new row's prefix restore: {us(timings.steps['restore'])} (queued: {args.requests} at once)")
     if args.no_profile:
         return
     profile = cProfile.Profile()

@@ -131,3 +131,26 @@ def test_a_pass_counts_the_prefill_steps_that_ran_eagerly(monkeypatch):
     # the eager steps' rows x length are a part of every prefill step's (their tokens and pads)
     assert 0 < line["eager_prefill_cells"] < line["prefill_tokens"] + line["pad_tokens"]
     assert "prefill" not in vars(manager.runner)
+
+
+def test_the_eager_count_puts_back_a_wrapper_it_found():
+    """A runner whose prefill another tool wrapped (a profiler's timer) keeps that wrapper after the count; the
+    count sees every step, replayed ones left out."""
+    class Runner:
+        def replays_prefill(self, rows, length):
+            return length <= 4
+
+        def prefill(self, chunks):
+            return "class"
+
+    runner = Runner()
+    timed = []
+    runner.prefill = lambda chunks: timed.append(chunks) or "timed"
+    manager = types.SimpleNamespace(runner=runner)
+    with bench_serving.eager_prefills_counted(manager) as eager:
+        assert runner.prefill([3, 2]) == runner.prefill([8]) == "timed"
+    assert eager == [8] and timed == [[3, 2], [8]] and runner.prefill([1]) == "timed"
+    del runner.prefill
+    with bench_serving.eager_prefills_counted(manager):
+        pass
+    assert "prefill" not in vars(runner) and runner.prefill([1]) == "class"
