@@ -340,7 +340,7 @@ def main():
         common["grouped_steps"] = grouped
         manager = warm_manager(grouped)
         if args.load is not None:
-            loaded(manager, prompts, outputs, args, dict(common), record)
+            loaded(manager, prompts, outputs, args, record)
         else:
             rows.append(measured_passes(manager, prompts, outputs, gaps, args, record))
         manager.stop()
@@ -370,18 +370,19 @@ def main():
         for r in rows[1:]))
 
 
-def loaded(manager, prompts, outputs, args, common: dict, record) -> None:
+def loaded(manager, prompts, outputs, args, record) -> None:
     """The Poisson target: the maximum rate (every request at once: requests over the wall time), then Poisson
     arrivals at ``args.load`` times it, on prompts of the same lengths and other tokens (none found cached from
-    the first run); TPOT p99 against p50 and TTFT p99 reported beside."""
-    common.update(arrival="all", rate=None)
-    saturated = record(continuous(manager, prompts, outputs, [0.0] * len(prompts), prefix="max"))
+    the first run); TPOT p99 against p50 and TTFT p99 reported beside. Each row names its arrivals itself (``record``
+    writes the run's common fields under it)."""
+    saturated = record({"arrival": "all", "rate": None,
+                        **continuous(manager, prompts, outputs, [0.0] * len(prompts), prefix="max")})
     max_rate = len(prompts) / saturated["wall_s"]
     gen = torch.Generator().manual_seed(args.seed + 1)
     others = retokened(prompts, manager.model.config.get_text_config().vocab_size, gen)
     gaps = torch.empty(len(prompts)).exponential_(args.load * max_rate, generator=gen).tolist()
-    common.update(arrival="poisson", rate=args.load * max_rate, load=args.load, max_rate=max_rate)
-    row = continuous(manager, others, outputs, gaps, prefix="load")
+    row = {"arrival": "poisson", "rate": args.load * max_rate, "load": args.load, "max_rate": max_rate,
+           **continuous(manager, others, outputs, gaps, prefix="load")}
     row["tpot_p99_over_p50"] = row["tpot_p99_ms"] / row["tpot_p50_ms"] if row["tpot_p50_ms"] else None
     record(row)
 

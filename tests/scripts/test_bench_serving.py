@@ -34,15 +34,15 @@ def _tiny_run(monkeypatch, **settings):
 
 def test_load_run_measures_the_maximum_rate_then_poisson_arrivals(monkeypatch):
     args, prompts, outputs, _, manager = _tiny_run(monkeypatch, requests=10, max_prompt=48, max_output=6, load=0.8)
-    common, lines = {"bench": "serving"}, []
+    lines = []
 
-    def record(row: dict) -> dict:
-        lines.append({**common, **row})
+    def record(row: dict) -> dict:  # as the bench's: the run's common fields (arrival "all"), then the row's own
+        lines.append({"bench": "serving", "arrival": "all", "rate": None, **row})
         return row
 
     manager.start()
     try:
-        bench_serving.loaded(manager, prompts, outputs, args, common, record)
+        bench_serving.loaded(manager, prompts, outputs, args, record)
     finally:
         manager.stop(block=True)
     saturated, poisson = lines
@@ -68,7 +68,7 @@ def test_load_scales_the_arrival_rate(monkeypatch):
     prompts, outputs = [[5] * n for n in (3, 9, 4, 7)], [2, 3, 2, 4]
     for load in (0.8, 0.4):
         args = types.SimpleNamespace(seed=0, load=load)
-        bench_serving.loaded(manager, prompts, outputs, args, {}, lambda row: row)
+        bench_serving.loaded(manager, prompts, outputs, args, lambda row: row)
     full, heavy, _, light = taken  # (each load: the saturated run's gaps, then the Poisson run's)
     assert full == [0.0] * 4
     assert all(abs(b - 2 * a) < 1e-6 * b for a, b in zip(heavy, light))
