@@ -409,7 +409,7 @@ class ContinuousBatchingManager:
                 fed = [r for r, n in zip(runner.rows, growth) if n]  # (rows still prefilling without a chunk wait)
                 self._run(fed, lambda: runner.grouped(chunks, drafts), "grouped_s")
                 return
-        steps = ("prefill", "decode") if scheduler.prefill_first else ("decode", "prefill")
+        steps = ("prefill", "decode") if scheduler.prefill_goes_first() else ("decode", "prefill")
         for kind in steps:
             if kind == "prefill":
                 # The chunks are planned once the pools hold exactly them (a preemption plans them again).

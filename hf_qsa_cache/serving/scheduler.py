@@ -18,6 +18,9 @@ rows' tokens, `ModelRunner.grouped`):
 * a decode step feeds every row one token: a decoding request its last sampled token, a prefilling one
   its next prompt token (useful work, and one real token per row: the CUDA-graph decode step applies).
 
+An iteration runs one step of each kind, the decode step first (``prefill_first``: the prefill step), unless the
+prefill step replays a recorded graph and ends a row's prompt (`prefill_goes_first`).
+
 Admission is first come, first served while rows are free and the block pools hold the next request's
 first step beside the running rows' next tokens (an *isolated* request, one the manager suspects of a fault,
 runs alone: `Request.alone_until`); when the pools cannot hold a step about to run (each step is checked with
@@ -243,6 +246,18 @@ class Scheduler:
             if sum(wider) > sum(chunks):
                 return wider
         return chunks
+
+    def prefill_goes_first(self) -> bool:
+        """Whether an iteration runs its prefill step before its decode step: always with ``prefill_first``; else
+        when that step replays a recorded graph and ends a row's prompt (its chunk is all the row has pending: the
+        last tokens of a prompt stopped at its snapshot point or at a shared prefix, a short prompt). The request's
+        first token then comes without a decode step of every row between its last two prefill steps; the decoding
+        rows wait that one replay (each iteration still runs at most one step of each kind)."""
+        if self.prefill_first:
+            return True
+        chunks = self.prefill_chunks()
+        return bool(chunks) and self.replays(len(chunks), max(chunks)) \
+            and any(chunk == request.pending for chunk, request in zip(chunks, self.rows))
 
     def _replaying_rows(self, chunks: list[int]) -> int:
         """The most of the step's first rows (a power of two of them) whose step of their ``chunks`` replays a

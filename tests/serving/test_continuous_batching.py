@@ -71,13 +71,13 @@ def test_steps_the_graphs_take_go_straight_to_them_not_through_the_forward(famil
     from helpers.serving import steps_routed_as_on_a_gpu
 
     name, ref, ours = family
-    prompts = random_prompts(LENGTHS, vocab=90, seed=3)
-    config = ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=8, max_requests_per_batch=3)
+    prompts = random_prompts([40] + LENGTHS, vocab=90, seed=3)
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=48, max_requests_per_batch=3)
     forward, through_forward = ours.forward, []
     monkeypatch.setattr(ours, "forward", lambda input_ids=None, **kw: through_forward.append(input_ids.shape[1])
                         or forward(input_ids=input_ids, **kw))
     monkeypatch.setattr(ours.config, "output_router_logits", True, raising=False)
-    monkeypatch.setattr(cuda_graphs, "SHORT_PREFILL_TOKENS", 32)  # steps of several rows run eagerly
+    monkeypatch.setattr(cuda_graphs, "SHORT_PREFILL_TOKENS", 32)  # the 40-token prompt's first chunk runs eagerly
     with steps_routed_as_on_a_gpu() as routed, \
             ours.continuous_batching_context_manager(_greedy(), continuous_batching_config=config) as manager:
         ids = manager.add_requests(prompts)
@@ -101,14 +101,13 @@ def test_a_new_requests_first_short_chunk_replays_a_graph_on_its_fresh_row(famil
     config = ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=32, max_requests_per_batch=2,
                                       allow_block_sharing=sharing)
     manager = ours.init_continuous_batching(_greedy(), config)
-    planned, plan = [], manager.scheduler.prefill_chunks
+    planned, prefill = [], manager.runner.prefill
 
-    def planning(packed=False):  # each prefill step's chunks, and whether a row of it starts there
-        chunks = plan(packed)
-        planned.append((chunks, 0 in manager.cache.lengths[:len(chunks)]))
-        return chunks
+    def prefilling(chunks):  # each prefill step's chunks, and whether a row of it starts there
+        planned.append((list(chunks), 0 in manager.cache.lengths[:len(chunks)]))
+        return prefill(chunks)
 
-    monkeypatch.setattr(manager.scheduler, "prefill_chunks", planning)
+    monkeypatch.setattr(manager.runner, "prefill", prefilling)
     ids = manager.add_requests(prompts)  # before the loop starts: its first step takes the first two
     with steps_routed_as_on_a_gpu() as routed:
         results = serve_queued(manager, len(prompts))
@@ -487,6 +486,24 @@ def test_manager_lifecycle_persistent_hard_stop_and_iteration(family):
     assert set(ids) <= set(results)
     assert any(r.status == RequestStatus.FAILED and "hard_stop" in r.error for r in results.values())
     assert pools_full(manager.cache) and not manager.is_running()
+
+
+def test_a_replayed_prefill_step_that_ends_a_prompt_goes_before_the_decode_step():
+    from hf_qsa_cache.serving.requests import Request
+    from hf_qsa_cache.serving.scheduler import Scheduler
+
+    def first(pending, replays=lambda rows, length: length <= 8, prefill_first=False):
+        scheduler = Scheduler(max_rows=8, max_batch_tokens=16, prefill_first=prefill_first, replays=replays)
+        scheduler.rows = [Request(f"r{i}", [5] * n, 4, frozenset()) for i, n in enumerate(pending)]
+        return scheduler.prefill_goes_first()
+
+    assert first([6])  # a short prompt's whole prefill, replayed: its first token without a decode step between
+    assert first([8, 30])  # [8, 8]: the first row's prompt ends
+    assert not first([17], replays=lambda rows, length: True)  # [16]: it replays, but the prompt has one more
+    assert not first([6], replays=lambda rows, length: False)  # an eager step (host work) keeps its place
+    assert not first([12])  # its step would run eagerly (12 columns)
+    assert not first([1, 1])  # nothing to prefill (one pending token: the decode step feeds it)
+    assert first([30], prefill_first=True)  # scheduler_type="prefill_first": always
 
 
 def test_prefill_chunks_serve_the_oldest_first_within_budget_and_padding():

@@ -94,29 +94,33 @@ def test_short_prefill_steps_on_the_graphs_path(family):
 def test_a_short_tail_that_replays_a_graph_steps_without_riding_along(family, monkeypatch):
     """A prompt's last tokens after its snapshot point, beside a started row with more to feed: where their own step
     replays a recorded graph (as on a GPU), the short chunks step alone, without pads, instead of riding along in the
-    longer row's step (`Scheduler.prefill_chunks`). Tokens equal transformers' alone either way."""
+    longer row's step (`Scheduler.prefill_chunks`), and before the decode step. Tokens equal transformers' alone
+    either way."""
     from helpers.serving import serve_queued, steps_routed_as_on_a_gpu
 
     name, ref, ours = family
     prompts = random_prompts([14, 70], vocab=90, seed=24)  # 14: snapshot point 12, a tail of 2
     config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=32, max_requests_per_batch=2)
 
-    def steps(routed_as_on_a_gpu: bool) -> list[list[int]]:
+    def steps(routed_as_on_a_gpu: bool) -> list:
         manager = ours.init_continuous_batching(greedy(NEW), config)
-        planned, plan = [], manager.scheduler.prefill_chunks
-        monkeypatch.setattr(manager.scheduler, "prefill_chunks",
-                            lambda packed=False: planned.append(plan(packed)) or planned[-1])
+        ran, runner = [], manager.runner
+        prefill, decode = runner.prefill, runner.decode
+        monkeypatch.setattr(runner, "prefill", lambda chunks: ran.append(list(chunks)) or prefill(chunks))
+        monkeypatch.setattr(runner, "decode", lambda drafts: ran.append("decode") or decode(drafts))
         ids = manager.add_requests(prompts)  # both before the loop starts: its first step sees both
         with steps_routed_as_on_a_gpu() if routed_as_on_a_gpu else contextlib.nullcontext():
             results = serve_queued(manager, len(prompts))
         check(ref, prompts, [results[i] for i in ids])
-        return [c for c in planned if c]
+        return ran
 
     eager, replayed = steps(False), steps(True)
-    assert eager[:2] == [[12, 16], [2, 16]]  # the tail rides along, padded, in the eager step
+    assert eager[:8] == [[12, 16], [2, 16], "decode", [32], "decode", [2], "decode", "decode"]  # the tail rides along
     # Its own step replays, as the first one does now (short chunks of rows continuous batching placed), with the
-    # row that joins at its length.
-    assert replayed[:3] == [[12, 12], [2, 2], [32]]
+    # row that joins at its length; a replayed step that ends a prompt goes before the iteration's decode step
+    # (`Scheduler.prefill_goes_first`): the 70-token prompt stops at its snapshot point (68) and its last 2 tokens
+    # follow at once, where the decode steps between fed them one by one.
+    assert replayed[:8] == [[12, 12], [2, 2], "decode", "decode", [32], "decode", [19], [2]]
 
 
 def test_tight_pool_evicts_cached_blocks_and_sharing_can_be_turned_off(family):
