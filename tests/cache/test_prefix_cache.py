@@ -143,6 +143,33 @@ def test_a_row_never_crops_into_shared_blocks():
     assert cache.lengths[0] == 3 * block
 
 
+def test_a_snapshot_stacks_like_state_and_restores_only_onto_stores_of_its_shapes():
+    """A snapshot keeps the row's per-layer state stacked by shape, dtype and device (`prefix_rows.state_groups`: one
+    launch a group each way, not one a tensor); restoring it gives the other row every tensor back exactly, and a
+    snapshot whose groups do not match the cache's stores is not restorable (its prefix is then a miss)."""
+    from hf_qsa_cache import prefix_rows
+
+    ref, ours, prompt, block = family("qwen4_exp")
+    cache = QSAPagedCache(ours.config, 2, 32, block_size=block, prefix_caching=True)
+    a = prompt(3 * block, 9)
+    feed(ours, cache, [a[: 2 * block], a[:block]])
+    targets = prefix_rows.snapshot_targets(cache)
+    groups = prefix_rows.state_groups(targets)
+    snapshot = cache.snapshot_row(0)
+    assert len(groups) < len(targets) and sorted(i for g in groups for i in g) == list(range(len(targets)))
+    assert [s.shape[0] for s in snapshot.state] == [len(g) for g in groups]
+    prefix_rows.restore(cache, 1, snapshot)
+    for t in targets:
+        assert torch.equal(t[1], t[0])
+    assert prefix_rows.fits(cache, snapshot)
+    for broken in ([s.double() for s in snapshot.state], [s[1:] for s in snapshot.state], snapshot.state[1:]):
+        assert not prefix_rows.fits(cache, type(snapshot)(snapshot.length, broken, snapshot.windows))
+    assert cache.cache_prefix(0, a) == 2 * block
+    assert cache.prefix_lookup(a, limit=2 * block) == (2 * block, 2 * block)
+    cache.prefix.match(a, 2 * block)[-1].snapshot.state[0] = snapshot.state[0][1:]  # (as if taken on other stores)
+    assert cache.prefix_lookup(a, limit=2 * block) == (0, 2 * block)  # the blocks match; nothing is restorable
+
+
 def test_budgets_evict_least_recently_used_and_idle_blocks_are_available():
     ref, ours, prompt, block = family("qwen4_exp")
     # Two rows of 6 blocks each fill the pool: cached blocks must be given back for new prompts.
