@@ -13,6 +13,7 @@ import torch
 
 from .blocks import NULL_BLOCK
 from .prefix_cache import Snapshot
+from .rows import state_groups
 
 
 class _NoRoom(Exception):
@@ -145,16 +146,6 @@ def snapshot_targets(cache) -> list[torch.Tensor]:
 def window_targets(cache, name: str) -> list[torch.Tensor]:
     return [t for store in cache.layer_stores() if store.table == name and store.allocated
             for t in store.paged_tensors()]
-
-
-def state_groups(targets: list[torch.Tensor]) -> list[list[int]]:
-    """The indices of ``targets`` grouped by row shape, dtype and device, in first-seen order: a snapshot keeps each
-    group's rows stacked, copied out with one launch and back with one (a 40-layer model has about a hundred such
-    tensors, a launch each otherwise, every time a row is snapshotted)."""
-    groups: dict = {}
-    for i, t in enumerate(targets):
-        groups.setdefault((t.shape[1:], t.dtype, t.device), []).append(i)
-    return list(groups.values())
 
 
 def capture(cache, row: int) -> Snapshot:
