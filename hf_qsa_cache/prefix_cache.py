@@ -43,7 +43,7 @@ class Snapshot:
     """One row's non-paged state after ``length`` tokens (``length`` a multiple of the unit)."""
 
     length: int
-    # every store's `snapshot_tensors` row, in the cache's store order, stacked by `rows.state_groups`
+    # every store's `snapshot_tensors` row, in the cache's store order, stacked by `prefix_rows.state_groups`
     state: list[torch.Tensor]
     # windowed table -> (the row's columns that held blocks, their pages of every store on the table, in store order)
     windows: dict[str, tuple[list[int], list[torch.Tensor]]] = field(default_factory=dict)

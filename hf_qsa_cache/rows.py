@@ -151,16 +151,6 @@ class _IndicesByDevice:
         return made[1]
 
 
-def state_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
-    """The indices of row-indexed ``tensors`` grouped by row shape, dtype and device, in first-seen order. Rows of a
-    group are copied with one launch (a stack, a `torch._foreach_copy_`) where each tensor would take its own: a
-    40-layer Qwen4Exp has 83 row-indexed tensors in 6 groups (row moves; prefix snapshots: 82 in 5)."""
-    groups: dict = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.shape[1:], t.dtype, t.device), []).append(i)
-    return list(groups.values())
-
-
 def _check_idle(cache) -> None:
     if cache.open_step is not None:
         raise RuntimeError("cannot move rows while a step is in flight")
@@ -209,35 +199,12 @@ def select_rows(cache, src: list[int]) -> None:
         raise
 
 
-# Row moves of at most this many rows copy each group of like tensors with one gather and one scatter (a view per
-# tensor and row); more rows, each tensor with its own (index_select, index_copy_). A decode step's moves are one or
-# two rows (the scheduler moves one decoding request a finished one leaves); an admission burst moves dozens.
-GROUPED_MOVE_ROWS = 4
-
-
-def _gather_moved(cache, moved: list[int], sources: list[int]) -> list:
-    """Every row-indexed tensor's rows ``sources`` read (before any write: rows may trade places), each with the
-    write that puts them at rows ``moved``: ``[(write, data)]``."""
-    tensors = [t for store in cache.all_stores() for t in store.row_tensors()]
-    if len(moved) > GROUPED_MOVE_ROWS:
-        indices = _IndicesByDevice()
-        return [(lambda data, t=t: t.index_copy_(0, indices(moved, t.device), data),
-                 t.index_select(0, indices(sources, t.device))) for t in tensors]
-    gathered = []
-    for group in state_groups(tensors):
-        like = [tensors[i] for i in group]
-        rows = [t[i] for i in moved for t in like]
-        gathered.append((lambda data, rows=rows: torch._foreach_copy_(rows, list(data.unbind(0))),
-                         torch.stack([t[s] for s in sources for t in like])))
-    return gathered
-
-
 def move_rows(cache, src: list[int]) -> None:
     """Place rows one by one (continuous batching): row ``i`` of ``cache`` becomes row ``src[i]``, or a fresh,
     empty row for a new sequence where ``src[i] == -1``; rows no entry names are released (their blocks return
     to the pools). Paged data does not move (blocks change owner); per-row state (GatedDeltaNet / PLE state,
-    QSA ring, token log) is copied for the rows that change place only (`_gather_moved`). Afterwards a forward may
-    cover any prefix of the rows, and a failed step leaves every row as it was.
+    QSA ring, token log) is copied for the rows that change place only, one gather per tensor. Afterwards a
+    forward may cover any prefix of the rows, and a failed step leaves every row as it was.
 
     Everything is checked first; a failure while copying refuses further steps, naming `reset()`.
     """
@@ -249,13 +216,17 @@ def move_rows(cache, src: list[int]) -> None:
     if kept and (min(kept) < 0 or max(kept) >= held) or len(set(kept)) != len(kept):
         raise ValueError(f"entries must be distinct rows in [0, {held}) or -1 (a fresh row), got {src}")
     moved = [i for i, s in enumerate(src) if s not in (i, -1)]  # only rows that change place are copied
-    gathered = _gather_moved(cache, moved, [src[i] for i in moved]) if moved else []
+    gathered = []  # read every moved row before the first write
+    if moved:
+        sources, indices = [src[i] for i in moved], _IndicesByDevice()
+        gathered = [(t, indices(moved, t.device), t.index_select(0, indices(sources, t.device)))
+                    for store in cache.all_stores() for t in store.row_tensors()]
     try:  # from the first change on, a failure refuses further steps (naming reset())
         for table in cache.tables.values():
             table.move_rows(src, held)
         cache.rows.move(src)
-        for write, data in gathered:
-            write(data)
+        for t, rows, data in gathered:
+            t.index_copy_(0, rows, data)
         fresh = [i for i, s in enumerate(src) if s == -1]
         if fresh:
             for store in cache.layer_stores():

@@ -258,17 +258,7 @@ ROW_OPS = {
     "select": lambda cache: cache.batch_select_indices(torch.tensor([2, 0])),
     "repeat": lambda cache: cache.batch_repeat_interleave(2),
     "move": lambda cache: cache.move_rows([2, -1, 0]),  # continuous batching's placement, a fresh row in the middle
-    "move-each": lambda cache: _moved_tensor_by_tensor(cache, [2, -1, 0]),  # (the path of moves of many rows)
 }
-
-
-def _moved_tensor_by_tensor(cache, src):
-    from unittest import mock
-
-    from hf_qsa_cache import rows
-
-    with mock.patch.object(rows, "GROUPED_MOVE_ROWS", 0):
-        cache.move_rows(src)
 
 
 @pytest.mark.parametrize("op", list(ROW_OPS))

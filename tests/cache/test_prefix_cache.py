@@ -144,18 +144,17 @@ def test_a_row_never_crops_into_shared_blocks():
 
 
 def test_a_snapshot_stacks_like_state_and_restores_only_onto_stores_of_its_shapes():
-    """A snapshot keeps the row's per-layer state stacked by shape, dtype and device (`rows.state_groups`: one
+    """A snapshot keeps the row's per-layer state stacked by shape, dtype and device (`prefix_rows.state_groups`: one
     launch a group each way, not one a tensor); restoring it gives the other row every tensor back exactly, and a
     snapshot whose groups do not match the cache's stores is not restorable (its prefix is then a miss)."""
     from hf_qsa_cache import prefix_rows
-    from hf_qsa_cache.rows import state_groups
 
     ref, ours, prompt, block = family("qwen4_exp")
     cache = QSAPagedCache(ours.config, 2, 32, block_size=block, prefix_caching=True)
     a = prompt(3 * block, 9)
     feed(ours, cache, [a[: 2 * block], a[:block]])
     targets = prefix_rows.snapshot_targets(cache)
-    groups = state_groups(targets)
+    groups = prefix_rows.state_groups(targets)
     snapshot = cache.snapshot_row(0)
     assert len(groups) < len(targets) and sorted(i for g in groups for i in g) == list(range(len(targets)))
     assert [s.shape[0] for s in snapshot.state] == [len(g) for g in groups]

@@ -422,13 +422,7 @@ def test_bad_requests_are_refused_with_the_limit():
         ours.init_continuous_batching(_greedy(), ContinuousBatchingConfig(page_size=4, scheduler_type="lifo"))
 
 
-@pytest.mark.parametrize("grouped", [4, 0], ids=["state-by-group", "state-tensor-by-tensor"])
-def test_move_rows_hands_blocks_over_without_copying(family, grouped, monkeypatch):
-    """``grouped``: `rows.GROUPED_MOVE_ROWS`, the most moved rows whose state is copied a group of like tensors at a
-    time (this move has two); above it, tensor by tensor."""
-    from hf_qsa_cache import rows
-
-    monkeypatch.setattr(rows, "GROUPED_MOVE_ROWS", grouped)
+def test_move_rows_hands_blocks_over_without_copying(family):
     name, ref, ours = family
     prompts = random_prompts([13, 6], vocab=90, seed=19)
     cache = QSAPagedCache(ours.config, max_batch_size=3, max_cache_len=40, block_size=4)
