@@ -15,7 +15,9 @@ Workloads (random tokens, no eos: each request generates exactly its answer leng
   stay in step with the others' when prefixes are cached, so each turn is 64 requests arriving together and
   TTFT measures that queue; without caching the first turn's long prefill spreads them out.)
 * ``shared``: --groups groups of --group-size prompts; the prompts of a group share a --prefix-tokens prefix,
-  each adds a --question-tokens question and gets an --answer-tokens answer; all sent at once.
+  each adds a --question-tokens question and gets an --answer-tokens answer; all sent at once, or --shared-rate a
+  second in group order (all at once, first come first served bounds the TTFT ratio: a request late in the queue
+  waits for the prefixes of the groups before it either way).
 
 Each workload runs twice on managers that differ only in ``ContinuousBatchingConfig(allow_block_sharing=...)``,
 after a warm-up (kernels, CUDA graphs; the warm-up's cached prefixes are dropped). Reported per run, as JSON
@@ -157,15 +159,24 @@ def shared(manager, args, vocab: int) -> dict:
         out_tokens += len(result.generated_tokens)
         ttft.append(result.timestamps[0] - sent[result.request_id])
 
-    start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        rid = manager.add_request(prompt, request_id=f"p{i}", max_new_tokens=args.answer_tokens,
-                                  record_timestamps=True)
-        sent[rid] = time.perf_counter()
-    collect(manager, len(prompts), on_result)
+    start, rate, started = time.perf_counter(), args.shared_rate, 0
+
+    def arrivals():
+        """Sends the prompts due by now (prompt i at i / rate, in group order); seconds until the next is due."""
+        nonlocal started
+        now = time.perf_counter() - start
+        while started < len(prompts) and (rate <= 0 or started / rate <= now):
+            rid = manager.add_request(prompts[started], request_id=f"p{started}", max_new_tokens=args.answer_tokens,
+                                      record_timestamps=True)
+            sent[rid] = time.perf_counter()
+            started += 1
+        return None if started == len(prompts) else started / rate - now
+
+    collect(manager, len(prompts), on_result, arrivals)
     wall = time.perf_counter() - start
     return {"wall_s": wall, "output_tokens": out_tokens, "tokens_per_s": out_tokens / wall,
-            "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99), "ttft_of": "every request"}
+            "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99), "ttft_of": "every request",
+            "last_sent_s": max(sent.values()) - start}
 
 
 def warm_up(manager, args, vocab: int) -> None:
@@ -190,6 +201,8 @@ def main(argv=None):
     parser.add_argument("--system-tokens", type=int, default=2048)
     parser.add_argument("--user-tokens", type=int, default=200)
     parser.add_argument("--rate", type=float, default=2.0, help="chat: conversations started a second (0: all at once)")
+    parser.add_argument("--shared-rate", type=float, default=0.0,
+                        help="shared: prompts sent a second, in group order (0: all at once)")
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=10)
     parser.add_argument("--prefix-tokens", type=int, default=10240)
@@ -235,7 +248,7 @@ def main(argv=None):
                       user_tokens=args.user_tokens, rate=args.rate)
     else:
         common.update(groups=args.groups, group_size=args.group_size, prefix_tokens=args.prefix_tokens,
-                      question_tokens=args.question_tokens)
+                      question_tokens=args.question_tokens, rate=args.shared_rate)
 
     def record(row: dict) -> dict:
         line = {**common, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}}

@@ -30,3 +30,21 @@ def test_smoke_run_writes_both_sides_and_hits(tmp_path, model, workload):
     assert "hit_rate" not in without and lines[-1]["ttft_p50_lower_x"] > 0
     for side in (with_, without):  # (no graphs on the CPU: every prefill step of the workload ran eagerly)
         assert 0 < side["eager_prefill_steps"] <= side["prefill_steps"] and side["eager_prefill_cells"] > 0
+
+
+def test_shared_prompts_can_arrive_at_a_fixed_rate(tmp_path):
+    """``--shared-rate``: prompt i is sent i / rate seconds in (the line records the rate); 0 sends them all at once."""
+    def run(rate):
+        path = tmp_path / f"rate{rate}.jsonl"
+        rows = bench_prefix.main([
+            "--tiny", "--device", "cpu", "--model", "inkling", "--layers", "6", "--workload", "shared",
+            "--groups", "2", "--group-size", "3", "--prefix-tokens", "30", "--question-tokens", "4",
+            "--answer-tokens", "3", "--rows", "3", "--batch-tokens", "32", "--page-size", "4", "--num-blocks", "120",
+            "--only", "with", "--shared-rate", str(rate), "--jsonl", str(path)])
+        return rows["with"], json.loads(path.read_text().splitlines()[0])
+
+    spread, line = run(10.0)
+    assert line["rate"] == 10.0 and spread["last_sent_s"] >= 0.5 - 0.01  # six prompts: the last at 5 / 10 s
+    at_once, line = run(0)
+    assert line["rate"] == 0 and at_once["last_sent_s"] < 0.5
+    assert spread["output_tokens"] == at_once["output_tokens"] == 6 * 3
