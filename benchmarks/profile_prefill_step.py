@@ -11,7 +11,9 @@ through the model's forward with ``logits_to_keep=1`` (as `serving.runner` calls
 * ``wall_ms``: until the GPU is done too;
 * ``gpu_ms``: CUDA events around the step (the GPU's span, including its idle gaps);
 * ``gpu_busy_ms``: the step's kernels' own times summed (torch's profiler; ``gpu_busy_top``: the 12 longest by
-  kernel, ms).
+  kernel, ms);
+* ``host_ops_top``: the 12 torch ops that took the most host time in a step (their self CPU time under torch's
+  profiler, which adds its own overhead to each), ``[ms, calls]``.
 
 ``wall_ms`` close to ``host_ms`` and well above the GPU's busy time means the host sets the pace. Then the
 step's host reads of the device (``syncs``: each call that waited for the GPU, counted by the first frame in this
@@ -135,10 +137,26 @@ def gpu_busy(run) -> tuple[float, collections.Counter]:
     return sum(by_kernel.values()), by_kernel
 
 
+def host_ops(run) -> tuple[collections.Counter, collections.Counter]:
+    """The host's milliseconds by torch op during ``run()`` (their self CPU time: dispatch, launch, allocation) and
+    each op's calls, from torch's profiler (CPU activity only: what an eager step's host time is made of besides
+    Python and Triton's launchers)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    ms, calls = collections.Counter(), collections.Counter()
+    for event in prof.key_averages():
+        if event.self_cpu_time_total > 0:
+            ms[event.key[:60]] += event.self_cpu_time_total / 1e3
+            calls[event.key[:60]] += event.count
+    return ms, calls
+
+
 def profile_shape(model, rows: int, length: int, args, device, dtype) -> dict:
     config, vocab = model.config, model.config.vocab_size
-    steps = args.repeat + 5  # a first step (compiles, tunes), the timed ones, a sync check, the GPU's busy time,
-    # a census, a profiled one
+    steps = args.repeat + 6  # a first step (compiles, tunes), the timed ones, a sync check, the GPU's busy time,
+    # the host's time by op, a census, a profiled one
     cache = QSAPagedCache(config, rows, args.past + steps * length, block_size=args.block, device=device,
                           dtype=dtype)
     gen = torch.Generator().manual_seed(args.seed)
@@ -181,6 +199,9 @@ def profile_shape(model, rows: int, length: int, args, device, dtype) -> dict:
         busy, by_kernel = gpu_busy(lambda: forward(chunk)) if device == "cuda" else (None, collections.Counter())
         sync(device)
         chunk = next_chunk()
+        by_op, op_calls = host_ops(lambda: forward(chunk))
+        sync(device)
+        chunk = next_chunk()
         launches, launch_s = launch_census(lambda: forward(chunk))
         sync(device)
         chunk = next_chunk()
@@ -196,6 +217,7 @@ def profile_shape(model, rows: int, length: int, args, device, dtype) -> dict:
             "gpu_ms": median(gpu), "steps": args.repeat, "syncs": dict(syncs.most_common()),
             "gpu_busy_ms": None if busy is None else round(busy, 3),
             "gpu_busy_top": {name: round(ms, 3) for name, ms in by_kernel.most_common(12)},
+            "host_ops_top": {name: [round(ms, 3), op_calls[name]] for name, ms in by_op.most_common(12)},
             "triton_launches": sum(launches.values()), "triton_launch_ms": round(1e3 * launch_s, 3),
             "triton_kernels": dict(launches.most_common())}, table.getvalue()
 

@@ -28,9 +28,13 @@ def test_steps_feed_the_rows_and_report_times(monkeypatch):
     assert (line["rows"], line["length"], line["steps"]) == (2, 8, 2)
     assert line["host_ms"] > 0 and line["wall_ms"] >= line["host_ms"] and line["gpu_ms"] is None
     assert line["triton_launches"] == 0 and line["triton_kernels"] == {}  # (the CPU runs the torch specifications)
-    # the first prompt, 1 + 2 timed steps, the sync check's, the launch census's and the profiled one's (the sync
-    # check runs on CUDA only)
-    assert seen[0].get_seq_length() == 20 + 5 * 8
+    # the first prompt, 1 + 2 timed steps, the sync check's, the host-ops profile's, the launch census's and the
+    # profiled one's (the sync check runs on CUDA only)
+    assert seen[0].get_seq_length() == 20 + 6 * 8
+    # The host's time by torch op, each op's calls counted.
+    ops = line["host_ops_top"]
+    assert 0 < len(ops) <= 12 and all(ms > 0 and calls > 0 for ms, calls in ops.values())
+    assert any(name.startswith("aten::") for name in ops)
 
 
 def test_the_launch_census_counts_each_outermost_launch_once_and_restores_the_launchers(monkeypatch):
