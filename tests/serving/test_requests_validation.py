@@ -46,10 +46,12 @@ def test_generate_batch_names_a_bad_generation_config_value(model):
 @pytest.mark.parametrize("prompts, message", [
     ([[3, 4], []], r"at least one prompt token, got an empty inputs\[1\]"),
     ([[3, 400]], r"token ids must lie in \[0, 96\) \(vocab_size\), got 400 in inputs\[0\]"),
+    ([[3, 96]], r"token ids must lie in \[0, 96\) \(vocab_size\), got 96 in inputs\[0\]"),
     ([[3, -1]], r"token ids must lie in \[0, 96\) \(vocab_size\), got -1 in inputs\[0\]"),
     ([[3, 4.5]], r"inputs\[0\] must hold integer token ids, got 4.5"),
+    ([[3, True]], r"inputs\[0\] must hold integer token ids, got True"),
     (["hello"], r"inputs\[0\] must be a list of token ids, got 'hello'"),
-], ids=["empty", "too-large", "negative", "float-id", "text"])
+], ids=["empty", "too-large", "vocab-size", "negative", "float-id", "bool-id", "text"])
 def test_generate_batch_refuses_bad_prompts_before_building_a_manager(model, prompts, message, monkeypatch):
     monkeypatch.setattr(ContinuousBatchingManager, "__init__", lambda *a, **k: pytest.fail("a manager was built"))
     with pytest.raises(ValueError, match=message):
