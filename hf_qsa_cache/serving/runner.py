@@ -109,7 +109,8 @@ class ModelRunner:
             return 0
         tokens = _tokens(request, limit)
         head, best = tokens[:unit], 0
-        for other in self.sharing_head(hash(tuple(head))):  # (those whose first unit may be ours, not the queue)
+        key = request.prompt_head(unit)  # (its prompt's, made once; a prompt shorter than a unit: its tokens' head)
+        for other in self.sharing_head(hash(tuple(head)) if key is None else key):  # (not a pass over the queue)
             theirs = other.prompt
             if other is request or other.media is not None or len(theirs) < best + unit or theirs[:unit] != head:
                 continue
