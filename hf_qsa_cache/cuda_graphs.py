@@ -56,11 +56,11 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .blocks import device_tables
 from .cache import QSAPagedCache
-from .ops import int_tensor
 from .step import canonical_device
 # The experts a graph step runs are chosen by the experts op (`hf_qsa_cache.ops.experts.graph_experts`).
 from .ops.experts import graph_experts
@@ -248,14 +248,15 @@ class DecodeGraphs:
 
     def _fill(self, entry: _Bucket, prev: list[int], counts: list[int], input_ids, position_ids) -> None:
         (rows, length), size = input_ids.shape, entry.ids.shape[0]
-        pad = [0] * (size - rows)  # padding rows: no real token, nothing written
-        entry.lengths.copy_(int_tensor([prev + pad, counts + pad], torch.int32), non_blocking=True)
+        lengths = np.zeros((2, size), dtype=np.int32)  # padding rows: no real token, nothing written
+        lengths[0, :rows], lengths[1, :rows] = prev, counts
+        entry.lengths.copy_(torch.from_numpy(lengths), non_blocking=True)
         entry.ids[:rows].copy_(input_ids)
         if entry.positions is not None:
             if position_ids is None:  # a row's real tokens are its last `count` columns, after its length
-                start = [p + d - (length - c) for p, d, c in zip(prev, self.cache.rope_deltas, counts)]
-                steps = int_tensor(start)[:, None] + torch.arange(length)
-                entry.positions[:, :rows] = steps.to(self.device, non_blocking=True)
+                start = lengths[0, :rows] + lengths[1, :rows] - length + np.asarray(self.cache.rope_deltas[:rows])
+                steps = start[:, None].astype(np.int64) + np.arange(length)
+                entry.positions[:, :rows].copy_(torch.from_numpy(steps), non_blocking=True)  # (each of the 3 axes)
             else:  # the step's columns of what the caller passed, as the eager forward reads them
                 entry.positions[:, :rows].copy_(self.model.step_positions(position_ids, rows, length))
 

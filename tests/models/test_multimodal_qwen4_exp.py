@@ -208,6 +208,29 @@ def test_manual_decode_continues_each_row_at_its_rope_delta(models, upstream_alo
         token = out.logits[:, -1].argmax(-1, keepdim=True)
 
 
+def test_recorded_decode_steps_continue_each_row_at_its_rope_delta(models, upstream_alone):
+    """Decode steps that a GPU replays from a recorded graph fill the graph's position buffer from each row's length
+    and delta on the host (`DecodeGraphs._fill`): after a media prefill their logits are upstream's, the first step
+    (which records) and the replays alike."""
+    from helpers.graphs import ReplayingGraphs
+
+    _, ours, _ = models
+    inputs = batch(ROWS)
+    cache = QSAPagedCache(ours.config, max_batch_size=3, max_cache_len=80)
+    runner = ReplayingGraphs(ours, cache, "cpu", record=True)
+    with torch.no_grad():
+        out = ours(**inputs, past_key_values=cache, logits_to_keep=1)
+        assert cache.rope_deltas[:3] != [0, 0, 0]
+        mask, token = inputs["attention_mask"], out.logits[:, -1].argmax(-1, keepdim=True)
+        for step in range(1, 4):
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            logits = runner.step(token, None, mask)
+            for row, (_, ref_logits) in enumerate(upstream_alone):
+                assert (logits[row, -1] - ref_logits[step]).abs().max().item() < 2e-4
+            token = logits[:, -1].argmax(-1, keepdim=True)
+    assert (runner.recordings, runner.replays) == (1, 2)
+
+
 def test_media_in_a_later_turn(models):
     """Rows that hold tokens take new media: their 3-D positions continue at each row's position (length plus
     delta), as upstream numbers the whole conversation in one forward."""
