@@ -515,10 +515,10 @@ def _probe(model) -> tuple:
     if cached is None:
         params = list(model.parameters())
         blocks = [model] + [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
-        cached = model.__dict__["_graph_probe"] = ((params[0], params[-1]), blocks)
-    params, blocks = cached
-    return (_registrations[0], *(p.data_ptr() for p in params),
-            sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in blocks))
+        hooks = [d for m in blocks for d in (m._forward_hooks, m._forward_pre_hooks)]  # (registering mutates them)
+        cached = model.__dict__["_graph_probe"] = (params[0], params[-1], hooks)
+    first, last, hooks = cached
+    return _registrations[0], first.data_ptr(), last.data_ptr(), sum(map(len, hooks))
 
 
 def model_fingerprint(model) -> tuple:

@@ -259,6 +259,24 @@ def test_the_runner_counts_the_steps_that_record_a_graph():
     assert (runner.recordings, runner.replays) == (1, 2) and runner.recording_s > 0
 
 
+def test_a_hook_added_to_a_block_between_two_recorded_steps_drops_the_graphs():
+    """A graph bypasses hooks, so one registered on a decoder layer between two recorded steps (no other step in
+    between: only the per-step probe sees it) makes the next step record again, and the hook then runs."""
+    model, (ids, mask) = _pair("qwen4_exp")
+    cache = QSAPagedCache(model.config, 4, 64, block_size=4)
+    runner = ReplayingGraphs(model, cache, "cpu", record=True)
+    calls = []
+    with torch.no_grad():
+        nxt = model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+        for step in range(4):
+            if step == 2:
+                handle = model.model.layers[1].register_forward_hook(lambda *a: calls.append(step))
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            nxt = runner.step(nxt, None, mask)[:, -1].argmax(-1, keepdim=True)
+    handle.remove()
+    assert (runner.recordings, runner.replays) == (2, 2) and calls
+
+
 @pytest.mark.parametrize("family", ["qwen4_exp", "inkling"])
 def test_a_prefill_sized_recorded_step_keeps_its_last_column_alone(family):
     """A short prefill step's graph computes and keeps the last column's logits only (a buffer of every column would
