@@ -18,8 +18,12 @@ def test_steps_feed_the_rows_and_report_times(monkeypatch):
     seen = []
     original = script.QSAPagedCache
 
+    resets = []  # the cache's length at each reset
+
     def kept(*args, **kwargs):
         seen.append(original(*args, **kwargs))
+        reset = seen[-1].reset
+        seen[-1].reset = lambda *a, **k: resets.append(seen[0].get_seq_length()) or reset(*a, **k)
         return seen[-1]
 
     monkeypatch.setattr(script, "QSAPagedCache", kept)
@@ -31,6 +35,8 @@ def test_steps_feed_the_rows_and_report_times(monkeypatch):
     # the first prompt, 1 + 2 timed steps, the sync check's, the host-ops profile's, the launch census's and the
     # profiled one's (the sync check runs on CUDA only)
     assert seen[0].get_seq_length() == 20 + 6 * 8
+    # Before them, a first pass took all 8 steps (every length the measured ones meet), then the cache started over.
+    assert resets == [0, 20 + 8 * 8]
     # The host's time by torch op, each op's calls counted.
     ops = line["host_ops_top"]
     assert 0 < len(ops) <= 12 and all(ms > 0 and calls > 0 for ms, calls in ops.values())
