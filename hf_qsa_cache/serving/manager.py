@@ -409,22 +409,28 @@ class ContinuousBatchingManager:
                 fed = [r for r, n in zip(runner.rows, growth) if n]  # (rows still prefilling without a chunk wait)
                 self._run(fed, lambda: runner.grouped(chunks, drafts), "grouped_s")
                 return
-        steps = ("prefill", "decode") if scheduler.prefill_goes_first() else ("decode", "prefill")
-        for kind in steps:
+        first = scheduler.prefill_goes_first()
+        for kind in ("prefill", "decode") if first else ("decode", "prefill"):
             if kind == "prefill":
-                # The chunks are planned once the pools hold exactly them (a preemption plans them again).
-                chunks = self._make_room(scheduler.prefill_chunks)
-                if chunks:
-                    self.stats["prefill_steps"] += 1
-                    self.stats["prefill_tokens"] += sum(chunks)
-                    self.stats["pad_tokens"] += len(chunks) * max(chunks) - sum(chunks)
-                    self._run(runner.rows[: len(chunks)], lambda: runner.prefill(chunks), "prefill_s")
+                self._prefill_step()
+                # The short rest that step left a row (its tail after its snapshot point) follows at once.
+                if first and not scheduler.prefill_first and scheduler.prefill_goes_first(then_ends=False):
+                    self._prefill_step()
             elif self._make_room(self._decode_growth):
                 self.stats["decode_steps"] += 1
                 self.stats["most_rows"] = max(self.stats["most_rows"], len(runner.rows))
                 drafts = self._drafts
                 self._count_drafts(drafts)
                 self._run(runner.rows, lambda: runner.decode(drafts), "decode_s")
+
+    def _prefill_step(self) -> None:
+        # The chunks are planned once the pools hold exactly them (a preemption plans them again).
+        chunks = self._make_room(self.scheduler.prefill_chunks)
+        if chunks:
+            self.stats["prefill_steps"] += 1
+            self.stats["prefill_tokens"] += sum(chunks)
+            self.stats["pad_tokens"] += len(chunks) * max(chunks) - sum(chunks)
+            self._run(self.runner.rows[: len(chunks)], lambda: self.runner.prefill(chunks), "prefill_s")
 
     def _grouped_growth(self) -> list[int]:
         """A grouped step feeds the first prefilling rows their chunks (`Scheduler.prefill_chunks`), every decoding

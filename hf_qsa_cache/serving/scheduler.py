@@ -19,7 +19,8 @@ rows' tokens, `ModelRunner.grouped`):
   its next prompt token (useful work, and one real token per row: the CUDA-graph decode step applies).
 
 An iteration runs one step of each kind, the decode step first (``prefill_first``: the prefill step), unless the
-prefill step replays a recorded graph and ends a row's prompt (`prefill_goes_first`).
+prefill step replays a recorded graph and ends a row's prompt or leaves it one short step from its end
+(`prefill_goes_first`; that short step then follows before the decode step).
 
 Admission is first come, first served while rows are free and the block pools hold the next request's
 first step beside the running rows' next tokens (an *isolated* request, one the manager suspects of a fault,
@@ -247,17 +248,35 @@ class Scheduler:
                 return wider
         return chunks
 
-    def prefill_goes_first(self) -> bool:
+    def prefill_goes_first(self, then_ends: bool = True) -> bool:
         """Whether an iteration runs its prefill step before its decode step: always with ``prefill_first``; else
         when that step replays a recorded graph and ends a row's prompt (its chunk is all the row has pending: the
-        last tokens of a prompt stopped at its snapshot point or at a shared prefix, a short prompt). The request's
-        first token then comes without a decode step of every row between its last two prefill steps; the decoding
-        rows wait that one replay (each iteration still runs at most one step of each kind)."""
+        last tokens of a prompt stopped at its snapshot point or at a shared prefix, a short prompt), or, with
+        ``then_ends``, leaves a row one short step from its end (one token, which the decode step feeds, or a rest
+        whose own step replays: a prompt's tail after its snapshot point), which then follows at once
+        (`ContinuousBatchingManager._iteration` asks again with ``then_ends=False``). The request's first token then
+        comes without a decode step of every row before or between its last prefill steps; the decoding rows wait
+        those replays."""
         if self.prefill_first:
             return True
         chunks = self.prefill_chunks()
-        return bool(chunks) and self.replays(len(chunks), max(chunks)) \
-            and any(chunk == request.pending for chunk, request in zip(chunks, self.rows))
+        if not chunks or not self.replays(len(chunks), max(chunks)):
+            return False
+        for chunk, request in zip(chunks, self.rows):
+            rest = request.pending - chunk
+            if rest == 0 or (then_ends and self._one_short_step(request, chunk)):
+                return True
+        return False
+
+    def _one_short_step(self, request: Request, chunk: int) -> bool:
+        """Whether what ``request`` has pending after ``chunk`` takes one more step: one token (the decode step feeds
+        it), or one chunk (no stop inside it, within the budget) whose own step replays a recorded graph."""
+        start, rest = request.held + chunk, request.pending - chunk
+        if rest == 1:
+            return True
+        stops = (request.prefix_stop, self.snapshot_point(request))
+        return (0 < rest <= self.max_batch_tokens and not any(start < point < start + rest for point in stops)
+                and self.replays(1, rest))
 
     def _replaying_rows(self, chunks: list[int]) -> int:
         """The most of the step's first rows (a power of two of them) whose step of their ``chunks`` replays a

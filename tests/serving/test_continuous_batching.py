@@ -451,7 +451,10 @@ def test_move_rows_hands_blocks_over_without_copying(family):
     assert pools_full(cache)
 
 
-def test_prefill_first_scheduling_gives_the_same_tokens(family):
+def test_prefill_first_scheduling_gives_the_same_tokens(family, monkeypatch):
+    """Each iteration runs its prefill step, then its decode step, one of each (never a second prefill step)."""
+    from helpers.serving import serve_queued
+
     name, ref, ours = family
     prompts = random_prompts([21, 6, 13, 27], vocab=90, seed=23)
     config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=7, max_requests_per_batch=2,
@@ -459,6 +462,16 @@ def test_prefill_first_scheduling_gives_the_same_tokens(family):
     results = ours.generate_batch(prompts, _greedy(), config)
     for i, prompt in enumerate(prompts):
         assert results[f"req_{i}"].generated_tokens == _alone(ref, prompt)
+    manager = ours.init_continuous_batching(_greedy(), config)
+    ran, runner, iteration = [], manager.runner, manager._iteration
+    prefill, decode = runner.prefill, runner.decode
+    monkeypatch.setattr(runner, "prefill", lambda chunks: ran.append("p") or prefill(chunks))
+    monkeypatch.setattr(runner, "decode", lambda drafts: ran.append("d") or decode(drafts))
+    monkeypatch.setattr(manager, "_iteration", lambda: ran.append("|") or iteration())
+    manager.add_requests(prompts)
+    serve_queued(manager, len(prompts))
+    steps = [kinds for kinds in "".join(ran).split("|") if kinds]
+    assert set(steps) == {"p", "pd", "d"} and "pd" in steps
 
 
 def test_manager_lifecycle_persistent_hard_stop_and_iteration(family):
@@ -492,18 +505,27 @@ def test_a_replayed_prefill_step_that_ends_a_prompt_goes_before_the_decode_step(
     from hf_qsa_cache.serving.requests import Request
     from hf_qsa_cache.serving.scheduler import Scheduler
 
-    def first(pending, replays=lambda rows, length: length <= 8, prefill_first=False):
-        scheduler = Scheduler(max_rows=8, max_batch_tokens=16, prefill_first=prefill_first, replays=replays)
+    def first(pending, replays=lambda rows, length: length <= 8, prefill_first=False, then_ends=True, unit=None):
+        scheduler = Scheduler(max_rows=8, max_batch_tokens=16, prefill_first=prefill_first, replays=replays, unit=unit)
         scheduler.rows = [Request(f"r{i}", [5] * n, 4, frozenset()) for i, n in enumerate(pending)]
-        return scheduler.prefill_goes_first()
+        return scheduler.prefill_goes_first(then_ends=then_ends)
 
+    everything = lambda rows, length: True  # noqa: E731
     assert first([6])  # a short prompt's whole prefill, replayed: its first token without a decode step between
     assert first([8, 30])  # [8, 8]: the first row's prompt ends
-    assert not first([17], replays=lambda rows, length: True)  # [16]: it replays, but the prompt has one more
     assert not first([6], replays=lambda rows, length: False)  # an eager step (host work) keeps its place
     assert not first([12])  # its step would run eagerly (12 columns)
     assert not first([1, 1])  # nothing to prefill (one pending token: the decode step feeds it)
     assert first([30], prefill_first=True)  # scheduler_type="prefill_first": always
+    # A step that leaves a row one short step from its end goes first too (the manager runs that step next).
+    assert first([17], replays=everything)  # [16]: one token left, which the decode step feeds
+    assert first([20], replays=everything)  # [16], then [4], which replays
+    assert not first([20], replays=lambda rows, length: length in (16, 8))  # [4] would run eagerly
+    assert not first([40], replays=everything)  # [16], then 24 tokens: more than the budget, two steps
+    assert first([20], replays=everything, unit=8)  # [16] to its snapshot point (16), then [4], which replays
+    assert not first([22], replays=everything, unit=4)  # [16], then [4] to its snapshot point (20), then [2]
+    # Asked again after such a step, only a step that ends a prompt goes first.
+    assert not first([17], replays=everything, then_ends=False) and first([16], replays=everything, then_ends=False)
 
 
 def test_prefill_chunks_serve_the_oldest_first_within_budget_and_padding():

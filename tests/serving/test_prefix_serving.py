@@ -117,10 +117,11 @@ def test_a_short_tail_that_replays_a_graph_steps_without_riding_along(family, mo
     eager, replayed = steps(False), steps(True)
     assert eager[:8] == [[12, 16], [2, 16], "decode", [32], "decode", [2], "decode", "decode"]  # the tail rides along
     # Its own step replays, as the first one does now (short chunks of rows continuous batching placed), with the
-    # row that joins at its length; a replayed step that ends a prompt goes before the iteration's decode step
-    # (`Scheduler.prefill_goes_first`): the 70-token prompt stops at its snapshot point (68) and its last 2 tokens
-    # follow at once, where the decode steps between fed them one by one.
-    assert replayed[:8] == [[12, 12], [2, 2], "decode", "decode", [32], "decode", [19], [2]]
+    # row that joins at its length; a replayed step that ends a prompt goes before the iteration's decode step, and
+    # so does one that leaves a row one short replayed step from its end, which then follows at once
+    # (`Scheduler.prefill_goes_first`): the 70-token prompt steps to its snapshot point (68) and its last 2 tokens
+    # come right after, its first token in the decode step after them (where a decode step went between).
+    assert replayed[:8] == [[12, 12], [2, 2], "decode", "decode", [32], [20], [2], "decode"]
 
 
 def test_tight_pool_evicts_cached_blocks_and_sharing_can_be_turned_off(family):
