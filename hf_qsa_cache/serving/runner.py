@@ -102,7 +102,10 @@ class ModelRunner:
 
     def _shared_with_peers(self, request: Request) -> int:
         """The longest whole-unit prefix (before its last token) the request's tokens share with another request's
-        prompt in flight or waiting: computed once by the first of them, restored by the others."""
+        prompt in flight or waiting: computed once by the first of them, restored by the others. A peer in flight
+        that has not fed it yet, with no stop of its own ahead, now stops there too (`Request.stop_prefix_at`): it
+        caches its state at that point, where this request then restores it (the scheduler has the later of two
+        rows with the same stop wait for the older)."""
         unit = self.cache.prefix.unit
         limit = (request.total - 1) // unit * unit
         if limit < unit:
@@ -120,6 +123,8 @@ class ModelRunner:
             while end < stop and tokens[end: end + unit] == theirs[end: end + unit]:
                 end += unit
             best = max(best, end)
+            if other.held < end and other.prefix_stop <= other.held and any(r is other for r in self.rows):
+                other.stop_prefix_at(end)
         return best
 
     def retry_restores(self) -> bool:

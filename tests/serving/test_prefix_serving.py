@@ -237,7 +237,7 @@ def test_the_prefix_shared_with_peers_is_the_longest_whole_unit_one(unit):
         for peer in peers:  # (the peers are found through the scheduler's index, as the manager wires it)
             scheduler.submit(peer)
         runner = SimpleNamespace(cache=SimpleNamespace(prefix=SimpleNamespace(unit=unit)),
-                                 sharing_head=scheduler.sharing_head)
+                                 sharing_head=scheduler.sharing_head, rows=[])  # (the peers wait: no row)
         assert ModelRunner._shared_with_peers(runner, mine) == definition(mine, peers), (mine, peers)
 
 
@@ -341,3 +341,34 @@ def test_prompts_prefilled_in_one_grouped_step_each_cache_their_prefix(family):
         manager.stop(block=True)
     assert stats["grouped_steps"] > 0
     assert hits >= sum((len(p) - 1) // 4 * 4 for p in prompts), hits
+
+
+def test_a_request_sharing_a_prefix_with_one_mid_prefill_restores_it_from_there(family, monkeypatch):
+    """A request arriving while an older one is still prefilling the prefix they share (a system prompt two users send
+    a moment apart): the older one stops at the shared unit boundary to cache its state there, the newer one waits
+    and restores it, so the prefix is computed once (before, the newer one computed it again in full)."""
+    from helpers.serving import serve_queued
+
+    name, ref, ours = family
+    system = random_prompts([24], vocab=90, seed=41)[0]
+    users = random_prompts([6, 5], vocab=90, seed=42)
+    prompts = [system + u for u in users]  # 30 and 29 tokens: 24 shared, snapshot points 28 and 28
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=8, max_requests_per_batch=2)
+    manager = ours.init_continuous_batching(greedy(NEW), config)
+    runner, sent = manager.runner, []
+    prefill = runner.prefill
+
+    def prefill_then_send(chunks):  # the second request arrives after the first one's first chunk
+        out = prefill(chunks)
+        if not sent:
+            sent.append(manager.add_request(prompts[1], request_id="second"))
+        return out
+
+    restored = []  # (request, tokens its row starts from) at each restore
+    restore = runner._restore
+    monkeypatch.setattr(runner, "prefill", prefill_then_send)
+    monkeypatch.setattr(runner, "_restore", lambda row, r: restore(row, r) or restored.append((r.request_id, r.held)))
+    first = manager.add_request(prompts[0], request_id="first")
+    results = serve_queued(manager, 2)
+    check(ref, prompts, [results[first], results["second"]])
+    assert ("second", len(system)) in restored  # it restored the shared 24 tokens the first one cached
