@@ -26,6 +26,7 @@ class ModelRunner:
         self.return_logprobs = return_logprobs
         self.device = next(model.parameters()).device
         self.rows: list[Request] = []  # the cache's rows, in order
+        self.plain_rows = True  # every row greedy, unpenalized, without logprobs: a step's sampling is one argmax
         # A multimodal prompt's encoding (`model.encode_prompt`: its embeddings, positions), by request, kept
         # until the request ends (a preempted request feeds its prompt again). Keyed by the request itself (it
         # hashes by identity), never by id(): an ended request's id can be a new request's.
@@ -71,6 +72,7 @@ class ModelRunner:
         else:
             self.cache.reset()  # no request holds a row (cached prefixes stay)
         self.rows = list(order)
+        self.plain_rows = all(r.sampling.plain_greedy and not r.want_logprobs for r in order)  # (as rows change)
         for row, (request, s) in enumerate(zip(order, src)):
             if s == -1:
                 request.held = 0
@@ -86,6 +88,7 @@ class ModelRunner:
         """Every row back (the loop ended): the cache is reset, whatever state a failure left it in."""
         self.cache.reset()
         self.rows = []
+        self.plain_rows = True
         self.tails.clear()
         self.penalties = None
 
@@ -387,6 +390,8 @@ class ModelRunner:
         draw with one uniform number from its seed and the token's index (`token_uniform`), after its penalties
         and warpers: `sampling.next_token_scores`'s arithmetic for all rows at once (the penalties from each
         request's history table, `PenaltyTables.apply`; the warpers, `warp_rows`; the draw, `draw`)."""
+        if self.plain_rows and not self.return_logprobs:  # (the argmax of bf16 scores is that of their fp32 values)
+            return [(r, t, None) for r, t in zip(rows, logits.argmax(dim=-1).tolist()) if r.pending == 0]
         ready = [i for i, r in enumerate(rows) if r.pending == 0]
         if not ready:
             return []
