@@ -100,21 +100,26 @@ class ModelRunner:
         request.prefix_seen = cache.prefix.version
         request.held = cache.restore_prefix(row, _tokens(request, request.total), limit=request.total - 1,
                                             count=first)
-        stop = max(cache.prefix_matched, self._shared_with_peers(request))
+        shared, peer = self._shared_with_peers(request)
+        stop = max(cache.prefix_matched, shared)
         request.stop_prefix_at(stop if stop > request.held else 0)
+        # A peer in flight that has not fed the shared part yet, with no stop of its own ahead, stops there too: it
+        # caches its state at that point and this request restores it (the scheduler has the later of two rows with
+        # the same stop wait for the older) instead of computing the prefix again.
+        if (peer is not None and stop == shared > request.held and peer.held < shared
+                and peer.prefix_stop <= peer.held and any(r is peer for r in self.rows)):
+            peer.stop_prefix_at(shared)
 
-    def _shared_with_peers(self, request: Request) -> int:
-        """The longest whole-unit prefix (before its last token) the request's tokens share with another request's
-        prompt in flight or waiting: computed once by the first of them, restored by the others. A peer in flight
-        that has not fed it yet, with no stop of its own ahead, now stops there too (`Request.stop_prefix_at`): it
-        caches its state at that point, where this request then restores it (the scheduler has the later of two
-        rows with the same stop wait for the older)."""
+    def _shared_with_peers(self, request: Request) -> tuple[int, Request | None]:
+        """``(length, peer)``: the longest whole-unit prefix (before its last token) the request's tokens share with
+        another request's prompt in flight or waiting (computed once by the first of them, restored by the others),
+        and the first such request (None if none shares a unit)."""
         unit = self.cache.prefix.unit
         limit = (request.total - 1) // unit * unit
         if limit < unit:
-            return 0
+            return 0, None
         tokens = _tokens(request, limit)
-        head, best = tokens[:unit], 0
+        head, best, peer = tokens[:unit], 0, None
         key = request.prompt_head(unit)  # (its prompt's, made once; a prompt shorter than a unit: its tokens' head)
         for other in self.sharing_head(hash(tuple(head)) if key is None else key):  # (not a pass over the queue)
             theirs = other.prompt
@@ -125,10 +130,9 @@ class ModelRunner:
             end, stop = unit, min(limit, len(theirs) // unit * unit)
             while end < stop and tokens[end: end + unit] == theirs[end: end + unit]:
                 end += unit
-            best = max(best, end)
-            if other.held < end and other.prefix_stop <= other.held and any(r is other for r in self.rows):
-                other.stop_prefix_at(end)
-        return best
+            if end > best:
+                best, peer = end, other
+        return best, peer
 
     def retry_restores(self) -> bool:
         """Rows that have fed nothing yet, or that are prefilling towards a prefix others cached as blocks, look

@@ -237,8 +237,10 @@ def test_the_prefix_shared_with_peers_is_the_longest_whole_unit_one(unit):
         for peer in peers:  # (the peers are found through the scheduler's index, as the manager wires it)
             scheduler.submit(peer)
         runner = SimpleNamespace(cache=SimpleNamespace(prefix=SimpleNamespace(unit=unit)),
-                                 sharing_head=scheduler.sharing_head, rows=[])  # (the peers wait: no row)
-        assert ModelRunner._shared_with_peers(runner, mine) == definition(mine, peers), (mine, peers)
+                                 sharing_head=scheduler.sharing_head)
+        shared, peer = ModelRunner._shared_with_peers(runner, mine)
+        assert shared == definition(mine, peers), (mine, peers)
+        assert (peer is None) == (shared == 0) and (peer is None or definition(mine, [peer]) == shared)
 
 
 def test_rows_waiting_for_an_older_rows_prefix_step_aside_for_other_prefixes():
