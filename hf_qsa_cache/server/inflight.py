@@ -73,11 +73,18 @@ class InFlight:
         self.counts["cancelled"] += 1
         return True
 
-    def cancel_all(self) -> int:
-        ids = list(self.inflight)
-        for request_id in ids:
+    def cancel_all(self, why: str = "cancelled: the server's requests were reset") -> int:
+        """Cancel every request in flight (``/reset``, shutdown). Their clients still wait, so each handler gets a
+        last result, failed with ``why``, after its request is cancelled (a cancel alone tells a handler nothing:
+        the answer or stream waiting on it would never end)."""
+        requests = list(self.inflight.items())
+        for request_id, request in requests:
             self.cancel(request_id)
-        return len(ids)
+            try:
+                request.handler(Result(request_id, request.tokens, request.logprobs, why, True))
+            except Exception as failure:  # a handler's failure is its own: the others go on
+                logger.error("the result handler of request %s failed: %s", request_id, failure, exc_info=True)
+        return len(requests)
 
     def cancel(self, request_id: str) -> None:  # each engine also tells its manager
         self.cancelled(request_id)

@@ -121,9 +121,9 @@ async def _client_gone(request: Request) -> None:
 
 
 def kept_now(choice: Choice) -> int:
-    """The choice's tokens to report so far: all of them while it runs; once done, those whose text is in the
-    answer (not a stop string's)."""
-    return choice.kept() if choice.done else len(choice.tokens)
+    """The choice's tokens to report so far: while it runs, those whose text went out (`Choice.released`); once
+    done, those whose text is in the answer (not a stop string's)."""
+    return choice.kept() if choice.done else choice.released()
 
 
 # ---------------------------------------------------------------------- streaming

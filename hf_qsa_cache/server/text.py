@@ -47,6 +47,7 @@ class Choice:
         self.pieces: list[str] = []  # each kept token's text (for log-probabilities and text offsets)
         self.text = ""  # all decoded text (stop strings included until one is found)
         self.sent = 0  # characters of ``text`` given out
+        self._released = self._released_chars = 0  # tokens whose text is all given out, and that text's length
         self.finish_reason: str | None = None
         self.stopped_by_string = False
         self.error: str | None = None
@@ -104,6 +105,16 @@ class Choice:
         return piece
 
     # ------------------------------------------------------------------ log-probabilities
+    def released(self) -> int:
+        """Tokens whose text has all been given out. While the choice runs, a token whose text is held back (it
+        may begin a stop string) is not reported yet: its id and log-probability go out with its text, or never
+        (a stop string's tokens)."""
+        while self._released < len(self.pieces) and \
+                self._released_chars + len(self.pieces[self._released]) <= self.sent:
+            self._released_chars += len(self.pieces[self._released])
+            self._released += 1
+        return self._released
+
     def kept(self) -> int:
         """Tokens whose text is in the answer (a stop string's tokens are not)."""
         if not self.stopped_by_string:
