@@ -255,8 +255,8 @@ class ContinuousBatchingManager:
                 raise ValueError(f"request_id {taken[0]!r} is still in flight: ids must be unique")
             self._in_flight.update(ids)
             requests = []
-            for k, rid in enumerate(ids):
-                own_seed = (seed + k if seed is not None
+            for k, rid in enumerate(ids):  # (the request itself last: its own seed, its copies the next ones)
+                own_seed = (seed + (k + 1) % len(ids) if seed is not None
                             else secrets.randbits(63) if self.seed is None else request_seed(self.seed, rid))
                 requests.append(Request(rid, prompt, max_new_tokens, eos, sampling or self.sampling, seed=own_seed,
                                         want_logprobs=logprobs, streaming=streaming,

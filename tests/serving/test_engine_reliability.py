@@ -448,8 +448,16 @@ def test_copies_of_a_prompt_and_seeded_requests_draw_their_own_streams(qwen):
         manager.add_request(prompt, max_new_tokens=6, sampling=hot)  # one more request before it this time
         again = manager.add_request(prompt, request_id="seeded-again", max_new_tokens=6, sampling=hot, seed=11)
         second = manager.get_result(again, timeout=60)
+        # Seeded copies: the request itself draws from its seed, its copies from the next seeds (so asking for
+        # more copies never changes the request's own answer).
+        three = manager.add_request(prompt, request_id="three", max_new_tokens=6, sampling=hot, seed=11)
+        own = manager.get_result(three, timeout=60)
+        copy = [manager.get_result(f"{three}__child#{i}", timeout=60) for i in range(2)]
+        alone_12 = manager.add_request(prompt, request_id="twelve", max_new_tokens=6, sampling=hot, seed=12)
+        twelve = manager.get_result(alone_12, timeout=60)
     assert len({tuple(c.generated_tokens) for c in copies}) == 3
-    assert first.generated_tokens == second.generated_tokens
+    assert first.generated_tokens == second.generated_tokens == own.generated_tokens
+    assert copy[0].generated_tokens == twelve.generated_tokens != own.generated_tokens
 
 
 def test_a_sampled_request_draws_each_token_with_its_own_uniform(family):
