@@ -459,13 +459,14 @@ class QSAPagedCache(Cache):
         move_rows(self, src)
 
     # ------------------------------------------------------------------ prefix caching (`hf_qsa_cache.prefix_rows`)
-    def restore_prefix(self, row: int, tokens, limit: int | None = None, count: bool = True) -> int:
+    def restore_prefix(self, row: int, tokens, limit: int | None = None, counted: int | None = None) -> int:
         """Start empty row ``row`` from the longest cached prefix of ``tokens`` (at most ``limit`` tokens, default
         all) that has a snapshot: its shared blocks are listed (reference counted), its per-row state and windows
         copied from the snapshot, its length set. Returns the length restored (0: none cached; the row stays
-        empty). ``count=False``: a second look for the same tokens (not counted again in the hit rate). Outside a
-        forward only; nothing changes if it raises."""
-        return prefix_rows.restore_prefix(self, row, tokens, limit, count)
+        empty). ``counted``: a second look for the same tokens, whose earlier looks counted that many hit tokens
+        (the hit rate counts neither the lookup again nor those hits). Outside a forward only; nothing changes if
+        it raises."""
+        return prefix_rows.restore_prefix(self, row, tokens, limit, counted)
 
     def prefix_lookup(self, tokens, limit: int | None = None) -> tuple[int, int]:
         """``(restorable, matched)``: the longest cached prefix of ``tokens`` `restore_prefix` would restore (at

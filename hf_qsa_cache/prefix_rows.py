@@ -41,7 +41,7 @@ def check_prefix_row(cache, row: int) -> None:
                          "it is cached or restored into it until it is released (move_rows) or cache.reset()")
 
 
-def restore_prefix(cache, row: int, tokens, limit: int | None, count: bool) -> int:
+def restore_prefix(cache, row: int, tokens, limit: int | None, counted: int | None) -> int:
     """`QSAPagedCache.restore_prefix`: start empty ``row`` from the longest restorable cached prefix of ``tokens``;
     the length restored (0: none)."""
     check_prefix_row(cache, row)
@@ -50,7 +50,7 @@ def restore_prefix(cache, row: int, tokens, limit: int | None, count: bool) -> i
     if cache.rows.lengths[row] or any(t.rows[row] for t in cache.tables.values()):
         raise ValueError(f"row {row} holds tokens: a cached prefix starts an empty row")
     prefix = cache.prefix
-    if count:
+    if counted is None:
         prefix.counters["lookup_tokens"] += len(tokens)
     chain, cache.prefix_matched = restorable_chain(cache, tokens, limit)
     if not chain:
@@ -85,7 +85,7 @@ def restore_prefix(cache, row: int, tokens, limit: int | None, count: bool) -> i
     # Qwen4Exp's rollback ring holds nothing of the restored row: no crop to its length or below.
     floor = length + 1 if cache.keeps_rollback_history else 0
     cache.rows.start_at(row, length, floor)
-    prefix.counters["hit_tokens"] += length
+    prefix.counters["hit_tokens"] += max(0, length - (counted or 0))
     return length
 
 

@@ -118,10 +118,11 @@ class Request:
     held: int = 0  # tokens its cache row holds (0 without a row, or after preemption)
     # Prefix caching: where its prefill also stops to cache a prefix (blocks others cached reach there, no
     # snapshot does: 0 if none) and a hash of its tokens up to there (`stop_prefix_at`), and the prefix cache's
-    # version at its last lookup (-1: none since it got a row).
+    # version at its last lookup (-1: none since it got a row), and the hit tokens its lookups counted since.
     prefix_stop: int = 0
     prefix_key: int = 0
     prefix_seen: int = -1
+    prefix_hit: int = 0
     admitted: int = -1  # admission number (the latest admitted is preempted first)
     step_failures: int = 0  # steps that failed while it was in them (a second one fails it, or isolates it)
     # Isolation (`ContinuousBatchingManager._run`): after failed steps shared with others, its steps feed it alone

@@ -96,10 +96,11 @@ class ModelRunner:
         """Start the request's empty row from the longest cached prefix of its tokens; where cached blocks reach
         further than any snapshot, its prefill will stop there once to cache its state (`Request.prefix_stop`)."""
         cache = self.cache
-        first = request.prefix_seen == -1
+        first = request.prefix_seen == -1  # (a row's first look is a lookup; later ones, hits beyond its earlier)
         request.prefix_seen = cache.prefix.version
         request.held = cache.restore_prefix(row, _tokens(request, request.total), limit=request.total - 1,
-                                            count=first)
+                                            counted=None if first else request.prefix_hit)
+        request.prefix_hit = request.held if first else max(request.prefix_hit, request.held)
         shared, peer = self._shared_with_peers(request)
         stop = max(cache.prefix_matched, shared)
         request.stop_prefix_at(stop if stop > request.held else 0)

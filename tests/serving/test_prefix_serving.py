@@ -197,6 +197,22 @@ def test_requests_admitted_together_restore_what_the_first_cached(family):
     assert stats["hit_tokens"] >= 3 * 16, stats
 
 
+def test_a_row_restored_again_from_a_longer_prefix_counts_its_hits_once(family):
+    """Six requests share 20 tokens, of which 8 are cached: each restores 8, one computes the rest to 20 while
+    the others wait, then those restore 20. The hit rate counts each request's lookup once and its longest
+    restore once (a second restore counted whole took it past 1)."""
+    name, ref, ours = family
+    shared = random_prompts([20], vocab=90, seed=45)[0]
+    prompts = [shared + [3 + k] for k in range(6)]
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=120, max_batch_tokens=4, max_requests_per_batch=6)
+    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config) as manager:
+        check(ref, [shared[:9]], run(manager, [shared[:9]]))  # caches its first 8 tokens
+        check(ref, prompts, run(manager, prompts))
+        stats = manager.cache.memory_stats()["prefix_cache"]
+    assert stats["lookup_tokens"] == 9 + 6 * 21, stats
+    assert stats["hit_tokens"] == 8 + 5 * 20, stats
+
+
 @pytest.mark.parametrize("unit", [1, 4, 8])
 def test_the_prefix_shared_with_peers_is_the_longest_whole_unit_one(unit):
     """`ModelRunner._shared_with_peers` against its definition, on random prompts that share prefixes of every
