@@ -30,13 +30,38 @@ async def read_body(served: Served, request: Request, schema):
         data = json.loads(b"".join(chunks) or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise BadRequest(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise BadRequest("the request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise BadRequest("the request body must be a JSON object")
+    where = _lone_surrogate(data)
+    if where is not None:  # valid JSON (an escape such as \ud800), but no text: a tokenizer cannot take it
+        raise BadRequest(f"the request body holds a lone surrogate escape (not a character) at {where}", where)
     try:
         return schema.model_validate(data)
     except ValidationError as error:
         message, param = describe(error)
         raise BadRequest(message, param, status=422) from None
+
+
+def _lone_surrogate(value, where: str = "body") -> str | None:
+    """Where a string of the parsed body holds a lone UTF-16 surrogate, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate(key, where) or _lone_surrogate(item, f"{where}.{key}" if where != "body" else key)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate(item, f"{where}.{i}")
+            if found:
+                return found
+    return None
 
 
 def check_model(served: Served, name: str | None) -> None:

@@ -73,7 +73,7 @@ async def responses(request: Request):
                "temperature": body.temperature, "top_p": body.top_p, "tool_choice": "none", "tools": [],
                "metadata": body.metadata or {}, "text": {"format": {"type": "text"}}, "usage": None}
         if choice is not None:
-            out["output"] = [message_item(choice.text, "completed")]
+            out["output"] = [message_item(choice.text, item_status(choice))]
             if choice.finish_reason == "length":
                 out["status"] = "incomplete"
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -82,6 +82,10 @@ async def responses(request: Request):
                             "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
                             "output_tokens_details": {"reasoning_tokens": 0}}
         return out
+
+    def item_status(choice: Choice) -> str:
+        """A message cut by the length limit is itself ``incomplete``, as its response is."""
+        return "incomplete" if choice.finish_reason == "length" else "completed"
 
     def message_item(text: str | None, status: str) -> dict:
         content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
@@ -118,7 +122,7 @@ async def responses(request: Request):
                     logprobs=[])
         yield event("response.content_part.done", item_id=mid, output_index=0, content_index=0,
                     part={**part, "text": choice.text})
-        yield event("response.output_item.done", output_index=0, item=message_item(choice.text, "completed"))
+        yield event("response.output_item.done", output_index=0, item=message_item(choice.text, item_status(choice)))
         final = response("completed", choice)
         yield event("response.completed" if final["status"] == "completed" else "response.incomplete",
                     response=final)

@@ -223,6 +223,19 @@ def test_chat_and_completions_equal_generate_alone(request, servers, qwen_ref, e
     check(qwen_ref, ids, 7, complete(c, "qwen-tiny", ids, 7, stream))
 
 
+def test_null_for_an_optional_field_means_its_default(servers):
+    """Clients that send every field send null for those they leave to the server (OpenAI's schema allows it)."""
+    base = {"model": "qwen-tiny", "max_tokens": 5, "temperature": 0}
+    nulls = {"n": None, "stream": None, "stream_options": None, "seed": None, "stop": None, "top_p": None}
+    chat_body = {**base, "messages": [{"role": "user", "content": "Nulls"}]}
+    for route, body, extra in [("/v1/chat/completions", chat_body, {"logprobs": None, "tools": None}),
+                               ("/v1/completions", {**base, "prompt": "Nulls"}, {"echo": None, "logprobs": None})]:
+        code, plain = post(servers["qwen"], route, body)
+        code_nulls, with_nulls = post(servers["qwen"], route, {**body, **nulls, **extra})
+        assert code == code_nulls == 200, with_nulls
+        assert len(with_nulls["choices"]) == 1 and with_nulls["choices"][0] == plain["choices"][0]
+
+
 def test_sixteen_concurrent_clients_each_equal_generate_alone(servers, qwen_ref):
     """16 clients at once (more than the 6 rows: some wait), mixed routes, streaming or not, lengths 3 to 18."""
     jobs = [(i, PROMPTS[i % len(PROMPTS)] + " " * (i // 5), 3 + i, i % 2 == 1, i % 4 < 2) for i in range(16)]
@@ -335,6 +348,12 @@ def test_malformed_requests_get_a_4xx_and_change_nothing(servers):
         assert code == 400 and answer["error"]["param"].split(".")[0] in extra, answer
     assert post(server, "/v1/chat/completions", None, raw=b"{not json")[0] == 400
     assert post(server, "/v1/chat/completions", None, raw=b"[1, 2]")[0] == 400
+    assert post(server, "/v1/chat/completions", None, raw=b"[" * 50_000 + b"]" * 50_000)[0] == 400  # too deep
+    lone = {**good, "messages": [{"role": "user", "content": "hi \ud800"}]}  # valid JSON, not text
+    code, answer = post(server, "/v1/chat/completions", lone)
+    assert code == 400 and answer["error"]["param"] == "messages.0.content", answer
+    code, answer = post(server, "/v1/completions", {"model": "qwen-tiny", "prompt": "\udc00abc"})
+    assert code == 400 and answer["error"]["param"] == "prompt", answer
     assert post(server, "/v1/chat/completions", None, raw=b'{"model": "qwen-tiny", "messages": "' + b"x" * 120_000
                 + b'"}')[0] == 413
     with pytest.raises(openai.BadRequestError):
@@ -378,10 +397,13 @@ def test_responses_route(servers, qwen_ref):
     want = qwen_ref.decode(qwen_ref.generate(ids, 6))
     r = c.responses.create(model="qwen-tiny", input="Hello there", max_output_tokens=6, temperature=0)
     assert r.output_text == want and r.usage.input_tokens == len(ids)
-    text = "".join(e.delta for e in c.responses.create(model="qwen-tiny", input="Hello there", max_output_tokens=6,
-                                                        temperature=0, stream=True)
-                   if e.type == "response.output_text.delta")
-    assert text == want
+    # Cut by the length limit (or ended by eos): the message item says so as its response does.
+    assert r.output[0].status == r.status == ("incomplete" if r.usage.output_tokens == 6 else "completed")
+    events = list(c.responses.create(model="qwen-tiny", input="Hello there", max_output_tokens=6, temperature=0,
+                                     stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
+    item = next(e.item for e in events if e.type == "response.output_item.done")
+    assert item.status == events[-1].response.status == r.status
 
 
 def test_inkling_text_and_audio_chats_batched_together(servers, inkling_ref):
