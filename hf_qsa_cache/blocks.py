@@ -213,6 +213,14 @@ class BlockTable:
         self._step_taken = []
 
     # ------------------------------------------------------------------ planning (no mutation)
+    def longest_row(self) -> int | None:
+        """The most positions one row can hold with the whole pool to itself, or None where the pool never limits
+        a row (a window's live blocks always fit; a bound on the safe side otherwise)."""
+        usable = self.num_blocks - 1  # (the null block is nobody's)
+        if self.window is not None and self.window // self.block_size + 2 <= usable:
+            return None
+        return usable * self.block_size
+
     def blocks_needed(self, row: int, new_len: int) -> int:
         """Free blocks `reserve(row, new_len)` would take from the pool."""
         want = -(-new_len // self.block_size)

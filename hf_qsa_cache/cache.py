@@ -228,6 +228,12 @@ class QSAPagedCache(Cache):
         what stands in the way."""
         return why_not_fits(self, new_lengths, what)
 
+    def longest_row(self) -> int:
+        """The most tokens (prompt and generated) one row can hold with every block pool to itself:
+        ``max_cache_len``, or less where a pool is smaller (a longer request cannot run, whatever else runs)."""
+        limits = (table.longest_row() for table in self.tables.values())
+        return min([self.max_cache_len, *(n for n in limits if n is not None)])
+
     def check_request(self, prompt_lengths: list[int], max_new_tokens: int) -> None:
         """Raise before any forward unless rows of ``prompt_lengths`` real tokens can each add
         ``max_new_tokens`` more (what `generate()` checks before its prefill)."""

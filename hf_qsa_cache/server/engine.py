@@ -67,8 +67,8 @@ class Engine(InFlight):
 
     @property
     def max_len(self) -> int | None:
-        """Tokens a request's row holds (prompt and generated), once started."""
-        return None if self.manager is None else int(self.manager.cache.max_cache_len)
+        """Tokens a request's row holds (prompt and generated) with the block pools to itself, once started."""
+        return None if self.manager is None else int(self.manager.cache.longest_row())
 
     async def health(self) -> dict:
         """The engine's state for ``/health`` (a coroutine, as `EngineProcess.health`, which asks its process)."""

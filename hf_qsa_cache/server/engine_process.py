@@ -96,7 +96,7 @@ class EngineProcess(InFlight):
         self.conn = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._fds: tuple[int, int] | None = None  # (pipe, sentinel) while the loop reads them
-        self.max_len: int | None = None  # the cache's max_cache_len, as the child reports it when ready
+        self.max_len: int | None = None  # the cache's longest_row(), as the child reports it when ready
         self.fatal_error: str | None = None  # why the engine cannot serve (its process died, its loop failed)
         InFlight.__init__(self)
         self._health: dict[int, asyncio.Future] = {}  # /health questions waiting for the child's answer
@@ -403,7 +403,7 @@ def run_engine(conn, settings: EngineSettings) -> None:
         except OSError:
             pass
         _exit(1)
-    send(conn, ("ready", {"max_len": int(manager.cache.max_cache_len)}))
+    send(conn, ("ready", {"max_len": int(manager.cache.longest_row())}))
     outbox = Outbox(conn)
     threading.Thread(target=outbox.run, args=(manager,), name="hf-qsa-engine-outbox", daemon=True).start()
     stop_timeout = 2.0

@@ -382,11 +382,12 @@ class ContinuousBatchingManager:
         for request in scheduler.admit(self._fits_first_step):
             if request.started < 0:
                 request.started = time.perf_counter()
-            need = request.most_held
-            if need > self.cache.max_cache_len:
-                self._end(request, RequestStatus.FAILED,
-                          f"prompt of {len(request.prompt)} tokens + max_new_tokens={request.max_new_tokens} needs "
-                          f"{need} slots, the cache holds max_cache_len={self.cache.max_cache_len}")
+            need, longest, most = request.most_held, self.cache.longest_row(), self.cache.max_cache_len
+            if need > longest:  # (failed before its first step, not once it ran out of room)
+                where = (f"the cache holds max_cache_len={most}" if longest == most else
+                         f"the request cannot fit even alone: the block pools hold at most {longest} tokens a row")
+                self._end(request, RequestStatus.FAILED, f"prompt of {len(request.prompt)} tokens + max_new_tokens="
+                                                         f"{request.max_new_tokens} needs {need} slots, {where}")
                 continue
             try:  # a prompt's media are encoded once, before its first step (a bad one fails that request alone)
                 runner.encode(request)

@@ -223,6 +223,12 @@ def test_a_request_that_cannot_fit_alone_fails_and_the_others_go_on(family):
     results = ours.generate_batch(prompts, _greedy(), config)
     assert results["req_1"].status == RequestStatus.FAILED
     assert "cannot fit even alone" in results["req_1"].error and "block pool" in results["req_1"].error
+    # Refused before its first step: the pools hold 8 blocks of 4 tokens a row (block 0 is nobody's), which is
+    # what the cache says a row can hold (the HTTP server's max_model_len), less than its 40 + 6 tokens.
+    assert "at most 32 tokens a row" in results["req_1"].error and results["req_1"].generated_tokens == []
+    cache = QSAPagedCache(ours.config, max_batch_size=2, max_cache_len=64, block_size=4, num_blocks=9)
+    assert cache.longest_row() == 32
+    assert QSAPagedCache(ours.config, max_batch_size=2, max_cache_len=24, block_size=4, num_blocks=9).longest_row() == 24
     for i in (0, 2):
         assert results[f"req_{i}"].generated_tokens == _alone(ref, prompts[i])
 
