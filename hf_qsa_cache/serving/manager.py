@@ -253,6 +253,10 @@ class ContinuousBatchingManager:
             taken = [rid for rid in ids if rid in self._in_flight]
             if taken:
                 raise ValueError(f"request_id {taken[0]!r} is still in flight: ids must be unique")
+            unread = [rid for rid in ids if self.delivery.waiting(rid)]
+            if unread:  # they would reach this request's consumer as its own
+                raise ValueError(f"request_id {unread[0]!r} has unread results of an earlier request with that id: "
+                                 "take them (get_result) or use another id")
             self._in_flight.update(ids)
             requests = []
             for k, rid in enumerate(ids):  # (the request itself last: its own seed, its copies the next ones)

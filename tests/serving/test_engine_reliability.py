@@ -361,8 +361,13 @@ def test_lifecycle_refuses_instead_of_losing_requests(qwen):
     first = manager.add_request(prompt, request_id="same", max_new_tokens=3)
     with pytest.raises(ValueError, match="'same' is still in flight"):
         manager.add_request(prompt, request_id="same", max_new_tokens=3)
+    deadline = time.time() + 60
+    while not manager.delivery.waiting("same") and time.time() < deadline:  # it finishes, its result unread
+        time.sleep(0.01)
+    with pytest.raises(ValueError, match="'same' has unread results"):  # they would reach the new one's reader
+        manager.add_request(prompt, request_id="same", max_new_tokens=3)
     assert manager.get_result(first, timeout=60).is_finished()
-    manager.add_request(prompt, request_id="same", max_new_tokens=3)  # finished: its id may come again
+    manager.add_request(prompt, request_id="same", max_new_tokens=3)  # finished and read: its id may come again
     manager.stop(block=False)
     with pytest.raises(RuntimeError, match="stopped: call start"):
         manager.add_request(prompt, max_new_tokens=3)
