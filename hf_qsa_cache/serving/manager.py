@@ -219,7 +219,8 @@ class ContinuousBatchingManager:
         them (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``, ...), for this one prompt.
 
         Every argument is checked before anything is queued (a `ValueError` naming it and its value); an id
-        still in flight is refused; after `stop()` (until `start()`) or once the loop died, a `RuntimeError`."""
+        still in flight, or whose earlier request's results wait unread, is refused; after `stop()` (until
+        `start()`) or once the loop died, a `RuntimeError`."""
         media = check_media(kwargs, getattr(self.model, "media_inputs", ()), type(self.model).__name__)
         prompt = check_prompt(input_ids, vocab_size(self.model))
         if request_id is not None and not isinstance(request_id, str):
