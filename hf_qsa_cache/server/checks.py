@@ -74,6 +74,8 @@ def refuse_unsupported(body, chat: bool) -> None:
     """OpenAI fields that ask for what this server does not do: a 400 naming the field."""
     if body.logit_bias:
         raise BadRequest("logit_bias is not supported by this server", "logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
     if body.stream_options is not None and body.stream_options.continuous_usage_stats:
         raise BadRequest("continuous_usage_stats is not supported (include_usage gives usage with the last chunk)",
                          "stream_options.continuous_usage_stats")

@@ -33,11 +33,11 @@ MAX_AUDIO_SECONDS = 30 * 60
 
 def _data_url(url: str, kind: str, param: str) -> tuple[str, bytes]:
     if not isinstance(url, str) or not url.startswith("data:"):
-        raise BadRequest(f"{kind} must come inside the request as a data: URL (base64); this server fetches no "
+        raise BadRequest(f"an {kind} must come inside the request as a data: URL (base64); this server fetches no "
                          f"URL and opens no file", param)
     head, _, data = url.partition(",")
     if ";base64" not in head:
-        raise BadRequest(f"a {kind} data: URL must be base64-encoded", param)
+        raise BadRequest(f"an {kind} data: URL must be base64-encoded", param)
     try:
         return head[5:].split(";")[0], base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as error:
@@ -47,7 +47,7 @@ def _data_url(url: str, kind: str, param: str) -> tuple[str, bytes]:
 def decode_image(url: str, param: str):
     from PIL import Image
 
-    _, raw = _data_url(url, "an image", param)
+    _, raw = _data_url(url, "image", param)
     try:
         image = Image.open(io.BytesIO(raw))
         if image.width * image.height > MAX_IMAGE_PIXELS:

@@ -326,6 +326,7 @@ def test_malformed_requests_get_a_4xx_and_change_nothing(servers):
         ({**good, "reasoning_effort": "high"}, 400, "reasoning_effort"),
         ({**good, "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
          "stream_options.continuous_usage_stats"),
+        ({**good, "stream_options": {"include_usage": True}}, 400, "only allowed with stream"),
         ({**good, "messages": [{"role": "user", "content": "x" * 150}]}, 400, "more than the limit 120"),
         ({**good, "messages": [{"role": "user", "content": [{"type": "image_url",
                                                               "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
@@ -505,8 +506,11 @@ def test_qwen_image_chats_batched_together(servers):
 
 def test_remote_media_urls_are_refused(servers):
     c = client(servers["image"])
-    for url in ["http://127.0.0.1:1/x.png", "file:///etc/passwd", "/etc/passwd"]:
-        with pytest.raises(openai.BadRequestError, match="data: URL"):
+    for url, words in [("http://127.0.0.1:1/x.png", "an image must come inside the request as a data: URL"),
+                       ("file:///etc/passwd", "data: URL"), ("/etc/passwd", "data: URL"),
+                       ("data:image/png,AAAA", "an image data: URL must be base64"),
+                       ("data:image/png;base64,A*AA", "the image is not valid base64")]:
+        with pytest.raises(openai.BadRequestError, match=words):
             c.chat.completions.create(model="qwen-image-tiny", max_tokens=2, messages=[
                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
     with pytest.raises(openai.BadRequestError, match="cannot be read"):
