@@ -38,7 +38,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from bench_generate import commit, inkling_config, qwen4_exp_config, results_file
-from bench_serving import eager_prefills_counted
+from bench_serving import eager_prefills_counted, graph_recordings
 from percentiles import pct
 
 
@@ -265,9 +265,13 @@ def main(argv=None):
         manager = build_manager(model, args, sharing, max_prompt)
         try:
             warm_up(manager, args, vocab)
+            recorded = graph_recordings(manager)
             with eager_prefills_counted(manager) as eager:  # (prefill steps that did not replay a graph)
                 row = (chat if args.workload == "chat" else shared)(manager, args, vocab)
             row.update(eager_prefill_steps=len(eager), eager_prefill_cells=sum(eager))
+            # CUDA graphs recorded inside the measured run (new shapes the warm-up did not see), and the seconds
+            # they took: a step that records waits for it.
+            row.update({k: v - recorded[k] for k, v in graph_recordings(manager).items()})
             stats = manager.cache.memory_stats()
             if sharing:
                 prefix = stats["prefix_cache"]

@@ -30,6 +30,7 @@ def test_smoke_run_writes_both_sides_and_hits(tmp_path, model, workload):
     assert "hit_rate" not in without and lines[-1]["ttft_p50_lower_x"] > 0
     for side in (with_, without):  # (no graphs on the CPU: every prefill step of the workload ran eagerly)
         assert 0 < side["eager_prefill_steps"] <= side["prefill_steps"] and side["eager_prefill_cells"] > 0
+        assert side["graph_recordings"] == 0 and side["graph_recording_s"] == 0  # (nothing records on the CPU)
 
 
 def test_shared_prompts_can_arrive_at_a_fixed_rate(tmp_path):
