@@ -212,7 +212,7 @@ def graph_replays(manager) -> int:
 
 
 def graph_recordings(manager) -> dict:
-    runners = manager.cache.graph_runners.values()
+    runners = list(manager.cache.graph_runners.values())  # (a weak dictionary's values: a one-pass iterator)
     return {"graph_recordings": sum(r.recordings for r in runners),
             "graph_recording_s": sum(r.recording_s for r in runners)}
 

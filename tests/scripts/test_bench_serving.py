@@ -154,3 +154,19 @@ def test_the_eager_count_puts_back_a_wrapper_it_found():
     with bench_serving.eager_prefills_counted(manager):
         pass
     assert "prefill" not in vars(runner) and runner.prefill([1]) == "class"
+
+
+def test_graph_recordings_sum_every_runner_for_both_counts():
+    """The cache keeps its graph runners in a weak dictionary, whose values are a one-pass iterator: both sums
+    must see every runner (the seconds read 0 for every run while the count did not)."""
+    import weakref
+
+    class Model:
+        pass
+
+    models = [Model(), Model()]
+    runners = weakref.WeakKeyDictionary()
+    runners[models[0]] = types.SimpleNamespace(recordings=3, recording_s=1.5)
+    runners[models[1]] = types.SimpleNamespace(recordings=2, recording_s=0.25)
+    manager = types.SimpleNamespace(cache=types.SimpleNamespace(graph_runners=runners))
+    assert bench_serving.graph_recordings(manager) == {"graph_recordings": 5, "graph_recording_s": 1.75}
