@@ -196,10 +196,15 @@ class PrefixCache:
 
     def make_room(self, name: str, need: int) -> None:
         """Give idle cached blocks of table ``name`` back (least recently used entries first, with the entries
-        below them) until ``need`` blocks are free or none is idle."""
+        below them) until ``need`` blocks are free or none is idle.
+
+        A pass looks at every entry (a sort by last use), so it frees a 64th of the pool more than asked: once
+        the pool is full of cached blocks, as it is in a server that has run a while, the steps after it find
+        free blocks without a pass of their own (one pass a step cost 14 ms at 20,000 entries on a CPU)."""
         table = self.tables[name]
         if len(table.free) >= need or not table.idle:
             return
+        need += table.num_blocks // 64
         for entry in sorted((e for e in self.entries.values() if self._idle(e, name)),
                             key=lambda e: (e.used, -e.depth)):
             if len(table.free) >= need or not table.idle:
