@@ -40,7 +40,9 @@ def fused_generate_mismatch(model, ids, mask, fusion: str, launches: list, atol:
             return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
                                   eos_token_id=None, output_logits=True, return_dict_in_generate=True, **extra)
 
-    want = generate()
+    # Off explicitly: a fusion on by default (`FUSIONS`) would otherwise run its kernels in the reference too.
+    with fused((fusion,), on=False):
+        want = generate()
     launches.clear()
     with fused((fusion,)):
         have = generate()

@@ -41,6 +41,48 @@ import pytest  # noqa: E402,F401
 from helpers import fusions, inkling, interpreter, qwen4  # noqa: E402,F401
 
 
+def _patch_language_once_per_launch() -> None:
+    """Triton's interpreter swaps triton.language's functions for its own at each launch, and again at every call of
+    a device function (a helper, ``tl.sum`` or ``tl.max`` and their combine functions: per program, per loop round)
+    while the launch's swap is in place, putting back the same functions (it wraps only the originals): up to half
+    of a case's time. Here a device function's call swaps only the modules the running launch has not swapped yet
+    (``tl.sum``'s module sees ``core``, a kernel ``tl``), as the interpreter's first such call does; what runs is
+    unchanged (a function that sees neither still goes to the interpreter, which refuses it)."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    if not hasattr(interp, "_patch_lang"):  # another Triton: its interpreter as it is (slower, same results)
+        return
+    swap, launch = interp._patch_lang, interp.GridExecutor.__call__
+    swapped: list = []  # per running launch: the language modules swapped in it (None until the launch's own)
+
+    def modules(fn) -> set:
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+
+    def patch_lang(fn):
+        mine = modules(fn)
+        if mine and swapped and swapped[-1] is not None and mine <= swapped[-1]:
+            return None  # a device function's call (its caller ignores the scope): already in place
+        scope = swap(fn)
+        if swapped:
+            swapped[-1] = (swapped[-1] or set()) | mine
+        return scope
+
+    def run_launch(self, *args, **kwargs):
+        swapped.append(None)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            swapped.pop()
+
+    interp._patch_lang, interp.GridExecutor.__call__ = patch_lang, run_launch
+
+
+_patch_language_once_per_launch()
+
+
 def _run_child(request: dict) -> None:
     """In the forked child: the script with its output to ``out``, then its launch log; never returns."""
     out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)

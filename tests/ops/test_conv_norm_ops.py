@@ -188,7 +188,10 @@ def _generate_case() -> str | None:
     count_launches(conv_norm_triton, "_attention_inputs_kernel", launches)
     count_launches(conv_norm_triton, "_conv_add_rms_norm_kernel", launches)
     conv_norm.use_triton = lambda *x: True
-    model = inkling.make_pair(inkling.make_config(), seed=3)[1]
+    # Two layers, one of each attention kind (its head shapes): each layer makes the same two launches, so every
+    # layer more is only the same launches interpreted again.
+    config = inkling.make_config(num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"], dense_mlp_idx=1)
+    model = inkling.make_pair(config, seed=3)[1]
     return fused_generate_mismatch(model, *inkling.left_pad(inkling.make_prompts([5, 2], seed=4)), "conv_norm",
                                    launches, atol=1e-4)
 

@@ -11,6 +11,7 @@ greedy generate() of both tiny models with the kernels in every MoE layer.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 from functools import partial
@@ -266,13 +267,14 @@ def _family(family: str):
     return model, *inkling.left_pad(inkling.make_prompts([7, 3, 5], seed=10))
 
 
-def _compare_generate(model, ids, mask, atol: float) -> str | None:
+def _compare_generate(model, ids, mask, atol: float, spy=None) -> str | None:
     """Greedy generate() with the model's default experts, then with ``hf_qsa_selected``: same tokens,
-    logits within ``atol``."""
+    logits within ``atol``. ``spy``: a context manager around the second generate() alone."""
     want = _generate(model, ids, mask)
     model.set_experts_implementation(selected.SELECTED_EXPERTS)
     try:
-        have = _generate(model, ids, mask)
+        with spy or contextlib.nullcontext():
+            have = _generate(model, ids, mask)
     finally:
         model.set_experts_implementation(selected.OURS)
     if not torch.equal(have.sequences, want.sequences):
@@ -292,19 +294,21 @@ def _generate_case(family: str, fold: bool) -> str | None:
 
     launches = _counted_launches()
     model, ids, mask = _family(family)
+    mlp_type, calls = type(shared_module(model)), []
+
+    @contextlib.contextmanager
+    def counting_shared_calls():  # in the kernels' generate() only (the default experts run the module)
+        real = mlp_type.forward
+        mlp_type.forward = lambda self, *a, **k: calls.append(1) or real(self, *a, **k)
+        try:
+            yield
+        finally:
+            mlp_type.forward = real
+
     with fused(("shared_expert",), on=fold):
-        error = _compare_generate(model, ids, mask, atol=1e-4)
-        if fold and not error:
-            mlp_type = type(shared_module(model))
-            real, calls = mlp_type.forward, []
-            mlp_type.forward = lambda self, *a, **k: calls.append(1) or real(self, *a, **k)
-            model.set_experts_implementation(selected.SELECTED_EXPERTS)
-            try:
-                _generate(model, ids, mask)
-            finally:
-                mlp_type.forward = real
-                model.set_experts_implementation(selected.OURS)
-            error = f"the shared expert module ran {len(calls)} times" if calls else None
+        error = _compare_generate(model, ids, mask, atol=1e-4, spy=counting_shared_calls() if fold else None)
+    if fold and not error and calls:
+        error = f"the shared expert module ran {len(calls)} times"
     return error or (None if launches else "no launches")
 
 

@@ -197,7 +197,7 @@ def _generate_case() -> str | None:
     ``hc`` alone, logits within fp32 rounding."""
     from helpers.fusions import fused_generate_mismatch
     from helpers.interpreter import count_launches
-    from helpers.qwen4 import left_pad, make_pair, random_prompts
+    from helpers.qwen4 import left_pad, make_pair, random_prompts, tiny_config
 
     from hf_qsa_cache.ops import hyper_connection_triton as hct
 
@@ -205,7 +205,9 @@ def _generate_case() -> str | None:
     fusions.STATE["hc_proj"] = False
     launches: list = []
     count_launches(hct, "_hc_down_kernel", launches)
-    return fused_generate_mismatch(make_pair(seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)),
+    # A layer of each kind: every layer more mixes its streams with the same launches again, interpreted.
+    config = tiny_config(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"])
+    return fused_generate_mismatch(make_pair(config, seed=7)[1], *left_pad(random_prompts([9, 4, 7], seed=8)),
                                    "hc_proj", launches, atol=1e-4)
 
 

@@ -77,6 +77,10 @@ FULL_ROWS = [(0, 5), (7, 3), (37, 20), (3, 0), (18, 1)]  # a fresh row, ragged p
 SLIDING_ROWS = [(30, 20), (5, 12), (0, 20), (9, 0)]  # chunks much longer than the window over evicted keys
 WIDE_ROWS = [(45, 40), (3, 25), (0, 40)]  # a window of several key tiles
 DECODE_ROWS = [(37, 1), (5, 1), (20, 0), (0, 1), (70, 1)]
+# One-token query tiles run a program per token, interpreted: shorter chunks with the same traits (a chunk past
+# far keys in two splits, across blocks; chunks longer than the window writing positions below it).
+ONE_TOKEN_FULL_ROWS = [(0, 5), (7, 3), (37, 8), (3, 0), (18, 1)]
+ONE_TOKEN_SLIDING_ROWS = [(30, 12), (5, 12), (0, 12), (9, 0)]
 
 # name, case arguments, kernel overrides
 CASES = [
@@ -117,10 +121,10 @@ CASES = [
                                                 window=40, dtype=torch.bfloat16),
      dict(block_n=16, num_splits=2, bias_in_kernel=True)),
     ("full prefill one-token tiles bias in kernel fp32",
-     dict(rows=FULL_ROWS, L=20, heads=6, kv_heads=2, head_dim=16, extent=12),
+     dict(rows=ONE_TOKEN_FULL_ROWS, L=8, heads=6, kv_heads=2, head_dim=16, extent=12),
      dict(block_m=1, block_n=16, num_splits=2, bias_in_kernel=True)),
     ("sliding prefill one-token tiles bias in kernel fp32",
-     dict(rows=SLIDING_ROWS, L=20, heads=6, kv_heads=2, head_dim=16, extent=8, window=8),
+     dict(rows=ONE_TOKEN_SLIDING_ROWS, L=12, heads=6, kv_heads=2, head_dim=16, extent=8, window=8),
      dict(block_m=1, block_n=16, bias_in_kernel=True)),
     ("full prefill bias asked in kernel, tiles of 4 tokens (the matmul) fp32",
      dict(rows=FULL_ROWS, L=20, heads=6, kv_heads=2, head_dim=16, extent=12),

@@ -112,8 +112,10 @@ def _generate_case(qsa_triton, merges: list) -> str | None:
 
     qsa.use_triton = lambda *x: True  # the CUDA dispatch, on CPU tensors
     qsa_triton.ATTENTION_DECODE_BLOCK_W, qsa_triton.MIN_SPLIT_POSITIONS = 16, 1
-    error = fused_generate_mismatch(make_pair(tiny_config(indexer_budget=32), seed=4)[1],
-                                    *left_pad(random_prompts([14, 5, 9], seed=5)), "qsa_gate", merges, atol=1e-5)
+    # One QSA layer (with a linear one before it): the merges of every other QSA layer are the same launches.
+    config = tiny_config(indexer_budget=32, num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"])
+    error = fused_generate_mismatch(make_pair(config, seed=4)[1], *left_pad(random_prompts([14, 5, 9], seed=5)),
+                                    "qsa_gate", merges, atol=1e-5)
     return f"generate: {error}" if error else None
 
 
