@@ -214,12 +214,20 @@ class BlockTable:
 
     # ------------------------------------------------------------------ planning (no mutation)
     def longest_row(self) -> int | None:
-        """The most positions one row can hold with the whole pool to itself, or None where the pool never limits
-        a row (a window's live blocks always fit; a bound on the safe side otherwise)."""
-        usable = self.num_blocks - 1  # (the null block is nobody's)
-        if self.window is not None and self.window // self.block_size + 2 <= usable:
+        """The most positions one row can hold with the whole pool to itself, growing to it one position a step,
+        or None where the pool never limits a row (a window's live blocks always fit)."""
+        usable, size = self.num_blocks - 1, self.block_size  # (the null block is nobody's)
+        if self.window is None:
+            return usable * size
+        # A step to length m holds ceil(m / size) blocks less those wholly below the window at the length before
+        # it (they go when the step lands, `commit_step`); past the window that count repeats with period `size`,
+        # its peak this one.
+        if (self.window + 2 * size - 2) // size <= usable:
             return None
-        return usable * self.block_size
+        m = 1
+        while -(-(m + 1) // size) - self._first_live_block(m) <= usable:  # (within the window's first period)
+            m += 1
+        return m
 
     def blocks_needed(self, row: int, new_len: int) -> int:
         """Free blocks `reserve(row, new_len)` would take from the pool."""

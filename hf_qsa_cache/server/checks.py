@@ -34,7 +34,10 @@ async def read_body(served: Served, request: Request, schema):
         raise BadRequest("the request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise BadRequest("the request body must be a JSON object")
-    where = _lone_surrogate(data)
+    try:
+        where = _lone_surrogate(data)
+    except RecursionError:  # (parsed, but too deep to walk beneath the server's own frames)
+        raise BadRequest("the request body is not valid JSON: nested too deeply") from None
     if where is not None:  # valid JSON (an escape such as \ud800), but no text: a tokenizer cannot take it
         raise BadRequest(f"the request body holds a lone surrogate escape (not a character) at {where}", where)
     try:

@@ -313,3 +313,20 @@ def test_decoding_requests_keep_their_rows():
     assert scheduler.rows[:2] == [placed[0], late] and _moves(placed, scheduler.rows) == 1
     assert scheduler.prefilling() == 2
     assert sorted(map(id, scheduler.rows)) == sorted(map(id, [*placed, late]))
+
+
+@pytest.mark.parametrize("window", [None, 2, 3, 6, 7, 13], ids=lambda w: f"window{w}")
+@pytest.mark.parametrize("block_size", [1, 3, 4], ids=lambda b: f"block{b}")
+def test_longest_row_is_how_far_a_row_alone_grows_on_the_pool(window, block_size):
+    """`BlockTable.longest_row`: a row that has the pool to itself, fed one position a step (each step landing
+    frees the blocks that left its window), reaches exactly that length, or never runs out (None)."""
+    for num_blocks in range(2, 12):
+        grown = BlockTable("t", num_blocks, block_size, max_rows=1, max_len=400, window=window)
+        n = 0
+        while n < 399 and grown.blocks_needed(0, n + 1) <= len(grown.free):
+            grown.begin_step(1)
+            grown.reserve(0, n + 1)
+            grown.commit_step([n + 1])
+            n += 1
+        want = None if n == 399 else n
+        assert BlockTable("t", num_blocks, block_size, 1, 400, window).longest_row() == want, num_blocks
