@@ -20,7 +20,7 @@ Workloads (random tokens, no eos: each request generates exactly its answer leng
   waits for the prefixes of the groups before it either way).
 
 Each workload runs twice on managers that differ only in ``ContinuousBatchingConfig(allow_block_sharing=...)``,
-after a warm-up (kernels, CUDA graphs; the warm-up's cached prefixes are dropped). Reported per run, as JSON
+after the manager's warm-up (`ContinuousBatchingManager.warmup`: kernels, CUDA graphs). Reported per run, as JSON
 lines (key ``bench: "prefix"``) appended to ``benchmarks/results/<gpu>.jsonl`` (or --jsonl): TTFT p50 / p99,
 output tokens/s, wall time, and with prefix caching its hit rate (tokens restored / tokens looked up), the
 snapshots kept, the memory they take, cached blocks and evictions; then a line with the ratios.
@@ -84,8 +84,14 @@ def build_manager(model, args, sharing: bool, max_prompt: int):
     gen_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=args.answer_tokens)
     hints = WorkloadHints(max_prompt_length=max_prompt, max_generated_length=args.answer_tokens, num_requests=args.rows)
     manager = model.init_continuous_batching(gen_config, config, hints)
+    # The kernels of a whole prefill chunk, and decode graphs at every row count beside a prompt of the workload's
+    # longest, before the clock starts (met inside the run they took the first requests' TTFT: 20 s for the first
+    # 8,192-token chunk at 40 layers on an H100, then 5 s of graph recordings).
+    started = time.perf_counter()
+    manager.warmup()
+    warmup_s = time.perf_counter() - started
     manager.start()
-    return manager
+    return manager, warmup_s
 
 
 def collect(manager, want: int, on_result, tick=None) -> None:
@@ -179,18 +185,6 @@ def shared(manager, args, vocab: int) -> dict:
             "last_sent_s": max(sent.values()) - start}
 
 
-def warm_up(manager, args, vocab: int) -> None:
-    """Kernels and one CUDA graph per decode batch size (rows finish one by one); cached prefixes dropped."""
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    rows = min(args.rows, 8) if args.tiny else args.rows
-    for i in range(rows):
-        manager.add_request(tokens(gen, 16 + 8 * i, vocab), request_id=f"warm{i}", max_new_tokens=2 + i)
-    collect(manager, rows, lambda result: None)
-    manager.stop(block=True)
-    manager.cache.reset(prefixes=True)
-    manager.start()
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["qwen4_exp", "inkling"], default="qwen4_exp")
@@ -262,13 +256,12 @@ def main(argv=None):
     for name, sharing in sides:
         if args.only not in (None, name):
             continue
-        manager = build_manager(model, args, sharing, max_prompt)
+        manager, warmup_s = build_manager(model, args, sharing, max_prompt)
         try:
-            warm_up(manager, args, vocab)
             recorded = graph_recordings(manager)
             with eager_prefills_counted(manager) as eager:  # (prefill steps that did not replay a graph)
                 row = (chat if args.workload == "chat" else shared)(manager, args, vocab)
-            row.update(eager_prefill_steps=len(eager), eager_prefill_cells=sum(eager))
+            row.update(eager_prefill_steps=len(eager), eager_prefill_cells=sum(eager), warmup_s=warmup_s)
             # CUDA graphs recorded inside the measured run (new shapes the warm-up did not see), and the seconds
             # they took: a step that records waits for it.
             row.update({k: v - recorded[k] for k, v in graph_recordings(manager).items()})

@@ -312,13 +312,12 @@ def main():
               "short_prefill_tokens": cuda_graphs.SHORT_PREFILL_TOKENS}
 
     def warm_manager(grouped: bool):
-        # Warm-up on the manager of the measured run: kernel compilation, and one CUDA graph per decode batch
-        # size (rows finish one by one).
+        # The manager's own warm-up (`ContinuousBatchingManager.warmup`): the kernels of a whole prefill chunk, and
+        # a CUDA graph of the decode step at every row count, at the shortest reach and beside the longest prompt.
         started = time.perf_counter()
         manager = serving_manager(ours, prompts, outputs, args, grouped)
+        manager.warmup()
         manager.start()
-        warm = [[5] * (16 + 8 * i) for i in range(args.rows)]
-        continuous(manager, warm, [2 + i for i in range(args.rows)], [0.0] * args.rows, prefix="warm")
         run(ours, torch.randint(2, 100, (2, 40), device="cuda"), torch.ones(2, 40, dtype=torch.long, device="cuda"),
             4)
         common["warmup_s"] = time.perf_counter() - started

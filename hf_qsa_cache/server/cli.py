@@ -54,6 +54,9 @@ def parser() -> argparse.ArgumentParser:
     cb.add_argument("--cb-max-memory-percent", type=float, default=None,
                     help="accepted; this engine sizes its pool from --cb-num-blocks and the rows instead")
     cb.add_argument("--cb-use-cuda-graph", action=argparse.BooleanOptionalAction, default=None)
+    cb.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="on a GPU, before listening: dummy requests compile the kernels of a whole prefill chunk and "
+                         "record the decode step's CUDA graphs, which the first requests would otherwise wait for")
     cb.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                     help="the attention K/V pages: the model's dtype, or fp8 e4m3 with a scale per token and head")
     cb.add_argument("--index-cache-dtype", choices=["auto", "fp8"], default="auto",
@@ -93,14 +96,14 @@ def build(args):
     if args.engine_in_process:
         model, tokenizer = load(args.path, args.device, args.dtype)
         config, generation_config = model.config, model.generation_config
-        engine = Engine(model, generation_config, cb_config, cache_dtypes)
+        engine = Engine(model, generation_config, cb_config, cache_dtypes, warmup=args.warmup)
     else:
         config = AutoConfig.from_pretrained(args.path)
         generation_config = load_generation_config(args.path, config)
         tokenizer = AutoTokenizer.from_pretrained(args.path)
         level = getattr(logging, args.log_level.upper(), logging.WARNING)
         engine = EngineProcess(EngineSettings(args.path, args.device, args.dtype, generation_config, cb_config,
-                                              cache_dtypes, args.torch_threads, level), config)
+                                              cache_dtypes, args.torch_threads, level, args.warmup), config)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens, max_n=args.max_n)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None

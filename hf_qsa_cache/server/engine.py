@@ -28,9 +28,11 @@ class EngineDead(RuntimeError):
 class Engine(InFlight):
     kind = "in-process"
 
-    def __init__(self, model, generation_config=None, continuous_batching_config=None, cache_dtypes=None):
+    def __init__(self, model, generation_config=None, continuous_batching_config=None, cache_dtypes=None,
+                 warmup: bool = True):
         InFlight.__init__(self)
         self.model = model
+        self.warmup = warmup  # `ContinuousBatchingManager.warmup` before the first request (on a GPU)
         self.generation_config = generation_config
         self.continuous_batching_config = continuous_batching_config
         self.cache_dtypes = cache_dtypes or {}  # kv_cache_dtype / index_cache_dtype (fp8 caches)
@@ -47,6 +49,8 @@ class Engine(InFlight):
         self.manager = self.model.init_continuous_batching(generation_config=self.generation_config,
                                                            continuous_batching_config=self.continuous_batching_config,
                                                            **self.cache_dtypes)
+        if self.warmup:
+            self.manager.warmup()
         self.manager.start()
 
     # ------------------------------------------------------------------ state

@@ -77,6 +77,7 @@ class EngineSettings:
     cache_dtypes: dict = field(default_factory=dict)  # kv_cache_dtype / index_cache_dtype (fp8 caches)
     torch_threads: int | None = None
     log_level: int = logging.WARNING
+    warmup: bool = True  # `ContinuousBatchingManager.warmup` before the engine says it is ready (on a GPU)
 
 
 # ----------------------------------------------------------------------------- the server's side
@@ -395,6 +396,8 @@ def run_engine(conn, settings: EngineSettings) -> None:
         manager = model.init_continuous_batching(generation_config=settings.generation_config,
                                                  continuous_batching_config=settings.continuous_batching_config,
                                                  **settings.cache_dtypes)
+        if settings.warmup:
+            manager.warmup()
         manager.start()
     except Exception as error:
         logger.error("the engine could not start: %s", error, exc_info=True)

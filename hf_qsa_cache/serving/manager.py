@@ -36,6 +36,7 @@ from .requests import Request, check_eos, check_max_new_tokens, check_media, che
 from .runner import ModelRunner
 from .sampling import Sampling, request_seed
 from .scheduler import Scheduler
+from .warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ class ContinuousBatchingManager:
                       "pad_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0, "retried_requests": 0,
                       "isolated_requests": 0, "grouped_steps": 0, "grouped_s": 0.0}
         self.warmed_up = False
+        self.workload_hints = workload_hints  # (the warm-up's longest prompt)
         self._warned_unbounded = False  # a request bounded only by its row's room was reported (once)
         self._graphs_before = getattr(model, "use_cuda_graphs", True)
 
@@ -145,8 +147,21 @@ class ContinuousBatchingManager:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def warmup(self) -> None:
-        """Decode graphs are captured at the first decode step of each batch size; nothing to do ahead."""
+    def warmup(self, run: bool | None = None) -> None:
+        """Pay before the first request what a workload's first steps would pay for (`hf_qsa_cache.serving.warmup`:
+        the prefill kernels compiled and tuned for a whole chunk, a CUDA graph of the decode step for every row-count
+        bucket at the shortest reach and at the reach of the longest announced prompt), by dummy requests through
+        the loop. Call it before `start()`; it leaves no row, no cached prefix (it drops those cached before) and
+        the stats as they were. ``run``: None warms up a model on a CUDA device only (on the CPU nothing is compiled
+        or recorded)."""
+        if self.is_running():
+            raise RuntimeError("warmup() runs before start(): the continuous batching loop is running")
+        if run is None:
+            run = self.model.device.type == "cuda"
+        if run:
+            hints = self.workload_hints
+            longest = hints.max_prompt_length if hints is not None and hints.max_prompt_length else None
+            warm_up(self, longest or self.scheduler.max_batch_tokens, vocab_size(self.model))
         self.warmed_up = True
 
     def start(self) -> None:

@@ -1,0 +1,72 @@
+"""What a serving loop's first requests would otherwise pay for, paid before the first request
+(`ContinuousBatchingManager.warmup`).
+
+On a GPU the first step of a new shape is slow: Triton compiles, and autotunes, the kernels of a prefill chunk the
+first time a process meets its length (about 20 s for an 8,192-token chunk of Qwen4Exp at 40 layers on an H100),
+and a decode step records a CUDA graph the first time it meets a row-count bucket at a reach bucket
+(`DecodeGraphs`: 0.15-0.6 s each at 40 layers). Met inside a served workload, those seconds land on the first
+requests' time to first token. The warm-up runs dummy requests through the loop instead:
+
+1. ``rows`` short requests that finish one after the other: a decode graph of every row-count bucket at the
+   shortest reach;
+2. one long request (the longest prompt the workload hints announce, else one prefill budget), and once it
+   decodes, ``rows - 1`` short ones beside it that again finish one after the other: the prefill kernels at the
+   whole budget, and the decode graphs of every row-count bucket at the long request's reach.
+
+Reaches between the two are still recorded when first met.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SHORT_PROMPT = 16  # the first short request's prompt; each next one is 8 tokens longer and decodes one more token
+
+
+def warm_up(manager, long_prompt: int, vocab_size: int) -> None:
+    """Run the dummy requests (the loop must not be running), then leave nothing of them: no row, no cached
+    prefix, the manager's stats as they were. A warm-up request that fails raises a `RuntimeError` naming it."""
+    cache, rows = manager.cache, manager.scheduler.max_rows
+    vocab = min(vocab_size, 32768)
+    gen = torch.Generator().manual_seed(0)
+
+    def prompt(n: int) -> list[int]:  # (token ids below 32,768: far from a multimodal model's placeholder ids)
+        return torch.randint(1, vocab, (n,), generator=gen).tolist()
+
+    def shorts(wave: int, count: int) -> list[str]:
+        return [manager.add_request(prompt(SHORT_PROMPT + 8 * i), request_id=f"warmup-{wave}-{i}",
+                                    max_new_tokens=2 + i, eos_token_id=-1) for i in range(count)]
+
+    def finish(ids: list[str]) -> None:
+        for request_id in ids:
+            while True:
+                result = manager.get_result(request_id, timeout=1)
+                if result is None and not manager.is_running():
+                    raise RuntimeError(f"the continuous batching loop ended during the warm-up ({request_id})")
+                if result is not None and result.error:
+                    raise RuntimeError(f"warm-up request {request_id} failed: {result.error}")
+                if result is not None and result.is_finished():
+                    break
+
+    stats = dict(manager.stats)
+    manager.start()
+    try:
+        finish(shorts(0, rows))
+        # The long request outlives the short ones beside it: they join once it decodes, and finish within
+        # `rows` decode steps of their prefill.
+        long_prompt = min(long_prompt, cache.longest_row() - 2 * rows - 4)
+        if long_prompt > SHORT_PROMPT + 8 * rows:
+            long_id = manager.add_request(prompt(long_prompt), request_id="warmup-long", streaming=True,
+                                          max_new_tokens=2 * rows + 4, eos_token_id=-1)
+            first = manager.get_result(long_id, timeout=None)
+            if first is None or first.error:
+                raise RuntimeError(f"warm-up request {long_id} failed: {first.error if first else 'no result'}")
+            ids = shorts(1, rows - 1)
+            finish(ids)
+            finish([long_id])
+    finally:
+        manager.stop(block=True)
+        if cache.prefix is not None:
+            cache.reset(prefixes=True)
+        manager.stats.clear()
+        manager.stats.update(stats)

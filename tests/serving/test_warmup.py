@@ -1,0 +1,121 @@
+"""`ContinuousBatchingManager.warmup` (`hf_qsa_cache.serving.warmup`): dummy requests that meet the shapes a workload
+meets first (the decode step of every row count beside the longest announced prompt), then nothing of them left:
+no row, no cached prefix, the stats as they were, and later requests' tokens transformers' alone (fp32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.qwen4 import collect_results, random_prompts
+from helpers.serving import FAMILIES, alone, family_pair, greedy, pools_full
+from transformers import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.utils import WorkloadHints
+
+ROWS, LONGEST = 3, 60  # (the warm-up's short prompts reach 16 + 8 * (ROWS - 1) tokens: the long one is longer)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return family_pair(request.param)
+
+
+def _manager(ours, prefix_caching=True):
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=120, max_batch_tokens=24, max_requests_per_batch=ROWS,
+                                      allow_block_sharing=prefix_caching)
+    hints = WorkloadHints(max_prompt_length=LONGEST, max_generated_length=6, num_requests=4)
+    return ours.init_continuous_batching(greedy(6), config, hints)
+
+
+def _decode_steps_seen(manager):
+    """The (rows, longest row's tokens) of each decode step the loop runs from now on."""
+    runner, seen = manager.runner, []
+    decode = runner.decode
+
+    def spied(drafts=None):
+        seen.append((len(runner.rows), max(r.held for r in runner.rows)))
+        return decode(drafts)
+
+    runner.decode = spied
+    return seen
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+def test_warmup_decodes_every_row_count_beside_the_longest_prompt_and_leaves_nothing(family, prefix_caching):
+    ref, ours = family
+    manager = _manager(ours, prefix_caching)
+    seen = _decode_steps_seen(manager)
+    stats = dict(manager.stats)
+    manager.warmup(run=True)
+    assert manager.warmed_up and not manager.is_running()
+    # Every row count decoded at the shortest reach, and again beside the long request (its prompt the hints'
+    # longest): the decode graphs of both reaches are recorded before the first request on a GPU.
+    assert {n for n, longest in seen if longest < LONGEST} == set(range(1, ROWS + 1))
+    assert {n for n, longest in seen if longest >= LONGEST} == set(range(1, ROWS + 1))
+    assert manager.stats == stats
+    assert pools_full(manager.cache)
+    if prefix_caching:
+        prefix = manager.cache.memory_stats()["prefix_cache"]
+        assert prefix["entries"] == prefix["lookup_tokens"] == prefix["blocks"] == 0
+    prompts = random_prompts([23, 9, 41], vocab=90, seed=5)
+    manager.start()
+    try:
+        ids = manager.add_requests(prompts)
+        results = collect_results(manager, len(prompts))
+    finally:
+        manager.stop()
+        manager.destroy()
+    for request_id, prompt in zip(ids, prompts):
+        assert results[request_id].generated_tokens == alone(ref, prompt, 6), request_id
+
+
+def test_warmup_runs_requests_on_a_cuda_model_only_unless_told(family):
+    _, ours = family
+    manager = _manager(ours)
+    seen = _decode_steps_seen(manager)
+    manager.warmup()  # (a CPU model: nothing is compiled or recorded, so nothing runs)
+    assert manager.warmed_up and seen == [] and manager.scheduler._admissions == 0
+    manager.destroy()
+
+
+def test_warmup_refuses_a_running_loop(family):
+    _, ours = family
+    manager = _manager(ours)
+    manager.start()
+    try:
+        with pytest.raises(RuntimeError, match="before start"):
+            manager.warmup(run=True)
+    finally:
+        manager.stop()
+        manager.destroy()
+
+
+def test_a_failed_warmup_request_raises_naming_it(family, monkeypatch):
+    _, ours = family
+    manager = _manager(ours)
+    monkeypatch.setattr(manager.runner, "prefill", lambda chunks: (_ for _ in ()).throw(RuntimeError("kernel fault")))
+    with pytest.raises(RuntimeError, match="warm-up request warmup-0-.* failed: .*kernel fault"):
+        manager.warmup(run=True)
+    assert not manager.is_running()
+    manager.destroy()
+
+
+@pytest.mark.parametrize("warmup", [True, False], ids=["warmup", "no-warmup"])
+def test_the_server_warms_its_engine_up_before_starting_it_unless_told(warmup):
+    from hf_qsa_cache.server.cli import parser
+    from hf_qsa_cache.server.engine import Engine
+
+    calls = []
+
+    class Manager:
+        def warmup(self):
+            calls.append("warmup")
+
+        def start(self):
+            calls.append("start")
+
+    class Model:
+        def init_continuous_batching(self, **kwargs):
+            return Manager()
+
+    flag = parser().parse_args(["checkpoint"] + ([] if warmup else ["--no-warmup"])).warmup
+    Engine(Model(), warmup=flag).start()
+    assert calls == (["warmup", "start"] if warmup else ["start"])
