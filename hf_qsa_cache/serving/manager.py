@@ -158,10 +158,11 @@ class ContinuousBatchingManager:
             raise RuntimeError("warmup() runs before start(): the continuous batching loop is running")
         if run is None:
             run = self.model.device.type == "cuda"
-        if run:
+        if run:  # (as many rows as the hinted workload has requests: a generate_batch of four prompts warms four)
             hints = self.workload_hints
-            longest = hints.max_prompt_length if hints is not None and hints.max_prompt_length else None
-            warm_up(self, longest or self.scheduler.max_batch_tokens, vocab_size(self.model))
+            longest = getattr(hints, "max_prompt_length", None) or self.scheduler.max_batch_tokens
+            rows = getattr(hints, "num_requests", None) or self.scheduler.max_rows
+            warm_up(self, rows, longest, vocab_size(self.model))
         self.warmed_up = True
 
     def start(self) -> None:

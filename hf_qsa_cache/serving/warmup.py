@@ -23,10 +23,12 @@ import torch
 SHORT_PROMPT = 16  # the first short request's prompt; each next one is 8 tokens longer and decodes one more token
 
 
-def warm_up(manager, long_prompt: int, vocab_size: int) -> None:
-    """Run the dummy requests (the loop must not be running), then leave nothing of them: no row, no cached
-    prefix, the manager's stats as they were. A warm-up request that fails raises a `RuntimeError` naming it."""
-    cache, rows = manager.cache, manager.scheduler.max_rows
+def warm_up(manager, rows: int, long_prompt: int, vocab_size: int) -> None:
+    """Run the dummy requests on ``rows`` rows at most (the loop must not be running), then leave nothing of them:
+    no row, no cached prefix, no unread result, the manager's stats as they were. A warm-up request that fails
+    raises a `RuntimeError` naming it."""
+    cache, rows = manager.cache, max(1, min(rows, manager.scheduler.max_rows))
+    copies = manager.num_return_sequences  # (each request's copies are requests too: their results are read)
     vocab = min(vocab_size, 32768)
     gen = torch.Generator().manual_seed(0)
 
@@ -38,7 +40,7 @@ def warm_up(manager, long_prompt: int, vocab_size: int) -> None:
                                     max_new_tokens=2 + i, eos_token_id=-1) for i in range(count)]
 
     def finish(ids: list[str]) -> None:
-        for request_id in ids:
+        for request_id in [f"{rid}__child#{k}" for rid in ids for k in range(copies - 1)] + ids:
             while True:
                 result = manager.get_result(request_id, timeout=1)
                 if result is None and not manager.is_running():
@@ -51,7 +53,7 @@ def warm_up(manager, long_prompt: int, vocab_size: int) -> None:
     stats = dict(manager.stats)
     manager.start()
     try:
-        finish(shorts(0, rows))
+        finish(shorts(0, -(-rows // copies)))
         # The long request outlives the short ones beside it: they join once it decodes, and finish within
         # `rows` decode steps of their prefill.
         long_prompt = min(long_prompt, cache.longest_row() - 2 * rows - 4)
@@ -61,7 +63,7 @@ def warm_up(manager, long_prompt: int, vocab_size: int) -> None:
             first = manager.get_result(long_id, timeout=None)
             if first is None or first.error:
                 raise RuntimeError(f"warm-up request {long_id} failed: {first.error if first else 'no result'}")
-            ids = shorts(1, rows - 1)
+            ids = shorts(1, -(-(rows - copies) // copies))
             finish(ids)
             finish([long_id])
     finally:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from helpers.qwen4 import collect_results, random_prompts
 from helpers.serving import FAMILIES, alone, family_pair, greedy, pools_full
-from transformers import ContinuousBatchingConfig
+from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 ROWS, LONGEST = 3, 60  # (the warm-up's short prompts reach 16 + 8 * (ROWS - 1) tokens: the long one is longer)
@@ -18,11 +18,13 @@ def family(request):
     return family_pair(request.param)
 
 
-def _manager(ours, prefix_caching=True):
+def _manager(ours, prefix_caching=True, requests=4, **generation):
     config = ContinuousBatchingConfig(page_size=4, num_blocks=120, max_batch_tokens=24, max_requests_per_batch=ROWS,
                                       allow_block_sharing=prefix_caching)
-    hints = WorkloadHints(max_prompt_length=LONGEST, max_generated_length=6, num_requests=4)
-    return ours.init_continuous_batching(greedy(6), config, hints)
+    hints = WorkloadHints(max_prompt_length=LONGEST, max_generated_length=6, num_requests=requests)
+    generation_config = GenerationConfig(max_new_tokens=6, eos_token_id=None, pad_token_id=0, **generation) \
+        if generation else greedy(6)
+    return ours.init_continuous_batching(generation_config, config, hints)
 
 
 def _decode_steps_seen(manager):
@@ -65,6 +67,18 @@ def test_warmup_decodes_every_row_count_beside_the_longest_prompt_and_leaves_not
         manager.destroy()
     for request_id, prompt in zip(ids, prompts):
         assert results[request_id].generated_tokens == alone(ref, prompt, 6), request_id
+
+
+def test_warmup_reads_every_copy_and_takes_no_more_rows_than_the_hinted_requests(family):
+    """With ``num_return_sequences`` each warm-up request has copies: every one's result is read (none is left for
+    the user's `get_result()`); a workload of two requests warms two rows, not every row the cache has."""
+    _, ours = family
+    manager = _manager(ours, requests=2, num_return_sequences=2, do_sample=True)
+    seen = _decode_steps_seen(manager)
+    manager.warmup(run=True)
+    assert not manager.delivery.waiting()
+    assert max(n for n, _ in seen) == 2 and max(longest for _, longest in seen) >= LONGEST
+    manager.destroy()
 
 
 def test_warmup_runs_requests_on_a_cuda_model_only_unless_told(family):
