@@ -129,6 +129,9 @@ def main(argv=None) -> int:
     from .loading import model_class
 
     app, served = build(args)
+    if args.warmup:
+        print("hf-qsa-serve: loading the model and warming the engine up (on a GPU the first start in a while compiles "
+              "kernels: a minute or more at the released depths; --no-warmup skips it)", file=sys.stderr, flush=True)
     try:
         served.engine.start()  # before listening: the model loads, or the command exits saying why
     except EngineDead as error:

@@ -162,7 +162,10 @@ class ContinuousBatchingManager:
             hints = self.workload_hints
             longest = getattr(hints, "max_prompt_length", None) or self.scheduler.max_batch_tokens
             rows = getattr(hints, "num_requests", None) or self.scheduler.max_rows
+            started = time.perf_counter()
             warm_up(self, rows, longest, vocab_size(self.model))
+            logger.info("warmed up in %.1f s (%d rows, a %d-token prompt)", time.perf_counter() - started, rows,
+                        longest)
         self.warmed_up = True
 
     def start(self) -> None:
