@@ -110,7 +110,7 @@ class ContinuousBatchingManager:
                                    prefill_first=config.scheduler_type == "prefill_first",
                                    unit=self.cache.prefix.unit if self.cache.prefix is not None else None,
                                    replays=self.runner.replays_prefill)
-        self.runner.sharing_head = self.scheduler.sharing_head  # (prefix caching)
+        self.runner.plan_prefix_stop = self.scheduler.plan_prefix_stop  # (prefix caching: the scheduler plans stops)
         if config.scheduler_type not in ("fifo", "prefill_first"):
             raise ValueError(f"scheduler_type must be 'fifo' or 'prefill_first', got {config.scheduler_type!r}")
         self.input_queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size or 0)

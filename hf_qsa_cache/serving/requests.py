@@ -180,6 +180,11 @@ class Request:
             self._filled = total
         return self._array[:total]
 
+    def first_tokens(self, n: int) -> list[int]:
+        """Its first ``n`` tokens (its prompt, then what it generated)."""
+        tokens = self.prompt[:n]
+        return tokens + self.generated[: n - len(tokens)]
+
     def next_tokens(self, n: int) -> list[int]:
         """The next ``n`` tokens its row has not held yet."""
         start, split = self.held, len(self.prompt)

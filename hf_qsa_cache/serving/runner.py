@@ -34,10 +34,9 @@ class ModelRunner:
         # Prefix caching: each decoding request's snapshot at the last unit boundary its row reached (the state a
         # finished request's prefix is cached with), kept while the request holds its row.
         self.tails: dict[Request, object] = {}
-        # Prefix caching: the requests in flight or waiting whose prompt's first unit hashes to a given
-        # `Request.prompt_head` (the manager sets it: `Scheduler.sharing_head`), whose prompts a request's prefill
-        # may share: it stops where the longest such shared part ends, to cache its state there.
-        self.sharing_head = lambda head: []
+        # Prefix caching: where a restored request's prefill stops to cache a prefix, given how far cached blocks
+        # match its tokens (the manager sets it: `Scheduler.plan_prefix_stop`, which knows the requests sharing them).
+        self.plan_prefix_stop = None
         # Whether a recorded step ran since the loop (re)started (`start_session`), checking the model then. No user
         # code runs between the loop's steps, so the eager steps after it need not make the next recorded step walk
         # every weight to see whether the model changed (`DecodeGraphs.steps_were_own`); before it user code may have.
@@ -94,46 +93,15 @@ class ModelRunner:
 
     def _restore(self, row: int, request: Request) -> None:
         """Start the request's empty row from the longest cached prefix of its tokens; where cached blocks reach
-        further than any snapshot, its prefill will stop there once to cache its state (`Request.prefix_stop`)."""
+        further than any snapshot, or another request shares more of its tokens, its prefill will stop there once
+        to cache its state (`Request.prefix_stop`, planned by `Scheduler.plan_prefix_stop`)."""
         cache = self.cache
         first = request.prefix_seen == -1  # (a row's first look is a lookup; later ones, hits beyond its earlier)
         request.prefix_seen = cache.prefix.version
-        request.held = cache.restore_prefix(row, _tokens(request, request.total), limit=request.total - 1,
+        request.held = cache.restore_prefix(row, request.first_tokens(request.total), limit=request.total - 1,
                                             counted=None if first else request.prefix_hit)
         request.prefix_hit = request.held if first else max(request.prefix_hit, request.held)
-        shared, peer = self._shared_with_peers(request)
-        stop = max(cache.prefix_matched, shared)
-        request.stop_prefix_at(stop if stop > request.held else 0)
-        # A peer in flight that has not fed the shared part yet, with no stop of its own ahead, stops there too: it
-        # caches its state at that point and this request restores it (the scheduler has the later of two rows with
-        # the same stop wait for the older) instead of computing the prefix again.
-        if (peer is not None and stop == shared > request.held and peer.held < shared
-                and peer.prefix_stop <= peer.held and any(r is peer for r in self.rows)):
-            peer.stop_prefix_at(shared)
-
-    def _shared_with_peers(self, request: Request) -> tuple[int, Request | None]:
-        """``(length, peer)``: the longest whole-unit prefix (before its last token) the request's tokens share with
-        another request's prompt in flight or waiting (computed once by the first of them, restored by the others),
-        and the first such request (None if none shares a unit)."""
-        unit = self.cache.prefix.unit
-        limit = (request.total - 1) // unit * unit
-        if limit < unit:
-            return 0, None
-        tokens = _tokens(request, limit)
-        head, best, peer = tokens[:unit], 0, None
-        key = request.prompt_head(unit)  # (its prompt's, made once; a prompt shorter than a unit: its tokens' head)
-        for other in self.sharing_head(hash(tuple(head)) if key is None else key):  # (not a pass over the queue)
-            theirs = other.prompt
-            if other is request or other.media is not None or len(theirs) < best + unit or theirs[:unit] != head:
-                continue
-            # Unit by unit from the first: a prompt's units are compared once each (a bisection over whole
-            # prefixes copied and compared ~2 log2(n) prefixes of up to n tokens: 3 ms a restore at 10,240).
-            end, stop = unit, min(limit, len(theirs) // unit * unit)
-            while end < stop and tokens[end: end + unit] == theirs[end: end + unit]:
-                end += unit
-            if end > best:
-                best, peer = end, other
-        return best, peer
+        self.plan_prefix_stop(request, cache.prefix_matched)
 
     def retry_restores(self) -> bool:
         """Rows that have fed nothing yet, or that are prefilling towards a prefix others cached as blocks, look
@@ -152,7 +120,7 @@ class ModelRunner:
                 again.append((row, request))
             elif request.in_prefill:
                 request.prefix_seen = version
-                restorable, matched = cache.prefix_lookup(_tokens(request, request.total), limit=request.total - 1)
+                restorable, matched = cache.prefix_lookup(request.first_tokens(request.total), limit=request.total - 1)
                 if restorable > request.held:
                     again.append((row, request))
                 elif matched > max(request.held, request.prefix_stop):
@@ -182,7 +150,7 @@ class ModelRunner:
                 continue  # (a prompt with media: its tokens do not say what its state holds)
             try:
                 if held == (request.total - 1) // unit * unit or held == request.prefix_stop:
-                    self.cache.cache_prefix(row, _tokens(request, held))
+                    self.cache.cache_prefix(row, request.first_tokens(held))
                 else:
                     self.tails[request] = self.cache.snapshot_row(row)
             except Exception as error:  # the step landed: a prefix that cannot be kept is only a later miss
@@ -194,7 +162,7 @@ class ModelRunner:
         if cache.prefix is None or request not in self.rows or request.media is not None:
             return
         row = self.rows.index(request)
-        tokens = _tokens(request, request.held)
+        tokens = request.first_tokens(request.held)
         if request.held % cache.prefix.unit == 0:
             cache.cache_prefix(row, tokens)
         elif tail is not None:
@@ -456,9 +424,3 @@ def splice_prompt_embeddings(embeds: torch.Tensor, attention_mask: torch.Tensor 
             embeds[b, cols] = row
         spans.append((cols, logical))
     return spans
-
-
-def _tokens(request: Request, n: int) -> list[int]:
-    """The first ``n`` tokens of the request (its prompt, then what it generated)."""
-    tokens = request.prompt[:n]
-    return tokens + request.generated[: n - len(tokens)]

@@ -62,6 +62,45 @@ class Scheduler:
         if head is not None:
             self._by_head.setdefault(head, []).append(request)
 
+    def plan_prefix_stop(self, request: Request, matched: int) -> None:
+        """Where ``request``'s prefill stops once to cache its state (`Request.stop_prefix_at`), now that its row
+        starts at ``request.held`` and cached blocks match ``matched`` of its tokens: the further of the blocks' end
+        and the longest whole-unit prefix it shares with another request in flight or waiting (computed once by the
+        first of them, restored by the others); nowhere if neither passes what its row holds.
+
+        A peer in flight that has not fed the shared part yet, with no stop of its own ahead, stops there too: it
+        caches its state at that point and ``request`` restores it (`_prefill_order` has the later of two rows with
+        the same stop wait for the older) instead of computing the prefix again."""
+        shared, peer = self.shared_with_peers(request)
+        stop = max(matched, shared)
+        request.stop_prefix_at(stop if stop > request.held else 0)
+        if (peer is not None and stop == shared > request.held and peer.held < shared
+                and peer.prefix_stop <= peer.held and any(r is peer for r in self.rows)):
+            peer.stop_prefix_at(shared)
+
+    def shared_with_peers(self, request: Request) -> tuple[int, Request | None]:
+        """``(length, peer)``: the longest whole-unit prefix (before its last token) the request's tokens share with
+        another request's prompt in flight or waiting, and the first such request (None if none shares a unit)."""
+        unit = self.unit
+        limit = (request.total - 1) // unit * unit
+        if limit < unit:
+            return 0, None
+        tokens = request.first_tokens(limit)
+        head, best, peer = tokens[:unit], 0, None
+        key = request.prompt_head(unit)  # (its prompt's, made once; a prompt shorter than a unit: its tokens' head)
+        for other in self.sharing_head(hash(tuple(head)) if key is None else key):  # (not a pass over the queue)
+            theirs = other.prompt
+            if other is request or other.media is not None or len(theirs) < best + unit or theirs[:unit] != head:
+                continue
+            # Unit by unit from the first: a prompt's units are compared once each (a bisection over whole
+            # prefixes copied and compared ~2 log2(n) prefixes of up to n tokens: 3 ms a restore at 10,240).
+            end, stop = unit, min(limit, len(theirs) // unit * unit)
+            while end < stop and tokens[end: end + unit] == theirs[end: end + unit]:
+                end += unit
+            if end > best:
+                best, peer = end, other
+        return best, peer
+
     def sharing_head(self, head: int) -> list[Request]:
         """The requests in flight or waiting whose prompt's first unit hashes to ``head`` (`Request.prompt_head`;
         a hash: the caller compares the tokens)."""

@@ -215,14 +215,12 @@ def test_a_row_restored_again_from_a_longer_prefix_counts_its_hits_once(family):
 
 @pytest.mark.parametrize("unit", [1, 4, 8])
 def test_the_prefix_shared_with_peers_is_the_longest_whole_unit_one(unit):
-    """`ModelRunner._shared_with_peers` against its definition, on random prompts that share prefixes of every
+    """`Scheduler.shared_with_peers` against its definition, on random prompts that share prefixes of every
     length with their peers: the longest whole-unit prefix, short of the request's last token, that its tokens
     share with another request's prompt (a prompt with media, or the request itself, does not count)."""
     import random
-    from types import SimpleNamespace
 
     from hf_qsa_cache.serving.requests import Request
-    from hf_qsa_cache.serving.runner import ModelRunner
     from hf_qsa_cache.serving.scheduler import Scheduler
 
     def request(prompt, generated=(), media=None):
@@ -252,9 +250,7 @@ def test_the_prefix_shared_with_peers_is_the_longest_whole_unit_one(unit):
         scheduler = Scheduler(max_rows=8, max_batch_tokens=64, prefill_first=True, unit=unit)
         for peer in peers:  # (the peers are found through the scheduler's index, as the manager wires it)
             scheduler.submit(peer)
-        runner = SimpleNamespace(cache=SimpleNamespace(prefix=SimpleNamespace(unit=unit)),
-                                 sharing_head=scheduler.sharing_head)
-        shared, peer = ModelRunner._shared_with_peers(runner, mine)
+        shared, peer = scheduler.shared_with_peers(mine)
         assert shared == definition(mine, peers), (mine, peers)
         assert (peer is None) == (shared == 0) and (peer is None or definition(mine, [peer]) == shared)
 
@@ -390,3 +386,25 @@ def test_a_request_sharing_a_prefix_with_one_mid_prefill_restores_it_from_there(
     results = serve_queued(manager, 2)
     check(ref, prompts, [results[first], results["second"]])
     assert ("second", len(system)) in restored  # it restored the shared 24 tokens the first one cached
+
+
+def test_a_peer_gets_the_shared_stop_only_in_flight_and_without_a_stop_of_its_own_ahead():
+    """`Scheduler.plan_prefix_stop`: a request sharing 8 tokens (2 units) with an older one stops there; the older
+    one, in flight and short of them, stops there too (it computes the prefix, the newer restores it), unless it
+    already stops further on, or waits without a row (its own restore plans its stop when it is placed)."""
+    from hf_qsa_cache.serving.requests import Request
+    from hf_qsa_cache.serving.scheduler import Scheduler
+
+    shared = [5, 6, 7, 8, 9, 10, 11, 12]
+    for peer_stop, admitted, expected in [(0, True, 8), (16, True, 16), (0, False, 0)]:
+        scheduler = Scheduler(max_rows=4, max_batch_tokens=64, prefill_first=True, unit=4)
+        older = Request("older", shared + [1] * 12, 4, frozenset())
+        newer = Request("newer", shared + [2] * 6, 4, frozenset())
+        scheduler.submit(older)
+        if admitted:
+            scheduler.admit()
+        older.stop_prefix_at(peer_stop)
+        scheduler.submit(newer)
+        scheduler.plan_prefix_stop(newer, matched=0)
+        assert newer.prefix_stop == 8
+        assert older.prefix_stop == expected, (peer_stop, admitted)
