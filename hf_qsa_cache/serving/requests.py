@@ -96,7 +96,7 @@ def check_eos(eos_token_id) -> frozenset[int]:
     return frozenset(int(e) for e in eos if e is not None and e >= 0)
 
 
-@dataclass(eq=False)  # a request is itself: compared and hashed by identity, never field by field
+@dataclass(eq=False, slots=True)  # a request is itself: compared and hashed by identity, never field by field
 class Request:
     request_id: str
     prompt: list[int]
