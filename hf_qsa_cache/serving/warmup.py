@@ -35,9 +35,12 @@ def warm_up(manager, rows: int, long_prompt: int, vocab_size: int) -> None:
     def prompt(n: int) -> list[int]:  # (token ids below 32,768: far from a multimodal model's placeholder ids)
         return torch.randint(1, vocab, (n,), generator=gen).tolist()
 
+    longest = cache.longest_row()  # (what one row can hold: no warm-up request may need more, or it fails)
+
     def shorts(wave: int, count: int) -> list[str]:
-        return [manager.add_request(prompt(SHORT_PROMPT + 8 * i), request_id=f"warmup-{wave}-{i}",
-                                    max_new_tokens=2 + i, eos_token_id=-1) for i in range(count)]
+        return [manager.add_request(prompt(max(1, min(SHORT_PROMPT + 8 * i, longest - 3 - i))),
+                                    request_id=f"warmup-{wave}-{i}", max_new_tokens=2 + i, eos_token_id=-1)
+                for i in range(count)]
 
     def finish(ids: list[str]) -> None:
         for request_id in [f"{rid}__child#{k}" for rid in ids for k in range(copies - 1)] + ids:
@@ -50,13 +53,15 @@ def warm_up(manager, rows: int, long_prompt: int, vocab_size: int) -> None:
                 if result is not None and result.is_finished():
                     break
 
+    if longest < rows + 4:  # (a pool this small serves short requests only: nothing long to warm up for)
+        rows = max(1, longest - 4)
     stats = dict(manager.stats)
     manager.start()
     try:
         finish(shorts(0, -(-rows // copies)))
         # The long request outlives the short ones beside it: they join once it decodes, and finish within
         # `rows` decode steps of their prefill.
-        long_prompt = min(long_prompt, cache.longest_row() - 2 * rows - 4)
+        long_prompt = min(long_prompt, longest - 2 * rows - 4)
         if long_prompt > SHORT_PROMPT + 8 * rows:
             long_id = manager.add_request(prompt(long_prompt), request_id="warmup-long", streaming=True,
                                           max_new_tokens=2 * rows + 4, eos_token_id=-1)

@@ -133,3 +133,22 @@ def test_the_server_warms_its_engine_up_before_starting_it_unless_told(warmup):
     flag = parser().parse_args(["checkpoint"] + ([] if warmup else ["--no-warmup"])).warmup
     Engine(Model(), warmup=flag).start()
     assert calls == (["warmup", "start"] if warmup else ["start"])
+
+
+def test_warmup_fits_its_requests_to_a_small_pool(family):
+    """A pool whose row holds 24 tokens: the warm-up's requests are cut to fit it (one that did not fit alone would
+    fail the warm-up, and with it a server's start), and the manager then serves as usual."""
+    ref, ours = family
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=7, max_batch_tokens=24, max_requests_per_batch=ROWS)
+    manager = ours.init_continuous_batching(greedy(4), config)
+    assert manager.cache.longest_row() == 24
+    manager.warmup(run=True)
+    prompt = random_prompts([15], vocab=90, seed=7)[0]
+    manager.start()
+    try:
+        request_id = manager.add_request(prompt)
+        result = collect_results(manager, 1)[request_id]
+    finally:
+        manager.stop()
+        manager.destroy()
+    assert result.generated_tokens == alone(ref, prompt, 4)
