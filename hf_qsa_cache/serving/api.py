@@ -54,9 +54,11 @@ class ContinuousBatchingMixin:
     @torch.no_grad()
     def generate_batch(self, inputs: list[list[int]], generation_config=None, continuous_batching_config=None,
                        record_timestamps: bool = False, progress_bar: bool = False, persistent_manager: bool = False,
-                       warmup: bool = True, **kwargs) -> dict[str, GenerationOutput]:
+                       warmup: bool = False, **kwargs) -> dict[str, GenerationOutput]:
         """Every prompt through continuous batching; results keyed ``req_0, req_1, ...`` in input order (the
-        extra return sequences ``req_i__child#j`` right before their parent, as transformers orders them)."""
+        extra return sequences ``req_i__child#j`` right before their parent, as transformers orders them).
+        ``warmup`` is off by default here (on in transformers): the warm-up pays ahead, with dummy requests, what the
+        batch would pay anyway (`ContinuousBatchingManager.warmup`); it helps a server's first requests, not a batch."""
         if not inputs:
             return {}
         from transformers.generation.continuous_batching.utils import WorkloadHints

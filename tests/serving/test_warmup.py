@@ -152,3 +152,20 @@ def test_warmup_fits_its_requests_to_a_small_pool(family):
         manager.stop()
         manager.destroy()
     assert result.generated_tokens == alone(ref, prompt, 4)
+
+
+@pytest.mark.parametrize("asked", [None, True], ids=["default", "warmup-true"])
+def test_generate_batch_warms_up_only_when_asked(family, monkeypatch, asked):
+    """A batch would pay once what a warm-up pays ahead, so `generate_batch` warms up only when asked (transformers'
+    default is on); `continuous_batching_context_manager` warms up by default, as transformers' does."""
+    from hf_qsa_cache.serving.manager import ContinuousBatchingManager
+
+    _, ours = family
+    calls = []
+    monkeypatch.setattr(ContinuousBatchingManager, "warmup", lambda self, run=None: calls.append(run))
+    kwargs = {} if asked is None else {"warmup": asked}
+    ours.generate_batch(random_prompts([5], vocab=90, seed=2), greedy(2), **kwargs)
+    assert len(calls) == (1 if asked else 0)
+    with ours.continuous_batching_context_manager(greedy(2)):
+        pass
+    assert len(calls) == (2 if asked else 1)
