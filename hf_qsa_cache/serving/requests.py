@@ -134,6 +134,12 @@ class Request:
     _array: object = None  # `token_array`'s buffer (prompt, then generated tokens as they come), and its fill
     _filled: int = 0
     _head: tuple = (0, None)  # `prompt_head`'s (unit, hash), made once
+    # The most tokens its row ever holds (the last token it generates is never fed): its prompt and limit never change,
+    # and the loop's room checks read it for every row every step.
+    most_held: int = field(init=False)
+
+    def __post_init__(self):
+        self.most_held = len(self.prompt) + self.max_new_tokens - 1
 
     @property
     def total(self) -> int:
@@ -147,10 +153,6 @@ class Request:
             self._head = (unit, hash(tuple(self.prompt[:unit])) if len(self.prompt) >= unit else None)
         return self._head[1]
 
-    @property
-    def most_held(self) -> int:
-        """The most tokens its row ever holds: the last token it generates is never fed."""
-        return len(self.prompt) + self.max_new_tokens - 1
 
     @property
     def pending(self) -> int:
