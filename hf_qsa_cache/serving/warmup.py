@@ -37,13 +37,22 @@ def warm_up(manager, rows: int, long_prompt: int, vocab_size: int) -> None:
 
     longest = cache.longest_row()  # (what one row can hold: no warm-up request may need more, or it fails)
 
+    submitted: list[str] = []  # every warm-up request's id, its copies' too
+
+    def with_copies(request_id: str) -> list[str]:
+        return [f"{request_id}__child#{k}" for k in range(copies - 1)] + [request_id]
+
+    def submit(prompt_ids: list[int], request_id: str, **kwargs) -> str:
+        manager.add_request(prompt_ids, request_id=request_id, eos_token_id=-1, **kwargs)
+        submitted.extend(with_copies(request_id))
+        return request_id
+
     def shorts(wave: int, count: int) -> list[str]:
-        return [manager.add_request(prompt(max(1, min(SHORT_PROMPT + 8 * i, longest - 3 - i))),
-                                    request_id=f"warmup-{wave}-{i}", max_new_tokens=2 + i, eos_token_id=-1)
-                for i in range(count)]
+        return [submit(prompt(max(1, min(SHORT_PROMPT + 8 * i, longest - 3 - i))), f"warmup-{wave}-{i}",
+                       max_new_tokens=2 + i) for i in range(count)]
 
     def finish(ids: list[str]) -> None:
-        for request_id in [f"{rid}__child#{k}" for rid in ids for k in range(copies - 1)] + ids:
+        for request_id in [each for rid in ids for each in with_copies(rid)]:
             while True:
                 result = manager.get_result(request_id, timeout=1)
                 if result is None and not manager.is_running():
@@ -63,8 +72,7 @@ def warm_up(manager, rows: int, long_prompt: int, vocab_size: int) -> None:
         # `rows` decode steps of their prefill.
         long_prompt = min(long_prompt, longest - 2 * rows - 4)
         if long_prompt > SHORT_PROMPT + 8 * rows:
-            long_id = manager.add_request(prompt(long_prompt), request_id="warmup-long", streaming=True,
-                                          max_new_tokens=2 * rows + 4, eos_token_id=-1)
+            long_id = submit(prompt(long_prompt), "warmup-long", streaming=True, max_new_tokens=2 * rows + 4)
             first = manager.get_result(long_id, timeout=None)
             if first is None or first.error:
                 raise RuntimeError(f"warm-up request {long_id} failed: {first.error if first else 'no result'}")
@@ -73,6 +81,9 @@ def warm_up(manager, rows: int, long_prompt: int, vocab_size: int) -> None:
             finish([long_id])
     finally:
         manager.stop(block=True)
+        for request_id in submitted:  # (after a failed one, the others' results are left unread: none may reach
+            while manager.get_result(request_id, timeout=0) is not None:  # the user's get_result())
+                pass
         if cache.prefix is not None:
             cache.reset(prefixes=True)
         manager.stats.clear()
