@@ -153,7 +153,6 @@ class Request:
             self._head = (unit, hash(tuple(self.prompt[:unit])) if len(self.prompt) >= unit else None)
         return self._head[1]
 
-
     @property
     def pending(self) -> int:
         return len(self.prompt) + len(self.generated) - self.held  # (`total` - held: asked per row per step)
