@@ -84,7 +84,7 @@ def build_manager(model, args, sharing: bool, max_prompt: int):
     gen_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=args.answer_tokens)
     hints = WorkloadHints(max_prompt_length=max_prompt, max_generated_length=args.answer_tokens, num_requests=args.rows)
     manager = model.init_continuous_batching(gen_config, config, hints)
-    # The kernels of a whole prefill chunk, and decode graphs at every row count beside a prompt of the workload's
+    # The kernels of a whole prefill chunk, and decode graphs at every row count beside a row of the workload's
     # longest, before the clock starts (met inside the run they took the first requests' TTFT: 20 s for the first
     # 8,192-token chunk at 40 layers on an H100, then 5 s of graph recordings).
     started = time.perf_counter()

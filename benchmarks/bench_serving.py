@@ -313,7 +313,7 @@ def main():
 
     def warm_manager(grouped: bool):
         # The manager's own warm-up (`ContinuousBatchingManager.warmup`): the kernels of a whole prefill chunk, and
-        # a CUDA graph of the decode step at every row count, at the shortest reach and beside the longest prompt.
+        # a CUDA graph of the decode step at every row count, at the shortest reach and beside the longest row.
         started = time.perf_counter()
         manager = serving_manager(ours, prompts, outputs, args, grouped)
         manager.warmup()

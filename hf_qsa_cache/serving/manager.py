@@ -135,7 +135,7 @@ class ContinuousBatchingManager:
                       "pad_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0, "retried_requests": 0,
                       "isolated_requests": 0, "grouped_steps": 0, "grouped_s": 0.0}
         self.warmed_up = False
-        self.workload_hints = workload_hints  # (the warm-up's longest prompt)
+        self.workload_hints = workload_hints  # (the warm-up's longest row and its rows)
         self._warned_unbounded = False  # a request bounded only by its row's room was reported (once)
         self._graphs_before = getattr(model, "use_cuda_graphs", True)
 
@@ -150,7 +150,7 @@ class ContinuousBatchingManager:
     def warmup(self, run: bool | None = None) -> None:
         """Pay before the first request what a workload's first steps would pay for (`hf_qsa_cache.serving.warmup`:
         the prefill kernels compiled and tuned for a whole chunk, a CUDA graph of the decode step for every row-count
-        bucket at the shortest reach and at the reach of the longest announced prompt), by dummy requests through
+        bucket at the shortest reach and at the reach of the longest announced row), by dummy requests through
         the loop. Call it before `start()`; it leaves no row, no cached prefix (it drops those cached before) and
         the stats as they were. ``run``: None warms up a model on a CUDA device only (on the CPU nothing is compiled
         or recorded)."""
@@ -160,11 +160,14 @@ class ContinuousBatchingManager:
             run = self.model.device.type == "cuda"
         if run:  # (as many rows as the hinted workload has requests: a generate_batch of four prompts warms four)
             hints = self.workload_hints
-            longest = getattr(hints, "max_prompt_length", None) or self.scheduler.max_batch_tokens
+            # The most a row of the workload holds: where its long requests decode (the reach most decode steps of
+            # many rows take, the longest row setting it).
+            longest = (getattr(hints, "max_prompt_length", None) or self.scheduler.max_batch_tokens) \
+                + (getattr(hints, "max_generated_length", None) or 0)
             rows = getattr(hints, "num_requests", None) or self.scheduler.max_rows
             started = time.perf_counter()
             warm_up(self, rows, longest, vocab_size(self.model))
-            logger.info("warmed up in %.1f s (%d rows, a %d-token prompt)", time.perf_counter() - started, rows,
+            logger.info("warmed up in %.1f s (%d rows, rows of up to %d tokens)", time.perf_counter() - started, rows,
                         longest)
         self.warmed_up = True
 

@@ -9,9 +9,10 @@ requests' time to first token. The warm-up runs dummy requests through the loop 
 
 1. ``rows`` short requests that finish one after the other: a decode graph of every row-count bucket at the
    shortest reach;
-2. one long request (the longest prompt the workload hints announce, else one prefill budget), and once it
-   decodes, short ones on the other rows that again finish one after the other: the prefill kernels at the
-   whole budget, and the decode graphs of every row-count bucket at the long request's reach.
+2. one long request (a prompt of the most tokens a row of the workload holds, its longest prompt and answer as
+   the hints announce them, else one prefill budget), and once it decodes, short ones on the other rows that again
+   finish one after the other: the prefill kernels at the whole budget, and the decode graphs of every row-count
+   bucket at the reach where a workload's steps of many rows mostly decode (their longest row sets it).
 
 Reaches between the two are still recorded when first met.
 """

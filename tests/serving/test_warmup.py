@@ -169,3 +169,35 @@ def test_generate_batch_warms_up_only_when_asked(family, monkeypatch, asked):
     with ours.continuous_batching_context_manager(greedy(2)):
         pass
     assert len(calls) == (2 if asked else 1)
+
+
+def test_on_the_graph_path_the_hinted_workload_meets_no_decode_shape_the_warmup_did_not(family, monkeypatch):
+    """Steps routed as a GPU routes them (decode steps on the recorded step's path, by rows bucket and reach bucket),
+    reaches forced small (buckets from 64 tokens, so the hinted rows of up to 66 tokens span two, as an 8,192-token
+    prompt and its answer pass 8,192 at the real 4,096): every decode step shape a workload of the hinted size
+    meets, its rows finishing one after the other past the first bucket, was met by the warm-up first (on a GPU:
+    its graph was recorded before the first request)."""
+    from helpers.serving import steps_routed_as_on_a_gpu
+
+    from hf_qsa_cache import cuda_graphs
+
+    ref, ours = family
+    monkeypatch.setattr(cuda_graphs, "MIN_GRAPH_REACH", 64)
+    with steps_routed_as_on_a_gpu():
+        manager = _manager(ours)
+        manager.warmup(run=True)
+        runner = manager.cache.graph_runners[ours]
+        warmed = {key for key in runner.buckets if key[1] == 1}
+        prompts = random_prompts([LONGEST, LONGEST - 1, LONGEST - 2], vocab=90, seed=9)
+        manager.start()
+        try:
+            ids = [manager.add_request(p, max_new_tokens=6 - i) for i, p in enumerate(prompts)]
+            results = collect_results(manager, len(prompts))
+        finally:
+            manager.stop()
+        met = {key for key in runner.buckets if key[1] == 1}
+        manager.destroy()
+    assert met == warmed, f"decode shapes met after the warm-up: {sorted(met - warmed)}"
+    assert {key[2] for key in warmed} >= {64, 128}  # (the workload's rows reach both)
+    for request_id, prompt, i in zip(ids, prompts, range(3)):
+        assert results[request_id].generated_tokens == alone(ref, prompt, 6 - i), request_id
