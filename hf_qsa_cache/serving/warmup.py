@@ -7,12 +7,13 @@ and a decode step records a CUDA graph the first time it meets a row-count bucke
 (`DecodeGraphs`: 0.15-0.6 s each at 40 layers). Met inside a served workload, those seconds land on the first
 requests' time to first token. The warm-up runs dummy requests through the loop instead:
 
-1. ``rows`` short requests that finish one after the other: a decode graph of every row-count bucket at the
-   shortest reach;
+1. ``rows`` short requests, all decoding, then finishing one a step: a decode graph of every row-count bucket at
+   the shortest reach;
 2. one long request (a prompt of the most tokens a row of the workload holds, its longest prompt and answer as
-   the hints announce them, else one prefill budget), and once it decodes, short ones on the other rows that again
-   finish one after the other: the prefill kernels at the whole budget, and the decode graphs of every row-count
-   bucket at the reach where a workload's steps of many rows mostly decode (their longest row sets it).
+   the hints announce them, else one prefill budget), and once it decodes, short ones on the other rows that
+   again all decode, then finish one a step: the prefill kernels at the whole budget, and the decode graphs of
+   every row-count bucket at the reach where a workload's steps of many rows mostly decode (their longest row
+   sets it).
 
 Reaches between the two are still recorded when first met.
 """
@@ -49,8 +50,11 @@ def warm_up(manager, rows: int, long_prompt: int, vocab_size: int) -> None:
         return request_id
 
     def shorts(wave: int, count: int) -> list[str]:
-        return [submit(prompt(max(1, min(SHORT_PROMPT + 8 * i, longest - 3 - i))), f"warmup-{wave}-{i}",
-                       max_new_tokens=2 + i) for i in range(count)]
+        """``count`` short requests. Each decodes ``count`` tokens more than the one before it needs to finish
+        after it: all of them are decoding before the first finishes (however many iterations the loop takes to
+        admit and prefill them), then they finish one a step."""
+        return [submit(prompt(max(1, min(SHORT_PROMPT + 8 * i, longest - count - 3 - i))), f"warmup-{wave}-{i}",
+                       max_new_tokens=count + 2 + i) for i in range(count)]
 
     def finish(ids: list[str]) -> None:
         for request_id in [each for rid in ids for each in with_copies(rid)]:
@@ -63,17 +67,18 @@ def warm_up(manager, rows: int, long_prompt: int, vocab_size: int) -> None:
                 if result is not None and result.is_finished():
                     break
 
-    if longest < rows + 4:  # (a pool this small serves short requests only: nothing long to warm up for)
-        rows = max(1, longest - 4)
+    rows = max(1, min(rows, (longest - 2) // 2))  # (a short request decodes up to twice the rows' count)
     stats = dict(manager.stats)
+    first_wave = shorts(0, -(-rows // copies))  # (queued before the loop starts: its first iteration admits them)
     manager.start()
     try:
-        finish(shorts(0, -(-rows // copies)))
-        # The long request outlives the short ones beside it: they join once it decodes, and finish within
-        # `rows` decode steps of their prefill.
-        long_prompt = min(long_prompt, longest - 2 * rows - 4)
+        finish(first_wave)
+        # The long request outlives the short ones beside it: they join once it decodes, and finish within about
+        # twice the rows' count of decode steps.
+        long_new = 3 * rows + 8
+        long_prompt = min(long_prompt, longest - long_new)
         if long_prompt > SHORT_PROMPT + 8 * rows:
-            long_id = submit(prompt(long_prompt), "warmup-long", streaming=True, max_new_tokens=2 * rows + 4)
+            long_id = submit(prompt(long_prompt), "warmup-long", streaming=True, max_new_tokens=long_new)
             first = manager.get_result(long_id, timeout=None)
             if first is None or first.error:
                 raise RuntimeError(f"warm-up request {long_id} failed: {first.error if first else 'no result'}")
