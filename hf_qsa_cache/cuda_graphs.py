@@ -98,6 +98,12 @@ class _Bucket:
     padded: bool = False  # recorded for rows that take fewer tokens than the step (left-padded verify steps)
 
 
+def reach_bucket(longest: int, max_cache_len: int) -> int:
+    """The reach a step whose longest row holds ``longest`` tokens after it is sized for: a power of two from
+    ``MIN_GRAPH_REACH`` on, capped by the cache's capacity."""
+    return min(max(MIN_GRAPH_REACH, 1 << max(0, longest - 1).bit_length()), max_cache_len)
+
+
 class DecodeGraphs:
     """The captured decode steps of one model on one cache, by batch-size bucket.
 
@@ -147,9 +153,7 @@ class DecodeGraphs:
         return min(1 << max(0, rows - 1).bit_length(), self.cache.max_batch_size)
 
     def reach_bucket(self, longest: int) -> int:
-        """The reach a step whose longest row holds ``longest`` tokens after it is sized for: a power of two
-        from ``MIN_GRAPH_REACH`` on, capped by the cache's capacity."""
-        return min(max(MIN_GRAPH_REACH, 1 << max(0, longest - 1).bit_length()), self.cache.max_cache_len)
+        return reach_bucket(longest, self.cache.max_cache_len)
 
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
              attention_mask: torch.Tensor | None) -> torch.Tensor:

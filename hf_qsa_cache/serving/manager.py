@@ -150,7 +150,7 @@ class ContinuousBatchingManager:
     def warmup(self, run: bool | None = None) -> None:
         """Pay before the first request what a workload's first steps would pay for (`hf_qsa_cache.serving.warmup`:
         the prefill kernels compiled and tuned for a whole chunk, a CUDA graph of the decode step for every row-count
-        bucket at the shortest reach and at the reach of the longest announced row), by dummy requests through
+        bucket at every reach up to that of the longest announced row), by dummy requests through
         the loop. Call it before `start()`; it leaves no row, no cached prefix (it drops those cached before) and
         the stats as they were. ``run``: None warms up a model on a CUDA device only (on the CPU nothing is compiled
         or recorded)."""

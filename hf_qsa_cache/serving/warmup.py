@@ -13,22 +13,27 @@ requests' time to first token. The warm-up runs dummy requests through the loop 
    the hints announce them, else one prefill budget), and once it decodes, short ones on the other rows that
    again all decode, then finish one a step: the prefill kernels at the whole budget, and the decode graphs of
    every row-count bucket at the reach where a workload's steps of many rows mostly decode (their longest row
-   sets it).
+   sets it);
+3. the same for each reach bucket between the two, a long request decoding inside it.
 
-Reaches between the two are still recorded when first met.
+Short prefill steps (a few rows' last prompt tokens) are still recorded when a workload first meets their shape:
+on the CPU proxy of the serving benchmark's workload, none of its decode shapes and 14 prefill shapes
+(`benchmarks/HISTORY.md`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..cuda_graphs import reach_bucket
+
 SHORT_PROMPT = 16  # the first short request's prompt; each next one is 8 tokens longer and decodes one more token
 
 
-def warm_up(manager, rows: int, long_prompt: int, vocab_size: int) -> None:
-    """Run the dummy requests on ``rows`` rows at most (the loop must not be running), then leave nothing of them:
-    no row, no cached prefix, no unread result, the manager's stats as they were. A warm-up request that fails
-    raises a `RuntimeError` naming it."""
+def warm_up(manager, rows: int, reach: int, vocab_size: int) -> None:
+    """Run the dummy requests on ``rows`` rows at most, for rows of up to ``reach`` tokens (the loop must not be
+    running), then leave nothing of them: no row, no cached prefix, no unread result, the manager's stats as they
+    were. A warm-up request that fails raises a `RuntimeError` naming it."""
     cache, rows = manager.cache, max(1, min(rows, manager.scheduler.max_rows))
     copies = manager.num_return_sequences  # (each request's copies are requests too: their results are read)
     vocab = min(vocab_size, 32768)
@@ -67,24 +72,35 @@ def warm_up(manager, rows: int, long_prompt: int, vocab_size: int) -> None:
                 if result is not None and result.is_finished():
                     break
 
+    def beside_long(wave: int, prompt_tokens: int) -> None:
+        """A long request, and once it decodes, short ones on the other rows; it outlives them (they finish within
+        about twice the rows' count of decode steps)."""
+        long_id = submit(prompt(prompt_tokens), f"warmup-long-{wave}", streaming=True, max_new_tokens=long_new)
+        first = manager.get_result(long_id, timeout=None)
+        if first is None or first.error:
+            raise RuntimeError(f"warm-up request {long_id} failed: {first.error if first else 'no result'}")
+        finish(shorts(wave, -(-(rows - copies) // copies)))
+        finish([long_id])
+
     rows = max(1, min(rows, (longest - 2) // 2))  # (a short request decodes up to twice the rows' count)
+    long_new = 3 * rows + 8
+    # The long requests' prompts: the workload's longest row, and below its reach bucket one for each bucket the
+    # short requests do not reach, each decoding inside its bucket (a decode step's reach is its longest row's).
+    top = min(reach, longest - long_new)
+    short_reach = reach_bucket(SHORT_PROMPT + 8 * rows + 2 * rows + 2, cache.max_cache_len)
+    top_reach = reach_bucket(top + long_new, cache.max_cache_len)
+    prompts = [top] if top > SHORT_PROMPT + 8 * rows else []  # (also the prefill kernels at the whole budget)
+    bucket = short_reach
+    while (bucket := reach_bucket(2 * bucket, cache.max_cache_len)) < top_reach:
+        if bucket - long_new > bucket // 2:
+            prompts.insert(-1, bucket - long_new)
     stats = dict(manager.stats)
     first_wave = shorts(0, -(-rows // copies))  # (queued before the loop starts: its first iteration admits them)
     manager.start()
     try:
         finish(first_wave)
-        # The long request outlives the short ones beside it: they join once it decodes, and finish within about
-        # twice the rows' count of decode steps.
-        long_new = 3 * rows + 8
-        long_prompt = min(long_prompt, longest - long_new)
-        if long_prompt > SHORT_PROMPT + 8 * rows:
-            long_id = submit(prompt(long_prompt), "warmup-long", streaming=True, max_new_tokens=long_new)
-            first = manager.get_result(long_id, timeout=None)
-            if first is None or first.error:
-                raise RuntimeError(f"warm-up request {long_id} failed: {first.error if first else 'no result'}")
-            ids = shorts(1, -(-(rows - copies) // copies))
-            finish(ids)
-            finish([long_id])
+        for wave, prompt_tokens in enumerate(prompts, start=1):
+            beside_long(wave, prompt_tokens)
     finally:
         manager.stop(block=True)
         for request_id in submitted:  # (after a failed one, the others' results are left unread: none may reach

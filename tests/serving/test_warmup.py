@@ -18,11 +18,11 @@ def family(request):
     return family_pair(request.param)
 
 
-def _manager(ours, prefix_caching=True, requests=4, **generation):
+def _manager(ours, prefix_caching=True, requests=4, longest=LONGEST, **generation):
     # (a prefill budget that takes the warm-up's short prompts in one step: they then decode together)
-    config = ContinuousBatchingConfig(page_size=4, num_blocks=120, max_batch_tokens=96, max_requests_per_batch=ROWS,
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=400, max_batch_tokens=96, max_requests_per_batch=ROWS,
                                       allow_block_sharing=prefix_caching)
-    hints = WorkloadHints(max_prompt_length=LONGEST, max_generated_length=6, num_requests=requests)
+    hints = WorkloadHints(max_prompt_length=longest, max_generated_length=6, num_requests=requests)
     generation_config = GenerationConfig(max_new_tokens=6, eos_token_id=None, pad_token_id=0, **generation) \
         if generation else greedy(6)
     return ours.init_continuous_batching(generation_config, config, hints)
@@ -175,12 +175,15 @@ def test_generate_batch_warms_up_only_when_asked(family, monkeypatch, asked):
     assert len(calls) == (2 if asked else 1)
 
 
-def test_on_the_graph_path_the_hinted_workload_meets_no_decode_shape_the_warmup_did_not(family, monkeypatch):
+@pytest.mark.parametrize("lengths, reaches", [((LONGEST, LONGEST - 1, LONGEST - 2), {64, 128}),
+                                               ((200, 120, 60), {64, 128, 256})], ids=["two-reaches", "three-reaches"])
+def test_on_the_graph_path_the_hinted_workload_meets_no_decode_shape_the_warmup_did_not(family, monkeypatch, lengths,
+                                                                                        reaches):
     """Steps routed as a GPU routes them (decode steps on the recorded step's path, by rows bucket and reach bucket),
-    reaches forced small (buckets from 64 tokens, so the hinted rows of up to 66 tokens span two, as an 8,192-token
-    prompt and its answer pass 8,192 at the real 4,096): every decode step shape a workload of the hinted size
-    meets, its rows finishing one after the other past the first bucket, was met by the warm-up first (on a GPU:
-    its graph was recorded before the first request)."""
+    reaches forced small (buckets from 64 tokens, so the hinted rows span two or three, as an 8,192-token prompt
+    and its answer pass 8,192 at the real 4,096): every decode step shape a workload of the hinted size meets, its
+    rows finishing one after the other, the longest first, was met by the warm-up first (on a GPU: its graph was
+    recorded before the first request)."""
     from helpers.serving import steps_routed_as_on_a_gpu
 
     from hf_qsa_cache import cuda_graphs
@@ -188,11 +191,11 @@ def test_on_the_graph_path_the_hinted_workload_meets_no_decode_shape_the_warmup_
     ref, ours = family
     monkeypatch.setattr(cuda_graphs, "MIN_GRAPH_REACH", 64)
     with steps_routed_as_on_a_gpu():
-        manager = _manager(ours)
+        manager = _manager(ours, longest=lengths[0])
         manager.warmup(run=True)
         runner = manager.cache.graph_runners[ours]
         warmed = {key for key in runner.buckets if key[1] == 1}
-        prompts = random_prompts([LONGEST, LONGEST - 1, LONGEST - 2], vocab=90, seed=9)
+        prompts = random_prompts(lengths, vocab=90, seed=9)
         manager.start()
         try:
             ids = [manager.add_request(p, max_new_tokens=6 - i) for i, p in enumerate(prompts)]
@@ -202,6 +205,6 @@ def test_on_the_graph_path_the_hinted_workload_meets_no_decode_shape_the_warmup_
         met = {key for key in runner.buckets if key[1] == 1}
         manager.destroy()
     assert met == warmed, f"decode shapes met after the warm-up: {sorted(met - warmed)}"
-    assert {key[2] for key in warmed} >= {64, 128}  # (the workload's rows reach both)
+    assert {key[2] for key in met} == reaches
     for request_id, prompt, i in zip(ids, prompts, range(3)):
         assert results[request_id].generated_tokens == alone(ref, prompt, 6 - i), request_id
