@@ -169,6 +169,8 @@ class ContinuousBatchingManager:
             warm_up(self, rows, longest, vocab_size(self.model))
             logger.info("warmed up in %.1f s (%d rows, rows of up to %d tokens)", time.perf_counter() - started, rows,
                         longest)
+            with self._lock:  # requests added before start() wait for it, as on a manager that never ran
+                self._accepting = True
         self.warmed_up = True
 
     def start(self) -> None:

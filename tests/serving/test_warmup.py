@@ -59,9 +59,9 @@ def test_warmup_decodes_every_row_count_beside_the_longest_prompt_and_leaves_not
         prefix = manager.cache.memory_stats()["prefix_cache"]
         assert prefix["entries"] == prefix["lookup_tokens"] == prefix["blocks"] == 0
     prompts = random_prompts([23, 9, 41], vocab=90, seed=5)
+    ids = manager.add_requests(prompts)  # (before start(), as on a manager that never ran: they wait for it)
     manager.start()
     try:
-        ids = manager.add_requests(prompts)
         results = collect_results(manager, len(prompts))
     finally:
         manager.stop()
