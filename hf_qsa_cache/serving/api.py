@@ -10,8 +10,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
-from .manager import ContinuousBatchingManager, vocab_size
-from .requests import check_max_new_tokens, check_prompt
+from .manager import ContinuousBatchingManager
+from .requests import check_max_new_tokens, check_prompt, copy_ids
+from .settings import vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class ContinuousBatchingMixin:
                     bar.update(1)
         ordered = {}
         for request_id in ids:
-            for key in [f"{request_id}__child#{i}" for i in range(copies - 1)] + [request_id]:
+            for key in copy_ids(request_id, copies):
                 if key in results:
                     ordered[key] = results[key]
         return ordered

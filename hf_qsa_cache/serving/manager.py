@@ -23,7 +23,6 @@ import queue
 import secrets
 import threading
 import time
-import warnings
 
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -32,10 +31,11 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from ..cache import QSAPagedCache
 from ..prompt_lookup import lookup_drafts
 from .delivery import Delivery
-from .requests import Request, check_eos, check_max_new_tokens, check_media, check_options, check_prompt
+from .requests import Request, check_eos, copy_ids, check_max_new_tokens, check_media, check_options, check_prompt
 from .runner import ModelRunner
 from .sampling import Sampling, request_seed
 from .scheduler import Scheduler
+from .settings import vocab_size, warn_unused
 from .warmup import warm_up
 
 logger = logging.getLogger(__name__)
@@ -43,11 +43,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_ROWS = 32  # rows (requests in flight) without max_requests_per_batch
 DEFAULT_BATCH_TOKENS = 2048  # prefill tokens per step without max_batch_tokens
 DEFAULT_TOKENS_PER_ROW = 4096  # pool sizing without num_blocks or workload hints: rows x this many tokens
-# ContinuousBatchingConfig fields this engine does not use (each named in one warning when set).
-_UNUSED_FIELDS = ("max_memory_percent", "max_blocks_per_request", "use_async_batching", "q_padding_interval_size",
-                  "kv_padding_interval_size", "varlen_compile_config", "decode_compile_config", "cpu_offload_space",
-                  "per_request_processors", "max_cached_graphs")
-_IGNORED_SAMPLING = ("no_repeat_ngram_size", "min_new_tokens", "typical_p")
 # Times a request whose step failed is fed again before it fails. One whose steps failed beside other requests is
 # then isolated instead (fed alone up to where its step failed: `Request.alone_until`), at most MAX_ISOLATIONS
 # times: only a step that fed it alone, or a fault that follows it through every isolation, fails it.
@@ -80,7 +75,7 @@ class ContinuousBatchingManager:
         self.generation_config = generation_config if generation_config is not None else model.generation_config
         config = continuous_batching_config if continuous_batching_config is not None else ContinuousBatchingConfig()
         self.continuous_batching_config = config
-        _warn_unused(config, self.generation_config)
+        warn_unused(config, self.generation_config)
         gen = self.generation_config
         self.num_return_sequences = gen.num_return_sequences or 1
         self.sampling = Sampling.from_generation_config(gen)  # a request's sampling unless it brings its own
@@ -165,12 +160,16 @@ class ContinuousBatchingManager:
             longest = (getattr(hints, "max_prompt_length", None) or self.scheduler.max_batch_tokens) \
                 + (getattr(hints, "max_generated_length", None) or 0)
             rows = getattr(hints, "num_requests", None) or self.scheduler.max_rows
-            started = time.perf_counter()
-            warm_up(self, rows, longest, vocab_size(self.model))
+            started, stats = time.perf_counter(), dict(self.stats)
+            try:
+                warm_up(self, rows, longest, vocab_size(self.model))
+            finally:
+                self.stats.clear()  # (the dummy requests leave no count)
+                self.stats.update(stats)
+                with self._lock:  # (requests added before start() wait for it, as on a manager that never ran)
+                    self._accepting = True
             logger.info("warmed up in %.1f s (%d rows, rows of up to %d tokens)", time.perf_counter() - started, rows,
                         longest)
-            with self._lock:  # requests added before start() wait for it, as on a manager that never ran
-                self._accepting = True
         self.warmed_up = True
 
     def start(self) -> None:
@@ -274,7 +273,7 @@ class ContinuousBatchingManager:
                     self._counter += 1
                 request_id = f"req_{self._counter}"
                 self._counter += 1
-            ids = [f"{request_id}__child#{i}" for i in range(self.num_return_sequences - 1)] + [request_id]
+            ids = copy_ids(request_id, self.num_return_sequences)
             taken = [rid for rid in ids if rid in self._in_flight]
             if taken:
                 raise ValueError(f"request_id {taken[0]!r} is still in flight: ids must be unique")
@@ -595,28 +594,3 @@ class ContinuousBatchingManager:
                 self._end(self.input_queue.get_nowait(), RequestStatus.FAILED, why)
             except queue.Empty:
                 break
-
-
-def vocab_size(model) -> int:
-    config = model.config
-    return config.get_text_config().vocab_size if hasattr(config, "get_text_config") else config.vocab_size
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=3)
-
-
-def _warn_unused(config: ContinuousBatchingConfig, generation_config: GenerationConfig) -> None:
-    default = ContinuousBatchingConfig()
-    for name in _UNUSED_FIELDS:
-        if getattr(config, name, None) != getattr(default, name, None):
-            _warn_once(f"ContinuousBatchingConfig.{name} is not used by this engine (QSAPagedCache)")
-    for name in _IGNORED_SAMPLING:
-        value = getattr(generation_config, name, None)
-        if value not in (None, 1.0, 0, 0.0):
-            _warn_once(f"GenerationConfig.{name}={value} is not applied by continuous batching here")

@@ -87,6 +87,12 @@ def check_options(sampling, seed, logprobs) -> None:
         raise ValueError(f"logprobs must be True or False, got {logprobs!r}")
 
 
+def copy_ids(request_id: str, copies: int) -> list[str]:
+    """The ids of a request with ``copies`` return sequences: its copies ``{id}__child#{i}``, then itself (transformers'
+    names and order)."""
+    return [f"{request_id}__child#{i}" for i in range(copies - 1)] + [request_id]
+
+
 def check_eos(eos_token_id) -> frozenset[int]:
     """The eos ids (one id, a list of ids, or None); negative ids mean none, as in transformers' configs."""
     eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set, frozenset)) else [eos_token_id]

@@ -26,14 +26,15 @@ from __future__ import annotations
 import torch
 
 from ..cuda_graphs import reach_bucket
+from .requests import copy_ids
 
 SHORT_PROMPT = 16  # the first short request's prompt; each next one is 8 tokens longer and decodes one more token
 
 
 def warm_up(manager, rows: int, reach: int, vocab_size: int) -> None:
     """Run the dummy requests on ``rows`` rows at most, for rows of up to ``reach`` tokens (the loop must not be
-    running), then leave nothing of them: no row, no cached prefix, no unread result, the manager's stats as they
-    were. A warm-up request that fails raises a `RuntimeError` naming it."""
+    running), then leave nothing of them: no row, no cached prefix, no unread result. A warm-up request that fails
+    raises a `RuntimeError` naming it."""
     cache, rows = manager.cache, max(1, min(rows, manager.scheduler.max_rows))
     copies = manager.num_return_sequences  # (each request's copies are requests too: their results are read)
     vocab = min(vocab_size, 32768)
@@ -46,12 +47,9 @@ def warm_up(manager, rows: int, reach: int, vocab_size: int) -> None:
 
     submitted: list[str] = []  # every warm-up request's id, its copies' too
 
-    def with_copies(request_id: str) -> list[str]:
-        return [f"{request_id}__child#{k}" for k in range(copies - 1)] + [request_id]
-
     def submit(prompt_ids: list[int], request_id: str, **kwargs) -> str:
         manager.add_request(prompt_ids, request_id=request_id, eos_token_id=-1, **kwargs)
-        submitted.extend(with_copies(request_id))
+        submitted.extend(copy_ids(request_id, copies))
         return request_id
 
     def shorts(wave: int, count: int) -> list[str]:
@@ -62,7 +60,7 @@ def warm_up(manager, rows: int, reach: int, vocab_size: int) -> None:
                        max_new_tokens=count + 2 + i) for i in range(count)]
 
     def finish(ids: list[str]) -> None:
-        for request_id in [each for rid in ids for each in with_copies(rid)]:
+        for request_id in [each for rid in ids for each in copy_ids(rid, copies)]:
             while True:
                 result = manager.get_result(request_id, timeout=1)
                 if result is None and not manager.is_running():
@@ -94,7 +92,6 @@ def warm_up(manager, rows: int, reach: int, vocab_size: int) -> None:
     while (bucket := reach_bucket(2 * bucket, cache.max_cache_len)) < top_reach:
         if bucket - long_new > bucket // 2:
             prompts.insert(-1, bucket - long_new)
-    stats = dict(manager.stats)
     first_wave = shorts(0, -(-rows // copies))  # (queued before the loop starts: its first iteration admits them)
     manager.start()
     try:
@@ -108,5 +105,3 @@ def warm_up(manager, rows: int, reach: int, vocab_size: int) -> None:
                 pass
         if cache.prefix is not None:
             cache.reset(prefixes=True)
-        manager.stats.clear()
-        manager.stats.update(stats)
