@@ -23,7 +23,8 @@ class ContinuousBatchingMixin:
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
                                  workload_hints=None, **options) -> ContinuousBatchingManager:
         """transformers' signature, plus the manager's own options (`ContinuousBatchingManager`: the cache's
-        ``kv_cache_dtype`` / ``index_cache_dtype`` for fp8 caches, ``grouped_steps``)."""
+        ``kv_cache_dtype`` / ``index_cache_dtype`` for fp8 caches, ``grouped_steps``,
+        ``snapshot_gap``)."""
         cached = getattr(self, "_cached_continuous_batching_manager", None)
         if isinstance(cached, ContinuousBatchingManager):
             return cached
@@ -67,7 +68,7 @@ class ContinuousBatchingMixin:
         config = generation_config if generation_config is not None else self.generation_config
         copies = config.num_return_sequences or 1
         max_new_tokens = kwargs.pop("max_new_tokens", None)
-        options = {k: kwargs.pop(k) for k in ("kv_cache_dtype", "index_cache_dtype", "grouped_steps") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("kv_cache_dtype", "index_cache_dtype", "grouped_steps", "snapshot_gap") if k in kwargs}
         if kwargs:
             raise TypeError(f"generate_batch got unexpected keyword arguments {sorted(kwargs)} (max_new_tokens, "
                             f"kv_cache_dtype, index_cache_dtype and grouped_steps are the ones it takes)")

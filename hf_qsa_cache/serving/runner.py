@@ -149,7 +149,7 @@ class ModelRunner:
             if held == 0 or held % unit or request.media is not None or (counts is not None and not counts[row]):
                 continue  # (a prompt with media: its tokens do not say what its state holds)
             try:
-                if held == (request.total - 1) // unit * unit or held == request.prefix_stop:
+                if held == request.snapshot_at or held == request.prefix_stop:
                     self.cache.cache_prefix(row, request.first_tokens(held))
                 else:
                     self.tails[request] = self.cache.snapshot_row(row)

@@ -11,7 +11,8 @@ rows' tokens, `ModelRunner.grouped`):
   that length fit and pads stay at most half the step (the next row's longer chunk sets the length instead
   where that feeds more tokens); a chunk may end anywhere: inside a QSA group, a
   window, a conv span, except that with prefix caching a chunk ends at the request's snapshot point, the last
-  unit boundary before its last token, when it passes it: the runner caches the prefix there). With prefix
+  unit boundary before its last token, when it passes it and lies more than ``snapshot_gap`` tokens past the
+  prefix its row starts from or stops at (`plan_prefix_stop`): the runner caches the prefix there). With prefix
   caching, a request whose prefix an older one is computing (the same stop, the same tokens) waits for it and
   then restores it; waiting rows are ordered after the other prefilling rows, so they do not end a step
   before the rows behind them;
@@ -35,15 +36,23 @@ from collections import deque
 
 from .requests import Request, RequestStatus
 
+# A prompt's snapshot point costs its prefill a step boundary, at best one short replayed step (at most
+# `cuda_graphs.SHORT_PREFILL_TOKENS`, 256, tokens). Without it, a later prompt that continues this one (a regenerated
+# answer, a next turn after an answer that reached no unit boundary) recomputes the tokens since the prefix the row
+# started from or stopped at, which at <= 256 tokens is at most one such step again, and only if that prompt comes:
+# the cut is made only where it saves more (a shared-prefix hit's question, a chat turn, pay no extra step).
+SNAPSHOT_GAP_TOKENS = 256
+
 
 class Scheduler:
     def __init__(self, max_rows: int, max_batch_tokens: int, prefill_first: bool, unit: int | None = None,
-                 replays=None):
+                 replays=None, snapshot_gap: int = SNAPSHOT_GAP_TOKENS):
         self.max_rows = max_rows
         # replays(rows, length): whether a prefill step of the first rows, length tokens the longest, replays a
         # recorded graph (`ModelRunner.replays_prefill`; None: never, as on a CPU).
         self.replays = replays or (lambda rows, length: False)
-        self.unit = unit  # prefix caching: chunks stop at each request's snapshot point (`snapshot_point`)
+        self.unit = unit  # prefix caching: chunks stop at each request's snapshot point (`plan_prefix_stop`)
+        self.snapshot_gap = snapshot_gap  # ... unless it lies at most this many tokens past its row's cached prefix
         self.max_batch_tokens = max_batch_tokens
         self.prefill_first = prefill_first
         self.waiting: deque[Request] = deque()
@@ -63,10 +72,12 @@ class Scheduler:
             self._by_head.setdefault(head, []).append(request)
 
     def plan_prefix_stop(self, request: Request, matched: int) -> None:
-        """Where ``request``'s prefill stops once to cache its state (`Request.stop_prefix_at`), now that its row
-        starts at ``request.held`` and cached blocks match ``matched`` of its tokens: the further of the blocks' end
-        and the longest whole-unit prefix it shares with another request in flight or waiting (computed once by the
-        first of them, restored by the others); nowhere if neither passes what its row holds.
+        """Where ``request``'s prefill stops to cache its state, now that its row starts at ``request.held`` and
+        cached blocks match ``matched`` of its tokens: its stop (`Request.prefix_stop`), the further of the blocks'
+        end and the longest whole-unit prefix it shares with another request in flight or waiting (computed once
+        by the first of them, restored by the others), nowhere if neither passes what its row holds; and its
+        snapshot point (`Request.snapshot_at`), the last unit boundary before its last token, if that lies more
+        than ``snapshot_gap`` tokens past both (`SNAPSHOT_GAP_TOKENS`).
 
         A peer in flight that has not fed the shared part yet, with no stop of its own ahead, stops there too: it
         caches its state at that point and ``request`` restores it (`_prefill_order` has the later of two rows with
@@ -74,6 +85,8 @@ class Scheduler:
         shared, peer = self.shared_with_peers(request)
         stop = max(matched, shared)
         request.stop_prefix_at(stop if stop > request.held else 0)
+        point = (request.total - 1) // self.unit * self.unit
+        request.snapshot_at = point if point - max(request.held, request.prefix_stop) > self.snapshot_gap else 0
         if (peer is not None and stop == shared > request.held and peer.held < shared
                 and peer.prefix_stop <= peer.held and any(r is peer for r in self.rows)):
             peer.stop_prefix_at(shared)
@@ -241,17 +254,11 @@ class Scheduler:
             p += 1
         return p
 
-    def snapshot_point(self, request: Request) -> int:
-        """With prefix caching, where the request's prefill stops once to cache its prefix: the last unit
-        boundary before its last token to feed (0: none)."""
-        if self.unit is None:
-            return 0
-        return (request.total - 1) // self.unit * self.unit
-
     def _to_snapshot(self, request: Request, chunk: int) -> int:
         """``chunk`` cut so that it ends at the request's next stop: the end of what others cached as blocks
-        without a snapshot there (`Request.prefix_stop`), or its snapshot point, if it would pass it."""
-        for point in (request.prefix_stop, self.snapshot_point(request)):
+        without a snapshot there (`Request.prefix_stop`), or its snapshot point (`Request.snapshot_at`), if it would
+        pass it."""
+        for point in (request.prefix_stop, request.snapshot_at):
             if request.held < point < request.held + chunk:
                 return point - request.held
         return chunk
@@ -313,7 +320,7 @@ class Scheduler:
         start, rest = request.held + chunk, request.pending - chunk
         if rest == 1:
             return True
-        stops = (request.prefix_stop, self.snapshot_point(request))
+        stops = (request.prefix_stop, request.snapshot_at)
         return (0 < rest <= self.max_batch_tokens and not any(start < point < start + rest for point in stops)
                 and self.replays(1, rest))
 

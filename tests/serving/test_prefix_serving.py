@@ -15,6 +15,9 @@ from transformers import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import RequestStatus
 
 NEW = 5
+# Every prompt here is far shorter than the default `snapshot_gap` (`SNAPSHOT_GAP_TOKENS`), which would then never cut a
+# prefill at its snapshot point: the tests of that cut force the gap to 0, as prompts longer than it meet it.
+CUT = {"snapshot_gap": 0}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -45,7 +48,7 @@ def test_shared_system_prompt_and_next_turns(family, lookup):
     # 3 rows, 5-token prefill chunks, 4-token units (page_size): snapshot points at 16 and 12, decode tails at 20.
     config = ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=5, max_requests_per_batch=3)
     gen = greedy(NEW, prompt_lookup_num_tokens=lookup) if lookup else greedy(NEW)
-    with ours.continuous_batching_context_manager(gen, continuous_batching_config=config) as manager:
+    with ours.continuous_batching_context_manager(gen, continuous_batching_config=config, **CUT) as manager:
         cache = manager.cache
         assert cache.prefix is not None and manager.scheduler.unit == 4
         cache.prefix.max_snapshots = 32  # (the default, two a row, would evict some of the tails this checks)
@@ -79,7 +82,7 @@ def test_short_prefill_steps_on_the_graphs_path(family):
     first = [system + u for u in random_prompts([5, 7, 3], vocab=90, seed=22)]
     config = ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=5, max_requests_per_batch=3)
     with steps_routed_as_on_a_gpu() as routed, \
-            ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config) as manager:
+            ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config, **CUT) as manager:
         results = run(manager, first)
         check(ref, first, results)
         second = [p + r.generated_tokens + m for p, r, m in zip(first, results,
@@ -103,7 +106,7 @@ def test_a_short_tail_that_replays_a_graph_steps_without_riding_along(family, mo
     config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=32, max_requests_per_batch=2)
 
     def steps(routed_as_on_a_gpu: bool) -> list:
-        manager = ours.init_continuous_batching(greedy(NEW), config)
+        manager = ours.init_continuous_batching(greedy(NEW), config, **CUT)
         ran, runner = [], manager.runner
         prefill, decode = runner.prefill, runner.decode
         monkeypatch.setattr(runner, "prefill", lambda chunks: ran.append(list(chunks)) or prefill(chunks))
@@ -129,7 +132,7 @@ def test_tight_pool_evicts_cached_blocks_and_sharing_can_be_turned_off(family):
     prompts = random_prompts([19, 22, 17, 21, 18], vocab=90, seed=31)
     # A pool that holds two rows: every new request needs blocks that cached prefixes hold.
     config = ContinuousBatchingConfig(page_size=4, num_blocks=14, max_batch_tokens=8, max_requests_per_batch=2)
-    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config) as manager:
+    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config, **CUT) as manager:
         results = run(manager, prompts)
         check(ref, prompts, results)
         stats = manager.cache.memory_stats()["prefix_cache"]
@@ -150,7 +153,7 @@ def test_a_prompt_that_ends_at_a_cached_snapshot_still_feeds_its_last_token(fami
     name, ref, ours = family
     first = random_prompts([8], vocab=90, seed=24)[0]
     config = ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=8, max_requests_per_batch=2)
-    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config) as manager:
+    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config, **CUT) as manager:
         answer = run(manager, [first])[0].generated_tokens
         again = first + answer[:4]  # 12 tokens: the decode tail at 12 is cached with a snapshot
         assert manager.cache.prefix_lookup(again, limit=None)[0] == 12
@@ -166,7 +169,7 @@ def test_pool_pressure_gives_back_the_least_recently_used_prefix_first(family):
     a, b = random_prompts([17, 17], vocab=90, seed=25)
     big = random_prompts([30], vocab=90, seed=26)[0]
     config = ContinuousBatchingConfig(page_size=4, num_blocks=16, max_batch_tokens=8, max_requests_per_batch=1)
-    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config) as manager:
+    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config, **CUT) as manager:
         cache = manager.cache
         cache.prefix.max_snapshots = 32  # (the default, two a row, would evict snapshots, and prefixes with them)
         for prompts in ([a], [b], [a + [3]]):  # a, b cached; then a used again: b is the least recently used
@@ -184,7 +187,7 @@ def test_requests_admitted_together_restore_what_the_first_cached(family):
     # there to cache a snapshot; the others wait for it, then start from it (giving back a token a decode step
     # fed them meanwhile).
     config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=8, max_requests_per_batch=4)
-    manager = ours.init_continuous_batching(greedy(NEW), config)
+    manager = ours.init_continuous_batching(greedy(NEW), config, **CUT)
     ids = manager.add_requests(prompts)  # queued before the loop starts: its first iteration admits all four
     manager.start()
     try:
@@ -205,7 +208,7 @@ def test_a_row_restored_again_from_a_longer_prefix_counts_its_hits_once(family):
     shared = random_prompts([20], vocab=90, seed=45)[0]
     prompts = [shared + [3 + k] for k in range(6)]
     config = ContinuousBatchingConfig(page_size=4, num_blocks=120, max_batch_tokens=4, max_requests_per_batch=6)
-    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config) as manager:
+    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config, **CUT) as manager:
         check(ref, [shared[:9]], run(manager, [shared[:9]]))  # caches its first 8 tokens
         check(ref, prompts, run(manager, prompts))
         stats = manager.cache.memory_stats()["prefix_cache"]
@@ -319,7 +322,7 @@ def test_a_prefix_that_cannot_be_cached_fails_no_request(family, monkeypatch):
     shared = random_prompts([18], vocab=90, seed=51)[0]
     prompts = [shared + q for q in random_prompts([3, 5], vocab=90, seed=52)]
     config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=8, max_requests_per_batch=2)
-    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config) as manager:
+    with ours.continuous_batching_context_manager(greedy(NEW), continuous_batching_config=config, **CUT) as manager:
         failures = []
 
         def refuse(*args, **kwargs):
@@ -340,7 +343,7 @@ def test_prompts_prefilled_in_one_grouped_step_each_cache_their_prefix(family):
     name, ref, ours = family
     prompts = random_prompts([13, 10, 15], vocab=90, seed=41)
     config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=64, max_requests_per_batch=3)
-    manager = ours.init_continuous_batching(greedy(NEW), config, grouped_steps=True)
+    manager = ours.init_continuous_batching(greedy(NEW), config, grouped_steps=True, **CUT)
     first = manager.add_requests(prompts)  # queued before the loop starts: admitted together
     manager.start()
     try:
@@ -368,7 +371,7 @@ def test_a_request_sharing_a_prefix_with_one_mid_prefill_restores_it_from_there(
     users = random_prompts([6, 5], vocab=90, seed=42)
     prompts = [system + u for u in users]  # 30 and 29 tokens: 24 shared, snapshot points 28 and 28
     config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=8, max_requests_per_batch=2)
-    manager = ours.init_continuous_batching(greedy(NEW), config)
+    manager = ours.init_continuous_batching(greedy(NEW), config, **CUT)
     runner, sent = manager.runner, []
     prefill = runner.prefill
 
@@ -408,3 +411,64 @@ def test_a_peer_gets_the_shared_stop_only_in_flight_and_without_a_stop_of_its_ow
         scheduler.plan_prefix_stop(newer, matched=0)
         assert newer.prefix_stop == 8
         assert older.prefix_stop == expected, (peer_stop, admitted)
+
+
+@pytest.mark.parametrize(("held", "peer", "gap", "expected"), [
+    (0, 0, 0, 28), (0, 0, 27, 28), (0, 0, 28, 0),  # a fresh row: 28 tokens from its start to its snapshot point
+    (16, 0, 11, 28), (16, 0, 12, 0),  # restored at 16: 12 tokens from there
+    (0, 24, 3, 28), (0, 24, 4, 0),  # no restore, but its prefill stops at 24 (shared with a peer) and caches it there
+    (28, 0, 0, 0),  # restored at its snapshot point: nothing to cut
+], ids=["fresh-gap0", "fresh-gap27", "fresh-gap28", "restored-gap11", "restored-gap12", "peer-gap3", "peer-gap4",
+        "restored-at-point"])
+def test_the_snapshot_point_is_cut_only_past_the_gap(held, peer, gap, expected):
+    """`Scheduler.plan_prefix_stop`: a 30-token prompt's snapshot point (28, units of 4) stops its prefill only when
+    it lies more than ``snapshot_gap`` tokens past both the prefix its row was restored from and its stop."""
+    from hf_qsa_cache.serving.requests import Request
+    from hf_qsa_cache.serving.scheduler import Scheduler
+
+    prompt = list(range(1, 31))
+    scheduler = Scheduler(max_rows=4, max_batch_tokens=64, prefill_first=True, unit=4, snapshot_gap=gap)
+    if peer:  # an older request in flight that shares the prompt's first `peer` tokens, then differs
+        other = Request("older", prompt[:peer] + [99] * 8, 4, frozenset())
+        scheduler.submit(other)
+        scheduler.admit()
+    request = Request("r", prompt, 4, frozenset())
+    scheduler.submit(request)
+    request.held = held
+    scheduler.plan_prefix_stop(request, matched=held)
+    assert request.prefix_stop == (peer if peer > held else 0)
+    assert request.snapshot_at == expected
+
+
+def test_a_hit_within_the_gap_prefills_its_rest_in_one_step(family, monkeypatch):
+    """A system prompt cached with a snapshot; requests that continue it by a question of at most ``snapshot_gap``
+    tokens past it prefill the question in one step (no stop at its snapshot point); with ``snapshot_gap=0`` the
+    same question takes a step to its snapshot point and one for its last tokens. Tokens equal transformers' alone
+    either way, and a request that resends the first question's prompt again restores the system prompt (with the
+    gap: no snapshot was kept past it) or the snapshot point (without)."""
+    name, ref, ours = family
+    system = random_prompts([16], vocab=90, seed=51)[0]
+    question = system + random_prompts([7], vocab=90, seed=52)[0]  # 23 tokens: snapshot point 20, 4 past the system's
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=32, max_requests_per_batch=2)
+
+    def served(gap: int) -> tuple[list, int]:
+        manager = ours.init_continuous_batching(greedy(NEW), config, snapshot_gap=gap)
+        ran, runner = [], manager.runner
+        prefill = runner.prefill
+        monkeypatch.setattr(runner, "prefill", lambda chunks: ran.append(list(chunks)) or prefill(chunks))
+        manager.start()
+        try:
+            check(ref, [system + [5]], run(manager, [system + [5]]))  # caches the system prompt's 16 tokens
+            ran.clear()
+            check(ref, [question], run(manager, [question]))
+            steps = list(ran)
+            before = manager.cache.memory_stats()["prefix_cache"]["hit_tokens"]
+            check(ref, [question], run(manager, [question]))
+            again = manager.cache.memory_stats()["prefix_cache"]["hit_tokens"] - before
+        finally:
+            manager.stop(block=True)
+        assert pools_full(manager.cache)
+        return steps, again
+
+    assert served(gap=4) == ([[7]], 16)
+    assert served(gap=3) == ([[4], [3]], 20)

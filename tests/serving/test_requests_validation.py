@@ -36,6 +36,15 @@ def test_generate_batch_refuses_a_bad_max_new_tokens_by_its_name(model, value, m
     assert not built
 
 
+@pytest.mark.parametrize("value", [-1, 2.5, "8", True], ids=["negative", "float", "string", "bool"])
+def test_a_bad_snapshot_gap_is_refused_before_a_cache_is_built(model, value, monkeypatch):
+    import hf_qsa_cache.serving.manager as manager_module
+
+    monkeypatch.setattr(manager_module, "QSAPagedCache", lambda *a, **k: pytest.fail("a cache was built"))
+    with pytest.raises(ValueError, match=rf"^snapshot_gap must be an integer >= 0 \(tokens\), got {value!r}$"):
+        model.init_continuous_batching(_greedy(), ContinuousBatchingConfig(**CB), snapshot_gap=value)
+
+
 def test_generate_batch_names_a_bad_generation_config_value(model):
     config = _greedy(max_new_tokens=4)
     config.max_new_tokens = -2  # GenerationConfig checks its values when built, not when set
