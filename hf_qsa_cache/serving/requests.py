@@ -125,7 +125,7 @@ class Request:
     # Prefix caching (planned by `Scheduler.plan_prefix_stop` when its row is placed): where its prefill also stops to
     # cache a prefix (blocks others cached reach there, no snapshot does: 0 if none) and a hash of its tokens up to
     # there (`stop_prefix_at`), its snapshot point; the prefix cache's version at its last lookup (-1: none since it
-    # got a row), and the hit tokens its lookups counted since.
+    # got a row), and the hit tokens its lookups counted since (where its row was restored from).
     prefix_stop: int = 0
     prefix_key: int = 0
     snapshot_at: int = 0  # and where it stops once to keep a snapshot for a later prompt that continues it (0: nowhere)

@@ -124,7 +124,7 @@ class ModelRunner:
                 if restorable > request.held:
                     again.append((row, request))
                 elif matched > max(request.held, request.prefix_stop):
-                    request.stop_prefix_at(matched)  # its prefill stops there to cache its state for others
+                    self.plan_prefix_stop(request, matched)  # it stops there to cache its state for others
             else:  # decoding: it never looks again (a preempted request gets a fresh row, which does)
                 request.prefix_seen = version
         if not again:

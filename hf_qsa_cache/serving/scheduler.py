@@ -72,24 +72,29 @@ class Scheduler:
             self._by_head.setdefault(head, []).append(request)
 
     def plan_prefix_stop(self, request: Request, matched: int) -> None:
-        """Where ``request``'s prefill stops to cache its state, now that its row starts at ``request.held`` and
-        cached blocks match ``matched`` of its tokens: its stop (`Request.prefix_stop`), the further of the blocks'
-        end and the longest whole-unit prefix it shares with another request in flight or waiting (computed once
-        by the first of them, restored by the others), nowhere if neither passes what its row holds; and its
-        snapshot point (`Request.snapshot_at`), the last unit boundary before its last token, if that lies more
-        than ``snapshot_gap`` tokens past both (`SNAPSHOT_GAP_TOKENS`).
+        """Where ``request``'s prefill stops to cache its state, now that cached blocks match ``matched`` of its
+        tokens (its row placed, restored from ``request.prefix_hit`` tokens, or looking again mid-prefill): its stop
+        (`Request.prefix_stop`), the further of the blocks' end and the longest whole-unit prefix it shares with
+        another request in flight or waiting (computed once by the first of them, restored by the others), nowhere
+        if neither passes what its row holds; and its snapshot point (`_stop_at`).
 
         A peer in flight that has not fed the shared part yet, with no stop of its own ahead, stops there too: it
         caches its state at that point and ``request`` restores it (`_prefill_order` has the later of two rows with
         the same stop wait for the older) instead of computing the prefix again."""
         shared, peer = self.shared_with_peers(request)
         stop = max(matched, shared)
-        request.stop_prefix_at(stop if stop > request.held else 0)
-        point = (request.total - 1) // self.unit * self.unit
-        request.snapshot_at = point if point - max(request.held, request.prefix_stop) > self.snapshot_gap else 0
+        self._stop_at(request, stop if stop > request.held else 0)
         if (peer is not None and stop == shared > request.held and peer.held < shared
                 and peer.prefix_stop <= peer.held and any(r is peer for r in self.rows)):
-            peer.stop_prefix_at(shared)
+            self._stop_at(peer, shared)
+
+    def _stop_at(self, request: Request, stop: int) -> None:
+        """The request's stop (0: none), and its snapshot point (`Request.snapshot_at`): the last unit boundary
+        before its last token, if that lies more than ``snapshot_gap`` tokens past both the stop and the prefix its
+        row was restored from (`SNAPSHOT_GAP_TOKENS`), else none."""
+        request.stop_prefix_at(stop)
+        point = (request.total - 1) // self.unit * self.unit
+        request.snapshot_at = point if point - max(request.prefix_hit, stop) > self.snapshot_gap else 0
 
     def shared_with_peers(self, request: Request) -> tuple[int, Request | None]:
         """``(length, peer)``: the longest whole-unit prefix (before its last token) the request's tokens share with

@@ -422,22 +422,27 @@ def test_a_peer_gets_the_shared_stop_only_in_flight_and_without_a_stop_of_its_ow
         "restored-at-point"])
 def test_the_snapshot_point_is_cut_only_past_the_gap(held, peer, gap, expected):
     """`Scheduler.plan_prefix_stop`: a 30-token prompt's snapshot point (28, units of 4) stops its prefill only when
-    it lies more than ``snapshot_gap`` tokens past both the prefix its row was restored from and its stop."""
+    it lies more than ``snapshot_gap`` tokens past both the prefix its row was restored from and its stop; an older
+    request given the stop it shares has its own snapshot point planned again."""
     from hf_qsa_cache.serving.requests import Request
     from hf_qsa_cache.serving.scheduler import Scheduler
 
     prompt = list(range(1, 31))
     scheduler = Scheduler(max_rows=4, max_batch_tokens=64, prefill_first=True, unit=4, snapshot_gap=gap)
-    if peer:  # an older request in flight that shares the prompt's first `peer` tokens, then differs
+    if peer:  # an older request in flight that shares the prompt's first `peer` tokens, then differs (32 tokens)
         other = Request("older", prompt[:peer] + [99] * 8, 4, frozenset())
         scheduler.submit(other)
         scheduler.admit()
+        scheduler.plan_prefix_stop(other, matched=0)  # (its row placed: nothing cached, no peer yet)
+        assert other.prefix_stop == 0 and other.snapshot_at == 28
     request = Request("r", prompt, 4, frozenset())
     scheduler.submit(request)
-    request.held = held
+    request.held = request.prefix_hit = held  # (restored there, as `ModelRunner._restore` does)
     scheduler.plan_prefix_stop(request, matched=held)
     assert request.prefix_stop == (peer if peer > held else 0)
     assert request.snapshot_at == expected
+    if peer:  # the older one now stops at the shared prefix too, and its snapshot point (28) is planned again
+        assert other.prefix_stop == peer and other.snapshot_at == expected
 
 
 def test_a_hit_within_the_gap_prefills_its_rest_in_one_step(family, monkeypatch):
@@ -472,3 +477,30 @@ def test_a_hit_within_the_gap_prefills_its_rest_in_one_step(family, monkeypatch)
 
     assert served(gap=4) == ([[7]], 16)
     assert served(gap=3) == ([[4], [3]], 20)
+
+
+@pytest.mark.parametrize(("gap", "expected"), [(11, 28), (12, 0)], ids=["gap11", "gap12"])
+def test_a_prefilling_row_that_finds_blocks_cached_further_stops_there(gap, expected):
+    """`ModelRunner.retry_restores`: a row mid-prefill (8 of 30 tokens fed) whose tokens another request has since
+    cached as blocks up to 16, with no snapshot past its own 8, stops its prefill at 16 to cache its state there for
+    others; its snapshot point (28) is planned again from that stop (`Scheduler.plan_prefix_stop`)."""
+    from types import SimpleNamespace
+
+    import torch
+    from hf_qsa_cache.serving.requests import Request
+    from hf_qsa_cache.serving.runner import ModelRunner
+    from hf_qsa_cache.serving.scheduler import Scheduler
+
+    cache = SimpleNamespace(prefix=SimpleNamespace(version=1, unit=4),
+                            prefix_lookup=lambda tokens, limit: (8, 16))  # (restorable, blocks matched)
+    runner = ModelRunner(torch.nn.Linear(1, 1), cache)
+    scheduler = Scheduler(max_rows=2, max_batch_tokens=8, prefill_first=True, unit=4, snapshot_gap=gap)
+    runner.plan_prefix_stop = scheduler.plan_prefix_stop
+    request = Request("r", list(range(1, 31)), 4, frozenset())
+    scheduler.submit(request)
+    runner.rows = scheduler.admit()
+    request.held, request.prefix_seen = 8, 0  # (fed from an empty row; its last look at version 0)
+    scheduler.plan_prefix_stop(request, matched=0)
+    assert request.prefix_stop == 0 and request.snapshot_at == 28
+    assert not runner.retry_restores()  # (nothing restores further than its 8)
+    assert request.prefix_stop == 16 and request.snapshot_at == expected
