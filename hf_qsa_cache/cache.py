@@ -30,7 +30,7 @@ from .layout import build_layout, model_family, rollback_costs_nothing, state_ge
 from .metadata import StepMetadata
 from .ops.fp8 import check_cache_dtype
 from . import prefix_rows
-from .prefix_cache import PrefixCache, Snapshot, prefix_unit
+from .prefix_cache import SNAPSHOT_GAP_TOKENS, PrefixCache, Snapshot, prefix_unit
 from .rollback import crop_rows
 from .rows import Rows, move_rows, select_rows
 from .validation import check_continues, check_model, check_request
@@ -83,6 +83,8 @@ class QSAPagedCache(Cache):
             (default: ``2 * max_batch_size`` snapshots, no byte bound); least recently used evicted first.
         prefix_blocks: the most blocks prefix entries hold per table (default: no bound but the pool's: idle
             cached blocks are given back whenever a step needs them).
+        prefix_snapshot_gap: a prefill stops at a prompt's last unit boundary to snapshot it there only if that
+            lies more than this many tokens past the prefix its row was restored from (default 256; 0: always).
     """
 
     def __init__(self, config, max_batch_size: int, max_cache_len: int, block_size: int | None = None,
@@ -90,7 +92,8 @@ class QSAPagedCache(Cache):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  kv_cache_dtype: torch.dtype | None = None, index_cache_dtype: torch.dtype | None = None,
                  step_undo: bool = True, prefix_caching: bool = False, prefix_snapshots: int | None = None,
-                 prefix_snapshot_bytes: int | None = None, prefix_blocks: int | None = None):
+                 prefix_snapshot_bytes: int | None = None, prefix_blocks: int | None = None,
+                 prefix_snapshot_gap: int = SNAPSHOT_GAP_TOKENS):
         config = text_config(config)
         for name, value in (("step_undo", step_undo), ("prefix_caching", prefix_caching)):
             if not isinstance(value, bool):
@@ -99,6 +102,7 @@ class QSAPagedCache(Cache):
                             ("prefix_blocks", prefix_blocks)):
             if value is not None:
                 _check_int(name, value, 0)
+        _check_int("prefix_snapshot_gap", prefix_snapshot_gap, 0)
         self.model_family = model_family(config)
         _check_int("max_batch_size", max_batch_size, 1)
         _check_int("max_cache_len", max_cache_len, 1)
@@ -166,7 +170,7 @@ class QSAPagedCache(Cache):
             self.prefix = PrefixCache(
                 self.tables, prefix_unit(self.tables, self.qsa),
                 2 * max_batch_size if prefix_snapshots is None else prefix_snapshots, prefix_snapshot_bytes,
-                prefix_blocks)
+                prefix_blocks, prefix_snapshot_gap)
         if self.device is not None:
             for store in self.layer_stores():
                 store.allocate(self.device, self.dtype)

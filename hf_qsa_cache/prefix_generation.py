@@ -4,9 +4,10 @@
   what they hold at a unit boundary becomes a cached prefix, and the rows are released (no `reset()` needed).
 * The prefill of a call on an empty cache (`prefill`) starts each row from the longest cached prefix of its
   prompt (`QSAPagedCache.restore_prefix`, at most all but its last token) and feeds only the rest. Where a
-  row's prompt passes a unit boundary beyond what was restored, the prefill is split so that a step ends
-  exactly at the prompt's last boundary (one extra step): the row's state is captured there, and once the
-  whole forward has landed the prefix up to that boundary is cached with that snapshot.
+  row's prompt passes a unit boundary more than ``prefix_snapshot_gap`` tokens beyond what was restored, the
+  prefill is split so that a step ends exactly at the prompt's last boundary (one extra step): the row's state
+  is captured there, and once the whole forward has landed the prefix up to that boundary is cached with that
+  snapshot.
 
 Rows of one step are left-padded spans of their own tokens, so rows restored to different lengths share steps;
 chunks of at most ``prefill_chunk_tokens`` tokens per step, as the plain prefill.
@@ -19,6 +20,7 @@ import logging
 import torch
 
 from .cache import QSAPagedCache
+from .prefix_cache import snapshot_point
 from .prefix_rows import capture
 
 logger = logging.getLogger(__name__)
@@ -108,7 +110,7 @@ def prefill(model_call, cache: QSAPagedCache, input_ids: torch.Tensor, attention
     tokens = [host[b][L - n:] for b, n in enumerate(counts)]
     unit = cache.prefix.unit
     held = [cache.restore_prefix(b, tokens[b], limit=counts[b] - 1) for b in range(B)]
-    marks = [max(h, (n - 1) // unit * unit) for h, n in zip(held, counts)]
+    marks = [snapshot_point(h, n, unit, cache.prefix.snapshot_gap) for h, n in zip(held, counts)]
     steps = plan(held, marks, counts, max(1, chunk_tokens // B))
     snapshots: dict[int, object] = {}
     device = input_ids.device

@@ -29,13 +29,13 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from ..cache import QSAPagedCache
+from ..prefix_cache import SNAPSHOT_GAP_TOKENS
 from ..prompt_lookup import lookup_drafts
 from .delivery import Delivery
-from .requests import (Request, check_eos, check_max_new_tokens, check_media, check_options, check_prompt, copy_ids,
-                       is_int)
+from .requests import Request, check_eos, check_max_new_tokens, check_media, check_options, check_prompt, copy_ids
 from .runner import ModelRunner
 from .sampling import Sampling, request_seed
-from .scheduler import SNAPSHOT_GAP_TOKENS, Scheduler
+from .scheduler import Scheduler
 from .settings import vocab_size, warn_unused
 from .warmup import warm_up
 
@@ -63,18 +63,16 @@ class ContinuousBatchingManager:
     def __init__(self, model, generation_config: GenerationConfig | None = None,
                  continuous_batching_config: ContinuousBatchingConfig | None = None, workload_hints=None, *,
                  kv_cache_dtype: torch.dtype | None = None, index_cache_dtype: torch.dtype | None = None,
-                 grouped_steps: bool = False, snapshot_gap: int = SNAPSHOT_GAP_TOKENS):
+                 grouped_steps: bool = False, prefix_snapshot_gap: int = SNAPSHOT_GAP_TOKENS):
         """``kv_cache_dtype`` / ``index_cache_dtype``: the cache's fp8 switches (`QSAPagedCache`; None: the
         model's dtype), which transformers' `ContinuousBatchingConfig` has no field for. ``grouped_steps``: while
         requests prefill, the decoding rows ride in the same step as the prefill chunks (`hf_qsa_cache.grouped`: no
         pads, one step an iteration); False (the default): a prefill step of rows padded to one length, then a decode
         step, replayed from a CUDA graph. On an H100 the separate steps are the faster (docs/serving.md: a grouped
         step runs its groups' layers eagerly, one pass a group, and eager steps are bound by host work).
-        ``snapshot_gap``: with prefix caching, a prompt's prefill stops at its last unit boundary to keep a snapshot
-        there only if that lies more than this many tokens past the cached prefix its row starts from
-        (`Scheduler.plan_prefix_stop`; 0: always)."""
-        if not is_int(snapshot_gap) or snapshot_gap < 0:
-            raise ValueError(f"snapshot_gap must be an integer >= 0 (tokens), got {snapshot_gap!r}")
+        ``prefix_snapshot_gap``: with prefix caching, a prompt's prefill stops at its last unit boundary to keep a
+        snapshot there only if that lies more than this many tokens past the cached prefix its row starts from
+        (`QSAPagedCache`'s; `Scheduler.plan_prefix_stop`)."""
         self.model = model
         self.grouped_steps = grouped_steps
         self._chunks: list[int] = []  # the next grouped step's prefill chunks (rows 0, 1, ...)
@@ -105,12 +103,14 @@ class ContinuousBatchingManager:
         self.cache = QSAPagedCache(model.config, max_batch_size=rows, max_cache_len=max_len, block_size=block_size,
                                    num_blocks=num_blocks, num_speculative_tokens=self.lookup_drafts,
                                    kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype,
-                                   step_undo=False, prefix_caching=bool(getattr(config, "allow_block_sharing", True)))
+                                   step_undo=False, prefix_caching=bool(getattr(config, "allow_block_sharing", True)),
+                                   prefix_snapshot_gap=prefix_snapshot_gap)
         self.runner = ModelRunner(model, self.cache, return_logprobs=bool(config.return_logprobs))
         self.scheduler = Scheduler(rows, config.max_batch_tokens or DEFAULT_BATCH_TOKENS,
                                    prefill_first=config.scheduler_type == "prefill_first",
                                    unit=self.cache.prefix.unit if self.cache.prefix is not None else None,
-                                   replays=self.runner.replays_prefill, snapshot_gap=int(snapshot_gap))
+                                   replays=self.runner.replays_prefill,
+                                   snapshot_gap=self.cache.prefix.snapshot_gap if self.cache.prefix is not None else 0)
         self.runner.plan_prefix_stop = self.scheduler.plan_prefix_stop  # (prefix caching: the scheduler plans stops)
         if config.scheduler_type not in ("fifo", "prefill_first"):
             raise ValueError(f"scheduler_type must be 'fifo' or 'prefill_first', got {config.scheduler_type!r}")

@@ -19,7 +19,7 @@ _DONE = (RequestStatus.FINISHED, RequestStatus.FAILED)
 _DECODING = RequestStatus.DECODING
 
 
-def is_int(value) -> bool:
+def _is_int(value) -> bool:
     # Plain ints first: a prompt's every token passes here, and the abstract-class check costs ten times more.
     return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
@@ -29,7 +29,7 @@ def check_max_new_tokens(value, name: str = "max_new_tokens") -> int | None:
     ``name`` and the value unless it is an integer >= 1."""
     if value is None:
         return None
-    if not is_int(value) or value < 1:
+    if not _is_int(value) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return int(value)
 
@@ -49,7 +49,7 @@ def check_prompt(input_ids, vocab_size: int, name: str = "input_ids") -> list[in
     if set(map(type, prompt)) == {int} and min(prompt) >= 0 and max(prompt) < vocab_size:
         return prompt
     for token in prompt:
-        if not is_int(token):
+        if not _is_int(token):
             raise ValueError(f"{name} must hold integer token ids, got {token!r}")
         if not 0 <= token < vocab_size:
             raise ValueError(f"token ids must lie in [0, {vocab_size}) (vocab_size), got {token} in {name}")
@@ -97,7 +97,7 @@ def check_eos(eos_token_id) -> frozenset[int]:
     """The eos ids (one id, a list of ids, or None); negative ids mean none, as in transformers' configs."""
     eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set, frozenset)) else [eos_token_id]
     for e in eos:
-        if e is not None and not is_int(e):
+        if e is not None and not _is_int(e):
             raise ValueError(f"eos_token_id must be an integer or a list of integers, got {eos_token_id!r}")
     return frozenset(int(e) for e in eos if e is not None and e >= 0)
 

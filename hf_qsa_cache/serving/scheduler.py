@@ -34,25 +34,21 @@ from __future__ import annotations
 
 from collections import deque
 
+from ..prefix_cache import snapshot_point
 from .requests import Request, RequestStatus
 
-# A prompt's snapshot point costs its prefill a step boundary, at best one short replayed step (at most
-# `cuda_graphs.SHORT_PREFILL_TOKENS`, 256, tokens). Without it, a later prompt that continues this one (a regenerated
-# answer, a next turn after an answer that reached no unit boundary) recomputes the tokens since the prefix the row
-# started from or stopped at, which at <= 256 tokens is at most one such step again, and only if that prompt comes:
-# the cut is made only where it saves more (a shared-prefix hit's question, a chat turn, pay no extra step).
-SNAPSHOT_GAP_TOKENS = 256
 
 
 class Scheduler:
     def __init__(self, max_rows: int, max_batch_tokens: int, prefill_first: bool, unit: int | None = None,
-                 replays=None, snapshot_gap: int = SNAPSHOT_GAP_TOKENS):
+                 replays=None, snapshot_gap: int = 0):
         self.max_rows = max_rows
         # replays(rows, length): whether a prefill step of the first rows, length tokens the longest, replays a
         # recorded graph (`ModelRunner.replays_prefill`; None: never, as on a CPU).
         self.replays = replays or (lambda rows, length: False)
         self.unit = unit  # prefix caching: chunks stop at each request's snapshot point (`plan_prefix_stop`)
-        self.snapshot_gap = snapshot_gap  # ... unless it lies at most this many tokens past its row's cached prefix
+        # ... unless it lies at most this many tokens past its row's cached prefix (`PrefixCache.snapshot_gap`)
+        self.snapshot_gap = snapshot_gap
         self.max_batch_tokens = max_batch_tokens
         self.prefill_first = prefill_first
         self.waiting: deque[Request] = deque()
@@ -91,10 +87,11 @@ class Scheduler:
     def _stop_at(self, request: Request, stop: int) -> None:
         """The request's stop (0: none), and its snapshot point (`Request.snapshot_at`): the last unit boundary
         before its last token, if that lies more than ``snapshot_gap`` tokens past both the stop and the prefix its
-        row was restored from (`SNAPSHOT_GAP_TOKENS`), else none."""
+        row was restored from (`hf_qsa_cache.prefix_cache.snapshot_point`), else none."""
         request.stop_prefix_at(stop)
-        point = (request.total - 1) // self.unit * self.unit
-        request.snapshot_at = point if point - max(request.prefix_hit, stop) > self.snapshot_gap else 0
+        start = max(request.prefix_hit, stop)
+        point = snapshot_point(start, request.total, self.unit, self.snapshot_gap)
+        request.snapshot_at = point if point > start else 0
 
     def shared_with_peers(self, request: Request) -> tuple[int, Request | None]:
         """``(length, peer)``: the longest whole-unit prefix (before its last token) the request's tokens share with

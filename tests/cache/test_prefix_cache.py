@@ -120,7 +120,9 @@ def test_bad_arguments_are_refused_by_name():
     _, ours = make_pair()
     for kwargs, named in [(dict(prefix_caching="yes"), "'yes'"), (dict(prefix_caching=True, prefix_snapshots=-1), "-1"),
                           (dict(prefix_caching=True, prefix_snapshot_bytes=1.5), "1.5"),
-                          (dict(prefix_caching=True, prefix_blocks=True), "True")]:
+                          (dict(prefix_caching=True, prefix_blocks=True), "True"),
+                          (dict(prefix_caching=True, prefix_snapshot_gap=-1), "prefix_snapshot_gap must be .* -1"),
+                          (dict(prefix_snapshot_gap="8"), "prefix_snapshot_gap must be .* '8'")]:
         with pytest.raises(ValueError, match=named):
             QSAPagedCache(ours.config, 2, 32, block_size=4, **kwargs)
     with pytest.raises(ValueError, match="prefix_caching=True"):
@@ -174,7 +176,7 @@ def test_budgets_evict_least_recently_used_and_idle_blocks_are_available():
     ref, ours, prompt, block = family("qwen4_exp")
     # Two rows of 6 blocks each fill the pool: cached blocks must be given back for new prompts.
     cache = QSAPagedCache(ours.config, 2, 6 * block, block_size=block, num_blocks=13, prefix_caching=True,
-                          prefix_snapshots=2)
+                          prefix_snapshots=2, prefix_snapshot_gap=0)
     prompts = [prompt(5 * block + 1, 10 + i) for i in range(3)]
     for p in prompts[:2]:  # each prefill caches its prompt at 5 blocks, then the next call retires it
         cache.reset()
@@ -202,7 +204,7 @@ def test_budgets_evict_least_recently_used_and_idle_blocks_are_available():
 def test_snapshot_budget_keeps_the_recently_used():
     ref, ours, prompt, block = family("qwen4_exp")
     cache = QSAPagedCache(ours.config, 1, 6 * block, block_size=block, num_blocks=20, prefix_caching=True,
-                          prefix_snapshots=2)
+                          prefix_snapshots=2, prefix_snapshot_gap=0)
     prompts = [prompt(3 * block + 1, 30 + i) for i in range(3)]
     for p in prompts[:2]:
         cache.reset()

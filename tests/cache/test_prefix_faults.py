@@ -47,7 +47,8 @@ def test_faults_change_no_cached_prefix(name):
     ref, ours, prompt, block = family(name)
     a, c = prompt(5 * block - 1, 1), prompt(3 * block + 2, 3)
     b = a[: 4 * block + 1] + prompt(block, 2)  # diverges inside the unit after a's cached 4 units
-    cache = QSAPagedCache(ours.config, 2, 8 * block, block_size=block, prefix_caching=True)
+    # (prefix_snapshot_gap=0: the prefill from cached prefixes stops at the prompts' snapshot points, as longer ones')
+    cache = QSAPagedCache(ours.config, 2, 8 * block, block_size=block, prefix_caching=True, prefix_snapshot_gap=0)
     feed_whole = lambda prompts: feed(ours, cache, prompts, keep=1)  # noqa: E731 (a prefill from cached prefixes)
     feed_whole([a, c])  # caches a at 4 blocks, c at 3
     cache.reset()

@@ -15,6 +15,10 @@ from helpers.qwen4 import left_pad, make_pair, random_prompts
 from hf_qsa_cache import QSAPagedCache
 
 NEW = 4
+# Every prompt here is shorter than the default `prefix_snapshot_gap` (256 tokens), which would then never stop a
+# prefill at its snapshot point: these tests of that stop force the gap to 0 (`test_a_restore_within_the_gap...`
+# keeps the default).
+STOP = {"prefix_snapshot_gap": 0}
 
 
 def family(name: str):
@@ -52,7 +56,7 @@ def check_rows(ref, prompts, out, width):
 @pytest.mark.parametrize("name", ["qwen4_exp", "inkling"])
 def test_second_call_starts_from_cached_prefixes(name):
     ref, ours, prompt = family(name)
-    cache = QSAPagedCache(ours.config, 3, 64, block_size=4, prefix_caching=True)
+    cache = QSAPagedCache(ours.config, 3, 64, block_size=4, prefix_caching=True, **STOP)
     a, c = prompt(21, 1), prompt(14, 2)
     first = [a, c]
     out, width = generate(ours, cache, first)
@@ -76,7 +80,7 @@ def test_second_call_starts_from_cached_prefixes(name):
 def test_chunked_prefill_from_cached_prefixes():
     ref, ours, prompt = family("qwen4_exp")
     ours.prefill_chunk_tokens = 10  # 5 tokens a row a step: several steps before and after the boundary
-    cache = QSAPagedCache(ours.config, 2, 64, block_size=4, prefix_caching=True)
+    cache = QSAPagedCache(ours.config, 2, 64, block_size=4, prefix_caching=True, **STOP)
     a = prompt(27, 6)
     out, width = generate(ours, cache, [a, a[:9]])
     check_rows(ref, [a, a[:9]], out, width)
@@ -89,7 +93,7 @@ def test_chunked_prefill_from_cached_prefixes():
 @pytest.mark.parametrize("name", ["qwen4_exp", "inkling"])
 def test_next_turn_restores_what_the_last_call_decoded(name):
     ref, ours, prompt = family(name)
-    cache = QSAPagedCache(ours.config, 2, 64, block_size=4, prefix_caching=True)
+    cache = QSAPagedCache(ours.config, 2, 64, block_size=4, prefix_caching=True, **STOP)
     a, c = prompt(18, 11), prompt(11, 12)
     out, width = generate(ours, cache, [a, c])
     check_rows(ref, [a, c], out, width)
@@ -106,7 +110,7 @@ def test_a_held_row_that_cannot_be_cached_is_released_all_the_same(monkeypatch):
     """A call with new prompts retires the held rows into cached prefixes (`prefix_generation.retire_rows`); an
     insert that raises only loses that prefix: the rows are released and the call runs exactly."""
     ref, ours, prompt = family("qwen4_exp")
-    cache = QSAPagedCache(ours.config, 2, 64, block_size=4, prefix_caching=True)
+    cache = QSAPagedCache(ours.config, 2, 64, block_size=4, prefix_caching=True, **STOP)
     generate(ours, cache, [prompt(21, 1), prompt(14, 2)])
 
     def refuse(*args, **kwargs):
@@ -116,3 +120,33 @@ def test_a_held_row_that_cannot_be_cached_is_released_all_the_same(monkeypatch):
     second = [prompt(9, 3), prompt(17, 4)]
     out, width = generate(ours, cache, second)
     check_rows(ref, second, out, width)
+
+
+@pytest.mark.parametrize("name", ["qwen4_exp", "inkling"])
+def test_a_restore_within_the_gap_prefills_in_one_step(name):
+    """``prefix_snapshot_gap=8`` (units of 4): a first call's 13-token prompt stops at its snapshot point (12 tokens
+    past its empty row) and caches it; a second call's prompt that continues its first 12 tokens by 5 restores 12 and
+    prefills the rest in one step, its snapshot point (16) lying only 4 past the restore, so nothing new is cached
+    at 16. With the gap at 0 it stops there (a step more) and caches it. Tokens and logits equal transformers'."""
+    ref, ours, prompt = family(name)
+    a = prompt(13, 1)
+    b = a[:12] + prompt(5, 2)
+
+    def run(gap: int) -> tuple[list[int], int]:
+        cache = QSAPagedCache(ours.config, 1, 64, block_size=4, prefix_caching=True, prefix_snapshot_gap=gap)
+        widths = []  # each step's columns
+        hook = ours.model.register_forward_pre_hook(
+            lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+        try:
+            generate(ours, cache, [a])
+            widths.clear()
+            out, width = generate(ours, cache, [b])
+        finally:
+            hook.remove()
+        check_rows(ref, [b], out, width)
+        cache.reset()
+        return widths, cache.restore_prefix(0, b + [7], limit=len(b))
+
+    decode = [1] * (NEW - 1)
+    assert run(gap=8) == ([5] + decode, 12)
+    assert run(gap=0) == ([4, 1] + decode, 16)  # to the snapshot point, then the prompt's last token

@@ -52,12 +52,15 @@ def build_model(family: str):
 
 
 class Stress:
-    def __init__(self, family: str, seed: int, prefix: bool = False):
+    def __init__(self, family: str, seed: int, prefix: bool = False, snapshot_gap: int = 0):
         self.model = build_model(family)
         self.vocab = self.model.config.vocab_size
         self.rng = random.Random(seed)
         self.prefix = prefix
-        extra = dict(prefix_caching=True, prefix_snapshots=4, prefix_blocks=24) if prefix else {}
+        # (``snapshot_gap``: a prefill from cached prefixes stops at a prompt's snapshot point only that far past its
+        # restore; 0: always)
+        extra = dict(prefix_caching=True, prefix_snapshots=4, prefix_blocks=24,
+                     prefix_snapshot_gap=snapshot_gap) if prefix else {}
         self.cache = QSAPagedCache(self.model.config, ROWS, MAX_LEN, block_size=2 if family == "inkling" else 4,
                                    num_speculative_tokens=K, **extra)
         self.past: list[list[int]] = []  # earlier batches' histories: what new prompts continue (prefix=True)
@@ -267,10 +270,11 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix", action="store_true", help="prefix caching: shared prefixes, eviction")
+    parser.add_argument("--snapshot-gap", type=int, default=0, help="with --prefix: the cache's prefix_snapshot_gap")
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.perf_counter()
-    stress = Stress(args.family, args.seed, prefix=args.prefix)
+    stress = Stress(args.family, args.seed, prefix=args.prefix, snapshot_gap=args.snapshot_gap)
     stress.run(args.ops)
     print(f"{args.family} seed {args.seed}: {args.ops} operations, {stress.checked} logit checks, all equal to "
           f"the reference; pools exact after every operation ({time.perf_counter() - start:.0f} s)")

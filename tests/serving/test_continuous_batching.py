@@ -45,10 +45,10 @@ def test_generate_batch_equals_each_prompt_alone_with_preemption_and_small_chunk
     # spans of 4), a pool too small for three long rows at once: preemption must happen. Grouped steps carry the
     # decoding rows beside the prefill chunks; without them a prefill step (rows padded) and a decode step alternate.
     config = ContinuousBatchingConfig(page_size=4, num_blocks=12, max_batch_tokens=5, max_requests_per_batch=3)
-    # snapshot_gap=0: prefix caching cuts each prompt's prefill at its snapshot point, as at longer prompts (the
+    # prefix_snapshot_gap=0: prefix caching stops each prompt's prefill at its snapshot point, as at longer prompts (the
     # tails pad the steps they share).
     with ours.continuous_batching_context_manager(_greedy(), continuous_batching_config=config,
-                                                  grouped_steps=grouped, snapshot_gap=0) as manager:
+                                                  grouped_steps=grouped, prefix_snapshot_gap=0) as manager:
         ids = manager.add_requests(prompts)
         results = collect_results(manager, len(prompts))
         stats = dict(manager.stats)
@@ -324,8 +324,8 @@ def test_a_fault_one_request_brings_fails_it_alone(family, monkeypatch, poisoned
     monkeypatch.setattr(ModelRunner, "_forward", failing)
     monkeypatch.setattr(ModelRunner, "_forward_grouped", failing_grouped)
     config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=6, max_requests_per_batch=4)
-    # (snapshot_gap=0: each prompt's prefill also stops at its snapshot point, as longer prompts do: more steps)
-    manager = ours.init_continuous_batching(_greedy(new=8), config, snapshot_gap=0)
+    # (prefix_snapshot_gap=0: each prompt's prefill also stops at its snapshot point, as longer prompts' do)
+    manager = ours.init_continuous_batching(_greedy(new=8), config, prefix_snapshot_gap=0)
     ids = manager.add_requests(prompts, max_new_tokens=8)  # queued first: admitted together, their steps shared
     manager.start()
     try:
@@ -515,8 +515,7 @@ def test_a_replayed_prefill_step_that_ends_a_prompt_goes_before_the_decode_step(
     from hf_qsa_cache.serving.scheduler import Scheduler
 
     def first(pending, replays=lambda rows, length: length <= 8, prefill_first=False, then_ends=True, unit=None):
-        scheduler = Scheduler(max_rows=8, max_batch_tokens=16, prefill_first=prefill_first, replays=replays, unit=unit,
-                              snapshot_gap=0)
+        scheduler = Scheduler(max_rows=8, max_batch_tokens=16, prefill_first=prefill_first, replays=replays, unit=unit)
         scheduler.rows = [Request(f"r{i}", [5] * n, 4, frozenset()) for i, n in enumerate(pending)]
         for request in scheduler.rows if unit else ():  # (placed rows: the runner has the scheduler plan their stops)
             scheduler.plan_prefix_stop(request, matched=0)
@@ -641,7 +640,7 @@ def test_neighbouring_chunks_of_one_length_share_a_rectangle(monkeypatch):
 
     monkeypatch.setattr(ModelRunner, "_forward_grouped", spy)
     config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=3)
-    manager = ours.init_continuous_batching(_greedy(new=4), config, grouped_steps=True, snapshot_gap=0)
+    manager = ours.init_continuous_batching(_greedy(new=4), config, grouped_steps=True, prefix_snapshot_gap=0)
     ids = manager.add_requests(prompts, max_new_tokens=4)  # queued before the loop starts: admitted together
     manager.start()
     try:

@@ -15,9 +15,9 @@ from transformers import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import RequestStatus
 
 NEW = 5
-# Every prompt here is far shorter than the default `snapshot_gap` (`SNAPSHOT_GAP_TOKENS`), which would then never cut a
-# prefill at its snapshot point: the tests of that cut force the gap to 0, as prompts longer than it meet it.
-CUT = {"snapshot_gap": 0}
+# Every prompt here is far shorter than the default `prefix_snapshot_gap` (256 tokens), which would then never stop a
+# prefill at its snapshot point: the tests of that stop force the gap to 0, as prompts longer than it meet it.
+CUT = {"prefix_snapshot_gap": 0}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -446,8 +446,8 @@ def test_the_snapshot_point_is_cut_only_past_the_gap(held, peer, gap, expected):
 
 
 def test_a_hit_within_the_gap_prefills_its_rest_in_one_step(family, monkeypatch):
-    """A system prompt cached with a snapshot; requests that continue it by a question of at most ``snapshot_gap``
-    tokens past it prefill the question in one step (no stop at its snapshot point); with ``snapshot_gap=0`` the
+    """A system prompt cached with a snapshot; requests that continue it by a question of at most
+    ``prefix_snapshot_gap`` tokens past it prefill the question in one step (no stop at its snapshot point); with 0 the
     same question takes a step to its snapshot point and one for its last tokens. Tokens equal transformers' alone
     either way, and a request that resends the first question's prompt again restores the system prompt (with the
     gap: no snapshot was kept past it) or the snapshot point (without)."""
@@ -457,7 +457,7 @@ def test_a_hit_within_the_gap_prefills_its_rest_in_one_step(family, monkeypatch)
     config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=32, max_requests_per_batch=2)
 
     def served(gap: int) -> tuple[list, int]:
-        manager = ours.init_continuous_batching(greedy(NEW), config, snapshot_gap=gap)
+        manager = ours.init_continuous_batching(greedy(NEW), config, prefix_snapshot_gap=gap)
         ran, runner = [], manager.runner
         prefill = runner.prefill
         monkeypatch.setattr(runner, "prefill", lambda chunks: ran.append(list(chunks)) or prefill(chunks))

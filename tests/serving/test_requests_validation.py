@@ -37,12 +37,9 @@ def test_generate_batch_refuses_a_bad_max_new_tokens_by_its_name(model, value, m
 
 
 @pytest.mark.parametrize("value", [-1, 2.5, "8", True], ids=["negative", "float", "string", "bool"])
-def test_a_bad_snapshot_gap_is_refused_before_a_cache_is_built(model, value, monkeypatch):
-    import hf_qsa_cache.serving.manager as manager_module
-
-    monkeypatch.setattr(manager_module, "QSAPagedCache", lambda *a, **k: pytest.fail("a cache was built"))
-    with pytest.raises(ValueError, match=rf"^snapshot_gap must be an integer >= 0 \(tokens\), got {value!r}$"):
-        model.init_continuous_batching(_greedy(), ContinuousBatchingConfig(**CB), snapshot_gap=value)
+def test_a_bad_prefix_snapshot_gap_is_refused_by_name(model, value):
+    with pytest.raises(ValueError, match=rf"^prefix_snapshot_gap must be an integer >= 0, got {value!r}$"):
+        model.init_continuous_batching(_greedy(), ContinuousBatchingConfig(**CB), prefix_snapshot_gap=value)
 
 
 def test_generate_batch_names_a_bad_generation_config_value(model):
