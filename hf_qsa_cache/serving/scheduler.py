@@ -38,7 +38,6 @@ from ..prefix_cache import snapshot_point
 from .requests import Request, RequestStatus
 
 
-
 class Scheduler:
     def __init__(self, max_rows: int, max_batch_tokens: int, prefill_first: bool, unit: int | None = None,
                  replays=None, snapshot_gap: int = 0):
