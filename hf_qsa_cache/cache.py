@@ -83,8 +83,8 @@ class QSAPagedCache(Cache):
             (default: ``2 * max_batch_size`` snapshots, no byte bound); least recently used evicted first.
         prefix_blocks: the most blocks prefix entries hold per table (default: no bound but the pool's: idle
             cached blocks are given back whenever a step needs them).
-        prefix_snapshot_gap: a prefill stops at a prompt's last unit boundary to snapshot it there only if that
-            lies more than this many tokens past the prefix its row was restored from (default 256; 0: always).
+        prefix_snapshot_gap: a prefill stops at a prompt's last unit boundary to snapshot it there only if more than
+            this many of its tokens come after the prefix its row was restored from (default 256; 0: always).
     """
 
     def __init__(self, config, max_batch_size: int, max_cache_len: int, block_size: int | None = None,

@@ -73,20 +73,22 @@ class Entry:
 
 
 # A prompt's prefill stops at its snapshot point (the last unit boundary before its last token) to snapshot its
-# state there: a step boundary, at best one short replayed step (at most `cuda_graphs.SHORT_PREFILL_TOKENS`, 256,
-# tokens). Without it, a later prompt that continues this one (a regenerated answer, a next turn after an answer
-# that reached no unit boundary) recomputes the tokens since the prefix the row started from, which at <= 256
-# tokens is at most such a step again, and only if that prompt comes: the stop is made only where it saves more
-# (a shared-prefix hit's question, a chat turn, pay no extra step). `QSAPagedCache(prefix_snapshot_gap=...)`.
+# state there, which splits the rest of the prompt into two steps. Where that rest (after the prefix its row starts
+# from) is at most 256 tokens, one short step takes it whole (a recorded graph replays it in continuous batching:
+# `cuda_graphs.SHORT_PREFILL_TOKENS`), and a later prompt that continues this one (a regenerated answer, a next turn
+# after an answer that reached no unit boundary) would recompute at most that much again, and only if it comes: no
+# stop there (a shared-prefix hit's 256-token question, a short chat turn). A longer rest stops as it always did
+# (its two parts each replay where they are short: one step of the whole would run eagerly).
+# `QSAPagedCache(prefix_snapshot_gap=...)`.
 SNAPSHOT_GAP_TOKENS = 256
 
 
 def snapshot_point(start: int, count: int, unit: int, gap: int) -> int:
     """Where the prefill of a row of ``count`` tokens, whose state is cached (or will be) at ``start``, ends a step
-    to snapshot its state: its last unit boundary before its last token if that lies more than ``gap`` tokens past
-    ``start``, else ``start`` (no stop)."""
+    to snapshot its state: its last unit boundary before its last token if more than ``gap`` of its tokens come
+    after ``start``, else ``start`` (no stop)."""
     point = (count - 1) // unit * unit
-    return point if point - start > gap else start
+    return point if count - start > gap else start
 
 
 class PrefixCache:
@@ -97,8 +99,8 @@ class PrefixCache:
         self.tables = tables  # the cache's block tables (grown in place)
         self.shared = [name for name, t in tables.items() if t.window is None]  # tables whose blocks are shared
         self.unit = unit
-        # A prefill stops at a prompt's snapshot point only if that lies more than this many tokens past the prefix
-        # its row was restored from (or, in continuous batching, stops at for others).
+        # A prefill stops at a prompt's snapshot point only if more than this many of its tokens come after the prefix
+        # its row was restored from (or, in continuous batching, stops at for others): `snapshot_point`.
         self.snapshot_gap = snapshot_gap
         self.max_snapshots = max_snapshots
         self.max_snapshot_bytes = max_snapshot_bytes

@@ -4,10 +4,10 @@
   what they hold at a unit boundary becomes a cached prefix, and the rows are released (no `reset()` needed).
 * The prefill of a call on an empty cache (`prefill`) starts each row from the longest cached prefix of its
   prompt (`QSAPagedCache.restore_prefix`, at most all but its last token) and feeds only the rest. Where a
-  row's prompt passes a unit boundary more than ``prefix_snapshot_gap`` tokens beyond what was restored, the
-  prefill is split so that a step ends exactly at the prompt's last boundary (one extra step): the row's state
-  is captured there, and once the whole forward has landed the prefix up to that boundary is cached with that
-  snapshot.
+  row's prompt passes a unit boundary beyond what was restored, and more than ``prefix_snapshot_gap`` of its
+  tokens come after that, the prefill is split so that a step ends exactly at the prompt's last boundary (one
+  extra step): the row's state is captured there, and once the whole forward has landed the prefix up to that
+  boundary is cached with that snapshot.
 
 Rows of one step are left-padded spans of their own tokens, so rows restored to different lengths share steps;
 chunks of at most ``prefill_chunk_tokens`` tokens per step, as the plain prefill.

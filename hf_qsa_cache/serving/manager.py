@@ -71,7 +71,7 @@ class ContinuousBatchingManager:
         step, replayed from a CUDA graph. On an H100 the separate steps are the faster (docs/serving.md: a grouped
         step runs its groups' layers eagerly, one pass a group, and eager steps are bound by host work).
         ``prefix_snapshot_gap``: with prefix caching, a prompt's prefill stops at its last unit boundary to keep a
-        snapshot there only if that lies more than this many tokens past the cached prefix its row starts from
+        snapshot there only if more than this many of its tokens come after the cached prefix its row starts from
         (`QSAPagedCache`'s; `Scheduler.plan_prefix_stop`)."""
         self.model = model
         self.grouped_steps = grouped_steps

@@ -11,8 +11,8 @@ rows' tokens, `ModelRunner.grouped`):
   that length fit and pads stay at most half the step (the next row's longer chunk sets the length instead
   where that feeds more tokens); a chunk may end anywhere: inside a QSA group, a
   window, a conv span, except that with prefix caching a chunk ends at the request's snapshot point, the last
-  unit boundary before its last token, when it passes it and lies more than ``snapshot_gap`` tokens past the
-  prefix its row starts from or stops at (`plan_prefix_stop`): the runner caches the prefix there). With prefix
+  unit boundary before its last token, when it passes it and more than ``snapshot_gap`` of its tokens come after
+  the prefix its row starts from or stops at (`plan_prefix_stop`): the runner caches the prefix there). With prefix
   caching, a request whose prefix an older one is computing (the same stop, the same tokens) waits for it and
   then restores it; waiting rows are ordered after the other prefilling rows, so they do not end a step
   before the rows behind them;
@@ -46,7 +46,7 @@ class Scheduler:
         # recorded graph (`ModelRunner.replays_prefill`; None: never, as on a CPU).
         self.replays = replays or (lambda rows, length: False)
         self.unit = unit  # prefix caching: chunks stop at each request's snapshot point (`plan_prefix_stop`)
-        # ... unless it lies at most this many tokens past its row's cached prefix (`PrefixCache.snapshot_gap`)
+        # ... unless at most this many of its tokens come after its row's cached prefix (`PrefixCache.snapshot_gap`)
         self.snapshot_gap = snapshot_gap
         self.max_batch_tokens = max_batch_tokens
         self.prefill_first = prefill_first
@@ -85,8 +85,8 @@ class Scheduler:
 
     def _stop_at(self, request: Request, stop: int) -> None:
         """The request's stop (0: none), and its snapshot point (`Request.snapshot_at`): the last unit boundary
-        before its last token, if that lies more than ``snapshot_gap`` tokens past both the stop and the prefix its
-        row was restored from (`hf_qsa_cache.prefix_cache.snapshot_point`), else none."""
+        before its last token, if more than ``snapshot_gap`` of its tokens come after both the stop and the prefix
+        its row was restored from (`hf_qsa_cache.prefix_cache.snapshot_point`), else none."""
         request.stop_prefix_at(stop)
         start = max(request.prefix_hit, stop)
         point = snapshot_point(start, request.total, self.unit, self.snapshot_gap)

@@ -124,10 +124,10 @@ def test_a_held_row_that_cannot_be_cached_is_released_all_the_same(monkeypatch):
 
 @pytest.mark.parametrize("name", ["qwen4_exp", "inkling"])
 def test_a_restore_within_the_gap_prefills_in_one_step(name):
-    """``prefix_snapshot_gap=8`` (units of 4): a first call's 13-token prompt stops at its snapshot point (12 tokens
-    past its empty row) and caches it; a second call's prompt that continues its first 12 tokens by 5 restores 12 and
-    prefills the rest in one step, its snapshot point (16) lying only 4 past the restore, so nothing new is cached
-    at 16. With the gap at 0 it stops there (a step more) and caches it. Tokens and logits equal transformers'."""
+    """``prefix_snapshot_gap=5`` (units of 4): a first call's 13-token prompt stops at its snapshot point (13 tokens to
+    feed) and caches 12; a second call's prompt that continues its first 12 tokens by 5 restores 12 and prefills the
+    rest in one step (5 tokens to feed), so nothing new is cached at its snapshot point (16). With the gap at 4 it
+    stops there (a step more) and caches it. Tokens and logits equal transformers'."""
     ref, ours, prompt = family(name)
     a = prompt(13, 1)
     b = a[:12] + prompt(5, 2)
@@ -148,5 +148,5 @@ def test_a_restore_within_the_gap_prefills_in_one_step(name):
         return widths, cache.restore_prefix(0, b + [7], limit=len(b))
 
     decode = [1] * (NEW - 1)
-    assert run(gap=8) == ([5] + decode, 12)
-    assert run(gap=0) == ([4, 1] + decode, 16)  # to the snapshot point, then the prompt's last token
+    assert run(gap=5) == ([5] + decode, 12)
+    assert run(gap=4) == ([4, 1] + decode, 16)  # to the snapshot point, then the prompt's last token

@@ -414,23 +414,23 @@ def test_a_peer_gets_the_shared_stop_only_in_flight_and_without_a_stop_of_its_ow
 
 
 @pytest.mark.parametrize(("held", "peer", "gap", "expected"), [
-    (0, 0, 0, 28), (0, 0, 27, 28), (0, 0, 28, 0),  # a fresh row: 28 tokens from its start to its snapshot point
-    (16, 0, 11, 28), (16, 0, 12, 0),  # restored at 16: 12 tokens from there
-    (0, 24, 3, 28), (0, 24, 4, 0),  # no restore, but its prefill stops at 24 (shared with a peer) and caches it there
+    (0, 0, 0, 28), (0, 0, 29, 28), (0, 0, 30, 0),  # a fresh row: all 30 tokens to feed
+    (16, 0, 13, 28), (16, 0, 14, 0),  # restored at 16: 14 tokens after it
+    (0, 24, 5, 28), (0, 24, 6, 0),  # no restore, but its prefill stops at 24 (shared with a peer) and caches it there
     (28, 0, 0, 0),  # restored at its snapshot point: nothing to cut
-], ids=["fresh-gap0", "fresh-gap27", "fresh-gap28", "restored-gap11", "restored-gap12", "peer-gap3", "peer-gap4",
+], ids=["fresh-gap0", "fresh-gap29", "fresh-gap30", "restored-gap13", "restored-gap14", "peer-gap5", "peer-gap6",
         "restored-at-point"])
 def test_the_snapshot_point_is_cut_only_past_the_gap(held, peer, gap, expected):
     """`Scheduler.plan_prefix_stop`: a 30-token prompt's snapshot point (28, units of 4) stops its prefill only when
-    it lies more than ``snapshot_gap`` tokens past both the prefix its row was restored from and its stop; an older
-    request given the stop it shares has its own snapshot point planned again."""
+    more than ``snapshot_gap`` of its tokens come after both the prefix its row was restored from and its stop; an
+    older request given the stop it shares has its own snapshot point planned again."""
     from hf_qsa_cache.serving.requests import Request
     from hf_qsa_cache.serving.scheduler import Scheduler
 
     prompt = list(range(1, 31))
     scheduler = Scheduler(max_rows=4, max_batch_tokens=64, prefill_first=True, unit=4, snapshot_gap=gap)
-    if peer:  # an older request in flight that shares the prompt's first `peer` tokens, then differs (32 tokens)
-        other = Request("older", prompt[:peer] + [99] * 8, 4, frozenset())
+    if peer:  # an older request in flight that shares the prompt's first `peer` tokens, then differs (30 tokens)
+        other = Request("older", prompt[:peer] + [99] * 6, 4, frozenset())
         scheduler.submit(other)
         scheduler.admit()
         scheduler.plan_prefix_stop(other, matched=0)  # (its row placed: nothing cached, no peer yet)
@@ -447,13 +447,13 @@ def test_the_snapshot_point_is_cut_only_past_the_gap(held, peer, gap, expected):
 
 def test_a_hit_within_the_gap_prefills_its_rest_in_one_step(family, monkeypatch):
     """A system prompt cached with a snapshot; requests that continue it by a question of at most
-    ``prefix_snapshot_gap`` tokens past it prefill the question in one step (no stop at its snapshot point); with 0 the
+    ``prefix_snapshot_gap`` tokens prefill the question in one step (no stop at its snapshot point); with less the
     same question takes a step to its snapshot point and one for its last tokens. Tokens equal transformers' alone
     either way, and a request that resends the first question's prompt again restores the system prompt (with the
     gap: no snapshot was kept past it) or the snapshot point (without)."""
     name, ref, ours = family
     system = random_prompts([16], vocab=90, seed=51)[0]
-    question = system + random_prompts([7], vocab=90, seed=52)[0]  # 23 tokens: snapshot point 20, 4 past the system's
+    question = system + random_prompts([7], vocab=90, seed=52)[0]  # 23 tokens: 7 after the system's, snapshot point 20
     config = ContinuousBatchingConfig(page_size=4, num_blocks=60, max_batch_tokens=32, max_requests_per_batch=2)
 
     def served(gap: int) -> tuple[list, int]:
@@ -475,11 +475,11 @@ def test_a_hit_within_the_gap_prefills_its_rest_in_one_step(family, monkeypatch)
         assert pools_full(manager.cache)
         return steps, again
 
-    assert served(gap=4) == ([[7]], 16)
-    assert served(gap=3) == ([[4], [3]], 20)
+    assert served(gap=7) == ([[7]], 16)
+    assert served(gap=6) == ([[4], [3]], 20)
 
 
-@pytest.mark.parametrize(("gap", "expected"), [(11, 28), (12, 0)], ids=["gap11", "gap12"])
+@pytest.mark.parametrize(("gap", "expected"), [(13, 28), (14, 0)], ids=["gap13", "gap14"])
 def test_a_prefilling_row_that_finds_blocks_cached_further_stops_there(gap, expected):
     """`ModelRunner.retry_restores`: a row mid-prefill (8 of 30 tokens fed) whose tokens another request has since
     cached as blocks up to 16, with no snapshot past its own 8, stops its prefill at 16 to cache its state there for
