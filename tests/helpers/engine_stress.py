@@ -94,8 +94,11 @@ class Faults:
 class EngineStress:
     def __init__(self, family: str, seed: int, rows: int = 3, budget: int = 7, blocks: int = 24,
                  fault_every: tuple[int, int] = (20, 120), shared: bool = False, lookup: int = 0,
-                 grouped_steps: bool = False, graph_path: bool = False):
+                 grouped_steps: bool = False, graph_path: bool = False, snapshot_gap: int = 0):
         self.family, self.seed = family, seed
+        # Prefix caching's `prefix_snapshot_gap`: 0 stops every prompt's prefill at its snapshot point (these prompts
+        # are far shorter than the default's 256 tokens, which would stop none).
+        self.snapshot_gap = snapshot_gap
         self.graph_path = graph_path  # steps a GPU replays from a graph take that path (`steps_routed_as_on_a_gpu`)
         self.graph_steps: list[int] = []  # the lengths of those steps
         self.shared = shared
@@ -119,7 +122,8 @@ class EngineStress:
             gen = greedy(10, prompt_lookup_num_tokens=self.lookup or None)
             routing = steps_routed_as_on_a_gpu() if self.graph_path else contextlib.nullcontext([])
             with routing as self.graph_steps, self.ours.continuous_batching_context_manager(
-                    gen, continuous_batching_config=self.config, grouped_steps=self.grouped_steps) as manager:
+                    gen, continuous_batching_config=self.config, grouped_steps=self.grouped_steps,
+                    prefix_snapshot_gap=self.snapshot_gap) as manager:
                 for op in range(ops):
                     kind = rng.random()
                     if kind < 0.6:
@@ -201,13 +205,14 @@ def main() -> None:
     parser.add_argument("--shared", action="store_true", help="prompts continue common prefixes (prefix caching)")
     parser.add_argument("--lookup", type=int, default=0, help="prompt lookup drafts per decode step")
     parser.add_argument("--grouped-steps", action="store_true", help="the loop runs grouped steps")
+    parser.add_argument("--snapshot-gap", type=int, default=0, help="prefix caching's prefix_snapshot_gap")
     parser.add_argument("--graph-path", action="store_true",
                         help="steps a GPU replays from a CUDA graph take that path (from its static buffers)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.time()
     stress = EngineStress(args.family, args.seed, shared=args.shared, lookup=args.lookup,
-                          grouped_steps=args.grouped_steps, graph_path=args.graph_path)
+                          grouped_steps=args.grouped_steps, graph_path=args.graph_path, snapshot_gap=args.snapshot_gap)
     stress.run(args.ops, timeout=3600)
     print(f"{args.family} seed {args.seed}: {args.ops} operations, {len(stress.submitted)} requests, "
           f"{stress.counts}, faults fired {stress.faults.fired}, {stress.manager.stats}, {time.time() - start:.0f} s")

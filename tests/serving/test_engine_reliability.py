@@ -528,19 +528,23 @@ def test_random_arrivals_cancels_and_faults_match_the_reference(family_name, see
     assert sum(stress.faults.fired.values()) >= 3, stress.faults.fired
 
 
-@pytest.mark.parametrize("family_name, seed, lookup, grouped_steps, graph_path",
-                         [("qwen4_exp", 2, 2, True, False), ("inkling", 3, 0, False, False),
-                          ("qwen4_exp", 4, 2, False, True)],
-                         ids=["qwen4_exp-prompt-lookup-grouped-steps", "inkling", "qwen4_exp-prompt-lookup-graph-path"])
-def test_shared_prefixes_under_faults_match_the_reference(family_name, seed, lookup, grouped_steps, graph_path):
+@pytest.mark.parametrize("family_name, seed, lookup, grouped_steps, graph_path, gap",
+                         [("qwen4_exp", 2, 2, True, False, 0), ("inkling", 3, 0, False, False, 0),
+                          ("qwen4_exp", 4, 2, False, True, 0), ("inkling", 5, 0, False, True, 8)],
+                         ids=["qwen4_exp-prompt-lookup-grouped-steps", "inkling", "qwen4_exp-prompt-lookup-graph-path",
+                              "inkling-graph-path-gap8"])
+def test_shared_prefixes_under_faults_match_the_reference(family_name, seed, lookup, grouped_steps, graph_path,
+                                                           gap):
     """The engine stress test with prompts that share prefixes (and continue earlier answers): rows start from
     cached prefixes, cached blocks are taken back for new work, faults fire in steps and bookkeeping. Qwen4Exp's
     with prompt lookup's drafts in grouped steps: rows restored from a prefix wait beside rows that crop; and with
-    its decode and verify steps on the CUDA graphs' path, as a GPU runs them."""
+    its decode and verify steps on the CUDA graphs' path, as a GPU runs them. ``gap``: prefix caching's
+    `prefix_snapshot_gap` (0: every prefill stops at its snapshot point; 8: only those with more than 8 tokens to
+    feed after their restore)."""
     from helpers.engine_stress import EngineStress
 
     stress = EngineStress(family_name, seed, shared=True, lookup=lookup, grouped_steps=grouped_steps,
-                          graph_path=graph_path)
+                          graph_path=graph_path, snapshot_gap=gap)
     stress.run(ops=60)
     assert stress.counts["finished"] > 10, stress.counts
     assert (stress.manager.stats["drafted_tokens"] > 0) == bool(lookup), stress.manager.stats
