@@ -445,12 +445,16 @@ def test_the_snapshot_point_is_cut_only_past_the_gap(held, peer, gap, expected):
         assert other.prefix_stop == peer and other.snapshot_at == expected
 
 
-def test_a_hit_within_the_gap_prefills_its_rest_in_one_step(family, monkeypatch):
+@pytest.mark.parametrize("routed", [False, True], ids=["eager", "graph-path"])
+def test_a_hit_within_the_gap_prefills_its_rest_in_one_step(family, monkeypatch, routed):
     """A system prompt cached with a snapshot; requests that continue it by a question of at most
     ``prefix_snapshot_gap`` tokens prefill the question in one step (no stop at its snapshot point); with less the
     same question takes a step to its snapshot point and one for its last tokens. Tokens equal transformers' alone
     either way, and a request that resends the first question's prompt again restores the system prompt (with the
-    gap: no snapshot was kept past it) or the snapshot point (without)."""
+    gap: no snapshot was kept past it) or the snapshot point (without). ``routed``: each step a GPU replays from a
+    recorded graph (the restored row's short prefill steps among them) takes that path."""
+    from helpers.serving import steps_routed_as_on_a_gpu
+
     name, ref, ours = family
     system = random_prompts([16], vocab=90, seed=51)[0]
     question = system + random_prompts([7], vocab=90, seed=52)[0]  # 23 tokens: 7 after the system's, snapshot point 20
@@ -461,7 +465,15 @@ def test_a_hit_within_the_gap_prefills_its_rest_in_one_step(family, monkeypatch)
         ran, runner = [], manager.runner
         prefill = runner.prefill
         monkeypatch.setattr(runner, "prefill", lambda chunks: ran.append(list(chunks)) or prefill(chunks))
-        manager.start()
+        routing = steps_routed_as_on_a_gpu() if routed else contextlib.nullcontext([])
+        with routing as graph_steps:
+            manager.start()
+            steps, again = _hits(manager, ran)
+        assert not routed or all(n in graph_steps for chunks in steps for n in chunks), (graph_steps, steps)
+        assert pools_full(manager.cache)
+        return steps, again
+
+    def _hits(manager, ran) -> tuple[list, int]:
         try:
             check(ref, [system + [5]], run(manager, [system + [5]]))  # caches the system prompt's 16 tokens
             ran.clear()
@@ -472,7 +484,6 @@ def test_a_hit_within_the_gap_prefills_its_rest_in_one_step(family, monkeypatch)
             again = manager.cache.memory_stats()["prefix_cache"]["hit_tokens"] - before
         finally:
             manager.stop(block=True)
-        assert pools_full(manager.cache)
         return steps, again
 
     assert served(gap=7) == ([[7]], 16)
