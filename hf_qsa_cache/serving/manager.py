@@ -37,7 +37,7 @@ from .runner import ModelRunner
 from .sampling import Sampling, request_seed
 from .scheduler import Scheduler
 from .settings import vocab_size, warn_unused
-from .warmup import warm_up
+from .warmup import warm_up, workload_shape
 
 logger = logging.getLogger(__name__)
 
@@ -159,13 +159,8 @@ class ContinuousBatchingManager:
             raise RuntimeError("warmup() runs before start(): the continuous batching loop is running")
         if run is None:
             run = self.model.device.type == "cuda"
-        if run:  # (as many rows as the hinted workload has requests: a generate_batch of four prompts warms four)
-            hints = self.workload_hints
-            # The most a row of the workload holds: where its long requests decode (the reach most decode steps of
-            # many rows take, the longest row setting it).
-            longest = (getattr(hints, "max_prompt_length", None) or self.scheduler.max_batch_tokens) \
-                + (getattr(hints, "max_generated_length", None) or 0)
-            rows = getattr(hints, "num_requests", None) or self.scheduler.max_rows
+        if run:
+            rows, longest = workload_shape(self.workload_hints, self.scheduler)
             started, stats = time.perf_counter(), dict(self.stats)
             try:
                 warm_up(self, rows, longest, vocab_size(self.model))

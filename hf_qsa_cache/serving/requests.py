@@ -206,8 +206,7 @@ class Request:
         key (a hash of the prefix's tokens) share that prefix: one computes it, the others wait and restore it
         (`Scheduler`); a collision only makes a request wait for a prefix it then does not find."""
         self.prefix_stop = stop
-        head = self.prompt[:stop]
-        self.prefix_key = hash(tuple(head + self.generated[: stop - len(head)])) if stop else 0
+        self.prefix_key = hash(tuple(self.first_tokens(stop))) if stop else 0
 
     def next_token(self) -> int:
         """The next token its row has not held yet (a decode step's one token)."""

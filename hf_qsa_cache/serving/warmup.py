@@ -31,19 +31,31 @@ from .requests import copy_ids
 SHORT_PROMPT = 16  # the first short request's prompt; each next one is 8 tokens longer and decodes one more token
 
 
+def workload_shape(hints, scheduler) -> tuple[int, int]:
+    """``(rows, reach)`` to warm up for: as many rows as the hinted workload has requests (a `generate_batch` of
+    four prompts warms four), else every row; the most tokens a row of it holds (its longest prompt and answer, else
+    one prefill budget): where its long requests decode, the reach most decode steps of many rows take."""
+    rows = getattr(hints, "num_requests", None) or scheduler.max_rows
+    reach = (getattr(hints, "max_prompt_length", None) or scheduler.max_batch_tokens) \
+        + (getattr(hints, "max_generated_length", None) or 0)
+    return rows, reach
+
+
 def warm_up(manager, rows: int, reach: int, vocab_size: int) -> None:
     """Run the dummy requests on ``rows`` rows at most, for rows of up to ``reach`` tokens (the loop must not be
     running), then leave nothing of them: no row, no cached prefix, no unread result. A warm-up request that fails
     raises a `RuntimeError` naming it."""
-    cache, rows = manager.cache, max(1, min(rows, manager.scheduler.max_rows))
+    cache = manager.cache
+    longest = cache.longest_row()  # (what one row can hold: no warm-up request may need more, or it fails)
+    # (no more than the cache's rows; a short request's prompt and answer, up to twice the rows' count, fit a row)
+    rows = max(1, min(rows, manager.scheduler.max_rows, (longest - 2) // 2))
+    long_new = 3 * rows + 8  # the long requests' new tokens: they outlive the short ones beside them
     copies = manager.num_return_sequences  # (each request's copies are requests too: their results are read)
     vocab = min(vocab_size, 32768)
     gen = torch.Generator().manual_seed(0)
 
     def prompt(n: int) -> list[int]:  # (token ids below 32,768: far from a multimodal model's placeholder ids)
         return torch.randint(1, vocab, (n,), generator=gen).tolist()
-
-    longest = cache.longest_row()  # (what one row can hold: no warm-up request may need more, or it fails)
 
     submitted: list[str] = []  # every warm-up request's id, its copies' too
 
@@ -80,8 +92,6 @@ def warm_up(manager, rows: int, reach: int, vocab_size: int) -> None:
         finish(shorts(wave, -(-(rows - copies) // copies)))
         finish([long_id])
 
-    rows = max(1, min(rows, (longest - 2) // 2))  # (a short request decodes up to twice the rows' count)
-    long_new = 3 * rows + 8
     # The long requests' prompts: the workload's longest row, and below its reach bucket one for each bucket the
     # short requests do not reach, each decoding inside its bucket (a decode step's reach is its longest row's).
     top = min(reach, longest - long_new)
