@@ -83,7 +83,7 @@ def build_manager(model, args, sharing: bool, max_prompt: int):
                                       allow_block_sharing=sharing)
     gen_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=args.answer_tokens)
     hints = WorkloadHints(max_prompt_length=max_prompt, max_generated_length=args.answer_tokens, num_requests=args.rows)
-    manager = model.init_continuous_batching(gen_config, config, hints)
+    manager = model.init_continuous_batching(gen_config, config, hints, mixed_steps=args.mixed_steps)
     # The kernels of a whole prefill chunk, and decode graphs at every row count beside a row of the workload's
     # longest, before the clock starts (met inside the run they took the first requests' TTFT: 20 s for the first
     # 8,192-token chunk at 40 layers on an H100, then 5 s of graph recordings).
@@ -207,6 +207,8 @@ def main(argv=None):
     parser.add_argument("--page-size", type=int, default=64, help="block size: prefixes are cached in its units")
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--only", choices=["with", "without"], default=None, help="run one side only")
+    parser.add_argument("--mixed-steps", action="store_true",
+                        help="mixed steps (a short prefill chunk and the decoding rows in one recorded step)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="small widths (a CPU smoke run)")
     parser.add_argument("--seed", type=int, default=0)
@@ -236,7 +238,7 @@ def main(argv=None):
     common = {"bench": "prefix", "model": args.model, "layers": args.layers, "workload": args.workload,
               "device": gpu, "dtype": str(dtype).replace("torch.", ""), "tiny": args.tiny, "rows": args.rows,
               "page_size": args.page_size, "batch_tokens": args.batch_tokens, "answer_tokens": args.answer_tokens,
-              "commit": commit()}
+              "mixed_steps": args.mixed_steps, "commit": commit()}
     if args.workload == "chat":
         common.update(conversations=args.conversations, turns=args.turns, system_tokens=args.system_tokens,
                       user_tokens=args.user_tokens, rate=args.rate)
@@ -274,7 +276,8 @@ def main(argv=None):
                            cached_blocks=prefix["blocks"], cached_block_gib=prefix["block_bytes"] / 2**30, evictions=prefix["evictions"],
                            snapshot_evictions=prefix["snapshot_evictions"])
             row.update(cache_gib=stats["total_bytes"] / 2**30, prefill_steps=manager.stats["prefill_steps"],
-                       decode_steps=manager.stats["decode_steps"], preemptions=manager.stats["preemptions"])
+                       decode_steps=manager.stats["decode_steps"], mixed_steps_run=manager.stats["mixed_steps"],
+                       preemptions=manager.stats["preemptions"])
             rows[name] = record({"impl": f"{name} prefix caching", **row})
         finally:
             manager.stop(block=True)

@@ -46,22 +46,20 @@ Off with ``HF_QSA_CUDA_GRAPHS=0`` in the environment or ``model.use_cuda_graphs 
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import time
-import traceback
-import warnings
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from .blocks import device_tables
 from .cache import QSAPagedCache
-from .step import canonical_device
+from .graph_validity import (_probe, capture_failures, capture_key, collector_paused, experts_family,
+                             experts_modules, experts_running, model_fingerprint, remember_capture_failure)
+from .grouped import group_ids, group_parts
+from .step import RowGroup, canonical_device
 # The experts a graph step runs are chosen by the experts op (`hf_qsa_cache.ops.experts.graph_experts`).
 from .ops.experts import graph_experts
 
@@ -96,6 +94,15 @@ class _Bucket:
     experts: str | None = None  # experts implementation the step runs instead of the model's own
     key: tuple = ()  # what decides whether the step captures (`capture_key`)
     padded: bool = False  # recorded for rows that take fewer tokens than the step (left-padded verify steps)
+    # A mixed step (`DecodeGraphs.mixed_step`): its first rows' prefill group (0: a rectangle, ``ids [bucket, L]``;
+    # else ``ids [1, prefill_rows * L + decoding rows]``), its length L and the token indices it takes logits of.
+    prefill_rows: int = 0
+    length: int = 0
+    keep: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.lengths.shape[1]
 
 
 def reach_bucket(longest: int, max_cache_len: int) -> int:
@@ -189,19 +196,62 @@ class DecodeGraphs:
                 entry = self.buckets[shape] = self._new_bucket(*shape, ptrs)
             self._fill(entry, prev, counts, input_ids, position_ids)
             columns = slice(None) if keeps_last_column(length) else slice(length - taken, None)
-            if entry.graph is not None:
-                entry.graph.replay()  # a launch runs whole (its copy included) or raises before running
-                self.replays += 1
-                step.rows_saved(size)
-                logits = entry.logits[:rows, columns].clone()
-            elif self.record and not entry.eager:
-                started = time.perf_counter()
-                logits = self._run_and_capture(entry)[:rows, columns].clone()
-                self.recordings += 1
-                self.recording_s += time.perf_counter() - started
-            else:
-                logits = self._eager(entry)[:rows, columns].clone()
-        return logits
+            return self._run(entry, step)[:rows, columns].clone()
+
+    def mixed_step(self, prefill_ids: torch.Tensor, counts: list[int], decode_ids: torch.Tensor) -> torch.Tensor:
+        """One step of the first rows' prefill chunks and every other row's next token, replayed from one graph (a
+        grouped step, `hf_qsa_cache.grouped`, of two groups): ``prefill_ids`` ``[P, L]`` (row ``i``'s ``counts[i]``
+        real tokens in its last columns; ``P`` x ``L`` a short prefill step's shape, `short_prefill_length`),
+        ``decode_ids`` ``[D]`` (rows ``P .. P + D``, the cache's last). Returns logits ``[P + D, vocab]``: each
+        prefill row's last column, then each decoding row's token."""
+        cache = self.cache
+        (prefill_rows, length), decoding = prefill_ids.shape, decode_ids.shape[0]
+        rows = prefill_rows + decoding
+        if rows != cache.num_rows or short_prefill_length(cache, prefill_rows, length) != length or decoding < 1:
+            raise ValueError(f"a mixed step takes {prefill_rows} prefill rows of {length} tokens (a short prefill "
+                             f"step's shape) and the cache's other {cache.num_rows - prefill_rows} rows one token "
+                             f"each; got {decoding} decoding rows")
+        size = prefill_rows + min(self.bucket(decoding), cache.max_batch_size - prefill_rows)
+        model = self.model
+        self._forget_stale_graphs(model)
+        cache.check_model(model.config, self.model_dtype)
+        with cache.transaction(rows, length, None, copy_rows=False, counts=list(counts) + [1] * decoding) as step:
+            prev, counts = step.prev, step.counts
+            self.steps_seen = cache.steps_started
+            ptrs = {name: t.data_ptr() for name, t in device_tables(cache.tables, size, self.device).items()}
+            padded = any(c < length for c in counts[:prefill_rows])
+            shape = ("mixed", prefill_rows, length, size, self.reach_bucket(max(p + c for p, c in zip(prev, counts))),
+                     padded)
+            entry = self.buckets.get(shape)
+            if entry is not None and entry.table_ptrs != ptrs:
+                self.buckets.clear()
+                entry = None
+            if entry is None:
+                entry = self.buckets[shape] = self._new_mixed_bucket(prefill_rows, length, size, shape[4], padded,
+                                                                     ptrs)
+            lengths = np.zeros((2, size), dtype=np.int32)  # padding rows: no real token, nothing written
+            lengths[0, :rows], lengths[1, :rows] = prev, counts
+            entry.lengths.copy_(torch.from_numpy(lengths), non_blocking=True)
+            split = prefill_rows * length
+            entry.ids[0, :split].copy_(prefill_ids.reshape(-1))
+            entry.ids[0, split:split + decoding].copy_(decode_ids)
+            return self._run(entry, step)[:rows].clone()
+
+    def _run(self, entry: _Bucket, step) -> torch.Tensor:
+        """The filled step ``entry``: its graph replayed, else run on the recorded path (and recorded), else eagerly
+        on that path; returns the logits buffer (the caller copies its rows out)."""
+        if entry.graph is not None:
+            entry.graph.replay()  # a launch runs whole (its copy included) or raises before running
+            self.replays += 1
+            step.rows_saved(entry.rows)
+            return entry.logits
+        if self.record and not entry.eager:
+            started = time.perf_counter()
+            logits = self._run_and_capture(entry)
+            self.recordings += 1
+            self.recording_s += time.perf_counter() - started
+            return logits
+        return self._eager(entry)
 
     def _forget_stale_graphs(self, model) -> None:
         """Drop the graphs if the weights they read moved, the model gained or lost hooks, or other experts
@@ -250,6 +300,20 @@ class DecodeGraphs:
             table_ptrs=ptrs, experts=experts, key=key, eager=key in capture_failures(model), padded=padded,
         )
 
+    def _new_mixed_bucket(self, prefill_rows: int, length: int, size: int, reach: int, padded: bool,
+                          ptrs: dict[str, int]) -> _Bucket:
+        model = self.model
+        tokens = prefill_rows * length + size - prefill_rows
+        experts = graph_experts(model, self.experts, self.device, tokens)
+        key = capture_key(model, self.experts, self.device, experts, ("mixed", prefill_rows, size), length, padded)
+        keep = [(i + 1) * length - 1 for i in range(prefill_rows)] + list(range(prefill_rows * length, tokens))
+        return _Bucket(
+            ids=torch.zeros(1, tokens, dtype=torch.int64, device=self.device), reach=reach,
+            lengths=torch.zeros(2, size, dtype=torch.int32, device=self.device), positions=None,
+            table_ptrs=ptrs, experts=experts, key=key, eager=key in capture_failures(model), padded=padded,
+            prefill_rows=prefill_rows, length=length, keep=torch.tensor(keep, device=self.device),
+        )
+
     def _fill(self, entry: _Bucket, prev: list[int], counts: list[int], input_ids, position_ids) -> None:
         (rows, length), size = input_ids.shape, entry.ids.shape[0]
         lengths = np.zeros((2, size), dtype=np.int32)  # padding rows: no real token, nothing written
@@ -266,24 +330,46 @@ class DecodeGraphs:
 
     def _recorded(self, entry: _Bucket, tables: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """What a graph records: the rows the step overwrites in place copied aside, then the step."""
-        self.cache.copy_rows_aside(entry.ids.shape[0])
+        self.cache.copy_rows_aside(entry.rows)
         return self._body(entry, tables)
 
     def _eager(self, entry: _Bucket) -> torch.Tensor:
         """The recorded step run eagerly; the transaction learns of the copy once it has run."""
-        self.cache.copy_rows_aside(entry.ids.shape[0])
-        self.cache.open_step.rows_saved(entry.ids.shape[0])
+        self.cache.copy_rows_aside(entry.rows)
+        self.cache.open_step.rows_saved(entry.rows)
         return self._body(entry)
 
     def _body(self, entry: _Bucket, tables: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The step proper: metadata from the static buffers, then every layer (experts as `graph_experts`
         chose for this bucket)."""
+        if entry.prefill_rows:
+            return self._mixed_body(entry, tables)
         meta = self.cache.graph_step_metadata(entry.lengths, entry.ids.shape[1], tables, reach=entry.reach,
                                               padded=entry.padded)
         self.cache.log_tokens(meta, entry.ids)
         keep = 1 if keeps_last_column(entry.ids.shape[1]) else 0
         with experts_running(self.experts, entry.experts):
             return self.model._decode_logits(entry.ids, entry.positions, meta, self.cache, keep)
+
+    def _mixed_body(self, entry: _Bucket, tables: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """A mixed step proper: each group's metadata from its rows of the static buffers (the decoding rows'
+        group numbered from its first cache row, `StepMetadata.row_offset`), then every layer as a grouped step."""
+        cache, split = self.cache, entry.prefill_rows
+        tables = device_tables(cache.tables, entry.rows, self.device) if tables is None else tables
+        groups = [RowGroup(0, split, entry.length), RowGroup(split, entry.rows - split, 1)]
+        metas = []
+        for group in groups:
+            rows = slice(group.first, group.first + group.rows)
+            meta = cache.graph_step_metadata(entry.lengths[:, rows], group.query_len,
+                                             {name: t[rows] for name, t in tables.items()}, reach=entry.reach,
+                                             padded=entry.padded and group.query_len > 1)
+            meta.row_offset = group.first
+            metas.append(meta)
+        cache.metadata.set(metas[0], self.device)  # (as an eager grouped step sets it)
+        for meta, ids in zip(metas, group_ids(entry.ids, groups)):
+            cache.log_tokens(meta, ids)
+        with experts_running(self.experts, entry.experts):
+            return self.model._grouped_logits(entry.ids, group_parts(metas, groups), cache, entry.keep)
 
     def _run_and_capture(self, entry: _Bucket) -> torch.Tensor:
         logits = self._warm_up(entry)
@@ -314,89 +400,6 @@ class DecodeGraphs:
         return graph, logits
 
 
-@contextlib.contextmanager
-def collector_paused():
-    """Python's cyclic garbage collector off until the block ends. A capture must not see it run: objects it
-    frees may free CUDA graphs (a user's, another cache's), and destroying a graph while a stream captures is
-    an error that invalidates the capture. (Not a collection first: at a few hundred milliseconds a
-    collection would cost more than the capture.)"""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-# ----------------------------------------------------------------------------- failed captures
-def capture_key(model, experts: list, device: torch.device, substitute: str | None, size: int, length: int,
-                padded: bool = False) -> tuple:
-    """What decides whether a step of ``size`` rows x ``length`` tokens captures: the device, the weights'
-    dtype, the experts implementation the step runs, and the step's shape.
-
-    dtype and experts implementation pick the kernels (fp32 ``grouped_mm`` copies to the host, bf16 on
-    Hopper does not), and both can change on a live model (``model.to``, `set_experts_implementation`),
-    which gives capture another try. The shape is part of it because kernels are chosen by shape too
-    (a verify step runs other attention paths than a decode step): one shape failing must not cost
-    the graphs of shapes that capture. Each failing shape is paid once per model and process.
-    """
-    implementation = substitute or (experts[0][1]._experts_implementation if experts else None)
-    return (str(device), model.dtype, implementation, size, length, padded)
-
-
-def capture_failures(model) -> dict[tuple, str]:
-    """The steps that failed to capture on this model (`capture_key` -> the error), for every cache."""
-    return model.__dict__.setdefault("_graph_capture_failures", {})
-
-
-def remember_capture_failure(model, key: tuple, error: BaseException) -> None:
-    """Record a failed capture; warn at the model's first failure of this dtype and experts implementation
-    (other shapes failing the same way are recorded quietly)."""
-    failures = capture_failures(model)
-    first = not any(k[:3] == key[:3] for k in failures)
-    failures[key] = f"{type(error).__name__}: {error}"
-    if first:
-        where = "; ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
-                          for f in traceback.extract_tb(error.__traceback__)[-4:])
-        warnings.warn(
-            f"CUDA graph capture failed ({key[1]}, experts {key[2]}, {key[3]} rows x {key[4]} tokens): {error} "
-            f"(at {where}). Such steps of this model run eagerly from now on, on every cache, without "
-            "trying to capture again", stacklevel=5)
-
-
-# ----------------------------------------------------------------------------- experts in graph steps
-def experts_modules(model) -> list[tuple[torch.nn.Module, object]]:
-    """(experts module, the config whose ``_experts_implementation`` it reads) for each module built by
-    transformers' ``use_experts_implementation`` (its experts implementations apply)."""
-    return [(m, m.config) for m in model.modules()
-            if hasattr(m, "_is_expert_parallel") and hasattr(m, "is_concatenated") and hasattr(m, "config")]
-
-
-def experts_family(configs: list) -> tuple:
-    """The experts implementations these configs name: a recorded step's experts hold while this stays the same
-    (each chosen implementation runs as chosen, so another choice drops the recorded steps)."""
-    return tuple(sorted({str(c._experts_implementation) for c in configs}))
-
-
-@contextlib.contextmanager
-def experts_running(experts: list, implementation: str | None):
-    """Run the experts with ``implementation`` (None: unchanged) inside the block, then restore each
-    config's own (on the internal attribute, as transformers' `set_experts_implementation` does)."""
-    if implementation is None:
-        yield
-        return
-    configs = list({id(config): config for _, config in experts}.values())
-    saved = [config._experts_implementation_internal for config in configs]
-    for config in configs:
-        config._experts_implementation_internal = implementation
-    try:
-        yield
-    finally:
-        for config, value in zip(configs, saved):
-            config._experts_implementation_internal = value
-
-
 def decode_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: bool,
                       logits_to_keep=0) -> DecodeGraphs | None:
     """The graphs to run this forward with, or None when it must run eagerly: a step `takes_graph_step` allows,
@@ -408,6 +411,12 @@ def decode_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: boo
     if device is None or device != input_ids.device:
         return None
     return graphs_of(model, cache, device)
+
+
+def recorded_steps(model, cache: QSAPagedCache) -> DecodeGraphs:
+    """The recorded steps of ``model`` on ``cache``, on the device `graphs_device` names (the serving loop's mixed
+    steps, which it plans only where that device exists)."""
+    return graphs_of(model, cache, graphs_device(model))
 
 
 def graphs_device(model) -> torch.device | None:
@@ -498,42 +507,6 @@ def graphs_of(model, cache: QSAPagedCache, device, record: bool = True) -> Decod
     return runner
 
 
-# Parameters or buffers registered anywhere since import (a replaced weight, an added adapter). Module
-# registrations are not counted: slicing an nn.ModuleList registers its modules anew on every forward.
-_registrations = [0]
-
-
-def _count_registration(*args) -> None:
-    _registrations[0] += 1
-
-
-for _register in (torch.nn.modules.module.register_module_parameter_registration_hook,
-                  torch.nn.modules.module.register_module_buffer_registration_hook):
-    _register(_count_registration)
-
-
-def _probe(model) -> tuple:
-    """The cheap per-step part of `model_fingerprint`: registrations anywhere, the first and last weight's
-    address, and the hooks of the model and of its blocks (members of a ModuleList: the decoder layers)."""
-    cached = model.__dict__.get("_graph_probe")
-    if cached is None:
-        params = list(model.parameters())
-        blocks = [model] + [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
-        hooks = [d for m in blocks for d in (m._forward_hooks, m._forward_pre_hooks)]  # (registering mutates them)
-        cached = model.__dict__["_graph_probe"] = (params[0], params[-1], hooks)
-    first, last, hooks = cached
-    return _registrations[0], first.data_ptr(), last.data_ptr(), sum(map(len, hooks))
-
-
-def model_fingerprint(model) -> tuple:
-    """Where every weight and buffer lives, and how many hooks the modules carry: a recorded graph reads
-    the first and bypasses the second, so it is valid only while both stay as they were at capture."""
-    modules = list(model.modules())
-    return (
-        tuple(t.data_ptr() for m in modules for t in (*m._parameters.values(), *m._buffers.values())
-              if t is not None),
-        tuple(len(m._forward_hooks) + len(m._forward_pre_hooks) + hasattr(m, "_hf_hook") for m in modules),
-    )
 
 
 def _single_cuda_device(model) -> torch.device | None:

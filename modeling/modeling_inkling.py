@@ -407,13 +407,17 @@ class InklingTextModel(InklingPagedPreTrainedModel):
         embeds = self.embed(input_ids)
         cache.check_model(self.config, embeds.dtype)
         with cache.grouped_step(groups, counts, embeds.device, group_ids(input_ids, groups)) as metas:
-            parts = group_parts(metas, groups)
-            hidden_states, residual, pending_conv = embeds, None, None
-            for layer in self.layers:
-                hidden_states, residual = layer.forward_grouped(hidden_states, parts, cache, residual, pending_conv)
-                pending_conv = layer.mlp_sconv
-            return per_group(cache, parts, lambda part, h, r: conv_add_norm(pending_conv, h, r, self.norm, cache,
-                                                                             part.meta)[1], hidden_states, residual)
+            return self.grouped_layers(embeds, group_parts(metas, groups), cache)
+
+    def grouped_layers(self, embeds: torch.Tensor, parts: list[GroupPart], cache: QSAPagedCache) -> torch.Tensor:
+        """Every layer and the final norm of a grouped step whose groups' metadata is built (``parts``): device work
+        only, so a CUDA graph can record it (`DecodeGraphs.mixed_step`)."""
+        hidden_states, residual, pending_conv = embeds, None, None
+        for layer in self.layers:
+            hidden_states, residual = layer.forward_grouped(hidden_states, parts, cache, residual, pending_conv)
+            pending_conv = layer.mlp_sconv
+        return per_group(cache, parts, lambda part, h, r: conv_add_norm(pending_conv, h, r, self.norm, cache,
+                                                                         part.meta)[1], hidden_states, residual)
 
 
 class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, PagedCacheGenerationMixin,
@@ -487,6 +491,12 @@ class InklingForCausalLM(InklingPagedPreTrainedModel, ContinuousBatchingMixin, P
     def grouped_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits of a grouped step's last hidden states (`hf_qsa_cache.grouped.grouped_logits`)."""
         return self._logits(hidden_states)
+
+    def _grouped_logits(self, input_ids, parts: list[GroupPart], cache: QSAPagedCache, keep: torch.Tensor):
+        """Logits at the token indices ``keep`` of a grouped step whose groups' metadata is built (what a recorded
+        mixed step runs: `DecodeGraphs.mixed_step`)."""
+        embeds = self.language_model.embed(input_ids)
+        return self._logits(self.language_model.grouped_layers(embeds, parts, cache)[0, keep])
 
     def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         config = self.language_model.config

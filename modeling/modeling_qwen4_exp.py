@@ -466,15 +466,19 @@ class Qwen4ExpTextModel(Qwen4ExpPreTrainedModel):
         embeds = self.embed_tokens(input_ids)
         cache.check_model(self.config, embeds.dtype)
         with cache.grouped_step(groups, counts, embeds.device, group_ids(input_ids, groups)) as metas:
-            parts = group_parts(metas, groups)
-            for part in parts:  # what every layer of a group reads, computed once
-                ple_ids = part.view(input_ids) if self.config.ple_layer_ids else None
-                part.extra.update(self.layer_inputs(part.view(embeds), ple_ids, None, part.meta, cache))
-            hidden_states = embeds.repeat(1, 1, self.config.hc_count)
-            residual = None
-            for layer in self.layers[: self.config.num_hidden_layers]:
-                hidden_states, residual = layer.forward_grouped(hidden_states, parts, cache, residual)
-            return gated_residual(self.hyper_connection_mixer, hidden_states, residual)[0]
+            return self.grouped_layers(input_ids, embeds, group_parts(metas, groups), cache)
+
+    def grouped_layers(self, input_ids, embeds, parts: list[GroupPart], cache: QSAPagedCache) -> torch.Tensor:
+        """Every layer and the final mixer of a grouped step whose groups' metadata is built (``parts``): device
+        work only, so a CUDA graph can record it (`DecodeGraphs.mixed_step`)."""
+        for part in parts:  # what every layer of a group reads, computed once
+            ple_ids = part.view(input_ids) if self.config.ple_layer_ids else None
+            part.extra.update(self.layer_inputs(part.view(embeds), ple_ids, None, part.meta, cache))
+        hidden_states = embeds.repeat(1, 1, self.config.hc_count)
+        residual = None
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states, residual = layer.forward_grouped(hidden_states, parts, cache, residual)
+        return gated_residual(self.hyper_connection_mixer, hidden_states, residual)[0]
 
 
 class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, ContinuousBatchingMixin, PagedCacheGenerationMixin, GenerationMixin):
@@ -544,6 +548,12 @@ class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, ContinuousBatchingMixin, Page
     def grouped_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits of a grouped step's last hidden states (`hf_qsa_cache.grouped.grouped_logits`)."""
         return self.lm_head(hidden_states)
+
+    def _grouped_logits(self, input_ids, parts: list[GroupPart], cache: QSAPagedCache, keep: torch.Tensor):
+        """Logits at the token indices ``keep`` of a grouped step whose groups' metadata is built (what a recorded
+        mixed step runs: `DecodeGraphs.mixed_step`)."""
+        embeds = self.language_model.embed_tokens(input_ids)
+        return self.grouped_head(self.language_model.grouped_layers(input_ids, embeds, parts, cache)[0, keep])
 
     _decode_uses_position_ids = True  # the CUDA-graph decode step keeps a position buffer
     step_positions = staticmethod(step_position_ids)  # what it writes there from a caller's position_ids

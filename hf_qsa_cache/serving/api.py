@@ -23,7 +23,7 @@ class ContinuousBatchingMixin:
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
                                  workload_hints=None, **options) -> ContinuousBatchingManager:
         """transformers' signature, plus the manager's own options (`ContinuousBatchingManager`: the cache's
-        ``kv_cache_dtype`` / ``index_cache_dtype`` for fp8 caches, ``grouped_steps``,
+        ``kv_cache_dtype`` / ``index_cache_dtype`` for fp8 caches, ``grouped_steps``, ``mixed_steps``,
         ``prefix_snapshot_gap``)."""
         cached = getattr(self, "_cached_continuous_batching_manager", None)
         if isinstance(cached, ContinuousBatchingManager):
@@ -68,12 +68,12 @@ class ContinuousBatchingMixin:
         config = generation_config if generation_config is not None else self.generation_config
         copies = config.num_return_sequences or 1
         max_new_tokens = kwargs.pop("max_new_tokens", None)
-        options = {k: kwargs.pop(k) for k in ("kv_cache_dtype", "index_cache_dtype", "grouped_steps",
+        options = {k: kwargs.pop(k) for k in ("kv_cache_dtype", "index_cache_dtype", "grouped_steps", "mixed_steps",
                                                 "prefix_snapshot_gap") if k in kwargs}
         if kwargs:
             raise TypeError(f"generate_batch got unexpected keyword arguments {sorted(kwargs)} (max_new_tokens, "
-                            f"kv_cache_dtype, index_cache_dtype, grouped_steps and prefix_snapshot_gap are the ones it "
-                            f"takes)")
+                            f"kv_cache_dtype, index_cache_dtype, grouped_steps, mixed_steps and prefix_snapshot_gap "
+                            f"are the ones it takes)")
         # The requests' arguments are checked before the manager sizes its cache from them.
         if max_new_tokens is None:
             max_new_tokens = check_max_new_tokens(config.max_new_tokens, "GenerationConfig.max_new_tokens")

@@ -63,18 +63,22 @@ class ContinuousBatchingManager:
     def __init__(self, model, generation_config: GenerationConfig | None = None,
                  continuous_batching_config: ContinuousBatchingConfig | None = None, workload_hints=None, *,
                  kv_cache_dtype: torch.dtype | None = None, index_cache_dtype: torch.dtype | None = None,
-                 grouped_steps: bool = False, prefix_snapshot_gap: int = SNAPSHOT_GAP_TOKENS):
+                 grouped_steps: bool = False, mixed_steps: bool = False,
+                 prefix_snapshot_gap: int = SNAPSHOT_GAP_TOKENS):
         """``kv_cache_dtype`` / ``index_cache_dtype``: the cache's fp8 switches (`QSAPagedCache`; None: the
         model's dtype), which transformers' `ContinuousBatchingConfig` has no field for. ``grouped_steps``: while
         requests prefill, the decoding rows ride in the same step as the prefill chunks (`hf_qsa_cache.grouped`: no
         pads, one step an iteration); False (the default): a prefill step of rows padded to one length, then a decode
         step, replayed from a CUDA graph. On an H100 the separate steps are the faster (docs/serving.md: a grouped
         step runs its groups' layers eagerly, one pass a group, and eager steps are bound by host work).
+        ``mixed_steps``: where the prefill step would replay a recorded short step and take every prefilling row, the
+        decoding rows' tokens ride in it, one recorded step (`ModelRunner.mixed`; on a GPU, without prompt lookup).
         ``prefix_snapshot_gap``: with prefix caching, a prompt's prefill stops at its last unit boundary to keep a
         snapshot there only if more than this many of its tokens come after the cached prefix its row starts from
         (`QSAPagedCache`'s; `Scheduler.plan_prefix_stop`)."""
         self.model = model
         self.grouped_steps = grouped_steps
+        self.mixed_steps = mixed_steps
         self._chunks: list[int] = []  # the next grouped step's prefill chunks (rows 0, 1, ...)
         self.generation_config = generation_config if generation_config is not None else model.generation_config
         config = continuous_batching_config if continuous_batching_config is not None else ContinuousBatchingConfig()
@@ -134,7 +138,8 @@ class ContinuousBatchingManager:
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "preemptions": 0, "failed_steps": 0, "most_rows": 0,
                       "host_faults": 0, "drafted_tokens": 0, "accepted_tokens": 0, "prefill_tokens": 0,
                       "pad_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0, "retried_requests": 0,
-                      "isolated_requests": 0, "grouped_steps": 0, "grouped_s": 0.0}
+                      "isolated_requests": 0, "grouped_steps": 0, "grouped_s": 0.0,
+                      "mixed_steps": 0, "mixed_s": 0.0}
         self.warmed_up = False
         self.workload_hints = workload_hints  # (the warm-up's longest row and its rows)
         self._warned_unbounded = False  # a request bounded only by its row's room was reported (once)
@@ -439,6 +444,14 @@ class ContinuousBatchingManager:
                 fed = [r for r, n in zip(runner.rows, growth) if n]  # (rows still prefilling without a chunk wait)
                 self._run(fed, lambda: runner.grouped(chunks, drafts), "grouped_s")
                 return
+        if self.mixed_steps and scheduler.prefilling() and self._make_room(self._mixed_growth):
+            chunks = self._chunks  # the prefill chunks and every decoding row's token, in one recorded step
+            self.stats["mixed_steps"] += 1
+            self.stats["prefill_tokens"] += sum(chunks)
+            self.stats["pad_tokens"] += len(chunks) * max(chunks) - sum(chunks)
+            self.stats["most_rows"] = max(self.stats["most_rows"], len(runner.rows))
+            self._run(runner.rows, lambda: runner.mixed(chunks), "mixed_s")
+            return
         first = scheduler.prefill_goes_first()
         for kind in ("prefill", "decode") if first else ("decode", "prefill"):
             if kind == "prefill":
@@ -473,6 +486,16 @@ class ContinuousBatchingManager:
         self._drafts = [self._lookup(r) for r in rest] if self.lookup_drafts else []
         drafts = self._drafts or [[]] * len(rest)
         return self._chunks + [0 if r.in_prefill else 1 + len(d) for r, d in zip(rest, drafts)]
+
+    def _mixed_growth(self) -> list[int]:
+        """A mixed step (`ModelRunner.mixed`) feeds the prefilling rows their chunks (`Scheduler.prefill_chunks`) and
+        every decoding row one token, where it replays a recorded step; None runs otherwise (nor with prompt
+        lookup's drafts): the iteration then takes separate steps."""
+        chunks = self.scheduler.prefill_chunks()
+        if self.lookup_drafts or not self.runner.replays_mixed(chunks):
+            return []
+        self._chunks = chunks
+        return chunks + [1] * (len(self.scheduler.rows) - len(chunks))
 
     def _count_drafts(self, drafts: list[list[int]]) -> None:
         self.stats["drafted_tokens"] += sum(map(len, drafts))

@@ -9,7 +9,7 @@ import torch
 
 from .. import cuda_graphs
 from ..cache import QSAPagedCache
-from ..cuda_graphs import decode_graphs_for
+from ..cuda_graphs import decode_graphs_for, recorded_steps
 from ..grouped import grouped_logits
 from ..ops import int_tensor
 from ..rollback import crop_rows
@@ -196,6 +196,31 @@ class ModelRunner:
         return (cuda_graphs.graphs_device(self.model) is not None and not self._feeds_embeddings(self.rows[:rows])
                 and cuda_graphs.takes_graph_shape(self.cache, rows, length, logits_to_keep=1))
 
+    def replays_mixed(self, chunks: list[int]) -> bool:
+        """Whether the first rows' prefill ``chunks`` and every other row's next token can be one recorded step
+        (`mixed`): the chunks' rows are every row still prefilling and would replay a short prefill step, at least
+        one row decodes, and the model runs grouped steps."""
+        rest = self.rows[len(chunks):]
+        return (bool(chunks) and bool(rest) and not any(r.in_prefill for r in rest)
+                and hasattr(self.model, "_grouped_logits") and self.replays_prefill(len(chunks), max(chunks)))
+
+    def mixed(self, chunks: list[int]) -> list[tuple[Request, int, float | None]]:
+        """One recorded step (`DecodeGraphs.mixed_step`; `replays_mixed` says when): rows ``[0, len(chunks))`` take
+        their next ``chunks[i]`` tokens (left-padded to the recorded length), every other row its last sampled
+        token. Returns the sampled (request, token, logprob) of the rows that have then fed everything they had."""
+        rows, k = self.rows, len(chunks)
+        length = cuda_graphs.short_prefill_length(self.cache, k, max(chunks))
+        ids = torch.zeros(k, length, dtype=torch.long)
+        for i, (request, n) in enumerate(zip(rows, chunks)):
+            ids[i, length - n:] = torch.tensor(request.next_tokens(n))
+        logits = self._forward_mixed(ids, chunks, int_tensor([r.next_token() for r in rows[k:]]))
+        counts = list(chunks) + [1] * (len(rows) - k)
+        for request, n in zip(rows, counts):
+            request.held += n
+        if self.cache.prefix is not None:
+            self._after_step(rows, counts)
+        return self._sample(rows, logits)
+
     def _feeds_embeddings(self, rows: list[Request]) -> bool:
         """Whether a row feeds prompt tokens whose embeddings its media encoding gives (the eager forward's inputs)."""
         return bool(self.encoded) and any(r in self.encoded and r.held < len(r.prompt) for r in rows)
@@ -349,6 +374,15 @@ class ModelRunner:
         logits = grouped_logits(self.model, self.cache, shape, counts, torch.tensor([ids], device=self.device),
                                 torch.tensor(keep, device=self.device))
         self._ran_eagerly()
+        return logits
+
+    def _forward_mixed(self, ids: torch.Tensor, chunks: list[int], decoding: torch.Tensor) -> torch.Tensor:
+        """The logits ``[rows, vocab]`` of a mixed step (`mixed`: the chunks' rows' ``ids``, the decoding rows'
+        tokens)."""
+        with self.cache.forward_scope():
+            logits = recorded_steps(self.model, self.cache).mixed_step(ids.to(self.device), chunks,
+                                                                        decoding.to(self.device))
+        self.graphs_checked = True
         return logits
 
     def _ran_eagerly(self) -> None:

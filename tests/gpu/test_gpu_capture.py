@@ -93,3 +93,39 @@ def test_short_prefill_steps_replay_graphs_and_equal_the_eager_forward(name, bf1
         net.use_cuda_graphs = True
     runner = graphed.graph_runners[net]
     assert list(runner.buckets) == [(2, 64, 2048, True)] and runner.replays == 2
+
+
+@pytest.mark.parametrize("name", ["inkling", "qwen4_exp"])
+@torch.no_grad()
+def test_mixed_steps_capture_in_the_serving_loop(name, bf16_default):
+    """Continuous batching with ``mixed_steps=True``: requests that arrive while others decode take mixed steps (a
+    short prefill chunk and every decoding row's token in one recorded step), which capture (none of them falls
+    back to running eagerly) and replay; every request gets its tokens."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    from hf_qsa_cache.cuda_graphs import recorded_steps
+
+    net, config = model(name)
+    gen = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=24)
+    cb = ContinuousBatchingConfig(page_size=64, max_requests_per_batch=8, max_batch_tokens=2048)
+    manager = net.init_continuous_batching(gen, cb, mixed_steps=True)
+    manager.start()
+    try:
+        first = [manager.add_request(torch.randint(2, 1000, (300,)).tolist(), max_new_tokens=40, streaming=i == 0)
+                 for i in range(3)]
+        manager.get_result(first[0], timeout=120)  # (its first token: the three decode)
+        later = [manager.add_request(torch.randint(2, 1000, (n,)).tolist()) for n in (100, 60, 200, 30)]
+        results = []
+        for request_id in first + later:
+            result = manager.get_result(request_id, timeout=120)
+            while result is not None and not result.is_finished():  # (the streamed one's progress)
+                result = manager.get_result(request_id, timeout=120)
+            results.append(result)
+    finally:
+        manager.stop(block=True)
+    assert [len(r.generated_tokens) for r in results] == [40] * 3 + [24] * 4
+    graphs = recorded_steps(net, manager.cache)
+    mixed = [entry for entry in graphs.buckets.values() if entry.prefill_rows]
+    assert manager.stats["mixed_steps"] > 0 and mixed, manager.stats
+    assert all(entry.graph is not None and not entry.eager for entry in mixed), \
+        [capture_failures(net).get(entry.key) for entry in mixed]

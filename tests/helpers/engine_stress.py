@@ -41,11 +41,12 @@ from hf_qsa_cache.serving import Sampling  # noqa: E402
 from hf_qsa_cache.serving.runner import ModelRunner  # noqa: E402
 from hf_qsa_cache.serving.scheduler import Scheduler  # noqa: E402
 
-# Where faults go: (owner, method). `_forward` and `_forward_grouped` are the model's steps; the others are the
-# loop's bookkeeping.
-MODEL_STEPS = ("_forward", "_forward_grouped")
+# Where faults go: (owner, method). `_forward`, `_forward_grouped` and `_forward_mixed` are the model's steps; the
+# others are the loop's bookkeeping.
+MODEL_STEPS = ("_forward", "_forward_grouped", "_forward_mixed")
 PENALTY = 1.8  # a penalized request's repetition penalty (strong enough to change greedy tokens)
-FAULT_SITES = [(ModelRunner, "_forward"), (ModelRunner, "_forward_grouped"), (QSAPagedCache, "move_rows"),
+FAULT_SITES = [(ModelRunner, "_forward"), (ModelRunner, "_forward_grouped"), (ModelRunner, "_forward_mixed"),
+               (QSAPagedCache, "move_rows"),
                (Scheduler, "admit"), (Scheduler, "order"), (ModelRunner, "why_not_fits")]
 
 
@@ -94,7 +95,8 @@ class Faults:
 class EngineStress:
     def __init__(self, family: str, seed: int, rows: int = 3, budget: int = 7, blocks: int = 24,
                  fault_every: tuple[int, int] = (20, 120), shared: bool = False, lookup: int = 0,
-                 grouped_steps: bool = False, graph_path: bool = False, snapshot_gap: int = 0):
+                 grouped_steps: bool = False, graph_path: bool = False, snapshot_gap: int = 0,
+                 mixed_steps: bool = False):
         self.family, self.seed = family, seed
         # Prefix caching's `prefix_snapshot_gap`: 0 stops every prompt's prefill at its snapshot point (these prompts
         # are far shorter than the default's 256 tokens, which would stop none).
@@ -103,6 +105,7 @@ class EngineStress:
         self.graph_steps: list[int] = []  # the lengths of those steps
         self.shared = shared
         self.grouped_steps = grouped_steps  # the loop's schedule (`ContinuousBatchingManager`)
+        self.mixed_steps = mixed_steps  # (they run on the graphs' path only: with graph_path)
         self.lookup = lookup  # prompt lookup's drafts per decode step (verified inside the loop), 0: none
         self.bases = random_prompts([18, 25, 12], vocab=90, seed=seed + 7)  # common prefixes (shared=True)
         self.ref, self.ours = family_pair(family)
@@ -123,7 +126,7 @@ class EngineStress:
             routing = steps_routed_as_on_a_gpu() if self.graph_path else contextlib.nullcontext([])
             with routing as self.graph_steps, self.ours.continuous_batching_context_manager(
                     gen, continuous_batching_config=self.config, grouped_steps=self.grouped_steps,
-                    prefix_snapshot_gap=self.snapshot_gap) as manager:
+                    mixed_steps=self.mixed_steps, prefix_snapshot_gap=self.snapshot_gap) as manager:
                 for op in range(ops):
                     kind = rng.random()
                     if kind < 0.6:
@@ -206,13 +209,15 @@ def main() -> None:
     parser.add_argument("--lookup", type=int, default=0, help="prompt lookup drafts per decode step")
     parser.add_argument("--grouped-steps", action="store_true", help="the loop runs grouped steps")
     parser.add_argument("--snapshot-gap", type=int, default=0, help="prefix caching's prefix_snapshot_gap")
+    parser.add_argument("--mixed-steps", action="store_true", help="the loop runs mixed steps (with --graph-path)")
     parser.add_argument("--graph-path", action="store_true",
                         help="steps a GPU replays from a CUDA graph take that path (from its static buffers)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.time()
     stress = EngineStress(args.family, args.seed, shared=args.shared, lookup=args.lookup,
-                          grouped_steps=args.grouped_steps, graph_path=args.graph_path, snapshot_gap=args.snapshot_gap)
+                          grouped_steps=args.grouped_steps, graph_path=args.graph_path, snapshot_gap=args.snapshot_gap,
+                          mixed_steps=args.mixed_steps)
     stress.run(args.ops, timeout=3600)
     print(f"{args.family} seed {args.seed}: {args.ops} operations, {len(stress.submitted)} requests, "
           f"{stress.counts}, faults fired {stress.faults.fired}, {stress.manager.stats}, {time.time() - start:.0f} s")

@@ -74,7 +74,7 @@ def steps_routed_as_on_a_gpu():
     (`cuda_graphs.takes_graph_step`: decode, verify and short prefill steps) on that path, from its static buffers
     (`DecodeGraphs(record=False)`), as a GPU replays it, and the serving scheduler plans for those replays
     (`cuda_graphs.graphs_device`); the CPU otherwise never takes it. Yields the lengths of the steps so routed (a
-    list that grows)."""
+    list that grows; a mixed step of the serving loop, `ModelRunner.mixed`, as ``("mixed", rows)``)."""
     import modeling.modeling_inkling as inkling_module
     import modeling.modeling_qwen4_exp as qwen_module
 
@@ -88,8 +88,13 @@ def steps_routed_as_on_a_gpu():
         lengths.append(input_ids.shape[1])
         return cuda_graphs.graphs_of(model, cache, "cpu", record=False)
 
+    def recorded_on_the_cpu(model, cache):  # (the serving loop's mixed steps)
+        lengths.append(("mixed", cache.num_rows))
+        return cuda_graphs.graphs_of(model, cache, "cpu", record=False)
+
     with mock.patch.object(qwen_module, "decode_graphs_for", as_on_a_gpu), \
             mock.patch.object(inkling_module, "decode_graphs_for", as_on_a_gpu), \
             mock.patch.object(runner_module, "decode_graphs_for", as_on_a_gpu), \
+            mock.patch.object(runner_module, "recorded_steps", recorded_on_the_cpu), \
             mock.patch.object(cuda_graphs, "graphs_device", lambda model: torch.device("cpu")):
         yield lengths

@@ -528,27 +528,31 @@ def test_random_arrivals_cancels_and_faults_match_the_reference(family_name, see
     assert sum(stress.faults.fired.values()) >= 3, stress.faults.fired
 
 
-@pytest.mark.parametrize("family_name, seed, lookup, grouped_steps, graph_path, gap",
-                         [("qwen4_exp", 2, 2, True, False, 0), ("inkling", 3, 0, False, False, 0),
-                          ("qwen4_exp", 4, 2, False, True, 0), ("inkling", 5, 0, False, True, 8)],
+@pytest.mark.parametrize("family_name, seed, lookup, grouped_steps, graph_path, gap, mixed",
+                         [("qwen4_exp", 2, 2, True, False, 0, False), ("inkling", 3, 0, False, False, 0, False),
+                          ("qwen4_exp", 4, 2, False, True, 0, False), ("inkling", 5, 0, False, True, 8, False),
+                          ("qwen4_exp", 6, 0, False, True, 0, True)],
                          ids=["qwen4_exp-prompt-lookup-grouped-steps", "inkling", "qwen4_exp-prompt-lookup-graph-path",
-                              "inkling-graph-path-gap8"])
+                              "inkling-graph-path-gap8", "qwen4_exp-graph-path-mixed-steps"])
 def test_shared_prefixes_under_faults_match_the_reference(family_name, seed, lookup, grouped_steps, graph_path,
-                                                           gap):
+                                                           gap, mixed):
     """The engine stress test with prompts that share prefixes (and continue earlier answers): rows start from
     cached prefixes, cached blocks are taken back for new work, faults fire in steps and bookkeeping. Qwen4Exp's
     with prompt lookup's drafts in grouped steps: rows restored from a prefix wait beside rows that crop; and with
     its decode and verify steps on the CUDA graphs' path, as a GPU runs them. ``gap``: prefix caching's
     `prefix_snapshot_gap` (0: every prefill stops at its snapshot point; 8: only those with more than 8 tokens to
-    feed after their restore)."""
+    feed after their restore); ``mixed``: the loop's mixed steps (prefill chunks and decoding rows in one recorded
+    step), faults inside them too."""
     from helpers.engine_stress import EngineStress
 
     stress = EngineStress(family_name, seed, shared=True, lookup=lookup, grouped_steps=grouped_steps,
-                          graph_path=graph_path, snapshot_gap=gap)
+                          graph_path=graph_path, snapshot_gap=gap, mixed_steps=mixed)
     stress.run(ops=60)
     assert stress.counts["finished"] > 10, stress.counts
     assert (stress.manager.stats["drafted_tokens"] > 0) == bool(lookup), stress.manager.stats
-    assert (max(stress.graph_steps, default=0) > 1) == graph_path, stress.graph_steps  # verify steps took it
+    assert (stress.manager.stats["mixed_steps"] > 0) == mixed, stress.manager.stats
+    steps = [n for n in stress.graph_steps if not isinstance(n, tuple)]
+    assert (max(steps, default=0) > 1) == graph_path, stress.graph_steps  # verify or prefill steps took it
     assert stress.faults.fired, stress.faults.fired
     stats = stress.prefix_stats
     assert stats["hit_tokens"] > 0 and stats["evictions"] > 0, stats
