@@ -30,7 +30,6 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from ..cache import QSAPagedCache
 from ..prefix_cache import SNAPSHOT_GAP_TOKENS
-from ..prompt_lookup import lookup_drafts
 from .delivery import Delivery
 from .requests import Request, check_eos, check_max_new_tokens, check_media, check_options, check_prompt, copy_ids
 from .runner import ModelRunner
@@ -483,7 +482,7 @@ class ContinuousBatchingManager:
         if not self._chunks:
             return []
         rest = self.scheduler.rows[len(self._chunks):]
-        self._drafts = [self._lookup(r) for r in rest] if self.lookup_drafts else []
+        self._drafts = [r.drafts(self.lookup_drafts, self.lookup_ngram) for r in rest] if self.lookup_drafts else []
         drafts = self._drafts or [[]] * len(rest)
         return self._chunks + [0 if r.in_prefill else 1 + len(d) for r, d in zip(rest, drafts)]
 
@@ -508,17 +507,8 @@ class ContinuousBatchingManager:
         rows = self.scheduler.rows
         if len(rows) <= self.scheduler.prefilling():
             return []
-        self._drafts = [self._lookup(r) for r in rows] if self.lookup_drafts else []
+        self._drafts = [r.drafts(self.lookup_drafts, self.lookup_ngram) for r in rows] if self.lookup_drafts else []
         return [1 + len(d) for d in self._drafts] if self._drafts else [1] * len(rows)
-
-    def _lookup(self, request: Request) -> list[int]:
-        """Prompt lookup's drafts for ``request``'s next tokens (`prompt_lookup.lookup_drafts`, transformers'
-        search): none for a prefilling or non-greedy request, never past its last token."""
-        room = request.max_new_tokens - len(request.generated) - 1
-        if request.in_prefill or not request.sampling.plain_greedy or room < 1:
-            return []
-        return lookup_drafts(request.token_array(), min(self.lookup_drafts, room), self.lookup_ngram,
-                             len(request.prompt) + request.max_new_tokens, request.eos_array()).tolist()
 
     def _fits_first_step(self, request: Request, admitted: list[Request]) -> bool:
         """Whether the pools hold the running rows' next token each, plus the first step of ``request`` and of

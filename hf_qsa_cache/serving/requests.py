@@ -11,6 +11,7 @@ import numpy as np
 
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
+from ..prompt_lookup import lookup_drafts
 from .sampling import Sampling
 
 
@@ -175,6 +176,15 @@ class Request:
         if self._eos is None:
             self._eos = np.asarray(sorted(self.eos_token_ids), dtype=np.int64)
         return self._eos
+
+    def drafts(self, most: int, ngram: int) -> list[int]:
+        """Prompt lookup's drafts for its next tokens, at most ``most`` (`prompt_lookup.lookup_drafts`, transformers'
+        search): none while it prefills or samples, never past its last token."""
+        room = self.max_new_tokens - len(self.generated) - 1
+        if self.in_prefill or not self.sampling.plain_greedy or room < 1:
+            return []
+        return lookup_drafts(self.token_array(), min(most, room), ngram, len(self.prompt) + self.max_new_tokens,
+                             self.eos_array()).tolist()
 
     def token_array(self):
         """Its prompt and generated tokens as an int64 numpy array (prompt lookup searches it every decode

@@ -20,6 +20,7 @@ from helpers.serving import FAMILIES, alone, family_pair, greedy, pools_full, st
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.requests import RequestStatus
 
+from hf_qsa_cache.serving.requests import Request
 from hf_qsa_cache.serving.runner import ModelRunner
 from hf_qsa_cache.serving.scheduler import Scheduler
 
@@ -645,7 +646,6 @@ def test_verified_drafts_carry_the_log_probabilities_of_plain_decoding(family, m
     """With ``return_logprobs``, the tokens a verify step keeps (the drafts its logits agree with, then its own
     token) carry the log-probabilities plain greedy decoding gives them, one a token. Drafts from an oracle (the
     plain run's own tokens; every other request's second draft made wrong)."""
-    from hf_qsa_cache.serving import ContinuousBatchingManager
 
     name, ref, ours = family
     prompts = random_prompts([14, 9, 21, 6], vocab=90, seed=53)
@@ -654,7 +654,7 @@ def test_verified_drafts_carry_the_log_probabilities_of_plain_decoding(family, m
     plain, _, _ = _run_all(ours, prompts, [10] * len(prompts), config, greedy(10))
     truth = {tuple(p): (i, r.generated_tokens) for i, (p, r) in enumerate(zip(prompts, plain))}
 
-    def oracle(self, request):
+    def oracle(request, most, ngram):  # (as `Request.drafts`)
         room = request.max_new_tokens - len(request.generated) - 1
         if request.in_prefill or room < 1:
             return []
@@ -664,7 +664,7 @@ def test_verified_drafts_carry_the_log_probabilities_of_plain_decoding(family, m
             drafts[1] = (drafts[1] + 1) % 90
         return drafts
 
-    monkeypatch.setattr(ContinuousBatchingManager, "_lookup", oracle)
+    monkeypatch.setattr(Request, "drafts", oracle)
     drafted, stats, _ = _run_all(ours, prompts, [10] * len(prompts), config, _lookup_config(10))
     assert stats["accepted_tokens"] > 0 and stats["drafted_tokens"] > stats["accepted_tokens"]
     for with_drafts, without in zip(drafted, plain):
@@ -696,7 +696,7 @@ def test_verified_drafts_keep_exactly_the_right_ones(family, monkeypatch, wrong_
     sample, rows still prefilling and a request whose eos falls inside its drafts ride along, in decode steps and
     in grouped steps beside prefill chunks (grouped steps with the first and third oracle, prefill and decode
     steps with the others); every request equals its reference alone."""
-    from hf_qsa_cache.serving import ContinuousBatchingManager, Sampling
+    from hf_qsa_cache.serving import Sampling
 
     name, ref, ours = family
     prompts = random_prompts([14, 9, 21, 6, 30], vocab=90, seed=53)
@@ -705,7 +705,7 @@ def test_verified_drafts_keep_exactly_the_right_ones(family, monkeypatch, wrong_
     eos_prompt = prompts[1]
     eos = truth[tuple(eos_prompt)][4]  # its fifth token ends it (inside a run of drafts)
 
-    def oracle(self, request):
+    def oracle(request, most, ngram):  # (as `Request.drafts`)
         room = request.max_new_tokens - len(request.generated) - 1
         if request.in_prefill or not request.sampling.plain_greedy or room < 1:
             return []
@@ -725,7 +725,7 @@ def test_verified_drafts_keep_exactly_the_right_ones(family, monkeypatch, wrong_
         return grouped(self, chunks, drafts)
 
     monkeypatch.setattr(ModelRunner, "grouped", spy)
-    monkeypatch.setattr(ContinuousBatchingManager, "_lookup", oracle)
+    monkeypatch.setattr(Request, "drafts", oracle)
     config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=8, max_requests_per_batch=4, seed=3)
     grouped_steps = wrong_at in (None, 1)
     with ours.continuous_batching_context_manager(_lookup_config(new), continuous_batching_config=config,
