@@ -81,9 +81,9 @@ def progress(message: str) -> None:
     print(f"[bench_serving] {message}", file=sys.stderr, flush=True)
 
 
-def serving_manager(model, prompts, outputs, args, grouped: bool = False):
+def serving_manager(model, prompts, outputs, args, grouped: bool = False, mixed: bool = False):
     """One manager for the warm-up and the measured run: CUDA graphs live on its cache. ``grouped``: its grouped
-    steps (decoding rows beside prefill chunks, no pads) on or off."""
+    steps (decoding rows beside prefill chunks, no pads) on or off; ``mixed``: its mixed steps."""
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     config = ContinuousBatchingConfig(page_size=args.page_size, max_requests_per_batch=args.rows,
@@ -92,7 +92,7 @@ def serving_manager(model, prompts, outputs, args, grouped: bool = False):
     gen_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(outputs))
     hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=max(outputs),
                           num_requests=len(prompts))
-    return model.init_continuous_batching(gen_config, config, hints, grouped_steps=grouped)
+    return model.init_continuous_batching(gen_config, config, hints, grouped_steps=grouped, mixed_steps=mixed)
 
 
 @contextlib.contextmanager

@@ -105,6 +105,14 @@ def idle_graphs_for(model, cache, input_ids, inputs_embeds, extra_outputs: bool,
     return runner
 
 
+def idle_recorded_steps(model, cache):
+    """`cuda_graphs.recorded_steps` (the serving loop's mixed steps) as on a GPU, with `IdleGraphs`."""
+    runner = cache.graph_runners.get(model)
+    if runner is None:
+        runner = cache.graph_runners[model] = IdleGraphs(model, cache, "cpu", record=True)
+    return runner
+
+
 def stubbed_model(args):
     from modeling import InklingForCausalLM, Qwen4ExpForCausalLM
 
@@ -132,6 +140,7 @@ def stubbed_model(args):
 
         inkling_module.decode_graphs_for = qwen_module.decode_graphs_for = idle_graphs_for
         runner_module.decode_graphs_for = idle_graphs_for
+        runner_module.recorded_steps = idle_recorded_steps
         cuda_graphs.graphs_device = lambda model: torch.device("cpu")  # (the scheduler plans for those replays too)
     return model
 
@@ -143,7 +152,8 @@ def workload(args, vocab: int):
 
 
 def make_manager(model, prompts, outputs, args):
-    manager = bench_serving.serving_manager(model, prompts, outputs, args, args.grouped_steps == "on")
+    manager = bench_serving.serving_manager(model, prompts, outputs, args, args.grouped_steps == "on",
+                                            args.mixed_steps)
     for layer in manager.cache.layers:  # the layers never run: allocate their state as their first step would
         for store in layer.stores.values():
             if not store.allocated:
@@ -157,7 +167,7 @@ class Timings:
     def __init__(self, manager):
         # (seconds, ran a prefill or grouped step, ran a decode step)
         self.iterations: list[tuple[float, bool, bool]] = []
-        self.steps = {"prefill": [], "decode": [], "grouped": [], "restore": []}
+        self.steps = {"prefill": [], "decode": [], "grouped": [], "mixed": [], "restore": []}
         iteration, runner = manager._iteration, manager.runner
 
         def timed_iteration():
@@ -165,7 +175,8 @@ class Timings:
             start = time.perf_counter()
             iteration()
             took = time.perf_counter() - start
-            prefill = sum(manager.stats[k] - before[k] for k in ("prefill_steps", "grouped_steps")) > 0
+            prefill = sum(manager.stats[k] - before[k] for k in ("prefill_steps", "grouped_steps", "mixed_steps"))
+            prefill = prefill > 0
             self.iterations.append((took, prefill, manager.stats["decode_steps"] > before["decode_steps"]))
 
         def timed(kind, step):
@@ -192,6 +203,7 @@ class Timings:
         runner.prefill = timed("prefill", counted(runner.prefill))
         runner.decode = timed("decode", runner.decode)
         runner.grouped = timed("grouped", runner.grouped)
+        runner.mixed = timed("mixed", runner.mixed)
         runner._restore = timed("restore", runner._restore)  # (a new row's prefix lookup, prefix caching on)
 
 
@@ -254,6 +266,9 @@ def main():
     parser.add_argument("--graph-steps", action="store_true",
                         help="steps a GPU replays from CUDA graphs take the recorded step's host path, their replay "
                              "launching nothing (else every step runs the eager forward's host path)")
+    parser.add_argument("--mixed-steps", action="store_true",
+                        help="the engine's mixed steps (with --graph-steps: a short prefill chunk beside the decoding "
+                             "rows in one recorded step)")
     parser.add_argument("--stream", action="store_true",
                         help="stream every request to the HTTP engine process's result handler")
     parser.add_argument("--short-prefill-tokens", type=int, default=None,
@@ -292,6 +307,7 @@ def main():
     print("eager prefill steps by rows x length: " + ", ".join(
         [f"<= {b}: {n}" for b, n in zip(bounds, sizes)] + [f"more: {sizes[-1]}"]))
     print(f"grouped step          : {us(timings.steps['grouped'])}")
+    print(f"mixed step            : {us(timings.steps['mixed'])}")
     print(f"new row's prefix restore: {us(timings.steps['restore'])} (queued: {args.requests} at once)")
     if args.no_profile:
         return
