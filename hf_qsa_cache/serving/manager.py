@@ -76,6 +76,9 @@ class ContinuousBatchingManager:
         snapshot there only if more than this many of its tokens come after the cached prefix its row starts from
         (`QSAPagedCache`'s; `Scheduler.plan_prefix_stop`)."""
         self.model = model
+        for name, value in (("grouped_steps", grouped_steps), ("mixed_steps", mixed_steps)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
         self.grouped_steps = grouped_steps
         self.mixed_steps = mixed_steps
         self._chunks: list[int] = []  # the next grouped step's prefill chunks (rows 0, 1, ...)

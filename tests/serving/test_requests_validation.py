@@ -42,6 +42,13 @@ def test_a_bad_prefix_snapshot_gap_is_refused_by_name(model, value):
         model.init_continuous_batching(_greedy(), ContinuousBatchingConfig(**CB), prefix_snapshot_gap=value)
 
 
+@pytest.mark.parametrize("name", ["grouped_steps", "mixed_steps"])
+@pytest.mark.parametrize("value", ["no", 1, None], ids=["string", "int", "none"])
+def test_a_step_option_that_is_not_a_bool_is_refused_by_name(model, name, value):
+    with pytest.raises(ValueError, match=rf"^{name} must be True or False, got {value!r}$"):
+        model.init_continuous_batching(_greedy(), ContinuousBatchingConfig(**CB), **{name: value})
+
+
 def test_generate_batch_names_a_bad_generation_config_value(model):
     config = _greedy(max_new_tokens=4)
     config.max_new_tokens = -2  # GenerationConfig checks its values when built, not when set
