@@ -1,4 +1,4 @@
-"""Decode, verify and short prefill steps replayed from captured CUDA graphs.
+"""Decode, verify, short prefill and mixed steps replayed from captured CUDA graphs.
 
 A decode step of a small batch is launch-bound: hundreds of small kernels per layer, a few
 microseconds of GPU work each. `DecodeGraphs` captures the whole step (metadata kernel, every
@@ -10,7 +10,8 @@ once its length is rounded up to a power of two) is bound by host work the same 
 layers of Qwen4Exp on an H100: about 125 ms at 1 x 256, 186 ms at 1 x 2048, nearly all host work, against
 milliseconds of GPU work); its tokens are left-padded to the rounded length and it replays that length's
 graph. Continuous batching sends many: a prompt's last tokens after its prefix-caching snapshot point, a
-short prompt admitted while the others decode (its first step too).
+short prompt admitted while the others decode (its first step too). A mixed step (`DecodeGraphs.mixed_step`) is
+such a short prefill step with every other row's decode token beside it: a grouped step of two groups.
 Everything the step reads lives in static device buffers updated in place before a replay:
 
 * ``ids`` ``[bucket, L]``, ``lengths`` ``[2, bucket]`` (each row's length before the step, and its
