@@ -189,12 +189,7 @@ class DecodeGraphs:
             # (steps without pads skip that work).
             padded = length > 1 and any(c < length for c in counts)
             shape = (size, length, self.reach_bucket(max(p + c for p, c in zip(prev, counts))), padded)
-            entry = self.buckets.get(shape)
-            if entry is not None and entry.table_ptrs != ptrs:
-                self.buckets.clear()
-                entry = None
-            if entry is None:
-                entry = self.buckets[shape] = self._new_bucket(*shape, ptrs)
+            entry = self._bucket_for(shape, ptrs, lambda: self._new_bucket(*shape, ptrs))
             self._fill(entry, prev, counts, input_ids, position_ids)
             columns = slice(None) if keeps_last_column(length) else slice(length - taken, None)
             return self._run(entry, step)[:rows, columns].clone()
@@ -223,13 +218,8 @@ class DecodeGraphs:
             padded = any(c < length for c in counts[:prefill_rows])
             shape = ("mixed", prefill_rows, length, size, self.reach_bucket(max(p + c for p, c in zip(prev, counts))),
                      padded)
-            entry = self.buckets.get(shape)
-            if entry is not None and entry.table_ptrs != ptrs:
-                self.buckets.clear()
-                entry = None
-            if entry is None:
-                entry = self.buckets[shape] = self._new_mixed_bucket(prefill_rows, length, size, shape[4], padded,
-                                                                     ptrs)
+            entry = self._bucket_for(shape, ptrs, lambda: self._new_mixed_bucket(prefill_rows, length, size, shape[4],
+                                                                                  padded, ptrs))
             lengths = np.zeros((2, size), dtype=np.int32)  # padding rows: no real token, nothing written
             lengths[0, :rows], lengths[1, :rows] = prev, counts
             entry.lengths.copy_(torch.from_numpy(lengths), non_blocking=True)
@@ -237,6 +227,17 @@ class DecodeGraphs:
             entry.ids[0, :split].copy_(prefill_ids.reshape(-1))
             entry.ids[0, split:split + decoding].copy_(decode_ids)
             return self._run(entry, step)[:rows].clone()
+
+    def _bucket_for(self, shape: tuple, ptrs: dict[str, int], new) -> _Bucket:
+        """The step of ``shape`` (``new()`` makes it the first time); a device table that moved (another device)
+        invalidates every graph recorded against its old address."""
+        entry = self.buckets.get(shape)
+        if entry is not None and entry.table_ptrs != ptrs:
+            self.buckets.clear()
+            entry = None
+        if entry is None:
+            entry = self.buckets[shape] = new()
+        return entry
 
     def _run(self, entry: _Bucket, step) -> torch.Tensor:
         """The filled step ``entry``: its graph replayed, else run on the recorded path (and recorded), else eagerly

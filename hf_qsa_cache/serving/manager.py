@@ -65,16 +65,11 @@ class ContinuousBatchingManager:
                  grouped_steps: bool = False, mixed_steps: bool = False,
                  prefix_snapshot_gap: int = SNAPSHOT_GAP_TOKENS):
         """``kv_cache_dtype`` / ``index_cache_dtype``: the cache's fp8 switches (`QSAPagedCache`; None: the
-        model's dtype), which transformers' `ContinuousBatchingConfig` has no field for. ``grouped_steps``: while
-        requests prefill, the decoding rows ride in the same step as the prefill chunks (`hf_qsa_cache.grouped`: no
-        pads, one step an iteration); False (the default): a prefill step of rows padded to one length, then a decode
-        step, replayed from a CUDA graph. On an H100 the separate steps are the faster (docs/serving.md: a grouped
-        step runs its groups' layers eagerly, one pass a group, and eager steps are bound by host work).
-        ``mixed_steps``: where the prefill step would replay a recorded short step and take every prefilling row, the
-        decoding rows' tokens ride in it, one recorded step (`ModelRunner.mixed`; on a GPU, without prompt lookup).
-        ``prefix_snapshot_gap``: with prefix caching, a prompt's prefill stops at its last unit boundary to keep a
-        snapshot there only if more than this many of its tokens come after the cached prefix its row starts from
-        (`QSAPagedCache`'s; `Scheduler.plan_prefix_stop`)."""
+        model's dtype), which transformers' `ContinuousBatchingConfig` has no field for. ``grouped_steps``: every
+        iteration with prefilling rows one eager step of their chunks and the decoding rows' tokens
+        (`hf_qsa_cache.grouped`); ``mixed_steps``: that step only where it replays a recorded graph
+        (`ModelRunner.mixed`); both off by default: a prefill step, then a decode step (docs/serving.md says why).
+        ``prefix_snapshot_gap``: `QSAPagedCache`'s (`Scheduler.plan_prefix_stop`)."""
         self.model = model
         for name, value in (("grouped_steps", grouped_steps), ("mixed_steps", mixed_steps)):
             if not isinstance(value, bool):
@@ -435,6 +430,12 @@ class ContinuousBatchingManager:
         if runner.retry_restores():  # rows that have fed nothing start from what was cached meanwhile
             scheduler.order()
             runner.place(scheduler.rows)
+        self._steps()
+
+    def _steps(self) -> None:
+        """The iteration's steps over the placed rows: one grouped or mixed step where the options allow it, else a
+        prefill step (and its short rest) and a decode step, in the order `Scheduler.prefill_goes_first` says."""
+        scheduler, runner = self.scheduler, self.runner
         if self.grouped_steps and scheduler.prefilling() and runner.can_group():
             growth = self._make_room(self._grouped_growth)
             if growth:  # the prefill chunks and every other row's token (and drafts), in one step without pads
